@@ -1,0 +1,180 @@
+"""User-facing configuration: what to mask, how to learn it, and the schedules.
+
+`PatchConfig` is a frozen dataclass validated on construction, so a bad value fails where it is
+written, with a message that says what to do instead.
+
+Example:
+    >>> cfg = PatchConfig(tile=(16, 16), sparsity=0.35, variant="joint", steps=300)
+    >>> cfg.density
+    0.65
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass
+
+VARIANTS = ("joint", "tile", "nm")
+PRIORS = ("random", "magnitude", "wanda", "sparsegpt")
+DENSITY_MODES = ("expected", "sampled")
+SCOPES = ("global", "block")
+EVAL_MASKS = ("hard", "soft")
+
+# Weights never masked by default. Embeddings are not matmuls, but a tied LM head reads the
+# embedding table through a linear, and the LM head / classifier decides every output logit,
+# which one-shot and learned 2:4 methods alike leave dense (the paper masks only the
+# transformer blocks' projections).
+DEFAULT_EXCLUDE: tuple[str, ...] = (
+    "*embed*",
+    "*lm_head*",
+    "*wte*",
+    "*wpe*",
+    "output.weight",
+    "*classifier*",
+)
+
+
+def _check_pair(name: str, value: tuple, positive: bool = True) -> None:
+    if not (isinstance(value, tuple) and len(value) == 2):
+        raise ValueError(f"PatchConfig.{name} must be a pair (start, end), got {value!r}")
+    if positive and not all(float(v) > 0 for v in value):
+        raise ValueError(f"PatchConfig.{name} values must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PatchConfig:
+    """How to learn a hybrid dense / 2:4 tile mask.
+
+    Args:
+        tile: (b1, b2) tile of the weight (rows along out_features, columns along in_features);
+            both multiples of 4. Shapes the tile does not divide get a padded grid: edge tiles
+            are partial and count by their real elements.
+        sparsity: global target sparsity in [0, 0.5] (density rho = 1 - sparsity). "nm" needs 0.5.
+        variant: "joint" (tile and 2:4 logits train), "tile" (2:4 logits frozen at the prior's
+            pattern; only tile logits train), "nm" (MaskLLM: every tile 2:4).
+        prior: "random" (N(0, init_std)), or a one-shot method whose masks shift the initial logits.
+        prior_strength: prior shift in units of init_std.
+        steps: T, the number of optimizer steps the linear schedules run over.
+        tau: temperature (start, end); kappa_tile / kappa_nm: logit scale (start, end).
+        lambda_density: lambda1 of the density term |density - rho|.
+        lambda_norm: lambda2 of the kept-weight-magnitude term, decayed linearly to 0 over T.
+        density_mode: "expected" (default: the density the hard sample has in expectation,
+            0.5 + 0.5 * sigmoid(kappa * P_tile) per element; smooth, noise-free) or "sampled"
+            (sum of the sampled soft mask, as the paper's code).
+        scope: "global" (one parameter-weighted density over all masked layers, the paper's
+            default) or "block" (one term per transformer block; an ablation that does worse).
+        hard: straight-through hard samples in training (forward hard, backward soft).
+        eval_mask: mask used in eval mode: "hard" (exactly what `harden` produces) or "soft"
+            (noise-free softmax at the current tau / kappa).
+        include / exclude: fnmatch globs over weight FQNs; exclude wins.
+        min_features: skip weights with fewer rows or columns than this.
+        seed: seeds the logit init and the Gumbel noise stream.
+    """
+
+    tile: tuple[int, int] = (128, 128)
+    sparsity: float = 0.35
+    variant: str = "joint"
+    prior: str = "random"
+    prior_strength: float = 3.0
+    steps: int = 2000
+    tau: tuple[float, float] = (2.0, 0.05)
+    kappa_tile: tuple[float, float] = (25.0, 350.0)
+    kappa_nm: tuple[float, float] = (100.0, 500.0)
+    lambda_density: float = 7.0
+    lambda_norm: float = 10.0
+    init_std: float = 0.014
+    density_mode: str = "expected"
+    scope: str = "global"
+    hard: bool = False
+    eval_mask: str = "hard"
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    min_features: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        tile = tuple(self.tile) if isinstance(self.tile, (list, tuple)) else self.tile
+        if not (isinstance(tile, tuple) and len(tile) == 2 and all(isinstance(t, int) for t in tile)):
+            raise ValueError(f"PatchConfig.tile must be two ints (b1, b2), got {self.tile!r}")
+        if any(t < 4 or t % 4 for t in tile):
+            raise ValueError(
+                f"PatchConfig.tile={tile}: both tile dims must be multiples of 4 and >= 4 "
+                "(2:4 groups run along the columns; e.g. tile=(16, 16) or (128, 128))"
+            )
+        object.__setattr__(self, "tile", tile)
+        for name in ("include", "exclude"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ValueError(f"PatchConfig.{name} must be a tuple of globs, e.g. ({value!r},)")
+            object.__setattr__(self, name, tuple(value))
+        for name in ("tau", "kappa_tile", "kappa_nm"):
+            value = tuple(getattr(self, name))
+            _check_pair(name, value)
+            object.__setattr__(self, name, value)
+        if not 0.0 <= float(self.sparsity) <= 0.5:
+            raise ValueError(
+                f"PatchConfig.sparsity={self.sparsity} is outside [0, 0.5]: a tile is dense or 2:4, "
+                "so at most half of the weights can be pruned"
+            )
+        if self.variant not in VARIANTS:
+            raise ValueError(f"PatchConfig.variant={self.variant!r}: choose one of {VARIANTS}")
+        if self.variant == "nm" and self.sparsity != 0.5:
+            raise ValueError(
+                f"PatchConfig(variant='nm') makes every tile 2:4, i.e. sparsity 0.5; got "
+                f"sparsity={self.sparsity}. Pass sparsity=0.5 or use variant='joint'"
+            )
+        if self.prior not in PRIORS:
+            raise ValueError(f"PatchConfig.prior={self.prior!r}: choose one of {PRIORS}")
+        if self.variant == "tile" and self.prior == "random":
+            raise ValueError(
+                "PatchConfig(variant='tile') freezes the 2:4 logits at a one-shot prior's pattern: "
+                "choose prior='magnitude', 'wanda' or 'sparsegpt'"
+            )
+        if self.steps < 1:
+            raise ValueError(f"PatchConfig.steps={self.steps} must be >= 1 (the schedules' length T)")
+        if self.density_mode not in DENSITY_MODES:
+            raise ValueError(f"PatchConfig.density_mode={self.density_mode!r}: choose one of {DENSITY_MODES}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"PatchConfig.scope={self.scope!r}: choose one of {SCOPES}")
+        if self.eval_mask not in EVAL_MASKS:
+            raise ValueError(f"PatchConfig.eval_mask={self.eval_mask!r}: choose one of {EVAL_MASKS}")
+        for name in ("lambda_density", "lambda_norm", "prior_strength"):
+            if float(getattr(self, name)) < 0:
+                raise ValueError(f"PatchConfig.{name}={getattr(self, name)} must be >= 0")
+        if self.init_std <= 0:
+            raise ValueError(f"PatchConfig.init_std={self.init_std} must be > 0")
+
+    @property
+    def density(self) -> float:
+        """Target density rho = 1 - sparsity."""
+        return round(1.0 - float(self.sparsity), 12)
+
+    def selects(self, fqn: str, shape: tuple[int, ...]) -> str | None:
+        """None if the weight `fqn` of `shape` is masked, else the reason it is not."""
+        if not any(fnmatch.fnmatchcase(fqn, g) for g in self.include):
+            return f"not matched by include={self.include}"
+        for g in self.exclude:
+            if fnmatch.fnmatchcase(fqn, g):
+                return f"excluded by {g!r}"
+        if len(shape) != 2:
+            return f"not a 2-D weight (shape {tuple(shape)})"
+        if min(shape) < self.min_features:
+            return f"shape {tuple(shape)} has a dim < min_features={self.min_features}"
+        return None
+
+    def replace(self, **changes) -> "PatchConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def schedule_value(pair: tuple[float, float], step: int, total: int) -> float:
+    """Linear schedule from pair[0] at step 0 to pair[1] at step `total` (held after)."""
+    frac = min(max(step, 0) / total, 1.0)
+    return pair[0] + (pair[1] - pair[0]) * frac
+
+
+__all__ = ["PatchConfig", "DEFAULT_EXCLUDE", "schedule_value"]

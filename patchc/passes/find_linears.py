@@ -1,0 +1,222 @@
+"""Annotate pass: find the matmuls whose weight is a parameter, decide which get a mask.
+
+Matched forms (the weight W has shape (N, K) = (out_features, in_features)):
+
+    aten.linear.default(x, W[, b])                              torch.export training IR
+    aten.addmm.default(b, x, T(W)) / aten.mm.default(x, T(W))   after run_decompositions() or aot_autograd
+    aten.matmul.default(x, T(W))
+
+T(W) is one `aten.t` / `aten.permute(W, [1, 0])` / `aten.transpose(W, 0, 1)` of a parameter that a
+`get_attr` node reads (the exported program's `module()` form). Casts and detaches on the way are
+looked through. A weight used as (K, N) directly (GPT-2's Conv1D) is reported as skipped: its 2:4
+groups would run along the wrong axis.
+
+Which weights are masked: `PatchConfig.selects` (include / exclude globs over the weight's fully
+qualified name, 2-D, min_features) and two structural rules: a weight that an embedding lookup also
+reads (a tied LM head) is never masked, and K % 4 != 0 is skipped (no 2:4 groups). Every skipped
+weight is kept in `skipped` with its reason, so summaries can say why.
+
+Each matched matmul node gets `node.meta["patchc_site"]`; the rewrite pass consumes that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from patchc.config import PatchConfig
+
+aten = torch.ops.aten
+
+_LINEAR = {aten.linear.default}
+_MATMUL = {aten.mm.default: 1, aten.addmm.default: 2, aten.matmul.default: 1, aten.bmm.default: 1}
+_TRANSPOSE = {aten.t.default, aten.permute.default, aten.transpose.int, aten.numpy_T.default}
+_PASS_THROUGH = {
+    aten.detach.default,
+    aten._to_copy.default,
+    aten.to.dtype,
+    aten.alias.default,
+    aten.clone.default,
+}
+# Broadcasts a decomposed 3-D linear puts on the weight (expand(permute(W), [B, K, N]) -> bmm):
+# looked through only while the last two dims stay the weight's.
+_BROADCAST = {
+    aten.expand.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.unsqueeze.default,
+}
+_EMBEDDING = {aten.embedding.default}
+META_KEY = "patchc_site"
+
+
+@dataclass
+class LinearSite:
+    """One matmul reading a masked weight.
+
+    `weight_node` is the get_attr node, `consumer` the node on the path to the matmul that reads it
+    (where the mask is spliced in), `input_node` the activation operand (the calibration observers
+    hook it), `bias` the FQN of a parameter bias or None.
+    """
+
+    fqn: str
+    shape: tuple[int, int]
+    matmul: fx.Node
+    weight_node: fx.Node
+    consumer: fx.Node
+    input_node: fx.Node
+    bias: str | None
+    form: str
+
+
+def _is_transpose(node: fx.Node) -> bool:
+    if node.target is aten.permute.default:
+        return list(node.args[1]) == [1, 0]
+    if node.target is aten.transpose.int:
+        return sorted(int(d) % 2 for d in node.args[1:3]) == [0, 1]
+    return node.target in _TRANSPOSE
+
+
+def _keeps_matrix(node: fx.Node) -> bool:
+    """A broadcast / view that keeps the trailing (rows, cols) matrix of its input.
+
+    Leading dims only ever come from broadcasting the one weight matrix, so reshaping them keeps
+    every slice equal to it.
+    """
+    out, src = node.meta.get("val"), getattr(node.args[0], "meta", {}).get("val")
+    if out is None or src is None or out.dim() < 2 or src.dim() < 2:
+        return False
+    return tuple(out.shape[-2:]) == tuple(src.shape[-2:])
+
+
+def _trace_weight(node: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
+    """Follow transposes / casts back to a get_attr: (get_attr, its consumer, #transposes)."""
+    flips, consumer = 0, None
+    while node.op == "call_function":
+        if node.target in _PASS_THROUGH:
+            pass
+        elif node.target in _BROADCAST and _keeps_matrix(node):
+            pass
+        elif node.target in _TRANSPOSE and _is_transpose(node):
+            flips += 1
+        else:
+            return None
+        consumer, node = node, node.args[0]
+        if not isinstance(node, fx.Node):
+            return None
+    if node.op != "get_attr":
+        return None
+    return node, consumer, flips
+
+
+def _parameter(gm: fx.GraphModule, target: str) -> torch.Tensor | None:
+    try:
+        value = gm.get_parameter(target)
+    except AttributeError:
+        try:
+            value = gm.get_buffer(target)
+        except AttributeError:
+            return None
+    return value
+
+
+def _embedding_tensors(gm: fx.GraphModule) -> set[int]:
+    ids = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _EMBEDDING:
+            traced = _trace_weight(node.args[0])
+            if traced is not None:
+                tensor = _parameter(gm, traced[0].target)
+                if tensor is not None:
+                    ids.add(id(tensor))
+    return ids
+
+
+def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, str, int] | None:
+    """(activation, weight operand, bias operand, form, flips expected) of a matmul node."""
+    if node.op != "call_function":
+        return None
+    if node.target in _LINEAR:
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        return node.args[0], node.args[1], bias, "linear", 0
+    if node.target in _MATMUL:
+        w_pos = _MATMUL[node.target]
+        bias = node.args[0] if node.target is aten.addmm.default else None
+        return node.args[w_pos - 1], node.args[w_pos], bias, node.target._opname, 1
+    return None
+
+
+class AnnotateLinears(PassBase):
+    """Annotate maskable matmuls with `meta["patchc_site"]`; collect what was skipped and why.
+
+    Example:
+        >>> p = AnnotateLinears(PatchConfig(tile=(16, 16)))
+        >>> result = p(gm)          # PassResult; p.sites, p.skipped
+    """
+
+    def __init__(self, cfg: PatchConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.sites: list[LinearSite] = []
+        self.skipped: dict[str, str] = {}
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        self.sites, self.skipped = [], {}
+        embedded = _embedding_tensors(gm)
+        for node in gm.graph.nodes:
+            site = self._site(gm, node, embedded)
+            if site is not None:
+                node.meta[META_KEY] = site
+                self.sites.append(site)
+        return PassResult(gm, modified=bool(self.sites))
+
+    def _skip(self, fqn: str, reason: str) -> None:
+        self.skipped.setdefault(fqn, reason)
+
+    def _site(self, gm: fx.GraphModule, node: fx.Node, embedded: set[int]) -> LinearSite | None:
+        matched = _match(node)
+        if matched is None or not isinstance(matched[1], fx.Node):
+            return None
+        x, w_arg, b_arg, form, flips_needed = matched
+        traced = _trace_weight(w_arg)
+        if traced is None:
+            return None  # activation @ activation (attention scores) or a computed weight
+        w_node, consumer, flips = traced
+        weight = _parameter(gm, w_node.target)
+        if weight is None or not weight.is_floating_point():
+            return None
+        fqn = w_node.target
+        if flips % 2 != flips_needed:
+            self._skip(fqn, f"used as (in, out) = {tuple(weight.shape)} by {form}; 2:4 groups need (out, in)")
+            return None
+        if id(weight) in embedded:
+            self._skip(fqn, "shared with an embedding lookup (tied LM head)")
+            return None
+        reason = self.cfg.selects(fqn, tuple(weight.shape))
+        if reason is not None:
+            self._skip(fqn, reason)
+            return None
+        n, k = weight.shape
+        if k % 4:
+            self._skip(fqn, f"in_features={k} is not a multiple of 4 (no 2:4 groups)")
+            return None
+        bias = None
+        if isinstance(b_arg, fx.Node):
+            traced_b = _trace_weight(b_arg)
+            if traced_b is not None and traced_b[2] == 0:
+                bias = traced_b[0].target
+        return LinearSite(fqn, (int(n), int(k)), node, w_node, consumer or node, x, bias, form)
+
+
+def find_linear_sites(gm: fx.GraphModule, cfg: PatchConfig) -> tuple[list[LinearSite], dict[str, str]]:
+    """Run the annotate pass; return (sites, skipped weights with reasons)."""
+    annotate = AnnotateLinears(cfg)
+    annotate(gm)
+    return annotate.sites, annotate.skipped
+
+
+__all__ = ["AnnotateLinears", "LinearSite", "find_linear_sites", "META_KEY"]

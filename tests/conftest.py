@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny models, and the real material under ../shared when it is there."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+SHARED = Path(os.environ.get("PATCHC_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
+STORIES = SHARED / "models" / "stories260K"
+TINYSTORIES = SHARED / "data" / "tinystories_sample.txt"
+
+needs_shared = pytest.mark.skipif(not (STORIES / "stories260K.bin").exists(), reason=f"real model not found under {SHARED}")
+
+
+class TinyMLP(nn.Module):
+    """Embedding -> two linears (one with bias, one whose K is not a multiple of 4) -> tied head."""
+
+    def __init__(self, vocab: int = 32, dim: int = 24, hidden: int = 40, odd: int = 18) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, odd, bias=False)
+        self.odd = nn.Linear(odd, dim, bias=False)  # K = 18: no 2:4 groups
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = self.odd(torch.relu(self.down(torch.relu(self.up(h)))))
+        return self.out(h)
+
+
+@pytest.fixture
+def tiny_mlp() -> TinyMLP:
+    torch.manual_seed(0)
+    return TinyMLP()
+
+
+def tiny_hf(kind: str):
+    transformers = pytest.importorskip("transformers")
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[kind]
+    cfg = cfg_cls(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return model_cls(cfg).eval()

@@ -1,0 +1,97 @@
+"""Trainer, checkpoint / exact resume, hardening rules and the exact budget (CPU, tiny model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import patchc
+from patchc.harden import budget_tiles
+
+
+def _setup(tiny_mlp, **cfg):
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    config = patchc.PatchConfig(tile=(8, 8), steps=cfg.pop("steps", 20), **cfg)
+    return patchc.transform(tiny_mlp, config, example_inputs=(ids,))
+
+
+def _batches(step: int) -> torch.Tensor:
+    return torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(step))
+
+
+def _loss(prog, ids):
+    return prog(ids).float().logsumexp(-1).mean()
+
+
+def test_resume_equals_straight_run_exactly(tiny_mlp, tmp_path):
+    straight = _setup(tiny_mlp)
+    patchc.train_masks(straight, _batches, _loss, steps=20, lr=1e-2, progress=False)
+
+    ckpt = tmp_path / "masks.ckpt"
+    first = _setup(tiny_mlp)
+    patchc.train_masks(first, _batches, _loss, steps=10, lr=1e-2, checkpoint=ckpt, progress=False)
+    resumed = _setup(tiny_mlp)
+    result = patchc.train_masks(resumed, _batches, _loss, steps=20, lr=1e-2, checkpoint=ckpt, resume=True, progress=False)
+
+    assert result.step == 20 and int(resumed.schedule_step) == 20
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_checkpoint_errors_name_the_file(tiny_mlp, tmp_path):
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(b"not a checkpoint")
+    prog = _setup(tiny_mlp)
+    with pytest.raises(ValueError, match="bad.ckpt"):
+        patchc.train_masks(prog, _batches, _loss, steps=2, checkpoint=bad, resume=True, progress=False)
+    good = tmp_path / "good.ckpt"
+    patchc.train_masks(prog, _batches, _loss, steps=2, checkpoint=good, progress=False)
+    other = _setup(tiny_mlp, sparsity=0.2)
+    with pytest.raises(ValueError, match="another PatchConfig"):
+        patchc.train_masks(other, _batches, _loss, steps=4, checkpoint=good, resume=True, progress=False)
+
+
+def test_training_moves_density_toward_the_target(tiny_mlp):
+    prog = _setup(tiny_mlp, sparsity=0.45, steps=60, lambda_norm=0.0)
+    d0 = float(prog.density())
+    result = patchc.train_masks(prog, _batches, _loss, lr=5e-2, progress=False)
+    assert abs(result.history[-1]["density"] - 0.55) < abs(d0 - 0.55)
+    assert {"loss", "task", "density", "tau", "kappa_tile", "kappa_nm"} <= set(result.history[-1])
+
+
+def test_harden_takes_logit_signs_and_argmax(tiny_mlp):
+    prog = _setup(tiny_mlp)
+    plan = patchc.harden(prog)
+    for fqn, m in prog.layers.items():
+        layer = plan.layers[fqn]
+        assert torch.equal(layer.kinds == patchc.tile_plan.TILE_DENSE, m.tile_logits.detach() > 0)
+        assert torch.equal(layer.mask(), m.hard_mask())
+        assert torch.equal(layer.to_dense(), prog.weight(fqn) * m.hard_mask())
+
+
+def test_exact_budget_is_within_one_tile(tiny_mlp):
+    for sparsity in (0.0, 0.1, 0.25, 0.4, 0.5):
+        prog = _setup(tiny_mlp, sparsity=sparsity)
+        plan = patchc.harden(prog, exact_budget=True)
+        total = sum(m.numel for m in prog.layers.values())
+        biggest_tile = 8 * 8
+        # density = 0.5 + 0.5 * dense / total: one tile moves it by at most 0.5 * 64 / total
+        assert abs(plan.density - (1 - sparsity)) <= 0.5 * biggest_tile / total + 1e-9, sparsity
+
+
+def test_budget_prefers_the_highest_logits(tiny_mlp):
+    prog = _setup(tiny_mlp, sparsity=0.25)
+    chosen = budget_tiles(prog)
+    picked = torch.cat([prog.layers[f].tile_logits.detach()[c] for f, c in chosen.items()])
+    rest = torch.cat([prog.layers[f].tile_logits.detach()[~c] for f, c in chosen.items()])
+    assert picked.numel() > 0 and rest.numel() > 0
+    assert float(picked.min()) >= float(rest.max())
+
+
+def test_harden_carries_bias_and_skips(tiny_mlp):
+    prog = _setup(tiny_mlp)
+    plan = patchc.harden(prog)
+    assert torch.equal(plan.layers["up.weight"].bias, tiny_mlp.up.bias)
+    assert plan.layers["down.weight"].bias is None
+    assert "odd.weight" in plan.skipped
+    assert "odd.weight" in plan.summary()

@@ -1,0 +1,244 @@
+"""The mask-insertion pass and the masked program (no backend, CPU)."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import patchc
+from patchc.hybrid_mask import HybridMask
+from tests.conftest import tiny_hf
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _export_hf(model, decompose: bool):
+    ids = torch.randint(0, 128, (2, 8))
+    ep = torch.export.export(model, (ids,), kwargs={"use_cache": False})
+    return (ep.run_decompositions() if decompose else ep), ids
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("decompose", [False, True], ids=["training-ir", "decomposed"])
+def test_hf_models_mask_exactly_the_seven_projections(kind, decompose):
+    model = tiny_hf(kind)
+    ep, ids = _export_hf(model, decompose)
+    prog = patchc.transform(ep, patchc.PatchConfig(tile=(16, 16), sparsity=0.35))
+    expected = {f"model.layers.{i}.{'self_attn' if p[0] in 'qkvo' else 'mlp'}.{p}.weight" for i in range(2) for p in PROJECTIONS}
+    assert set(prog.layers) == expected
+    assert not any("embed" in f or "lm_head" in f for f in prog.layers)
+    # Qwen2's q/k/v have biases: in the decomposed graph they arrive through addmm.
+    if kind == "qwen2":
+        biased = {s.fqn for s in prog.sites if s.bias is not None}
+        assert biased == {f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ("q_proj", "k_proj", "v_proj")}
+    with prog.mask_mode("ones"):
+        out = prog(ids, use_cache=False).logits
+    assert torch.equal(out, ep.module()(ids, use_cache=False).logits)
+
+
+def test_all_ones_mask_reproduces_the_original_exactly(tiny_mlp):
+    ids = torch.randint(0, 32, (3, 7))
+    prog = patchc.transform(tiny_mlp, patchc.PatchConfig(tile=(8, 8)), example_inputs=(ids,))
+    with prog.mask_mode("ones"):
+        assert torch.equal(prog(ids), tiny_mlp(ids))
+    # Dynamic shapes: another batch and length work too.
+    other = torch.randint(0, 32, (5, 11))
+    with prog.mask_mode("ones"):
+        assert torch.equal(prog(other), tiny_mlp(other))
+
+
+def test_skips_are_explained(tiny_mlp):
+    ids = torch.randint(0, 32, (2, 5))
+    prog = patchc.transform(tiny_mlp, patchc.PatchConfig(tile=(8, 8)), example_inputs=(ids,))
+    assert set(prog.layers) == {"up.weight", "down.weight"}
+    assert "multiple of 4" in prog.skipped["odd.weight"]
+    tied = prog.skipped.get("out.weight") or prog.skipped.get("embed.weight")
+    assert tied is not None and ("embedding" in tied or "excluded" in tied)
+
+
+def test_include_exclude_globs(tiny_mlp):
+    ids = torch.randint(0, 32, (2, 5))
+    cfg = patchc.PatchConfig(tile=(8, 8), include=("down*",))
+    prog = patchc.transform(tiny_mlp, cfg, example_inputs=(ids,))
+    assert set(prog.layers) == {"down.weight"}
+    assert "include" in prog.skipped["up.weight"]
+    cfg = patchc.PatchConfig(tile=(8, 8), exclude=("up.*",))
+    prog = patchc.transform(tiny_mlp, cfg, example_inputs=(ids,))
+    assert set(prog.layers) == {"down.weight"}
+
+
+def test_gradients_reach_logits_only_and_weights_stay_bit_identical(tiny_mlp):
+    ids = torch.randint(0, 32, (4, 9))
+    before = {k: v.clone() for k, v in tiny_mlp.state_dict().items()}
+    flags = {k: p.requires_grad for k, p in tiny_mlp.named_parameters()}
+    prog = patchc.transform(tiny_mlp, patchc.PatchConfig(tile=(8, 8), steps=5), example_inputs=(ids,))
+    params = prog.mask_parameters()
+    assert params and all(p.dtype == torch.float32 for p in params)
+    assert {id(p) for p in params} == {id(p) for p in prog.parameters()}
+    opt = torch.optim.Adam(params, lr=0.1)
+    prog.train()
+    for _ in range(3):
+        opt.zero_grad()
+        loss = prog(ids).float().logsumexp(-1).mean() + prog.regularizer()
+        loss.backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+        opt.step()
+        prog.step()
+    for k, v in tiny_mlp.state_dict().items():
+        assert torch.equal(v, before[k]), k
+        assert v.grad is None if hasattr(v, "grad") else True
+    assert all(p.grad is None for p in tiny_mlp.parameters())
+    # The user's own parameters keep their requires_grad flags.
+    assert {k: p.requires_grad for k, p in tiny_mlp.named_parameters()} == flags
+
+
+def test_eval_mode_is_deterministic_and_equals_the_applied_plan(tiny_mlp):
+    ids = torch.randint(0, 32, (2, 6))
+    prog = patchc.transform(tiny_mlp, patchc.PatchConfig(tile=(8, 8), sparsity=0.25), example_inputs=(ids,))
+    prog.eval()
+    y1, y2 = prog(ids), prog(ids)
+    assert torch.equal(y1, y2)
+    plan = patchc.harden(prog)
+    pruned = plan.apply(copy.deepcopy(tiny_mlp))
+    assert torch.equal(pruned(ids), y1)
+
+
+def test_training_mode_is_seeded(tiny_mlp):
+    ids = torch.randint(0, 32, (2, 6))
+    outs = []
+    for _ in range(2):
+        prog = patchc.transform(tiny_mlp, patchc.PatchConfig(tile=(8, 8), seed=3), example_inputs=(ids,)).train()
+        outs.append((prog(ids), prog(ids)))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[0][0], outs[0][1])  # fresh noise per draw
+
+
+def test_nm_and_tile_variants(tiny_mlp):
+    ids = torch.randint(0, 32, (2, 6))
+    prog = patchc.transform(tiny_mlp, patchc.PatchConfig(tile=(8, 8), variant="nm", sparsity=0.5), example_inputs=(ids,))
+    assert all(m.tile_logits is None for m in prog.layers.values())
+    plan = patchc.harden(prog)
+    assert plan.density == pytest.approx(0.5)
+    prog = patchc.transform(tiny_mlp, patchc.PatchConfig(tile=(8, 8), variant="tile", prior="magnitude"), example_inputs=(ids,))
+    trainable = {id(p) for p in prog.mask_parameters()}
+    assert trainable == {id(m.tile_logits) for m in prog.layers.values()}
+
+
+def test_observe_inputs_sees_each_layer_and_restores_the_graph(tiny_mlp):
+    ids = torch.randint(0, 32, (2, 6))
+    prog = patchc.transform(tiny_mlp, patchc.PatchConfig(tile=(8, 8)), example_inputs=(ids,)).eval()
+    code_before = prog.graph_module.code
+    seen = {}
+    with prog.observe_inputs(lambda fqn, x: seen.setdefault(fqn, x.shape)):
+        prog(ids)
+    assert seen == {"up.weight": torch.Size([2, 6, 24]), "down.weight": torch.Size([2, 6, 40])}
+    assert prog.graph_module.code == code_before
+
+
+def test_padded_grid_for_shapes_the_tile_does_not_divide(tiny_mlp):
+    ids = torch.randint(0, 32, (2, 6))
+    prog = patchc.transform(tiny_mlp, patchc.PatchConfig(tile=(16, 16)), example_inputs=(ids,))
+    up = prog.layers["up.weight"]  # (40, 24): grid 3 x 2, edge tiles partial
+    assert up.grid == (3, 2)
+    assert up.tile_numel.sum() == 40 * 24 and up.tile_numel[-1, -1] == 8 * 8
+
+
+def test_hybrid_mask_soft_sample_math():
+    m = HybridMask("w", (4, 8), tile=(4, 4), variant="joint")
+    m.tau, m.kappa_tile, m.kappa_nm = 1.0, 1.0, 1.0
+    with torch.no_grad():
+        m.tile_logits.copy_(torch.tensor([[50.0, -50.0]]))
+    mask = m.mask()
+    assert mask.shape == (4, 8)
+    assert torch.allclose(mask[:, :4], torch.ones(4, 4), atol=1e-6)  # dense tile
+    groups = mask[:, 4:].reshape(-1, 4)
+    assert torch.allclose(groups.sum(-1), torch.full((4,), 2.0), atol=1e-5)  # soft 2:4 groups sum to 2
+    assert float(m.expected_kept()) == pytest.approx(16 + 8, abs=1e-4)
+
+
+def test_regularizer_matches_the_formula(tiny_mlp):
+    ids = torch.randint(0, 32, (2, 6))
+    cfg = patchc.PatchConfig(tile=(8, 8), sparsity=0.3, lambda_density=7.0, lambda_norm=10.0, steps=10)
+    prog = patchc.transform(tiny_mlp, cfg, example_inputs=(ids,)).train()
+    prog(ids)
+    masks = list(prog.layers.values())
+    kept = sum(float(m.expected_kept()) for m in masks)
+    numel = sum(m.numel for m in masks)
+    w2 = sum(float(prog.weight(m.name).square().sum()) for m in masks)
+    kept_norm = sum(float(m.last_sq_norm) for m in masks)
+    expected = 7.0 * abs(kept / numel - 0.7) - 10.0 * 1.0 * kept_norm / w2
+    assert float(prog.regularizer()) == pytest.approx(expected, rel=1e-5)
+
+
+def test_schedules_are_linear_and_saved_in_state_dict(tiny_mlp):
+    ids = torch.randint(0, 32, (2, 6))
+    cfg = patchc.PatchConfig(tile=(8, 8), steps=4, tau=(2.0, 0.0 + 1.0), kappa_tile=(10.0, 50.0))
+    prog = patchc.transform(tiny_mlp, cfg, example_inputs=(ids,))
+    assert prog.schedule()["tau"] == 2.0
+    prog.step(); prog.step()
+    assert prog.schedule() == pytest.approx({"tau": 1.5, "kappa_tile": 30.0, "kappa_nm": 300.0})
+    state = prog.state_dict()
+    fresh = patchc.transform(tiny_mlp, cfg, example_inputs=(ids,))
+    fresh.load_state_dict(state)
+    assert fresh.schedule() == prog.schedule()
+    for _ in range(5):
+        prog.step()
+    assert prog.schedule()["tau"] == 1.0  # held at the end value after T
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sparsity": 0.6}, "outside \\[0, 0.5\\]"),
+        ({"tile": (6, 8)}, "multiples of 4"),
+        ({"variant": "blocky"}, "choose one of"),
+        ({"variant": "nm", "sparsity": 0.35}, "sparsity 0.5"),
+        ({"variant": "tile"}, "one-shot prior"),
+        ({"steps": 0}, "steps"),
+    ],
+)
+def test_config_errors_say_what_to_do(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        patchc.PatchConfig(**kwargs)
+
+
+def test_transform_refuses_a_model_without_linears():
+    class NoLinear(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    with pytest.raises(ValueError, match="no maskable linear"):
+        patchc.transform(NoLinear(), patchc.PatchConfig(tile=(8, 8)), example_inputs=(torch.ones(2, 4),))
+    with pytest.raises(ValueError, match="example_inputs"):
+        patchc.transform(NoLinear(), patchc.PatchConfig(tile=(8, 8)))
+
+
+def test_hard_straight_through_forward_is_binary(tiny_mlp):
+    ids = torch.randint(0, 32, (2, 6))
+    prog = patchc.transform(tiny_mlp, patchc.PatchConfig(tile=(8, 8), hard=True), example_inputs=(ids,)).train()
+    m = prog.layers["up.weight"]
+    mask = m.mask()
+    assert set(torch.unique(mask.detach()).tolist()) <= {0.0, 1.0}
+    groups = mask.detach().reshape(-1, 4).sum(-1)
+    assert bool(((groups == 2) | (groups == 4)).all())
+    mask.sum().backward()
+    assert m.tile_logits.grad is not None and m.nm_logits.grad is not None
+
+
+def test_block_scope_groups_by_transformer_block():
+    from patchc.transform import block_of
+
+    assert block_of("model.layers.3.mlp.up_proj.weight") == "3"
+    assert block_of("transformer.h.11.attn.c_attn.weight") == "11"
+    assert block_of("fc.weight") == "fc.weight"
+    assert re.fullmatch(r"\d+", block_of("encoder.layer.0.attention.self.query.weight"))
+
+
+def test_lm_loss_matches_cross_entropy(tiny_mlp):
+    ids = torch.randint(0, 32, (2, 7))
+    expected = F.cross_entropy(tiny_mlp(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+    assert float(patchc.lm_loss(tiny_mlp, ids)) == pytest.approx(float(expected))
