@@ -1,0 +1,283 @@
+"""Text files -> documents -> train/eval split by document -> token stream -> fixed-length blocks -> batches.
+
+Document rules (``load_documents(path, kind="auto")``):
+  * ``"lines"``: one document per non-empty line (TinyStories sample: one story per line, no blank lines);
+  * ``"endoftext"``: documents separated by ``<|endoftext|>`` (the TinyStories release files);
+  * ``"wikitext"``: one document per article; an article starts at a top-level heading line
+    `` = Title = `` (exactly one ``=`` each side; `` = = Section = = `` lines stay inside the article).
+    Text before the first heading, if any, is a document of its own;
+  * ``"blank"``: documents separated by one or more blank lines (e.g. tinyshakespeare's speeches).
+``"auto"`` picks ``wikitext`` if a top-level heading line exists, else ``endoftext`` if the marker occurs,
+else ``blank`` if there is a blank line, else ``lines``. Line endings are normalised to ``\\n`` and each
+document is stripped of surrounding whitespace; empty documents are dropped.
+
+Example:
+    >>> docs = load_documents(SHARED_DIR / "data/tinystories_sample.txt")       # 19 stories
+    >>> train_docs, eval_docs = split_documents(docs, eval_fraction=0.2, seed=0)
+    >>> blocks = pack_blocks(tokenize_documents(train_docs, tok), block_len=129)  # (n, 129) long
+    >>> batch = get_batch(blocks, batch_size=8, step=17, seed=0)                  # the batch of step 17
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_WIKI_HEADING = re.compile(r"^ ?= [^=](?:.*[^=])? = ?$")
+KINDS = ("auto", "lines", "endoftext", "wikitext", "blank")
+
+
+def _detect_kind(text: str) -> str:
+    if any(_WIKI_HEADING.match(line) for line in text.split("\n")):
+        return "wikitext"
+    if "<|endoftext|>" in text:
+        return "endoftext"
+    if re.search(r"\n[ \t]*\n", text.strip()):
+        return "blank"
+    return "lines"
+
+
+def split_text(text: str, kind: str = "auto") -> list[str]:
+    """Split a whole text into documents by the rule `kind` (see the module docstring).
+
+    Example:
+        >>> split_text("a\\nb\\n")
+        ['a', 'b']
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown document kind {kind!r}; use one of {KINDS}")
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if kind == "auto":
+        kind = _detect_kind(text)
+    if kind == "lines":
+        parts = text.split("\n")
+    elif kind == "endoftext":
+        parts = text.split("<|endoftext|>")
+    elif kind == "blank":
+        parts = re.split(r"\n[ \t]*\n", text)
+    else:  # wikitext
+        parts, current = [], []
+        for line in text.split("\n"):
+            if _WIKI_HEADING.match(line) and current:
+                parts.append("\n".join(current))
+                current = []
+            current.append(line)
+        parts.append("\n".join(current))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def load_documents(path: str | os.PathLike, kind: str = "auto") -> list[str]:
+    """Read a UTF-8 text file and split it into documents (rules in the module docstring).
+
+    Example:
+        >>> len(load_documents(SHARED_DIR / "data/tinystories_sample.txt"))
+        19
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"text file not found: {path}")
+    docs = split_text(path.read_text(encoding="utf-8"), kind)
+    if not docs:
+        raise ValueError(f"{path}: no documents (the file is empty or whitespace only)")
+    return docs
+
+
+def split_documents(
+    docs: Sequence[str], eval_fraction: float, seed: int = 0, dedupe: bool = True
+) -> tuple[list[str], list[str]]:
+    """Split documents (not tokens) into (train, eval), deterministically for a given seed.
+
+    round(eval_fraction * n) documents (at least 1 when eval_fraction > 0, at most n - 1) go to eval,
+    chosen by a seeded shuffle; both parts keep the original document order. With `dedupe`, exact
+    duplicate documents are dropped first (keeping the first), so no text appears in both parts.
+
+    Example:
+        >>> split_documents(["a", "b", "c", "d"], eval_fraction=0.25, seed=0)
+        (['a', 'b', 'd'], ['c'])
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if dedupe:
+        docs = list(dict.fromkeys(docs))
+    n = len(docs)
+    n_eval = 0 if eval_fraction == 0 else min(max(1, round(eval_fraction * n)), n - 1)
+    if eval_fraction > 0 and n < 2:
+        raise ValueError(f"need at least 2 documents to split off an eval part, got {n}")
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    eval_idx = set(order[:n_eval])
+    train = [d for i, d in enumerate(docs) if i not in eval_idx]
+    evals = [d for i, d in enumerate(docs) if i in eval_idx]
+    return train, evals
+
+
+def _encode(tokenizer: Any, text: str, bos: bool) -> list[int]:
+    # patchc.models.llama2c.Tokenizer: encode(text, bos=, eos=); HF tokenizers: encode(text, add_special_tokens=).
+    if hasattr(tokenizer, "bos_token_id") and not hasattr(tokenizer, "bos_id"):
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        if bos and bos_id is None:
+            raise ValueError("tokenizer has neither a BOS nor an EOS token; pass bos=False")
+        return ([bos_id] if bos else []) + ids
+    return list(tokenizer.encode(text, bos=bos, eos=False))
+
+
+def tokenize_documents(docs: Sequence[str], tokenizer: Any, bos: bool = True) -> torch.Tensor:
+    """Concatenate the token ids of all documents (each starting with BOS) into one 1-D LongTensor.
+
+    `tokenizer` is a `patchc.models.llama2c.Tokenizer` or a Hugging Face tokenizer (its BOS, else EOS,
+    token marks document starts).
+
+    Example:
+        >>> tokenize_documents(["Hello", "World"], tok)[:3]
+        tensor([  1, ...])
+    """
+    out: list[int] = []
+    for doc in docs:
+        out.extend(_encode(tokenizer, doc, bos))
+    return torch.tensor(out, dtype=torch.long)
+
+
+def pack_blocks(ids: torch.Tensor, block_len: int, source: str | os.PathLike | None = None) -> torch.Tensor:
+    """Cut a 1-D token stream into contiguous (n_blocks, block_len) rows, dropping the ragged tail.
+
+    Raises ValueError naming `source` (a file name, for the message) if there is not one full block.
+
+    Example:
+        >>> pack_blocks(torch.arange(10), 4)
+        tensor([[0, 1, 2, 3],
+                [4, 5, 6, 7]])
+    """
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+    if block_len < 1:
+        raise ValueError(f"block_len must be >= 1, got {block_len}")
+    n_blocks = ids.numel() // block_len
+    if n_blocks == 0:
+        where = f"{source}: " if source is not None else ""
+        raise ValueError(
+            f"{where}text too short: {ids.numel()} tokens, need at least block_len={block_len} for one block; "
+            "use a longer text or a smaller block_len"
+        )
+    return ids[: n_blocks * block_len].reshape(n_blocks, block_len).long()
+
+
+@dataclass(frozen=True, eq=False)
+class TextData:
+    """A text file split by document: train blocks for training, the eval token stream for perplexity."""
+
+    source: str
+    train_docs: list[str]
+    eval_docs: list[str]
+    train_blocks: torch.Tensor  # (n_blocks, block_len) long
+    eval_ids: torch.Tensor  # 1-D long, BOS at each document start
+
+
+def load_text_data(
+    path: str | os.PathLike,
+    tokenizer: Any,
+    block_len: int,
+    eval_fraction: float = 0.1,
+    seed: int = 0,
+    kind: str = "auto",
+) -> TextData:
+    """load_documents -> split_documents -> tokenize -> pack the train part into blocks.
+
+    Example:
+        >>> data = load_text_data(SHARED_DIR / "data/wikitext2_raw_test.txt", tok, block_len=129)
+        >>> data.train_blocks.shape, data.eval_ids.shape
+    """
+    docs = load_documents(path, kind)
+    train_docs, eval_docs = split_documents(docs, eval_fraction, seed)
+    train_blocks = pack_blocks(tokenize_documents(train_docs, tokenizer), block_len, source=f"{path} (train part)")
+    eval_ids = tokenize_documents(eval_docs, tokenizer)
+    return TextData(str(path), train_docs, eval_docs, train_blocks, eval_ids)
+
+
+def _seed_for(seed: int, epoch: int) -> int:
+    digest = hashlib.sha256(f"patchc.data:{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@lru_cache(maxsize=8)
+def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(_seed_for(seed, epoch))
+    return torch.randperm(n, generator=gen)
+
+
+def batch_indices(n_blocks: int, batch_size: int, step: int, seed: int = 0) -> torch.Tensor:
+    """Row indices of the batch of optimizer step `step`: a fresh seeded permutation per epoch,
+    consumed in order, so batches depend only on (n_blocks, batch_size, step, seed).
+
+    Example:
+        >>> batch_indices(10, 4, step=0, seed=0).shape
+        torch.Size([4])
+    """
+    if n_blocks < 1 or batch_size < 1 or step < 0:
+        raise ValueError(f"need n_blocks >= 1, batch_size >= 1, step >= 0; got {n_blocks}, {batch_size}, {step}")
+    first = step * batch_size
+    idx = []
+    for s in range(first, first + batch_size):
+        epoch, pos = divmod(s, n_blocks)
+        idx.append(int(_epoch_order(n_blocks, seed, epoch)[pos]))
+    return torch.tensor(idx, dtype=torch.long)
+
+
+def get_batch(blocks: torch.Tensor, batch_size: int, step: int, seed: int = 0) -> torch.Tensor:
+    """The (batch_size, block_len) batch for optimizer step `step` (deterministic, so resume is exact).
+
+    Example:
+        >>> get_batch(blocks, 8, step=100, seed=0)   # same tensor in a resumed run
+    """
+    return blocks[batch_indices(blocks.shape[0], batch_size, step, seed)]
+
+
+def batch_iterator(
+    blocks: torch.Tensor, batch_size: int, seed: int = 0, start_step: int = 0, steps: int | None = None
+) -> Iterator[torch.Tensor]:
+    """Yield get_batch(blocks, batch_size, step, seed) for step = start_step, start_step + 1, ...
+    (`steps` batches, or forever). Resuming at step k yields what the original run saw from step k.
+
+    Example:
+        >>> it = batch_iterator(blocks, 8, seed=0, start_step=50)
+        >>> torch.equal(next(it), get_batch(blocks, 8, 50, seed=0))
+        True
+    """
+    step = start_step
+    while steps is None or step < start_step + steps:
+        yield get_batch(blocks, batch_size, step, seed)
+        step += 1
+
+
+def batch_fn(blocks: torch.Tensor, batch_size: int, seed: int = 0):
+    """A step -> batch callable, the form `patchc.train_masks` takes.
+
+    Example:
+        >>> patchc.train_masks(prog, batch_fn(blocks, 8, seed=0), patchc.lm_loss, steps=300)
+    """
+    return lambda step: get_batch(blocks, batch_size, step, seed)
+
+
+__all__ = [
+    "KINDS",
+    "split_text",
+    "load_documents",
+    "split_documents",
+    "tokenize_documents",
+    "pack_blocks",
+    "TextData",
+    "load_text_data",
+    "batch_indices",
+    "get_batch",
+    "batch_iterator",
+    "batch_fn",
+]
