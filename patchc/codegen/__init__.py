@@ -1,0 +1,29 @@
+"""Triton codegen for hybrid dense / 2:4 layers: packed layout, kernels, launchers, offline generation.
+
+    packed = patchc.codegen.pack(plan, "layers.0.feed_forward.w1.weight", block=(64, 64))
+    y = patchc.codegen.tile_linear(x, packed)                       # x (M, K) -> (M, N)
+    files = patchc.codegen.generate(plan, "out/", target="sm_90")  # Triton source + PTX + cubin + manifest
+
+Modules: `layout` (pack, PackedLayer), `kernels` (@triton.jit), `launch` (tile_linear), `configs`
+(KernelConfig, per-architecture tables), `generate` (offline compile), `reference` (plain PyTorch).
+"""
+
+from __future__ import annotations
+
+from patchc.codegen.configs import ARCH_TABLE, KernelConfig
+from patchc.codegen.generate import generate
+from patchc.codegen.launch import tile_linear
+from patchc.codegen.layout import PackedLayer, PackError, pack, packed_to_dense
+from patchc.codegen.reference import reference_tile_linear
+
+__all__ = [
+    "pack",
+    "tile_linear",
+    "generate",
+    "PackedLayer",
+    "PackError",
+    "KernelConfig",
+    "ARCH_TABLE",
+    "packed_to_dense",
+    "reference_tile_linear",
+]

@@ -1,0 +1,149 @@
+"""Plain launchers: check inputs, allocate, build the grid, launch (no autotuning, no custom op here).
+
+Example:
+    >>> packed = pack(plan, "layers.0.feed_forward.w1.weight")          # doctest: +SKIP
+    >>> y = tile_linear(x, packed.to("cuda"))                             # doctest: +SKIP
+    >>> y = tile_linear(x, packed, config=KernelConfig(kernel="decode", split_k=4))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import triton
+
+from patchc.codegen import kernels
+from patchc.codegen.configs import KernelConfig, arch_of, resolve_config
+from patchc.codegen.layout import PackedLayer
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+REDUCE_BLOCK = 1024
+
+# Runtime (non-constexpr) arguments of decode_kernel / prefill_kernel, in order.
+KERNEL_ARGS = (
+    "x_ptr", "y_ptr", "part_ptr", "bias_ptr",
+    "dense_ptr", "vals_ptr", "meta_ptr",
+    "dense_rowptr_ptr", "dense_cols_ptr", "sparse_rowptr_ptr", "sparse_cols_ptr",
+    "M",
+)
+
+
+def specialisation(packed: PackedLayer, cfg: KernelConfig, dtype: torch.dtype, has_bias: bool) -> dict[str, Any]:
+    """The constexpr arguments that specialise a kernel to this layer and config."""
+    bn, bk = packed.block
+    n, k = packed.shape
+    dense_per_row = packed.dense_per_row
+    sparse_per_row = packed.sparse_per_row
+    consts: dict[str, Any] = {
+        "N": n,
+        "K": k,
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": bn,
+        "BLOCK_K": bk,
+        "SPLIT_K": cfg.split_k,
+        "HAS_DENSE": packed.n_dense > 0,
+        "HAS_SPARSE": packed.n_sparse > 0,
+        "DENSE_PER_ROW": -1 if dense_per_row is None else dense_per_row,
+        "SPARSE_PER_ROW": -1 if sparse_per_row is None else sparse_per_row,
+        "HAS_BIAS": has_bias,
+        "EVEN_K": k % bk == 0,
+        # fp32 inputs: exact fp32 products (tf32 would break the fp32 tolerances); ignored for fp16/bf16
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }
+    if cfg.kernel == "decode":
+        consts["USE_DOT"] = cfg.block_m >= 16
+    else:
+        consts["GROUP_M"] = cfg.group_m
+    return consts
+
+
+def grid_of(cfg: KernelConfig, packed: PackedLayer, m: int) -> tuple[int, ...]:
+    """Launch grid; the rule is recorded in generate()'s manifest as GRID_RULES."""
+    rows = packed.grid[0]
+    if cfg.kernel == "decode":
+        return (rows, cfg.split_k, math.ceil(m / cfg.block_m))
+    return (math.ceil(m / cfg.block_m) * rows, cfg.split_k)
+
+
+GRID_RULES = {
+    "decode": "(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))",
+    "prefill": "(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K)",
+    "splitk_reduce": "(cdiv(M * N, 1024),)  [only when SPLIT_K > 1; BLOCK=1024]",
+}
+
+
+def tile_linear(
+    x: torch.Tensor,
+    packed: PackedLayer,
+    bias: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """y = x @ (W*M)^T (+ bias) with the hybrid dense / 2:4 kernels; x (..., K) -> (..., N) in x's dtype.
+
+    `bias` defaults to the packed layer's own bias (from the plan), if any. `config` (KernelConfig)
+    overrides the architecture defaults; with None the decode kernel serves small M and the prefill
+    kernel large M. fp16 / bf16 / fp32 inputs, fp32 accumulation.
+
+    Example:
+        >>> y = tile_linear(torch.randn(3, 64), pack(plan, "fc.weight"))   # doctest: +SKIP
+    """
+    n, k = packed.shape
+    where = f"tile_linear({packed.name!r})"
+    if x.shape[-1] != k:
+        raise ValueError(f"{where}: x has {x.shape[-1]} features, the layer expects K={k}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{where}: x dtype {x.dtype} not supported; use one of {SUPPORTED_DTYPES}")
+    if x.dtype != packed.dtype:
+        raise TypeError(f"{where}: x is {x.dtype} but the layer was packed as {packed.dtype}; cast one of them")
+    if x.device != packed.device:
+        raise ValueError(f"{where}: x is on {x.device}, the packed weights on {packed.device}; use packed.to(...)")
+    bias = packed.bias if bias is None else bias
+    if bias is not None:
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"{where}: bias must have shape ({n},), got {tuple(bias.shape)}")
+        bias = bias.to(device=x.device).contiguous()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, n)
+    cfg = resolve_config(config, packed, m, arch_of(x.device))
+    consts = specialisation(packed, cfg, x.dtype, bias is not None)
+    part = None
+    if cfg.split_k > 1:
+        part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+    args = _buffers(x2, y, part, bias, packed)
+    kernel = kernels.KERNELS[cfg.kernel]
+    kernel[grid_of(cfg, packed, m)](*args, m, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if part is not None:
+        kernels.splitk_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            part, y, _or_dummy(bias, y), m, N=n, SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
+            BLOCK=REDUCE_BLOCK,
+        )
+    return y.reshape(*lead, n)
+
+
+def _or_dummy(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Kernels need a valid pointer even for an unused or empty buffer (never dereferenced then)."""
+    if t is not None and t.numel() > 0:
+        return t
+    return torch.zeros(16, dtype=dtype or like.dtype, device=like.device)
+
+
+def _buffers(x, y, part, bias, packed: PackedLayer) -> list[torch.Tensor]:
+    return [
+        x,
+        y,
+        _or_dummy(part, x, torch.float32),
+        _or_dummy(bias, x),
+        _or_dummy(packed.dense, x),
+        _or_dummy(packed.values, x),
+        _or_dummy(packed.meta, x, torch.uint8),
+        packed.dense_rowptr,
+        _or_dummy(packed.dense_cols, x, torch.int32),
+        packed.sparse_rowptr,
+        _or_dummy(packed.sparse_cols, x, torch.int32),
+    ]
