@@ -24,8 +24,8 @@ __version__ = "0.1.0"
 
 # Imported on first use: they pull in heavier dependencies (Triton, calibration).
 _LAZY = {
-    "calibrate": ("patchc.oneshot.calibrate", "calibrate"),
-    "oneshot": ("patchc.oneshot", "oneshot"),
+    "calibrate": ("patchc.pruning.calibrate", "calibrate"),
+    "oneshot": ("patchc.pruning", "oneshot"),
     "masks": ("patchc.masks", None),
     "codegen": ("patchc.codegen", None),
 }

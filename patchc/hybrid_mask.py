@@ -113,11 +113,16 @@ class HybridMask(nn.Module):
 
     @torch.no_grad()
     def add_prior(self, nm_prior: torch.Tensor | None, tile_prior: torch.Tensor | None, scale: float) -> None:
-        """logits += prior * scale, prior in {-1, 0, 1} per DESIGN.md (scale = std * strength)."""
-        if nm_prior is not None:
-            self.nm_logits.add_(nm_prior.to(self.nm_logits) * scale)
-        if tile_prior is not None and self.tile_logits is not None:
-            self.tile_logits.add_(tile_prior.to(self.tile_logits) * scale)
+        """logits += prior * scale, prior in {-1, 0, 1} per DESIGN.md (scale = std * strength).
+
+        The random init is first clipped to +-0.45 * scale: prior levels are `scale` apart, so the
+        prior's choice (its 2:4 pattern, its dense tiles) is exactly what hardening right after init
+        gives, and the random part only breaks ties within a level.
+        """
+        for logits, prior in ((self.nm_logits, nm_prior), (self.tile_logits, tile_prior)):
+            if prior is None or logits is None:
+                continue
+            logits.clamp_(-0.45 * scale, 0.45 * scale).add_(prior.to(logits) * scale)
 
     # -- mask construction ----------------------------------------------------------------
     def _expand_tiles(self, t: torch.Tensor) -> torch.Tensor:

@@ -224,6 +224,17 @@ def _export(module: nn.Module, example_inputs: tuple, example_kwargs: dict | Non
     return torch.export.export(module, args, kwargs=kwargs or None, dynamic_shapes=dynamic_shapes)
 
 
+def check_tile_fits(sites: list[LinearSite], tile: tuple[int, int]) -> None:
+    """Refuse a tile larger than a masked weight: the weight would be one partial tile, nothing to learn."""
+    for site in sites:
+        n, k = site.shape
+        if tile[0] > n or tile[1] > k:
+            raise ValueError(
+                f"tile {tile} does not fit {site.fqn} of shape ({n}, {k}): choose a tile no larger than "
+                "the smallest masked weight, or exclude that layer"
+            )
+
+
 def build_masks(
     sites: list[LinearSite],
     gm: fx.GraphModule,
@@ -251,8 +262,8 @@ def build_masks(
 
 def prior_logits(fqn: str, weight: torch.Tensor, cfg: PatchConfig, calib=None):
     """(2:4 prior (N*K/4, 6), tile prior (Tn, Tk)) from one-shot masks, values in {-1, 0, 1}."""
-    from patchc.oneshot import prune_weight
-    from patchc.oneshot.priors import nm_prior, tile_prior
+    from patchc.pruning import prune_weight
+    from patchc.pruning.priors import nm_prior, tile_prior
 
     stats = None
     if cfg.prior in ("wanda", "sparsegpt"):
@@ -308,6 +319,7 @@ def transform(
     sites, skipped = find_linear_sites(gm, cfg)
     if not sites:
         raise ValueError(f"patchc.transform found no maskable linear layer; skipped: {skipped or 'none seen'}")
+    check_tile_fits(sites, cfg.tile)
     masks = build_masks(sites, gm, cfg, calib)
     InsertMasks(sites, masks)(gm)
     return MaskedProgram(gm, sites, masks, skipped, cfg)

@@ -1,0 +1,130 @@
+"""Mask file interop: PATCH / MaskLLM .npz round trips and the errors on files that do not fit."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from patchc.masks import detect_format, load_npz, read_meta, save_npz
+from patchc.pruning import oneshot
+from patchc.tile_plan import TilePlan
+
+
+def _masks(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "up.weight": torch.rand(model.up.weight.shape, generator=g) > 0.5,  # 40 x 24 = 960 bits
+        "down.weight": torch.rand(model.down.weight.shape, generator=g) > 0.3,  # 18 x 40 = 720 bits
+        "odd.weight": torch.rand(model.odd.weight.shape, generator=g) > 0.5,  # 24 x 18 = 432 bits
+    }
+
+
+@pytest.mark.parametrize("fmt", ["patch", "maskllm"])
+def test_round_trip_exact(tiny_mlp, tmp_path, fmt):
+    masks = _masks(tiny_mlp)
+    masks["odd.weight"][0, :5] = torch.tensor([True, False, True, True, False])  # 432 bits: whole bytes
+    path = save_npz(masks, tmp_path / "m.npz", format=fmt)
+    assert path == tmp_path / "m.npz" and sorted(p.name for p in tmp_path.iterdir()) == ["m.npz"]
+    back = load_npz(path, tiny_mlp)
+    assert sorted(back) == sorted(masks)
+    for fqn, m in masks.items():
+        assert back[fqn].dtype == torch.bool and torch.equal(back[fqn], m), fqn
+    assert detect_format(list(np.load(path).files)) == fmt
+
+
+def test_file_layout_matches_release_formats(tiny_mlp, tmp_path):
+    masks = _masks(tiny_mlp)
+    save_npz(masks, tmp_path / "p.npz", format="patch", meta={"sparsity": 0.35})
+    with np.load(tmp_path / "p.npz") as z:
+        assert sorted(z.files) == sorted(["__meta__"] + [k for f in masks for k in (f, f + ".__shape__")])
+        assert z["up.weight"].dtype == np.uint8 and z["up.weight"].shape == (960 // 8,)
+        np.testing.assert_array_equal(z["up.weight"], np.packbits(masks["up.weight"].numpy().reshape(-1)))
+        assert z["down.weight.__shape__"].dtype == np.int64 and z["down.weight.__shape__"].tolist() == [18, 40]
+        assert z["__meta__"].shape == () and z["__meta__"].dtype.kind == "U"
+        assert json.loads(str(z["__meta__"]))["sparsity"] == 0.35
+    assert read_meta(tmp_path / "p.npz")["producer"] == "patchc"
+    save_npz(masks, tmp_path / "q", format="maskllm")  # no ".npz" appended
+    with np.load(tmp_path / "q") as z:
+        assert sorted(z.files) == sorted(f + ".mask" for f in masks)
+    assert read_meta(tmp_path / "q") == {}
+
+
+def test_plan_round_trip(tiny_mlp, tmp_path):
+    masks = oneshot(tiny_mlp, "magnitude", "2:4", layers=["up.weight", "down.weight"], progress=False)
+    plan = TilePlan.from_masks(tiny_mlp, masks, tile=(8, 8))
+    for fmt in ("patch", "maskllm"):
+        save_npz(plan, tmp_path / f"{fmt}.npz", format=fmt)
+        back = load_npz(tmp_path / f"{fmt}.npz", tiny_mlp, strict=False)
+        assert sorted(back) == sorted(masks)
+        for fqn in masks:
+            assert torch.equal(back[fqn], masks[fqn])
+        plan2 = TilePlan.from_masks(tiny_mlp, back, tile=(8, 8))
+        for fqn in masks:
+            assert torch.equal(plan2.layers[fqn].to_dense(), plan.layers[fqn].to_dense())
+    assert read_meta(tmp_path / "patch.npz")["layers"]["up.weight"]["tile"] == [8, 8]
+
+
+def _write(path, **arrays):
+    with open(path, "wb") as f:
+        np.savez_compressed(f, **arrays)
+
+
+def test_mismatches_are_listed(tiny_mlp, tmp_path):
+    masks = _masks(tiny_mlp)
+    bits = {k: np.packbits(v.numpy().reshape(-1)) for k, v in masks.items()}
+    # PATCH: one unexpected name, one wrong shape, one wrong packed length, one missing layer.
+    _write(
+        tmp_path / "bad.npz",
+        __meta__=np.asarray("{}"),
+        **{"layers.9.fc.weight": bits["up.weight"], "layers.9.fc.weight.__shape__": np.array([40, 24])},
+        **{"up.weight": bits["up.weight"], "up.weight.__shape__": np.array([24, 40])},
+        **{"down.weight": bits["down.weight"][:-1], "down.weight.__shape__": np.array([18, 40])},
+    )
+    with pytest.raises(ValueError) as info:
+        load_npz(tmp_path / "bad.npz", tiny_mlp)
+    msg = str(info.value)
+    assert "bad.npz" in msg and "patch mask file" in msg
+    assert "unexpected: layers.9.fc.weight" in msg
+    assert "up.weight: file (24, 40) vs model (40, 24)" in msg
+    assert "down.weight: 89 uint8 values" in msg and "vs 90 uint8 for shape (18, 40)" in msg
+    assert "missing" not in msg  # odd.weight (K = 18) has no 2:4 groups: not expected
+
+    # MaskLLM: no shapes, so a wrong shape shows as a wrong packed length.
+    _write(tmp_path / "bad2.npz", **{"up.weight.mask": bits["down.weight"], "bogus.mask": bits["up.weight"]})
+    with pytest.raises(ValueError) as info:
+        load_npz(tmp_path / "bad2.npz", tiny_mlp, strict=False)
+    msg = str(info.value)
+    assert "maskllm mask file" in msg and "unexpected: bogus" in msg
+    assert "up.weight: 90 uint8 values (shape (90,)) vs 120 uint8 for shape (40, 24)" in msg
+    assert "missing" not in msg
+
+    # Shape entry without its mask, and a file of neither format.
+    _write(tmp_path / "half.npz", **{"up.weight.__shape__": np.array([40, 24])})
+    with pytest.raises(ValueError, match=r"up.weight \(has 'up.weight.__shape__' but no packed mask\)"):
+        load_npz(tmp_path / "half.npz", tiny_mlp, strict=False)
+    _write(tmp_path / "other.npz", x=np.zeros(3))
+    with pytest.raises(ValueError, match="not a PATCH mask file"):
+        load_npz(tmp_path / "other.npz", tiny_mlp)
+    with pytest.raises(ValueError, match="cannot read"):
+        (tmp_path / "junk.npz").write_bytes(b"junk")
+        load_npz(tmp_path / "junk.npz", tiny_mlp)
+
+
+def test_partial_files_need_strict_false(tiny_mlp, tmp_path):
+    save_npz({"up.weight": torch.ones(40, 24, dtype=torch.bool)}, tmp_path / "m.npz")
+    with pytest.raises(ValueError, match=r"missing: down.weight \(a masked layer of the model\)\n"):
+        load_npz(tmp_path / "m.npz", tiny_mlp)
+    assert list(load_npz(tmp_path / "m.npz", tiny_mlp, strict=False)) == ["up.weight"]
+    # A state_dict works as the reference too.
+    assert list(load_npz(tmp_path / "m.npz", tiny_mlp.state_dict(), strict=False)) == ["up.weight"]
+
+
+def test_save_rejects_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="fc.weight: masks must be 2-D"):
+        save_npz({"fc.weight": torch.ones(4, dtype=torch.bool)}, tmp_path / "m.npz")
+    with pytest.raises(ValueError, match="unknown format"):
+        save_npz({}, tmp_path / "m.npz", format="safetensors")
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
