@@ -151,7 +151,7 @@ def train_masks(
         reg = prog.regularizer()
         loss = task + reg
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"mask training: loss is {float(loss)} at step {t} (task {float(task)})")
+            raise FloatingPointError(f"mask training: loss is {loss.item()} at step {t} (task {task.item()})")
         loss.backward()
         if grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -159,7 +159,7 @@ def train_masks(
         prog.step()
         result.step = t + 1
         if (t + 1) % log_every == 0 or t + 1 == steps or t == 0:
-            record = {"step": t + 1, "loss": float(loss), "task": float(task), "reg": float(reg)}
+            record = {"step": t + 1, "loss": loss.item(), "task": task.item(), "reg": reg.item()}
             record["density"] = float(prog.density("expected"))
             record.update(prog.schedule())
             result.history.append(record)

@@ -157,7 +157,7 @@ def test_hybrid_mask_soft_sample_math():
     assert torch.allclose(mask[:, :4], torch.ones(4, 4), atol=1e-6)  # dense tile
     groups = mask[:, 4:].reshape(-1, 4)
     assert torch.allclose(groups.sum(-1), torch.full((4,), 2.0), atol=1e-5)  # soft 2:4 groups sum to 2
-    assert float(m.expected_kept()) == pytest.approx(16 + 8, abs=1e-4)
+    assert m.expected_kept().item() == pytest.approx(16 + 8, abs=1e-4)
 
 
 def test_regularizer_matches_the_formula(tiny_mlp):

@@ -36,3 +36,18 @@ __all__ = [
     "load_tokenizer",
     "shared_dir",
 ]
+
+# Hugging Face models and the one-stop loader (transformers is imported lazily, on first load).
+from patchc.models.bundle import HFTokenizer, ModelBundle, load_model  # noqa: E402
+from patchc.models.hf import EncoderWrapper, HFLoadError, export_causal_lm, export_encoder, minilm_dir  # noqa: E402
+
+__all__ += [
+    "EncoderWrapper",
+    "HFLoadError",
+    "HFTokenizer",
+    "ModelBundle",
+    "export_causal_lm",
+    "export_encoder",
+    "load_model",
+    "minilm_dir",
+]

