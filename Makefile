@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(strip $(TORCH)),$(PY) -m pip install -q "$(TORCH)")
-	$(PY) -m pip install -q -e ".[test,hf]"
+	$(PY) -m pip install -q -e ".[test,hf,minilm]"
 	touch $(STAMP)
 
 clean:

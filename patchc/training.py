@@ -160,7 +160,8 @@ def train_masks(
         result.step = t + 1
         if (t + 1) % log_every == 0 or t + 1 == steps or t == 0:
             record = {"step": t + 1, "loss": loss.item(), "task": task.item(), "reg": reg.item()}
-            record["density"] = float(prog.density("expected"))
+            with torch.no_grad():
+                record["density"] = prog.density("expected").item()
             record.update(prog.schedule())
             result.history.append(record)
             bar.set_postfix(task=f"{record['task']:.3f}", density=f"{record['density']:.3f}", tau=f"{record['tau']:.2f}")

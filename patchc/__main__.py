@@ -1,0 +1,7 @@
+"""`python -m patchc ...` is the `patchc` command."""
+
+import sys
+
+from patchc.cli import main
+
+sys.exit(main())

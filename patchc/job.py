@@ -1,0 +1,415 @@
+"""The main job, `patchc prune`: a real model and real text in, a hybrid plan and a quality report out.
+
+    load model -> load text (split by document) -> calibrate -> transform -> train masks
+        -> harden -> save plan -> evaluate (dense, PATCH, baselines) -> report.json / report.md / plots
+
+Runs under `torchrun --nproc_per_node=N -m patchc prune ...` too: each rank takes its slice of every
+global batch, DDP averages the logits' gradients (gloo on CPU, NCCL on GPU), and rank 0 alone evaluates
+and writes files.
+
+Example:
+    >>> report = run_prune(PruneOptions(steps=50, out="runs/quick"))
+    >>> report["plan"]["density"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import platform
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import patchc
+from patchc.config import PatchConfig
+from patchc.models.llama2c import SHARED_DIR
+
+DEFAULT_MODEL = str(SHARED_DIR / "models" / "stories260K" / "stories260K.bin")
+DEFAULT_DATA = (str(SHARED_DIR / "data" / "tinystories_sample.txt"),)
+ONESHOT_METHODS = ("magnitude", "wanda", "sparsegpt")
+
+
+@dataclass(frozen=True)
+class PruneOptions:
+    """Everything `patchc prune` takes; defaults are the paper's, scaled to a CPU-sized run.
+
+    The paper trains 2000 steps of 256 x 4096 tokens; here 300 steps of 8 x 128 tokens keep the same
+    schedule shapes (tau 2 -> 0.05, kappa 25 -> 350 for tiles and 100 -> 500 for 2:4, lambda1 7,
+    lambda2 10, Adam 1e-3, SparseGPT prior of strength 3) on the embedded default.
+    """
+
+    model: str = DEFAULT_MODEL
+    data: tuple[str, ...] = DEFAULT_DATA
+    out: str = "runs/stories260K"
+    sparsity: float = 0.35
+    tile: tuple[int, int] = (16, 16)
+    variant: str = "joint"
+    prior: str = "sparsegpt"
+    prior_strength: float = 3.0
+    steps: int = 300
+    batch_size: int = 8
+    lr: float = 1e-3
+    tau: tuple[float, float] = (2.0, 0.05)
+    kappa_tile: tuple[float, float] = (25.0, 350.0)
+    kappa_nm: tuple[float, float] = (100.0, 500.0)
+    lambda_density: float = 7.0
+    lambda_norm: float = 10.0
+    scope: str = "global"
+    exact_budget: bool = True
+    block_len: int = 128
+    eval_context: int = 256
+    eval_fraction: float = 0.2
+    calib_blocks: int = 32
+    data_free: bool = False
+    baselines: bool = True
+    seed: int = 0
+    device: str = "cpu"
+    threads: int = 0
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data", tuple(self.data))
+        object.__setattr__(self, "tile", tuple(self.tile))
+        if not self.data:
+            raise ValueError("--data: give at least one text file (evaluation always needs real held-out text)")
+        for name in ("steps", "batch_size", "block_len", "eval_context", "calib_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0 (0 = automatic), got {self.threads}")
+        self.patch_config()  # validates sparsity, tile, variant, prior, schedules
+
+    def patch_config(self, **changes: Any) -> PatchConfig:
+        fields = {f.name for f in dataclasses.fields(PatchConfig)}
+        values = {k: getattr(self, k) for k in fields if hasattr(self, k)}
+        values.update(changes)
+        return PatchConfig(**values)
+
+
+# -- distributed ------------------------------------------------------------------------------
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) outside torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_distributed(device: str) -> None:
+    """Join the torchrun process group when launched by torchrun (WORLD_SIZE > 1)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+
+
+def rank_slice(batch: Any, rank: int, size: int) -> Any:
+    """This rank's contiguous share of a global batch (a tensor or a dict of tensors)."""
+    if size == 1:
+        return batch
+    if isinstance(batch, dict):
+        return {k: rank_slice(v, rank, size) for k, v in batch.items()}
+    if batch.shape[0] % size:
+        raise ValueError(f"--batch-size {batch.shape[0]} must be divisible by the {size} processes")
+    share = batch.shape[0] // size
+    return batch[rank * share : (rank + 1) * share]
+
+
+# -- stages -----------------------------------------------------------------------------------
+@contextmanager
+def timed(timings: dict[str, float], stage: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[stage] = round(timings.get(stage, 0.0) + time.perf_counter() - start, 3)
+
+
+def say(message: str) -> None:
+    if world()[0] == 0:
+        print(message, flush=True)
+
+
+def choose_threads(opts: PruneOptions, model: torch.nn.Module) -> None:
+    """Tiny models on CPU run faster on one thread: their ops are too small to split."""
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    elif opts.device == "cpu" and sum(p.numel() for p in model.parameters()) < 10_000_000:
+        torch.set_num_threads(1)
+
+
+def load_data(bundle, opts: PruneOptions):
+    """Held-out evaluation text always comes from --data; training text from it too unless data-free."""
+    from patchc.data import load_documents, pack_blocks, split_documents, tokenize_documents
+
+    docs_train, docs_eval = [], []
+    for path in opts.data:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--data {path}: no such file")
+        train, held = split_documents(load_documents(path), opts.eval_fraction, opts.seed)
+        docs_train += train
+        docs_eval += held
+    if not docs_eval:
+        raise ValueError(f"--data {', '.join(opts.data)}: too few documents to hold any out for evaluation")
+    source = ", ".join(opts.data)
+    if bundle.kind == "encoder":
+        from patchc.encoder_eval import sentences_from_docs
+
+        return {
+            "train": sentences_from_docs(docs_train, max_sentences=4096),
+            "eval": sentences_from_docs(docs_eval, max_sentences=512),
+            "docs_train": len(docs_train),
+            "docs_eval": len(docs_eval),
+        }
+    eval_ids = tokenize_documents(docs_eval, bundle.tokenizer)
+    if eval_ids.numel() < 2:
+        raise ValueError(f"--data {source}: the held-out part is too short to evaluate")
+    if opts.data_free:
+        train_blocks = sample_training_text(bundle, opts)
+    else:
+        train_blocks = pack_blocks(tokenize_documents(docs_train, bundle.tokenizer), opts.block_len + 1, source=source)
+    return {"train": train_blocks, "eval": eval_ids, "docs_train": len(docs_train), "docs_eval": len(docs_eval)}
+
+
+@torch.no_grad()
+def sample_training_text(bundle, opts: PruneOptions, n_blocks: int | None = None) -> torch.Tensor:
+    """Data-free mode: the dense model writes its own training text (seeded, temperature 1)."""
+    n_blocks = n_blocks or max(32, opts.batch_size * 4)
+    gen = torch.Generator().manual_seed(opts.seed)
+    bos = 1 if bundle.kind == "causal" else 0
+    ids = torch.full((n_blocks, 1), bos, dtype=torch.long)
+    for _ in range(opts.block_len):
+        logits = bundle.logits(bundle.model, ids)[:, -1].float()
+        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+def make_loss(bundle, dense_model) -> Callable:
+    if bundle.kind == "encoder":
+        from patchc.encoder_eval import make_distill_loss
+
+        return make_distill_loss(bundle, dense_model)
+
+    def lm_loss(prog, ids: torch.Tensor) -> torch.Tensor:
+        logits = bundle.logits(prog, ids[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+
+    return lm_loss
+
+
+def make_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]:
+    rank, size = world()
+    if bundle.kind == "encoder":
+        from patchc.encoder_eval import encode_batches
+
+        batches = encode_batches(bundle, data["train"], max_len=opts.block_len, batch_size=opts.batch_size)
+        return lambda step: rank_slice(batches[step % len(batches)], rank, size)
+    from patchc.data import get_batch
+
+    return lambda step: rank_slice(get_batch(data["train"], opts.batch_size, step, opts.seed), rank, size)
+
+
+def calibrate(bundle, data: dict, opts: PruneOptions):
+    """Input statistics for the one-shot methods (Wanda norms, SparseGPT Hessians) on training text."""
+    batches = make_batches(bundle, data, dataclasses.replace(opts, batch_size=1))
+    n = min(opts.calib_blocks, len(data["train"]))
+    if bundle.kind == "causal":
+        inputs = [(lambda b: b[:, :-1])(batches(i)) for i in range(n)]
+    else:
+        inputs = [batches(i) for i in range(n)]
+    return patchc.calibrate(bundle.model, inputs, progress=opts.progress)
+
+
+def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, checkpoint: Path | None, resume: bool):
+    """transform -> train_masks -> harden for one configuration; returns (plan, train result)."""
+    prog = patchc.transform(bundle.export(bundle.model), cfg, calib=calib)
+    forward_module = prog
+    if world()[1] > 1:
+        forward_module = torch.nn.parallel.DistributedDataParallel(prog)
+    loss_fn = make_loss(bundle, bundle.model)
+    result = patchc.train_masks(
+        prog,
+        make_batches(bundle, data, opts),
+        lambda _prog, batch: loss_fn(forward_module, batch),
+        steps=cfg.steps,
+        lr=opts.lr,
+        checkpoint=checkpoint if world()[0] == 0 else None,
+        checkpoint_every=50 if checkpoint else 0,
+        resume=resume,
+        progress=opts.progress and world()[0] == 0,
+    )
+    plan = patchc.harden(prog, exact_budget=opts.exact_budget and cfg.variant != "nm")
+    return plan, result
+
+
+def evaluate(bundle, model: torch.nn.Module, data: dict, opts: PruneOptions, dense_embed=None) -> dict[str, float]:
+    """Perplexity on held-out text (causal) or agreement with the dense embeddings (encoder)."""
+    if bundle.kind == "encoder":
+        from patchc.encoder_eval import embedding_agreement
+
+        return embedding_agreement(dense_embed, bundle.embed(model, data["eval"]))
+    from patchc.evaluate import perplexity
+
+    return {"perplexity": perplexity(lambda ids: bundle.logits(model, ids), data["eval"], context=opts.eval_context)}
+
+
+def oneshot_baseline(bundle, method: str, calib) -> torch.nn.Module:
+    model = bundle.reload()
+    masks = patchc.oneshot(model, method=method, pattern="2:4", calib=calib)
+    with torch.no_grad():
+        for fqn, mask in masks.items():
+            model.get_parameter(fqn).mul_(mask.to(model.get_parameter(fqn).device))
+    return model
+
+
+def versions() -> dict[str, str]:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a Linux dependency
+        triton_version = "absent"
+    return {"patchc": patchc.__version__, "torch": torch.__version__, "triton": triton_version, "python": platform.python_version()}
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
+    """Run the whole job; returns the report dict (also written to `<out>/report.json`)."""
+    from patchc.models import load_model
+    from patchc.report import plot_plan, write_report
+
+    init_distributed(opts.device)
+    rank, size = world()
+    out = Path(opts.out)
+    timings: dict[str, float] = {}
+    results: list[dict] = []
+    cfg = opts.patch_config()
+    if rank == 0:
+        refuse_to_clobber(out, opts.resume)
+
+    with timed(timings, "load"):
+        bundle = load_model(opts.model, device=opts.device)
+        choose_threads(opts, bundle.model)
+        data = load_data(bundle, opts)
+    say(f"patchc prune: {bundle.name} ({bundle.kind}), sparsity {opts.sparsity:.0%}, tile {opts.tile}, "
+        f"{opts.steps} steps x batch {opts.batch_size}{f' on {size} processes' if size > 1 else ''}")
+
+    dense_embed = None
+    if rank == 0:
+        with timed(timings, "evaluate"):
+            if bundle.kind == "encoder":
+                dense_embed = bundle.embed(bundle.model, data["eval"])
+            results.append(row("dense", "dense", "-", 0.0, evaluate(bundle, bundle.model, data, opts, dense_embed)))
+
+    calib = None
+    if cfg.prior in ("wanda", "sparsegpt") or (opts.baselines and rank == 0):
+        with timed(timings, "calibrate"):
+            calib = calibrate(bundle, data, opts)
+
+    with timed(timings, "train"):
+        plan, trained = train(bundle, cfg, data, opts, calib, out / "masks.ckpt", opts.resume)
+    plan.meta["command"] = command or ""
+    if rank == 0:
+        pruned = plan.apply(bundle.reload())
+        with timed(timings, "evaluate"):
+            results.append(row(f"PATCH {opts.variant}", "patch", "hybrid", plan.sparsity, evaluate(bundle, pruned, data, opts, dense_embed), trained.seconds))
+
+    if opts.baselines:
+        if rank == 0:
+            with timed(timings, "baselines"):
+                for method in ONESHOT_METHODS:
+                    model = oneshot_baseline(bundle, method, calib)
+                    results.append(row(f"{method} 2:4", method, "2:4", 0.5, evaluate(bundle, model, data, opts, dense_embed)))
+        with timed(timings, "baselines"):
+            nm_cfg = cfg.replace(variant="nm", sparsity=0.5)
+            nm_plan, nm_trained = train(bundle, nm_cfg, data, opts, calib, None, False)
+        if rank == 0:
+            model = nm_plan.apply(bundle.reload())
+            results.append(row("learned 2:4 (nm)", "patch-nm", "2:4", nm_plan.sparsity, evaluate(bundle, model, data, opts, dense_embed), nm_trained.seconds))
+
+    if rank != 0:
+        dist.barrier()
+        return {}
+    report = {
+        "command": command or "",
+        "model": bundle.name,
+        "kind": bundle.kind,
+        "data": {"train": list(opts.data) if not opts.data_free else ["sampled from the dense model"], "eval": list(opts.data),
+                 "train_documents": data["docs_train"], "eval_documents": data["docs_eval"],
+                 "train_tokens": int(data["train"].numel()) if bundle.kind == "causal" else len(data["train"]),
+                 "eval_tokens": int(data["eval"].numel()) if bundle.kind == "causal" else len(data["eval"]),
+                 "data_free": opts.data_free},
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_dict().items()},
+        "train": {"steps": opts.steps, "batch_size": opts.batch_size, "lr": opts.lr, "processes": size,
+                  "seconds": round(trained.seconds, 2), "final": trained.history[-1] if trained.history else {}},
+        "plan": {"path": str(out / "plan.patch"), "density": plan.density, "sparsity": plan.sparsity,
+                 "n_layers": len(plan.layers), "skipped": plan.skipped},
+        "metric": "perplexity" if bundle.kind == "causal" else "cosine",
+        "evaluation": {"protocol": protocol(bundle, opts)},
+        "results": results,
+        "speed": {"skipped": "no CUDA device" if not torch.cuda.is_available() else "runtime not wired yet"},
+        "versions": versions(),
+        "device": device_name(opts.device),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timings": timings,
+    }
+    with timed(timings, "write"):
+        plan.save(out / "plan.patch")
+        pictures = plot_plan(plan, out, title=f"{bundle.name}: PATCH {opts.variant} at {plan.sparsity:.1%} sparsity")
+        report["files"] = {"plan": str(out / "plan.patch"), **{p.stem: str(p) for p in pictures},
+                           "report_json": str(out / "report.json"), "report_md": str(out / "report.md")}
+        write_report(report, out)
+    if size > 1:
+        dist.barrier()
+    return report
+
+
+def row(name: str, method: str, pattern: str, sparsity: float, metrics: dict, seconds: float | None = None) -> dict:
+    return {"name": name, "method": method, "pattern": pattern, "sparsity": round(float(sparsity), 6),
+            "perplexity": metrics.get("perplexity"), "cosine": metrics.get("cosine"),
+            "retrieval_agreement": metrics.get("retrieval_agreement"),
+            "seconds": round(seconds, 2) if seconds is not None else None}
+
+
+def protocol(bundle, opts: PruneOptions) -> str:
+    if bundle.kind == "causal":
+        return (f"perplexity over the held-out {opts.eval_fraction:.0%} of documents (split by document, seed "
+                f"{opts.seed}), BOS per document, non-overlapping windows of {opts.eval_context} tokens, every "
+                f"next-token prediction scored")
+    return ("mean cosine between pruned and dense mean-pooled sentence embeddings of held-out sentences, and the "
+            "share of sentences whose nearest neighbour is unchanged")
+
+
+def refuse_to_clobber(out: Path, resume: bool) -> None:
+    """Never overwrite a finished run's files half-way: a new run needs a new --out (or --resume)."""
+    if (out / "report.json").exists() and not resume:
+        raise FileExistsError(f"--out {out} already holds a finished run (report.json); choose another --out or pass --resume")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def format_results(report: dict) -> str:
+    lines = []
+    for r in report["results"]:
+        if report["metric"] == "perplexity":
+            lines.append(f"  {r['name']:<22} sparsity {r['sparsity']:6.1%}   perplexity {r['perplexity']:9.3f}")
+        else:
+            lines.append(f"  {r['name']:<22} sparsity {r['sparsity']:6.1%}   cosine {r['cosine']:.4f}   "
+                         f"retrieval agreement {r['retrieval_agreement']:.3f}")
+    return "\n".join(lines)
+
+
+__all__ = ["PruneOptions", "run_prune", "format_results"]
