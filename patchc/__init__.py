@@ -28,6 +28,8 @@ _LAZY = {
     "oneshot": ("patchc.pruning", "oneshot"),
     "masks": ("patchc.masks", None),
     "codegen": ("patchc.codegen", None),
+    "compile": ("patchc.runtime", "compile"),
+    "runtime": ("patchc.runtime", None),
 }
 
 

@@ -124,14 +124,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    import json
+
     import torch
 
     from patchc.runtime import tune_plan
     from patchc.tile_plan import TilePlan
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    result = tune_plan(TilePlan.load(args.plan), batch_size=args.batch_size, prefill_len=args.prefill_len, dtype=dtype)
-    print(f"tuned {len(result)} layers; cache updated")
+    tunings = tune_plan(TilePlan.load(args.plan), batch_size=args.batch_size, prefill_len=args.prefill_len, dtype=dtype)
+    for fqn, tuning in tunings.items():
+        print(f"{fqn}: {json.dumps(tuning.to_dict()) if tuning is not None else 'all dense: F.linear'}")
+    print(f"tuned {len(tunings)} layers; the choices are cached for the next run")
     return 0
 
 

@@ -1,0 +1,162 @@
+"""On-disk JSON cache of tuning results.
+
+One file, ``$PATCHC_CACHE_DIR/tune.json`` (default ``~/.cache/patchc/tune.json``)::
+
+    {"format": "patchc-tune-cache", "version": 1, "entries": {KEY: RECORD, ...}}
+
+KEY (see `cache_key`) joins the device name, torch and triton versions, the layer shape, the plan hash
+(tile kinds + tile + block), dtype, regime and M, so a result is reused only on the same setup. A file
+that cannot be read, is not valid JSON or has another format/version is ignored with a warning and
+rewritten (atomically: temp file + os.replace) on the next write; write errors only warn. The cache
+never raises.
+
+Example:
+    >>> cache = TuneCache("/tmp/patchc-doc/tune.json")
+    >>> cache.put("k", {"ms": 1.0}); cache.get("k")
+    {'ms': 1.0}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "patchc-tune-cache"
+VERSION = 1
+
+
+def default_cache_path() -> Path:
+    """``$PATCHC_CACHE_DIR/tune.json``, else ``~/.cache/patchc/tune.json``.
+
+    Example:
+        >>> default_cache_path().name
+        'tune.json'
+    """
+    root = os.environ.get("PATCHC_CACHE_DIR") or Path.home() / ".cache" / "patchc"
+    return Path(root) / "tune.json"
+
+
+def plan_hash(kinds: torch.Tensor, tile: tuple[int, int], block: tuple[int, int] | str) -> str:
+    """Short hash of what fixes the packed layout: tile kinds, tile and block ("*" = not chosen yet).
+
+    Example:
+        >>> plan_hash(torch.ones(2, 2, dtype=torch.uint8), (16, 16), (16, 16))[:4]  # doctest: +SKIP
+    """
+    h = hashlib.sha256()
+    h.update(kinds.to(torch.uint8).cpu().contiguous().numpy().tobytes())
+    h.update(json.dumps([list(kinds.shape), list(tile), block if isinstance(block, str) else list(block)]).encode())
+    return h.hexdigest()[:20]
+
+
+def versions() -> tuple[str, str]:
+    """(torch version, triton version or "none")."""
+    try:
+        import triton
+
+        tv = triton.__version__
+    except Exception:  # Triton missing or broken: still a valid (distinct) key
+        tv = "none"
+    return torch.__version__, tv
+
+
+def cache_key(
+    device_name: str,
+    shape: tuple[int, int],
+    phash: str,
+    dtype: torch.dtype,
+    regime: str,
+    m: int,
+    extra: str = "",
+) -> str:
+    """The cache key of one (layer, regime) tuning result.
+
+    Example:
+        >>> cache_key("NVIDIA H100", (4096, 4096), "abc", torch.float16, "decode", 16).split("|")[-3:]
+        ['decode', 'M=16', '']
+    """
+    tv, trv = versions()
+    return "|".join([device_name, f"torch={tv}", f"triton={trv}", f"{shape[0]}x{shape[1]}", f"plan={phash}",
+                     str(dtype).replace("torch.", ""), regime, f"M={m}", extra])
+
+
+class TuneCache:
+    """A JSON file of {key: record}; loaded lazily, every `put` rewrites the file atomically.
+
+    Example:
+        >>> cache = TuneCache()            # default path
+        >>> cache.get("missing") is None
+        True
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        self.path = Path(path) if path is not None else default_cache_path()
+        self._entries: dict[str, Any] | None = None
+
+    def _load(self) -> dict[str, Any]:
+        if self._entries is None:
+            self._entries = self._read(warn=True)
+        return self._entries
+
+    def _read(self, warn: bool) -> dict[str, Any]:
+        """Entries on disk; {} (with a warning) when missing-but-present, corrupt or of another version."""
+        if not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+            if not isinstance(data, dict) or data.get("format") != FORMAT:
+                raise ValueError(f"not a {FORMAT} file")
+            if data.get("version") != VERSION:
+                raise ValueError(f"version {data.get('version')!r}, this patchc writes {VERSION}")
+            entries = data.get("entries")
+            if not isinstance(entries, dict):
+                raise ValueError("'entries' is not an object")
+            return entries
+        except (OSError, ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            if warn:
+                warnings.warn(f"patchc tuning cache {self.path}: ignoring it ({type(e).__name__}: {e}); "
+                              "it will be rewritten", RuntimeWarning, stacklevel=3)
+            return {}
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """The record under `key`, or None."""
+        rec = self._load().get(key)
+        return rec if isinstance(rec, dict) else None
+
+    def put(self, key: str, record: dict[str, Any]) -> None:
+        """Store `record` and rewrite the file (merging entries other processes wrote meanwhile)."""
+        entries = self._load()
+        entries[key] = record
+        merged = {**self._read(warn=False), **entries}
+        self._entries = merged
+        self._write(merged)
+
+    def drop(self, key: str) -> None:
+        """Forget one entry in memory (a stale record); the file is rewritten on the next put."""
+        self._load().pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+    def _write(self, entries: dict[str, Any]) -> None:
+        text = json.dumps({"format": FORMAT, "version": VERSION, "entries": entries}, indent=1, sort_keys=True)
+        tmp = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, self.path)
+            tmp = None
+        except OSError as e:  # a read-only home must not stop a model from running
+            warnings.warn(f"patchc tuning cache {self.path}: cannot write ({e}); results kept in memory only",
+                          RuntimeWarning, stacklevel=3)
+        finally:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)

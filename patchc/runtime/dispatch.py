@@ -1,0 +1,115 @@
+"""`TileLinear`: the nn.Module that replaces a planned nn.Linear (packed buffers + tuned configs).
+
+The packed layout lives in registered buffers (they follow `.to()`, `.cuda()`, `.half()` and appear as
+real tensors to `torch.export`), the launch choices in plain ints. `forward` calls the custom op
+`patchc::tile_linear`, which dispatches by M (decode config for M <= threshold, prefill above; see
+`patchc.runtime.tuner` for how the threshold is found) without any host synchronisation.
+
+For an all-2:4 layer whose tuning picked torch's semi-structured sparse kernels for prefill, the module
+also holds that weight (`semi_weight`, GPU only, not a buffer: it does not follow `.to()`); M above the
+threshold then goes to `F.linear(x, semi_weight)` (a shape test, no synchronisation).
+
+Example:
+    >>> mod = TileLinear.from_plan(plan.layers["fc.weight"])        # doctest: +SKIP
+    >>> y = mod(torch.randn(4, mod.in_features))                    # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from patchc.codegen.configs import arch_of, choose_block
+from patchc.codegen.layout import pack
+from patchc.runtime import op as _op  # noqa: F401  (registers torch.ops.patchc.tile_linear)
+from patchc.runtime.op import encode_config
+from patchc.runtime.tuner import LayerTuning, default_tuning, packed_buffers
+
+BUFFER_NAMES = ("dense", "values", "meta", "dense_rowptr", "dense_cols", "sparse_rowptr", "sparse_cols")
+
+
+class TileLinear(nn.Module):
+    """Hybrid dense / 2:4 linear: y = x @ W_hat^T (+ bias) through `patchc::tile_linear`.
+
+    Example:
+        >>> mod = TileLinear.from_plan(layer, tuning=None, dtype=torch.float16, device="cuda")  # doctest: +SKIP
+    """
+
+    def __init__(self, packed: Any, tuning: LayerTuning, dtype: torch.dtype | None = None, device: Any = None,
+                 semi_weight: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if tuple(tuning.block) != tuple(packed.block):
+            raise ValueError(f"layer {packed.name!r}: tuning block {tuning.block} != packed block {packed.block}")
+        dtype = dtype or packed.dtype
+        device = device if device is not None else packed.device
+        bufs, per_row = packed_buffers(packed, dtype, device)
+        for name, buf in zip(BUFFER_NAMES, bufs):
+            self.register_buffer(name, buf)
+        bias = None if packed.bias is None else packed.bias.to(device=device, dtype=dtype)
+        self.register_buffer("bias", bias)
+        self.name = packed.name
+        self.out_features, self.in_features = packed.shape
+        self.block = tuple(packed.block)
+        self.per_row = tuple(per_row)
+        self.decode_cfg = encode_config(tuning.decode)
+        self.prefill_cfg = encode_config(tuning.prefill)
+        self.threshold = int(tuning.threshold)
+        self.tuning = tuning
+        self.semi_weight = semi_weight
+
+    @classmethod
+    def from_plan(
+        cls,
+        layer: Any,
+        tuning: LayerTuning | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: Any = None,
+        batch_size: int = 16,
+        prefill_len: int = 128,
+    ) -> TileLinear:
+        """Pack a LayerPlan at the tuned block (or the architecture's default block) and wrap it.
+
+        Example:
+            >>> mod = TileLinear.from_plan(plan.layers["layers.0.mlp.up_proj.weight"], dtype=torch.float32)  # doctest: +SKIP
+        """
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        arch = arch_of(device)
+        block = tuple(tuning.block) if tuning is not None else choose_block(tuple(layer.tile), arch)
+        packed = pack(layer, block=block)
+        tuning = tuning or default_tuning(layer, packed, batch_size, prefill_len, arch)
+        semi = None
+        if tuning.prefill_backend == "semi_structured" and device.type == "cuda":
+            from torch.sparse import to_sparse_semi_structured
+
+            semi = to_sparse_semi_structured(layer.to_dense().to(device=device, dtype=dtype or layer.dtype))
+        return cls(packed, tuning, dtype=dtype, device=device, semi_weight=semi)
+
+    def op_args(self, bias: Any = None) -> tuple[Any, ...]:
+        """Everything the op takes after x (bias: override, e.g. an FX node; default the module's own)."""
+        return (
+            *(getattr(self, n) for n in BUFFER_NAMES),
+            self.bias if bias is None else bias,
+            self.name,
+            [self.out_features, self.in_features],
+            list(self.block),
+            list(self.per_row),
+            list(self.decode_cfg),
+            list(self.prefill_cfg),
+            self.threshold,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        semi = self.semi_weight
+        if semi is not None and x.is_cuda and x.dtype == semi.dtype and x.numel() // self.in_features > self.threshold:
+            y = F.linear(x.reshape(-1, self.in_features), semi, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        return torch.ops.patchc.tile_linear(x, *self.op_args())
+
+    def extra_repr(self) -> str:
+        return (f"{self.name!r}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"block={self.block}, decode={self.decode_cfg}, prefill={self.prefill_cfg}, "
+                f"threshold={self.threshold}, bias={self.bias is not None}")

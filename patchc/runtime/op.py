@@ -1,0 +1,267 @@
+"""The `patchc::tile_linear` custom op: y = x @ W_hat^T (+ bias) from a layer's packed buffers.
+
+The op receives the packed layout (see `patchc.codegen.layout`) as real tensors plus a few ints, so
+`torch.export`, `torch.compile` and CUDA-graph capture see one opaque node with a fake (meta) kernel:
+
+* on CUDA (or on CPU when the Triton kernels run in the interpreter, TRITON_INTERPRET=1) it launches the
+  hybrid Triton kernels; which kernel and launch config depends only on M = x.numel() // K (a shape,
+  never a tensor value): M <= threshold -> the decode config, above -> the prefill config. Nothing in that
+  path reads a tensor value back to the host (no `.item()`, no data-dependent branch), so it can be
+  captured in a CUDA graph;
+* on CPU otherwise it runs a plain-PyTorch reference: W_hat rebuilt from the packed buffers, F.linear.
+
+A launch config travels as 6 ints (see `encode_config`): kernel (0 decode, 1 prefill), block_m, split_k,
+num_warps, num_stages, group_m.
+
+Example:
+    >>> import torch, patchc.runtime.op  # registers torch.ops.patchc.tile_linear
+    >>> y = torch.ops.patchc.tile_linear(x, *buffers, bias, name, shape, block, per_row,
+    ...                                   decode_cfg, prefill_cfg, threshold)      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from patchc.codegen.configs import KernelConfig
+
+KERNEL_CODES = {"decode": 0, "prefill": 1}
+CONFIG_FIELDS = ("kernel", "block_m", "split_k", "num_warps", "num_stages", "group_m")
+REDUCE_BLOCK = 1024  # elements per program of the split-K reduction (as in codegen.launch)
+# How CPU tensors are served: "auto" = Triton iff the kernels module runs in the interpreter,
+# "reference" = always plain PyTorch, "triton" = always Triton (needs TRITON_INTERPRET=1 on CPU).
+CPU_IMPLS = ("auto", "reference", "triton")
+
+
+def encode_config(cfg: KernelConfig) -> list[int]:
+    """A fully resolved KernelConfig -> the op's 6-int form.
+
+    Example:
+        >>> encode_config(KernelConfig(kernel="decode", block_m=16, split_k=2, num_warps=4, num_stages=3, group_m=8))
+        [0, 16, 2, 4, 3, 8]
+    """
+    if cfg.kernel not in KERNEL_CODES:
+        raise ValueError(f"encode_config: kernel must be 'decode' or 'prefill' (resolved), got {cfg.kernel!r}")
+    vals = [cfg.block_m, cfg.split_k, cfg.num_warps, cfg.num_stages, cfg.group_m]
+    if any(v is None for v in vals):
+        raise ValueError(f"encode_config: every field must be set (use resolve_config first), got {cfg}")
+    return [KERNEL_CODES[cfg.kernel], *(int(v) for v in vals)]
+
+
+def decode_config(ints: list[int]) -> KernelConfig:
+    """The op's 6-int form -> KernelConfig (the inverse of `encode_config`).
+
+    Example:
+        >>> decode_config([1, 64, 1, 8, 3, 8]).kernel
+        'prefill'
+    """
+    if len(ints) != len(CONFIG_FIELDS):
+        raise ValueError(f"a launch config has {len(CONFIG_FIELDS)} ints {CONFIG_FIELDS}, got {list(ints)}")
+    kernel = {v: k for k, v in KERNEL_CODES.items()}.get(int(ints[0]))
+    if kernel is None:
+        raise ValueError(f"unknown kernel code {ints[0]} (0 decode, 1 prefill)")
+    bm, sk, nw, ns, gm = (int(v) for v in ints[1:])
+    return KernelConfig(kernel=kernel, block_m=bm, split_k=sk, num_warps=nw, num_stages=ns, group_m=gm)
+
+
+def cpu_impl() -> str:
+    """The CPU serving mode: $PATCHC_CPU_IMPL (one of CPU_IMPLS), default "auto"."""
+    mode = os.environ.get("PATCHC_CPU_IMPL", "auto")
+    if mode not in CPU_IMPLS:
+        raise ValueError(f"PATCHC_CPU_IMPL must be one of {CPU_IMPLS}, got {mode!r}")
+    return mode
+
+
+def kernels_interpreted() -> bool:
+    """True when patchc's Triton kernels were decorated under TRITON_INTERPRET=1 (they then run on CPU)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        from patchc.codegen import kernels
+    except Exception:  # no usable Triton: the reference serves CPU tensors
+        return False
+    return isinstance(kernels.decode_kernel, InterpretedFunction)
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether this call launches the Triton kernels (CUDA always; CPU per `cpu_impl`)."""
+    if x.is_cuda:
+        return True
+    mode = cpu_impl()
+    return mode == "triton" or (mode == "auto" and kernels_interpreted())
+
+
+@torch.library.custom_op("patchc::tile_linear", mutates_args=())
+def tile_linear(
+    x: torch.Tensor,
+    dense: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor,
+    dense_rowptr: torch.Tensor,
+    dense_cols: torch.Tensor,
+    sparse_rowptr: torch.Tensor,
+    sparse_cols: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    name: str,
+    shape: list[int],
+    block: list[int],
+    per_row: list[int],
+    decode_cfg: list[int],
+    prefill_cfg: list[int],
+    threshold: int,
+) -> torch.Tensor:
+    """y (..., N) = x (..., K) @ W_hat^T (+ bias); see the module docstring for the arguments.
+
+    Example:
+        >>> y = torch.ops.patchc.tile_linear(x, *bufs, None, "fc.weight", [N, K], [16, 16], [-1, -1],
+        ...                                   [0, 16, 1, 4, 4, 8], [1, 64, 1, 8, 3, 8], 64)  # doctest: +SKIP
+    """
+    n, k = _check(x, dense, values, bias, name, shape)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty((*lead, n))
+    if not use_triton(x):
+        w = dense_from_buffers(dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols,
+                               (n, k), (block[0], block[1]))
+        # F.linear on the rebuilt W_hat: bitwise the same math as the pruned dense model's F.linear
+        return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    # dispatch by M, a shape: free of host synchronisation (CUDA-graph safe)
+    cfg = decode_cfg if m <= threshold else prefill_cfg
+    y = launch(x2.contiguous(), (dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols),
+               bias, (n, k), (block[0], block[1]), (per_row[0], per_row[1]), decode_config(cfg))
+    return y.reshape(*lead, n)
+
+
+@tile_linear.register_fake
+def _(x, dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols, bias, name, shape, block,
+      per_row, decode_cfg, prefill_cfg, threshold):
+    n, _ = _check(x, dense, values, bias, name, shape)
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def _check(x: torch.Tensor, dense: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, name: str,
+           shape: list[int]) -> tuple[int, int]:
+    """Shape / dtype / device checks that need no tensor values (also run by the fake kernel)."""
+    n, k = int(shape[0]), int(shape[1])
+    where = f"patchc::tile_linear({name!r})"
+    if x.shape[-1] != k:
+        raise ValueError(f"{where}: x has {x.shape[-1]} features, the layer expects K={k}")
+    if x.dtype != values.dtype or x.dtype != dense.dtype:
+        raise TypeError(f"{where}: x is {x.dtype} but the packed weights are {values.dtype}; cast the module "
+                        f"(e.g. model.to({x.dtype})) or the input")
+    if x.device != values.device:
+        raise ValueError(f"{where}: x is on {x.device}, the packed weights on {values.device}; move the model")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"{where}: bias must have shape ({n},), got {tuple(bias.shape)}")
+    return n, k
+
+
+def dense_from_buffers(
+    dense: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor,
+    dense_rowptr: torch.Tensor,
+    dense_cols: torch.Tensor,
+    sparse_rowptr: torch.Tensor,
+    sparse_cols: torch.Tensor,
+    shape: tuple[int, int],
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """W_hat (N, K) rebuilt from the packed buffers (reference path; reads index tensors, so CPU only).
+
+    Example:
+        >>> w = dense_from_buffers(*packed_buffers, shape=(96, 80), block=(16, 16))   # doctest: +SKIP
+    """
+    bn, bk = block
+    rb, cb = math.ceil(shape[0] / bn), math.ceil(shape[1] / bk)
+    grid = torch.zeros(rb, cb, bn, bk, dtype=values.dtype, device=values.device)
+    if dense_cols.numel():
+        grid[_rows_of(dense_rowptr), dense_cols.long()] = dense
+    ns = sparse_cols.numel()
+    if ns:
+        nib = torch.stack([meta & 15, meta >> 4], -1).reshape(ns, bn, bk // 4).long()
+        vals = values.reshape(ns, bn, bk // 4, 2)
+        groups = torch.zeros(ns, bn, bk // 4, 4, dtype=values.dtype, device=values.device)
+        groups.scatter_(-1, (nib & 3)[..., None], vals[..., :1])
+        groups.scatter_(-1, (nib >> 2)[..., None], vals[..., 1:])
+        grid[_rows_of(sparse_rowptr), sparse_cols.long()] = groups.reshape(ns, bn, bk)
+    return grid.permute(0, 2, 1, 3).reshape(rb * bn, cb * bk)[: shape[0], : shape[1]]
+
+
+def _rows_of(rowptr: torch.Tensor) -> torch.Tensor:
+    counts = rowptr.long().diff()
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=rowptr.device), counts)
+
+
+def launch(
+    x2: torch.Tensor,
+    buffers: tuple[torch.Tensor, ...],
+    bias: torch.Tensor | None,
+    shape: tuple[int, int],
+    block: tuple[int, int],
+    per_row: tuple[int, int],
+    cfg: KernelConfig,
+) -> torch.Tensor:
+    """Launch the hybrid kernel for a contiguous (M, K) x with a fully resolved config; returns (M, N).
+
+    Unlike `patchc.codegen.tile_linear` it takes the per-row block counts as ints computed at pack time,
+    so it never reads index tensors on the host (safe under CUDA-graph capture).
+
+    Example:
+        >>> y = launch(x2, bufs, None, (96, 80), (16, 16), (-1, -1), decode_config([0, 16, 1, 4, 2, 8]))  # doctest: +SKIP
+    """
+    import triton
+
+    from patchc.codegen import kernels
+
+    dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols = buffers
+    n, k = shape
+    bn, bk = block
+    m = x2.shape[0]
+    rows = math.ceil(n / bn)
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    consts = {
+        "N": n, "K": k, "BLOCK_M": cfg.block_m, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": cfg.split_k,
+        "HAS_DENSE": dense_cols.shape[0] > 0, "HAS_SPARSE": sparse_cols.shape[0] > 0,
+        "DENSE_PER_ROW": per_row[0], "SPARSE_PER_ROW": per_row[1], "HAS_BIAS": bias is not None,
+        "EVEN_K": k % bk == 0,
+        # fp32 inputs: exact fp32 products (tf32 would break fp32 tolerances); ignored for fp16/bf16
+        "DOT_PRECISION": "ieee" if x2.dtype == torch.float32 else "tf32",
+    }
+    if cfg.kernel == "decode":
+        consts["USE_DOT"] = cfg.block_m >= 16
+        grid = (rows, cfg.split_k, math.ceil(m / cfg.block_m))
+    else:
+        if cfg.block_m < 16:
+            raise ValueError(f"prefill config needs block_m >= 16 (tl.dot), got {cfg.block_m}")
+        consts["GROUP_M"] = cfg.group_m
+        grid = (math.ceil(m / cfg.block_m) * rows, cfg.split_k)
+    part = None
+    if cfg.split_k > 1:
+        part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x2.device)
+    args = [
+        x2, y, _or_dummy(part, x2, torch.float32), _or_dummy(bias, x2), _or_dummy(dense, x2),
+        _or_dummy(values, x2), _or_dummy(meta, x2, torch.uint8), dense_rowptr,
+        _or_dummy(dense_cols, x2, torch.int32), sparse_rowptr, _or_dummy(sparse_cols, x2, torch.int32),
+    ]
+    kernels.KERNELS[cfg.kernel][grid](*args, m, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if part is not None:
+        kernels.splitk_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            part, y, _or_dummy(bias, y), m, N=n, SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
+            BLOCK=REDUCE_BLOCK,
+        )
+    return y
+
+
+def _or_dummy(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Kernels need a valid pointer even for an unused buffer; torch.empty launches nothing."""
+    if t is not None and t.numel() > 0:
+        return t
+    return torch.empty(16, dtype=dtype or like.dtype, device=like.device)

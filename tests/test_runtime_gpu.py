@@ -1,0 +1,50 @@
+"""Runtime on a GPU: tuning on LLaMA-2-7B shapes, CUDA-graph capture, inductor. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import patchc.runtime as rt
+from patchc.codegen.reference import random_tile_plan
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_tuning_differs_between_decode_and_prefill_on_llama7b_shapes(tmp_path):
+    plan = random_tile_plan({
+        "q.weight": dict(n=4096, k=4096, tile=(128, 128), kinds=0.3, dtype=torch.float16),
+        "up.weight": dict(n=11008, k=4096, tile=(128, 128), kinds=0.3, dtype=torch.float16),
+        "down.weight": dict(n=4096, k=11008, tile=(128, 128), kinds=0.3, dtype=torch.float16),
+    })
+    tunings = rt.tune_plan(plan, batch_size=16, prefill_len=128, cache=tmp_path / "t.json", progress=False)
+    for fqn, t in tunings.items():
+        assert t.decode.kernel == "decode" and t.prefill.kernel == "prefill", fqn
+        assert (t.decode.block_m, t.decode.split_k) != (t.prefill.block_m, t.prefill.split_k), fqn
+        assert t.threshold >= 16
+
+
+def test_cuda_graph_capture_and_match():
+    plan = random_tile_plan({"0.weight": dict(n=4096, k=4096, tile=(128, 128), kinds=0.3, dtype=torch.float16)})
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False)).cuda().half()
+    fast = rt.compile(model, plan, batch_size=16, prefill_len=128, tune=False)
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.float16)
+    ref = torch.nn.functional.linear(x, plan.layers["0.weight"].to_dense().cuda().half())
+    fast(x)  # compile the kernels outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = fast(x)
+    g.replay()
+    torch.testing.assert_close(y, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_backend_inductor_reduce_overhead():
+    plan = random_tile_plan({"0.weight": dict(n=1024, k=1024, tile=(64, 64), kinds="mixed", dtype=torch.float16)})
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False)).cuda().half()
+    pruned = plan.apply(model)
+    x = torch.randn(16, 1024, device="cuda", dtype=torch.float16)
+    torch._dynamo.reset()
+    cm = torch.compile(model, backend="patch", mode="reduce-overhead", options={"plan": plan, "tune": False})
+    for _ in range(3):
+        y = cm(x)
+    torch.testing.assert_close(y, pruned(x), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,178 @@
+"""Inspector / autotuner and its cache, on CPU with an injected timing function (no kernel runs)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import patchc.runtime as rt
+from patchc.codegen.configs import KernelConfig
+from patchc.codegen.reference import random_tile_plan
+from patchc.runtime.cache import TuneCache, cache_key
+from patchc.runtime.tuner import TuneError, candidate_space, candidates, prune_reason, smem_estimate, tune_plan
+
+F16 = torch.float16
+
+
+class FakeTimer:
+    """Counts calls; decode prefers split_k 2 / block 32x64, prefill prefers block_m 64; split_k 4 fails."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, fn) -> float:
+        self.calls += 1
+        cfg = fn.args[-1]
+        m = fn.args[0].shape[0]
+        if cfg.split_k == 4:
+            raise RuntimeError("out of resources")  # must score infinity, not crash
+        if cfg.kernel == "decode":
+            return 1.0 + abs(cfg.split_k - 2) + 0.1 * ((cfg.block_n, cfg.block_k) != (32, 64)) + m * 1e-3
+        return 2.0 + (cfg.block_m != 64) + 0.01 * cfg.num_warps + m * 1e-4
+
+
+def plan_of():
+    return random_tile_plan({
+        "mixed.weight": dict(n=128, k=1024, tile=(64, 64), kinds="mixed"),
+        "sparse.weight": dict(n=64, k=512, tile=(64, 64), kinds="sparse"),
+        "dense.weight": dict(n=64, k=256, tile=(64, 64), kinds="dense"),
+    })
+
+
+def run(plan, cache, timer, **kw):
+    return tune_plan(plan, batch_size=16, prefill_len=32, dtype=F16, device="cpu", cache=cache,
+                     progress=False, time_fn=timer, arch="sm_90", **kw)
+
+
+def test_tune_decode_then_prefill_and_cache(tmp_path):
+    plan, cache_path = plan_of(), tmp_path / "tune.json"
+    timer = FakeTimer()
+    first = run(plan, TuneCache(cache_path), timer)
+    assert timer.calls > 0
+    assert first["dense.weight"] is None  # all dense: F.linear
+    mixed = first["mixed.weight"]
+    assert (mixed.decode.kernel, mixed.prefill.kernel) == ("decode", "prefill")
+    assert mixed.block == (32, 64) and mixed.decode.split_k == 2  # decode fixed the block
+    assert (mixed.prefill.block_n, mixed.prefill.block_k) == mixed.block and mixed.prefill.block_m == 64
+    assert mixed.threshold >= 16 and mixed.source == "tuned"
+    assert first["sparse.weight"].prefill_backend == "triton"  # semi-structured needs a GPU
+    # second run: everything from the cache, nothing timed
+    again = FakeTimer()
+    second = run(plan, TuneCache(cache_path), again)
+    assert again.calls == 0
+    assert {k: (v and (v.decode, v.prefill, v.block, v.threshold)) for k, v in second.items()} == \
+        {k: (v and (v.decode, v.prefill, v.block, v.threshold)) for k, v in first.items()}
+    assert second["mixed.weight"].source == "cache"
+    # another dtype is another key: timed again
+    third = FakeTimer()
+    tune_plan(plan, 16, 32, torch.float32, "cpu", TuneCache(cache_path), False, time_fn=third, arch="sm_90")
+    assert third.calls > 0
+
+
+def test_corrupt_cache_survived_and_rewritten(tmp_path):
+    path = tmp_path / "tune.json"
+    path.write_text("{ not json")
+    with pytest.warns(RuntimeWarning, match="ignoring it"):
+        out = run(plan_of(), TuneCache(path), FakeTimer())
+    assert out["mixed.weight"] is not None
+    data = json.loads(path.read_text())
+    assert data["format"] == "patchc-tune-cache" and len(data["entries"]) >= 4
+
+
+def test_stale_entry_is_retuned(tmp_path):
+    path = tmp_path / "tune.json"
+    run(plan_of(), TuneCache(path), FakeTimer())
+    data = json.loads(path.read_text())
+    for rec in data["entries"].values():
+        rec["config"] = [7, 1, 1, 1, 1, 1]  # unknown kernel code
+    path.write_text(json.dumps(data))
+    timer = FakeTimer()
+    with pytest.warns(RuntimeWarning, match="stale entry"):
+        out = run(plan_of(), TuneCache(path), timer)
+    assert timer.calls > 0 and out["mixed.weight"].decode.kernel == "decode"
+
+
+def test_cached_only_times_nothing(tmp_path):
+    timer = FakeTimer()
+    out = run(plan_of(), TuneCache(tmp_path / "t.json"), timer, cached_only=True)
+    assert timer.calls == 0 and out["mixed.weight"] is None
+
+
+def test_every_candidate_failing_raises(tmp_path):
+    def broken(fn):
+        raise RuntimeError("no")
+
+    with pytest.raises(TuneError, match="mixed.weight"):
+        run(plan_of(), False, broken)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_tuning_needs_a_gpu():
+    with pytest.raises(TuneError, match="needs a CUDA GPU"):
+        tune_plan(plan_of(), progress=False)
+
+
+def test_compile_tune_paths(tmp_path):
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(1024, 128, bias=False))
+    plan = random_tile_plan({"0.weight": dict(n=128, k=1024, tile=(64, 64), kinds="mixed")})
+    timer = FakeTimer()
+    fast = rt.compile(model, plan, batch_size=16, prefill_len=32, tune=True, time_fn=timer, cache=tmp_path / "c.json")
+    assert timer.calls > 0 and fast[0].block == (32, 64) and fast[0].decode_cfg[2] == 2
+    cached = rt.compile(model, plan, batch_size=16, prefill_len=32, tune="cached", cache=tmp_path / "c.json")
+    assert cached[0].decode_cfg == fast[0].decode_cfg and cached[0].tuning.source == "cache"
+    default = rt.compile(model, plan, tune=False)
+    assert default[0].tuning.source == "default"
+
+
+# --- candidates and pruning ----------------------------------------------------------------------
+def test_candidate_tables_per_generation():
+    a, h = candidate_space("sm_80"), candidate_space("sm_90")
+    assert h.smem_bytes > a.smem_bytes and max(h.decode_split_k) > max(a.decode_split_k)
+    with pytest.raises(ValueError, match="no candidate table"):
+        candidate_space("sm_70")
+
+
+def test_prune_rules():
+    space = candidate_space("sm_80")
+    cfg = KernelConfig("decode", 16, 64, 64, 1, 4, 2, 8)
+    assert prune_reason(cfg, (4096, 4096), (128, 128), F16, space) is None
+    assert "does not divide" in prune_reason(cfg, (4096, 4096), (96, 128), F16, space)
+    assert "exceeds the layer" in prune_reason(KernelConfig("decode", 16, 128, 64, 1, 4, 2, 8), (32, 4096), (128, 128), F16, space)
+    big = KernelConfig("prefill", 128, 128, 128, 1, 8, 4, 8)
+    assert smem_estimate(big, F16) == 4 * (128 * 128 + 128 * 128) * 2
+    assert "shared memory" in prune_reason(big, (4096, 4096), (128, 128), F16, space)
+    assert "K per split" in prune_reason(KernelConfig("decode", 16, 64, 64, 8, 4, 2, 8), (4096, 1024), (64, 64), F16, space)
+    assert "blocks per split" in prune_reason(
+        KernelConfig("decode", 16, 64, 256, 8, 4, 2, 8), (4096, 2048), (64, 256), F16, space,
+    )
+
+
+def test_candidates_respect_tile_and_block():
+    cands = candidates("decode", (4096, 4096), (64, 64), 16, F16, "sm_90")
+    assert cands and all(64 % c.block_n == 0 and 64 % c.block_k == 0 for c in cands)
+    assert all(c.kernel == "decode" and c.block_m == 16 for c in cands)
+    small = candidates("decode", (4096, 4096), (64, 64), 2, F16, "sm_90")
+    assert {c.block_m for c in small} == {2}  # multiply-and-sum for M <= 4
+    pre = candidates("prefill", (4096, 4096), (128, 128), 2048, F16, "sm_80", block=(64, 64))
+    assert pre and {(c.block_n, c.block_k) for c in pre} == {(64, 64)} and {c.block_m for c in pre} == {64, 128}
+
+
+def test_cache_key_parts():
+    k1 = cache_key("dev", (8, 16), "h", F16, "decode", 16)
+    assert k1 != cache_key("dev", (8, 16), "h", torch.bfloat16, "decode", 16)
+    assert k1 != cache_key("dev", (8, 16), "h", F16, "prefill", 16)
+    assert k1 != cache_key("dev2", (8, 16), "h", F16, "decode", 16)
+    assert torch.__version__ in k1
+
+
+def test_cache_default_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATCHC_CACHE_DIR", str(tmp_path))
+    assert rt.default_cache_path() == tmp_path / "tune.json"
+    c = TuneCache()
+    c.put("a", {"x": 1})
+    assert TuneCache().get("a") == {"x": 1} and not math.isnan(len(c))
