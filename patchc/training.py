@@ -159,7 +159,8 @@ def train_masks(
         prog.step()
         result.step = t + 1
         if (t + 1) % log_every == 0 or t + 1 == steps or t == 0:
-            record = {"step": t + 1, "loss": loss.item(), "task": task.item(), "reg": reg.item()}
+            record = dict(zip(("loss", "task", "reg"), _global_mean(torch.stack([loss, task, reg]).detach()).tolist()))
+            record = {"step": t + 1, **record}
             with torch.no_grad():
                 record["density"] = prog.density("expected").item()
             record.update(prog.schedule())
@@ -174,6 +175,17 @@ def train_masks(
         save_checkpoint(checkpoint, prog, optimizer, result)
     prog.eval()
     return result
+
+
+def _global_mean(values: torch.Tensor) -> torch.Tensor:
+    """Average logged values over torchrun ranks (each saw its share of the global batch)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values)
+        values /= dist.get_world_size()
+    return values
 
 
 def lm_loss(prog: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -24,16 +24,16 @@ def _loss(prog, ids):
 
 
 def test_resume_equals_straight_run_exactly(tiny_mlp, tmp_path):
-    straight = _setup(tiny_mlp)
-    patchc.train_masks(straight, _batches, _loss, steps=20, lr=1e-2, progress=False)
+    straight = _setup(tiny_mlp, steps=100)
+    patchc.train_masks(straight, _batches, _loss, steps=100, lr=1e-2, progress=False)
 
     ckpt = tmp_path / "masks.ckpt"
-    first = _setup(tiny_mlp)
-    patchc.train_masks(first, _batches, _loss, steps=10, lr=1e-2, checkpoint=ckpt, progress=False)
-    resumed = _setup(tiny_mlp)
-    result = patchc.train_masks(resumed, _batches, _loss, steps=20, lr=1e-2, checkpoint=ckpt, resume=True, progress=False)
+    first = _setup(tiny_mlp, steps=100)
+    patchc.train_masks(first, _batches, _loss, steps=50, lr=1e-2, checkpoint=ckpt, progress=False)
+    resumed = _setup(tiny_mlp, steps=100)
+    result = patchc.train_masks(resumed, _batches, _loss, steps=100, lr=1e-2, checkpoint=ckpt, resume=True, progress=False)
 
-    assert result.step == 20 and int(resumed.schedule_step) == 20
+    assert result.step == 100 and int(resumed.schedule_step) == 100
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
 
