@@ -262,9 +262,10 @@ def evaluate(bundle, model: torch.nn.Module, data: dict, opts: PruneOptions, den
     return {"perplexity": perplexity(lambda ids: bundle.logits(model, ids), data["eval"], context=opts.eval_context)}
 
 
-def oneshot_baseline(bundle, method: str, calib) -> torch.nn.Module:
+def oneshot_baseline(bundle, method: str, calib, progress: bool = False) -> torch.nn.Module:
+    """A fresh dense copy pruned by a one-shot method at 2:4 (masks only, as the baselines of the paper)."""
     model = bundle.reload()
-    masks = patchc.oneshot(model, method=method, pattern="2:4", calib=calib)
+    masks = patchc.oneshot(model, method=method, pattern="2:4", calib=calib, progress=progress)
     with torch.no_grad():
         for fqn, mask in masks.items():
             model.get_parameter(fqn).mul_(mask.to(model.get_parameter(fqn).device))
@@ -332,7 +333,7 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
         if rank == 0:
             with timed(timings, "baselines"):
                 for method in ONESHOT_METHODS:
-                    model = oneshot_baseline(bundle, method, calib)
+                    model = oneshot_baseline(bundle, method, calib, opts.progress)
                     results.append(row(f"{method} 2:4", method, "2:4", 0.5, evaluate(bundle, model, data, opts, dense_embed)))
         with timed(timings, "baselines"):
             nm_cfg = cfg.replace(variant="nm", sparsity=0.5)

@@ -1,54 +1,53 @@
-"""Learned hybrid masks on the real stories260K model and real TinyStories text (CPU, ~1 min)."""
+"""Learned hybrid masks on the real stories260K model and real TinyStories text, with the main job's
+own stages at fast settings (CPU, ~2 min). Fuller settings: benchmarks/quality_table.py."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-import patchc
-from patchc.data import batch_fn, load_text_data
-from patchc.evaluate import perplexity
-from patchc.models.llama2c import export_llama, load_llama2c, load_tokenizer
-from tests.conftest import STORIES, TINYSTORIES, needs_shared
+from patchc.job import PruneOptions, calibrate, choose_threads, evaluate, load_data, oneshot_baseline, train
+from tests.conftest import needs_shared
 
 pytestmark = [needs_shared, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def setting():
+def job():
+    from patchc.models import load_model
+
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 260K-parameter model is faster on one thread
-    tok = load_tokenizer(STORIES / "tok512.bin")
-    data = load_text_data(TINYSTORIES, tok, block_len=129, eval_fraction=0.2, seed=0)
-    yield data
+    opts = PruneOptions(steps=300, progress=False)  # the job's defaults: joint, 16x16, 35%, SparseGPT prior
+    bundle = load_model(opts.model)
+    choose_threads(opts, bundle.model)
+    data = load_data(bundle, opts)
+    calib = calibrate(bundle, data, opts)
+    yield opts, bundle, data, calib
     torch.set_num_threads(threads)
 
 
-def _model():
-    return load_llama2c(STORIES / "stories260K.bin")
+def _learned(job, **changes):
+    opts, bundle, data, calib = job
+    opts = dataclasses.replace(opts, **changes)
+    plan, _ = train(bundle, opts.patch_config(), data, opts, calib, None, False)
+    return plan, evaluate(bundle, plan.apply(bundle.reload()), data, opts)["perplexity"]
 
 
-def _magnitude_24(model):
-    masks = patchc.oneshot(model, method="magnitude", pattern="2:4")
-    with torch.no_grad():
-        for fqn, mask in masks.items():
-            model.get_parameter(fqn).mul_(mask)
-    return model
+def _oneshot(job, method):
+    opts, bundle, data, calib = job
+    return evaluate(bundle, oneshot_baseline(bundle, method, calib), data, opts)["perplexity"]
 
 
-def test_patch_35_beats_magnitude_24_and_hits_the_density(setting):
-    data = setting
-    cfg = patchc.PatchConfig(tile=(16, 16), sparsity=0.35, variant="joint", prior="magnitude", steps=300)
-    prog = patchc.transform(export_llama(_model()), cfg)
-    patchc.train_masks(prog, batch_fn(data.train_blocks, 8, seed=0), patchc.lm_loss, lr=1e-3, progress=False)
-    plan = patchc.harden(prog)  # the paper's sign rule, no exact budget
-    pruned = plan.apply(_model())
-    ppl_patch = perplexity(pruned, data.eval_ids, context=256)
-    ppl_magnitude = perplexity(_magnitude_24(_model()), data.eval_ids, context=256)
-    ppl_dense = perplexity(_model(), data.eval_ids, context=256)
-    print(f"dense {ppl_dense:.3f}  PATCH 35% {ppl_patch:.3f} (density {plan.density:.4f})  magnitude 2:4 {ppl_magnitude:.3f}")
+def test_patch_35_global_beats_layerwise_and_one_shot_24(job):
+    opts, bundle, data, _ = job
+    plan, ppl_global = _learned(job, exact_budget=False)  # the paper's sign rule
+    _, ppl_block = _learned(job, exact_budget=False, scope="block")
+    ppl_dense = evaluate(bundle, bundle.model, data, opts)["perplexity"]
+    ppl_sparsegpt, ppl_magnitude = _oneshot(job, "sparsegpt"), _oneshot(job, "magnitude")
+    print(f"dense {ppl_dense:.2f}  PATCH 35% global {ppl_global:.2f} (density {plan.density:.4f})  "
+          f"layer-wise {ppl_block:.2f}  SparseGPT 2:4 {ppl_sparsegpt:.2f}  magnitude 2:4 {ppl_magnitude:.2f}")
     assert abs(plan.density - 0.65) <= 0.02
-    assert ppl_dense < ppl_patch < 0.5 * ppl_magnitude
-    # The program's eval forward is the hardened plan's forward.
-    ids = data.eval_ids[:64].unsqueeze(0)
-    assert torch.equal(prog.eval()(ids), pruned(ids))
+    assert ppl_dense < ppl_global < ppl_block
+    assert ppl_global < 0.5 * ppl_sparsegpt < ppl_magnitude

