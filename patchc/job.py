@@ -48,7 +48,7 @@ class PruneOptions:
 
     model: str = DEFAULT_MODEL
     data: tuple[str, ...] = DEFAULT_DATA
-    out: str = "runs/stories260K"
+    out: str | None = None  # None: the next free runs/<model>[-N]
     sparsity: float = 0.35
     tile: tuple[int, int] = (16, 16)
     variant: str = "joint"
@@ -295,17 +295,19 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
 
     init_distributed(opts.device)
     rank, size = world()
-    out = Path(opts.out)
     timings: dict[str, float] = {}
     results: list[dict] = []
     cfg = opts.patch_config()
-    if rank == 0:
-        refuse_to_clobber(out, opts.resume)
+    if rank == 0 and opts.out is not None:
+        refuse_to_clobber(Path(opts.out), opts.resume)  # fail before any work
 
     with timed(timings, "load"):
         bundle = load_model(opts.model, device=opts.device)
         choose_threads(opts, bundle.model)
         data = load_data(bundle, opts)
+    out = Path(opts.out) if opts.out is not None else next_run_dir(Path("runs"), bundle.name)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
     say(f"patchc prune: {bundle.name} ({bundle.kind}), sparsity {opts.sparsity:.0%}, tile {opts.tile}, "
         f"{opts.steps} steps x batch {opts.batch_size}{f' on {size} processes' if size > 1 else ''}")
 
@@ -396,10 +398,19 @@ def protocol(bundle, opts: PruneOptions) -> str:
 
 
 def refuse_to_clobber(out: Path, resume: bool) -> None:
-    """Never overwrite a finished run's files half-way: a new run needs a new --out (or --resume)."""
+    """Never overwrite a finished run's files: a new run needs a new --out (or --resume)."""
     if (out / "report.json").exists() and not resume:
         raise FileExistsError(f"--out {out} already holds a finished run (report.json); choose another --out or pass --resume")
-    out.mkdir(parents=True, exist_ok=True)
+
+
+def next_run_dir(root: Path, name: str) -> Path:
+    """runs/<name>, or runs/<name>-2, -3, ... : the first that holds no run yet."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    candidate, n = root / safe, 1
+    while candidate.exists() and any(candidate.iterdir()):
+        n += 1
+        candidate = root / f"{safe}-{n}"
+    return candidate
 
 
 def format_results(report: dict) -> str:

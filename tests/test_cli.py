@@ -82,3 +82,14 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, messag
 def test_python_dash_m_is_the_same_command():
     done = subprocess.run([sys.executable, "-m", "patchc", "prune", "--help"], capture_output=True, text=True, check=True)
     assert "--sparsity" in done.stdout and "--resume" in done.stdout
+
+
+def test_default_run_dir_never_reuses_a_finished_run(tmp_path):
+    from patchc.job import next_run_dir
+
+    assert next_run_dir(tmp_path, "stories260K") == tmp_path / "stories260K"
+    (tmp_path / "stories260K").mkdir()
+    assert next_run_dir(tmp_path, "stories260K") == tmp_path / "stories260K"  # empty: free
+    (tmp_path / "stories260K" / "report.json").write_text("{}")
+    assert next_run_dir(tmp_path, "stories260K") == tmp_path / "stories260K-2"
+    assert next_run_dir(tmp_path, "a/b c") == tmp_path / "a_b_c"
