@@ -16,7 +16,7 @@ import triton
 
 from patchc.codegen import kernels
 from patchc.codegen.configs import KernelConfig, arch_of, resolve_config
-from patchc.codegen.layout import PackedLayer
+from patchc.codegen.layout import PackedLayer, kernel_buffers, per_row_counts
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REDUCE_BLOCK = 1024
@@ -30,12 +30,19 @@ KERNEL_ARGS = (
 )
 
 
-def specialisation(packed: PackedLayer, cfg: KernelConfig, dtype: torch.dtype, has_bias: bool) -> dict[str, Any]:
-    """The constexpr arguments that specialise a kernel to this layer and config."""
-    bn, bk = packed.block
-    n, k = packed.shape
-    dense_per_row = packed.dense_per_row
-    sparse_per_row = packed.sparse_per_row
+def constexprs(
+    shape: tuple[int, int],
+    block: tuple[int, int],
+    per_row: tuple[int, int],
+    has_dense: bool,
+    has_sparse: bool,
+    cfg: KernelConfig,
+    dtype: torch.dtype,
+    has_bias: bool,
+) -> dict[str, Any]:
+    """The constexpr arguments that specialise a kernel to a layer and config (plain ints: no tensor reads)."""
+    n, k = shape
+    bn, bk = block
     consts: dict[str, Any] = {
         "N": n,
         "K": k,
@@ -43,10 +50,10 @@ def specialisation(packed: PackedLayer, cfg: KernelConfig, dtype: torch.dtype, h
         "BLOCK_N": bn,
         "BLOCK_K": bk,
         "SPLIT_K": cfg.split_k,
-        "HAS_DENSE": packed.n_dense > 0,
-        "HAS_SPARSE": packed.n_sparse > 0,
-        "DENSE_PER_ROW": -1 if dense_per_row is None else dense_per_row,
-        "SPARSE_PER_ROW": -1 if sparse_per_row is None else sparse_per_row,
+        "HAS_DENSE": has_dense,
+        "HAS_SPARSE": has_sparse,
+        "DENSE_PER_ROW": per_row[0],
+        "SPARSE_PER_ROW": per_row[1],
         "HAS_BIAS": has_bias,
         "EVEN_K": k % bk == 0,
         # fp32 inputs: exact fp32 products (tf32 would break the fp32 tolerances); ignored for fp16/bf16
@@ -59,12 +66,17 @@ def specialisation(packed: PackedLayer, cfg: KernelConfig, dtype: torch.dtype, h
     return consts
 
 
-def grid_of(cfg: KernelConfig, packed: PackedLayer, m: int) -> tuple[int, ...]:
+def specialisation(packed: PackedLayer, cfg: KernelConfig, dtype: torch.dtype, has_bias: bool) -> dict[str, Any]:
+    """`constexprs` of a packed layer (what generate() bakes into each compiled kernel)."""
+    return constexprs(packed.shape, packed.block, per_row_counts(packed), packed.n_dense > 0, packed.n_sparse > 0,
+                      cfg, dtype, has_bias)
+
+
+def grid_of(cfg: KernelConfig, block_rows: int, m: int) -> tuple[int, ...]:
     """Launch grid; the rule is recorded in generate()'s manifest as GRID_RULES."""
-    rows = packed.grid[0]
     if cfg.kernel == "decode":
-        return (rows, cfg.split_k, math.ceil(m / cfg.block_m))
-    return (math.ceil(m / cfg.block_m) * rows, cfg.split_k)
+        return (block_rows, cfg.split_k, math.ceil(m / cfg.block_m))
+    return (math.ceil(m / cfg.block_m) * block_rows, cfg.split_k)
 
 
 GRID_RULES = {
@@ -106,44 +118,59 @@ def tile_linear(
         bias = bias.to(device=x.device).contiguous()
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).contiguous()
+    if x2.shape[0] == 0:
+        return x.new_empty((*lead, n))
+    cfg = resolve_config(config, packed, x2.shape[0], arch_of(x.device))
+    y = launch(x2, kernel_buffers(packed), bias, packed.shape, packed.block, per_row_counts(packed), cfg)
+    return y.reshape(*lead, n)
+
+
+def launch(
+    x2: torch.Tensor,
+    buffers: tuple[torch.Tensor, ...],
+    bias: torch.Tensor | None,
+    shape: tuple[int, int],
+    block: tuple[int, int],
+    per_row: tuple[int, int],
+    cfg: KernelConfig,
+) -> torch.Tensor:
+    """Allocate, build the grid and launch for a contiguous (M, K) x and a resolved config; returns (M, N).
+
+    Takes the packed layer as its seven tensors plus ints fixed at pack time, and never reads a
+    tensor value on the host: the custom op calls it under CUDA-graph capture.
+
+    Example:
+        >>> y = launch(x2, kernel_buffers(packed), None, packed.shape, packed.block,
+        ...            per_row_counts(packed), KernelConfig(kernel="decode"))   # doctest: +SKIP
+    """
+    dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols = buffers
+    n, _ = shape
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return y.reshape(*lead, n)
-    cfg = resolve_config(config, packed, m, arch_of(x.device))
-    consts = specialisation(packed, cfg, x.dtype, bias is not None)
+    if cfg.kernel == "prefill" and cfg.block_m < 16:
+        raise ValueError(f"prefill config needs block_m >= 16 (tl.dot), got {cfg.block_m}")
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    consts = constexprs(shape, block, per_row, dense_cols.shape[0] > 0, sparse_cols.shape[0] > 0, cfg, x2.dtype,
+                        bias is not None)
     part = None
     if cfg.split_k > 1:
-        part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-    args = _buffers(x2, y, part, bias, packed)
-    kernel = kernels.KERNELS[cfg.kernel]
-    kernel[grid_of(cfg, packed, m)](*args, m, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x2.device)
+    args = [
+        x2, y, _or_dummy(part, x2, torch.float32), _or_dummy(bias, x2), _or_dummy(dense, x2),
+        _or_dummy(values, x2), _or_dummy(meta, x2, torch.uint8), dense_rowptr,
+        _or_dummy(dense_cols, x2, torch.int32), sparse_rowptr, _or_dummy(sparse_cols, x2, torch.int32),
+    ]
+    grid = grid_of(cfg, math.ceil(n / block[0]), m)
+    kernels.KERNELS[cfg.kernel][grid](*args, m, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if part is not None:
         kernels.splitk_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             part, y, _or_dummy(bias, y), m, N=n, SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
             BLOCK=REDUCE_BLOCK,
         )
-    return y.reshape(*lead, n)
+    return y
 
 
 def _or_dummy(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Kernels need a valid pointer even for an unused or empty buffer (never dereferenced then)."""
     if t is not None and t.numel() > 0:
         return t
-    return torch.zeros(16, dtype=dtype or like.dtype, device=like.device)
-
-
-def _buffers(x, y, part, bias, packed: PackedLayer) -> list[torch.Tensor]:
-    return [
-        x,
-        y,
-        _or_dummy(part, x, torch.float32),
-        _or_dummy(bias, x),
-        _or_dummy(packed.dense, x),
-        _or_dummy(packed.values, x),
-        _or_dummy(packed.meta, x, torch.uint8),
-        packed.dense_rowptr,
-        _or_dummy(packed.dense_cols, x, torch.int32),
-        packed.sparse_rowptr,
-        _or_dummy(packed.sparse_cols, x, torch.int32),
-    ]
+    return torch.empty(16, dtype=dtype or like.dtype, device=like.device)

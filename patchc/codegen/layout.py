@@ -233,23 +233,47 @@ def pack(
     )
 
 
-def packed_to_dense(packed: PackedLayer, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Rebuild W*M (N, K) from the packed buffers (the inverse of pack; used by the reference and tests)."""
-    bn, bk = packed.block
-    rb, cb = packed.grid
-    dtype = dtype or packed.dtype
-    grid = torch.zeros(rb, cb, bn, bk, dtype=dtype, device=packed.device)
-    rows = _rows_of(packed.dense_rowptr)
-    grid[rows, packed.dense_cols.long()] = packed.dense.to(dtype)
-    if packed.n_sparse:
-        nib = _unpack_nibbles(packed.meta, bk // 4).long()  # (ns, BN, BK/4)
-        vals = packed.values.to(dtype).reshape(packed.n_sparse, bn, bk // 4, 2)
-        groups = torch.zeros(packed.n_sparse, bn, bk // 4, 4, dtype=dtype, device=packed.device)
+def kernel_buffers(packed: PackedLayer) -> tuple[torch.Tensor, ...]:
+    """The seven tensors the kernels read, in kernel-argument order."""
+    return (packed.dense, packed.values, packed.meta, packed.dense_rowptr, packed.dense_cols,
+            packed.sparse_rowptr, packed.sparse_cols)
+
+
+def per_row_counts(packed: PackedLayer) -> tuple[int, int]:
+    """(dense, 2:4) blocks per block row when uniform, -1 where they vary: kernel constexprs."""
+    dense, sparse = packed.dense_per_row, packed.sparse_per_row
+    return (-1 if dense is None else dense, -1 if sparse is None else sparse)
+
+
+def dense_from_buffers(
+    buffers: tuple[torch.Tensor, ...],
+    shape: tuple[int, int],
+    block: tuple[int, int],
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """W*M (N, K) rebuilt from the seven kernel buffers (reads index tensors: a reference path)."""
+    dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols = buffers
+    bn, bk = block
+    rb, cb = math.ceil(shape[0] / bn), math.ceil(shape[1] / bk)
+    dtype = dtype or values.dtype
+    grid = torch.zeros(rb, cb, bn, bk, dtype=dtype, device=values.device)
+    if dense_cols.numel():
+        grid[_rows_of(dense_rowptr), dense_cols.long()] = dense.to(dtype)
+    n_sparse = sparse_cols.numel()
+    if n_sparse:
+        nib = _unpack_nibbles(meta, bk // 4).long()  # (ns, BN, BK/4)
+        vals = values.to(dtype).reshape(n_sparse, bn, bk // 4, 2)
+        groups = torch.zeros(n_sparse, bn, bk // 4, 4, dtype=dtype, device=values.device)
         groups.scatter_(-1, (nib & 3)[..., None], vals[..., :1])
         groups.scatter_(-1, (nib >> 2)[..., None], vals[..., 1:])
-        grid[_rows_of(packed.sparse_rowptr), packed.sparse_cols.long()] = groups.reshape(-1, bn, bk)
+        grid[_rows_of(sparse_rowptr), sparse_cols.long()] = groups.reshape(-1, bn, bk)
     full = grid.permute(0, 2, 1, 3).reshape(rb * bn, cb * bk)
-    return full[: packed.shape[0], : packed.shape[1]].contiguous()
+    return full[: shape[0], : shape[1]].contiguous()
+
+
+def packed_to_dense(packed: PackedLayer, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rebuild W*M (N, K) from the packed buffers (the inverse of pack; used by the reference and tests)."""
+    return dense_from_buffers(kernel_buffers(packed), packed.shape, packed.block, dtype or packed.dtype)
 
 
 # --- helpers -----------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional
 
@@ -29,10 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from patchc.codegen.configs import KernelConfig
+from patchc.codegen.launch import launch
+from patchc.codegen.layout import dense_from_buffers
 
 KERNEL_CODES = {"decode": 0, "prefill": 1}
 CONFIG_FIELDS = ("kernel", "block_m", "split_k", "num_warps", "num_stages", "group_m")
-REDUCE_BLOCK = 1024  # elements per program of the split-K reduction (as in codegen.launch)
 # How CPU tensors are served: "auto" = Triton iff the kernels module runs in the interpreter,
 # "reference" = always plain PyTorch, "triton" = always Triton (needs TRITON_INTERPRET=1 on CPU).
 CPU_IMPLS = ("auto", "reference", "triton")
@@ -128,8 +128,8 @@ def tile_linear(
     if m == 0:
         return x.new_empty((*lead, n))
     if not use_triton(x):
-        w = dense_from_buffers(dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols,
-                               (n, k), (block[0], block[1]))
+        buffers = (dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols)
+        w = dense_from_buffers(buffers, (n, k), (block[0], block[1]))
         # F.linear on the rebuilt W_hat: bitwise the same math as the pruned dense model's F.linear
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
     # dispatch by M, a shape: free of host synchronisation (CUDA-graph safe)
@@ -161,107 +161,3 @@ def _check(x: torch.Tensor, dense: torch.Tensor, values: torch.Tensor, bias: tor
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"{where}: bias must have shape ({n},), got {tuple(bias.shape)}")
     return n, k
-
-
-def dense_from_buffers(
-    dense: torch.Tensor,
-    values: torch.Tensor,
-    meta: torch.Tensor,
-    dense_rowptr: torch.Tensor,
-    dense_cols: torch.Tensor,
-    sparse_rowptr: torch.Tensor,
-    sparse_cols: torch.Tensor,
-    shape: tuple[int, int],
-    block: tuple[int, int],
-) -> torch.Tensor:
-    """W_hat (N, K) rebuilt from the packed buffers (reference path; reads index tensors, so CPU only).
-
-    Example:
-        >>> w = dense_from_buffers(*packed_buffers, shape=(96, 80), block=(16, 16))   # doctest: +SKIP
-    """
-    bn, bk = block
-    rb, cb = math.ceil(shape[0] / bn), math.ceil(shape[1] / bk)
-    grid = torch.zeros(rb, cb, bn, bk, dtype=values.dtype, device=values.device)
-    if dense_cols.numel():
-        grid[_rows_of(dense_rowptr), dense_cols.long()] = dense
-    ns = sparse_cols.numel()
-    if ns:
-        nib = torch.stack([meta & 15, meta >> 4], -1).reshape(ns, bn, bk // 4).long()
-        vals = values.reshape(ns, bn, bk // 4, 2)
-        groups = torch.zeros(ns, bn, bk // 4, 4, dtype=values.dtype, device=values.device)
-        groups.scatter_(-1, (nib & 3)[..., None], vals[..., :1])
-        groups.scatter_(-1, (nib >> 2)[..., None], vals[..., 1:])
-        grid[_rows_of(sparse_rowptr), sparse_cols.long()] = groups.reshape(ns, bn, bk)
-    return grid.permute(0, 2, 1, 3).reshape(rb * bn, cb * bk)[: shape[0], : shape[1]]
-
-
-def _rows_of(rowptr: torch.Tensor) -> torch.Tensor:
-    counts = rowptr.long().diff()
-    return torch.repeat_interleave(torch.arange(counts.numel(), device=rowptr.device), counts)
-
-
-def launch(
-    x2: torch.Tensor,
-    buffers: tuple[torch.Tensor, ...],
-    bias: torch.Tensor | None,
-    shape: tuple[int, int],
-    block: tuple[int, int],
-    per_row: tuple[int, int],
-    cfg: KernelConfig,
-) -> torch.Tensor:
-    """Launch the hybrid kernel for a contiguous (M, K) x with a fully resolved config; returns (M, N).
-
-    Unlike `patchc.codegen.tile_linear` it takes the per-row block counts as ints computed at pack time,
-    so it never reads index tensors on the host (safe under CUDA-graph capture).
-
-    Example:
-        >>> y = launch(x2, bufs, None, (96, 80), (16, 16), (-1, -1), decode_config([0, 16, 1, 4, 2, 8]))  # doctest: +SKIP
-    """
-    import triton
-
-    from patchc.codegen import kernels
-
-    dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols = buffers
-    n, k = shape
-    bn, bk = block
-    m = x2.shape[0]
-    rows = math.ceil(n / bn)
-    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    consts = {
-        "N": n, "K": k, "BLOCK_M": cfg.block_m, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": cfg.split_k,
-        "HAS_DENSE": dense_cols.shape[0] > 0, "HAS_SPARSE": sparse_cols.shape[0] > 0,
-        "DENSE_PER_ROW": per_row[0], "SPARSE_PER_ROW": per_row[1], "HAS_BIAS": bias is not None,
-        "EVEN_K": k % bk == 0,
-        # fp32 inputs: exact fp32 products (tf32 would break fp32 tolerances); ignored for fp16/bf16
-        "DOT_PRECISION": "ieee" if x2.dtype == torch.float32 else "tf32",
-    }
-    if cfg.kernel == "decode":
-        consts["USE_DOT"] = cfg.block_m >= 16
-        grid = (rows, cfg.split_k, math.ceil(m / cfg.block_m))
-    else:
-        if cfg.block_m < 16:
-            raise ValueError(f"prefill config needs block_m >= 16 (tl.dot), got {cfg.block_m}")
-        consts["GROUP_M"] = cfg.group_m
-        grid = (math.ceil(m / cfg.block_m) * rows, cfg.split_k)
-    part = None
-    if cfg.split_k > 1:
-        part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x2.device)
-    args = [
-        x2, y, _or_dummy(part, x2, torch.float32), _or_dummy(bias, x2), _or_dummy(dense, x2),
-        _or_dummy(values, x2), _or_dummy(meta, x2, torch.uint8), dense_rowptr,
-        _or_dummy(dense_cols, x2, torch.int32), sparse_rowptr, _or_dummy(sparse_cols, x2, torch.int32),
-    ]
-    kernels.KERNELS[cfg.kernel][grid](*args, m, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if part is not None:
-        kernels.splitk_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
-            part, y, _or_dummy(bias, y), m, N=n, SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
-            BLOCK=REDUCE_BLOCK,
-        )
-    return y
-
-
-def _or_dummy(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Kernels need a valid pointer even for an unused buffer; torch.empty launches nothing."""
-    if t is not None and t.numel() > 0:
-        return t
-    return torch.empty(16, dtype=dtype or like.dtype, device=like.device)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, arch_of, choose_block, resolve_config
-from patchc.codegen.layout import PackedLayer, pack
+from patchc.codegen.layout import PackedLayer, kernel_buffers, pack, per_row_counts
 from patchc.runtime.cache import TuneCache, cache_key, plan_hash
 from patchc.runtime.op import decode_config, encode_config, launch
 
@@ -275,13 +275,9 @@ def packed_buffers(packed: PackedLayer, dtype: torch.dtype, device: Any) -> tupl
     Example:
         >>> bufs, per_row = packed_buffers(pack(layer, block=(16, 16)), torch.float32, "cpu")  # doctest: +SKIP
     """
-    bufs = (
-        packed.dense.to(device=device, dtype=dtype), packed.values.to(device=device, dtype=dtype),
-        packed.meta.to(device), packed.dense_rowptr.to(device), packed.dense_cols.to(device),
-        packed.sparse_rowptr.to(device), packed.sparse_cols.to(device),
-    )
-    dpr, spr = packed.dense_per_row, packed.sparse_per_row
-    return bufs, (-1 if dpr is None else dpr, -1 if spr is None else spr)
+    bufs = tuple(b.to(device=device, dtype=dtype) if b.is_floating_point() else b.to(device)
+                 for b in kernel_buffers(packed))
+    return bufs, per_row_counts(packed)
 
 
 def _score(time_fn: TimeFn, fn: Callable[[], Any], what: str) -> float:
