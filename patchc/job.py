@@ -184,7 +184,7 @@ def sample_training_text(bundle, opts: PruneOptions, n_blocks: int | None = None
     """Data-free mode: the dense model writes its own training text (seeded, temperature 1)."""
     n_blocks = n_blocks or max(32, opts.batch_size * 4)
     gen = torch.Generator().manual_seed(opts.seed)
-    bos = 1 if bundle.kind == "causal" else 0
+    bos = getattr(bundle.tokenizer, "bos_id", 1)  # llama2.c's BOS is 1
     ids = torch.full((n_blocks, 1), bos, dtype=torch.long)
     for _ in range(opts.block_len):
         logits = bundle.logits(bundle.model, ids)[:, -1].float()
@@ -221,11 +221,9 @@ def make_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]
 def calibrate(bundle, data: dict, opts: PruneOptions):
     """Input statistics for the one-shot methods (Wanda norms, SparseGPT Hessians) on training text."""
     batches = make_batches(bundle, data, dataclasses.replace(opts, batch_size=1))
-    n = min(opts.calib_blocks, len(data["train"]))
+    inputs = [batches(i) for i in range(min(opts.calib_blocks, len(data["train"])))]
     if bundle.kind == "causal":
-        inputs = [(lambda b: b[:, :-1])(batches(i)) for i in range(n)]
-    else:
-        inputs = [batches(i) for i in range(n)]
+        inputs = [ids[:, :-1] for ids in inputs]  # a block holds block_len inputs + 1 target
     return patchc.calibrate(bundle.model, inputs, progress=opts.progress)
 
 
@@ -364,7 +362,8 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
         "metric": "perplexity" if bundle.kind == "causal" else "cosine",
         "evaluation": {"protocol": protocol(bundle, opts)},
         "results": results,
-        "speed": {"skipped": "no CUDA device" if not torch.cuda.is_available() else "runtime not wired yet"},
+        "speed": {"skipped": "no CUDA device" if not torch.cuda.is_available()
+                  else "not measured by prune: run benchmarks/bench_e2e.py or benchmarks/bench_kernels.py"},
         "versions": versions(),
         "device": device_name(opts.device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -61,7 +61,9 @@ class MaskedProgram(nn.Module):
         self.masks = nn.ModuleDict({module_key(fqn): m for fqn, m in masks.items()})
         self.register_buffer("schedule_step", torch.zeros((), dtype=torch.int64))
         self._forced_mode: str | None = None
-        self._observer_sites = sites
+        # Constant denominator of the magnitude term; a buffer so it follows .to(device).
+        w_sq = sum(graph_module.get_parameter(f).detach().float().square().sum() for f in masks)
+        self.register_buffer("weight_sq_norm", torch.as_tensor(w_sq), persistent=False)
         self._sync_schedule()
 
     # -- the model -------------------------------------------------------------------------
@@ -115,7 +117,7 @@ class MaskedProgram(nn.Module):
     def observe_inputs(self, callback: Callable[[str, torch.Tensor], None]) -> Iterator["MaskedProgram"]:
         """Call `callback(weight_fqn, x)` with each masked matmul's activation input (calibration)."""
         gm = self.graph_module
-        InsertObservers(self._observer_sites, callback)(gm)
+        InsertObservers(self.sites, callback)(gm)
         try:
             yield self
         finally:
@@ -186,13 +188,8 @@ class MaskedProgram(nn.Module):
         if cfg.lambda_norm > 0 and all(m.last_sq_norm is not None for m in masks):
             decay = max(0.0, 1.0 - int(self.schedule_step) / cfg.steps)
             kept_norm = torch.stack([m.last_sq_norm for m in masks]).sum()
-            loss = loss - cfg.lambda_norm * decay * kept_norm / self._weight_sq_norm()
+            loss = loss - cfg.lambda_norm * decay * kept_norm / self.weight_sq_norm
         return loss
-
-    def _weight_sq_norm(self) -> torch.Tensor:
-        if not hasattr(self, "_w_sq"):
-            self._w_sq = sum(self.weight(m.name).detach().float().square().sum() for m in self.masks.values())
-        return self._w_sq
 
 
 def _freeze_weights(gm: fx.GraphModule) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -93,3 +94,25 @@ def test_default_run_dir_never_reuses_a_finished_run(tmp_path):
     (tmp_path / "stories260K" / "report.json").write_text("{}")
     assert next_run_dir(tmp_path, "stories260K") == tmp_path / "stories260K-2"
     assert next_run_dir(tmp_path, "a/b c") == tmp_path / "a_b_c"
+
+
+def test_data_free_mode_trains_on_sampled_text_and_evaluates_on_real_text(tmp_path):
+    out = tmp_path / "free"
+    assert main(["prune", "--out", str(out), "--data-free", "--no-baselines", "--prior", "magnitude", *QUICK]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["data"]["data_free"] is True
+    assert report["data"]["train"] == ["sampled from the dense model"]
+    assert report["data"]["eval"] == [str(TINYSTORIES)]
+    patch_row = next(r for r in report["results"] if r["name"].startswith("PATCH"))
+    assert 1 < patch_row["perplexity"] < 1000
+
+
+def test_sampled_training_text_is_seeded(tmp_path):
+    from patchc.job import PruneOptions, sample_training_text
+    from patchc.models import load_model
+
+    bundle = load_model(str(STORIES / "stories260K.bin"))
+    opts = PruneOptions(block_len=16, batch_size=2, seed=5)
+    a, b = sample_training_text(bundle, opts, n_blocks=4), sample_training_text(bundle, opts, n_blocks=4)
+    assert a.shape == (4, 17) and torch.equal(a, b) and bool((a[:, 0] == 1).all())
+    assert not torch.equal(a, sample_training_text(bundle, dataclasses.replace(opts, seed=6), n_blocks=4))
