@@ -38,6 +38,8 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (split over torchrun processes)")
     p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate of the logits")
     p.add_argument("--tau", type=float, nargs=2, default=list(d.tau), metavar=("START", "END"))
+    p.add_argument("--tau-nm", type=float, nargs=2, default=None, metavar=("START", "END"),
+                   help="temperature of the 2:4 logits (default: the same as --tau)")
     p.add_argument("--kappa-tile", type=float, nargs=2, default=list(d.kappa_tile), metavar=("START", "END"))
     p.add_argument("--kappa-nm", type=float, nargs=2, default=list(d.kappa_nm), metavar=("START", "END"))
     p.add_argument("--lambda-density", type=float, default=d.lambda_density, help="lambda1 of the density term")
@@ -54,6 +56,8 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the one-shot 2:4 and learned 2:4 baselines")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default=d.dtype, choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weight dtype (auto: bfloat16 on CUDA, float32 on CPU); mask logits are always fp32")
     p.add_argument("--threads", type=int, default=d.threads, help="CPU threads (0: automatic)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/masks.ckpt")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -63,11 +67,12 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
     return PruneOptions(
         model=args.model, data=tuple(args.data), out=args.out, sparsity=args.sparsity, tile=tuple(args.tile),
         variant=args.variant, prior=args.prior, prior_strength=args.prior_strength, steps=args.steps,
-        batch_size=args.batch_size, lr=args.lr, tau=tuple(args.tau), kappa_tile=tuple(args.kappa_tile),
+        batch_size=args.batch_size, lr=args.lr, tau=tuple(args.tau),
+        tau_nm=tuple(args.tau_nm) if args.tau_nm else None, kappa_tile=tuple(args.kappa_tile),
         kappa_nm=tuple(args.kappa_nm), lambda_density=args.lambda_density, lambda_norm=args.lambda_norm,
         scope=args.scope, exact_budget=args.exact_budget, block_len=args.block_len, eval_context=args.eval_context,
         eval_fraction=args.eval_fraction, calib_blocks=args.calib_blocks, data_free=args.data_free,
-        baselines=args.baselines, seed=args.seed, device=args.device, threads=args.threads, resume=args.resume,
+        baselines=args.baselines, seed=args.seed, device=args.device, dtype=args.dtype, threads=args.threads, resume=args.resume,
         progress=args.progress,
     )
 

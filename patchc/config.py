@@ -56,7 +56,8 @@ class PatchConfig:
         prior: "random" (N(0, init_std)), or a one-shot method whose masks shift the initial logits.
         prior_strength: prior shift in units of init_std.
         steps: T, the number of optimizer steps the linear schedules run over.
-        tau: temperature (start, end); kappa_tile / kappa_nm: logit scale (start, end).
+        tau: temperature (start, end) of the tile logits, and of the 2:4 logits unless tau_nm is
+            given; kappa_tile / kappa_nm: logit scale (start, end). All linear per optimizer step.
         lambda_density: lambda1 of the density term |density - rho|.
         lambda_norm: lambda2 of the kept-weight-magnitude term, decayed linearly to 0 over T.
         density_mode: "expected" (default: the density the hard sample has in expectation,
@@ -79,6 +80,7 @@ class PatchConfig:
     prior_strength: float = 3.0
     steps: int = 2000
     tau: tuple[float, float] = (2.0, 0.05)
+    tau_nm: tuple[float, float] | None = None
     kappa_tile: tuple[float, float] = (25.0, 350.0)
     kappa_nm: tuple[float, float] = (100.0, 500.0)
     lambda_density: float = 7.0
@@ -108,7 +110,9 @@ class PatchConfig:
             if isinstance(value, str):
                 raise ValueError(f"PatchConfig.{name} must be a tuple of globs, e.g. ({value!r},)")
             object.__setattr__(self, name, tuple(value))
-        for name in ("tau", "kappa_tile", "kappa_nm"):
+        if self.tau_nm is None:
+            object.__setattr__(self, "tau_nm", tuple(self.tau))
+        for name in ("tau", "tau_nm", "kappa_tile", "kappa_nm"):
             value = tuple(getattr(self, name))
             _check_pair(name, value)
             object.__setattr__(self, name, value)

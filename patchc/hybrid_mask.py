@@ -6,7 +6,7 @@ full-size mask per layer lives at a time (plus what autograd saves).
 
     tile logits P_t (Tn, Tk)          2:4 logits P24 (N*K/4, 6)
            |                                   |
-    sigmoid((k_t P_t + L) / tau)      softmax((k_nm P24 + g) / tau) @ S     S: the 6 patterns (6, 4)
+    sigmoid((k_t P_t + L) / tau_t)    softmax((k_nm P24 + g) / tau_nm) @ S   S: the 6 patterns (6, 4)
            |  broadcast to tiles,             |  reshape to (N, K)
            |  crop the padded edge            |
            +------> M = M_t + (1 - M_t) * M24 <+
@@ -78,7 +78,7 @@ class HybridMask(nn.Module):
         self.grid = (math.ceil(n / tile[0]), math.ceil(k / tile[1]))
         self.mode = "sample"
         # Set by the owning program before each forward from its step counter.
-        self.tau, self.kappa_tile, self.kappa_nm = 1.0, 1.0, 1.0
+        self.tau_tile, self.tau_nm, self.kappa_tile, self.kappa_nm = 1.0, 1.0, 1.0, 1.0
 
         tile_logits = torch.zeros(self.grid, dtype=torch.float32)
         nm_logits = torch.zeros(n * k // 4, 6, dtype=torch.float32)
@@ -168,7 +168,7 @@ class HybridMask(nn.Module):
         self.draws += 1
         groups = self.nm_logits.shape[0]
         g = -torch.log(-torch.log(_uniform((groups, 6), gen, device)))
-        soft24 = torch.softmax((self.kappa_nm * self.nm_logits + g) / self.tau, dim=-1)
+        soft24 = torch.softmax((self.kappa_nm * self.nm_logits + g) / self.tau_nm, dim=-1)
         if self.hard:
             hard24 = F.one_hot(soft24.argmax(-1), 6).to(soft24)
             soft24 = hard24 - soft24.detach() + soft24
@@ -176,7 +176,7 @@ class HybridMask(nn.Module):
         if self.tile_logits is None:
             return m24
         u = _uniform(self.grid, gen, device)
-        z = (self.kappa_tile * self.tile_logits + torch.log(u) - torch.log1p(-u)) / self.tau
+        z = (self.kappa_tile * self.tile_logits + torch.log(u) - torch.log1p(-u)) / self.tau_tile
         p = torch.sigmoid(z)
         if self.hard:
             p = (z > 0).to(p) - p.detach() + p
@@ -184,10 +184,10 @@ class HybridMask(nn.Module):
         return mt + (1 - mt) * m24
 
     def _soft(self) -> torch.Tensor:
-        m24 = (torch.softmax(self.kappa_nm * self.nm_logits / self.tau, dim=-1) @ self.patterns).reshape(self.shape)
+        m24 = (torch.softmax(self.kappa_nm * self.nm_logits / self.tau_nm, dim=-1) @ self.patterns).reshape(self.shape)
         if self.tile_logits is None:
             return m24
-        mt = self._expand_tiles(torch.sigmoid(self.kappa_tile * self.tile_logits / self.tau))
+        mt = self._expand_tiles(torch.sigmoid(self.kappa_tile * self.tile_logits / self.tau_tile))
         return mt + (1 - mt) * m24
 
     def mask(self) -> torch.Tensor:

@@ -35,6 +35,7 @@ from patchc.models.llama2c import SHARED_DIR
 DEFAULT_MODEL = str(SHARED_DIR / "models" / "stories260K" / "stories260K.bin")
 DEFAULT_DATA = (str(SHARED_DIR / "data" / "tinystories_sample.txt"),)
 ONESHOT_METHODS = ("magnitude", "wanda", "sparsegpt")
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class PruneOptions:
     batch_size: int = 8
     lr: float = 1e-3
     tau: tuple[float, float] = (2.0, 0.05)
+    tau_nm: tuple[float, float] | None = None
     kappa_tile: tuple[float, float] = (25.0, 350.0)
     kappa_nm: tuple[float, float] = (100.0, 500.0)
     lambda_density: float = 7.0
@@ -72,6 +74,7 @@ class PruneOptions:
     baselines: bool = True
     seed: int = 0
     device: str = "cpu"
+    dtype: str = "auto"  # weights: "auto" = bfloat16 on CUDA, float32 on CPU; logits are always fp32
     threads: int = 0
     resume: bool = False
     progress: bool = True
@@ -86,6 +89,8 @@ class PruneOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.threads < 0:
             raise ValueError(f"--threads must be >= 0 (0 = automatic), got {self.threads}")
         self.patch_config()  # validates sparsity, tile, variant, prior, schedules
@@ -136,6 +141,22 @@ def timed(timings: dict[str, float], stage: str):
 def say(message: str) -> None:
     if world()[0] == 0:
         print(message, flush=True)
+
+
+def weight_dtype(opts: PruneOptions) -> torch.dtype:
+    """bf16 weights on a GPU (the masks' logits, noise and Adam state stay fp32), fp32 on CPU."""
+    chosen = DTYPES[opts.dtype]
+    if chosen is None:
+        chosen = torch.bfloat16 if opts.device.startswith("cuda") else torch.float32
+    return chosen
+
+
+def cast_bundle(bundle, dtype: torch.dtype):
+    """The bundle with its model, and every fresh copy it hands out, in `dtype`."""
+    if dtype == torch.float32:
+        return bundle
+    reload = bundle.reload
+    return dataclasses.replace(bundle, model=bundle.model.to(dtype), reload=lambda: reload().to(dtype))
 
 
 def choose_threads(opts: PruneOptions, model: torch.nn.Module) -> None:
@@ -300,7 +321,7 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
         refuse_to_clobber(Path(opts.out), opts.resume)  # fail before any work
 
     with timed(timings, "load"):
-        bundle = load_model(opts.model, device=opts.device)
+        bundle = cast_bundle(load_model(opts.model, device=opts.device), weight_dtype(opts))
         choose_threads(opts, bundle.model)
         data = load_data(bundle, opts)
     out = Path(opts.out) if opts.out is not None else next_run_dir(Path("runs"), bundle.name)

@@ -125,10 +125,11 @@ class MaskedProgram(nn.Module):
 
     # -- schedules -----------------------------------------------------------------------
     def schedule(self) -> dict[str, float]:
-        """Current tau, kappa_tile, kappa_nm (linear in the optimizer step, held after T)."""
+        """Current tau (tile), tau_nm, kappa_tile, kappa_nm (linear in the optimizer step, held after T)."""
         t, total = int(self.schedule_step), self.cfg.steps
         return {
             "tau": schedule_value(self.cfg.tau, t, total),
+            "tau_nm": schedule_value(self.cfg.tau_nm, t, total),
             "kappa_tile": schedule_value(self.cfg.kappa_tile, t, total),
             "kappa_nm": schedule_value(self.cfg.kappa_nm, t, total),
         }
@@ -136,7 +137,8 @@ class MaskedProgram(nn.Module):
     def _sync_schedule(self) -> None:
         s = self.schedule()
         for m in self.masks.values():
-            m.tau, m.kappa_tile, m.kappa_nm = s["tau"], s["kappa_tile"], s["kappa_nm"]
+            m.tau_tile, m.tau_nm = s["tau"], s["tau_nm"]
+            m.kappa_tile, m.kappa_nm = s["kappa_tile"], s["kappa_nm"]
 
     def step(self) -> None:
         """Advance the tau / kappa schedules by one optimizer step."""

@@ -116,3 +116,17 @@ def test_sampled_training_text_is_seeded(tmp_path):
     a, b = sample_training_text(bundle, opts, n_blocks=4), sample_training_text(bundle, opts, n_blocks=4)
     assert a.shape == (4, 17) and torch.equal(a, b) and bool((a[:, 0] == 1).all())
     assert not torch.equal(a, sample_training_text(bundle, dataclasses.replace(opts, seed=6), n_blocks=4))
+
+
+def test_bf16_weights_train_fp32_logits(tmp_path):
+    out = tmp_path / "bf16"
+    args = ["prune", "--out", str(out), "--dtype", "bfloat16", "--tau-nm", "3", "0.1", "--no-baselines",
+            "--prior", "magnitude", *QUICK]
+    assert main(args) == 0
+    plan = TilePlan.load(out / "plan.patch")
+    assert {lp.dtype for lp in plan.layers.values()} == {torch.bfloat16}
+    state = torch.load(out / "masks.ckpt", weights_only=True)
+    logits = [v for k, v in state["program"].items() if k.endswith("_logits")]
+    assert logits and all(v.dtype == torch.float32 for v in logits)
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["tau_nm"] == [3.0, 0.1]

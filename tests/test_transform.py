@@ -149,7 +149,7 @@ def test_padded_grid_for_shapes_the_tile_does_not_divide(tiny_mlp):
 
 def test_hybrid_mask_soft_sample_math():
     m = HybridMask("w", (4, 8), tile=(4, 4), variant="joint")
-    m.tau, m.kappa_tile, m.kappa_nm = 1.0, 1.0, 1.0
+    m.tau_tile, m.tau_nm, m.kappa_tile, m.kappa_nm = 1.0, 1.0, 1.0, 1.0
     with torch.no_grad():
         m.tile_logits.copy_(torch.tensor([[50.0, -50.0]]))
     mask = m.mask()
@@ -180,7 +180,7 @@ def test_schedules_are_linear_and_saved_in_state_dict(tiny_mlp):
     prog = patchc.transform(tiny_mlp, cfg, example_inputs=(ids,))
     assert prog.schedule()["tau"] == 2.0
     prog.step(); prog.step()
-    assert prog.schedule() == pytest.approx({"tau": 1.5, "kappa_tile": 30.0, "kappa_nm": 300.0})
+    assert prog.schedule() == pytest.approx({"tau": 1.5, "tau_nm": 1.5, "kappa_tile": 30.0, "kappa_nm": 300.0})
     state = prog.state_dict()
     fresh = patchc.transform(tiny_mlp, cfg, example_inputs=(ids,))
     fresh.load_state_dict(state)
@@ -188,6 +188,12 @@ def test_schedules_are_linear_and_saved_in_state_dict(tiny_mlp):
     for _ in range(5):
         prog.step()
     assert prog.schedule()["tau"] == 1.0  # held at the end value after T
+    separate = patchc.transform(tiny_mlp, cfg.replace(tau_nm=(4.0, 2.0)), example_inputs=(ids,))
+    separate.step(); separate.step()
+    assert separate.schedule()["tau_nm"] == pytest.approx(3.0) and separate.schedule()["tau"] == pytest.approx(1.5)
+    m = next(iter(separate.layers.values()))
+    separate(ids)
+    assert (m.tau_tile, m.tau_nm) == pytest.approx((1.5, 3.0))
 
 
 @pytest.mark.parametrize(
