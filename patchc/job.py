@@ -227,25 +227,35 @@ def make_loss(bundle, dense_model) -> Callable:
     return lm_loss
 
 
-def make_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]:
-    rank, size = world()
+def global_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]:
+    """step -> the whole batch of that step (every rank computes the same one)."""
     if bundle.kind == "encoder":
         from patchc.encoder_eval import encode_batches
 
         batches = encode_batches(bundle, data["train"], max_len=opts.block_len, batch_size=opts.batch_size)
-        return lambda step: rank_slice(batches[step % len(batches)], rank, size)
+        return lambda step: batches[step % len(batches)]
     from patchc.data import get_batch
 
-    return lambda step: rank_slice(get_batch(data["train"], opts.batch_size, step, opts.seed), rank, size)
+    return lambda step: get_batch(data["train"], opts.batch_size, step, opts.seed)
+
+
+def make_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]:
+    """step -> this rank's share of the global batch (the whole batch outside torchrun)."""
+    rank, size = world()
+    batch = global_batches(bundle, data, opts)
+    return lambda step: rank_slice(batch(step), rank, size)
 
 
 def calibrate(bundle, data: dict, opts: PruneOptions):
-    """Input statistics for the one-shot methods (Wanda norms, SparseGPT Hessians) on training text."""
-    batches = make_batches(bundle, data, dataclasses.replace(opts, batch_size=1))
+    """Input statistics for the one-shot methods (Wanda norms, SparseGPT Hessians) on training text.
+
+    Not split over torchrun ranks: every rank needs the same statistics for the same prior.
+    """
+    batches = global_batches(bundle, data, dataclasses.replace(opts, batch_size=1))
     inputs = [batches(i) for i in range(min(opts.calib_blocks, len(data["train"])))]
     if bundle.kind == "causal":
         inputs = [ids[:, :-1] for ids in inputs]  # a block holds block_len inputs + 1 target
-    return patchc.calibrate(bundle.model, inputs, progress=opts.progress)
+    return patchc.calibrate(bundle.model, inputs, progress=opts.progress and world()[0] == 0)
 
 
 def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, checkpoint: Path | None, resume: bool):
