@@ -33,6 +33,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from patchc.names import block_index
+
 if TYPE_CHECKING:  # matplotlib and the plan IR load lazily: `import patchc` must stay light
     from matplotlib.figure import Figure
 
@@ -46,8 +48,6 @@ DPI = 120
 DENSE_COLOR = "#1f4e79"
 SPARSE_COLOR = "#f4b942"
 BAR_COLOR = "#4c72b0"
-
-_BLOCK_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?=\.|$)")
 
 # Last module-name component -> projection type (Llama / Qwen / Mistral, llama2.c, OPT, GPT-NeoX, phi).
 _LEAF_TYPES = {
@@ -105,18 +105,6 @@ def projection_type(fqn: str) -> str:
             return "o"
         return "down" if parent == "output" else "other"
     return _LEAF_TYPES.get(leaf, "other")
-
-
-def block_index(fqn: str) -> int | None:
-    """Index of the transformer block a weight lives in: the first `layers.N`, `layer.N`, `h.N` or
-    `blocks.N` in its FQN; None outside the blocks (embeddings, heads).
-
-    Example:
-        >>> block_index("model.encoder.layer.2.attention.self.query.weight"), block_index("lm_head.weight")
-        (2, None)
-    """
-    m = _BLOCK_RE.search(fqn)
-    return int(m.group(1)) if m else None
 
 
 def short_name(fqn: str) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import re
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -25,16 +24,22 @@ from torch import fx, nn
 
 from patchc.config import PatchConfig, schedule_value
 from patchc.hybrid_mask import MODES, HybridMask
+from patchc.names import block_index
 from patchc.passes.find_linears import LinearSite, find_linear_sites
 from patchc.passes.insert_masks import InsertMasks, InsertObservers, RemoveObservers, module_key
 
-_BLOCK_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
+def density_groups(masks: list[HybridMask], scope: str) -> list[list[HybridMask]]:
+    """The layers each density term covers: all of them ("global"), or one group per block ("block").
 
-
-def block_of(fqn: str) -> str:
-    """Transformer block of a weight FQN ("model.layers.3.mlp.up_proj.weight" -> "3"); else the FQN."""
-    match = _BLOCK_RE.search(fqn)
-    return match.group(1) if match else fqn
+    A weight outside any transformer block forms a group of its own.
+    """
+    if scope == "global":
+        return [masks]
+    by_block: dict[object, list[HybridMask]] = {}
+    for m in masks:
+        block = block_index(m.name)
+        by_block.setdefault(m.name if block is None else block, []).append(m)
+    return list(by_block.values())
 
 
 class MaskedProgram(nn.Module):
@@ -61,6 +66,7 @@ class MaskedProgram(nn.Module):
         self.masks = nn.ModuleDict({module_key(fqn): m for fqn, m in masks.items()})
         self.register_buffer("schedule_step", torch.zeros((), dtype=torch.int64))
         self._forced_mode: str | None = None
+        self._groups = density_groups(list(masks.values()), cfg.scope)
         # Constant denominator of the magnitude term; a buffer so it follows .to(device).
         w_sq = sum(graph_module.get_parameter(f).detach().float().square().sum() for f in masks)
         self.register_buffer("weight_sq_norm", torch.as_tensor(w_sq), persistent=False)
@@ -177,15 +183,8 @@ class MaskedProgram(nn.Module):
         training forward and is 0 before one.
         """
         cfg, masks = self.cfg, list(self.masks.values())
-        if cfg.scope == "global":
-            groups = [masks]
-        else:
-            by_block: dict[str, list[HybridMask]] = {}
-            for m in masks:
-                by_block.setdefault(block_of(m.name), []).append(m)
-            groups = list(by_block.values())
         rho = cfg.density
-        density_term = torch.stack([(self._density(g, cfg.density_mode) - rho).abs() for g in groups]).mean()
+        density_term = torch.stack([(self._density(g, cfg.density_mode) - rho).abs() for g in self._groups]).mean()
         loss = cfg.lambda_density * density_term
         if cfg.lambda_norm > 0 and all(m.last_sq_norm is not None for m in masks):
             decay = max(0.0, 1.0 - int(self.schedule_step) / cfg.steps)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import re
 
 import pytest
 import torch
@@ -235,13 +234,19 @@ def test_hard_straight_through_forward_is_binary(tiny_mlp):
     assert m.tile_logits.grad is not None and m.nm_logits.grad is not None
 
 
-def test_block_scope_groups_by_transformer_block():
-    from patchc.transform import block_of
+def test_block_scope_groups_by_transformer_block(tiny_mlp):
+    from patchc.names import block_index
+    from patchc.transform import density_groups
 
-    assert block_of("model.layers.3.mlp.up_proj.weight") == "3"
-    assert block_of("transformer.h.11.attn.c_attn.weight") == "11"
-    assert block_of("fc.weight") == "fc.weight"
-    assert re.fullmatch(r"\d+", block_of("encoder.layer.0.attention.self.query.weight"))
+    assert block_index("model.layers.3.mlp.up_proj.weight") == 3
+    assert block_index("transformer.h.11.attn.c_attn.weight") == 11
+    assert block_index("encoder.block.2.layer.0.SelfAttention.q.weight") == 2
+    assert block_index("fc.weight") is None
+    model = tiny_hf("llama")
+    prog = patchc.transform(_export_hf(model, False)[0], patchc.PatchConfig(tile=(16, 16), scope="block"))
+    groups = density_groups(list(prog.layers.values()), "block")
+    assert [len(g) for g in groups] == [7, 7]
+    assert {block_index(m.name) for m in groups[1]} == {1}
 
 
 def test_lm_loss_matches_cross_entropy(tiny_mlp):
