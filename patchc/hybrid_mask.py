@@ -88,6 +88,9 @@ class HybridMask(nn.Module):
         else:
             self.nm_logits = nn.Parameter(nm_logits)
         self.register_buffer("draws", torch.zeros((), dtype=torch.int64))
+        self._draw = 0  # host copy of `draws`: reading the buffer would sync a GPU every step
+        # What the regulariser needs from each training forward (the program turns off what it won't use).
+        self.track_sum, self.track_norm = True, True
         # Elements per tile: edge tiles of a padded grid are partial and must weigh less.
         rows = torch.full((self.grid[0],), tile[0]); rows[-1] = n - tile[0] * (self.grid[0] - 1)
         cols = torch.full((self.grid[1],), tile[1]); cols[-1] = k - tile[1] * (self.grid[1] - 1)
@@ -132,8 +135,12 @@ class HybridMask(nn.Module):
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = torch.Generator(device=device)
-        gen.manual_seed(noise_seed(self.seed, self.index, int(self.draws)))
+        gen.manual_seed(noise_seed(self.seed, self.index, self._draw))
         return gen
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._draw = int(self.draws)
 
     def tile_probability(self) -> torch.Tensor:
         """P(tile dense) of the hard sample, sigmoid(kappa * P_t) (Tn, Tk); zeros for "nm"."""
@@ -165,6 +172,7 @@ class HybridMask(nn.Module):
     def _sample(self) -> torch.Tensor:
         device = self.nm_logits.device
         gen = self._generator(device)
+        self._draw += 1
         self.draws += 1
         groups = self.nm_logits.shape[0]
         g = -torch.log(-torch.log(_uniform((groups, 6), gen, device)))
@@ -209,6 +217,6 @@ class HybridMask(nn.Module):
         # fp32 product rounded once into W's dtype: M = 1 reproduces W bit for bit.
         masked = weight.detach().float() * m
         if self.mode == "sample":
-            self.last_sum = m.sum()
-            self.last_sq_norm = masked.square().sum()
+            self.last_sum = m.sum() if self.track_sum else None
+            self.last_sq_norm = masked.square().sum() if self.track_norm else None
         return masked.to(weight.dtype)

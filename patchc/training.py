@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import tempfile
@@ -150,8 +151,6 @@ def train_masks(
         task = loss_fn(prog, get_batch(t))
         reg = prog.regularizer()
         loss = task + reg
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"mask training: loss is {loss.item()} at step {t} (task {task.item()})")
         loss.backward()
         if grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -161,6 +160,8 @@ def train_masks(
         if (t + 1) % log_every == 0 or t + 1 == steps or t == 0:
             record = dict(zip(("loss", "task", "reg"), _global_mean(torch.stack([loss, task, reg]).detach()).tolist()))
             record = {"step": t + 1, **record}
+            if not math.isfinite(record["loss"]):  # checked at log steps: a per-step check syncs the GPU
+                raise FloatingPointError(f"mask training: loss is {record['loss']} at step {t + 1} (task {record['task']})")
             with torch.no_grad():
                 record["density"] = prog.density("expected").item()
             record.update(prog.schedule())

@@ -67,6 +67,10 @@ class MaskedProgram(nn.Module):
         self.register_buffer("schedule_step", torch.zeros((), dtype=torch.int64))
         self._forced_mode: str | None = None
         self._groups = density_groups(list(masks.values()), cfg.scope)
+        self._step = 0  # host copy of `schedule_step`: reading the buffer would sync a GPU every step
+        for m in masks.values():
+            m.track_sum, m.track_norm = cfg.density_mode == "sampled", cfg.lambda_norm > 0
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._restore_step())
         # Constant denominator of the magnitude term; a buffer so it follows .to(device).
         w_sq = sum(graph_module.get_parameter(f).detach().float().square().sum() for f in masks)
         self.register_buffer("weight_sq_norm", torch.as_tensor(w_sq), persistent=False)
@@ -74,7 +78,6 @@ class MaskedProgram(nn.Module):
 
     # -- the model -------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        self._sync_schedule()
         mode = self._forced_mode or ("sample" if self.training else self.cfg.eval_mask)
         for m in self.masks.values():
             m.mode = mode
@@ -132,7 +135,7 @@ class MaskedProgram(nn.Module):
     # -- schedules -----------------------------------------------------------------------
     def schedule(self) -> dict[str, float]:
         """Current tau (tile), tau_nm, kappa_tile, kappa_nm (linear in the optimizer step, held after T)."""
-        t, total = int(self.schedule_step), self.cfg.steps
+        t, total = self._step, self.cfg.steps
         return {
             "tau": schedule_value(self.cfg.tau, t, total),
             "tau_nm": schedule_value(self.cfg.tau_nm, t, total),
@@ -148,7 +151,12 @@ class MaskedProgram(nn.Module):
 
     def step(self) -> None:
         """Advance the tau / kappa schedules by one optimizer step."""
+        self._step += 1
         self.schedule_step += 1
+        self._sync_schedule()
+
+    def _restore_step(self) -> None:
+        self._step = int(self.schedule_step)
         self._sync_schedule()
 
     # -- regulariser ---------------------------------------------------------------------
@@ -159,7 +167,6 @@ class MaskedProgram(nn.Module):
 
     def _density(self, masks: Sequence[HybridMask], mode: str) -> torch.Tensor:
         if mode == "expected":
-            self._sync_schedule()
             kept = [m.expected_kept() for m in masks]
         elif mode == "sampled":
             if any(m.last_sum is None for m in masks):
@@ -187,7 +194,7 @@ class MaskedProgram(nn.Module):
         density_term = torch.stack([(self._density(g, cfg.density_mode) - rho).abs() for g in self._groups]).mean()
         loss = cfg.lambda_density * density_term
         if cfg.lambda_norm > 0 and all(m.last_sq_norm is not None for m in masks):
-            decay = max(0.0, 1.0 - int(self.schedule_step) / cfg.steps)
+            decay = max(0.0, 1.0 - self._step / cfg.steps)
             kept_norm = torch.stack([m.last_sq_norm for m in masks]).sum()
             loss = loss - cfg.lambda_norm * decay * kept_norm / self.weight_sq_norm
         return loss
