@@ -403,9 +403,9 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
     with timed(timings, "write"):
         plan.save(out / "plan.patch")
         pictures = plot_plan(plan, out, title=f"{bundle.name}: PATCH {opts.variant} at {plan.sparsity:.1%} sparsity")
-        report["files"] = {"plan": str(out / "plan.patch"), **{p.stem: str(p) for p in pictures},
-                           "report_json": str(out / "report.json"), "report_md": str(out / "report.md")}
-        write_report(report, out)
+    report["files"] = {"plan": str(out / "plan.patch"), **{p.stem: str(p) for p in pictures},
+                       "report_json": str(out / "report.json"), "report_md": str(out / "report.md")}
+    write_report(report, out)  # last, outside the timings, so the files hold every number the dict does
     if size > 1:
         dist.barrier()
     return report

@@ -176,12 +176,6 @@ class MaskedProgram(nn.Module):
             raise ValueError(f"unknown density mode {mode!r}; choose 'expected' or 'sampled'")
         return torch.stack(kept).sum() / sum(m.numel for m in masks)
 
-    def hard_density(self) -> float:
-        """Density of the hard masks (what `harden` gives without an exact budget)."""
-        masks = list(self.masks.values())
-        kept = sum(float(m.hard_mask().sum()) for m in masks)
-        return kept / sum(m.numel for m in masks)
-
     def regularizer(self) -> torch.Tensor:
         """lambda1 * |density - rho| - lambda2 * (1 - t/T) * sum ||M*W||^2 / sum ||W||^2.
 
@@ -257,10 +251,9 @@ def build_masks(
         if cfg.prior != "random":
             weight = gm.get_parameter(site.fqn)
             nm_prior, tile_prior = prior_logits(site.fqn, weight, cfg, calib)
+            # add_prior keeps the prior's choice as the argmax, so the "tile" variant's frozen 2:4
+            # logits harden to exactly the one-shot pattern.
             mask.add_prior(nm_prior, tile_prior, cfg.init_std * cfg.prior_strength)
-            if cfg.variant == "tile":
-                # Freeze the 2:4 pattern exactly at the prior's: argmax must equal the one-shot choice.
-                mask.nm_logits.copy_(nm_prior * cfg.init_std * cfg.prior_strength)
         masks[site.fqn] = mask.to(gm.get_parameter(site.fqn).device)
     return masks
 

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-TILE_DENSE = 0
-TILE_SPARSE24 = 1
+from patchc.tile_plan import TILE_DENSE, TILE_SPARSE24
+
 _MIN_BLOCK = 16
 _ALIGN = 16  # bytes: one 128-bit vector load
 

@@ -27,10 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-try:  # the lead's config owns the default exclusion globs
-    from patchc.config import DEFAULT_EXCLUDE
-except ImportError:  # pragma: no cover - config.py predates this module in normal installs
-    DEFAULT_EXCLUDE = ("*embed*", "*lm_head*", "*wte*", "*wpe*", "output.weight", "*classifier*")
+from patchc.config import DEFAULT_EXCLUDE
 
 
 class InputStats:

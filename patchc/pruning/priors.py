@@ -19,17 +19,10 @@ import torch
 
 from patchc.pruning.patterns import check_groups, check_tile
 
-try:  # the candidate order is fixed by the IR; keep one source of truth when it is there
-    from patchc.tile_plan import PATTERNS as _IR_PATTERNS
-except ImportError:  # pragma: no cover - tile_plan.py ships with patchc
-    _IR_PATTERNS = None
+from patchc.tile_plan import PATTERNS
 
-# 1100, 1010, 1001, 0110, 0101, 0011: candidate p keeps positions (0,1) (0,2) (0,3) (1,2) (1,3) (2,3).
-CANDIDATES = torch.tensor(
-    [[1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1], [0, 1, 1, 0], [0, 1, 0, 1], [0, 0, 1, 1]], dtype=torch.float32
-)
-if _IR_PATTERNS is not None:
-    assert torch.equal(torch.as_tensor(_IR_PATTERNS).to(torch.float32), CANDIDATES), "2:4 candidate order drifted"
+# Candidate p keeps positions (0,1) (0,2) (0,3) (1,2) (1,3) (2,3): the IR's order.
+CANDIDATES = PATTERNS.to(torch.float32)
 
 
 def nm_prior(mask24: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from patchc.codegen.configs import ARCH_TABLE, KernelConfig, arch_of, choose_block, resolve_config
+from patchc.codegen.configs import ARCH_TABLE, KernelConfig, arch_of, resolve_config
 from patchc.codegen.layout import PackedLayer, kernel_buffers, pack, per_row_counts
 from patchc.runtime.cache import TuneCache, cache_key, plan_hash
 from patchc.runtime.op import decode_config, encode_config, launch
