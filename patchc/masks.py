@@ -19,7 +19,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from patchc.config import DEFAULT_EXCLUDE
+from patchc.files import atomic_path
 from patchc.pruning.calibrate import default_layers
 
 FORMATS = ("patch", "maskllm")
@@ -90,16 +90,8 @@ def save_npz(plan_or_masks: Any, path: str | os.PathLike, format: str = "patch",
     if format == "patch":
         header = {"producer": "patchc", "format": "patch", "version": VERSION, "layers": info, **(meta or {})}
         arrays[META_KEY] = np.asarray(json.dumps(header, default=str))
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "wb") as f:  # a file object: numpy appends no ".npz" to it
-            np.savez_compressed(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:  # a file object: numpy appends no ".npz"
+        np.savez_compressed(f, **arrays)
     return path
 
 

@@ -28,12 +28,12 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from patchc.names import block_index
+from patchc.files import write_bytes_atomic
 
 if TYPE_CHECKING:  # matplotlib and the plan IR load lazily: `import patchc` must stay light
     from matplotlib.figure import Figure
@@ -193,7 +193,7 @@ def _save_figure(fig: Figure, path: Path) -> Path:
     """Render to memory, then write atomically: a crash never leaves a truncated PNG behind."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight", pad_inches=0.15)
-    _atomic_write_bytes(path, buf.getvalue())
+    write_bytes_atomic(path, buf.getvalue())
     return path
 
 
@@ -638,21 +638,6 @@ def _json_default(x: Any) -> Any:
     raise TypeError(f"report value of type {type(x).__name__} is not JSON serialisable")
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same folder, then os.replace: readers see old or new, never half."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def write_report(report: Mapping[str, Any], out_dir: str | os.PathLike,
@@ -671,8 +656,8 @@ def write_report(report: Mapping[str, Any], out_dir: str | os.PathLike,
     text_json = json.dumps(report, indent=2, default=_json_default) + "\n"
     text_md = render_markdown(report, pictures)
     paths = {"report_json": out / "report.json", "report_md": out / "report.md"}
-    _atomic_write_bytes(paths["report_json"], text_json.encode("utf-8"))
-    _atomic_write_bytes(paths["report_md"], text_md.encode("utf-8"))
+    write_bytes_atomic(paths["report_json"], text_json.encode("utf-8"))
+    write_bytes_atomic(paths["report_md"], text_md.encode("utf-8"))
     return paths
 
 
@@ -703,7 +688,7 @@ def redraw(plan_path: str | os.PathLike, out_dir: str | os.PathLike | None = Non
     written = plot_plan(plan, out, title=title)
     if report is not None:
         md = out / "report.md"
-        _atomic_write_bytes(md, render_markdown(report, pictures=written).encode("utf-8"))
+        write_bytes_atomic(md, render_markdown(report, pictures=written).encode("utf-8"))
         written.append(md)
     return written
 

@@ -57,7 +57,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -67,6 +66,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from patchc.files import atomic_path
 
 TILE_DENSE = 0
 TILE_SPARSE24 = 1
@@ -875,15 +876,8 @@ class TilePlan:
             for fqn, layer in self.layers.items()
             for part, t in layer.tensors().items()
         }
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"patchc": json.dumps(self.header())})
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"patchc": json.dumps(self.header())})
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TilePlan:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import os
 import time
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from patchc.files import atomic_path
 from patchc.transform import MaskedProgram
 
 CHECKPOINT_FORMAT = "patchc.train-checkpoint"
@@ -44,16 +44,8 @@ class TrainResult:
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """torch.save into a temp file beside `path`, then rename: a crash never leaves half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def _batch_getter(batches: Callable[[int], Any] | Sequence) -> Callable[[int], Any]:

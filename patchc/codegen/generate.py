@@ -33,6 +33,7 @@ from patchc.codegen import kernels
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, choose_block, normalize_target, resolve_config, variants
 from patchc.codegen.launch import GRID_RULES, KERNEL_ARGS, REDUCE_BLOCK, specialisation
 from patchc.codegen.layout import PackedLayer, pack
+from patchc.files import write_bytes_atomic
 
 MANIFEST_FORMAT = "patchc.kernels"
 MANIFEST_VERSION = 1
@@ -231,7 +232,4 @@ def _write_text(path: Path, text: str) -> Path:
 
 
 def _write_bytes(path: Path, data: bytes) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-    return path
+    return write_bytes_atomic(path, data)

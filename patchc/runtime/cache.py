@@ -21,12 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from patchc.files import write_bytes_atomic
 
 FORMAT = "patchc-tune-cache"
 VERSION = 1
@@ -146,17 +147,8 @@ class TuneCache:
 
     def _write(self, entries: dict[str, Any]) -> None:
         text = json.dumps({"format": FORMAT, "version": VERSION, "entries": entries}, indent=1, sort_keys=True)
-        tmp = None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, self.path)
-            tmp = None
+            write_bytes_atomic(self.path, text.encode())
         except OSError as e:  # a read-only home must not stop a model from running
             warnings.warn(f"patchc tuning cache {self.path}: cannot write ({e}); results kept in memory only",
                           RuntimeWarning, stacklevel=3)
-        finally:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
