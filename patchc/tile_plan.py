@@ -167,14 +167,21 @@ def pack_meta(positions: torch.Tensor) -> torch.Tensor:
     if positions.shape[-1:] != (2,) or positions.dim() < 2:
         raise ValueError(f"pack_meta expects positions of shape (..., G, 2), got {tuple(positions.shape)}")
     pos = positions.to(torch.uint8)
-    return _pack_nibbles(pos[..., 0] | (pos[..., 1] << 2))
+    return pack_nibbles(pos[..., 0] | (pos[..., 1] << 2))
 
 
-def _pack_nibbles(nib: torch.Tensor) -> torch.Tensor:
-    """uint8 nibbles (..., G) -> bytes (..., ceil(G / 2)), group 2j low, 2j+1 high."""
+def pack_nibbles(nib: torch.Tensor) -> torch.Tensor:
+    """Nibbles (..., G) -> uint8 bytes (..., ceil(G / 2)), group 2j low, 2j+1 high (the IR and kernel format)."""
+    nib = nib.to(torch.uint8)
     if nib.shape[-1] % 2:
         nib = F.pad(nib, (0, 1))
-    return nib[..., 0::2] | (nib[..., 1::2] << 4)
+    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(meta: torch.Tensor, groups: int) -> torch.Tensor:
+    """Inverse of `pack_nibbles`: uint8 (..., ceil(G / 2)) -> uint8 nibbles (..., G)."""
+    both = torch.stack([meta & 0xF, meta >> 4], dim=-1).flatten(-2)
+    return both[..., :groups].contiguous()
 
 
 def unpack_meta(meta: torch.Tensor, b2: int) -> torch.Tensor:
@@ -188,8 +195,7 @@ def unpack_meta(meta: torch.Tensor, b2: int) -> torch.Tensor:
     groups = b2 // 4
     if meta.shape[-1:] != (math.ceil(groups / 2),):
         raise ValueError(f"meta last dim {tuple(meta.shape)[-1:]} does not match b2={b2} (want ceil(b2/8))")
-    m = meta.to(torch.int64)
-    nib = torch.stack([m & 0xF, m >> 4], dim=-1).flatten(-2)[..., :groups]
+    nib = unpack_nibbles(meta, groups).to(torch.int64)
     return torch.stack([nib & 3, nib >> 2], dim=-1)
 
 
@@ -364,7 +370,7 @@ class LayerPlan:
         positions = pattern_to_positions(pidx)  # (n_sparse, b1, G, 2)
         wgroups = wtiles[sparse_sel].reshape(-1, b1, b2 // 4, 4)
         values = torch.gather(wgroups, -1, positions).reshape(-1, b1, b2 // 2).contiguous()
-        meta = _pack_nibbles(_NIBBLES.to(dev)[pidx])
+        meta = pack_nibbles(_NIBBLES.to(dev)[pidx])
         if bias is not None:
             bias = bias.detach().to(device=dev, dtype=weight.dtype)
         return cls(

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from patchc.tile_plan import TILE_DENSE, TILE_SPARSE24
+from patchc.tile_plan import TILE_DENSE, TILE_SPARSE24, pack_nibbles, unpack_nibbles
 
 _MIN_BLOCK = 16
 _ALIGN = 16  # bytes: one 128-bit vector load
@@ -213,7 +213,7 @@ def pack(
     sparse_tiles = torch.nonzero(~is_dense)
     dense, d_rows, d_cols = _retile(layer.dense.cpu(), dense_tiles, (rb_per, cb_per), (bn, bk), grid)
     values, s_rows, s_cols = _retile(layer.values.cpu(), sparse_tiles, (rb_per, cb_per), (bn, bk // 2), grid)
-    nibbles = _unpack_nibbles(layer.meta.cpu(), b2 // 4)
+    nibbles = unpack_nibbles(layer.meta.cpu(), b2 // 4)
     nibbles, _, _ = _retile(nibbles, sparse_tiles, (rb_per, cb_per), (bn, bk // 4), grid)
     bias = getattr(layer, "bias", None)
     return PackedLayer(
@@ -224,7 +224,7 @@ def pack(
         kinds=block_kinds.contiguous(),
         dense=dense.to(layer.dtype),
         values=values.to(layer.dtype),
-        meta=_pack_nibbles(nibbles),
+        meta=pack_nibbles(nibbles),
         dense_rowptr=_rowptr(d_rows, grid[0]),
         dense_cols=d_cols.to(torch.int32).contiguous(),
         sparse_rowptr=_rowptr(s_rows, grid[0]),
@@ -261,7 +261,7 @@ def dense_from_buffers(
         grid[_rows_of(dense_rowptr), dense_cols.long()] = dense.to(dtype)
     n_sparse = sparse_cols.numel()
     if n_sparse:
-        nib = _unpack_nibbles(meta, bk // 4).long()  # (ns, BN, BK/4)
+        nib = unpack_nibbles(meta, bk // 4).long()  # (ns, BN, BK/4)
         vals = values.to(dtype).reshape(n_sparse, bn, bk // 4, 2)
         groups = torch.zeros(n_sparse, bn, bk // 4, 4, dtype=dtype, device=values.device)
         groups.scatter_(-1, (nib & 3)[..., None], vals[..., :1])
@@ -363,17 +363,3 @@ def _uniform(rowptr: torch.Tensor) -> int | None:
         return 0
     first = int(counts[0])
     return first if bool((counts == first).all()) else None
-
-
-def _unpack_nibbles(meta: torch.Tensor, groups: int) -> torch.Tensor:
-    """(…, ceil(g/2)) uint8 -> (…, g) uint8 nibbles (low nibble first)."""
-    lo = meta & 0xF
-    hi = meta >> 4
-    both = torch.stack([lo, hi], dim=-1).reshape(*meta.shape[:-1], 2 * meta.shape[-1])
-    return both[..., :groups].contiguous()
-
-
-def _pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
-    """(…, g) nibbles, g even -> (…, g/2) uint8 bytes (group 2b low, 2b+1 high)."""
-    nib = nibbles.to(torch.uint8)
-    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).contiguous()
