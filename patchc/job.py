@@ -35,6 +35,7 @@ from patchc.models.llama2c import SHARED_DIR
 DEFAULT_MODEL = str(SHARED_DIR / "models" / "stories260K" / "stories260K.bin")
 DEFAULT_DATA = (str(SHARED_DIR / "data" / "tinystories_sample.txt"),)
 ONESHOT_METHODS = ("magnitude", "wanda", "sparsegpt")
+_PAPER = PatchConfig()
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,21 +51,22 @@ class PruneOptions:
     model: str = DEFAULT_MODEL
     data: tuple[str, ...] = DEFAULT_DATA
     out: str | None = None  # None: the next free runs/<model>[-N]
-    sparsity: float = 0.35
+    sparsity: float = _PAPER.sparsity
     tile: tuple[int, int] = (16, 16)
-    variant: str = "joint"
+    variant: str = _PAPER.variant
     prior: str = "sparsegpt"
-    prior_strength: float = 3.0
+    prior_strength: float = _PAPER.prior_strength
     steps: int = 300
     batch_size: int = 8
     lr: float = 1e-3
-    tau: tuple[float, float] = (2.0, 0.05)
+    # The schedules and loss weights are PatchConfig's (the paper's): one place to change them.
+    tau: tuple[float, float] = _PAPER.tau
     tau_nm: tuple[float, float] | None = None
-    kappa_tile: tuple[float, float] = (25.0, 350.0)
-    kappa_nm: tuple[float, float] = (100.0, 500.0)
-    lambda_density: float = 7.0
-    lambda_norm: float = 10.0
-    scope: str = "global"
+    kappa_tile: tuple[float, float] = _PAPER.kappa_tile
+    kappa_nm: tuple[float, float] = _PAPER.kappa_nm
+    lambda_density: float = _PAPER.lambda_density
+    lambda_norm: float = _PAPER.lambda_norm
+    scope: str = _PAPER.scope
     exact_budget: bool = True
     block_len: int = 128
     eval_context: int = 256
