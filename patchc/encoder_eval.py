@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from patchc.evaluate import device_of
 from patchc.models.hf import hidden_of, mean_pool
 
 # A sentence ends at . ! or ? (optionally followed by a closing quote/bracket) before whitespace and
@@ -140,13 +141,6 @@ def distillation_loss(
     return embed_term.mean() + token_weight * token_term
 
 
-def _device_of(model: Any, fallback: str = "cpu") -> torch.device:
-    if isinstance(model, nn.Module):
-        for p in model.parameters():
-            return p.device
-    return torch.device(fallback)
-
-
 def make_distill_loss(bundle: Any, teacher_model: nn.Module, token_weight: float = 1.0) -> Callable[[Any, dict], torch.Tensor]:
     """A ``loss_fn(prog, batch)`` for `patchc.train_masks`: distil `teacher_model` into the masked `prog`.
 
@@ -162,7 +156,7 @@ def make_distill_loss(bundle: Any, teacher_model: nn.Module, token_weight: float
     fallback = getattr(bundle, "device", "cpu")
 
     def loss_fn(prog: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        dev = _device_of(teacher_model, fallback)
+        dev = device_of(teacher_model, fallback)
         ids = batch["input_ids"].to(dev)
         mask = batch["attention_mask"].to(dev)
         with torch.no_grad():

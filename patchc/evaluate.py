@@ -15,29 +15,32 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-def _logits(out) -> torch.Tensor:
-    # Accept plain tensors, HF ModelOutput (.logits) and (logits, ...) tuples.
+def logits_of(out: Any) -> torch.Tensor:
+    """The (B, T, V) logits of a model call: a plain tensor, an HF ModelOutput (.logits) or a tuple."""
     if isinstance(out, torch.Tensor):
         return out
     if hasattr(out, "logits"):
         return out.logits
-    if isinstance(out, (tuple, list)):
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
     raise TypeError(f"model returned {type(out).__name__}; expected logits (B, T, V)")
 
 
-def _default_device(model: Callable) -> torch.device:
+def device_of(model: Any, fallback: str | torch.device = "cpu") -> torch.device:
+    """Device of a module's first parameter (or buffer); `fallback` for anything else."""
     if isinstance(model, nn.Module):
         for t in model.parameters():
             return t.device
         for t in model.buffers():
             return t.device
-    return torch.device("cpu")
+    return torch.device(fallback)
 
 
 def _windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
@@ -99,7 +102,7 @@ def perplexity(
     windows = _windows(ids.numel(), context, stride)
     if not windows:
         raise ValueError(f"need at least 2 tokens to score, got {ids.numel()}")
-    device = torch.device(device) if device is not None else _default_device(model)
+    device = torch.device(device) if device is not None else device_of(model)
     ids = ids.to(device=device, dtype=torch.long)
 
     was_training = None
@@ -121,7 +124,7 @@ def perplexity(
             for i in range(0, len(group), batch_size):
                 chunk = group[i : i + batch_size]
                 x = torch.stack([ids[b:e] for b, e, _ in chunk])
-                logits = _logits(model(x)).float()
+                logits = logits_of(model(x)).float()
                 nll = F.cross_entropy(
                     logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none"
                 ).view(len(chunk), length - 1)

