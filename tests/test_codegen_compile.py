@@ -104,3 +104,31 @@ def test_compressed_loads_are_vectorised(generated, target):
         ptx = (generated / target / "sparse.weight" / f"{stem}.ptx").read_text()
         assert re.search(r"cp\.async\.cg\.shared\.global\S*\s*\[[^\]]+\],\s*\[[^\]]+\],\s*(16|0x10)\b", ptx) \
             or re.search(r"ld\.global(\.nc)?\S*\.v[24]", ptx), f"{stem}: no 16-byte loads"
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+def test_no_kernel_spills(generated, target):
+    """The static profile (cuobjdump of the cubin) is in every manifest entry: no spills, registers <= 255."""
+    from patchc.codegen.sass import cuobjdump
+
+    if cuobjdump() is None:
+        pytest.skip("this Triton ships no cuobjdump: no static profile to check")
+    for fqn in ("mixed.weight", "sparse.weight"):
+        for v in _manifest(generated / target / fqn / "manifest.json")["variants"]:
+            prof = v["profile"]
+            assert prof["spill_bytes"] == 0 and prof["stack_bytes"] == 0, f"{target} {fqn} {v['name']} spills: {prof}"
+            assert 0 < prof["registers"] <= 255
+
+
+@pytest.mark.parametrize("target,opcode", [("sm_80", "hmma"), ("sm_90", "hgmma")])
+def test_sass_uses_tensor_cores_and_wide_loads(generated, target, opcode):
+    """Same checks as on the PTX, on the machine code ptxas made of it."""
+    from patchc.codegen.sass import cuobjdump
+
+    if cuobjdump() is None:
+        pytest.skip("this Triton ships no cuobjdump: no SASS to check")
+    for fqn in ("mixed.weight", "sparse.weight"):
+        profiles = {v["name"]: v["profile"] for v in _manifest(generated / target / fqn / "manifest.json")["variants"]}
+        assert profiles["prefill"][opcode] > 0 and profiles["decode"][opcode] > 0, f"{target} {fqn}: no {opcode}"
+        assert profiles["prefill"]["ldgsts"] > 0, f"{target} {fqn}: prefill loads are not pipelined (no LDGSTS)"
+        assert profiles["decode_m1"]["ldg128"] > 0, f"{target} {fqn}: decode_m1 has no 128-bit loads"

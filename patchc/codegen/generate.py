@@ -7,6 +7,7 @@ Layout of `out_dir`::
     out_dir/<layer>/manifest.json              args, constexprs, grid rule, M range, files per variant
     out_dir/<layer>/<variant>.py               the kernel source + the constexprs that specialise it
     out_dir/<layer>/<variant>.ptx|.cubin       compiled for the target
+    (each variant's manifest entry carries its static profile: registers, spill bytes, SASS instruction mix)
     (variant = decode_m1, decode_m4, decode, prefill, and splitk_reduce_s<S> when a variant splits K)
 
 All-dense layers get no kernel (route "F.linear": cuBLAS is the right kernel for them).
@@ -33,6 +34,7 @@ from patchc.codegen import kernels
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, choose_block, normalize_target, resolve_config, variants
 from patchc.codegen.launch import GRID_RULES, KERNEL_ARGS, REDUCE_BLOCK, specialisation
 from patchc.codegen.layout import PackedLayer, pack
+from patchc.codegen.sass import static_profile
 from patchc.files import write_bytes_atomic
 
 MANIFEST_FORMAT = "patchc.kernels"
@@ -170,6 +172,8 @@ def _compile_one(fn, signature, consts, num_warps, num_stages, layer_dir: Path, 
         "shared_bytes": int(getattr(meta, "shared", 0) or 0),
         "files": {f.suffix.lstrip("."): f.name for f in files},
         "cubin_sha256": hashlib.sha256(compiled.asm["cubin"]).hexdigest(),
+        # registers, spills and the SASS instruction mix: the first things to look at when it is slow
+        "profile": static_profile(files[2]),
     }
     return entry, files
 

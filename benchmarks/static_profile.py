@@ -1,0 +1,100 @@
+"""Static profile of the generated kernels for LLaMA-2-7B shapes, without a GPU.
+
+    python benchmarks/static_profile.py                       # sm_80 and sm_90, 25/35/45/50%, fp16
+    python benchmarks/static_profile.py --target sm_90 --sparsity 0.45
+
+For each shape, sparsity (random tile map, as in bench_kernels.py) and target, compiles the layer's kernels
+with `patchc.codegen.generate` and prints, per variant, what a profiler would show first: registers per
+thread, spill bytes, the SASS instruction mix (128-bit loads, cp.async, HMMA / HGMMA) and the weight bytes
+the kernel reads against dense (the decode ceiling is dense / packed bytes). Appends one JSON line with
+versions and date to benchmarks/results/static_profile.jsonl. Runs on CPU: this is what can be said about
+the kernels' speed where no GPU is lent; the timings come from bench_kernels.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_kernels import DTYPES, SHAPES, ceiling, tile_map
+
+
+def profile_layer(layer, target: str, work: Path) -> tuple[list[dict], dict]:
+    """Generate one layer's kernels for `target`: (per-variant rows with their static profile, layer manifest)."""
+    from patchc.codegen import generate
+    from patchc.tile_plan import TilePlan
+
+    out = work / target / layer.name
+    generate(TilePlan({layer.name: layer}), out, target=target)
+    index = json.loads((out / "manifest.json").read_text())
+    man = json.loads((out / index["layers"][layer.name]["manifest"]).read_text())
+    return [
+        {"variant": v["name"], "num_warps": v["num_warps"], "num_stages": v["num_stages"],
+         "split_k": v.get("split_k"), "block": man["block"], **(v["profile"] or {})}
+        for v in man["variants"]
+    ], man
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", nargs="+", default=["sm_80", "sm_90"])
+    ap.add_argument("--sparsity", type=float, nargs="+", default=[0.25, 0.35, 0.45, 0.50])
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    ap.add_argument("--tile", type=int, nargs=2, default=[128, 128])
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "static_profile.jsonl")
+    args = ap.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real Triton, not the interpreter
+    import triton
+
+    from patchc.codegen.reference import random_layer_plan
+
+    tile = tuple(args.tile)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for target in args.target:
+            for n, k in SHAPES:
+                for s in args.sparsity:
+                    gen = torch.Generator().manual_seed(0)
+                    name = f"s{round(100 * s)}_{n}x{k}.weight"
+                    layer = random_layer_plan(n, k, tile=tile, kinds=tile_map(n, k, tile, s, gen),
+                                              dtype=DTYPES[args.dtype], name=name)
+                    variants, man = profile_layer(layer, target, Path(tmp))
+                    bytes_ratio = man["dense_bytes"] / man["weight_bytes"]
+                    for v in variants:
+                        row = {"target": target, "N": n, "K": k, "sparsity": s, "bytes_ratio": bytes_ratio,
+                               "ceiling": ceiling(s), **v}
+                        rows.append(row)
+                        print(f"{target} {n:>5}x{k:<5} s={s:.2f} {v['variant']:<17} block {v['block']} "
+                              f"warps {v['num_warps']} split_k {v['split_k'] or '-':<2} regs {v.get('registers', '?'):>3} "
+                              f"spill {v.get('spill_bytes', '?'):>3} B  LDG.128 {v.get('ldg128', '?'):>3} "
+                              f"LDGSTS {v.get('ldgsts', '?'):>3} HMMA {v.get('hmma', '?'):>3} HGMMA {v.get('hgmma', '?'):>2}  "
+                              f"dense/packed bytes {bytes_ratio:.3f} (ceiling {ceiling(s):.3f})", flush=True)
+    record = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": "none (static: cubins compiled on CPU)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dtype": args.dtype,
+        "tile": list(tile),
+        "results": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as f:  # append-only log: earlier runs are never rewritten
+        f.write(json.dumps(record) + "\n")
+    print(f"appended {len(rows)} rows to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
