@@ -157,7 +157,8 @@ def test_candidates_respect_tile_and_block():
     assert cands and all(64 % c.block_n == 0 and 64 % c.block_k == 0 for c in cands)
     assert all(c.kernel == "decode" and c.block_m == 16 for c in cands)
     small = candidates("decode", (4096, 4096), (64, 64), 2, F16, "sm_90")
-    assert {c.block_m for c in small} == {2}  # multiply-and-sum for M <= 4
+    # M <= 4: multiply-and-sum (block_m = 2) and the padded tl.dot kernel (16) both get timed
+    assert {c.block_m for c in small} == {2, 16}
     pre = candidates("prefill", (4096, 4096), (128, 128), 2048, F16, "sm_80", block=(64, 64))
     assert pre and {(c.block_n, c.block_k) for c in pre} == {(64, 64)} and {c.block_m for c in pre} == {64, 128}
 

@@ -191,9 +191,10 @@ def candidates(
     space = candidate_space(arch)
     blocks = (block,) if block is not None else space.blocks
     if regime == "decode":
-        # M <= 4: one multiply-and-sum program per token group wastes no tensor-core lanes
-        bms = (_pow2_ceil(m),) if m <= ARCH_TABLE[arch].small_m else tuple(
-            b for b in space.decode_block_m if b <= max(16, _pow2_ceil(m)))
+        dot_bms = tuple(b for b in space.decode_block_m if b <= max(16, _pow2_ceil(m)))
+        # M <= 4: multiply-and-sum wastes no tensor-core lanes on padding tokens, but its loads are not
+        # pipelined (cp.async needs a tl.dot); the padded tl.dot kernel stays a candidate and timing decides
+        bms = (_pow2_ceil(m), *dot_bms[:1]) if m <= ARCH_TABLE[arch].small_m else dot_bms
         sks, warps, stages = space.decode_split_k, space.decode_warps, space.decode_stages
     else:
         bms = tuple(b for b in space.prefill_block_m if b <= max(16, _pow2_ceil(m))) or (16,)
