@@ -29,13 +29,11 @@ Example:
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patchc.tile_plan import PATTERNS
+from patchc.tile_plan import PATTERNS, expand_tiles, tile_grid, tile_sizes
 
 MODES = ("sample", "hard", "soft", "ones")
 
@@ -75,7 +73,7 @@ class HybridMask(nn.Module):
             raise ValueError(f"{name}: in_features={k} is not a multiple of 4, so it has no 2:4 groups")
         self.name, self.shape, self.tile, self.variant = name, (n, k), tuple(tile), variant
         self.index, self.seed, self.hard = index, seed, hard
-        self.grid = (math.ceil(n / tile[0]), math.ceil(k / tile[1]))
+        self.grid = tile_grid((n, k), self.tile)
         self.mode = "sample"
         # Set by the owning program before each forward from its step counter.
         self.tau_tile, self.tau_nm, self.kappa_tile, self.kappa_nm = 1.0, 1.0, 1.0, 1.0
@@ -92,9 +90,7 @@ class HybridMask(nn.Module):
         # What the regulariser needs from each training forward (the program turns off what it won't use).
         self.track_sum, self.track_norm = True, True
         # Elements per tile: edge tiles of a padded grid are partial and must weigh less.
-        rows = torch.full((self.grid[0],), tile[0]); rows[-1] = n - tile[0] * (self.grid[0] - 1)
-        cols = torch.full((self.grid[1],), tile[1]); cols[-1] = k - tile[1] * (self.grid[1] - 1)
-        self.register_buffer("tile_numel", (rows[:, None] * cols[None, :]).float(), persistent=False)
+        self.register_buffer("tile_numel", tile_sizes((n, k), self.tile).float(), persistent=False)
         self.register_buffer("patterns", PATTERNS.float(), persistent=False)
         self.last_sum: torch.Tensor | None = None  # sum(M) of the last forward, for "sampled" density
         self.last_sq_norm: torch.Tensor | None = None  # ||M * W||^2 of the last forward
@@ -128,11 +124,6 @@ class HybridMask(nn.Module):
             logits.clamp_(-0.45 * scale, 0.45 * scale).add_(prior.to(logits) * scale)
 
     # -- mask construction ----------------------------------------------------------------
-    def _expand_tiles(self, t: torch.Tensor) -> torch.Tensor:
-        b1, b2 = self.tile
-        n, k = self.shape
-        return t.repeat_interleave(b1, 0).repeat_interleave(b2, 1)[:n, :k]
-
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = torch.Generator(device=device)
         gen.manual_seed(noise_seed(self.seed, self.index, self._draw))
@@ -167,7 +158,7 @@ class HybridMask(nn.Module):
         """Bool (N, K) hard mask; `tiles` overrides the dense-tile choice (exact budgets)."""
         tiles = self.hard_tiles() if tiles is None else tiles
         m24 = self.patterns.bool()[self.hard_patterns()].reshape(self.shape)
-        return self._expand_tiles(tiles) | m24
+        return expand_tiles(tiles, self.tile, self.shape) | m24
 
     def _sample(self) -> torch.Tensor:
         device = self.nm_logits.device
@@ -188,14 +179,14 @@ class HybridMask(nn.Module):
         p = torch.sigmoid(z)
         if self.hard:
             p = (z > 0).to(p) - p.detach() + p
-        mt = self._expand_tiles(p)
+        mt = expand_tiles(p, self.tile, self.shape)
         return mt + (1 - mt) * m24
 
     def _soft(self) -> torch.Tensor:
         m24 = (torch.softmax(self.kappa_nm * self.nm_logits / self.tau_nm, dim=-1) @ self.patterns).reshape(self.shape)
         if self.tile_logits is None:
             return m24
-        mt = self._expand_tiles(torch.sigmoid(self.kappa_tile * self.tile_logits / self.tau_tile))
+        mt = expand_tiles(torch.sigmoid(self.kappa_tile * self.tile_logits / self.tau_tile), self.tile, self.shape)
         return mt + (1 - mt) * m24
 
     def mask(self) -> torch.Tensor:

@@ -204,14 +204,28 @@ def unpack_meta(meta: torch.Tensor, b2: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def _grid(shape: tuple[int, int], tile: tuple[int, int]) -> tuple[int, int]:
+def tile_grid(shape: tuple[int, int], tile: tuple[int, int]) -> tuple[int, int]:
+    """Padded grid (Tn, Tk) = (ceil(N / b1), ceil(K / b2)), e.g. tile_grid((40, 24), (16, 16)) == (3, 2)."""
     return math.ceil(shape[0] / tile[0]), math.ceil(shape[1] / tile[1])
+
+
+def tile_sizes(
+    shape: tuple[int, int], tile: tuple[int, int], device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Real (unpadded) elements per tile, int64 (Tn, Tk), e.g. tile_sizes((40, 24), (16, 16))[2, 1] == 8 * 8."""
+    rows, cols = _extent(shape, tile, device)
+    return rows[:, None] * cols[None, :]
+
+
+def expand_tiles(t: torch.Tensor, tile: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """Per-tile (Tn, Tk) -> per-element (N, K), edge cropped: expand_tiles(eye(2), (2, 2), (3, 4)).shape == (3, 4)."""
+    return t.repeat_interleave(tile[0], 0).repeat_interleave(tile[1], 1)[: shape[0], : shape[1]]
 
 
 def to_tiles(x: torch.Tensor, tile: tuple[int, int], value: float = 0) -> torch.Tensor:
     """(N, K) -> (Tn, Tk, b1, b2), padding the bottom/right edge with `value`."""
     (n, k), (b1, b2) = x.shape, tile
-    tn, tk = _grid((n, k), tile)
+    tn, tk = tile_grid((n, k), tile)
     if x.dtype == torch.bool:  # F.pad has no bool kernel
         return to_tiles(x.to(torch.uint8), tile, int(bool(value))).bool()
     x = F.pad(x, (0, tk * b2 - k, 0, tn * b1 - n), value=value)
@@ -224,9 +238,11 @@ def from_tiles(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return t.permute(0, 2, 1, 3).reshape(tn * b1, tk * b2)[: shape[0], : shape[1]].contiguous()
 
 
-def _extent(shape: tuple[int, int], tile: tuple[int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _extent(
+    shape: tuple[int, int], tile: tuple[int, int], device: torch.device | str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Valid rows per tile row (Tn,) and valid columns per tile column (Tk,) of the padded grid."""
-    tn, tk = _grid(shape, tile)
+    tn, tk = tile_grid(shape, tile)
     rows = (shape[0] - torch.arange(tn, device=device) * tile[0]).clamp(max=tile[0])
     cols = (shape[1] - torch.arange(tk, device=device) * tile[1]).clamp(max=tile[1])
     return rows, cols
@@ -325,7 +341,7 @@ class LayerPlan:
             raise PlanError(f"layer {name}: K={k} is not a multiple of 4, so it has no 2:4 groups; skip this layer")
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != shape or mask.dtype != torch.bool:
             raise PlanError(f"layer {name}: mask must be a bool tensor of shape {shape}, got {_describe(mask)}")
-        grid = _grid(shape, tile)
+        grid = tile_grid(shape, tile)
         if not isinstance(kinds, torch.Tensor) or tuple(kinds.shape) != grid:
             raise PlanError(
                 f"layer {name}: kinds must have the grid shape {grid} for tile {tile}, got {_describe(kinds)}"
@@ -390,7 +406,7 @@ class LayerPlan:
     @property
     def grid(self) -> tuple[int, int]:
         """(Tn, Tk) = (ceil(N / b1), ceil(K / b2))."""
-        return _grid(self.shape, self.tile)
+        return tile_grid(self.shape, self.tile)
 
     @property
     def n_dense(self) -> int:
@@ -440,8 +456,7 @@ class LayerPlan:
     @property
     def n_kept(self) -> int:
         """Kept weights inside (N, K): all of the dense tiles, half of the 2:4 tiles."""
-        rows, cols = _extent(self.shape, self.tile, self.kinds.device)
-        sizes = rows[:, None] * cols[None, :]
+        sizes = tile_sizes(self.shape, self.tile, self.kinds.device)
         dense = int(sizes[self.kinds == TILE_DENSE].sum())
         sparse = int(sizes[self.kinds == TILE_SPARSE24].sum())
         return dense + sparse // 2

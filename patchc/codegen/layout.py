@@ -40,7 +40,15 @@ from typing import Any
 
 import torch
 
-from patchc.tile_plan import TILE_DENSE, TILE_SPARSE24, pack_nibbles, unpack_nibbles
+from patchc.tile_plan import (
+    TILE_DENSE,
+    TILE_SPARSE24,
+    expand_tiles,
+    from_tiles,
+    pack_nibbles,
+    tile_grid,
+    unpack_nibbles,
+)
 
 _MIN_BLOCK = 16
 _ALIGN = 16  # bytes: one 128-bit vector load
@@ -103,7 +111,7 @@ class PackedLayer:
     @property
     def grid(self) -> tuple[int, int]:
         """(RB, CB): block rows and block columns."""
-        return math.ceil(self.shape[0] / self.block[0]), math.ceil(self.shape[1] / self.block[1])
+        return tile_grid(self.shape, self.block)
 
     @property
     def n_dense(self) -> int:
@@ -193,7 +201,7 @@ def pack(
             f"divide the tile (e.g. {_suggest_block((b1, b2))}) or harden with a tile that is a multiple of it"
         )
     kinds = layer.kinds.to(torch.uint8).cpu()
-    tn, tk = math.ceil(n / b1), math.ceil(k / b2)
+    tn, tk = tile_grid((n, k), (b1, b2))
     if tuple(kinds.shape) != (tn, tk):
         raise PackError(f"{where}: kinds has shape {tuple(kinds.shape)}, expected {(tn, tk)} for shape {(n, k)}")
     is_dense = kinds == TILE_DENSE
@@ -207,8 +215,8 @@ def pack(
     _check_counts(layer, int(is_dense.sum()), int((~is_dense).sum()), (b1, b2), where)
 
     rb_per, cb_per = b1 // bn, b2 // bk
-    grid = (math.ceil(n / bn), math.ceil(k / bk))
-    block_kinds = kinds.repeat_interleave(rb_per, 0).repeat_interleave(cb_per, 1)[: grid[0], : grid[1]]
+    grid = tile_grid((n, k), block)
+    block_kinds = expand_tiles(kinds, (rb_per, cb_per), grid)  # each block inherits its plan tile's kind
     dense_tiles = torch.nonzero(is_dense)  # row-major grid order == plan.dense order
     sparse_tiles = torch.nonzero(~is_dense)
     dense, d_rows, d_cols = _retile(layer.dense.cpu(), dense_tiles, (rb_per, cb_per), (bn, bk), grid)
@@ -254,7 +262,7 @@ def dense_from_buffers(
     """W*M (N, K) rebuilt from the seven kernel buffers (reads index tensors: a reference path)."""
     dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols = buffers
     bn, bk = block
-    rb, cb = math.ceil(shape[0] / bn), math.ceil(shape[1] / bk)
+    rb, cb = tile_grid(shape, block)
     dtype = dtype or values.dtype
     grid = torch.zeros(rb, cb, bn, bk, dtype=dtype, device=values.device)
     if dense_cols.numel():
@@ -267,8 +275,7 @@ def dense_from_buffers(
         groups.scatter_(-1, (nib & 3)[..., None], vals[..., :1])
         groups.scatter_(-1, (nib >> 2)[..., None], vals[..., 1:])
         grid[_rows_of(sparse_rowptr), sparse_cols.long()] = groups.reshape(-1, bn, bk)
-    full = grid.permute(0, 2, 1, 3).reshape(rb * bn, cb * bk)
-    return full[: shape[0], : shape[1]].contiguous()
+    return from_tiles(grid, shape)
 
 
 def packed_to_dense(packed: PackedLayer, dtype: torch.dtype | None = None) -> torch.Tensor:

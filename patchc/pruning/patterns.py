@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from patchc.tile_plan import expand_tiles
+
 
 def prune_count(k: int, sparsity: float) -> int:
     """How many of k weights a row prunes at `sparsity`: floor(sparsity * k + 1/2)."""
@@ -70,16 +72,9 @@ def check_tile(tile) -> tuple[int, int]:
     return tile
 
 
-def expand_tiles(tiles: torch.Tensor, shape: tuple[int, int], tile: tuple[int, int]) -> torch.Tensor:
-    """(Tn, Tk) per-tile values -> (N, K) per-element values (edge tiles cropped)."""
-    b1, b2 = tile
-    full = tiles.repeat_interleave(b1, dim=0).repeat_interleave(b2, dim=1)
-    return full[: shape[0], : shape[1]]
-
-
 def merge_tiles(dense_tiles: torch.Tensor, mask24: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
     """Hybrid mask: all-kept inside dense tiles, the 2:4 mask elsewhere."""
-    return expand_tiles(dense_tiles.to(torch.bool), tuple(mask24.shape), tile) | mask24
+    return expand_tiles(dense_tiles.to(torch.bool), tile, tuple(mask24.shape)) | mask24
 
 
 __all__ = [
@@ -89,6 +84,5 @@ __all__ = [
     "check_tile",
     "mask_24",
     "mask_unstructured",
-    "expand_tiles",
     "merge_tiles",
 ]

@@ -13,13 +13,11 @@ Example:
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from patchc.pruning.patterns import check_groups, check_tile
 
-from patchc.tile_plan import PATTERNS
+from patchc.tile_plan import PATTERNS, tile_sizes, to_tiles
 
 # Candidate p keeps positions (0,1) (0,2) (0,3) (1,2) (1,3) (2,3): the IR's order.
 CANDIDATES = PATTERNS.to(torch.float32)
@@ -46,15 +44,8 @@ def dense_tile_count(n_tiles: int, density: float) -> int:
 
 def tile_kept_fraction(mask: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
     """(Tn, Tk) float64 kept fraction per tile; partial edge tiles count only their real elements."""
-    b1, b2 = tile
-    n, k = mask.shape
-    tn, tk = math.ceil(n / b1), math.ceil(k / b2)
-    padded = torch.zeros(tn * b1, tk * b2, dtype=torch.float64, device=mask.device)
-    real = torch.zeros_like(padded)
-    padded[:n, :k] = mask.to(torch.float64)
-    real[:n, :k] = 1.0
-    kept = padded.reshape(tn, b1, tk, b2).sum((1, 3))
-    return kept / real.reshape(tn, b1, tk, b2).sum((1, 3))
+    kept = to_tiles(mask.to(torch.float64), tile).sum((2, 3))  # zero padding: never counts
+    return kept / tile_sizes(tuple(mask.shape), tile, mask.device).to(torch.float64)
 
 
 def dense_tiles(mask_unstructured: torch.Tensor, tile, density: float) -> torch.Tensor:
