@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if any(not 0.0 <= s <= 0.5 for s in args.sparsity):
         p.error("--sparsity values must lie in [0, 0.5]")
-    import triton
+    from patchc.env import device_name, versions
 
     rows, dense = [], None
     for i, s in enumerate(sorted(set(args.sparsity))):
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     record = {
         "bench": "e2e", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "device": device_name("cuda"), **versions(),
         "batch": args.batch, "prompt": args.prompt, "gen": args.gen, "layers": args.layers, "dtype": "fp16",
         "cuda_graphs": True, "rows": rows,
     }

@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     os.environ.pop("TRITON_INTERPRET", None)
-    import triton
     from triton.testing import do_bench
 
     from patchc.codegen.configs import arch_of, choose_block
+    from patchc.env import device_name, versions
 
     tile = tuple(args.tile)
     block = tuple(args.block) if args.block else choose_block(tile, arch_of("cuda"))
@@ -101,10 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             results += bench_one(n, k, s, args.m, DTYPES[args.dtype], tile, block, gen, do_bench)
     record = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
+        "device": device_name("cuda"),
         "capability": list(torch.cuda.get_device_capability()),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        **versions(),
         "dtype": args.dtype,
         "tile": list(tile),
         "block": list(block),

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from patchc.job import PruneOptions, calibrate, choose_threads, device_name, evaluate, load_data, oneshot_baseline, train, versions
+from patchc.env import device_name, versions
+from patchc.job import PruneOptions, calibrate, choose_threads, evaluate, load_data, oneshot_baseline, train
 from patchc.models import load_model
 
 RESULTS = Path(__file__).parent / "results" / "quality_stories260K.jsonl"

@@ -55,9 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "static_profile.jsonl")
     args = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real Triton, not the interpreter
-    import triton
-
     from patchc.codegen.reference import random_layer_plan
+    from patchc.env import versions
 
     tile = tuple(args.tile)
     rows = []
@@ -83,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": "none (static: cubins compiled on CPU)",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        **versions(),
         "dtype": args.dtype,
         "tile": list(tile),
         "results": rows,

@@ -120,15 +120,36 @@ def split_documents(
     return train, evals
 
 
-def _encode(tokenizer: Any, text: str, bos: bool) -> list[int]:
-    # patchc.models.llama2c.Tokenizer: encode(text, bos=, eos=); HF tokenizers: encode(text, add_special_tokens=).
+def split_files(
+    paths: Sequence[str | os.PathLike], eval_fraction: float, seed: int = 0, kind: str = "auto"
+) -> tuple[list[str], list[str]]:
+    """Load each file's documents and split them (`split_documents`) file by file; the parts are joined in
+    file order, so every file gives its own share of held-out documents.
+
+    Example:
+        >>> train_docs, eval_docs = split_files([SHARED_DIR / "data/tinystories_sample.txt"], 0.2)
+        >>> len(train_docs), len(eval_docs)
+        (14, 3)
+    """
+    train: list[str] = []
+    evals: list[str] = []
+    for path in paths:
+        part_train, part_eval = split_documents(load_documents(path, kind), eval_fraction, seed)
+        train += part_train
+        evals += part_eval
+    return train, evals
+
+
+def _as_tokenizer(tokenizer: Any) -> Any:
+    """`tokenizer` with llama2.c's ``encode(text, bos=, eos=)``: a raw Hugging Face tokenizer is wrapped
+    in `patchc.models.bundle.HFTokenizer`, so both kinds encode by the same code."""
+    # A patchc tokenizer has `bos_id`; a Hugging Face one has `bos_token_id` instead.
     if hasattr(tokenizer, "bos_token_id") and not hasattr(tokenizer, "bos_id"):
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
-        bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        if bos and bos_id is None:
-            raise ValueError("tokenizer has neither a BOS nor an EOS token; pass bos=False")
-        return ([bos_id] if bos else []) + ids
-    return list(tokenizer.encode(text, bos=bos, eos=False))
+        # Imported here: patchc.models.bundle pulls in the model loaders, which plain text handling needs not.
+        from patchc.models.bundle import HFTokenizer
+
+        return HFTokenizer(tokenizer, "causal")
+    return tokenizer
 
 
 def tokenize_documents(docs: Sequence[str], tokenizer: Any, bos: bool = True) -> torch.Tensor:
@@ -141,9 +162,10 @@ def tokenize_documents(docs: Sequence[str], tokenizer: Any, bos: bool = True) ->
         >>> tokenize_documents(["Hello", "World"], tok)[:3]
         tensor([  1, ...])
     """
+    tokenizer = _as_tokenizer(tokenizer)
     out: list[int] = []
     for doc in docs:
-        out.extend(_encode(tokenizer, doc, bos))
+        out.extend(tokenizer.encode(doc, bos=bos, eos=False))
     return torch.tensor(out, dtype=torch.long)
 
 
@@ -171,6 +193,16 @@ def pack_blocks(ids: torch.Tensor, block_len: int, source: str | os.PathLike | N
     return ids[: n_blocks * block_len].reshape(n_blocks, block_len).long()
 
 
+def pack_documents(docs: Sequence[str], tokenizer: Any, block_len: int, source: str | os.PathLike | None = None) -> torch.Tensor:
+    """`tokenize_documents` then `pack_blocks`: the training blocks of a list of documents.
+
+    Example:
+        >>> pack_documents(train_docs, tok, block_len=129, source="stories.txt").shape[1]
+        129
+    """
+    return pack_blocks(tokenize_documents(docs, tokenizer), block_len, source=source)
+
+
 @dataclass(frozen=True, eq=False)
 class TextData:
     """A text file split by document: train blocks for training, the eval token stream for perplexity."""
@@ -196,9 +228,8 @@ def load_text_data(
         >>> data = load_text_data(SHARED_DIR / "data/wikitext2_raw_test.txt", tok, block_len=129)
         >>> data.train_blocks.shape, data.eval_ids.shape
     """
-    docs = load_documents(path, kind)
-    train_docs, eval_docs = split_documents(docs, eval_fraction, seed)
-    train_blocks = pack_blocks(tokenize_documents(train_docs, tokenizer), block_len, source=f"{path} (train part)")
+    train_docs, eval_docs = split_files([path], eval_fraction, seed, kind)
+    train_blocks = pack_documents(train_docs, tokenizer, block_len, source=f"{path} (train part)")
     eval_ids = tokenize_documents(eval_docs, tokenizer)
     return TextData(str(path), train_docs, eval_docs, train_blocks, eval_ids)
 
@@ -272,8 +303,10 @@ __all__ = [
     "split_text",
     "load_documents",
     "split_documents",
+    "split_files",
     "tokenize_documents",
     "pack_blocks",
+    "pack_documents",
     "TextData",
     "load_text_data",
     "batch_indices",

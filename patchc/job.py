@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
-import platform
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import patchc
 from patchc.config import PatchConfig
+from patchc.env import device_name, versions
 from patchc.models.llama2c import SHARED_DIR
 
 DEFAULT_MODEL = str(SHARED_DIR / "models" / "stories260K" / "stories260K.bin")
@@ -171,15 +172,12 @@ def choose_threads(opts: PruneOptions, model: torch.nn.Module) -> None:
 
 def load_data(bundle, opts: PruneOptions):
     """Held-out evaluation text always comes from --data; training text from it too unless data-free."""
-    from patchc.data import load_documents, pack_blocks, split_documents, tokenize_documents
+    from patchc.data import pack_documents, split_files, tokenize_documents
 
-    docs_train, docs_eval = [], []
     for path in opts.data:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--data {path}: no such file")
-        train, held = split_documents(load_documents(path), opts.eval_fraction, opts.seed)
-        docs_train += train
-        docs_eval += held
+    docs_train, docs_eval = split_files(opts.data, opts.eval_fraction, opts.seed)
     if not docs_eval:
         raise ValueError(f"--data {', '.join(opts.data)}: too few documents to hold any out for evaluation")
     source = ", ".join(opts.data)
@@ -198,7 +196,7 @@ def load_data(bundle, opts: PruneOptions):
     if opts.data_free:
         train_blocks = sample_training_text(bundle, opts)
     else:
-        train_blocks = pack_blocks(tokenize_documents(docs_train, bundle.tokenizer), opts.block_len + 1, source=source)
+        train_blocks = pack_documents(docs_train, bundle.tokenizer, opts.block_len + 1, source=source)
     return {"train": train_blocks, "eval": eval_ids, "docs_train": len(docs_train), "docs_eval": len(docs_eval)}
 
 
@@ -222,11 +220,7 @@ def make_loss(bundle, dense_model) -> Callable:
 
         return make_distill_loss(bundle, dense_model)
 
-    def lm_loss(prog, ids: torch.Tensor) -> torch.Tensor:
-        logits = bundle.logits(prog, ids[:, :-1])
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
-
-    return lm_loss
+    return functools.partial(patchc.lm_loss, logits=bundle.logits)
 
 
 def global_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]:
@@ -260,9 +254,13 @@ def calibrate(bundle, data: dict, opts: PruneOptions):
     return patchc.calibrate(bundle.model, inputs, progress=opts.progress and world()[0] == 0)
 
 
-def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, checkpoint: Path | None, resume: bool):
-    """transform -> train_masks -> harden for one configuration; returns (plan, train result)."""
-    prog = patchc.transform(bundle.export(bundle.model), cfg, calib=calib)
+def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, checkpoint: Path | None, resume: bool,
+          prior_masks: dict[str, torch.Tensor] | None = None):
+    """transform -> train_masks -> harden for one configuration; returns (plan, train result).
+
+    `prior_masks`: `oneshot_masks(bundle, cfg.prior, calib)`, when already computed for another run.
+    """
+    prog = patchc.transform(bundle.export(bundle.model), cfg, calib=calib, prior_masks=prior_masks)
     forward_module = prog
     if world()[1] > 1:
         forward_module = torch.nn.parallel.DistributedDataParallel(prog)
@@ -293,30 +291,28 @@ def evaluate(bundle, model: torch.nn.Module, data: dict, opts: PruneOptions, den
     return {"perplexity": perplexity(lambda ids: bundle.logits(model, ids), data["eval"], context=opts.eval_context)}
 
 
-def oneshot_baseline(bundle, method: str, calib, progress: bool = False) -> torch.nn.Module:
-    """A fresh dense copy pruned by a one-shot method at 2:4 (masks only, as the baselines of the paper)."""
+def oneshot_masks(bundle, method: str, calib, progress: bool = False) -> dict[str, torch.Tensor]:
+    """The dense model's one-shot 2:4 masks, {weight FQN: kept}: a baseline's masks and the prior of the
+    PATCH runs alike (the prior's 2:4 part is exactly these masks).
+
+    Example:
+        >>> masks = oneshot_masks(bundle, "sparsegpt", calib)
+        >>> model = oneshot_baseline(bundle, "sparsegpt", calib, masks=masks)
+    """
+    return patchc.oneshot(bundle.model, method=method, pattern="2:4", calib=calib, progress=progress)
+
+
+def oneshot_baseline(bundle, method: str, calib, progress: bool = False,
+                     masks: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+    """A fresh dense copy pruned by a one-shot method at 2:4 (masks only, as the baselines of the paper);
+    `masks`: that method's `oneshot_masks`, when already computed."""
     model = bundle.reload()
-    masks = patchc.oneshot(model, method=method, pattern="2:4", calib=calib, progress=progress)
+    if masks is None:
+        masks = patchc.oneshot(model, method=method, pattern="2:4", calib=calib, progress=progress)
     with torch.no_grad():
         for fqn, mask in masks.items():
             model.get_parameter(fqn).mul_(mask.to(model.get_parameter(fqn).device))
     return model
-
-
-def versions() -> dict[str, str]:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:  # pragma: no cover - triton is a Linux dependency
-        triton_version = "absent"
-    return {"patchc": patchc.__version__, "torch": torch.__version__, "triton": triton_version, "python": platform.python_version()}
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(torch.device(device))
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
@@ -354,8 +350,15 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
         with timed(timings, "calibrate"):
             calib = calibrate(bundle, data, opts)
 
+    # The prior's 2:4 masks are the one-shot baseline's of the same method, and the learned-2:4 run
+    # starts from the same prior: compute them once (SparseGPT's take seconds) when they are used twice.
+    prior_masks = None
+    if opts.baselines and cfg.prior in ONESHOT_METHODS:
+        with timed(timings, "calibrate"):
+            prior_masks = oneshot_masks(bundle, cfg.prior, calib, opts.progress and rank == 0)
+
     with timed(timings, "train"):
-        plan, trained = train(bundle, cfg, data, opts, calib, out / "masks.ckpt", opts.resume)
+        plan, trained = train(bundle, cfg, data, opts, calib, out / "masks.ckpt", opts.resume, prior_masks)
     plan.meta["command"] = command or ""
     if rank == 0:
         pruned = plan.apply(bundle.reload())
@@ -366,11 +369,12 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
         if rank == 0:
             with timed(timings, "baselines"):
                 for method in ONESHOT_METHODS:
-                    model = oneshot_baseline(bundle, method, calib, opts.progress)
+                    model = oneshot_baseline(bundle, method, calib, opts.progress,
+                                             prior_masks if method == cfg.prior else None)
                     results.append(row(f"{method} 2:4", method, "2:4", 0.5, evaluate(bundle, model, data, opts, dense_embed)))
         with timed(timings, "baselines"):
             nm_cfg = cfg.replace(variant="nm", sparsity=0.5)
-            nm_plan, nm_trained = train(bundle, nm_cfg, data, opts, calib, None, False)
+            nm_plan, nm_trained = train(bundle, nm_cfg, data, opts, calib, None, False, prior_masks)
         if rank == 0:
             model = nm_plan.apply(bundle.reload())
             results.append(row("learned 2:4 (nm)", "patch-nm", "2:4", nm_plan.sparsity, evaluate(bundle, model, data, opts, dense_embed), nm_trained.seconds))

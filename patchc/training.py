@@ -181,10 +181,22 @@ def _global_mean(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def lm_loss(prog: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy of a causal LM on a (B, T+1) block of token ids."""
-    logits = prog(ids[:, :-1])
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+def lm_loss(
+    prog: torch.nn.Module,
+    ids: torch.Tensor,
+    logits: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Next-token cross-entropy of a causal LM on a (B, T+1) block of token ids.
+
+    `logits(prog, inputs)` -> (B, T, V) replaces the plain call `prog(inputs)`, e.g. a `ModelBundle`'s
+    `logits`, which passes Hugging Face models `use_cache=False` and unwraps their outputs.
+
+    Example:
+        >>> loss_fn = functools.partial(patchc.lm_loss, logits=bundle.logits)
+        >>> patchc.train_masks(prog, blocks, loss_fn, steps=300)
+    """
+    out = prog(ids[:, :-1]) if logits is None else logits(prog, ids[:, :-1])
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
 __all__ = ["TrainResult", "train_masks", "lm_loss", "save_checkpoint", "load_checkpoint", "atomic_torch_save"]

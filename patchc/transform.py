@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import fx, nn
@@ -239,6 +239,7 @@ def build_masks(
     gm: fx.GraphModule,
     cfg: PatchConfig,
     calib=None,
+    prior_masks: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, HybridMask]:
     """One HybridMask per masked weight (graph order), initialised N(0, init_std) + prior."""
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -250,7 +251,7 @@ def build_masks(
         mask.init_logits(cfg.init_std, gen)
         if cfg.prior != "random":
             weight = gm.get_parameter(site.fqn)
-            nm_prior, tile_prior = prior_logits(site.fqn, weight, cfg, calib)
+            nm_prior, tile_prior = prior_logits(site.fqn, weight, cfg, calib, prior_masks)
             # add_prior keeps the prior's choice as the argmax, so the "tile" variant's frozen 2:4
             # logits harden to exactly the one-shot pattern.
             mask.add_prior(nm_prior, tile_prior, cfg.init_std * cfg.prior_strength)
@@ -258,8 +259,13 @@ def build_masks(
     return masks
 
 
-def prior_logits(fqn: str, weight: torch.Tensor, cfg: PatchConfig, calib=None):
-    """(2:4 prior (N*K/4, 6), tile prior (Tn, Tk)) from one-shot masks, values in {-1, 0, 1}."""
+def prior_logits(fqn: str, weight: torch.Tensor, cfg: PatchConfig, calib=None,
+                 prior_masks: Mapping[str, torch.Tensor] | None = None):
+    """(2:4 prior (N*K/4, 6), tile prior (Tn, Tk)) from one-shot masks, values in {-1, 0, 1}.
+
+    `prior_masks[fqn]`, where present, is taken as the one-shot 2:4 mask of `cfg.prior` instead of
+    computing it again (SparseGPT's costs seconds per layer).
+    """
     from patchc.pruning import prune_weight
     from patchc.pruning.priors import nm_prior, tile_prior
 
@@ -273,7 +279,9 @@ def prior_logits(fqn: str, weight: torch.Tensor, cfg: PatchConfig, calib=None):
             raise ValueError(f"{fqn}: no calibration statistics for this layer (prior={cfg.prior!r})")
         stats = calib[fqn]
     w = weight.detach().float()
-    mask24 = prune_weight(w, cfg.prior, "2:4", stats=stats)
+    mask24 = prior_masks.get(fqn) if prior_masks is not None else None
+    if mask24 is None:
+        mask24 = prune_weight(w, cfg.prior, "2:4", stats=stats)
     nm = nm_prior(mask24)
     tiles = None
     if cfg.variant != "nm":
@@ -290,6 +298,7 @@ def transform(
     example_kwargs: dict | None = None,
     dynamic: bool = True,
     calib=None,
+    prior_masks: Mapping[str, torch.Tensor] | None = None,
 ) -> MaskedProgram:
     """Insert a learnable hybrid mask before every selected matmul weight.
 
@@ -298,6 +307,9 @@ def transform(
             or an nn.Module, exported here with `example_inputs` (every dim dynamic when `dynamic`).
         cfg: the PatchConfig (default PatchConfig()).
         calib: `patchc.calibrate(...)` statistics, needed by the "wanda" and "sparsegpt" priors.
+        prior_masks: {weight FQN: bool (N, K)} one-shot 2:4 masks of `cfg.prior` already computed for
+            these very weights (`patchc.oneshot(model, cfg.prior, "2:4", calib=calib)`), reused for the
+            prior; layers missing from it are computed here.
 
     Returns a `MaskedProgram`. The exported program's module shares weight storage with the user's
     model; patchc never writes to it.
@@ -318,6 +330,6 @@ def transform(
     if not sites:
         raise ValueError(f"patchc.transform found no maskable linear layer; skipped: {skipped or 'none seen'}")
     check_tile_fits(sites, cfg.tile)
-    masks = build_masks(sites, gm, cfg, calib)
+    masks = build_masks(sites, gm, cfg, calib, prior_masks)
     InsertMasks(sites, masks)(gm)
     return MaskedProgram(gm, sites, masks, skipped, cfg)

@@ -455,3 +455,25 @@ def test_prior_is_reproduced_by_immediate_hardening(tiny_mlp, variant):
         assert torch.equal(layer.mask(), expected), fqn
         sparse_part = ~dense.repeat_interleave(8, 0).repeat_interleave(8, 1)[: w.shape[0], : w.shape[1]]
         assert torch.equal(layer.mask()[sparse_part], m24[sparse_part])
+
+
+def test_precomputed_prior_masks_are_used(tiny_mlp):
+    """transform(prior_masks=...) reuses the job's one-shot masks: same logits as computing them, and a
+    different mask passed in really changes the prior (it is not ignored)."""
+    import patchc
+
+    torch.manual_seed(3)
+    calib = calibrate(tiny_mlp, [torch.randint(0, 32, (2, 9)) for _ in range(4)], progress=False)
+    ids = torch.randint(0, 32, (2, 6))
+    cfg = patchc.PatchConfig(tile=(8, 8), sparsity=0.35, prior="sparsegpt")
+    masks = oneshot(tiny_mlp, "sparsegpt", "2:4", calib=calib, progress=False)
+    fresh = patchc.transform(tiny_mlp, cfg, example_inputs=(ids,), calib=calib)
+    reused = patchc.transform(tiny_mlp, cfg, example_inputs=(ids,), calib=calib, prior_masks=masks)
+    for name, tensor in fresh.masks.state_dict().items():
+        assert torch.equal(tensor, reused.masks.state_dict()[name]), name
+    magnitude = {"up.weight": prune_weight(tiny_mlp.up.weight.detach(), "magnitude", "2:4")}
+    other = patchc.transform(tiny_mlp, cfg, example_inputs=(ids,), calib=calib, prior_masks=magnitude)
+    up = patchc.harden(other).layers["up.weight"]
+    sparse = ~(up.kinds == 0).repeat_interleave(8, 0).repeat_interleave(8, 1)[: up.shape[0], : up.shape[1]]
+    assert torch.equal(up.mask()[sparse], magnitude["up.weight"][sparse])
+    assert not torch.equal(magnitude["up.weight"], masks["up.weight"])  # else the check above proves nothing

@@ -77,7 +77,7 @@ class HFTokenizer:
         # `bos_id` (not `bos_token_id`) makes patchc.data treat this as a llama2.c-style tokenizer.
         self.bos_id: int | None = hf.bos_token_id if hf.bos_token_id is not None else hf.eos_token_id
         self.eos_id: int | None = hf.eos_token_id
-        self.pad_id: int | None = hf.pad_token_id
+        self.pad_id: int | None = getattr(hf, "pad_token_id", None)  # getattr: minimal HF-like tokenizers too
 
     @property
     def vocab_size(self) -> int:
@@ -89,7 +89,7 @@ class HFTokenizer:
         ids = list(self.hf.encode(text, add_special_tokens=False))
         if bos:
             if self.bos_id is None:
-                raise ValueError(f"{self.hf.name_or_path}: tokenizer has neither a BOS nor an EOS token; use bos=False")
+                raise ValueError(f"{getattr(self.hf, 'name_or_path', 'tokenizer')}: tokenizer has neither a BOS nor an EOS token; use bos=False")
             ids = [self.bos_id] + ids
         if eos and self.eos_id is not None:
             ids = ids + [self.eos_id]

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from patchc.env import versions
 from patchc.files import write_bytes_atomic
 
 FORMAT = "patchc-tune-cache"
@@ -56,17 +57,6 @@ def plan_hash(kinds: torch.Tensor, tile: tuple[int, int], block: tuple[int, int]
     return h.hexdigest()[:20]
 
 
-def versions() -> tuple[str, str]:
-    """(torch version, triton version or "none")."""
-    try:
-        import triton
-
-        tv = triton.__version__
-    except Exception:  # Triton missing or broken: still a valid (distinct) key
-        tv = "none"
-    return torch.__version__, tv
-
-
 def cache_key(
     device_name: str,
     shape: tuple[int, int],
@@ -82,8 +72,8 @@ def cache_key(
         >>> cache_key("NVIDIA H100", (4096, 4096), "abc", torch.float16, "decode", 16).split("|")[-3:]
         ['decode', 'M=16', '']
     """
-    tv, trv = versions()
-    return "|".join([device_name, f"torch={tv}", f"triton={trv}", f"{shape[0]}x{shape[1]}", f"plan={phash}",
+    v = versions()
+    return "|".join([device_name, f"torch={v['torch']}", f"triton={v['triton']}", f"{shape[0]}x{shape[1]}", f"plan={phash}",
                      str(dtype).replace("torch.", ""), regime, f"M={m}", extra])
 
 
