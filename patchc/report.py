@@ -233,13 +233,7 @@ def _plot_per_block(stats: Mapping[str, Any], title: str | None, path: Path) -> 
         step = math.ceil(len(labels) / 32)
         for i, tick in enumerate(ax.get_xticklabels()):
             tick.set_visible(i % step == 0)
-    _reference_lines(ax, stats)
-    ax.set_xlabel("transformer block")
-    ax.set_title("Sparsity per block (parameter weighted)")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
-    if title:
-        fig.suptitle(title, fontsize=12)
-    return _save_figure(fig, path)
+    return _finish_bars(fig, ax, stats, "transformer block", "Sparsity per block (parameter weighted)", title, path)
 
 
 def _plot_per_projection(stats: Mapping[str, Any], title: str | None, path: Path) -> Path:
@@ -248,9 +242,14 @@ def _plot_per_projection(stats: Mapping[str, Any], title: str | None, path: Path
     fig = _new_figure((max(6.0, 1.5 + 0.8 * len(values)), 4.5))
     ax = fig.add_subplot()
     _bars(ax, labels, values, annotate=True)
+    return _finish_bars(fig, ax, stats, "projection", "Sparsity per projection type (parameter weighted)", title, path)
+
+
+def _finish_bars(fig, ax, stats: Mapping[str, Any], xlabel: str, heading: str, title: str | None, path: Path) -> Path:
+    """Reference lines, labels, legend outside the axes, optional suptitle; saved atomically."""
     _reference_lines(ax, stats)
-    ax.set_xlabel("projection")
-    ax.set_title("Sparsity per projection type (parameter weighted)")
+    ax.set_xlabel(xlabel)
+    ax.set_title(heading)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
     if title:
         fig.suptitle(title, fontsize=12)

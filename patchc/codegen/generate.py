@@ -156,10 +156,11 @@ def _compile_one(fn, signature, consts, num_warps, num_stages, layer_dir: Path, 
         compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
     except Exception as exc:  # name the file being generated: compiler errors are long
         raise RuntimeError(f"compiling {layer_dir.name}/{stem} for sm_{cc} failed: {exc}") from exc
+    cubin = _write_bytes(layer_dir / f"{stem}.cubin", compiled.asm["cubin"])
     files = [
         _write_text(layer_dir / f"{stem}.py", _specialised_source(fn, sig, consts, options, stem)),
         _write_text(layer_dir / f"{stem}.ptx", compiled.asm["ptx"]),
-        _write_bytes(layer_dir / f"{stem}.cubin", compiled.asm["cubin"]),
+        cubin,
     ]
     meta = compiled.metadata
     entry = {
@@ -173,7 +174,7 @@ def _compile_one(fn, signature, consts, num_warps, num_stages, layer_dir: Path, 
         "files": {f.suffix.lstrip("."): f.name for f in files},
         "cubin_sha256": hashlib.sha256(compiled.asm["cubin"]).hexdigest(),
         # registers, spills and the SASS instruction mix: the first things to look at when it is slow
-        "profile": static_profile(files[2]),
+        "profile": static_profile(cubin),
     }
     return entry, files
 
