@@ -92,7 +92,7 @@ def sparsify(model: Model, s: float, args: argparse.Namespace, seed: int) -> dic
     """Swap every block linear for a TileLinear of a random hybrid plan (one plan + tuning per shape)."""
     from patchc.codegen.reference import random_layer_plan
     from patchc.runtime import TileLinear, tune_plan
-    from patchc.tile_plan import TilePlan
+    from patchc.ir import TilePlan
 
     shapes = {(DIM, DIM): "attn.weight", (HIDDEN, DIM): "up.weight", (DIM, HIDDEN): "down.weight"}
     layers = {name: random_layer_plan(n, k, tile=(128, 128), kinds=1.0 - 2.0 * s, dtype=torch.float16,
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if any(not 0.0 <= s <= 0.5 for s in args.sparsity):
         p.error("--sparsity values must lie in [0, 0.5]")
-    from patchc.env import device_name, versions
+    from patchc.utils.env import device_name, versions
 
     rows, dense = [], None
     for i, s in enumerate(sorted(set(args.sparsity))):

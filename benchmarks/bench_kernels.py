@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from triton.testing import do_bench
 
     from patchc.codegen.configs import arch_of, choose_block
-    from patchc.env import device_name, versions
+    from patchc.utils.env import device_name, versions
 
     tile = tuple(args.tile)
     block = tuple(args.block) if args.block else choose_block(tile, arch_of("cuda"))

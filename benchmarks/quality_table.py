@@ -3,7 +3,7 @@ PATCH tile-only 35%, and global vs layer-wise density at 35% (same steps).
 
     python benchmarks/quality_table.py --steps 600      # appends to benchmarks/results/quality_stories260K.jsonl
 
-Each configuration is trained with the main job's own stages (`patchc.job`), on the training part of
+Each configuration is trained with the main job's own stages (`patchc.job.prune`), on the training part of
 TinyStories, and scored by perplexity on the held-out documents.
 """
 
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from patchc.env import device_name, versions
-from patchc.job import PruneOptions, calibrate, choose_threads, evaluate, load_data, oneshot_baseline, train
+from patchc.utils.env import device_name, versions
+from patchc.job.options import PruneOptions
+from patchc.job.prune import calibrate, choose_threads, evaluate, load_data, oneshot_baseline, train
 from patchc.models import load_model
 
 RESULTS = Path(__file__).parent / "results" / "quality_stories260K.jsonl"

@@ -33,7 +33,7 @@ from bench_kernels import DTYPES, SHAPES, ceiling, tile_map
 def profile_layer(layer, target: str, work: Path) -> tuple[list[dict], dict]:
     """Generate one layer's kernels for `target`: (per-variant rows with their static profile, layer manifest)."""
     from patchc.codegen import generate
-    from patchc.tile_plan import TilePlan
+    from patchc.ir import TilePlan
 
     out = work / target / layer.name
     generate(TilePlan({layer.name: layer}), out, target=target)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real Triton, not the interpreter
     from patchc.codegen.reference import random_layer_plan
-    from patchc.env import versions
+    from patchc.utils.env import versions
 
     tile = tuple(args.tile)
     rows = []

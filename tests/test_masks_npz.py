@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from patchc.masks import detect_format, load_npz, read_meta, save_npz
+from patchc.pruning.mask_files import detect_format, load_npz, read_meta, save_npz
 from patchc.pruning import oneshot
-from patchc.tile_plan import TilePlan
+from patchc.ir import TilePlan
 
 
 def _masks(model, seed=0):

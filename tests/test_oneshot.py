@@ -330,8 +330,8 @@ def test_tile_prior_hand_made():
 
 @pytest.fixture(scope="module")
 def stories():
-    from patchc.data import load_documents, split_documents, tokenize_documents
-    from patchc.models.llama2c import load_llama2c, load_tokenizer
+    from patchc.job.data import load_documents, split_documents, tokenize_documents
+    from patchc.models import load_llama2c, load_tokenizer
 
     model = load_llama2c(STORIES / "stories260K.bin").eval()
     tok = load_tokenizer(STORIES / "tok512.bin")
@@ -379,7 +379,7 @@ def test_stories_reconstruction_error_per_layer(stories):
 
 @needs_shared
 def test_stories_perplexity_order(stories):
-    from patchc.evaluate import perplexity
+    from patchc.job.evaluate import perplexity
 
     model, calib, eval_ids = stories
     dense = perplexity(model, eval_ids, context=256)

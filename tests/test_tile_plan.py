@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from patchc.tile_plan import (
+from patchc.ir import (
     PATTERNS,
     TILE_DENSE,
     TILE_SPARSE24,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import patchc
-from patchc.harden import budget_tiles
+from patchc.masking.harden import budget_tiles
 
 
 def _setup(tiny_mlp, **cfg):
@@ -64,7 +64,7 @@ def test_harden_takes_logit_signs_and_argmax(tiny_mlp):
     plan = patchc.harden(prog)
     for fqn, m in prog.layers.items():
         layer = plan.layers[fqn]
-        assert torch.equal(layer.kinds == patchc.tile_plan.TILE_DENSE, m.tile_logits.detach() > 0)
+        assert torch.equal(layer.kinds == patchc.ir.TILE_DENSE, m.tile_logits.detach() > 0)
         assert torch.equal(layer.mask(), m.hard_mask())
         assert torch.equal(layer.to_dense(), prog.weight(fqn) * m.hard_mask())
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import patchc
-from patchc.hybrid_mask import HybridMask
+from patchc.masking.hybrid_mask import HybridMask
 from tests.conftest import tiny_hf
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -235,8 +235,8 @@ def test_hard_straight_through_forward_is_binary(tiny_mlp):
 
 
 def test_block_scope_groups_by_transformer_block(tiny_mlp):
-    from patchc.names import block_index
-    from patchc.transform import density_groups
+    from patchc.utils.names import block_index
+    from patchc.masking.regularizer import density_groups
 
     assert block_index("model.layers.3.mlp.up_proj.weight") == 3
     assert block_index("transformer.h.11.attn.c_attn.weight") == 11

@@ -1,11 +1,15 @@
-"""Triton codegen for hybrid dense / 2:4 layers: packed layout, kernels, launchers, offline generation.
+"""Stage 4, codegen: Triton kernels for hybrid dense / 2:4 layers: packed layout, kernels, launchers, offline builds.
+
+It takes `TilePlan` layers from the IR (`patchc.ir`), packs them into the kernels' block layout and hands
+the launcher (and offline cubins) to the runtime (`patchc.runtime`).
 
     packed = patchc.codegen.pack(plan, "layers.0.feed_forward.w1.weight", block=(64, 64))
     y = patchc.codegen.tile_linear(x, packed)                       # x (M, K) -> (M, N)
     files = patchc.codegen.generate(plan, "out/", target="sm_90")  # Triton source + PTX + cubin + manifest
 
 Modules: `layout` (pack, PackedLayer), `kernels` (@triton.jit), `launch` (tile_linear), `configs`
-(KernelConfig, per-architecture tables), `generate` (offline compile), `reference` (plain PyTorch).
+(KernelConfig, per-architecture tables), `generate` (offline compile), `sass` (static profile of a cubin),
+`reference` (plain PyTorch).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from patchc.codegen.configs import ARCH_TABLE, KernelConfig, choose_block, norma
 from patchc.codegen.launch import GRID_RULES, KERNEL_ARGS, REDUCE_BLOCK, specialisation
 from patchc.codegen.layout import PackedLayer, pack
 from patchc.codegen.sass import static_profile
-from patchc.files import write_bytes_atomic
+from patchc.utils.files import write_bytes_atomic
 
 MANIFEST_FORMAT = "patchc.kernels"
 MANIFEST_VERSION = 1

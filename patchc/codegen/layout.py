@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from patchc.tile_plan import (
+from patchc.ir import (
     TILE_DENSE,
     TILE_SPARSE24,
     expand_tiles,

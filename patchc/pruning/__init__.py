@@ -10,6 +10,14 @@ Patterns:
 - "tiles": dense / 2:4 tiles. The unstructured one-shot mask at the target density ranks tiles by
   kept fraction; the top round(2 * n_tiles * (density - 0.5)) stay dense, the rest take the
   one-shot 2:4 mask (needs `tile=`).
+
+Beside the pipeline: the transform takes its priors from here, and the job its baselines.
+
+    calibrate.py    input statistics per layer (Wanda norms, SparseGPT Hessians), observers for masked programs
+    magnitude.py, wanda.py, sparsegpt.py    the methods' scores / OBS updates
+    patterns.py     masks from scores: 2:4, unstructured, tiles
+    priors.py       initial logits from one-shot masks (2:4 pattern scores, dense-tile choice)
+    mask_files.py   the published PATCH and MaskLLM `.npz` mask formats (`patchc.masks`)
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from patchc.tile_plan import expand_tiles
+from patchc.ir.tiles import expand_tiles
 
 
 def prune_count(k: int, sparsity: float) -> int:

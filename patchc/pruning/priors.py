@@ -17,7 +17,8 @@ import torch
 
 from patchc.pruning.patterns import check_groups, check_tile
 
-from patchc.tile_plan import PATTERNS, tile_sizes, to_tiles
+from patchc.ir.patterns import PATTERNS
+from patchc.ir.tiles import tile_sizes, to_tiles
 
 # Candidate p keeps positions (0,1) (0,2) (0,3) (1,2) (1,3) (2,3): the IR's order.
 CANDIDATES = PATTERNS.to(torch.float32)

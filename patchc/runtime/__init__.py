@@ -1,21 +1,25 @@
-"""Runtime: the `patchc::tile_linear` custom op, the inspector / autotuner, dispatch and entry points.
+"""Stage 5, runtime: the `patchc::tile_linear` custom op, the autotuner, dispatch and the entry points.
+
+It takes a `TilePlan` (and codegen's packed layers and launcher) and swaps a model's linears for
+`TileLinear` modules that pick a tuned kernel config by M; this is what users run.
 
     fast = patchc.runtime.compile(model, plan, batch_size=16, prefill_len=128)   # also patchc.compile
     cm = torch.compile(model, backend="patch", options={"plan": plan})           # entry-point backend
     tunings = patchc.runtime.tune_plan(plan, batch_size=16, prefill_len=128)     # `patchc tune`
 
-Modules: `op` (custom op + launcher), `tuner` (candidates per GPU generation, decode-then-prefill
-tuning), `cache` (on-disk JSON cache), `dispatch` (TileLinear), `compile` (patchc.compile), `backend`
-(the dynamo backend `patch_backend`).
+Modules: `op` (custom op + fake implementation), `candidates` (the candidate configs per GPU generation),
+`tuner` (decode-then-prefill tuning), `cache` (on-disk JSON cache), `dispatch` (TileLinear), `compile`
+(patchc.compile), `backend` (the dynamo backend `patch_backend`).
 """
 
 from __future__ import annotations
 
 from patchc.runtime import op  # noqa: F401  (registers torch.ops.patchc.tile_linear)
 from patchc.runtime.cache import TuneCache, default_cache_path
+from patchc.runtime.candidates import candidate_space, candidates
 from patchc.runtime.compile import compile  # noqa: A004
 from patchc.runtime.dispatch import TileLinear
-from patchc.runtime.tuner import LayerTuning, TuneError, candidate_space, candidates, tune_plan
+from patchc.runtime.tuner import LayerTuning, TuneError, tune_plan
 
 __all__ = [
     "compile",

@@ -174,7 +174,7 @@ def _arg(node: fx.Node, i: int, name: str) -> Any:
 
 def _infer_plan(weights: Any, tile: Any) -> Any:
     """A plan from the zero pattern of the graph's linear weights (layers with a 2:4 tile only)."""
-    from patchc.tile_plan import TilePlan
+    from patchc.ir import TilePlan
 
     state = {fqn: w.detach() for fqn, w in weights}
     plan = TilePlan.from_weights(state, tile=tuple(tile) if not isinstance(tile, int) else (tile, tile))

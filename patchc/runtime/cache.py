@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from patchc.env import versions
-from patchc.files import write_bytes_atomic
+from patchc.utils.env import versions
+from patchc.utils.files import write_bytes_atomic
 
 FORMAT = "patchc-tune-cache"
 VERSION = 1
@@ -142,3 +142,20 @@ class TuneCache:
         except OSError as e:  # a read-only home must not stop a model from running
             warnings.warn(f"patchc tuning cache {self.path}: cannot write ({e}); results kept in memory only",
                           RuntimeWarning, stacklevel=3)
+
+
+def resolve_cache(cache: TuneCache | str | os.PathLike | bool | None) -> TuneCache | None:
+    """What `tune_plan(cache=...)` means: False -> no cache, None -> the default file, a path -> that file."""
+    if cache is False:
+        return None
+    if cache is None:
+        return TuneCache()
+    return cache if isinstance(cache, TuneCache) else TuneCache(cache)
+
+
+def drop_stale(cache: TuneCache | None, key: str, name: str, err: Exception) -> None:
+    """Warn that layer `name`'s cached record under `key` no longer fits (`err`), and forget it."""
+    warnings.warn(f"patchc tuning cache: stale entry for layer {name!r} ({type(err).__name__}: {err}); retuning",
+                  RuntimeWarning, stacklevel=3)
+    if cache is not None:
+        cache.drop(key)

@@ -52,7 +52,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
         >>> fast = patchc.compile(model, plan, tune=False)   # CPU: reference kernels, default configs
         ... # doctest: +SKIP
     """
-    from patchc.tile_plan import TilePlan
+    from patchc.ir import TilePlan
 
     if tune not in TUNE_MODES:
         raise ValueError(f"patchc.compile: tune must be one of {TUNE_MODES}, got {tune!r}")

@@ -16,7 +16,7 @@ Order (the paper's appendix on STOICC integration):
    batch size, M is doubled while the tuned decode config is not slower than the tuned prefill config;
    the threshold is the last M where decode won (>= batch size).
 
-Candidates come from `candidate_space(arch)` (one table per GPU generation, sm_80 / sm_90) and are pruned
+Candidates come from `candidates.py` (one table per GPU generation, sm_80 / sm_90), pruned
 before any timing (`prune_reason`): blocks that do not divide the plan tile or exceed the layer,
 estimated shared memory above the device limit, split-K leaving too little K per split. A config that
 fails to compile or runs out of resources scores infinity. Timing is `triton.testing.do_bench` on the
@@ -41,174 +41,18 @@ import torch.nn.functional as F
 
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, arch_of, resolve_config
 from patchc.codegen.layout import PackedLayer, kernel_buffers, pack, per_row_counts
-from patchc.runtime.cache import TuneCache, cache_key, plan_hash
+from patchc.runtime.cache import TuneCache, cache_key, drop_stale, plan_hash, resolve_cache
+from patchc.runtime.candidates import SPACE_VERSION, candidates
 from patchc.runtime.op import decode_config, encode_config, launch
 
 log = logging.getLogger(__name__)
 
 TimeFn = Callable[[Callable[[], Any]], float]
 BACKENDS = ("triton", "semi_structured")
-SPACE_VERSION = 1  # bump when candidate tables change: old cache entries then miss
 
 
 class TuneError(RuntimeError):
     """Tuning cannot run here (no GPU) or every candidate of a layer failed."""
-
-
-@dataclass(frozen=True)
-class CandidateSpace:
-    """Candidate values for one GPU generation (before pruning).
-
-    Example:
-        >>> candidate_space("sm_90").smem_bytes
-        232448
-    """
-
-    blocks: tuple[tuple[int, int], ...]
-    decode_block_m: tuple[int, ...]
-    decode_split_k: tuple[int, ...]
-    decode_warps: tuple[int, ...]
-    decode_stages: tuple[int, ...]
-    prefill_block_m: tuple[int, ...]
-    prefill_split_k: tuple[int, ...]
-    prefill_warps: tuple[int, ...]
-    prefill_stages: tuple[int, ...]
-    group_m: int
-    smem_bytes: int  # opt-in shared memory per block of the generation's reference part
-    min_k_per_split: int  # K elements each split must keep (below it the reduction pass dominates)
-    min_blocks_per_split: int
-
-    def __post_init__(self) -> None:
-        for name in ("decode_block_m", "prefill_block_m", "decode_warps", "prefill_warps"):
-            if any(v < 1 or v & (v - 1) for v in getattr(self, name)):
-                raise ValueError(f"CandidateSpace.{name} must hold powers of two, got {getattr(self, name)}")
-        for bn, bk in self.blocks:
-            if min(bn, bk) < 16 or bn & (bn - 1) or bk & (bk - 1):
-                raise ValueError(f"CandidateSpace.blocks: ({bn}, {bk}) must be powers of two >= 16")
-        if self.smem_bytes <= 0 or self.min_k_per_split < 1 or self.min_blocks_per_split < 1:
-            raise ValueError("CandidateSpace: smem_bytes, min_k_per_split, min_blocks_per_split must be positive")
-
-
-_BLOCKS = ((16, 64), (32, 64), (64, 32), (64, 64), (128, 64), (64, 128), (128, 128))
-SPACES: dict[str, CandidateSpace] = {
-    # Ampere (A100: 163 KiB opt-in shared memory per block, 108 SMs): mma.sync; 4 warps per 64-row tile.
-    "sm_80": CandidateSpace(
-        blocks=_BLOCKS, decode_block_m=(16, 32), decode_split_k=(1, 2, 4, 8), decode_warps=(4, 8),
-        decode_stages=(2, 4), prefill_block_m=(64, 128), prefill_split_k=(1, 2), prefill_warps=(4, 8),
-        prefill_stages=(3, 4), group_m=8, smem_bytes=163 * 1024, min_k_per_split=256, min_blocks_per_split=2,
-    ),
-    # Hopper (H100/H200: 227 KiB, 132 SMs): more SMs want more split-K at decode; deeper pipelines fit.
-    "sm_90": CandidateSpace(
-        blocks=_BLOCKS, decode_block_m=(16, 32), decode_split_k=(1, 2, 4, 8, 16), decode_warps=(4, 8),
-        decode_stages=(3, 4), prefill_block_m=(64, 128), prefill_split_k=(1, 2), prefill_warps=(4, 8),
-        prefill_stages=(3, 4), group_m=8, smem_bytes=227 * 1024, min_k_per_split=256, min_blocks_per_split=2,
-    ),
-}
-
-
-def candidate_space(arch: str) -> CandidateSpace:
-    """The candidate table of a GPU generation ("sm_80" or "sm_90").
-
-    Example:
-        >>> candidate_space("sm_80").decode_split_k
-        (1, 2, 4, 8)
-    """
-    if arch not in SPACES:
-        raise ValueError(f"no candidate table for {arch!r}; known: {sorted(SPACES)}")
-    return SPACES[arch]
-
-
-def _pow2_ceil(v: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, v))))
-
-
-def smem_estimate(cfg: KernelConfig, dtype: torch.dtype) -> int:
-    """Shared memory bytes of a pipelined config: stages x (x tile + weight tile); 2:4 counted dense.
-
-    Example:
-        >>> smem_estimate(KernelConfig("prefill", 128, 128, 64, 1, 8, 4, 8), torch.float16)
-        131072
-    """
-    elem = torch.empty((), dtype=dtype).element_size()
-    x_tile = cfg.block_m * cfg.block_k if cfg.block_m >= 16 else 0  # multiply-and-sum keeps x in registers
-    return cfg.num_stages * (x_tile + cfg.block_n * cfg.block_k) * elem
-
-
-def prune_reason(
-    cfg: KernelConfig,
-    shape: tuple[int, int],
-    tile: tuple[int, int],
-    dtype: torch.dtype,
-    space: CandidateSpace,
-    smem_limit: int | None = None,
-) -> str | None:
-    """Why `cfg` is dropped before timing, or None if it is kept.
-
-    Example:
-        >>> cfg = KernelConfig("decode", 16, 64, 64, 8, 4, 2, 8)
-        >>> prune_reason(cfg, (4096, 256), (64, 64), torch.float16, candidate_space("sm_80"))
-        'split_k 8 leaves 32 K per split (< 256)'
-    """
-    n, k = shape
-    bn, bk = cfg.block_n, cfg.block_k
-    if tile[0] % bn or tile[1] % bk:
-        return f"block {bn}x{bk} does not divide the tile {tile[0]}x{tile[1]}"
-    if bn > max(16, _pow2_ceil(n)) or bk > max(16, _pow2_ceil(k)):
-        return f"block {bn}x{bk} exceeds the layer {n}x{k}"
-    limit = space.smem_bytes if smem_limit is None else smem_limit
-    smem = smem_estimate(cfg, dtype)
-    if smem > limit:
-        return f"shared memory {smem} B exceeds the device limit {limit} B"
-    if cfg.split_k > 1:
-        if k // cfg.split_k < space.min_k_per_split:
-            return f"split_k {cfg.split_k} leaves {k // cfg.split_k} K per split (< {space.min_k_per_split})"
-        if math.ceil(k / bk) < cfg.split_k * space.min_blocks_per_split:
-            return f"split_k {cfg.split_k} leaves < {space.min_blocks_per_split} blocks per split"
-    if cfg.kernel == "prefill" and cfg.block_m < 16:
-        return "prefill needs block_m >= 16"
-    return None
-
-
-def candidates(
-    regime: str,
-    shape: tuple[int, int],
-    tile: tuple[int, int],
-    m: int,
-    dtype: torch.dtype,
-    arch: str,
-    block: tuple[int, int] | None = None,
-    smem_limit: int | None = None,
-) -> list[KernelConfig]:
-    """Pruned candidates of a regime ("decode" / "prefill"); `block` fixes the block shape.
-
-    Example:
-        >>> cands = candidates("decode", (4096, 4096), (128, 128), 16, torch.float16, "sm_90")
-        >>> {c.kernel for c in cands}
-        {'decode'}
-    """
-    if regime not in ("decode", "prefill"):
-        raise ValueError(f"regime must be 'decode' or 'prefill', got {regime!r}")
-    space = candidate_space(arch)
-    blocks = (block,) if block is not None else space.blocks
-    if regime == "decode":
-        dot_bms = tuple(b for b in space.decode_block_m if b <= max(16, _pow2_ceil(m)))
-        # M <= 4: multiply-and-sum wastes no tensor-core lanes on padding tokens, but its loads are not
-        # pipelined (cp.async needs a tl.dot); the padded tl.dot kernel stays a candidate and timing decides
-        bms = (_pow2_ceil(m), *dot_bms[:1]) if m <= ARCH_TABLE[arch].small_m else dot_bms
-        sks, warps, stages = space.decode_split_k, space.decode_warps, space.decode_stages
-    else:
-        bms = tuple(b for b in space.prefill_block_m if b <= max(16, _pow2_ceil(m))) or (16,)
-        sks, warps, stages = space.prefill_split_k, space.prefill_warps, space.prefill_stages
-    out = []
-    for (bn, bk) in blocks:
-        for bm in bms:
-            for sk in sks:
-                for nw in warps:
-                    for ns in stages:
-                        cfg = KernelConfig(regime, bm, bn, bk, sk, nw, ns, space.group_m)
-                        if prune_reason(cfg, shape, tile, dtype, space, smem_limit) is None:
-                            out.append(cfg)
-    return out
 
 
 @dataclass(frozen=True)
@@ -426,7 +270,7 @@ def tune_layer(layer: Any, s: _Setup, cached_only: bool = False) -> LayerTuning 
     m_dec, m_pre = s.batch_size, s.batch_size * s.prefill_len
     cache = s.cache
     k_dec = t.key("decode", m_dec, "*")
-    rec = _cached(cache, k_dec, layer.name)
+    rec = cache.get(k_dec) if cache is not None else None
     from_cache = rec is not None
     if rec is not None:
         try:
@@ -434,7 +278,7 @@ def tune_layer(layer: Any, s: _Setup, cached_only: bool = False) -> LayerTuning 
             dec, dms = _record_cfg(rec, "config", block), float(rec["ms"])
             t.packed(block)  # the block must still pack this layer
         except Exception as e:
-            _stale(cache, k_dec, layer.name, e)
+            drop_stale(cache, k_dec, layer.name, e)
             rec, from_cache = None, False
     if rec is None:
         if cached_only:
@@ -443,7 +287,7 @@ def tune_layer(layer: Any, s: _Setup, cached_only: bool = False) -> LayerTuning 
         if cache is not None:
             cache.put(k_dec, {"block": list(block), "config": encode_config(dec), "ms": dms})
     k_pre = t.key("prefill", m_pre, block) + f"|dec={encode_config(dec)}"
-    rec = _cached(cache, k_pre, layer.name)
+    rec = cache.get(k_pre) if cache is not None else None
     if rec is not None:
         try:
             pre, pms = _record_cfg(rec, "config", block), float(rec["ms"])
@@ -451,7 +295,7 @@ def tune_layer(layer: Any, s: _Setup, cached_only: bool = False) -> LayerTuning 
             return LayerTuning(layer.name, block, dec, pre, thr, backend, dms, pms,
                                source="cache" if from_cache else "tuned")
         except Exception as e:
-            _stale(cache, k_pre, layer.name, e)
+            drop_stale(cache, k_pre, layer.name, e)
     if cached_only:
         return None
     pre, pms = t.best(t.cands("prefill", m_pre, block), m_pre)
@@ -466,27 +310,6 @@ def tune_layer(layer: Any, s: _Setup, cached_only: bool = False) -> LayerTuning 
     if cache is not None:
         cache.put(k_pre, {"config": encode_config(pre), "ms": pms, "backend": backend, "threshold": thr})
     return LayerTuning(layer.name, block, dec, pre, thr, backend, dms, pms, source="tuned")
-
-
-def _cached(cache: TuneCache | None, key: str, name: str) -> dict[str, Any] | None:
-    return None if cache is None else cache.get(key)
-
-
-def _stale(cache: TuneCache | None, key: str, name: str, err: Exception) -> None:
-    import warnings
-
-    warnings.warn(f"patchc tuning cache: stale entry for layer {name!r} ({type(err).__name__}: {err}); retuning",
-                  RuntimeWarning, stacklevel=3)
-    if cache is not None:
-        cache.drop(key)
-
-
-def _resolve_cache(cache: TuneCache | str | Any | None) -> TuneCache | None:
-    if cache is False:
-        return None
-    if cache is None:
-        return TuneCache()
-    return cache if isinstance(cache, TuneCache) else TuneCache(cache)
 
 
 def _setup(batch_size: int, prefill_len: int, dtype: torch.dtype, device: Any, cache: Any,
@@ -507,7 +330,7 @@ def _setup(batch_size: int, prefill_len: int, dtype: torch.dtype, device: Any, c
     else:
         name = str(dev)
     return _Setup(batch_size, prefill_len, dtype, dev, arch or arch_of(dev), name, time_fn or do_bench,
-                  _resolve_cache(cache), smem)
+                  resolve_cache(cache), smem)
 
 
 def tune_plan(

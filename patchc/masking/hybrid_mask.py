@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patchc.tile_plan import PATTERNS, expand_tiles, tile_grid, tile_sizes
+from patchc.ir.patterns import PATTERNS
+from patchc.ir.tiles import expand_tiles, tile_grid, tile_sizes
 
 MODES = ("sample", "hard", "soft", "ones")
 

@@ -13,10 +13,14 @@ Example:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from patchc.tile_plan import TILE_DENSE, TILE_SPARSE24, LayerPlan, TilePlan
-from patchc.transform import MaskedProgram
+from patchc.ir import TILE_DENSE, TILE_SPARSE24, LayerPlan, TilePlan
+
+if TYPE_CHECKING:
+    from patchc.passes.program import MaskedProgram
 
 
 def budget_tiles(prog: MaskedProgram) -> dict[str, torch.Tensor]:

@@ -3,9 +3,8 @@
     load model -> load text (split by document) -> calibrate -> transform -> train masks
         -> harden -> save plan -> evaluate (dense, PATCH, baselines) -> report.json / report.md / plots
 
-Runs under `torchrun --nproc_per_node=N -m patchc prune ...` too: each rank takes its slice of every
-global batch, DDP averages the logits' gradients (gloo on CPU, NCCL on GPU), and rank 0 alone evaluates
-and writes files.
+Runs under `torchrun --nproc_per_node=N -m patchc prune ...` too (`distributed.py`); the options are
+`options.py`'s `PruneOptions`.
 
 Example:
     >>> report = run_prune(PruneOptions(steps=50, out="runs/quick"))
@@ -17,11 +16,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,105 +27,9 @@ import torch.distributed as dist
 
 import patchc
 from patchc.config import PatchConfig
-from patchc.env import device_name, versions
-from patchc.models.llama2c import SHARED_DIR
-
-DEFAULT_MODEL = str(SHARED_DIR / "models" / "stories260K" / "stories260K.bin")
-DEFAULT_DATA = (str(SHARED_DIR / "data" / "tinystories_sample.txt"),)
-ONESHOT_METHODS = ("magnitude", "wanda", "sparsegpt")
-_PAPER = PatchConfig()
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class PruneOptions:
-    """Everything `patchc prune` takes; defaults are the paper's, scaled to a CPU-sized run.
-
-    The paper trains 2000 steps of 256 x 4096 tokens; here 300 steps of 8 x 128 tokens keep the same
-    schedule shapes (tau 2 -> 0.05, kappa 25 -> 350 for tiles and 100 -> 500 for 2:4, lambda1 7,
-    lambda2 10, Adam 1e-3, SparseGPT prior of strength 3) on the embedded default.
-    """
-
-    model: str = DEFAULT_MODEL
-    data: tuple[str, ...] = DEFAULT_DATA
-    out: str | None = None  # None: the next free runs/<model>[-N]
-    sparsity: float = _PAPER.sparsity
-    tile: tuple[int, int] = (16, 16)
-    variant: str = _PAPER.variant
-    prior: str = "sparsegpt"
-    prior_strength: float = _PAPER.prior_strength
-    steps: int = 300
-    batch_size: int = 8
-    lr: float = 1e-3
-    # The schedules and loss weights are PatchConfig's (the paper's): one place to change them.
-    tau: tuple[float, float] = _PAPER.tau
-    tau_nm: tuple[float, float] | None = None
-    kappa_tile: tuple[float, float] = _PAPER.kappa_tile
-    kappa_nm: tuple[float, float] = _PAPER.kappa_nm
-    lambda_density: float = _PAPER.lambda_density
-    lambda_norm: float = _PAPER.lambda_norm
-    scope: str = _PAPER.scope
-    exact_budget: bool = True
-    block_len: int = 128
-    eval_context: int = 256
-    eval_fraction: float = 0.2
-    calib_blocks: int = 32
-    data_free: bool = False
-    baselines: bool = True
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str = "auto"  # weights: "auto" = bfloat16 on CUDA, float32 on CPU; logits are always fp32
-    threads: int = 0
-    resume: bool = False
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "data", tuple(self.data))
-        object.__setattr__(self, "tile", tuple(self.tile))
-        if not self.data:
-            raise ValueError("--data: give at least one text file (evaluation always needs real held-out text)")
-        for name in ("steps", "batch_size", "block_len", "eval_context", "calib_blocks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.threads < 0:
-            raise ValueError(f"--threads must be >= 0 (0 = automatic), got {self.threads}")
-        self.patch_config()  # validates sparsity, tile, variant, prior, schedules
-
-    def patch_config(self, **changes: Any) -> PatchConfig:
-        fields = {f.name for f in dataclasses.fields(PatchConfig)}
-        values = {k: getattr(self, k) for k in fields if hasattr(self, k)}
-        values.update(changes)
-        return PatchConfig(**values)
-
-
-# -- distributed ------------------------------------------------------------------------------
-def world() -> tuple[int, int]:
-    """(rank, world size); (0, 1) outside torchrun."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def init_distributed(device: str) -> None:
-    """Join the torchrun process group when launched by torchrun (WORLD_SIZE > 1)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-
-
-def rank_slice(batch: Any, rank: int, size: int) -> Any:
-    """This rank's contiguous share of a global batch (a tensor or a dict of tensors)."""
-    if size == 1:
-        return batch
-    if isinstance(batch, dict):
-        return {k: rank_slice(v, rank, size) for k, v in batch.items()}
-    if batch.shape[0] % size:
-        raise ValueError(f"--batch-size {batch.shape[0]} must be divisible by the {size} processes")
-    share = batch.shape[0] // size
-    return batch[rank * share : (rank + 1) * share]
+from patchc.job.distributed import init_distributed, rank_slice, say, world
+from patchc.job.options import ONESHOT_METHODS, PruneOptions, weight_dtype
+from patchc.utils.env import device_name, versions
 
 
 # -- stages -----------------------------------------------------------------------------------
@@ -139,19 +40,6 @@ def timed(timings: dict[str, float], stage: str):
         yield
     finally:
         timings[stage] = round(timings.get(stage, 0.0) + time.perf_counter() - start, 3)
-
-
-def say(message: str) -> None:
-    if world()[0] == 0:
-        print(message, flush=True)
-
-
-def weight_dtype(opts: PruneOptions) -> torch.dtype:
-    """bf16 weights on a GPU (the masks' logits, noise and Adam state stay fp32), fp32 on CPU."""
-    chosen = DTYPES[opts.dtype]
-    if chosen is None:
-        chosen = torch.bfloat16 if opts.device.startswith("cuda") else torch.float32
-    return chosen
 
 
 def cast_bundle(bundle, dtype: torch.dtype):
@@ -172,7 +60,7 @@ def choose_threads(opts: PruneOptions, model: torch.nn.Module) -> None:
 
 def load_data(bundle, opts: PruneOptions):
     """Held-out evaluation text always comes from --data; training text from it too unless data-free."""
-    from patchc.data import pack_documents, split_files, tokenize_documents
+    from patchc.job.data import pack_documents, split_files, tokenize_documents
 
     for path in opts.data:
         if not Path(path).is_file():
@@ -182,7 +70,7 @@ def load_data(bundle, opts: PruneOptions):
         raise ValueError(f"--data {', '.join(opts.data)}: too few documents to hold any out for evaluation")
     source = ", ".join(opts.data)
     if bundle.kind == "encoder":
-        from patchc.encoder_eval import sentences_from_docs
+        from patchc.job.encoder_eval import sentences_from_docs
 
         return {
             "train": sentences_from_docs(docs_train, max_sentences=4096),
@@ -216,7 +104,7 @@ def sample_training_text(bundle, opts: PruneOptions, n_blocks: int | None = None
 
 def make_loss(bundle, dense_model) -> Callable:
     if bundle.kind == "encoder":
-        from patchc.encoder_eval import make_distill_loss
+        from patchc.job.encoder_eval import make_distill_loss
 
         return make_distill_loss(bundle, dense_model)
 
@@ -226,11 +114,11 @@ def make_loss(bundle, dense_model) -> Callable:
 def global_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]:
     """step -> the whole batch of that step (every rank computes the same one)."""
     if bundle.kind == "encoder":
-        from patchc.encoder_eval import encode_batches
+        from patchc.job.encoder_eval import encode_batches
 
         batches = encode_batches(bundle, data["train"], max_len=opts.block_len, batch_size=opts.batch_size)
         return lambda step: batches[step % len(batches)]
-    from patchc.data import get_batch
+    from patchc.job.data import get_batch
 
     return lambda step: get_batch(data["train"], opts.batch_size, step, opts.seed)
 
@@ -283,10 +171,10 @@ def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, check
 def evaluate(bundle, model: torch.nn.Module, data: dict, opts: PruneOptions, dense_embed=None) -> dict[str, float]:
     """Perplexity on held-out text (causal) or agreement with the dense embeddings (encoder)."""
     if bundle.kind == "encoder":
-        from patchc.encoder_eval import embedding_agreement
+        from patchc.job.encoder_eval import embedding_agreement
 
         return embedding_agreement(dense_embed, bundle.embed(model, data["eval"]))
-    from patchc.evaluate import perplexity
+    from patchc.job.evaluate import perplexity
 
     return {"perplexity": perplexity(lambda ids: bundle.logits(model, ids), data["eval"], context=opts.eval_context)}
 
@@ -317,8 +205,8 @@ def oneshot_baseline(bundle, method: str, calib, progress: bool = False,
 
 def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
     """Run the whole job; returns the report dict (also written to `<out>/report.json`)."""
+    from patchc.job.report import plot_plan, write_report
     from patchc.models import load_model
-    from patchc.report import plot_plan, write_report
 
     init_distributed(opts.device)
     rank, size = world()

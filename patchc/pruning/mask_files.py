@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from patchc.config import DEFAULT_EXCLUDE
-from patchc.files import atomic_path
+from patchc.utils.files import atomic_path
 from patchc.pruning.calibrate import default_layers
 
 FORMATS = ("patch", "maskllm")

@@ -1,8 +1,8 @@
 """Perplexity of a causal LM over a long token stream (fixed-context windows, HF-style striding).
 
 Example:
-    >>> from patchc.models.llama2c import SHARED_DIR, STORIES260K_DIR, load_llama2c, load_tokenizer
-    >>> from patchc.data import load_documents, tokenize_documents
+    >>> from patchc.models import SHARED_DIR, STORIES260K_DIR, load_llama2c, load_tokenizer
+    >>> from patchc.job.data import load_documents, tokenize_documents
     >>> model = load_llama2c(STORIES260K_DIR / "stories260K.bin")
     >>> tok = load_tokenizer(STORIES260K_DIR / "tok512.bin")
     >>> ids = tokenize_documents(load_documents(SHARED_DIR / "data/tinystories_sample.txt"), tok)
@@ -15,32 +15,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def logits_of(out: Any) -> torch.Tensor:
-    """The (B, T, V) logits of a model call: a plain tensor, an HF ModelOutput (.logits) or a tuple."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "logits"):
-        return out.logits
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise TypeError(f"model returned {type(out).__name__}; expected logits (B, T, V)")
-
-
-def device_of(model: Any, fallback: str | torch.device = "cpu") -> torch.device:
-    """Device of a module's first parameter (or buffer); `fallback` for anything else."""
-    if isinstance(model, nn.Module):
-        for t in model.parameters():
-            return t.device
-        for t in model.buffers():
-            return t.device
-    return torch.device(fallback)
+from patchc.models.outputs import device_of, logits_of
 
 
 def _windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
@@ -80,7 +59,7 @@ def perplexity(
         (the ones no earlier window scored, at most `stride`), so every scored token sees up to
         `context - stride` tokens of history. The first window scores all of its predictions.
     The mean is over all scored targets (token weighted, float64 accumulation). The stream is scored
-    as given: put BOS tokens in `ids` yourself (see `patchc.data.tokenize_documents`).
+    as given: put BOS tokens in `ids` yourself (see `patchc.job.data.tokenize_documents`).
 
     `model` is any callable mapping a (B, T) long tensor to logits (B, T, V) (or an object with .logits),
     including an exported program's `.module()`; nn.Modules are switched to eval mode where they allow

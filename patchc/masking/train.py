@@ -21,13 +21,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
-from patchc.files import atomic_path
-from patchc.transform import MaskedProgram
+from patchc.utils.files import atomic_path
+
+if TYPE_CHECKING:  # the trainer takes the program passes/ builds; importing it here would be circular
+    from patchc.passes.program import MaskedProgram
 
 CHECKPOINT_FORMAT = "patchc.train-checkpoint"
 CHECKPOINT_VERSION = 1

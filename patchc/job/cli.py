@@ -17,7 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from patchc.job import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
+from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
 
 
 def add_prune_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,7 +78,7 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from patchc.job import format_results, run_prune
+    from patchc.job.prune import format_results, run_prune
 
     report = run_prune(prune_options(args), command=" ".join(["patchc", *map(shlex.quote, sys.argv[1:])]))
     if not report:  # a torchrun rank other than 0
@@ -94,9 +94,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from patchc.job import evaluate, load_data
+    from patchc.ir import TilePlan
+    from patchc.job.prune import evaluate, load_data
     from patchc.models import load_model
-    from patchc.tile_plan import TilePlan
 
     plan = TilePlan.load(args.plan)
     opts = PruneOptions(model=args.model, data=tuple(args.data), eval_context=args.eval_context,
@@ -113,7 +113,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from patchc.report import redraw
+    from patchc.job.report import redraw
 
     for path in redraw(args.plan, args.out):
         print(path)
@@ -122,7 +122,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from patchc.codegen import generate
-    from patchc.tile_plan import TilePlan
+    from patchc.ir import TilePlan
 
     files = generate(TilePlan.load(args.plan), args.out, target=args.target)
     count = len(files) if hasattr(files, "__len__") else 0
@@ -135,8 +135,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     import torch
 
+    from patchc.ir import TilePlan
     from patchc.runtime import tune_plan
-    from patchc.tile_plan import TilePlan
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     tunings = tune_plan(TilePlan.load(args.plan), batch_size=args.batch_size, prefill_len=args.prefill_len, dtype=dtype)

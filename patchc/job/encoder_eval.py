@@ -6,7 +6,7 @@ distillation from the dense model (`distillation_loss`, `make_distill_loss`).
 
 Example:
     >>> from patchc.models import load_model
-    >>> from patchc.encoder_eval import sentences_from_docs, encode_batches, embedding_agreement
+    >>> from patchc.job.encoder_eval import sentences_from_docs, encode_batches, embedding_agreement
     >>> b = load_model("minilm")
     >>> sents = sentences_from_docs(eval_docs, max_sentences=512)
     >>> dense = b.embed(b.model, sents)
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patchc.evaluate import device_of
 from patchc.models.hf import hidden_of, mean_pool
+from patchc.models.outputs import device_of
 
 # A sentence ends at . ! or ? (optionally followed by a closing quote/bracket) before whitespace and
 # an upper-case letter, digit or opening quote. WikiText writes "season . The" (space before the

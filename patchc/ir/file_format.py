@@ -1,0 +1,145 @@
+"""The plan file: one safetensors file with a small versioned JSON header. Loading never unpickles.
+
+Tensors are named "<fqn>::kinds|dense|values|meta|bias"; the file's metadata holds {"patchc": JSON}
+with the header::
+
+    {"format": "patchc.tileplan", "version": 1,
+     "layers": {fqn: {"shape": [N, K], "tile": [b1, b2], "dtype": "float16", "has_bias": false}, ...},
+     "skipped": {fqn: reason, ...}, "meta": {...}}
+
+A reader refuses another format or version, a header that does not describe every tensor, and any
+layer whose buffers fail `LayerPlan`'s validation, naming the file (and the layer). Bump `VERSION`
+when the layout changes, and keep reading the old one.
+
+Example:
+    >>> write_plan(plan, "model.patch")
+    >>> layers, skipped, meta = read_plan("model.patch")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from patchc.ir.errors import PlanError
+from patchc.ir.layer_plan import LayerPlan
+from patchc.ir.verify import PARTS
+from patchc.utils.files import atomic_path
+
+if TYPE_CHECKING:
+    from patchc.ir.tile_plan import TilePlan
+
+FORMAT = "patchc.tileplan"
+VERSION = 1
+FLOAT_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float16" for torch.float16: the spelling of the header."""
+    return str(dtype).removeprefix("torch.")
+
+
+def header(plan: TilePlan) -> dict:
+    """The JSON header stored in the file's metadata under "patchc"."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "layers": {
+            fqn: {
+                "shape": list(layer.shape),
+                "tile": list(layer.tile),
+                "dtype": dtype_name(layer.dtype),
+                "has_bias": layer.bias is not None,
+            }
+            for fqn, layer in plan.layers.items()
+        },
+        "skipped": plan.skipped,
+        "meta": plan.meta,
+    }
+
+
+def write_plan(plan: TilePlan, path: str | os.PathLike) -> None:
+    """Write `plan` (already verified) atomically: temp file in the same folder, then os.replace."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        f"{fqn}::{part}": t.detach().cpu().contiguous()
+        for fqn, layer in plan.layers.items()
+        for part, t in layer.tensors().items()
+    }
+    with atomic_path(Path(path)) as tmp:
+        save_file(tensors, str(tmp), metadata={"patchc": json.dumps(header(plan))})
+
+
+def read_plan(path: str | os.PathLike) -> tuple[dict[str, LayerPlan], dict, dict]:
+    """(layers, skipped, meta) of a plan file, every layer validated; `PlanError` naming the file."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such plan file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as e:  # safetensors raises its own SafetensorError / OSError types
+        raise PlanError(f"{path}: not a readable safetensors plan file ({type(e).__name__}: {e})") from None
+    head = _parse_header(path, metadata)
+    layers: dict[str, LayerPlan] = {}
+    used: set[str] = set()
+    for fqn, info in head["layers"].items():
+        where = f"{path}: layer {fqn}"
+        try:
+            shape, tile = tuple(info["shape"]), tuple(info["tile"])
+            name, has_bias = info["dtype"], bool(info["has_bias"])
+        except (KeyError, TypeError):
+            raise PlanError(f"{where}: header entry needs shape, tile, dtype and has_bias, got {info!r}") from None
+        if name not in FLOAT_DTYPES:
+            raise PlanError(f"{where}: unsupported dtype {name!r} in header (one of {sorted(FLOAT_DTYPES)})")
+        parts = {}
+        for part in PARTS + (("bias",) if has_bias else ()):
+            key = f"{fqn}::{part}"
+            if key not in tensors:
+                raise PlanError(f"{where}: tensor {key!r} is missing from the file")
+            parts[part] = tensors[key]
+            used.add(key)
+        try:
+            layers[fqn] = LayerPlan(
+                name=fqn, shape=shape, tile=tile, dtype=FLOAT_DTYPES[name], bias=parts.pop("bias", None), **parts
+            )
+        except PlanError as e:
+            raise PlanError(f"{path}: {e}") from None
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise PlanError(f"{path}: tensor {extra[0]!r} is not described by the header (corrupt or foreign file)")
+    return layers, head["skipped"], head["meta"]
+
+
+def _parse_header(path: Path, metadata: dict[str, str]) -> dict:
+    if "patchc" not in metadata:
+        raise PlanError(f"{path}: safetensors file without a 'patchc' header; not a patchc plan")
+    try:
+        head = json.loads(metadata["patchc"])
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{path}: the 'patchc' header is not valid JSON ({e})") from None
+    if not isinstance(head, dict) or head.get("format") != FORMAT:
+        fmt = head.get("format") if isinstance(head, dict) else None
+        raise PlanError(f"{path}: header format is {fmt!r}, expected {FORMAT!r}")
+    if head.get("version") != VERSION:
+        raise PlanError(
+            f"{path}: plan format version {head.get('version')!r} is not supported "
+            f"(this patchc reads version {VERSION})"
+        )
+    for key, typ in (("layers", dict), ("skipped", dict), ("meta", dict)):
+        if not isinstance(head.get(key), typ):
+            raise PlanError(f"{path}: header field {key!r} must be a JSON object")
+    return head

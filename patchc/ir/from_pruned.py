@@ -1,0 +1,134 @@
+"""Plans from what other tools produce: weights that are already pruned, or hard masks per weight.
+
+`layers_from_weights` infers each tile's kind from the zeros (a tile is 2:4 iff every group has at most
+2 nonzeros); `layers_from_masks` reads the kinds off boolean masks (all kept -> dense, exactly 2 of
+every 4 -> 2:4, anything else refused or, with `allow_lossy`, kept dense). Both return the planned
+layers and the skipped ones with their reasons; `TilePlan.from_weights` / `from_masks` wrap them.
+
+Example:
+    >>> layers, skipped, tile = layers_from_weights(pruned.state_dict(), tile=(16, 16))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from patchc.ir.errors import PlanError, first_true
+from patchc.ir.layer_plan import LayerPlan
+from patchc.ir.patterns import COVER_PATTERN, EXACT_PATTERN, PATTERNS, group_codes
+from patchc.ir.tiles import TILE_DENSE, TILE_SPARSE24, from_tiles, tile_pair, to_tiles, valid_groups
+
+Layers = tuple[dict[str, LayerPlan], dict[str, str], tuple[int, int]]
+
+
+def layers_from_weights(
+    state_dict: Mapping[str, torch.Tensor] | nn.Module,
+    tile: tuple[int, int] | int,
+    include: Callable[[str], bool] | None = None,
+) -> Layers:
+    """(layers, skipped, tile) inferred from already-pruned weights (see `TilePlan.from_weights`)."""
+    sd = state_dict.state_dict() if isinstance(state_dict, nn.Module) else state_dict
+    tile = tile_pair(tile, "from_weights")
+    layers: dict[str, LayerPlan] = {}
+    skipped: dict[str, str] = {}
+    for fqn, w in sd.items():
+        if not (fqn == "weight" or fqn.endswith(".weight")):
+            continue
+        why = _why_skip(fqn, w, include)
+        if why:
+            skipped[fqn] = why
+            continue
+        w = w.detach()
+        kinds, mask = _infer_from_weight(w, tile)
+        layers[fqn] = LayerPlan.from_mask(fqn, w, kinds, mask, bias=_find_bias(sd, fqn, w), tile=tile)
+    return layers, skipped, tile
+
+
+def layers_from_masks(
+    model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+    masks: Mapping[str, torch.Tensor],
+    tile: tuple[int, int] | int,
+    allow_lossy: bool = False,
+) -> Layers:
+    """(layers, skipped, tile) from hard masks (N, K) bool per weight FQN (see `TilePlan.from_masks`)."""
+    if isinstance(model_or_state_dict, nn.Module):
+        params = dict(model_or_state_dict.named_parameters(remove_duplicate=False))
+        sd = {**model_or_state_dict.state_dict(keep_vars=True), **params}
+    else:
+        sd = dict(model_or_state_dict)
+    tile = b1, b2 = tile_pair(tile, "from_masks")
+    layers: dict[str, LayerPlan] = {}
+    skipped: dict[str, str] = {}
+    for fqn, mask in masks.items():
+        if fqn not in sd:
+            raise PlanError(f"layer {fqn}: a mask is given but the model has no weight {fqn!r}")
+        w = sd[fqn].detach()
+        why = _why_skip(fqn, w, None)
+        if why:
+            skipped[fqn] = why
+            continue
+        mask = torch.as_tensor(mask).to(w.device)
+        if tuple(mask.shape) != tuple(w.shape):
+            raise PlanError(
+                f"layer {fqn}: mask shape {tuple(mask.shape)} differs from the weight's {tuple(w.shape)}"
+            )
+        mask = mask.bool()
+        shape = tuple(w.shape)
+        mtiles = to_tiles(mask, tile, value=True)
+        all_true = mtiles.flatten(2).all(-1)
+        groups = mtiles.reshape(*mtiles.shape[:3], b2 // 4, 4)
+        ok24 = EXACT_PATTERN.to(w.device)[group_codes(groups)] >= 0
+        ok24 = (ok24 | ~valid_groups(shape, tile, w.device)).flatten(2).all(-1)
+        bad = ~all_true & ~ok24
+        if bad.any() and not allow_lossy:
+            r, c = first_true(bad)
+            t = mask[r * b1 : (r + 1) * b1, c * b2 : (c + 1) * b2]
+            raise PlanError(
+                f"layer {fqn}: tile ({r}, {c}) is neither all kept nor 2:4 (keeps {int(t.sum())} of {t.numel()}, "
+                "not exactly 2 in every group of 4); use a structured mask, "
+                "or allow_lossy=True to keep such tiles dense"
+            )
+        dense = all_true | bad
+        kinds = torch.where(dense, TILE_DENSE, TILE_SPARSE24).to(torch.uint8)
+        full = from_tiles(mtiles | dense[:, :, None, None], shape)
+        layers[fqn] = LayerPlan.from_mask(fqn, w, kinds, full, bias=_find_bias(sd, fqn, w), tile=tile)
+    return layers, skipped, tile
+
+
+def _why_skip(fqn: str, w: Any, include: Callable[[str], bool] | None) -> str | None:
+    if not isinstance(w, torch.Tensor):
+        return f"not a tensor ({type(w).__name__})"
+    if w.dim() != 2:
+        return f"not 2-D (shape {tuple(w.shape)})"
+    if not w.is_floating_point():
+        return f"not a float tensor ({w.dtype})"
+    if w.shape[1] % 4:
+        return f"K={w.shape[1]} is not a multiple of 4 (no 2:4 groups)"
+    if include is not None and not include(fqn):
+        return "excluded by include()"
+    return None
+
+
+def _find_bias(sd: Mapping[str, Any], fqn: str, w: torch.Tensor) -> torch.Tensor | None:
+    name = fqn[: -len("weight")] + "bias"
+    b = sd.get(name)
+    if isinstance(b, torch.Tensor) and tuple(b.shape) == (w.shape[0],) and b.is_floating_point():
+        return b.detach().to(device=w.device, dtype=w.dtype)
+    return None
+
+
+def _infer_from_weight(w: torch.Tensor, tile: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kinds and a mask for already-pruned weights (see `TilePlan.from_weights`)."""
+    b1, b2 = tile
+    nz = to_tiles(w != 0, tile)  # padding is zero: never counts
+    codes = group_codes(nz.reshape(*nz.shape[:3], b2 // 4, 4))  # (Tn, Tk, b1, G)
+    pidx = COVER_PATTERN.to(w.device)[codes]
+    sparse = (pidx >= 0).flatten(2).all(-1)
+    kinds = torch.where(sparse, TILE_SPARSE24, TILE_DENSE).to(torch.uint8)
+    kept = PATTERNS.to(w.device)[pidx.clamp(min=0)].reshape(nz.shape)
+    mask = from_tiles(kept | ~sparse[:, :, None, None], tuple(w.shape))
+    return kinds, mask

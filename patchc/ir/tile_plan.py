@@ -1,0 +1,225 @@
+"""`TilePlan`: the tile plans of a model's weights, keyed by weight FQN, with skipped layers and metadata.
+
+The whole-model view of the IR: global density and bytes, a summary table, writing W * M into a model
+(`apply`), building plans from pruned weights or masks (`from_pruned.py`) and the plan file
+(`file_format.py`).
+
+Example:
+    >>> plan = TilePlan(layers={"fc.weight": layer}, skipped={"head.weight": "excluded"})
+    >>> plan.save("/tmp/fc.patch"); TilePlan.load("/tmp/fc.patch").density == plan.density
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from patchc.ir import file_format
+from patchc.ir.errors import PlanError
+from patchc.ir.from_pruned import layers_from_masks, layers_from_weights
+from patchc.ir.layer_plan import LayerPlan
+
+
+@dataclass(eq=False)
+class TilePlan:
+    """Tile plans of a model's weights, keyed by weight FQN, plus skipped layers and metadata.
+
+    Example::
+
+        plan = TilePlan.from_weights(model.state_dict(), tile=(16, 16))
+        plan.save("model.patch"); plan = TilePlan.load("model.patch")
+        print(plan.summary()); plan.apply(model)
+    """
+
+    layers: dict[str, LayerPlan] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.layers = dict(self.layers)
+        self.skipped = {str(k): str(v) for k, v in dict(self.skipped).items()}
+        self.meta = dict(self.meta)
+        self.verify(deep=False)
+
+    # -- validation ------------------------------------------------------------------------------
+
+    def verify(self, deep: bool = True) -> None:
+        """Raise `PlanError` if any layer is inconsistent (`deep=False`: only the structure)."""
+        for fqn, layer in self.layers.items():
+            if not isinstance(layer, LayerPlan):
+                raise PlanError(f"layer {fqn}: expected a LayerPlan, got {type(layer).__name__}")
+            if layer.name != fqn:
+                raise PlanError(
+                    f"layer {fqn}: keyed as {fqn!r} but named {layer.name!r}; key layers by their weight FQN"
+                )
+            if "::" in fqn:
+                raise PlanError(f"layer {fqn}: '::' is reserved as the tensor-name separator in plan files")
+            if deep:
+                layer.verify()
+        both = sorted(set(self.layers) & set(self.skipped))
+        if both:
+            raise PlanError(f"layer {both[0]}: both planned and skipped; keep it in one of layers / skipped")
+        try:
+            json.dumps(self.meta)
+        except (TypeError, ValueError) as e:
+            raise PlanError(f"plan meta must be JSON-serialisable (it is saved in the file header): {e}") from None
+
+    # -- measures --------------------------------------------------------------------------------
+
+    @property
+    def density(self) -> float:
+        """Global kept / total over planned layers (parameter weighted); 1.0 for an empty plan."""
+        total = sum(layer.numel for layer in self.layers.values())
+        return sum(layer.n_kept for layer in self.layers.values()) / total if total else 1.0
+
+    @property
+    def sparsity(self) -> float:
+        """1 - density."""
+        return 1.0 - self.density
+
+    def nbytes(self) -> int:
+        """Actual bytes of all stored buffers (per layer: `plan.layers[fqn].nbytes()`)."""
+        return sum(layer.nbytes() for layer in self.layers.values())
+
+    def summary(self) -> str:
+        """A table: per layer shape, tile, dense / 2:4 tiles, density, bytes; skipped layers; totals."""
+        head = ("layer", "shape", "tile", "dense / 2:4 tiles", "density", "bytes")
+        rows = [
+            (
+                fqn,
+                f"{layer.shape[0]}x{layer.shape[1]}",
+                f"{layer.tile[0]}x{layer.tile[1]}",
+                f"{layer.n_dense} / {layer.n_sparse}",
+                f"{layer.density:.4f}",
+                f"{layer.nbytes():,}",
+            )
+            for fqn, layer in self.layers.items()
+        ]
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        def fmt(row: tuple[str, ...]) -> str:  # layer names left aligned, numbers right aligned
+            return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
+        lines = [fmt(head), "  ".join("-" * w for w in widths), *map(fmt, rows)]
+        if self.skipped:
+            lines += ["", f"skipped ({len(self.skipped)}):"]
+            lines += [f"  {fqn}: {why}" for fqn, why in self.skipped.items()]
+        kept = sum(layer.n_kept for layer in self.layers.values())
+        total = sum(layer.numel for layer in self.layers.values())
+        lines += [
+            "",
+            f"global (parameter weighted over {len(self.layers)} planned layers): {kept:,} / {total:,} weights kept, "
+            f"density {self.density:.4f}, sparsity {self.sparsity:.4f}; stored {self.nbytes():,} bytes",
+        ]
+        return "\n".join(lines)
+
+    # -- apply -----------------------------------------------------------------------------------
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Write each layer's W * M (and its bias, if the plan has one and the model a matching
+        `<module>.bias`) into `model`'s parameters in place; returns `model`.
+
+        Every target is checked before anything is written. Example: `plan.apply(copy.deepcopy(model))`.
+        """
+        writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for fqn, layer in self.layers.items():
+            try:
+                param = model.get_parameter(fqn)
+            except AttributeError as e:
+                raise PlanError(f"layer {fqn}: the model has no parameter {fqn!r} ({e})") from None
+            if tuple(param.shape) != layer.shape:
+                raise PlanError(
+                    f"layer {fqn}: the model's parameter has shape {tuple(param.shape)}, the plan {layer.shape}"
+                )
+            writes.append((param, layer.to_dense()))
+            if layer.bias is not None:
+                bias_name = fqn.rsplit(".", 1)[0] + ".bias" if "." in fqn else "bias"
+                try:
+                    bias = model.get_parameter(bias_name)
+                except AttributeError:
+                    bias = None
+                if bias is not None and tuple(bias.shape) == tuple(layer.bias.shape):
+                    writes.append((bias, layer.bias))
+        with torch.no_grad():
+            for param, value in writes:
+                param.copy_(value.to(device=param.device, dtype=param.dtype))
+        return model
+
+    # -- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def from_weights(
+        cls,
+        state_dict: Mapping[str, torch.Tensor] | nn.Module,
+        tile: tuple[int, int] | int = (128, 128),
+        include: Callable[[str], bool] | None = None,
+        meta: dict | None = None,
+    ) -> TilePlan:
+        """Infer a plan from already-pruned weights: a tile is 2:4 iff every group has <= 2 nonzeros.
+
+        Only 2-D float tensors named `*.weight` with K % 4 == 0 (and `include(fqn)` true, if given)
+        are planned; other `*.weight` entries go to `skipped` with the reason. Positions of a 2:4
+        group cover its nonzeros, filled with the lowest free positions. `<module>.bias` is carried.
+
+        Example::
+
+            plan = TilePlan.from_weights(pruned.state_dict(), tile=(16, 16), include=lambda f: "embed" not in f)
+        """
+        layers, skipped, tile = layers_from_weights(state_dict, tile, include)
+        return cls(layers=layers, skipped=skipped, meta=dict(meta or {"source": "from_weights", "tile": list(tile)}))
+
+    @classmethod
+    def from_masks(
+        cls,
+        model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+        masks: Mapping[str, torch.Tensor],
+        tile: tuple[int, int] | int = (128, 128),
+        allow_lossy: bool = False,
+        meta: dict | None = None,
+    ) -> TilePlan:
+        """Build a plan from hard masks (N, K) bool per weight FQN.
+
+        A tile whose mask keeps exactly 2 of 4 in every group becomes 2:4, an all-true tile dense.
+        Anything else (e.g. an unstructured mask) raises `PlanError` naming the layer and tile,
+        unless `allow_lossy=True`, where such a tile becomes dense (keeping weights the mask drops).
+
+        Example::
+
+            masks = patchc.oneshot(model, method="wanda", pattern="2:4", calib=calib)
+            plan = TilePlan.from_masks(model, masks, tile=(16, 16))
+        """
+        layers, skipped, tile = layers_from_masks(model_or_state_dict, masks, tile, allow_lossy)
+        base = {"source": "from_masks", "tile": list(tile), "allow_lossy": allow_lossy}
+        return cls(layers=layers, skipped=skipped, meta=dict(meta or base))
+
+    # -- files -----------------------------------------------------------------------------------
+
+    def header(self) -> dict:
+        """The JSON header stored in the file's metadata under "patchc" (see `patchc.ir.file_format`)."""
+        return file_format.header(self)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Verify, then write one safetensors file atomically (temp file in the same dir + os.replace).
+
+        Example: `plan.save("model.patch")`.
+        """
+        self.verify()
+        file_format.write_plan(self, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> TilePlan:
+        """Read and verify a plan written by `save` (safetensors only: nothing is ever unpickled).
+
+        Example: `plan = TilePlan.load("model.patch")`.
+        """
+        layers, skipped, meta = file_format.read_plan(path)
+        try:
+            return cls(layers=layers, skipped=skipped, meta=meta)
+        except PlanError as e:
+            raise PlanError(f"{Path(path)}: {e}") from None

@@ -1,0 +1,23 @@
+"""The main job and its command line: a real model and real text in, a plan and a quality report out.
+
+    options.py        `PruneOptions`: every `patchc prune` setting, validated
+    data.py           text files -> documents -> train / held-out split by document -> token blocks, batches
+    evaluate.py       perplexity on held-out text (causal LMs)
+    encoder_eval.py   sentence-embedding agreement and distillation (encoders such as all-MiniLM-L6-v2)
+    distributed.py    torchrun: ranks, batch shares
+    prune.py          `run_prune`: load -> calibrate -> transform -> train -> harden -> evaluate -> report
+    report/           statistics, pictures, report.json / report.md
+    cli.py            `patchc prune | eval | report | generate | tune`
+
+It drives every stage before it (`patchc.passes`, `patchc.masking`, `patchc.ir`, `patchc.pruning`) and
+writes what users read.
+
+Example:
+    >>> report = run_prune(PruneOptions(steps=50, out="runs/quick"))
+    >>> print(format_results(report))
+"""
+
+from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
+from patchc.job.prune import format_results, run_prune
+
+__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "PruneOptions", "format_results", "run_prune"]

@@ -1,0 +1,97 @@
+"""The prune job's options: everything `patchc prune` takes, validated, with the paper's defaults.
+
+Example:
+    >>> opts = PruneOptions(sparsity=0.45, steps=50, out="runs/quick")
+    >>> opts.patch_config().density
+    0.55
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from patchc.config import PatchConfig
+from patchc.models.shared import SHARED_DIR
+
+DEFAULT_MODEL = str(SHARED_DIR / "models" / "stories260K" / "stories260K.bin")
+DEFAULT_DATA = (str(SHARED_DIR / "data" / "tinystories_sample.txt"),)
+ONESHOT_METHODS = ("magnitude", "wanda", "sparsegpt")
+_PAPER = PatchConfig()
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PruneOptions:
+    """Everything `patchc prune` takes; defaults are the paper's, scaled to a CPU-sized run.
+
+    The paper trains 2000 steps of 256 x 4096 tokens; here 300 steps of 8 x 128 tokens keep the same
+    schedule shapes (tau 2 -> 0.05, kappa 25 -> 350 for tiles and 100 -> 500 for 2:4, lambda1 7,
+    lambda2 10, Adam 1e-3, SparseGPT prior of strength 3) on the embedded default.
+    """
+
+    model: str = DEFAULT_MODEL
+    data: tuple[str, ...] = DEFAULT_DATA
+    out: str | None = None  # None: the next free runs/<model>[-N]
+    sparsity: float = _PAPER.sparsity
+    tile: tuple[int, int] = (16, 16)
+    variant: str = _PAPER.variant
+    prior: str = "sparsegpt"
+    prior_strength: float = _PAPER.prior_strength
+    steps: int = 300
+    batch_size: int = 8
+    lr: float = 1e-3
+    # The schedules and loss weights are PatchConfig's (the paper's): one place to change them.
+    tau: tuple[float, float] = _PAPER.tau
+    tau_nm: tuple[float, float] | None = None
+    kappa_tile: tuple[float, float] = _PAPER.kappa_tile
+    kappa_nm: tuple[float, float] = _PAPER.kappa_nm
+    lambda_density: float = _PAPER.lambda_density
+    lambda_norm: float = _PAPER.lambda_norm
+    scope: str = _PAPER.scope
+    exact_budget: bool = True
+    block_len: int = 128
+    eval_context: int = 256
+    eval_fraction: float = 0.2
+    calib_blocks: int = 32
+    data_free: bool = False
+    baselines: bool = True
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "auto"  # weights: "auto" = bfloat16 on CUDA, float32 on CPU; logits are always fp32
+    threads: int = 0
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data", tuple(self.data))
+        object.__setattr__(self, "tile", tuple(self.tile))
+        if not self.data:
+            raise ValueError("--data: give at least one text file (evaluation always needs real held-out text)")
+        for name in ("steps", "batch_size", "block_len", "eval_context", "calib_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0 (0 = automatic), got {self.threads}")
+        self.patch_config()  # validates sparsity, tile, variant, prior, schedules
+
+    def patch_config(self, **changes: Any) -> PatchConfig:
+        fields = {f.name for f in dataclasses.fields(PatchConfig)}
+        values = {k: getattr(self, k) for k in fields if hasattr(self, k)}
+        values.update(changes)
+        return PatchConfig(**values)
+
+
+def weight_dtype(opts: PruneOptions) -> torch.dtype:
+    """bf16 weights on a GPU (the masks' logits, noise and Adam state stay fp32), fp32 on CPU."""
+    chosen = DTYPES[opts.dtype]
+    if chosen is None:
+        chosen = torch.bfloat16 if opts.device.startswith("cuda") else torch.float32
+    return chosen

@@ -1,0 +1,11 @@
+"""Stage 2, masking: the differentiable hybrid mask, how it is trained, and how it is made hard.
+
+    hybrid_mask.py   `HybridMask`: tile logits + 2:4 logits -> M (Gumbel-softmax; sample / hard / soft / ones)
+    schedule.py      tau and kappa, linear per optimizer step
+    regularizer.py   the density term (global or per block) and the decaying magnitude term
+    train.py         `train_masks`: Adam over the logits, clipping, logs, checkpoints, exact resume; `lm_loss`
+    harden.py        `harden`: logits -> hard masks -> a verified `TilePlan` (optionally an exact global budget)
+
+It takes the `MaskedProgram` of `patchc.passes` and hands a `TilePlan` to the IR (`patchc.ir`).
+`patchc.train_masks`, `patchc.lm_loss` and `patchc.harden` are the public names.
+"""

@@ -1,0 +1,169 @@
+"""The transform driver, `patchc.transform`: an exported program in, a trainable masked program out.
+
+The stages, in order:
+
+    export (if given a module) -> ep.module() -> freeze weights -> annotate matmuls
+        -> build one HybridMask per masked weight (+ one-shot prior) -> insert mask nodes
+        -> MaskedProgram
+
+Example:
+    >>> ep = torch.export.export(model, (ids,))
+    >>> prog = patchc.transform(ep, patchc.PatchConfig(tile=(16, 16), sparsity=0.35))
+    >>> opt = torch.optim.Adam(prog.mask_parameters(), lr=1e-3)
+    >>> loss = task_loss(prog(ids)) + prog.regularizer(); loss.backward(); opt.step(); prog.step()
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+
+import torch
+from torch import fx, nn
+
+from patchc.config import PatchConfig
+from patchc.masking.hybrid_mask import HybridMask
+from patchc.passes.find_linears import LinearSite, find_linear_sites
+from patchc.passes.insert_masks import InsertMasks
+from patchc.passes.program import MaskedProgram
+
+
+def _freeze_weights(gm: fx.GraphModule) -> None:
+    """Give the graph module its own frozen Parameter objects over the same storage.
+
+    `ep.module()` holds the user's Parameter objects; flipping their requires_grad would change the
+    user's model, and copying would double memory. Tied weights stay tied.
+    """
+    replaced: dict[int, nn.Parameter] = {}
+    for name, param in list(gm.named_parameters(remove_duplicate=False)):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(owner_name) if owner_name else gm
+        frozen = replaced.setdefault(id(param), nn.Parameter(param.detach(), requires_grad=False))
+        owner._parameters[leaf] = frozen
+
+
+def _export(module: nn.Module, example_inputs: tuple, example_kwargs: dict | None, dynamic: bool):
+    if example_inputs is None:
+        raise ValueError("patchc.transform(module, cfg) needs example_inputs=(x,) to export the module")
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    dynamic_shapes = None
+    if dynamic:
+        # Every tensor dim may vary (batch, sequence): training batches differ from the example.
+        bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+        dynamic_shapes = {
+            name: {d: torch.export.Dim.AUTO for d in range(v.dim())} if isinstance(v, torch.Tensor) else None
+            for name, v in bound.items()
+        }
+    return torch.export.export(module, args, kwargs=kwargs or None, dynamic_shapes=dynamic_shapes)
+
+
+def check_tile_fits(sites: list[LinearSite], tile: tuple[int, int]) -> None:
+    """Refuse a tile larger than a masked weight: the weight would be one partial tile, nothing to learn."""
+    for site in sites:
+        n, k = site.shape
+        if tile[0] > n or tile[1] > k:
+            raise ValueError(
+                f"tile {tile} does not fit {site.fqn} of shape ({n}, {k}): choose a tile no larger than "
+                "the smallest masked weight, or exclude that layer"
+            )
+
+
+def build_masks(
+    sites: list[LinearSite],
+    gm: fx.GraphModule,
+    cfg: PatchConfig,
+    calib=None,
+    prior_masks: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, HybridMask]:
+    """One HybridMask per masked weight (graph order), initialised N(0, init_std) + prior."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    masks: dict[str, HybridMask] = {}
+    for site in sites:
+        if site.fqn in masks:
+            continue
+        mask = HybridMask(site.fqn, site.shape, cfg.tile, cfg.variant, index=len(masks), seed=cfg.seed, hard=cfg.hard)
+        mask.init_logits(cfg.init_std, gen)
+        if cfg.prior != "random":
+            weight = gm.get_parameter(site.fqn)
+            nm_prior, tile_prior = prior_logits(site.fqn, weight, cfg, calib, prior_masks)
+            # add_prior keeps the prior's choice as the argmax, so the "tile" variant's frozen 2:4
+            # logits harden to exactly the one-shot pattern.
+            mask.add_prior(nm_prior, tile_prior, cfg.init_std * cfg.prior_strength)
+        masks[site.fqn] = mask.to(gm.get_parameter(site.fqn).device)
+    return masks
+
+
+def prior_logits(fqn: str, weight: torch.Tensor, cfg: PatchConfig, calib=None,
+                 prior_masks: Mapping[str, torch.Tensor] | None = None):
+    """(2:4 prior (N*K/4, 6), tile prior (Tn, Tk)) from one-shot masks, values in {-1, 0, 1}.
+
+    `prior_masks[fqn]`, where present, is taken as the one-shot 2:4 mask of `cfg.prior` instead of
+    computing it again (SparseGPT's costs seconds per layer).
+    """
+    from patchc.pruning import prune_weight
+    from patchc.pruning.priors import nm_prior, tile_prior
+
+    stats = None
+    if cfg.prior in ("wanda", "sparsegpt"):
+        if calib is None:
+            raise ValueError(
+                f"prior={cfg.prior!r} needs calibration statistics: pass calib=patchc.calibrate(model, batches)"
+            )
+        if fqn not in calib:
+            raise ValueError(f"{fqn}: no calibration statistics for this layer (prior={cfg.prior!r})")
+        stats = calib[fqn]
+    w = weight.detach().float()
+    mask24 = prior_masks.get(fqn) if prior_masks is not None else None
+    if mask24 is None:
+        mask24 = prune_weight(w, cfg.prior, "2:4", stats=stats)
+    nm = nm_prior(mask24)
+    tiles = None
+    if cfg.variant != "nm":
+        unstructured = prune_weight(w, cfg.prior, "unstructured", stats=stats, sparsity=cfg.sparsity)
+        tiles = tile_prior(unstructured, cfg.tile, cfg.density)
+    return nm, tiles
+
+
+def transform(
+    program: torch.export.ExportedProgram | nn.Module,
+    cfg: PatchConfig | None = None,
+    *,
+    example_inputs: tuple | None = None,
+    example_kwargs: dict | None = None,
+    dynamic: bool = True,
+    calib=None,
+    prior_masks: Mapping[str, torch.Tensor] | None = None,
+) -> MaskedProgram:
+    """Insert a learnable hybrid mask before every selected matmul weight.
+
+    Args:
+        program: a `torch.export.ExportedProgram` (training IR or after `run_decompositions()`),
+            or an nn.Module, exported here with `example_inputs` (every dim dynamic when `dynamic`).
+        cfg: the PatchConfig (default PatchConfig()).
+        calib: `patchc.calibrate(...)` statistics, needed by the "wanda" and "sparsegpt" priors.
+        prior_masks: {weight FQN: bool (N, K)} one-shot 2:4 masks of `cfg.prior` already computed for
+            these very weights (`patchc.oneshot(model, cfg.prior, "2:4", calib=calib)`), reused for the
+            prior; layers missing from it are computed here.
+
+    Returns a `MaskedProgram`. The exported program's module shares weight storage with the user's
+    model; patchc never writes to it.
+
+    Example:
+        >>> prog = patchc.transform(model, PatchConfig(tile=(16, 16)), example_inputs=(ids,))
+        >>> sorted(prog.layers)[:1]
+        ['layers.0.mlp.down_proj.weight']
+    """
+    cfg = cfg or PatchConfig()
+    if isinstance(program, nn.Module) and not isinstance(program, fx.GraphModule):
+        program = _export(program, example_inputs, example_kwargs, dynamic)
+    if not isinstance(program, (torch.export.ExportedProgram, fx.GraphModule)):
+        raise TypeError(f"patchc.transform takes an ExportedProgram or nn.Module, got {type(program).__name__}")
+    gm = program.module() if isinstance(program, torch.export.ExportedProgram) else program
+    _freeze_weights(gm)
+    sites, skipped = find_linear_sites(gm, cfg)
+    if not sites:
+        raise ValueError(f"patchc.transform found no maskable linear layer; skipped: {skipped or 'none seen'}")
+    check_tile_fits(sites, cfg.tile)
+    masks = build_masks(sites, gm, cfg, calib, prior_masks)
+    InsertMasks(sites, masks)(gm)
+    return MaskedProgram(gm, sites, masks, skipped, cfg)

@@ -1,0 +1,179 @@
+"""The tuner's candidate space: per GPU generation, the kernel configs worth timing, pruned before any timing.
+
+One `CandidateSpace` table per generation (sm_80 / sm_90: blocks, block_m, split-K, warps, stages, the
+shared memory limit). `candidates(regime, ...)` expands a table for a layer and drops, with a reason
+(`prune_reason`), blocks that do not divide the plan tile or exceed the layer, configs whose estimated
+shared memory exceeds the device limit, and split-K that leaves too little K per split.
+
+Example:
+    >>> cands = candidates("decode", (4096, 4096), (128, 128), 16, torch.float16, "sm_90")
+    >>> {c.kernel for c in cands}
+    {'decode'}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from patchc.codegen.configs import ARCH_TABLE, KernelConfig
+
+SPACE_VERSION = 1  # bump when candidate tables change: old cache entries then miss
+
+
+@dataclass(frozen=True)
+class CandidateSpace:
+    """Candidate values for one GPU generation (before pruning).
+
+    Example:
+        >>> candidate_space("sm_90").smem_bytes
+        232448
+    """
+
+    blocks: tuple[tuple[int, int], ...]
+    decode_block_m: tuple[int, ...]
+    decode_split_k: tuple[int, ...]
+    decode_warps: tuple[int, ...]
+    decode_stages: tuple[int, ...]
+    prefill_block_m: tuple[int, ...]
+    prefill_split_k: tuple[int, ...]
+    prefill_warps: tuple[int, ...]
+    prefill_stages: tuple[int, ...]
+    group_m: int
+    smem_bytes: int  # opt-in shared memory per block of the generation's reference part
+    min_k_per_split: int  # K elements each split must keep (below it the reduction pass dominates)
+    min_blocks_per_split: int
+
+    def __post_init__(self) -> None:
+        for name in ("decode_block_m", "prefill_block_m", "decode_warps", "prefill_warps"):
+            if any(v < 1 or v & (v - 1) for v in getattr(self, name)):
+                raise ValueError(f"CandidateSpace.{name} must hold powers of two, got {getattr(self, name)}")
+        for bn, bk in self.blocks:
+            if min(bn, bk) < 16 or bn & (bn - 1) or bk & (bk - 1):
+                raise ValueError(f"CandidateSpace.blocks: ({bn}, {bk}) must be powers of two >= 16")
+        if self.smem_bytes <= 0 or self.min_k_per_split < 1 or self.min_blocks_per_split < 1:
+            raise ValueError("CandidateSpace: smem_bytes, min_k_per_split, min_blocks_per_split must be positive")
+
+
+_BLOCKS = ((16, 64), (32, 64), (64, 32), (64, 64), (128, 64), (64, 128), (128, 128))
+SPACES: dict[str, CandidateSpace] = {
+    # Ampere (A100: 163 KiB opt-in shared memory per block, 108 SMs): mma.sync; 4 warps per 64-row tile.
+    "sm_80": CandidateSpace(
+        blocks=_BLOCKS, decode_block_m=(16, 32), decode_split_k=(1, 2, 4, 8), decode_warps=(4, 8),
+        decode_stages=(2, 4), prefill_block_m=(64, 128), prefill_split_k=(1, 2), prefill_warps=(4, 8),
+        prefill_stages=(3, 4), group_m=8, smem_bytes=163 * 1024, min_k_per_split=256, min_blocks_per_split=2,
+    ),
+    # Hopper (H100/H200: 227 KiB, 132 SMs): more SMs want more split-K at decode; deeper pipelines fit.
+    "sm_90": CandidateSpace(
+        blocks=_BLOCKS, decode_block_m=(16, 32), decode_split_k=(1, 2, 4, 8, 16), decode_warps=(4, 8),
+        decode_stages=(3, 4), prefill_block_m=(64, 128), prefill_split_k=(1, 2), prefill_warps=(4, 8),
+        prefill_stages=(3, 4), group_m=8, smem_bytes=227 * 1024, min_k_per_split=256, min_blocks_per_split=2,
+    ),
+}
+
+
+def candidate_space(arch: str) -> CandidateSpace:
+    """The candidate table of a GPU generation ("sm_80" or "sm_90").
+
+    Example:
+        >>> candidate_space("sm_80").decode_split_k
+        (1, 2, 4, 8)
+    """
+    if arch not in SPACES:
+        raise ValueError(f"no candidate table for {arch!r}; known: {sorted(SPACES)}")
+    return SPACES[arch]
+
+
+def _pow2_ceil(v: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, v))))
+
+
+def smem_estimate(cfg: KernelConfig, dtype: torch.dtype) -> int:
+    """Shared memory bytes of a pipelined config: stages x (x tile + weight tile); 2:4 counted dense.
+
+    Example:
+        >>> smem_estimate(KernelConfig("prefill", 128, 128, 64, 1, 8, 4, 8), torch.float16)
+        131072
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    x_tile = cfg.block_m * cfg.block_k if cfg.block_m >= 16 else 0  # multiply-and-sum keeps x in registers
+    return cfg.num_stages * (x_tile + cfg.block_n * cfg.block_k) * elem
+
+
+def prune_reason(
+    cfg: KernelConfig,
+    shape: tuple[int, int],
+    tile: tuple[int, int],
+    dtype: torch.dtype,
+    space: CandidateSpace,
+    smem_limit: int | None = None,
+) -> str | None:
+    """Why `cfg` is dropped before timing, or None if it is kept.
+
+    Example:
+        >>> cfg = KernelConfig("decode", 16, 64, 64, 8, 4, 2, 8)
+        >>> prune_reason(cfg, (4096, 256), (64, 64), torch.float16, candidate_space("sm_80"))
+        'split_k 8 leaves 32 K per split (< 256)'
+    """
+    n, k = shape
+    bn, bk = cfg.block_n, cfg.block_k
+    if tile[0] % bn or tile[1] % bk:
+        return f"block {bn}x{bk} does not divide the tile {tile[0]}x{tile[1]}"
+    if bn > max(16, _pow2_ceil(n)) or bk > max(16, _pow2_ceil(k)):
+        return f"block {bn}x{bk} exceeds the layer {n}x{k}"
+    limit = space.smem_bytes if smem_limit is None else smem_limit
+    smem = smem_estimate(cfg, dtype)
+    if smem > limit:
+        return f"shared memory {smem} B exceeds the device limit {limit} B"
+    if cfg.split_k > 1:
+        if k // cfg.split_k < space.min_k_per_split:
+            return f"split_k {cfg.split_k} leaves {k // cfg.split_k} K per split (< {space.min_k_per_split})"
+        if math.ceil(k / bk) < cfg.split_k * space.min_blocks_per_split:
+            return f"split_k {cfg.split_k} leaves < {space.min_blocks_per_split} blocks per split"
+    if cfg.kernel == "prefill" and cfg.block_m < 16:
+        return "prefill needs block_m >= 16"
+    return None
+
+
+def candidates(
+    regime: str,
+    shape: tuple[int, int],
+    tile: tuple[int, int],
+    m: int,
+    dtype: torch.dtype,
+    arch: str,
+    block: tuple[int, int] | None = None,
+    smem_limit: int | None = None,
+) -> list[KernelConfig]:
+    """Pruned candidates of a regime ("decode" / "prefill"); `block` fixes the block shape.
+
+    Example:
+        >>> cands = candidates("decode", (4096, 4096), (128, 128), 16, torch.float16, "sm_90")
+        >>> {c.kernel for c in cands}
+        {'decode'}
+    """
+    if regime not in ("decode", "prefill"):
+        raise ValueError(f"regime must be 'decode' or 'prefill', got {regime!r}")
+    space = candidate_space(arch)
+    blocks = (block,) if block is not None else space.blocks
+    if regime == "decode":
+        dot_bms = tuple(b for b in space.decode_block_m if b <= max(16, _pow2_ceil(m)))
+        # M <= 4: multiply-and-sum wastes no tensor-core lanes on padding tokens, but its loads are not
+        # pipelined (cp.async needs a tl.dot); the padded tl.dot kernel stays a candidate and timing decides
+        bms = (_pow2_ceil(m), *dot_bms[:1]) if m <= ARCH_TABLE[arch].small_m else dot_bms
+        sks, warps, stages = space.decode_split_k, space.decode_warps, space.decode_stages
+    else:
+        bms = tuple(b for b in space.prefill_block_m if b <= max(16, _pow2_ceil(m))) or (16,)
+        sks, warps, stages = space.prefill_split_k, space.prefill_warps, space.prefill_stages
+    out = []
+    for (bn, bk) in blocks:
+        for bm in bms:
+            for sk in sks:
+                for nw in warps:
+                    for ns in stages:
+                        cfg = KernelConfig(regime, bm, bn, bk, sk, nw, ns, space.group_m)
+                        if prune_reason(cfg, shape, tile, dtype, space, smem_limit) is None:
+                            out.append(cfg)
+    return out

@@ -1,0 +1,6 @@
+"""Helpers every stage uses; none of them knows about masks or tiles.
+
+    files.py   atomic writes: readers see the old file or the new one, never half of one
+    env.py     library versions and the device name, for reports, benchmarks and cache keys
+    names.py   reading structure from weight names (which transformer block a weight belongs to)
+"""
