@@ -6,7 +6,8 @@
 For each shape, sparsity (random tile map, as in bench_kernels.py) and target, compiles the layer's kernels
 with `patchc.codegen.generate` and prints, per variant, what a profiler would show first: registers per
 thread, spill bytes, the SASS instruction mix (128-bit loads, cp.async, HMMA / HGMMA) and the weight bytes
-the kernel reads against dense (the decode ceiling is dense / packed bytes). Appends one JSON line with
+the kernel reads against dense (the decode ceiling is dense / packed bytes), and per weight loop the
+warp-instructions issued per weight byte (above ~0.28 an H100 cannot be memory bound). Appends one JSON line with
 versions and date to benchmarks/results/static_profile.jsonl. Runs on CPU: this is what can be said about
 the kernels' speed where no GPU is lent; the timings come from bench_kernels.py on a GPU.
 """
@@ -41,7 +42,9 @@ def profile_layer(layer, target: str, work: Path) -> tuple[list[dict], dict]:
     man = json.loads((out / index["layers"][layer.name]["manifest"]).read_text())
     return [
         {"variant": v["name"], "num_warps": v["num_warps"], "num_stages": v["num_stages"],
-         "split_k": v.get("split_k"), "block": man["block"], **(v["profile"] or {})}
+         "split_k": v.get("split_k"), "block": man["block"], **(v["profile"] or {}),
+         "loops": {lp["loop"]: {k: lp[k] for k in ("warp_instr_per_byte", "instructions", "barriers", "shuffles")}
+                   for lp in v.get("loops") or []}}
         for v in man["variants"]
     ], man
 
@@ -74,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
                         row = {"target": target, "N": n, "K": k, "sparsity": s, "bytes_ratio": bytes_ratio,
                                "ceiling": ceiling(s), **v}
                         rows.append(row)
+                        loops = "  ".join(f"{kind} loop {lp['warp_instr_per_byte']:.3f} w-instr/B ({lp['barriers']} bar)"
+                                          for kind, lp in v["loops"].items())
                         print(f"{target} {n:>5}x{k:<5} s={s:.2f} {v['variant']:<17} block {v['block']} "
                               f"warps {v['num_warps']} split_k {v['split_k'] or '-':<2} regs {v.get('registers', '?'):>3} "
                               f"spill {v.get('spill_bytes', '?'):>3} B  LDG.128 {v.get('ldg128', '?'):>3} "
                               f"LDGSTS {v.get('ldgsts', '?'):>3} HMMA {v.get('hmma', '?'):>3} HGMMA {v.get('hgmma', '?'):>2}  "
-                              f"dense/packed bytes {bytes_ratio:.3f} (ceiling {ceiling(s):.3f})", flush=True)
+                              f"dense/packed bytes {bytes_ratio:.3f} (ceiling {ceiling(s):.3f})  {loops}", flush=True)
     record = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": "none (static: cubins compiled on CPU)",

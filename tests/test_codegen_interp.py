@@ -133,6 +133,34 @@ def test_half_precision_inputs(dtype, m):
         _check(y, ref, dtype)
 
 
+GEMV_CASES = [  # every preset, block and dtype, several times each (the interpreter is slow: not the full product)
+    (preset, block, dtype)
+    for i, (preset, block, dtype) in enumerate(itertools.product(
+        ["sparse", "mixed", "rows_no_dense"], [(16, 16), (32, 32), (64, 64), (32, 128)],
+        [torch.float32, torch.float16, torch.bfloat16]))
+    if i % 3 == (i // 3) % 3  # one dtype per (preset, block), cycling
+]
+
+
+@pytest.mark.parametrize("preset,block,dtype", GEMV_CASES)
+def test_gemv_decode_every_token_count(preset, block, dtype):
+    """decode_gemv (block_m 1, 2, 4): N and K tails, M that is not a multiple of block_m, split-K, bias."""
+    n, k = 2 * block[0] + 5, 2 * block[1] + 12  # a partial edge block in N and a ragged K
+    layer = random_layer_plan(n, k, tile=block, kinds=preset, bias=True, seed=sum(block), dtype=dtype)
+    packed = pack(layer, block=block)
+    for m, split_k in ((1, 3), (2, 1), (3, 3), (5, 1)):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        block_m = min(4, 1 << (m - 1).bit_length())
+        y = tile_linear(x, packed, config=KernelConfig(kernel="decode", block_m=block_m, split_k=split_k))
+        _check(y, reference_tile_linear(x, layer), dtype)
+
+
+def test_decode_block_m_between_gemv_and_dot_is_refused():
+    packed = pack(random_layer_plan(32, 32, tile=(16, 16), kinds="mixed", seed=1))
+    with pytest.raises(ValueError, match="block_m must be 1, 2 or 4"):
+        tile_linear(torch.randn(8, 32), packed, config=KernelConfig(kernel="decode", block_m=8))
+
+
 def test_auto_config_and_leading_dims():
     layer = random_layer_plan(64, 64, tile=(32, 32), kinds="rows_no_dense", bias=True, seed=9)
     packed = pack(layer)
@@ -166,6 +194,8 @@ def test_input_errors_are_clear():
         tile_linear(torch.randn(2, 32), packed, config=KernelConfig(block_n=32, block_k=32))
     with pytest.raises(ValueError, match="bias must have shape"):
         tile_linear(torch.randn(2, 32), packed, bias=torch.randn(3))
+    with pytest.raises(ValueError, match="exceeds the GPU's 65535"):  # grid axis 2 = M / block_m
+        tile_linear(torch.randn(70000, 32), packed, config=KernelConfig(kernel="decode", block_m=1, split_k=1))
     dense = random_layer_plan(32, 32, tile=(16, 16), kinds="dense", seed=1)
     with pytest.raises(PackError, match="F.linear|functional.linear"):
         pack(dense)

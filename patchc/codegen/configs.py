@@ -23,7 +23,7 @@ class KernelConfig:
     """Launch parameters of one tile_linear call; None fields are filled from the architecture table.
 
     kernel: "decode" (small M, weights on the dot M side), "prefill" (tiled GEMM) or "auto" (by M).
-    block_m: tokens per program (decode: padded to >= 16 for tl.dot; 1, 2 or 4 selects multiply-and-sum).
+    block_m: tokens per program (decode: padded to >= 16 for tl.dot; 1, 2 or 4 selects decode_gemv).
     block_n / block_k: must equal the packed block (the layout is cut to it); None = the packed block.
     split_k: programs sharing one block row's K range (fp32 partial sums, deterministic reduction).
 
@@ -61,7 +61,7 @@ class ArchDefaults:
     sm_count: int  # SMs of the reference part (A100: 108, H100 SXM: 132)
     block: tuple[int, int]  # preferred pack block (BLOCK_N, BLOCK_K) for generate()
     decode_max_m: int  # M above this goes to the prefill kernel
-    small_m: int  # M at or below this uses multiply-and-sum instead of tl.dot
+    small_m: int  # M at or below this uses decode_gemv (no tl.dot, no expanded 2:4 blocks); at most 4
     decode_block_m: int  # token padding for the decode tl.dot (>= 16)
     decode_warps: int  # minimum; grows with the block (decode_elems_per_warp) to keep registers < 128
     decode_elems_per_warp: int

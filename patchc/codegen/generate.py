@@ -7,7 +7,8 @@ Layout of `out_dir`::
     out_dir/<layer>/manifest.json              args, constexprs, grid rule, M range, files per variant
     out_dir/<layer>/<variant>.py               the kernel source + the constexprs that specialise it
     out_dir/<layer>/<variant>.ptx|.cubin       compiled for the target
-    (each variant's manifest entry carries its static profile: registers, spill bytes, SASS instruction mix)
+    (each variant's manifest entry carries its static profile: registers, spill bytes, SASS instruction mix,
+     and per weight loop its instructions, barriers and warp-instructions per weight byte)
     (variant = decode_m1, decode_m4, decode, prefill, and splitk_reduce_s<S> when a variant splits K)
 
 All-dense layers get no kernel (route "F.linear": cuBLAS is the right kernel for them).
@@ -34,7 +35,7 @@ from patchc.codegen import kernels
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, choose_block, normalize_target, resolve_config, variants
 from patchc.codegen.launch import GRID_RULES, KERNEL_ARGS, REDUCE_BLOCK, specialisation
 from patchc.codegen.layout import PackedLayer, pack
-from patchc.codegen.sass import static_profile
+from patchc.codegen.sass import static_profile, weight_loops
 from patchc.utils.files import write_bytes_atomic
 
 MANIFEST_FORMAT = "patchc.kernels"
@@ -86,6 +87,46 @@ def generate(
     return written
 
 
+def summary(out_dir: str | os.PathLike) -> str:
+    """Per variant, over every generated layer: the worst weight-loop cost and what limits it.
+
+    Warp-instructions per weight byte of the dense and 2:4 loops (an H100 stops being memory bound above
+    ~0.28), barriers per iteration, registers and spill bytes; "-" where the code has no such loop.
+
+    Example:
+        >>> print(summary("kernels/"))                                    # doctest: +SKIP
+        variant     layers  warps  regs  spills  dense w-instr/B  2:4 w-instr/B  barriers
+        decode_m1       35      4    64       0            0.045          0.132         2
+    """
+    out = Path(out_dir)
+    index = json.loads((out / "manifest.json").read_text())
+    rows: dict[str, dict[str, Any]] = {}
+    for entry in index["layers"].values():
+        if entry.get("route") != "patchc":
+            continue
+        for v in json.loads((out / entry["manifest"]).read_text())["variants"]:
+            if v["kernel"] == "splitk_reduce":
+                continue
+            r = rows.setdefault(v["name"], {"layers": 0, "warps": set(), "regs": 0, "spills": 0, "dense": None,
+                                            "2:4": None, "barriers": 0})
+            r["layers"] += 1
+            r["warps"].add(v["num_warps"])
+            prof = v.get("profile") or {}
+            r["regs"] = max(r["regs"], prof.get("registers", 0))
+            r["spills"] += prof.get("spill_bytes", 0)
+            for lp in v.get("loops") or []:
+                r[lp["loop"]] = max(r[lp["loop"]] or 0.0, lp["warp_instr_per_byte"])
+                r["barriers"] = max(r["barriers"], lp["barriers"])
+    head = f"{'variant':<10} {'layers':>6} {'warps':>6} {'regs':>5} {'spills':>7} {'dense w-instr/B':>16} {'2:4 w-instr/B':>14} {'barriers':>9}"
+    lines = [head]
+    for name, r in rows.items():
+        cost = {k: "-" if r[k] is None else f"{r[k]:.3f}" for k in ("dense", "2:4")}
+        warps = "/".join(map(str, sorted(r["warps"])))
+        lines.append(f"{name:<10} {r['layers']:>6} {warps:>6} {r['regs']:>5} {r['spills']:>7} {cost['dense']:>16} "
+                     f"{cost['2:4']:>14} {r['barriers']:>9}")
+    return "\n".join(lines)
+
+
 def _generate_layer(packed: PackedLayer, layer_dir: Path, arch: str, cc: int) -> tuple[dict[str, Any], list[Path]]:
     dtype = packed.dtype
     has_bias = packed.bias is not None
@@ -99,6 +140,9 @@ def _generate_layer(packed: PackedLayer, layer_dir: Path, arch: str, cc: int) ->
         signature = _signature(dtype)
         entry, new = _compile_one(fn, signature, consts, cfg.num_warps, cfg.num_stages, layer_dir, var.name, cc)
         files += new
+        # the weight loops' cost: warp-instructions per weight byte decide whether decode can be memory bound
+        entry["loops"] = weight_loops(layer_dir / f"{var.name}.cubin", consts["HAS_DENSE"], consts["HAS_SPARSE"],
+                                      packed.block, dtype.itemsize, cfg.num_warps)
         entry.update(
             name=var.name,
             kernel=var.kernel,

@@ -5,7 +5,8 @@ Layering as in Triton's tutorials: these `@triton.jit` kernels are called only b
 
 * `decode_kernel` (small M, bound by weight bytes): the weight block is the `tl.dot` M side,
   acc[BN, BM] += W[BN, BK] @ x^T[BK, BM] with the tokens padded to BLOCK_M >= 16; for M <= 4
-  (USE_DOT=False) a multiply-and-sum per token instead, which wastes no lanes on padding tokens.
+  (USE_DOT=False) `decode_gemv` instead: every thread multiplies whole 16-byte chunks of weights with x,
+  2:4 values with the x they gather, and the K reduction waits until after the loops (see its docstring).
   Split-K over grid axis 1: split s of a block row takes the s-th equal share of the row's dense blocks and
   the s-th equal share of its 2:4 blocks, so every split reads the same bytes (balanced by bytes).
 * `prefill_kernel` (large M, compute bound): a tiled GEMM acc[BM, BN] += x[BM, BK] @ W^T[BK, BN] with
@@ -13,7 +14,7 @@ Layering as in Triton's tutorials: these `@triton.jit` kernels are called only b
 
 In both, a block row's dense blocks and 2:4 blocks are walked by two separate loops (no per-iteration
 branch on the block kind). A 2:4 block is loaded compressed (values (BN, BK/2) + metadata (BN, BK/8) bytes,
-each one contiguous 16-byte-aligned run) and expanded to (BN, BK) in registers by `expand_24`.
+each one contiguous 16-byte-aligned run); `tl.dot` paths expand it to (BN, BK) in registers by `expand_24`.
 Accumulation is fp32. With SPLIT_K > 1 each split writes fp32 partial sums to a (SPLIT_K, M, N) workspace
 and `splitk_reduce_kernel` adds them in split order: the result is deterministic (bitwise reproducible run
 to run), unlike fp32 atomics whose summation order depends on scheduling; the cost is one extra small pass
@@ -104,27 +105,159 @@ def load_x(x_ptr, offs_m, offs_k, M, K: tl.constexpr, EVEN_K: tl.constexpr):
 
 @triton.jit
 def decode_mac(acc, w, x_ptr, m0, col, M, K: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc[BN, BM] += w[BN, BK] @ x[m0 : m0+BM, col*BK : col*BK+BK]^T."""
+               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc[BN, BM] += w[BN, BK] @ x[m0 : m0+BM, col*BK : col*BK+BK]^T (tl.dot, tokens padded to BM >= 16)."""
     offs_k = col * BLOCK_K + tl.arange(0, BLOCK_K)
-    if USE_DOT:
-        xt = load_xt(x_ptr, m0 + tl.arange(0, BLOCK_M), offs_k, M, K, EVEN_K)
-        acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+    xt = load_xt(x_ptr, m0 + tl.arange(0, BLOCK_M), offs_k, M, K, EVEN_K)
+    return tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def to_f32(x):
+    """fp32 of loaded values; bf16 by moving its bits up (one instruction per value, where cvt takes two for
+    the high half of a register)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
-        # multiply-and-sum, one token at a time: no tensor-core padding for M <= 4
-        wf = w.to(tl.float32)
-        cols = tl.arange(0, BLOCK_M)[None, :]
-        for j in tl.static_range(BLOCK_M):
-            m = m0 + j  # token j of this program
-            if EVEN_K:
-                xmask = (offs_k * 0 + m) < M
-            else:
-                xmask = ((offs_k * 0 + m) < M) & (offs_k < K)
-            xj = tl.load(x_ptr + m.to(tl.int64) * K + offs_k, mask=xmask, other=0.0).to(tl.float32)
-            part = tl.sum(wf * xj[None, :], axis=1)
-            acc += tl.where(cols == j, part[:, None], 0.0)
-    return acc
+        return x.to(tl.float32)
+
+
+@triton.jit
+def gemv_acc(acc, prod, PER_VALUE: tl.constexpr):
+    """acc += prod (BN, C, VEC): one accumulator per value (pure FMAs; one token), or summed over VEC in-thread."""
+    if PER_VALUE:
+        return acc + prod
+    else:
+        return acc + tl.sum(prod, axis=2)
+
+
+@triton.jit
+def gemv_dense(acc, w, xrow, col, xoffs, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               PER_VALUE: tl.constexpr):
+    """One token's partial sums of a dense block: w (BN, C, VEC) times x chunks."""
+    xb = xrow + col * BLOCK_K
+    if EVEN_K:
+        x = to_f32(tl.load(xb + xoffs))
+    else:
+        x = to_f32(tl.load(xb + xoffs, mask=col * BLOCK_K + xoffs < K, other=0.0))
+    return gemv_acc(acc, w * x, PER_VALUE)
+
+
+@triton.jit
+def gemv_sparse(acc, v, xrow, col, gbase, pos, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                PER_VALUE: tl.constexpr):
+    """One token's partial sums of a 2:4 block: each kept value times the x it gathers (column gbase + pos)."""
+    xb = xrow + col * BLOCK_K
+    # (xb + gbase) + pos, not xb + (gbase + pos): the per-thread constant part folds into the load's offset
+    if EVEN_K:
+        x = to_f32(tl.load((xb + gbase) + pos))
+    else:
+        x = to_f32(tl.load((xb + gbase) + pos, mask=col * BLOCK_K + gbase + pos < K, other=0.0))
+    return gemv_acc(acc, v * x, PER_VALUE)
+
+
+@triton.jit
+def gemv_zeros(BLOCK_N: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, PER_VALUE: tl.constexpr):
+    if PER_VALUE:
+        return tl.zeros((BLOCK_N, C, VEC), dtype=tl.float32)
+    else:
+        return tl.zeros((BLOCK_N, C), dtype=tl.float32)
+
+
+@triton.jit
+def gemv_total(acc, PER_VALUE: tl.constexpr):
+    """(BN,) row sums of an accumulator (the cross-thread reduction, once, after the loop)."""
+    if PER_VALUE:
+        return tl.sum(tl.sum(acc, axis=2), axis=1)
+    else:
+        return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def decode_gemv(x_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr, dense_cols_ptr, sparse_rowptr_ptr,
+                sparse_cols_ptr, row, split, m0, M, K: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                HAS_DENSE: tl.constexpr, HAS_SPARSE: tl.constexpr,
+                DENSE_PER_ROW: tl.constexpr, SPARSE_PER_ROW: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr):
+    """(BM, BN) output of BLOCK_M <= 4 tokens in one pass over the weights, without expanding a 2:4 block.
+
+    Each thread owns whole 16-byte chunks (VEC values) of a few rows, so the K reduction stays in-thread
+    until after both loops: no shuffles and no barriers on the dense loop, one small metadata layout
+    change on the 2:4 loop. A 2:4 value multiplies the x it gathers: value r of a chunk belongs to group
+    r // 2, and its position in the group is bits 2r, 2r + 1 of the chunk's 2*VEC-bit metadata word (the
+    nibble i0 | i1 << 2 of consecutive groups, as packed). One accumulator per token (up to 4); for one token,
+    one per value, so the inner loop is pure FMAs.
+    """
+    rn = tl.arange(0, BLOCK_N)
+    rv = tl.arange(0, VEC)
+    PER_VALUE: tl.constexpr = BLOCK_M == 1  # one token: registers to spare for an accumulator per value
+    # token rows past M re-read row M - 1 (always valid) and are never stored
+    x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * K
+    x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * K
+    x2 = x_ptr + tl.minimum(m0 + 2, M - 1).to(tl.int64) * K
+    x3 = x_ptr + tl.minimum(m0 + 3, M - 1).to(tl.int64) * K
+    s0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    s1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    s2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    s3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_DENSE:
+        CD: tl.constexpr = BLOCK_K // VEC
+        rc = tl.arange(0, CD)
+        woffs = rn[:, None, None] * BLOCK_K + rc[None, :, None] * VEC + rv[None, None, :]  # (BN, CD, VEC)
+        xoffs = (rc[:, None] * VEC + rv[None, :])[None, :, :]
+        a0 = gemv_zeros(BLOCK_N, CD, VEC, PER_VALUE)
+        a1 = gemv_zeros(BLOCK_N, CD, VEC, PER_VALUE)
+        a2 = gemv_zeros(BLOCK_N, CD, VEC, PER_VALUE)
+        a3 = gemv_zeros(BLOCK_N, CD, VEC, PER_VALUE)
+        lo, hi = row_share(dense_rowptr_ptr, row, split, DENSE_PER_ROW, SPLIT_K)
+        for i in range(lo, hi):
+            col = tl.load(dense_cols_ptr + i)
+            w = to_f32(tl.load(dense_ptr + tl.cast(i, tl.int64) * (BLOCK_N * BLOCK_K) + woffs))
+            a0 = gemv_dense(a0, w, x0, col, xoffs, K, BLOCK_K, EVEN_K, PER_VALUE)
+            if BLOCK_M > 1:
+                a1 = gemv_dense(a1, w, x1, col, xoffs, K, BLOCK_K, EVEN_K, PER_VALUE)
+            if BLOCK_M > 2:
+                a2 = gemv_dense(a2, w, x2, col, xoffs, K, BLOCK_K, EVEN_K, PER_VALUE)
+                a3 = gemv_dense(a3, w, x3, col, xoffs, K, BLOCK_K, EVEN_K, PER_VALUE)
+        s0 += gemv_total(a0, PER_VALUE)
+        s1 += gemv_total(a1, PER_VALUE)
+        s2 += gemv_total(a2, PER_VALUE)
+        s3 += gemv_total(a3, PER_VALUE)
+    if HAS_SPARSE:
+        CS: tl.constexpr = BLOCK_K // 2 // VEC  # chunks of VEC kept values (VEC // 2 groups) per row
+        rc = tl.arange(0, CS)
+        voffs = rn[:, None, None] * (BLOCK_K // 2) + rc[None, :, None] * VEC + rv[None, None, :]
+        moffs = rn[:, None] * CS + rc[None, :]  # one metadata word per chunk
+        gbase = (rc[:, None] * (2 * VEC) + (rv[None, :] // 2) * 4)[None, :, :]  # first column of value r's group
+        shift = (2 * rv)[None, None, :]
+        # signed words: sign extension leaves bits 0..15 as they are and costs no masking instruction
+        if VEC == 8:
+            mptr = meta_ptr.to(tl.pointer_type(tl.int16))
+        else:
+            mptr = meta_ptr.to(tl.pointer_type(tl.int8))
+        b0 = gemv_zeros(BLOCK_N, CS, VEC, PER_VALUE)
+        b1 = gemv_zeros(BLOCK_N, CS, VEC, PER_VALUE)
+        b2 = gemv_zeros(BLOCK_N, CS, VEC, PER_VALUE)
+        b3 = gemv_zeros(BLOCK_N, CS, VEC, PER_VALUE)
+        lo, hi = row_share(sparse_rowptr_ptr, row, split, SPARSE_PER_ROW, SPLIT_K)
+        for i in range(lo, hi):
+            col = tl.load(sparse_cols_ptr + i)
+            t64 = tl.cast(i, tl.int64)
+            v = to_f32(tl.load(vals_ptr + t64 * (BLOCK_N * BLOCK_K // 2) + voffs))
+            meta = tl.load(mptr + t64 * (BLOCK_N * CS) + moffs).to(tl.int32)
+            pos = (meta[:, :, None] >> shift) & 3  # (BN, CS, VEC) position of each kept value in its group
+            b0 = gemv_sparse(b0, v, x0, col, gbase, pos, K, BLOCK_K, EVEN_K, PER_VALUE)
+            if BLOCK_M > 1:
+                b1 = gemv_sparse(b1, v, x1, col, gbase, pos, K, BLOCK_K, EVEN_K, PER_VALUE)
+            if BLOCK_M > 2:
+                b2 = gemv_sparse(b2, v, x2, col, gbase, pos, K, BLOCK_K, EVEN_K, PER_VALUE)
+                b3 = gemv_sparse(b3, v, x3, col, gbase, pos, K, BLOCK_K, EVEN_K, PER_VALUE)
+        s0 += gemv_total(b0, PER_VALUE)
+        s1 += gemv_total(b1, PER_VALUE)
+        s2 += gemv_total(b2, PER_VALUE)
+        s3 += gemv_total(b3, PER_VALUE)
+    tok = tl.arange(0, BLOCK_M)[:, None]
+    return tl.where(tok == 0, s0[None, :], tl.where(tok == 1, s1[None, :], tl.where(tok == 2, s2[None, :], s3[None, :])))
 
 
 @triton.jit
@@ -152,27 +285,35 @@ def decode_kernel(
     HAS_DENSE: tl.constexpr, HAS_SPARSE: tl.constexpr,
     DENSE_PER_ROW: tl.constexpr, SPARSE_PER_ROW: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    VEC: tl.constexpr,
 ):
-    """Small-M kernel. grid = (ceil(N/BN), SPLIT_K, ceil(M/BM)); weights on the dot's M side."""
+    """Small-M kernel. grid = (ceil(N/BN), SPLIT_K, ceil(M/BM)); tl.dot with the weights on its M side
+    (USE_DOT, BLOCK_M >= 16), else `decode_gemv` (BLOCK_M <= 4)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = row * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if HAS_DENSE:
-        lo, hi = row_share(dense_rowptr_ptr, row, split, DENSE_PER_ROW, SPLIT_K)
-        for i in range(lo, hi):
-            col = tl.load(dense_cols_ptr + i)
-            w = load_dense_block(dense_ptr, i, BLOCK_N, BLOCK_K)
-            acc = decode_mac(acc, w, x_ptr, m0, col, M, K, BLOCK_M, BLOCK_K, EVEN_K, USE_DOT, DOT_PRECISION)
-    if HAS_SPARSE:
-        lo, hi = row_share(sparse_rowptr_ptr, row, split, SPARSE_PER_ROW, SPLIT_K)
-        for i in range(lo, hi):
-            col = tl.load(sparse_cols_ptr + i)
-            w = load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K)
-            acc = decode_mac(acc, w, x_ptr, m0, col, M, K, BLOCK_M, BLOCK_K, EVEN_K, USE_DOT, DOT_PRECISION)
-    store_out(tl.trans(acc), offs_m, offs_n, y_ptr, part_ptr, bias_ptr, split, M, N, HAS_BIAS, SPLIT_K)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if HAS_DENSE:
+            lo, hi = row_share(dense_rowptr_ptr, row, split, DENSE_PER_ROW, SPLIT_K)
+            for i in range(lo, hi):
+                col = tl.load(dense_cols_ptr + i)
+                w = load_dense_block(dense_ptr, i, BLOCK_N, BLOCK_K)
+                acc = decode_mac(acc, w, x_ptr, m0, col, M, K, BLOCK_M, BLOCK_K, EVEN_K, DOT_PRECISION)
+        if HAS_SPARSE:
+            lo, hi = row_share(sparse_rowptr_ptr, row, split, SPARSE_PER_ROW, SPLIT_K)
+            for i in range(lo, hi):
+                col = tl.load(sparse_cols_ptr + i)
+                w = load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K)
+                acc = decode_mac(acc, w, x_ptr, m0, col, M, K, BLOCK_M, BLOCK_K, EVEN_K, DOT_PRECISION)
+        out = tl.trans(acc)
+    else:
+        out = decode_gemv(x_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr, dense_cols_ptr, sparse_rowptr_ptr,
+                          sparse_cols_ptr, row, split, m0, M, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
+                          HAS_DENSE, HAS_SPARSE, DENSE_PER_ROW, SPARSE_PER_ROW, EVEN_K, VEC)
+    store_out(out, offs_m, offs_n, y_ptr, part_ptr, bias_ptr, split, M, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -226,10 +367,11 @@ def splitk_reduce_kernel(part_ptr, y_ptr, bias_ptr, M, N,
                          SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """y = sum_s part[s] (+ bias), summed in split order (deterministic). grid = (ceil(M*N/BLOCK),)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
+    total = M.to(tl.int64) * N  # int64: M * N * SPLIT_K overflows int32 at large M
+    mask = offs < total
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+        acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)

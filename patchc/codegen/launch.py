@@ -20,6 +20,7 @@ from patchc.codegen.layout import PackedLayer, kernel_buffers, per_row_counts
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REDUCE_BLOCK = 1024
+MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions y and z
 
 # Runtime (non-constexpr) arguments of decode_kernel / prefill_kernel, in order.
 KERNEL_ARGS = (
@@ -60,7 +61,10 @@ def constexprs(
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
     }
     if cfg.kernel == "decode":
+        if 4 < cfg.block_m < 16:
+            raise ValueError(f"decode block_m must be 1, 2 or 4 (gemv) or >= 16 (tl.dot), got {cfg.block_m}")
         consts["USE_DOT"] = cfg.block_m >= 16
+        consts["VEC"] = 16 // torch.empty((), dtype=dtype).element_size()  # elements per 16-byte chunk
     else:
         consts["GROUP_M"] = cfg.group_m
     return consts
@@ -160,6 +164,9 @@ def launch(
         _or_dummy(dense_cols, x2, torch.int32), sparse_rowptr, _or_dummy(sparse_cols, x2, torch.int32),
     ]
     grid = grid_of(cfg, math.ceil(n / block[0]), m)
+    if max(grid[1:]) > MAX_GRID_YZ:
+        raise ValueError(f"launch grid {grid} exceeds the GPU's {MAX_GRID_YZ} programs on axes 1-2 "
+                         f"(split_k={cfg.split_k}, M={m}, block_m={cfg.block_m}); use a smaller split_k or a larger block_m")
     kernels.KERNELS[cfg.kernel][grid](*args, m, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if part is not None:
         kernels.splitk_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](

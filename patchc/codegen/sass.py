@@ -4,7 +4,9 @@ Uses the `cuobjdump` that Triton ships with its NVIDIA backend (`-res-usage` for
 `-sass` for the machine code). The numbers are what a profiler would show first when a kernel is slow:
 registers per thread (occupancy), local-memory bytes (spills), and whether the weight loads are 128-bit
 (`LDG.E.128`), pipelined into shared memory (`LDGSTS`, i.e. cp.async) and fed to tensor cores
-(`HMMA` on sm_80, `HGMMA`, i.e. wgmma, on sm_90).
+(`HMMA` on sm_80, `HGMMA`, i.e. wgmma, on sm_90). For the weight-streaming loops (`weight_loops`): the
+instructions, barriers and shuffles of one iteration, and the warp-instructions issued per weight byte,
+the number that decides whether a decode kernel can reach the memory roofline at all.
 
 Example:
     >>> usage = resource_usage("kernels/sm_90/layer/prefill.cubin")   # doctest: +SKIP
@@ -29,6 +31,19 @@ INSTRUCTIONS = {
     "ffma": r"\bFFMA\b",  # fp32 fused multiply-add (multiply-and-sum decode)
 }
 _RESOURCES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+# one SASS instruction line: /*0d30*/  @P1 BRA 0x4c0 ;
+_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.MULTILINE)
+_BRANCH = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
+# per-loop counts: what limits the issue rate of a loop that should stream weights
+LOOP_COUNTS = {
+    "barriers": r"\bBAR\.SYNC\b",
+    "shuffles": r"\bSHFL\b",
+    "ldg128": INSTRUCTIONS["ldg128"],
+    "ldg": r"\bLDG\.E\b(?!\.128)",
+    "lds": r"\bLDS\b",
+    "sts": r"\bSTS\b",
+    "ffma": INSTRUCTIONS["ffma"],
+}
 
 
 @lru_cache(maxsize=1)
@@ -77,6 +92,73 @@ def instruction_mix(cubin: str | os.PathLike) -> dict[str, int]:
     return {name: len(re.findall(pattern, sass)) for name, pattern in INSTRUCTIONS.items()}
 
 
+def sass_instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction text) of every instruction in `cuobjdump -sass` output, in address order."""
+    return [(int(addr, 16), text) for addr, text in _LINE.findall(sass)]
+
+
+def loops(sass: str) -> list[dict[str, int]]:
+    """The loops of a kernel, outermost first within address order: every backward branch closes one.
+
+    Each loop is {"start", "end" (byte addresses), "instructions" in its body (label to backward branch,
+    both included), and the `LOOP_COUNTS` of its body}. A kernel's main loops are its top-level ones; in
+    patchc's kernels the dense-block loop comes before the 2:4-block loop.
+
+    Example:
+        >>> [lp["instructions"] for lp in loops(open("decode_m1.sass").read())]   # doctest: +SKIP
+        [135, 346]
+    """
+    code = sass_instructions(sass)
+    found = []
+    for addr, text in code:
+        m = _BRANCH.search(text)
+        if m and int(m.group(1), 16) < addr:  # backward: a loop (a branch to itself is the end-of-code trap)
+            start = int(m.group(1), 16)
+            body = [t for a, t in code if start <= a <= addr]
+            found.append({"start": start, "end": addr, "instructions": len(body),
+                          **{k: sum(bool(re.search(p, t)) for t in body) for k, p in LOOP_COUNTS.items()}})
+    return [lp for lp in found  # drop loops nested inside another one: the outer body already counts them
+            if not any(o is not lp and o["start"] <= lp["start"] and lp["end"] <= o["end"] for o in found)]
+
+
+def loop_cost(loop: dict[str, int], num_warps: int, weight_bytes: int) -> float:
+    """Warp-instructions issued per weight byte by one iteration of `loop` that streams `weight_bytes`.
+
+    An H100 issues ~0.93e12 warp-instructions/s against 3.35e12 B/s of HBM: above ~0.28 a loop cannot reach
+    the memory roofline even at perfect issue.
+
+    Example:
+        >>> loop_cost({"instructions": 135}, num_warps=8, weight_bytes=128 * 64 * 2)
+        0.06591796875
+    """
+    return loop["instructions"] * num_warps / weight_bytes
+
+
+def weight_loops(cubin: str | os.PathLike, has_dense: bool, has_sparse: bool, block: tuple[int, int],
+                 elem_bytes: int, num_warps: int) -> list[dict] | None:
+    """The cost of a hybrid kernel's two weight loops: [{"loop": "dense" | "2:4", ..., "warp_instr_per_byte"}].
+
+    patchc's kernels walk a block row's dense blocks, then its 2:4 blocks; an iteration reads one block:
+    BLOCK_N * BLOCK_K elements dense, half of them plus 1/8 byte per element of metadata 2:4. None when no
+    cuobjdump is available or the code does not have exactly the expected loops (then nothing is claimed).
+
+    Example:
+        >>> [(lp["loop"], round(lp["warp_instr_per_byte"], 3)) for lp in weight_loops(
+        ...     "decode_m1.cubin", True, True, (128, 64), 2, 8)]              # doctest: +SKIP
+        [('dense', 0.052), ('2:4', 0.139)]
+    """
+    if cuobjdump() is None:
+        return None
+    bn, bk = block
+    kinds = [("dense", bn * bk * elem_bytes)] * has_dense + [("2:4", bn * bk // 2 * elem_bytes + bn * bk // 8)] * has_sparse
+    found = loops(_run("-sass", cubin))
+    if len(found) != len(kinds):
+        return None
+    return [{"loop": kind, "weight_bytes": nbytes, **lp,
+             "warp_instr_per_byte": round(loop_cost(lp, num_warps, nbytes), 4)}
+            for (kind, nbytes), lp in zip(kinds, found)]
+
+
 def static_profile(cubin: str | os.PathLike) -> dict[str, int] | None:
     """`resource_usage` and `instruction_mix` together; None when no cuobjdump is available."""
     if cuobjdump() is None:
@@ -84,4 +166,5 @@ def static_profile(cubin: str | os.PathLike) -> dict[str, int] | None:
     return resource_usage(cubin) | instruction_mix(cubin)
 
 
-__all__ = ["INSTRUCTIONS", "cuobjdump", "instruction_mix", "resource_usage", "static_profile"]
+__all__ = ["INSTRUCTIONS", "LOOP_COUNTS", "cuobjdump", "instruction_mix", "loop_cost", "loops", "resource_usage",
+           "sass_instructions", "static_profile", "weight_loops"]

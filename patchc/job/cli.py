@@ -121,12 +121,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from patchc.codegen import generate
+    from patchc.codegen.generate import generate, summary
     from patchc.ir import TilePlan
 
     files = generate(TilePlan.load(args.plan), args.out, target=args.target)
     count = len(files) if hasattr(files, "__len__") else 0
     print(f"wrote {count} files for {args.target} to {Path(args.out).resolve()}")
+    print(summary(args.out))
     return 0
 
 
