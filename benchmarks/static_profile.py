@@ -2,6 +2,7 @@
 
     python benchmarks/static_profile.py                       # sm_80 and sm_90, 25/35/45/50%, fp16
     python benchmarks/static_profile.py --target sm_90 --sparsity 0.45
+    python benchmarks/static_profile.py --sparsity 0.45 0.5 --dtype fp16 bf16 --tile 128 64   # the decode-issue grid
 
 For each shape, sparsity (random tile map, as in bench_kernels.py) and target, compiles the layer's kernels
 with `patchc.codegen.generate` and prints, per variant, what a profiler would show first: registers per
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import sys
@@ -53,43 +55,42 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", nargs="+", default=["sm_80", "sm_90"])
     ap.add_argument("--sparsity", type=float, nargs="+", default=[0.25, 0.35, 0.45, 0.50])
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
-    ap.add_argument("--tile", type=int, nargs=2, default=[128, 128])
+    ap.add_argument("--dtype", choices=sorted(DTYPES), nargs="+", default=["fp16"])
+    ap.add_argument("--tile", type=int, nargs="+", default=[128], help="square tile sides")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "static_profile.jsonl")
     args = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real Triton, not the interpreter
     from patchc.codegen.reference import random_layer_plan
     from patchc.utils.env import versions
 
-    tile = tuple(args.tile)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for target in args.target:
-            for n, k in SHAPES:
-                for s in args.sparsity:
-                    gen = torch.Generator().manual_seed(0)
-                    name = f"s{round(100 * s)}_{n}x{k}.weight"
-                    layer = random_layer_plan(n, k, tile=tile, kinds=tile_map(n, k, tile, s, gen),
-                                              dtype=DTYPES[args.dtype], name=name)
-                    variants, man = profile_layer(layer, target, Path(tmp))
-                    bytes_ratio = man["dense_bytes"] / man["weight_bytes"]
-                    for v in variants:
-                        row = {"target": target, "N": n, "K": k, "sparsity": s, "bytes_ratio": bytes_ratio,
-                               "ceiling": ceiling(s), **v}
-                        rows.append(row)
-                        loops = "  ".join(f"{kind} loop {lp['warp_instr_per_byte']:.3f} w-instr/B ({lp['barriers']} bar)"
-                                          for kind, lp in v["loops"].items())
-                        print(f"{target} {n:>5}x{k:<5} s={s:.2f} {v['variant']:<17} block {v['block']} "
-                              f"warps {v['num_warps']} split_k {v['split_k'] or '-':<2} regs {v.get('registers', '?'):>3} "
-                              f"spill {v.get('spill_bytes', '?'):>3} B  LDG.128 {v.get('ldg128', '?'):>3} "
-                              f"LDGSTS {v.get('ldgsts', '?'):>3} HMMA {v.get('hmma', '?'):>3} HGMMA {v.get('hgmma', '?'):>2}  "
-                              f"dense/packed bytes {bytes_ratio:.3f} (ceiling {ceiling(s):.3f})  {loops}", flush=True)
+        for target, (n, k), s, dtype, side in itertools.product(args.target, SHAPES, args.sparsity, args.dtype,
+                                                                 args.tile):
+            tile = (side, side)
+            gen = torch.Generator().manual_seed(0)
+            name = f"s{round(100 * s)}_{n}x{k}_{dtype}_t{side}.weight"
+            layer = random_layer_plan(n, k, tile=tile, kinds=tile_map(n, k, tile, s, gen), dtype=DTYPES[dtype],
+                                      name=name)
+            variants, man = profile_layer(layer, target, Path(tmp))
+            bytes_ratio = man["dense_bytes"] / man["weight_bytes"]
+            for v in variants:
+                row = {"target": target, "N": n, "K": k, "sparsity": s, "dtype": dtype, "tile": side,
+                       "bytes_ratio": bytes_ratio, "ceiling": ceiling(s), **v}
+                rows.append(row)
+                loops = "  ".join(f"{kind} loop {lp['warp_instr_per_byte']:.3f} w-instr/B ({lp['barriers']} bar)"
+                                  for kind, lp in v["loops"].items())
+                print(f"{target} {n:>5}x{k:<5} s={s:.2f} {dtype} tile {side:<3} {v['variant']:<17} block {v['block']} "
+                      f"warps {v['num_warps']} split_k {v['split_k'] or '-':<2} regs {v.get('registers', '?'):>3} "
+                      f"spill {v.get('spill_bytes', '?'):>3} B  LDG.128 {v.get('ldg128', '?'):>3} "
+                      f"LDGSTS {v.get('ldgsts', '?'):>3} HMMA {v.get('hmma', '?'):>3} HGMMA {v.get('hgmma', '?'):>2}  "
+                      f"dense/packed bytes {bytes_ratio:.3f} (ceiling {ceiling(s):.3f})  {loops}", flush=True)
     record = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": "none (static: cubins compiled on CPU)",
         **versions(),
         "dtype": args.dtype,
-        "tile": list(tile),
+        "tile": args.tile,
         "results": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
