@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -178,3 +179,45 @@ def test_cache_default_path(monkeypatch, tmp_path):
     c = TuneCache()
     c.put("a", {"x": 1})
     assert TuneCache().get("a") == {"x": 1} and not math.isnan(len(c))
+
+
+# --- decode buckets by M ---------------------------------------------------------------------------
+
+
+def test_pick_decode_serves_each_m_from_its_bucket():
+    from patchc.runtime.op import encode_buckets, pick_decode
+
+    one = KernelConfig("decode", 1, 32, 64, 2, 4, 4, 8)
+    four = KernelConfig("decode", 4, 32, 64, 2, 4, 4, 8)
+    dot = KernelConfig("decode", 16, 32, 64, 8, 4, 4, 8)
+    flat = encode_buckets([(1, one), (4, four), (16, dot)])
+    assert flat[:7] == [1, 0, 1, 2, 4, 4, 8] and len(flat) == 21
+    assert [pick_decode(flat, m)[1] for m in (1, 2, 3, 4, 5, 16, 17, 500)] == [1, 4, 4, 4, 16, 16, 16, 16]
+    assert pick_decode([0, 16, 2, 4, 4, 8], 3) == [0, 16, 2, 4, 4, 8]  # one config for every M (no buckets)
+    with pytest.raises(ValueError, match="6 ints or buckets of 7"):
+        pick_decode(flat[:10], 1)
+    with pytest.raises(ValueError, match="increasing"):
+        encode_buckets([(4, four), (1, one)])
+
+
+def test_tuned_buckets_read_the_weights_once_up_to_16_tokens(tmp_path):
+    timer = FakeTimer()
+    mixed = run(plan_of(), TuneCache(tmp_path / "t.json"), timer)["mixed.weight"]
+    assert [m for m, _ in mixed.buckets] == [1, 4, 8, 16, 64]
+    for m, cfg in mixed.buckets:
+        assert (cfg.kernel, (cfg.block_n, cfg.block_k)) == ("decode", mixed.block)
+        assert cfg.block_m >= min(m, 16), f"bucket M <= {m}: block_m {cfg.block_m} reads the weights twice"
+    assert dict(mixed.buckets)[1].block_m == 1 and dict(mixed.buckets)[4].block_m == 4  # decode_gemv
+    assert dict(mixed.buckets)[16] == mixed.decode  # the batch size's bucket is the decode config itself
+    assert mixed.to_dict()["buckets"][0] == [1, dataclasses.asdict(dict(mixed.buckets)[1])]
+
+
+def test_default_tuning_and_module_carry_the_buckets():
+    from patchc.runtime.op import pick_decode
+
+    plan = random_tile_plan({"0.weight": dict(n=128, k=1024, tile=(64, 64), kinds="mixed")})
+    mod = rt.TileLinear.from_plan(plan.layers["0.weight"], batch_size=16)
+    assert mod.tuning.source == "default" and [m for m, _ in mod.tuning.buckets] == [1, 4, 8, 16, 64]
+    flat = mod.op_args()[-3]
+    for m in range(1, 17):
+        assert math.ceil(m / pick_decode(flat, m)[1]) == 1, f"M = {m} would read the weights more than once"

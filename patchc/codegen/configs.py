@@ -61,6 +61,7 @@ class ArchDefaults:
     sm_count: int  # SMs of the reference part (A100: 108, H100 SXM: 132)
     block: tuple[int, int]  # preferred pack block (BLOCK_N, BLOCK_K) for generate()
     decode_max_m: int  # M above this goes to the prefill kernel
+    decode_buckets: tuple[int, ...]  # upper M of each decode bucket (own tuned config each, one weight pass)
     small_m: int  # M at or below this uses decode_gemv (no tl.dot, no expanded 2:4 blocks); at most 4
     decode_block_m: int  # token padding for the decode tl.dot (>= 16)
     decode_warps: int  # minimum; grows with the block (decode_elems_per_warp) to keep registers < 128
@@ -76,14 +77,14 @@ class ArchDefaults:
 
 ARCH_TABLE: dict[str, ArchDefaults] = {
     "sm_80": ArchDefaults(
-        sm_count=108, block=(64, 64), decode_max_m=64, small_m=4, decode_block_m=16,
+        sm_count=108, block=(64, 64), decode_max_m=64, decode_buckets=(1, 4, 8, 16, 64), small_m=4, decode_block_m=16,
         decode_warps=4, decode_elems_per_warp=1024, decode_stages=4, decode_waves=4.0, max_split_k=16,
         # 8 warps: with 4, the 128 x 64 fp32 accumulator plus the in-register 2:4 expansion hit 255 registers
         prefill_block_m=128, prefill_warps=8, prefill_stages=3, group_m=8,
     ),
     # Hopper: more SMs and shared memory; wgmma wants 8 warps (two warp groups) for 128-row tiles.
     "sm_90": ArchDefaults(
-        sm_count=132, block=(128, 64), decode_max_m=64, small_m=4, decode_block_m=16,
+        sm_count=132, block=(128, 64), decode_max_m=64, decode_buckets=(1, 4, 8, 16, 64), small_m=4, decode_block_m=16,
         decode_warps=4, decode_elems_per_warp=1024, decode_stages=4, decode_waves=4.0, max_split_k=16,
         prefill_block_m=128, prefill_warps=8, prefill_stages=3, group_m=8,
     ),

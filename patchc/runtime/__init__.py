@@ -8,8 +8,9 @@ It takes a `TilePlan` (and codegen's packed layers and launcher) and swaps a mod
     tunings = patchc.runtime.tune_plan(plan, batch_size=16, prefill_len=128)     # `patchc tune`
 
 Modules: `op` (custom op + fake implementation), `candidates` (the candidate configs per GPU generation),
-`tuner` (decode-then-prefill tuning), `cache` (on-disk JSON cache), `dispatch` (TileLinear), `compile`
-(patchc.compile), `backend` (the dynamo backend `patch_backend`).
+`timing` (timing a layer's configs), `tuner` (decode, prefill and per-M-bucket tuning), `cache` (on-disk
+JSON cache), `dispatch` (TileLinear), `compile` (patchc.compile), `backend` (the dynamo backend
+`patch_backend`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch
 
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig
 
-SPACE_VERSION = 1  # bump when candidate tables change: old cache entries then miss
+SPACE_VERSION = 2  # bump when candidate tables change: old cache entries then miss
 
 
 @dataclass(frozen=True)
@@ -61,13 +61,13 @@ _BLOCKS = ((16, 64), (32, 64), (64, 32), (64, 64), (128, 64), (64, 128), (128, 1
 SPACES: dict[str, CandidateSpace] = {
     # Ampere (A100: 163 KiB opt-in shared memory per block, 108 SMs): mma.sync; 4 warps per 64-row tile.
     "sm_80": CandidateSpace(
-        blocks=_BLOCKS, decode_block_m=(16, 32), decode_split_k=(1, 2, 4, 8), decode_warps=(4, 8),
+        blocks=_BLOCKS, decode_block_m=(16, 32, 64), decode_split_k=(1, 2, 4, 8), decode_warps=(4, 8),
         decode_stages=(2, 4), prefill_block_m=(64, 128), prefill_split_k=(1, 2), prefill_warps=(4, 8),
         prefill_stages=(3, 4), group_m=8, smem_bytes=163 * 1024, min_k_per_split=256, min_blocks_per_split=2,
     ),
     # Hopper (H100/H200: 227 KiB, 132 SMs): more SMs want more split-K at decode; deeper pipelines fit.
     "sm_90": CandidateSpace(
-        blocks=_BLOCKS, decode_block_m=(16, 32), decode_split_k=(1, 2, 4, 8, 16), decode_warps=(4, 8),
+        blocks=_BLOCKS, decode_block_m=(16, 32, 64), decode_split_k=(1, 2, 4, 8, 16), decode_warps=(4, 8),
         decode_stages=(3, 4), prefill_block_m=(64, 128), prefill_split_k=(1, 2), prefill_warps=(4, 8),
         prefill_stages=(3, 4), group_m=8, smem_bytes=227 * 1024, min_k_per_split=256, min_blocks_per_split=2,
     ),

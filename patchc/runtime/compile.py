@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from patchc.runtime.dispatch import TileLinear
-from patchc.runtime.tuner import LayerTuning, TimeFn, tune_plan
+from patchc.runtime.timing import TimeFn
+from patchc.runtime.tuner import LayerTuning, tune_plan
 
 log = logging.getLogger(__name__)
 TUNE_MODES = (True, False, "cached")

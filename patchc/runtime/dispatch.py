@@ -2,8 +2,8 @@
 
 The packed layout lives in registered buffers (they follow `.to()`, `.cuda()`, `.half()` and appear as
 real tensors to `torch.export`), the launch choices in plain ints. `forward` calls the custom op
-`patchc::tile_linear`, which dispatches by M (decode config for M <= threshold, prefill above; see
-`patchc.runtime.tuner` for how the threshold is found) without any host synchronisation.
+`patchc::tile_linear`, which dispatches by M (the decode config of M's bucket for M <= threshold, prefill
+above; see `patchc.runtime.tuner` for how they are found) without any host synchronisation.
 
 For an all-2:4 layer whose tuning picked torch's semi-structured sparse kernels for prefill, the module
 also holds that weight (`semi_weight`, GPU only, not a buffer: it does not follow `.to()`); M above the
@@ -25,8 +25,9 @@ from torch import nn
 from patchc.codegen.configs import arch_of, choose_block
 from patchc.codegen.layout import pack
 from patchc.runtime import op as _op  # noqa: F401  (registers torch.ops.patchc.tile_linear)
-from patchc.runtime.op import encode_config
-from patchc.runtime.tuner import LayerTuning, default_tuning, packed_buffers
+from patchc.runtime.op import encode_buckets, encode_config
+from patchc.runtime.timing import packed_buffers
+from patchc.runtime.tuner import LayerTuning, default_tuning
 
 BUFFER_NAMES = ("dense", "values", "meta", "dense_rowptr", "dense_cols", "sparse_rowptr", "sparse_cols")
 
@@ -55,6 +56,8 @@ class TileLinear(nn.Module):
         self.block = tuple(packed.block)
         self.per_row = tuple(per_row)
         self.decode_cfg = encode_config(tuning.decode)
+        # what the op dispatches on: one decode config per M bucket (or the one config when untuned buckets)
+        self.decode_buckets = encode_buckets(list(tuning.buckets)) if tuning.buckets else list(self.decode_cfg)
         self.prefill_cfg = encode_config(tuning.prefill)
         self.threshold = int(tuning.threshold)
         self.tuning = tuning
@@ -97,7 +100,7 @@ class TileLinear(nn.Module):
             [self.out_features, self.in_features],
             list(self.block),
             list(self.per_row),
-            list(self.decode_cfg),
+            list(self.decode_buckets),
             list(self.prefill_cfg),
             self.threshold,
         )
@@ -111,5 +114,6 @@ class TileLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.name!r}, in_features={self.in_features}, out_features={self.out_features}, "
-                f"block={self.block}, decode={self.decode_cfg}, prefill={self.prefill_cfg}, "
+                f"block={self.block}, decode={self.decode_cfg} ({len(self.tuning.buckets)} M buckets), "
+                f"prefill={self.prefill_cfg}, "
                 f"threshold={self.threshold}, bias={self.bias is not None}")

@@ -11,7 +11,10 @@ The op receives the packed layout (see `patchc.codegen.layout`) as real tensors 
 * on CPU otherwise it runs a plain-PyTorch reference: W_hat rebuilt from the packed buffers, F.linear.
 
 A launch config travels as 6 ints (see `encode_config`): kernel (0 decode, 1 prefill), block_m, split_k,
-num_warps, num_stages, group_m.
+num_warps, num_stages, group_m. The decode side may be bucketed by M (`encode_buckets`): records of
+7 ints, the bucket's largest M then its config, in increasing M; the first bucket that holds M serves it
+(the last one serves any larger M up to the threshold), so M = 1, 2-4, 5-8, ... each get a config that
+reads the weights once.
 
 Example:
     >>> import torch, patchc.runtime.op  # registers torch.ops.patchc.tile_linear
@@ -51,6 +54,37 @@ def encode_config(cfg: KernelConfig) -> list[int]:
     if any(v is None for v in vals):
         raise ValueError(f"encode_config: every field must be set (use resolve_config first), got {cfg}")
     return [KERNEL_CODES[cfg.kernel], *(int(v) for v in vals)]
+
+
+def encode_buckets(buckets: list[tuple[int, KernelConfig]]) -> list[int]:
+    """[(largest M, config), ...] in increasing M -> the op's flat decode_cfg (7 ints per bucket).
+
+    Example:
+        >>> encode_buckets([(1, KernelConfig("decode", 1, None, None, 4, 4, 4, 8))])
+        [1, 0, 1, 4, 4, 4, 8]
+    """
+    bounds = [int(m) for m, _ in buckets]
+    if not bounds or bounds != sorted(set(bounds)) or bounds[0] < 1:
+        raise ValueError(f"decode buckets need increasing largest-M bounds >= 1, got {bounds}")
+    return [v for m, cfg in buckets for v in (int(m), *encode_config(cfg))]
+
+
+def pick_decode(decode_cfg: list[int], m: int) -> list[int]:
+    """The 6-int decode config that serves M: decode_cfg itself (6 ints) or its first bucket holding M.
+
+    Example:
+        >>> pick_decode([1, 0, 1, 4, 4, 4, 8, 4, 0, 4, 4, 4, 4, 8], 3)
+        [0, 4, 4, 4, 4, 8]
+    """
+    width = len(CONFIG_FIELDS) + 1
+    if len(decode_cfg) == len(CONFIG_FIELDS):
+        return list(decode_cfg)
+    if not decode_cfg or len(decode_cfg) % width:
+        raise ValueError(f"decode_cfg holds 6 ints or buckets of {width}, got {len(decode_cfg)} ints")
+    for start in range(0, len(decode_cfg), width):
+        if m <= decode_cfg[start]:
+            break
+    return list(decode_cfg[start + 1 : start + width])
 
 
 def decode_config(ints: list[int]) -> KernelConfig:
@@ -133,7 +167,7 @@ def tile_linear(
         # F.linear on the rebuilt W_hat: bitwise the same math as the pruned dense model's F.linear
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
     # dispatch by M, a shape: free of host synchronisation (CUDA-graph safe)
-    cfg = decode_cfg if m <= threshold else prefill_cfg
+    cfg = pick_decode(decode_cfg, m) if m <= threshold else prefill_cfg
     y = launch(x2.contiguous(), (dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols),
                bias, (n, k), (block[0], block[1]), (per_row[0], per_row[1]), decode_config(cfg))
     return y.reshape(*lead, n)

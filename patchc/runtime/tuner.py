@@ -12,9 +12,12 @@ Order (the paper's appendix on STOICC integration):
    large M, torch's ``to_sparse_semi_structured`` (cuSPARSELt / CUTLASS) is also timed and used for
    prefill when it is faster (GPU, fp16/bf16 only).
 4. All-dense layers are not tuned: they stay ``F.linear`` (cuBLAS).
-5. Dispatch threshold: the decode config serves M <= threshold, the prefill config above. Starting at the
+5. Dispatch threshold: the decode configs serve M <= threshold, the prefill config above. Starting at the
    batch size, M is doubled while the tuned decode config is not slower than the tuned prefill config;
    the threshold is the last M where decode won (>= batch size).
+6. Decode buckets: with the block fixed, one decode config per M bucket (M = 1, 2-4, 5-8, 9-16, 17-64 by
+   default, `ArchDefaults.decode_buckets`), timed at the bucket's largest M, so every M <= 16 reads the
+   weights once and M = 1 does not pay for the batch size's padding.
 
 Candidates come from `candidates.py` (one table per GPU generation, sm_80 / sm_90), pruned
 before any timing (`prune_reason`): blocks that do not divide the plan tile or exceed the layer,
@@ -34,34 +37,31 @@ import functools
 import logging
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 
-from patchc.codegen.configs import ARCH_TABLE, KernelConfig, arch_of, resolve_config
-from patchc.codegen.layout import PackedLayer, kernel_buffers, pack, per_row_counts
-from patchc.runtime.cache import TuneCache, cache_key, drop_stale, plan_hash, resolve_cache
-from patchc.runtime.candidates import SPACE_VERSION, candidates
-from patchc.runtime.op import decode_config, encode_config, launch
+from patchc.codegen.configs import ARCH_TABLE, KernelConfig, resolve_config
+from patchc.codegen.layout import PackedLayer
+from patchc.runtime.cache import TuneCache, drop_stale
+from patchc.runtime.op import decode_config, encode_buckets, encode_config
+from patchc.runtime.timing import LayerTimer, Setup, TimeFn, TuneError, score, setup
 
 log = logging.getLogger(__name__)
 
-TimeFn = Callable[[Callable[[], Any]], float]
 BACKENDS = ("triton", "semi_structured")
-
-
-class TuneError(RuntimeError):
-    """Tuning cannot run here (no GPU) or every candidate of a layer failed."""
 
 
 @dataclass(frozen=True)
 class LayerTuning:
     """Tuned (or default) launch choices of one layer.
 
-    block: the packed block (BLOCK_N, BLOCK_K); decode / prefill: resolved KernelConfigs; threshold: the
-    decode config serves M <= threshold; prefill_backend: "triton" or "semi_structured" (all-2:4 layers,
-    GPU only); source: "tuned", "cache" or "default".
+    block: the packed block (BLOCK_N, BLOCK_K); decode / prefill: resolved KernelConfigs (decode: the one
+    tuned at the batch size, which chose the block); buckets: ((largest M, decode config), ...) by M,
+    each tuned at its largest M (empty: `decode` serves every M up to the threshold); threshold: decode
+    serves M <= threshold; prefill_backend: "triton" or "semi_structured" (all-2:4 layers, GPU only);
+    source: "tuned", "cache" or "default".
 
     Example:
         >>> t = LayerTuning("fc.weight", (64, 64), KernelConfig("decode", 16, 64, 64, 4, 4, 4, 8),
@@ -80,14 +80,20 @@ class LayerTuning:
     prefill_ms: float | None = None
     source: str = "default"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    buckets: tuple[tuple[int, KernelConfig], ...] = ()
 
     def __post_init__(self) -> None:
         where = f"layer {self.fqn!r}"
-        for name in ("decode", "prefill"):
-            cfg = getattr(self, name)
+        configs = [("decode", self.decode), ("prefill", self.prefill)]
+        configs += [(f"decode bucket M <= {m}", cfg) for m, cfg in self.buckets]
+        for name, cfg in configs:
             encode_config(cfg)  # raises unless fully resolved
             if (cfg.block_n, cfg.block_k) != tuple(self.block):
                 raise ValueError(f"{where}: {name} config block ({cfg.block_n}, {cfg.block_k}) != block {self.block}")
+        if self.buckets:
+            encode_buckets(list(self.buckets))  # increasing bounds
+            if any(cfg.kernel != "decode" for _, cfg in self.buckets):
+                raise ValueError(f"{where}: decode buckets must hold decode configs")
         if self.prefill.kernel == "prefill" and self.prefill.block_m < 16:
             raise ValueError(f"{where}: prefill config needs block_m >= 16")
         if self.threshold < 0:
@@ -100,6 +106,7 @@ class LayerTuning:
         d = asdict(self)
         d["decode"], d["prefill"] = asdict(self.decode), asdict(self.prefill)
         d["block"], d["notes"] = list(self.block), list(self.notes)
+        d["buckets"] = [[m, asdict(cfg)] for m, cfg in self.buckets]
         return d
 
 
@@ -111,103 +118,13 @@ def default_tuning(layer: Any, packed: PackedLayer, batch_size: int, prefill_len
     """
     dec = resolve_config(KernelConfig(kernel="decode"), packed, batch_size, arch)
     pre = resolve_config(KernelConfig(kernel="prefill"), packed, batch_size * prefill_len, arch)
-    return LayerTuning(layer.name, packed.block, dec, pre, threshold=max(batch_size, ARCH_TABLE[arch].decode_max_m))
+    buckets = tuple((m, resolve_config(KernelConfig(kernel="decode"), packed, m, arch))
+                    for m in ARCH_TABLE[arch].decode_buckets)
+    return LayerTuning(layer.name, packed.block, dec, pre, threshold=max(batch_size, ARCH_TABLE[arch].decode_max_m),
+                       buckets=buckets)
 
 
-def packed_buffers(packed: PackedLayer, dtype: torch.dtype, device: Any) -> tuple[tuple[torch.Tensor, ...], tuple[int, int]]:
-    """The op's seven buffers in `dtype` on `device`, and the per-row block counts (-1 = they vary).
-
-    Example:
-        >>> bufs, per_row = packed_buffers(pack(layer, block=(16, 16)), torch.float32, "cpu")  # doctest: +SKIP
-    """
-    bufs = tuple(b.to(device=device, dtype=dtype) if b.is_floating_point() else b.to(device)
-                 for b in kernel_buffers(packed))
-    return bufs, per_row_counts(packed)
-
-
-def _score(time_fn: TimeFn, fn: Callable[[], Any], what: str) -> float:
-    """ms of `fn`, or inf when it fails to compile / runs out of resources / errors."""
-    try:
-        ms = float(time_fn(fn))
-    except Exception as e:  # triton CompilationError / OutOfResources, CUDA OOM, ...: not a usable config
-        log.debug("patchc tune: %s failed (%s: %s)", what, type(e).__name__, e)
-        return math.inf
-    return ms if math.isfinite(ms) and ms >= 0 else math.inf
-
-
-def do_bench(fn: Callable[[], Any]) -> float:
-    """Default GPU timing: median ms of `triton.testing.do_bench` (warm-up compiles the kernel)."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=40))
-
-
-@dataclass
-class _Setup:
-    """What tuning one layer needs besides the layer (internal)."""
-
-    batch_size: int
-    prefill_len: int
-    dtype: torch.dtype
-    device: torch.device
-    arch: str
-    device_name: str
-    time_fn: TimeFn
-    cache: TuneCache | None
-    smem_limit: int | None
-
-
-class _Layer:
-    """One layer being tuned: packs per block lazily and memoises timings (internal)."""
-
-    def __init__(self, layer: Any, s: _Setup) -> None:
-        self.layer, self.s = layer, s
-        self.shape = tuple(layer.shape)
-        self.tile = tuple(layer.tile)
-        self.all_sparse = int((layer.kinds == 0).sum()) == 0
-        self._packed: dict[tuple[int, int], tuple[PackedLayer, tuple, tuple[int, int]]] = {}
-        self._x: dict[int, torch.Tensor] = {}
-        self._ms: dict[tuple, float] = {}
-        self.timed = 0
-
-    def packed(self, block: tuple[int, int]) -> tuple[PackedLayer, tuple, tuple[int, int]]:
-        if block not in self._packed:
-            p = pack(self.layer, block=block)
-            bufs, per_row = packed_buffers(p, self.s.dtype, self.s.device)
-            self._packed[block] = (p, bufs, per_row)
-        return self._packed[block]
-
-    def x(self, m: int) -> torch.Tensor:
-        if m not in self._x:
-            g = torch.Generator().manual_seed(m)
-            self._x[m] = torch.randn(m, self.shape[1], generator=g).to(device=self.s.device, dtype=self.s.dtype)
-        return self._x[m]
-
-    def time(self, cfg: KernelConfig, m: int) -> float:
-        key = (cfg, m)
-        if key not in self._ms:
-            _, bufs, per_row = self.packed((cfg.block_n, cfg.block_k))
-            # a partial, not a lambda: an injected time_fn can read the config (fn.args[-1]) and M
-            fn = functools.partial(launch, self.x(m), bufs, None, self.shape, (cfg.block_n, cfg.block_k), per_row, cfg)
-            self._ms[key] = _score(self.s.time_fn, fn, f"{self.layer.name} {cfg} M={m}")
-            self.timed += 1
-        return self._ms[key]
-
-    def best(self, cands: list[KernelConfig], m: int) -> tuple[KernelConfig | None, float]:
-        scored = [(self.time(c, m), i, c) for i, c in enumerate(cands)]
-        ms, _, cfg = min(scored, default=(math.inf, 0, None))
-        return (cfg, ms) if math.isfinite(ms) else (None, math.inf)
-
-    def cands(self, regime: str, m: int, block: tuple[int, int] | None = None) -> list[KernelConfig]:
-        return candidates(regime, self.shape, self.tile, m, self.s.dtype, self.s.arch, block, self.s.smem_limit)
-
-    def key(self, regime: str, m: int, block: tuple[int, int] | str) -> str:
-        extra = f"{self.s.arch}/space{SPACE_VERSION}"
-        return cache_key(self.s.device_name, self.shape, plan_hash(self.layer.kinds, self.tile, block),
-                         self.s.dtype, regime, m, extra)
-
-
-def _tune_decode(t: _Layer) -> tuple[tuple[int, int], KernelConfig, float]:
+def _tune_decode(t: LayerTimer) -> tuple[tuple[int, int], KernelConfig, float]:
     """Decode regime: all blocks; for all-2:4 layers the block is chosen jointly with prefill."""
     s = t.s
     m_dec, m_pre = s.batch_size, s.batch_size * s.prefill_len
@@ -229,7 +146,7 @@ def _tune_decode(t: _Layer) -> tuple[tuple[int, int], KernelConfig, float]:
     return best[1], best[2], best[3]
 
 
-def _threshold(t: _Layer, dec: KernelConfig, pre: KernelConfig) -> int:
+def _threshold(t: LayerTimer, dec: KernelConfig, pre: KernelConfig) -> int:
     """Largest probed M (doubling from the batch size) where the decode config still wins."""
     m, limit = t.s.batch_size, t.s.batch_size * t.s.prefill_len
     thr = m
@@ -241,7 +158,7 @@ def _threshold(t: _Layer, dec: KernelConfig, pre: KernelConfig) -> int:
     return thr
 
 
-def _semi_structured_ms(t: _Layer, m: int) -> float:
+def _semi_structured_ms(t: LayerTimer, m: int) -> float:
     """ms of F.linear with torch's 2:4 semi-structured weight (inf where unsupported)."""
     s = t.s
     if s.device.type != "cuda" or s.dtype not in (torch.float16, torch.bfloat16):
@@ -254,7 +171,7 @@ def _semi_structured_ms(t: _Layer, m: int) -> float:
         log.debug("patchc tune: semi-structured unavailable for %s (%s)", t.layer.name, e)
         return math.inf
     x = t.x(m)
-    return _score(s.time_fn, functools.partial(F.linear, x, w), f"{t.layer.name} semi_structured M={m}")
+    return score(s.time_fn, functools.partial(F.linear, x, w), f"{t.layer.name} semi_structured M={m}")
 
 
 def _record_cfg(rec: Mapping[str, Any], name: str, block: tuple[int, int]) -> KernelConfig:
@@ -262,11 +179,11 @@ def _record_cfg(rec: Mapping[str, Any], name: str, block: tuple[int, int]) -> Ke
     return dataclasses.replace(decode_config(list(rec[name])), block_n=int(block[0]), block_k=int(block[1]))
 
 
-def tune_layer(layer: Any, s: _Setup, cached_only: bool = False) -> LayerTuning | None:
+def tune_layer(layer: Any, s: Setup, cached_only: bool = False) -> LayerTuning | None:
     """Tune (or read from the cache) one layer; None for all-dense layers or, with `cached_only`, a miss."""
     if int((layer.kinds == 1).sum()) == 0:
         return None  # all dense: F.linear / cuBLAS
-    t = _Layer(layer, s)
+    t = LayerTimer(layer, s)
     m_dec, m_pre = s.batch_size, s.batch_size * s.prefill_len
     cache = s.cache
     k_dec = t.key("decode", m_dec, "*")
@@ -288,49 +205,69 @@ def tune_layer(layer: Any, s: _Setup, cached_only: bool = False) -> LayerTuning 
             cache.put(k_dec, {"block": list(block), "config": encode_config(dec), "ms": dms})
     k_pre = t.key("prefill", m_pre, block) + f"|dec={encode_config(dec)}"
     rec = cache.get(k_pre) if cache is not None else None
+    prefill = None
     if rec is not None:
         try:
-            pre, pms = _record_cfg(rec, "config", block), float(rec["ms"])
-            backend, thr = str(rec["backend"]), int(rec["threshold"])
-            return LayerTuning(layer.name, block, dec, pre, thr, backend, dms, pms,
-                               source="cache" if from_cache else "tuned")
+            prefill = (_record_cfg(rec, "config", block), float(rec["ms"]), str(rec["backend"]), int(rec["threshold"]))
         except Exception as e:
             drop_stale(cache, k_pre, layer.name, e)
-    if cached_only:
+    if prefill is None:
+        if cached_only:
+            return None
+        prefill = _tune_prefill(t, block, dec)
+        if cache is not None:
+            pre, pms, backend, thr = prefill
+            cache.put(k_pre, {"config": encode_config(pre), "ms": pms, "backend": backend, "threshold": thr})
+    buckets = _tune_buckets(t, block, dec, cached_only)
+    if buckets is None:
         return None
+    pre, pms, backend, thr = prefill
+    source = "cache" if from_cache and t.timed == 0 else "tuned"
+    return LayerTuning(layer.name, block, dec, pre, thr, backend, dms, pms, source=source, buckets=buckets)
+
+
+def _tune_prefill(t: LayerTimer, block: tuple[int, int], dec: KernelConfig) -> tuple[KernelConfig, float, str, int]:
+    """Prefill config at M = batch * prefill_len with the decode block, its backend, and the threshold."""
+    m_pre = t.s.batch_size * t.s.prefill_len
     pre, pms = t.best(t.cands("prefill", m_pre, block), m_pre)
     if pre is None:
-        raise TuneError(f"layer {layer.name!r}: every prefill candidate with block {block} failed or was pruned")
+        raise TuneError(f"layer {t.layer.name!r}: every prefill candidate with block {block} failed or was pruned")
     backend = "triton"
     if t.all_sparse:
         sms = _semi_structured_ms(t, m_pre)
         if sms < pms:
             backend, pms = "semi_structured", sms
-    thr = _threshold(t, dec, pre)
-    if cache is not None:
-        cache.put(k_pre, {"config": encode_config(pre), "ms": pms, "backend": backend, "threshold": thr})
-    return LayerTuning(layer.name, block, dec, pre, thr, backend, dms, pms, source="tuned")
+    return pre, pms, backend, _threshold(t, dec, pre)
 
 
-def _setup(batch_size: int, prefill_len: int, dtype: torch.dtype, device: Any, cache: Any,
-           time_fn: TimeFn | None, arch: str | None) -> _Setup:
-    if batch_size < 1 or prefill_len < 1:
-        raise ValueError(f"batch_size and prefill_len must be >= 1, got {batch_size}, {prefill_len}")
-    dev = torch.device(device)
-    if time_fn is None and (dev.type != "cuda" or not torch.cuda.is_available()):
-        raise TuneError(
-            f"tuning needs a CUDA GPU (device={dev}, torch.cuda.is_available()={torch.cuda.is_available()}); "
-            "on this machine use the default configs (tune=False) or tune on a GPU machine and reuse its cache"
-        )
-    smem = None
-    if dev.type == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        name = props.name
-        smem = getattr(props, "shared_memory_per_block_optin", None)
-    else:
-        name = str(dev)
-    return _Setup(batch_size, prefill_len, dtype, dev, arch or arch_of(dev), name, time_fn or do_bench,
-                  resolve_cache(cache), smem)
+def _tune_buckets(t: LayerTimer, block: tuple[int, int], dec: KernelConfig,
+                  cached_only: bool) -> tuple[tuple[int, KernelConfig], ...] | None:
+    """A decode config per M bucket (`decode_buckets` of the architecture), each timed at the bucket's
+    largest M with the block fixed: M = 1 gets decode_gemv with one token, 5..16 one padded tl.dot pass.
+    None when `cached_only` and one is missing."""
+    s, out = t.s, []
+    for m in ARCH_TABLE[s.arch].decode_buckets:
+        if m == s.batch_size:
+            out.append((m, dec))
+            continue
+        key = t.key("decode", m, block) + "|bucket"
+        rec = s.cache.get(key) if s.cache is not None else None
+        cfg = None
+        if rec is not None:
+            try:
+                cfg = _record_cfg(rec, "config", block)
+            except Exception as e:
+                drop_stale(s.cache, key, t.layer.name, e)
+        if cfg is None:
+            if cached_only:
+                return None
+            cfg, ms = t.best(t.cands("decode", m, block), m)
+            if cfg is None:
+                raise TuneError(f"layer {t.layer.name!r}: every decode candidate for M = {m} failed or was pruned")
+            if s.cache is not None:
+                s.cache.put(key, {"config": encode_config(cfg), "ms": ms})
+        out.append((m, cfg))
+    return tuple(out)
 
 
 def tune_plan(
@@ -358,7 +295,7 @@ def tune_plan(
     """
     from tqdm.auto import tqdm
 
-    s = _setup(batch_size, prefill_len, dtype, device, cache, time_fn, arch)
+    s = setup(batch_size, prefill_len, dtype, device, cache, time_fn, arch)
     names = list(plan.layers) if layers is None else layers
     out: dict[str, LayerTuning | None] = {}
     for fqn in tqdm(names, desc="patchc tune", unit="layer", disable=not progress):

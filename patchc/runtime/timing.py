@@ -1,0 +1,150 @@
+"""How the tuner times a layer: its packed copies per block, inputs per M, and memoised timings.
+
+`setup` checks that timing can run here (a CUDA GPU, or an injected `time_fn`) and fixes what every
+layer shares (batch size, prefill length, dtype, device, architecture, cache); `LayerTimer` packs one layer
+per block lazily and times a config at an M once. A config that fails to compile or runs out of resources
+scores infinity. Timing is `triton.testing.do_bench` on the GPU.
+
+Example:
+    >>> s = setup(16, 128, torch.float16, "cuda", None, None, None)          # doctest: +SKIP
+    >>> LayerTimer(plan.layers["fc.weight"], s).time(cfg, m=16)               # doctest: +SKIP
+    0.0123
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from patchc.codegen.configs import KernelConfig, arch_of
+from patchc.codegen.layout import PackedLayer, kernel_buffers, pack, per_row_counts
+from patchc.runtime.cache import TuneCache, cache_key, plan_hash, resolve_cache
+from patchc.runtime.candidates import SPACE_VERSION, candidates
+from patchc.runtime.op import launch
+
+log = logging.getLogger(__name__)
+
+TimeFn = Callable[[Callable[[], Any]], float]
+
+
+class TuneError(RuntimeError):
+    """Tuning cannot run here (no GPU) or every candidate of a layer failed."""
+
+
+def packed_buffers(packed: PackedLayer, dtype: torch.dtype, device: Any) -> tuple[tuple[torch.Tensor, ...], tuple[int, int]]:
+    """The op's seven buffers in `dtype` on `device`, and the per-row block counts (-1 = they vary).
+
+    Example:
+        >>> bufs, per_row = packed_buffers(pack(layer, block=(16, 16)), torch.float32, "cpu")  # doctest: +SKIP
+    """
+    bufs = tuple(b.to(device=device, dtype=dtype) if b.is_floating_point() else b.to(device)
+                 for b in kernel_buffers(packed))
+    return bufs, per_row_counts(packed)
+
+
+def score(time_fn: TimeFn, fn: Callable[[], Any], what: str) -> float:
+    """ms of `fn`, or inf when it fails to compile / runs out of resources / errors."""
+    try:
+        ms = float(time_fn(fn))
+    except Exception as e:  # triton CompilationError / OutOfResources, CUDA OOM, ...: not a usable config
+        log.debug("patchc tune: %s failed (%s: %s)", what, type(e).__name__, e)
+        return math.inf
+    return ms if math.isfinite(ms) and ms >= 0 else math.inf
+
+
+def do_bench(fn: Callable[[], Any]) -> float:
+    """Default GPU timing: median ms of `triton.testing.do_bench` (warm-up compiles the kernel)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40))
+
+
+@dataclass
+class Setup:
+    """What tuning one layer needs besides the layer (internal)."""
+
+    batch_size: int
+    prefill_len: int
+    dtype: torch.dtype
+    device: torch.device
+    arch: str
+    device_name: str
+    time_fn: TimeFn
+    cache: TuneCache | None
+    smem_limit: int | None
+
+
+class LayerTimer:
+    """One layer being tuned: packs per block lazily and memoises timings (internal)."""
+
+    def __init__(self, layer: Any, s: Setup) -> None:
+        self.layer, self.s = layer, s
+        self.shape = tuple(layer.shape)
+        self.tile = tuple(layer.tile)
+        self.all_sparse = int((layer.kinds == 0).sum()) == 0
+        self._packed: dict[tuple[int, int], tuple[PackedLayer, tuple, tuple[int, int]]] = {}
+        self._x: dict[int, torch.Tensor] = {}
+        self._ms: dict[tuple, float] = {}
+        self.timed = 0
+
+    def packed(self, block: tuple[int, int]) -> tuple[PackedLayer, tuple, tuple[int, int]]:
+        if block not in self._packed:
+            p = pack(self.layer, block=block)
+            bufs, per_row = packed_buffers(p, self.s.dtype, self.s.device)
+            self._packed[block] = (p, bufs, per_row)
+        return self._packed[block]
+
+    def x(self, m: int) -> torch.Tensor:
+        if m not in self._x:
+            g = torch.Generator().manual_seed(m)
+            self._x[m] = torch.randn(m, self.shape[1], generator=g).to(device=self.s.device, dtype=self.s.dtype)
+        return self._x[m]
+
+    def time(self, cfg: KernelConfig, m: int) -> float:
+        key = (cfg, m)
+        if key not in self._ms:
+            _, bufs, per_row = self.packed((cfg.block_n, cfg.block_k))
+            # a partial, not a lambda: an injected time_fn can read the config (fn.args[-1]) and M
+            fn = functools.partial(launch, self.x(m), bufs, None, self.shape, (cfg.block_n, cfg.block_k), per_row, cfg)
+            self._ms[key] = score(self.s.time_fn, fn, f"{self.layer.name} {cfg} M={m}")
+            self.timed += 1
+        return self._ms[key]
+
+    def best(self, cands: list[KernelConfig], m: int) -> tuple[KernelConfig | None, float]:
+        scored = [(self.time(c, m), i, c) for i, c in enumerate(cands)]
+        ms, _, cfg = min(scored, default=(math.inf, 0, None))
+        return (cfg, ms) if math.isfinite(ms) else (None, math.inf)
+
+    def cands(self, regime: str, m: int, block: tuple[int, int] | None = None) -> list[KernelConfig]:
+        return candidates(regime, self.shape, self.tile, m, self.s.dtype, self.s.arch, block, self.s.smem_limit)
+
+    def key(self, regime: str, m: int, block: tuple[int, int] | str) -> str:
+        extra = f"{self.s.arch}/space{SPACE_VERSION}"
+        return cache_key(self.s.device_name, self.shape, plan_hash(self.layer.kinds, self.tile, block),
+                         self.s.dtype, regime, m, extra)
+
+
+def setup(batch_size: int, prefill_len: int, dtype: torch.dtype, device: Any, cache: Any,
+           time_fn: TimeFn | None, arch: str | None) -> Setup:
+    if batch_size < 1 or prefill_len < 1:
+        raise ValueError(f"batch_size and prefill_len must be >= 1, got {batch_size}, {prefill_len}")
+    dev = torch.device(device)
+    if time_fn is None and (dev.type != "cuda" or not torch.cuda.is_available()):
+        raise TuneError(
+            f"tuning needs a CUDA GPU (device={dev}, torch.cuda.is_available()={torch.cuda.is_available()}); "
+            "on this machine use the default configs (tune=False) or tune on a GPU machine and reuse its cache"
+        )
+    smem = None
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        name = props.name
+        smem = getattr(props, "shared_memory_per_block_optin", None)
+    else:
+        name = str(dev)
+    return Setup(batch_size, prefill_len, dtype, dev, arch or arch_of(dev), name, time_fn or do_bench,
+                  resolve_cache(cache), smem)
