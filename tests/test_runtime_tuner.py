@@ -221,3 +221,17 @@ def test_default_tuning_and_module_carry_the_buckets():
     flat = mod.op_args()[-3]
     for m in range(1, 17):
         assert math.ceil(m / pick_decode(flat, m)[1]) == 1, f"M = {m} would read the weights more than once"
+
+
+def test_cache_writers_in_two_processes_keep_every_entry(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "tune.json"
+    code = ("import sys; from patchc.runtime.cache import TuneCache\n"
+            "c = TuneCache(sys.argv[1])\n"
+            "for i in range(60): c.put(f'{sys.argv[2]}-{i}', {'ms': float(i)})\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path), tag]) for tag in ("a", "b")]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    entries = json.loads(path.read_text())["entries"]
+    assert len(entries) == 120 and entries["a-59"] == {"ms": 59.0} and entries["b-0"] == {"ms": 0.0}

@@ -18,10 +18,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,12 +123,33 @@ class TuneCache:
         return rec if isinstance(rec, dict) else None
 
     def put(self, key: str, record: dict[str, Any]) -> None:
-        """Store `record` and rewrite the file (merging entries other processes wrote meanwhile)."""
+        """Store `record` and rewrite the file, merging entries other processes wrote meanwhile (under a
+        file lock, so two tuning processes never drop each other's entries)."""
         entries = self._load()
         entries[key] = record
-        merged = {**self._read(warn=False), **entries}
-        self._entries = merged
-        self._write(merged)
+        with self._locked():
+            merged = {**self._read(warn=False), **entries}
+            self._entries = merged
+            self._write(merged)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """An exclusive lock on `<path>.lock` for a read-merge-write; unlocked where locking is unavailable
+        (no fcntl, a read-only folder): the write is atomic either way, at worst an entry is tuned twice."""
+        try:
+            import fcntl
+
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(self.path.with_name(self.path.name + ".lock"), "a")
+        except (ImportError, OSError):
+            yield
+            return
+        with handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def drop(self, key: str) -> None:
         """Forget one entry in memory (a stale record); the file is rewritten on the next put."""
