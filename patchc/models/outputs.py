@@ -15,15 +15,21 @@ import torch
 from torch import nn
 
 
-def logits_of(out: Any) -> torch.Tensor:
-    """The (B, T, V) logits of a model call: a plain tensor, an HF ModelOutput (.logits) or a tuple."""
+def output_tensor(out: Any, field: str, what: str, caller: str = "model") -> torch.Tensor:
+    """The tensor a model call returned: the call's value itself, its `field` (an HF ModelOutput), or the
+    first element of a tuple; `TypeError` saying `what` was expected otherwise."""
     if isinstance(out, torch.Tensor):
         return out
-    if hasattr(out, "logits"):
-        return out.logits
+    if hasattr(out, field):
+        return getattr(out, field)
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    raise TypeError(f"model returned {type(out).__name__}; expected logits (B, T, V)")
+    raise TypeError(f"{caller} returned {type(out).__name__}; expected {what}")
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    """The (B, T, V) logits of a model call: a plain tensor, an HF ModelOutput (.logits) or a tuple."""
+    return output_tensor(out, "logits", "logits (B, T, V)")
 
 
 def device_of(model: Any, fallback: str | torch.device = "cpu") -> torch.device:
