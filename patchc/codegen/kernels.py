@@ -158,6 +158,7 @@ def gemv_sparse(acc, v, xrow, col, gbase, pos, K: tl.constexpr, BLOCK_K: tl.cons
 
 @triton.jit
 def gemv_zeros(BLOCK_N: tl.constexpr, C: tl.constexpr, VEC: tl.constexpr, PER_VALUE: tl.constexpr):
+    """A zero accumulator: (BN, C, VEC) with one slot per value, else (BN, C)."""
     if PER_VALUE:
         return tl.zeros((BLOCK_N, C, VEC), dtype=tl.float32)
     else:
