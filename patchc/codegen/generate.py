@@ -35,7 +35,7 @@ from patchc.codegen import kernels
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, choose_block, normalize_target, resolve_config, variants
 from patchc.codegen.launch import GRID_RULES, KERNEL_ARGS, REDUCE_BLOCK, specialisation
 from patchc.codegen.layout import PackedLayer, pack
-from patchc.codegen.sass import static_profile, weight_loops
+from patchc.codegen.sass import disassemble, static_profile, weight_loops
 from patchc.utils.files import write_bytes_atomic
 
 MANIFEST_FORMAT = "patchc.kernels"
@@ -138,11 +138,11 @@ def _generate_layer(packed: PackedLayer, layer_dir: Path, arch: str, cc: int) ->
         consts = specialisation(packed, cfg, dtype, has_bias)
         fn = kernels.KERNELS[var.kernel]
         signature = _signature(dtype)
-        entry, new = _compile_one(fn, signature, consts, cfg.num_warps, cfg.num_stages, layer_dir, var.name, cc)
+        entry, new, sass = _compile_one(fn, signature, consts, cfg.num_warps, cfg.num_stages, layer_dir, var.name, cc)
         files += new
         # the weight loops' cost: warp-instructions per weight byte decide whether decode can be memory bound
-        entry["loops"] = weight_loops(layer_dir / f"{var.name}.cubin", consts["HAS_DENSE"], consts["HAS_SPARSE"],
-                                      packed.block, dtype.itemsize, cfg.num_warps)
+        entry["loops"] = weight_loops(sass, consts["HAS_DENSE"], consts["HAS_SPARSE"], packed.block, dtype.itemsize,
+                                      cfg.num_warps)
         entry.update(
             name=var.name,
             kernel=var.kernel,
@@ -159,8 +159,8 @@ def _generate_layer(packed: PackedLayer, layer_dir: Path, arch: str, cc: int) ->
         consts = {"SPLIT_K": s, "HAS_BIAS": has_bias, "BLOCK": REDUCE_BLOCK}
         signature = {"part_ptr": "*fp32", "y_ptr": f"*{_TRITON_TYPES[dtype]}",
                      "bias_ptr": f"*{_TRITON_TYPES[dtype]}", "M": "i32", "N": "i32"}
-        entry, new = _compile_one(kernels.splitk_reduce_kernel, signature, consts, 4, 1, layer_dir,
-                                  f"splitk_reduce_s{s}", cc)
+        entry, new, _ = _compile_one(kernels.splitk_reduce_kernel, signature, consts, 4, 1, layer_dir,
+                                     f"splitk_reduce_s{s}", cc)
         entry.update(name=f"splitk_reduce_s{s}", kernel="splitk_reduce", grid=GRID_RULES["splitk_reduce"])
         entries.append(entry)
         files += new
@@ -207,6 +207,7 @@ def _compile_one(fn, signature, consts, num_warps, num_stages, layer_dir: Path, 
         cubin,
     ]
     meta = compiled.metadata
+    sass = disassemble(cubin)  # once: the profile and the caller's loop costs both read it
     entry = {
         "function": fn.__name__,
         "entry": getattr(meta, "name", fn.__name__),
@@ -218,9 +219,9 @@ def _compile_one(fn, signature, consts, num_warps, num_stages, layer_dir: Path, 
         "files": {f.suffix.lstrip("."): f.name for f in files},
         "cubin_sha256": hashlib.sha256(compiled.asm["cubin"]).hexdigest(),
         # registers, spills and the SASS instruction mix: the first things to look at when it is slow
-        "profile": static_profile(cubin),
+        "profile": static_profile(cubin, sass),
     }
-    return entry, files
+    return entry, files, sass
 
 
 def _signature(dtype: torch.dtype) -> dict[str, str]:

@@ -64,7 +64,7 @@ def constexprs(
         if 4 < cfg.block_m < 16:
             raise ValueError(f"decode block_m must be 1, 2 or 4 (gemv) or >= 16 (tl.dot), got {cfg.block_m}")
         consts["USE_DOT"] = cfg.block_m >= 16
-        consts["VEC"] = 16 // torch.empty((), dtype=dtype).element_size()  # elements per 16-byte chunk
+        consts["VEC"] = 16 // dtype.itemsize  # elements per 16-byte chunk
     else:
         consts["GROUP_M"] = cfg.group_m
     return consts

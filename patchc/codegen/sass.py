@@ -81,14 +81,18 @@ def resource_usage(cubin: str | os.PathLike) -> dict[str, int]:
     return {"registers": regs, "stack_bytes": stack, "static_shared_bytes": shared, "spill_bytes": local}
 
 
-def instruction_mix(cubin: str | os.PathLike) -> dict[str, int]:
+def disassemble(cubin: str | os.PathLike) -> str | None:
+    """The SASS text of `cubin` (`cuobjdump -sass`), read once for every count below; None without cuobjdump."""
+    return None if cuobjdump() is None else _run("-sass", cubin)
+
+
+def instruction_mix(sass: str) -> dict[str, int]:
     """Static counts of the SASS opcodes in `INSTRUCTIONS` (in the code, not executed counts).
 
     Example:
-        >>> instruction_mix("prefill.cubin")["hgmma"] > 0   # doctest: +SKIP
+        >>> instruction_mix(disassemble("prefill.cubin"))["hgmma"] > 0   # doctest: +SKIP
         True
     """
-    sass = _run("-sass", cubin)
     return {name: len(re.findall(pattern, sass)) for name, pattern in INSTRUCTIONS.items()}
 
 
@@ -134,24 +138,25 @@ def loop_cost(loop: dict[str, int], num_warps: int, weight_bytes: int) -> float:
     return loop["instructions"] * num_warps / weight_bytes
 
 
-def weight_loops(cubin: str | os.PathLike, has_dense: bool, has_sparse: bool, block: tuple[int, int],
+def weight_loops(sass: str | None, has_dense: bool, has_sparse: bool, block: tuple[int, int],
                  elem_bytes: int, num_warps: int) -> list[dict] | None:
     """The cost of a hybrid kernel's two weight loops: [{"loop": "dense" | "2:4", ..., "warp_instr_per_byte"}].
 
     patchc's kernels walk a block row's dense blocks, then its 2:4 blocks; an iteration reads one block:
-    BLOCK_N * BLOCK_K elements dense, half of them plus 1/8 byte per element of metadata 2:4. None when no
-    cuobjdump is available or the code does not have exactly the expected loops (then nothing is claimed).
+    BLOCK_N * BLOCK_K elements dense, half of them plus 1/8 byte per element of metadata 2:4. `sass` is
+    `disassemble(cubin)`. None without SASS (no cuobjdump) or when the code does not have exactly the
+    expected loops (then nothing is claimed).
 
     Example:
         >>> [(lp["loop"], round(lp["warp_instr_per_byte"], 3)) for lp in weight_loops(
-        ...     "decode_m1.cubin", True, True, (128, 64), 2, 8)]              # doctest: +SKIP
+        ...     disassemble("decode_m1.cubin"), True, True, (128, 64), 2, 8)]  # doctest: +SKIP
         [('dense', 0.052), ('2:4', 0.139)]
     """
-    if cuobjdump() is None:
+    if sass is None:
         return None
     bn, bk = block
     kinds = [("dense", bn * bk * elem_bytes)] * has_dense + [("2:4", bn * bk // 2 * elem_bytes + bn * bk // 8)] * has_sparse
-    found = loops(_run("-sass", cubin))
+    found = loops(sass)
     if len(found) != len(kinds):
         return None
     return [{"loop": kind, "weight_bytes": nbytes, **lp,
@@ -159,12 +164,13 @@ def weight_loops(cubin: str | os.PathLike, has_dense: bool, has_sparse: bool, bl
             for (kind, nbytes), lp in zip(kinds, found)]
 
 
-def static_profile(cubin: str | os.PathLike) -> dict[str, int] | None:
-    """`resource_usage` and `instruction_mix` together; None when no cuobjdump is available."""
+def static_profile(cubin: str | os.PathLike, sass: str | None = None) -> dict[str, int] | None:
+    """`resource_usage` and `instruction_mix` together (`sass`: the cubin's, when already disassembled);
+    None when no cuobjdump is available."""
     if cuobjdump() is None:
         return None
-    return resource_usage(cubin) | instruction_mix(cubin)
+    return resource_usage(cubin) | instruction_mix(sass if sass is not None else disassemble(cubin))
 
 
-__all__ = ["INSTRUCTIONS", "LOOP_COUNTS", "cuobjdump", "instruction_mix", "loop_cost", "loops", "resource_usage",
+__all__ = ["INSTRUCTIONS", "LOOP_COUNTS", "cuobjdump", "disassemble", "instruction_mix", "loop_cost", "loops", "resource_usage",
            "sass_instructions", "static_profile", "weight_loops"]
