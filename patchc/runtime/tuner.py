@@ -37,7 +37,7 @@ import functools
 import logging
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -185,45 +185,50 @@ def tune_layer(layer: Any, s: Setup, cached_only: bool = False) -> LayerTuning |
         return None  # all dense: F.linear / cuBLAS
     t = LayerTimer(layer, s)
     m_dec, m_pre = s.batch_size, s.batch_size * s.prefill_len
-    cache = s.cache
-    k_dec = t.key("decode", m_dec, "*")
-    rec = cache.get(k_dec) if cache is not None else None
-    from_cache = rec is not None
-    if rec is not None:
-        try:
-            block = (int(rec["block"][0]), int(rec["block"][1]))
-            dec, dms = _record_cfg(rec, "config", block), float(rec["ms"])
-            t.packed(block)  # the block must still pack this layer
-        except Exception as e:
-            drop_stale(cache, k_dec, layer.name, e)
-            rec, from_cache = None, False
-    if rec is None:
-        if cached_only:
-            return None
-        block, dec, dms = _tune_decode(t)
-        if cache is not None:
-            cache.put(k_dec, {"block": list(block), "config": encode_config(dec), "ms": dms})
-    k_pre = t.key("prefill", m_pre, block) + f"|dec={encode_config(dec)}"
-    rec = cache.get(k_pre) if cache is not None else None
-    prefill = None
-    if rec is not None:
-        try:
-            prefill = (_record_cfg(rec, "config", block), float(rec["ms"]), str(rec["backend"]), int(rec["threshold"]))
-        except Exception as e:
-            drop_stale(cache, k_pre, layer.name, e)
+
+    def cached_decode(rec: Mapping[str, Any]) -> tuple[tuple[int, int], KernelConfig, float]:
+        block = (int(rec["block"][0]), int(rec["block"][1]))
+        cfg, ms = _record_cfg(rec, "config", block), float(rec["ms"])
+        t.packed(block)  # the block must still pack this layer
+        return block, cfg, ms
+
+    decode = _cached_or_tuned(t, t.key("decode", m_dec, "*"), cached_decode, lambda: _tune_decode(t),
+                              lambda r: {"block": list(r[0]), "config": encode_config(r[1]), "ms": r[2]}, cached_only)
+    if decode is None:
+        return None
+    block, dec, dms = decode
+    prefill = _cached_or_tuned(
+        t, t.key("prefill", m_pre, block) + f"|dec={encode_config(dec)}",
+        lambda rec: (_record_cfg(rec, "config", block), float(rec["ms"]), str(rec["backend"]), int(rec["threshold"])),
+        lambda: _tune_prefill(t, block, dec),
+        lambda r: {"config": encode_config(r[0]), "ms": r[1], "backend": r[2], "threshold": r[3]}, cached_only)
     if prefill is None:
-        if cached_only:
-            return None
-        prefill = _tune_prefill(t, block, dec)
-        if cache is not None:
-            pre, pms, backend, thr = prefill
-            cache.put(k_pre, {"config": encode_config(pre), "ms": pms, "backend": backend, "threshold": thr})
+        return None
     buckets = _tune_buckets(t, block, dec, cached_only)
     if buckets is None:
         return None
     pre, pms, backend, thr = prefill
-    source = "cache" if from_cache and t.timed == 0 else "tuned"
+    source = "cache" if t.timed == 0 else "tuned"
     return LayerTuning(layer.name, block, dec, pre, thr, backend, dms, pms, source=source, buckets=buckets)
+
+
+def _cached_or_tuned(t: LayerTimer, key: str, parse: Callable[[Mapping[str, Any]], Any], tune: Callable[[], Any],
+                     record: Callable[[Any], dict[str, Any]], cached_only: bool) -> Any:
+    """`parse(the cached record)`, or on a miss (or a stale record, dropped with a warning) `tune()`, stored as
+    `record(result)`; None for a miss when `cached_only`."""
+    cache = t.s.cache
+    rec = cache.get(key) if cache is not None else None
+    if rec is not None:
+        try:
+            return parse(rec)
+        except Exception as e:  # a record of another patchc or a hand-edited file: retune
+            drop_stale(cache, key, t.layer.name, e)
+    if cached_only:
+        return None
+    result = tune()
+    if cache is not None:
+        cache.put(key, record(result))
+    return result
 
 
 def _tune_prefill(t: LayerTimer, block: tuple[int, int], dec: KernelConfig) -> tuple[KernelConfig, float, str, int]:
@@ -240,6 +245,13 @@ def _tune_prefill(t: LayerTimer, block: tuple[int, int], dec: KernelConfig) -> t
     return pre, pms, backend, _threshold(t, dec, pre)
 
 
+def _tune_bucket(t: LayerTimer, m: int, block: tuple[int, int]) -> tuple[KernelConfig, float]:
+    cfg, ms = t.best(t.cands("decode", m, block), m)
+    if cfg is None:
+        raise TuneError(f"layer {t.layer.name!r}: every decode candidate for M = {m} failed or was pruned")
+    return cfg, ms
+
+
 def _tune_buckets(t: LayerTimer, block: tuple[int, int], dec: KernelConfig,
                   cached_only: bool) -> tuple[tuple[int, KernelConfig], ...] | None:
     """A decode config per M bucket (`decode_buckets` of the architecture), each timed at the bucket's
@@ -250,23 +262,13 @@ def _tune_buckets(t: LayerTimer, block: tuple[int, int], dec: KernelConfig,
         if m == s.batch_size:
             out.append((m, dec))
             continue
-        key = t.key("decode", m, block) + "|bucket"
-        rec = s.cache.get(key) if s.cache is not None else None
-        cfg = None
-        if rec is not None:
-            try:
-                cfg = _record_cfg(rec, "config", block)
-            except Exception as e:
-                drop_stale(s.cache, key, t.layer.name, e)
-        if cfg is None:
-            if cached_only:
-                return None
-            cfg, ms = t.best(t.cands("decode", m, block), m)
-            if cfg is None:
-                raise TuneError(f"layer {t.layer.name!r}: every decode candidate for M = {m} failed or was pruned")
-            if s.cache is not None:
-                s.cache.put(key, {"config": encode_config(cfg), "ms": ms})
-        out.append((m, cfg))
+        tuned = _cached_or_tuned(t, t.key("decode", m, block) + "|bucket",
+                                 lambda rec: (_record_cfg(rec, "config", block), None),
+                                 functools.partial(_tune_bucket, t, m, block),
+                                 lambda r: {"config": encode_config(r[0]), "ms": r[1]}, cached_only)
+        if tuned is None:
+            return None
+        out.append((m, tuned[0]))
     return tuple(out)
 
 
