@@ -235,3 +235,42 @@ def test_generate_refuses_to_run_under_the_interpreter(tmp_path):
     plan = random_tile_plan({"a.weight": dict(n=32, k=32, tile=(16, 16))})
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         generate(plan, tmp_path, target="sm_90")
+
+
+def test_workspace_split_k_bounds_the_partial_sums(monkeypatch):
+    from patchc.codegen import launch as launch_mod
+
+    assert launch_mod.workspace_split_k(8, 16, 4096) == 8  # decode: 2 MiB of partial sums
+    assert launch_mod.workspace_split_k(2, 2048, 4096) == 2  # exactly 64 MiB: kept
+    assert launch_mod.workspace_split_k(2, 2049, 4096) == 1
+    assert launch_mod.workspace_split_k(4, 1024, 4096) == 4 and launch_mod.workspace_split_k(8, 1024, 4096) == 4
+    assert launch_mod.workspace_split_k(16, 2048, 11008) == 1  # a prefill split alone is 86 MiB
+    monkeypatch.setattr(launch_mod, "MAX_WORKSPACE_BYTES", 3 * 4 * 10 * 10)
+    assert [launch_mod.workspace_split_k(s, 10, 10) for s in (1, 2, 3, 4, 8)] == [1, 2, 3, 3, 3]
+
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_split_k_past_the_workspace_bound_splits_less_and_stays_exact(kernel, monkeypatch):
+    """A split-K config at an M whose workspace exceeds the bound: fewer splits, same result."""
+    from patchc.codegen import launch as launch_mod
+
+    m, n, k = 40, 48, 256
+    layer = random_layer_plan(n, k, tile=(16, 16), kinds="mixed", bias=True, seed=13)
+    packed = pack(layer)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(13))
+    real_empty, allocated = torch.empty, []
+
+    def spy(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        allocated.append((tuple(t.shape), t.numel() * t.element_size()))
+        return t
+
+    monkeypatch.setattr(torch, "empty", spy)
+    for bound, splits in ((2 * 4 * m * n, 2), (4 * m * n - 1, 1)):
+        monkeypatch.setattr(launch_mod, "MAX_WORKSPACE_BYTES", bound)
+        allocated.clear()
+        y = tile_linear(x, packed, config=KernelConfig(kernel=kernel, block_m=16, split_k=5))
+        _check(y, reference_tile_linear(x, layer), torch.float32)
+        workspaces = [shape for shape, _ in allocated if len(shape) == 3]
+        assert workspaces == ([(splits, m, n)] if splits > 1 else [])
+        assert max(nbytes for _, nbytes in allocated) <= max(bound, 4 * m * n)  # y itself is M x N

@@ -235,3 +235,19 @@ def test_cache_writers_in_two_processes_keep_every_entry(tmp_path):
     assert all(p.wait(timeout=120) == 0 for p in procs)
     entries = json.loads(path.read_text())["entries"]
     assert len(entries) == 120 and entries["a-59"] == {"ms": 59.0} and entries["b-0"] == {"ms": 0.0}
+
+
+def test_split_k_whose_workspace_exceeds_the_launch_bound_is_not_a_candidate(monkeypatch):
+    from patchc.codegen import launch
+
+    space = candidate_space("sm_90")
+    cfg = KernelConfig("prefill", 64, 64, 64, 2, 4, 3, 8)
+    assert prune_reason(cfg, (4096, 4096), (64, 64), F16, space, m=2048) is None  # exactly 64 MiB
+    assert "workspace" in prune_reason(cfg, (4096, 4096), (64, 64), F16, space, m=2049)
+    assert prune_reason(cfg, (4096, 4096), (64, 64), F16, space) is None  # M unknown: not checked
+    big = candidates("prefill", (11008, 4096), (64, 64), 2048, F16, "sm_90")  # 86 MiB per split
+    assert big and {c.split_k for c in big} == {1}
+    assert {c.split_k for c in candidates("prefill", (4096, 4096), (64, 64), 512, F16, "sm_90")} == {1, 2}
+    monkeypatch.setattr(launch, "MAX_WORKSPACE_BYTES", 3 * 16 * 4096 * 4)
+    decode = candidates("decode", (4096, 4096), (64, 64), 16, F16, "sm_90")
+    assert {c.split_k for c in decode} == {1, 2}  # the launcher's bound, read when pruning

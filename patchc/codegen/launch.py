@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,6 +22,9 @@ from patchc.codegen.layout import PackedLayer, kernel_buffers, per_row_counts
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REDUCE_BLOCK = 1024
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions y and z
+# Split-K keeps (split_k, M, N) fp32 partial sums; at prefill M that reaches GBs. Large M fills the GPU
+# without splitting K, so the launcher lowers split_k to keep the workspace within this bound.
+MAX_WORKSPACE_BYTES = 64 * 1024 * 1024
 
 # Runtime (non-constexpr) arguments of decode_kernel / prefill_kernel, in order.
 KERNEL_ARGS = (
@@ -90,6 +94,20 @@ GRID_RULES = {
 }
 
 
+def workspace_split_k(split_k: int, m: int, n: int) -> int:
+    """The split_k launched for an (M, N) output: `split_k`, lowered until the fp32 workspace fits
+    MAX_WORKSPACE_BYTES (1 = no workspace). Shapes only: safe under CUDA-graph capture.
+
+    Example:
+        >>> workspace_split_k(8, 16, 4096)
+        8
+        >>> workspace_split_k(2, 8192, 4096)  # one split alone is 128 MiB
+        1
+    """
+    per_split = 4 * max(1, m) * max(1, n)
+    return max(1, min(split_k, MAX_WORKSPACE_BYTES // per_split))
+
+
 def tile_linear(
     x: torch.Tensor,
     packed: PackedLayer,
@@ -141,7 +159,8 @@ def launch(
     """Allocate, build the grid and launch for a contiguous (M, K) x and a resolved config; returns (M, N).
 
     Takes the packed layer as its seven tensors plus ints fixed at pack time, and never reads a
-    tensor value on the host: the custom op calls it under CUDA-graph capture.
+    tensor value on the host: the custom op calls it under CUDA-graph capture. `cfg.split_k` is lowered
+    where its workspace would exceed MAX_WORKSPACE_BYTES (`workspace_split_k`).
 
     Example:
         >>> y = launch(x2, kernel_buffers(packed), None, packed.shape, packed.block,
@@ -152,6 +171,9 @@ def launch(
     m = x2.shape[0]
     if cfg.kernel == "prefill" and cfg.block_m < 16:
         raise ValueError(f"prefill config needs block_m >= 16 (tl.dot), got {cfg.block_m}")
+    split_k = workspace_split_k(cfg.split_k, m, n)
+    if split_k != cfg.split_k:
+        cfg = replace(cfg, split_k=split_k)
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     consts = constexprs(shape, block, per_row, dense_cols.shape[0] > 0, sparse_cols.shape[0] > 0, cfg, x2.dtype,
                         bias is not None)

@@ -3,7 +3,8 @@
 One `CandidateSpace` table per generation (sm_80 / sm_90: blocks, block_m, split-K, warps, stages, the
 shared memory limit). `candidates(regime, ...)` expands a table for a layer and drops, with a reason
 (`prune_reason`), blocks that do not divide the plan tile or exceed the layer, configs whose estimated
-shared memory exceeds the device limit, and split-K that leaves too little K per split.
+shared memory exceeds the device limit, split-K that leaves too little K per split, and split-K whose
+fp32 workspace at the tuned M exceeds the launcher's bound (it would launch fewer splits than timed).
 
 Example:
     >>> cands = candidates("decode", (4096, 4096), (128, 128), 16, torch.float16, "sm_90")
@@ -18,9 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from patchc.codegen import launch as _launch
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig
 
-SPACE_VERSION = 2  # bump when candidate tables change: old cache entries then miss
+SPACE_VERSION = 3  # bump when candidate tables change: old cache entries then miss
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,9 @@ def prune_reason(
     dtype: torch.dtype,
     space: CandidateSpace,
     smem_limit: int | None = None,
+    m: int | None = None,
 ) -> str | None:
-    """Why `cfg` is dropped before timing, or None if it is kept.
+    """Why `cfg` is dropped before timing, or None if it is kept (`m`: the M it is tuned at, if known).
 
     Example:
         >>> cfg = KernelConfig("decode", 16, 64, 64, 8, 4, 2, 8)
@@ -132,6 +135,9 @@ def prune_reason(
             return f"split_k {cfg.split_k} leaves {k // cfg.split_k} K per split (< {space.min_k_per_split})"
         if math.ceil(k / bk) < cfg.split_k * space.min_blocks_per_split:
             return f"split_k {cfg.split_k} leaves < {space.min_blocks_per_split} blocks per split"
+        if m is not None and _launch.workspace_split_k(cfg.split_k, m, n) < cfg.split_k:
+            return (f"split_k {cfg.split_k} at M={m} needs a {4 * cfg.split_k * m * n} B workspace "
+                    f"(> {_launch.MAX_WORKSPACE_BYTES} B; the launcher would split less)")
     if cfg.kernel == "prefill" and cfg.block_m < 16:
         return "prefill needs block_m >= 16"
     return None
@@ -174,6 +180,6 @@ def candidates(
                 for nw in warps:
                     for ns in stages:
                         cfg = KernelConfig(regime, bm, bn, bk, sk, nw, ns, space.group_m)
-                        if prune_reason(cfg, shape, tile, dtype, space, smem_limit) is None:
+                        if prune_reason(cfg, shape, tile, dtype, space, smem_limit, m) is None:
                             out.append(cfg)
     return out
