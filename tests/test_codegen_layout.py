@@ -66,6 +66,41 @@ def test_uniform_rows_are_detected():
     assert allsp.all_sparse and allsp.dense_per_row == 0 and allsp.sparse_per_row == 3
 
 
+
+def _counted(rowptr: torch.Tensor) -> int:
+    """Blocks per row read off the CSR row pointers (-1 = rows differ): what launches used to compute."""
+    counts = rowptr.long().diff().tolist()
+    return counts[0] if len(set(counts)) == 1 else -1
+
+
+@pytest.mark.parametrize("preset", ["mixed", "sparse", "rows_no_dense", "rows_no_sparse"])
+@pytest.mark.parametrize("tile,block", [((16, 16), None), ((64, 32), (16, 16)), ((32, 64), (32, 16))])
+def test_per_row_counts_are_fixed_at_pack_time_and_read_no_tensor(preset, tile, block):
+    import dataclasses
+
+    from patchc.codegen.layout import per_row_counts
+
+    p = pack(random_layer_plan(3 * tile[0] - 3, 2 * tile[1] + 8, tile=tile, kinds=preset, bias=True, seed=6),
+             block=block, allow_all_dense=True)
+    expect = (_counted(p.dense_rowptr), _counted(p.sparse_rowptr))
+    assert per_row_counts(p) == expect and all(type(c) is int for c in p.per_row)
+    assert (p.dense_per_row, p.sparse_per_row) == tuple(None if c < 0 else c for c in expect)
+    # rowptrs whose data cannot be read (meta device): the counts come from the stored ints
+    blind = dataclasses.replace(p, dense_rowptr=torch.empty_like(p.dense_rowptr, device="meta"),
+                                sparse_rowptr=torch.empty_like(p.sparse_rowptr, device="meta"))
+    assert per_row_counts(blind) == expect
+    assert per_row_counts(p.to("meta")) == expect  # .to() carries them
+    assert dataclasses.replace(p, per_row=None).per_row == expect  # built without them: counted once
+
+
+def test_per_row_counts_must_be_two_ints():
+    import dataclasses
+
+    p = pack(random_layer_plan(32, 32, tile=(16, 16), kinds="mixed", seed=1))
+    for bad in ((1,), (1, -2), (1.0, 2)):
+        with pytest.raises(PackError, match="per_row must be two ints"):
+            dataclasses.replace(p, per_row=bad)
+
 def test_bytes_follow_the_ceiling_formula():
     layer = random_layer_plan(128, 128, tile=(16, 16), kinds="sparse", dtype=torch.float16, seed=1)
     p = pack(layer)

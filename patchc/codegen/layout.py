@@ -80,12 +80,20 @@ class PackedLayer:
     sparse_rowptr: torch.Tensor  # (RB + 1,) int32
     sparse_cols: torch.Tensor  # (n_sparse,) int32
     bias: torch.Tensor | None = None
+    # (dense, 2:4) blocks per block row, -1 where rows differ: plain ints fixed at pack time, so launches
+    # never read the rowptr tensors back from the GPU. None = count them from the rowptrs here.
+    per_row: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         bn, bk = self.block
         rb, cb = self.grid
         where = f"packed layer {self.name!r}"
         _check_block(self.block, where)
+        if self.per_row is None:
+            object.__setattr__(self, "per_row", (_per_row(self.dense_rowptr), _per_row(self.sparse_rowptr)))
+        elif len(self.per_row) != 2 or not all(isinstance(c, int) and c >= -1 for c in self.per_row):
+            raise PackError(f"{where}: per_row must be two ints >= -1 (blocks per row, -1 = varies), "
+                            f"got {self.per_row!r}; rebuild it with pack()")
         expect = {
             "kinds": (rb, cb),
             "dense": (self.n_dense, bn, bk),
@@ -124,11 +132,11 @@ class PackedLayer:
     @property
     def dense_per_row(self) -> int | None:
         """Dense blocks per block row when every row has the same count (a kernel constexpr), else None."""
-        return _uniform(self.dense_rowptr)
+        return None if self.per_row[0] < 0 else self.per_row[0]
 
     @property
     def sparse_per_row(self) -> int | None:
-        return _uniform(self.sparse_rowptr)
+        return None if self.per_row[1] < 0 else self.per_row[1]
 
     @property
     def all_sparse(self) -> bool:
@@ -153,7 +161,7 @@ class PackedLayer:
         return self.dense.device
 
     def to(self, device: Any) -> PackedLayer:
-        """A copy with every buffer on `device` (the layout is device independent)."""
+        """A copy with every buffer on `device` (the layout is device independent; `per_row` is kept)."""
         moved = {f: getattr(self, f).to(device) for f in _TENSOR_FIELDS}
         bias = None if self.bias is None else self.bias.to(device)
         return replace(self, bias=bias, **moved)
@@ -224,6 +232,7 @@ def pack(
     nibbles = unpack_nibbles(layer.meta.cpu(), b2 // 4)
     nibbles, _, _ = _retile(nibbles, sparse_tiles, (rb_per, cb_per), (bn, bk // 4), grid)
     bias = getattr(layer, "bias", None)
+    dense_rowptr, sparse_rowptr = _rowptr(d_rows, grid[0]), _rowptr(s_rows, grid[0])
     return PackedLayer(
         name=name,
         shape=(n, k),
@@ -233,11 +242,12 @@ def pack(
         dense=dense.to(layer.dtype),
         values=values.to(layer.dtype),
         meta=pack_nibbles(nibbles),
-        dense_rowptr=_rowptr(d_rows, grid[0]),
+        dense_rowptr=dense_rowptr,
         dense_cols=d_cols.to(torch.int32).contiguous(),
-        sparse_rowptr=_rowptr(s_rows, grid[0]),
+        sparse_rowptr=sparse_rowptr,
         sparse_cols=s_cols.to(torch.int32).contiguous(),
         bias=None if bias is None else bias.detach().cpu().contiguous(),
+        per_row=(_per_row(dense_rowptr), _per_row(sparse_rowptr)),  # counted once, on the CPU copy
     )
 
 
@@ -248,9 +258,15 @@ def kernel_buffers(packed: PackedLayer) -> tuple[torch.Tensor, ...]:
 
 
 def per_row_counts(packed: PackedLayer) -> tuple[int, int]:
-    """(dense, 2:4) blocks per block row when uniform, -1 where they vary: kernel constexprs."""
-    dense, sparse = packed.dense_per_row, packed.sparse_per_row
-    return (-1 if dense is None else dense, -1 if sparse is None else sparse)
+    """(dense, 2:4) blocks per block row when uniform, -1 where they vary: kernel constexprs.
+
+    The ints stored at pack time: no tensor is read (no host sync when the layer is on the GPU).
+
+    Example:
+        >>> per_row_counts(pack(plan, "fc.weight"))   # doctest: +SKIP
+        (1, 2)
+    """
+    return packed.per_row
 
 
 def dense_from_buffers(
@@ -364,9 +380,10 @@ def _rows_of(rowptr: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(counts.numel(), device=rowptr.device), counts)
 
 
-def _uniform(rowptr: torch.Tensor) -> int | None:
+def _per_row(rowptr: torch.Tensor) -> int:
+    """Blocks per row when every row has the same count, else -1 (reads the tensor: pack time only)."""
     counts = rowptr.long().diff()
     if counts.numel() == 0:
         return 0
     first = int(counts[0])
-    return first if bool((counts == first).all()) else None
+    return first if bool((counts == first).all()) else -1
