@@ -274,3 +274,24 @@ def test_split_k_past_the_workspace_bound_splits_less_and_stays_exact(kernel, mo
         workspaces = [shape for shape, _ in allocated if len(shape) == 3]
         assert workspaces == ([(splits, m, n)] if splits > 1 else [])
         assert max(nbytes for _, nbytes in allocated) <= max(bound, 4 * m * n)  # y itself is M x N
+
+
+def test_under_capture_only_kernels_that_already_ran_launch(monkeypatch):
+    """A kernel's first launch compiles it, which fails inside CUDA-graph capture: the launcher refuses a
+    never-run kernel with a message naming the layer, and replays an already-run one (exact results)."""
+    from patchc.codegen import launch as launch_mod
+
+    layer = random_layer_plan(40, 96, tile=(16, 32), kinds="mixed", bias=True, seed=17, name="fc.weight")
+    packed = pack(layer)
+    cfg = KernelConfig(kernel="decode", block_m=16, split_k=2)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(17))
+    monkeypatch.setattr(launch_mod, "_LAUNCHED", set())
+    monkeypatch.setattr(launch_mod, "_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"layer 'fc.weight': M=3 .*outside capture \(warm-up\)"):
+        tile_linear(x, packed, config=cfg)
+    monkeypatch.setattr(launch_mod, "_capturing", lambda: False)
+    tile_linear(x, packed, config=cfg)  # warm-up
+    monkeypatch.setattr(launch_mod, "_capturing", lambda: True)
+    _check(tile_linear(x, packed, config=cfg), reference_tile_linear(x, layer), torch.float32)
+    with pytest.raises(RuntimeError, match="TileLinear.warmup"):
+        tile_linear(x, packed, config=KernelConfig(kernel="decode", block_m=16, split_k=3))

@@ -215,9 +215,9 @@ from patchc.codegen.reference import random_layer_plan
 assert rt_op.kernels_interpreted() and rt_op.use_triton(torch.zeros(1))
 seen = []
 real = rt_op.launch
-def spy(x2, *args):
+def spy(x2, *args, **kwargs):
     seen.append((x2.shape[0], args[-1].kernel))
-    return real(x2, *args)
+    return real(x2, *args, **kwargs)
 rt_op.launch = spy
 for kinds in ("mixed", "sparse"):
     layer = random_layer_plan(48, 64, tile=(16, 32), kinds=kinds, bias=True, seed=3, name="fc.weight")
@@ -283,10 +283,8 @@ class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_launch_path_has_no_host_sync(monkeypatch):
-    """The op's Triton path (dispatch by M, allocation, grid, launch, split-K reduce) reads no tensor value
-    on the host, so it can run under CUDA-graph capture. The kernels are replaced by recorders: what is
-    checked is everything around them, for a decode call with split-K and a prefill call."""
+def record_launches(monkeypatch) -> list[tuple[str, tuple[int, ...], dict]]:
+    """Replace the Triton kernels by recorders of (kernel, grid, constexprs and options): nothing runs."""
     from patchc.codegen import kernels
 
     launched = []
@@ -296,11 +294,19 @@ def test_launch_path_has_no_host_sync(monkeypatch):
             self.name = name
 
         def __getitem__(self, grid):
-            return lambda *args, **kw: launched.append((self.name, grid, kw.get("SPLIT_K")))
+            return lambda *args, **kw: launched.append((self.name, grid, kw))
 
     for name in ("decode", "prefill"):
         monkeypatch.setitem(kernels.KERNELS, name, Recorder(name))
     monkeypatch.setattr(kernels, "splitk_reduce_kernel", Recorder("splitk_reduce"))
+    return launched
+
+
+def test_launch_path_has_no_host_sync(monkeypatch):
+    """The op's Triton path (dispatch by M, allocation, grid, launch, split-K reduce) reads no tensor value
+    on the host, so it can run under CUDA-graph capture. The kernels are replaced by recorders: what is
+    checked is everything around them, for a decode call with split-K and a prefill call."""
+    launched = record_launches(monkeypatch)
     monkeypatch.setattr(rt_op, "use_triton", lambda x: True)
     layer = random_layer_plan(256, 512, tile=(64, 64), kinds="mixed", bias=True, name="fc.weight")
     mod = rt.TileLinear.from_plan(layer)
@@ -312,3 +318,82 @@ def test_launch_path_has_no_host_sync(monkeypatch):
     assert kinds == ["decode", "splitk_reduce", "prefill"], launched
     with pytest.raises(AssertionError, match="host synchronisation"), _NoHostSync():
         torch.ones(3).sum().item()  # the guard itself catches a read
+
+
+
+def bucketed_module(n=48, k=64, tile=(16, 32), threshold=16):
+    """small_module with decode buckets M=1 (gemv), 2-4 (gemv), 5-16 (tl.dot, split-K 2), prefill above."""
+    from patchc.codegen.configs import KernelConfig
+
+    _, mod = small_module(n=n, k=k, tile=tile, threshold=threshold)
+    mod.decode_buckets = rt_op.encode_buckets([
+        (1, KernelConfig("decode", 1, None, None, 1, 4, 2, 8)),
+        (4, KernelConfig("decode", 4, None, None, 1, 4, 2, 8)),
+        (16, KernelConfig("decode", 16, None, None, 2, 4, 2, 8)),
+    ])
+    mod.prefill_cfg = rt_op.encode_config(KernelConfig("prefill", 16, None, None, 1, 4, 2, 8))
+    return mod
+
+
+@pytest.fixture
+def capture(monkeypatch):
+    """The Triton path on CPU with recorded kernels, a fresh set of launched kernels, and a switch that
+    makes the launcher believe a CUDA graph is being captured."""
+    from patchc.codegen import launch as launch_mod
+
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "triton")
+    monkeypatch.setattr(launch_mod, "_LAUNCHED", set())
+    state = {"on": False, "launched": record_launches(monkeypatch)}
+    monkeypatch.setattr(launch_mod, "_capturing", lambda: state["on"])
+    return state
+
+
+def test_capture_refuses_a_kernel_that_never_ran(capture):
+    mod = bucketed_module()
+    mod(torch.randn(3, 64))  # outside capture: the first launch compiles
+    capture["on"] = True
+    mod(torch.randn(3, 64))
+    mod(torch.randn(2, 64))  # the same compiled kernel: Triton specialises M only on == 1 and % 16
+    before = len(capture["launched"])
+    with pytest.raises(RuntimeError, match=r"layer 'fc.weight': M=16 .*capturing.*warm-up.*TileLinear.warmup"):
+        mod(torch.randn(16, 64))  # another bucket, never run
+    misaligned = torch.randn(3 * 64 + 1)[1:].view(3, 64)  # 4 bytes off: Triton compiles a kernel without
+    with pytest.raises(RuntimeError, match=r"layer 'fc.weight': M=3 .*warm-up"):  # 16-byte vector loads
+        mod(misaligned)
+    assert len(capture["launched"]) == before  # refused before launching
+    from patchc.codegen import launch as launch_mod
+    from patchc.codegen.configs import KernelConfig
+
+    x2 = torch.randn(40, 64)
+    with pytest.raises(RuntimeError, match=r"layer of shape \(N=48, K=64\): M=40"):  # no name: the shape
+        launch_mod.launch(x2, tuple(getattr(mod, b) for b in rt.dispatch.BUFFER_NAMES), None, (48, 64),
+                          mod.block, mod.per_row, KernelConfig("prefill", 16, *mod.block, 1, 4, 2, 8))
+
+
+def test_warmup_covers_decode_buckets_and_prefill(capture):
+    mod = bucketed_module()
+    assert mod.warmup([1, 3, 16, 40]) is mod
+    kernels = [(kind, kw.get("BLOCK_M"), kw.get("SPLIT_K")) for kind, _, kw in capture["launched"]]
+    assert kernels == [("decode", 1, 1), ("decode", 4, 1), ("decode", 16, 2), ("splitk_reduce", None, 2),
+                       ("prefill", 16, 1)]
+    capture["on"] = True
+    for m in (1, 2, 3, 16, 40, 23):  # every warmed kernel replays; 2 and 23 compile like 3 and 40
+        assert mod(torch.randn(m, 64)).shape == (m, 48)
+    with pytest.raises(RuntimeError, match="M=32"):
+        mod(torch.randn(32, 64))
+    with pytest.raises(ValueError, match="M >= 1"):
+        mod.warmup([0])
+
+
+def test_runtime_warmup_warms_every_tile_linear(capture):
+    first, second = bucketed_module(), bucketed_module(n=32, k=48, tile=(16, 16))
+    model = nn.Sequential(first, nn.ReLU(), second)
+    capture["on"] = True
+    with pytest.raises(RuntimeError, match="warm-up"):
+        model(torch.randn(3, 64))
+    capture["on"] = False
+    assert rt.warmup(model, iter([1, 3, 40])) == 2  # an iterator: read once, used for both modules
+    capture["on"] = True
+    for m in (1, 3, 40):
+        assert model(torch.randn(m, 64)).shape == (m, 32)
+    assert rt.warmup(nn.Linear(4, 4), [1]) == 0

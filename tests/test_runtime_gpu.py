@@ -48,3 +48,20 @@ def test_backend_inductor_reduce_overhead():
     for _ in range(3):
         y = cm(x)
     torch.testing.assert_close(y, pruned(x), atol=2e-2, rtol=2e-2)
+
+
+def test_cuda_graph_capture_after_warmup_and_refusal_without():
+    plan = random_tile_plan({"0.weight": dict(n=1024, k=1024, tile=(64, 64), kinds="mixed", dtype=torch.float16)})
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False)).cuda().half()
+    fast = rt.compile(model, plan, batch_size=16, prefill_len=128, tune=False)
+    assert rt.warmup(fast, [1, 16, 200]) == 1  # M=1 bucket, M=16 bucket, prefill
+    w = plan.layers["0.weight"].to_dense().cuda().half()
+    xs = {m: torch.randn(m, 1024, device="cuda", dtype=torch.float16) for m in (1, 16, 200, 40)}
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ys = {m: fast(xs[m]) for m in (1, 16, 200)}
+        with pytest.raises(RuntimeError, match="'0.weight'.*M=40.*warm-up"):  # decode bucket 17-64: never run
+            fast(xs[40])
+    g.replay()
+    for m, y in ys.items():
+        torch.testing.assert_close(y, torch.nn.functional.linear(xs[m], w), atol=2e-2, rtol=2e-2)

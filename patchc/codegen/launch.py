@@ -143,7 +143,8 @@ def tile_linear(
     if x2.shape[0] == 0:
         return x.new_empty((*lead, n))
     cfg = resolve_config(config, packed, x2.shape[0], arch_of(x.device))
-    y = launch(x2, kernel_buffers(packed), bias, packed.shape, packed.block, per_row_counts(packed), cfg)
+    y = launch(x2, kernel_buffers(packed), bias, packed.shape, packed.block, per_row_counts(packed), cfg,
+               name=packed.name)
     return y.reshape(*lead, n)
 
 
@@ -155,12 +156,15 @@ def launch(
     block: tuple[int, int],
     per_row: tuple[int, int],
     cfg: KernelConfig,
+    *,
+    name: str | None = None,
 ) -> torch.Tensor:
     """Allocate, build the grid and launch for a contiguous (M, K) x and a resolved config; returns (M, N).
 
     Takes the packed layer as its seven tensors plus ints fixed at pack time, and never reads a
     tensor value on the host: the custom op calls it under CUDA-graph capture. `cfg.split_k` is lowered
-    where its workspace would exceed MAX_WORKSPACE_BYTES (`workspace_split_k`).
+    where its workspace would exceed MAX_WORKSPACE_BYTES (`workspace_split_k`). A kernel never run in
+    this process raises under capture instead of compiling (`name`, the layer, goes into that error).
 
     Example:
         >>> y = launch(x2, kernel_buffers(packed), None, packed.shape, packed.block,
@@ -189,13 +193,49 @@ def launch(
     if max(grid[1:]) > MAX_GRID_YZ:
         raise ValueError(f"launch grid {grid} exceeds the GPU's {MAX_GRID_YZ} programs on axes 1-2 "
                          f"(split_k={cfg.split_k}, M={m}, block_m={cfg.block_m}); use a smaller split_k or a larger block_m")
-    kernels.KERNELS[cfg.kernel][grid](*args, m, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    where = f"layer {name!r}" if name else f"layer of shape (N={n}, K={shape[1]})"
+    _run(cfg.kernel, kernels.KERNELS[cfg.kernel], grid, [*args, m], consts, where,
+         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if part is not None:
-        kernels.splitk_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
-            part, y, _or_dummy(bias, y), m, N=n, SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
-            BLOCK=REDUCE_BLOCK,
-        )
+        _run("splitk_reduce", kernels.splitk_reduce_kernel, (triton.cdiv(m * n, REDUCE_BLOCK),),
+             [part, y, _or_dummy(bias, y), m], {"N": n, "SPLIT_K": cfg.split_k, "HAS_BIAS": bias is not None,
+                                                 "BLOCK": REDUCE_BLOCK}, where)
     return y
+
+
+# Keys of the kernels launched so far in this process: Triton has compiled and loaded those, so they can
+# also be launched while a CUDA graph is captured (a first compile + module load then fails in the driver).
+_LAUNCHED: set[tuple[Any, ...]] = set()
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (tests patch this on CPU)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _spec(arg: Any) -> tuple[Any, ...]:
+    """What Triton compiles a runtime argument into: a tensor's dtype and 16-byte alignment; an int's
+    being 1, its divisibility by 16 and whether it fits i32 (a data_ptr is an attribute: no sync)."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    return (arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
+
+
+def _run(kind: str, kernel: Any, grid: tuple[int, ...], args: list[Any], consts: dict[str, Any], where: str,
+         **options: Any) -> None:
+    """Launch `kernel`, refusing under CUDA-graph capture when this compiled variant never ran here."""
+    key = (kind, str(args[0].device), tuple(_spec(a) for a in args), tuple(sorted(consts.items())),
+           tuple(sorted(options.items())))
+    if key not in _LAUNCHED and _capturing():
+        m = args[-1]
+        raise RuntimeError(
+            f"{where}: M={m} needs a {kind} kernel variant that has not run in this process, and the current "
+            f"CUDA stream is capturing a graph (compiling and loading a kernel during capture fails with an "
+            f"opaque CUDA error). Run the model once with the same M outside capture (warm-up) before "
+            f"capturing, or call TileLinear.warmup(ms) / patchc.runtime.warmup(model, ms) for every M you capture."
+        )
+    kernel[grid](*args, **consts, **options)
+    _LAUNCHED.add(key)
 
 
 def _or_dummy(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -9,8 +9,8 @@ It takes a `TilePlan` (and codegen's packed layers and launcher) and swaps a mod
 
 Modules: `op` (custom op + fake implementation), `candidates` (the candidate configs per GPU generation),
 `timing` (timing a layer's configs), `tuner` (decode, prefill and per-M-bucket tuning), `cache` (on-disk
-JSON cache), `dispatch` (TileLinear), `compile` (patchc.compile), `backend` (the dynamo backend
-`patch_backend`).
+JSON cache), `dispatch` (TileLinear; `warmup` before CUDA-graph capture), `compile` (patchc.compile),
+`backend` (the dynamo backend `patch_backend`).
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from patchc.runtime import op  # noqa: F401  (registers torch.ops.patchc.tile_li
 from patchc.runtime.cache import TuneCache, default_cache_path
 from patchc.runtime.candidates import candidate_space, candidates
 from patchc.runtime.compile import compile  # noqa: A004
-from patchc.runtime.dispatch import TileLinear
+from patchc.runtime.dispatch import TileLinear, warmup
 from patchc.runtime.tuner import LayerTuning, TuneError, tune_plan
 
 __all__ = [
     "compile",
     "TileLinear",
+    "warmup",
     "tune_plan",
     "LayerTuning",
     "TuneError",

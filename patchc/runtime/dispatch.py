@@ -9,6 +9,10 @@ For an all-2:4 layer whose tuning picked torch's semi-structured sparse kernels 
 also holds that weight (`semi_weight`, GPU only, not a buffer: it does not follow `.to()`); M above the
 threshold then goes to `F.linear(x, semi_weight)` (a shape test, no synchronisation).
 
+Before capturing a CUDA graph, run every M the graph will see once (`TileLinear.warmup(ms)`, or
+`warmup(model, ms)` for a whole model): a kernel's first launch compiles and loads it, which cannot
+happen during capture (the launcher raises then, naming the layer).
+
 Example:
     >>> mod = TileLinear.from_plan(plan.layers["fc.weight"])        # doctest: +SKIP
     >>> y = mod(torch.randn(4, mod.in_features))                    # doctest: +SKIP
@@ -16,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +109,22 @@ class TileLinear(nn.Module):
             self.threshold,
         )
 
+    def warmup(self, ms: Iterable[int]) -> TileLinear:
+        """Run once per M (a zeros input in the module's dtype, on its device) so that every kernel those M
+        dispatch to (decode bucket, prefill, split-K reduce) is compiled and loaded: do it before capturing
+        a CUDA graph, with the M the graph will see. Returns the module.
+
+        Example:
+            >>> mod.warmup([1, 4, 16, 128])   # doctest: +SKIP
+        """
+        ms = [int(m) for m in ms]
+        if any(m < 1 for m in ms):
+            raise ValueError(f"layer {self.name!r}: warmup needs token counts M >= 1, got {ms}")
+        with torch.no_grad():
+            for m in ms:
+                self(torch.zeros(m, self.in_features, dtype=self.values.dtype, device=self.values.device))
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         semi = self.semi_weight
         if semi is not None and x.is_cuda and x.dtype == semi.dtype and x.numel() // self.in_features > self.threshold:
@@ -117,3 +137,19 @@ class TileLinear(nn.Module):
                 f"block={self.block}, decode={self.decode_cfg} ({len(self.tuning.buckets)} M buckets), "
                 f"prefill={self.prefill_cfg}, "
                 f"threshold={self.threshold}, bias={self.bias is not None}")
+
+
+def warmup(model: nn.Module, ms: Iterable[int]) -> int:
+    """`TileLinear.warmup(ms)` for every TileLinear in `model` (M = tokens per call: batch x sequence);
+    returns how many modules were warmed (0: the model holds none, e.g. it was not patchc.compile'd).
+
+    Example:
+        >>> fast = patchc.runtime.compile(model, plan)                  # doctest: +SKIP
+        >>> patchc.runtime.warmup(fast, [1, 2, 4, 8, 16, 128])          # doctest: +SKIP
+        14
+    """
+    ms = list(ms)
+    mods = [m for m in model.modules() if isinstance(m, TileLinear)]
+    for mod in mods:
+        mod.warmup(ms)
+    return len(mods)

@@ -169,7 +169,7 @@ def tile_linear(
     # dispatch by M, a shape: free of host synchronisation (CUDA-graph safe)
     cfg = pick_decode(decode_cfg, m) if m <= threshold else prefill_cfg
     y = launch(x2.contiguous(), (dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols),
-               bias, (n, k), (block[0], block[1]), (per_row[0], per_row[1]), decode_config(cfg))
+               bias, (n, k), (block[0], block[1]), (per_row[0], per_row[1]), decode_config(cfg), name=name)
     return y.reshape(*lead, n)
 
 
