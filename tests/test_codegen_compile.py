@@ -176,3 +176,59 @@ def test_generate_summary_reports_each_variants_worst_loop(generated):
             if v["name"] == "decode_m1":
                 worst = max([worst] + [lp["warp_instr_per_byte"] for lp in v["loops"] or [] if lp["loop"] == "2:4"])
     assert rows["decode_m1"][1] == "4" and float(rows["decode_m1"][6]) == round(worst, 3)
+
+
+def _variant(generated: Path, fqn: str, name: str, target: str = "sm_90") -> dict:
+    return next(v for v in _manifest(generated / target / fqn / "manifest.json")["variants"] if v["name"] == name)
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+def test_manifest_states_each_variants_launch_assumptions(generated, target):
+    """Every pointer compiled with the 16-byte hint, its dtype, the bias dtype, contiguity: in the manifest."""
+    for fqn, dtype, bias in (("mixed.weight", "float16", "float16"), ("sparse.weight", "bfloat16", None)):
+        for v in _manifest(generated / target / fqn / "manifest.json")["variants"]:
+            a, where = v["assumes"], f"{target} {fqn} {v['name']}"
+            pointers = [arg["name"] for arg in v["args"] if arg["type"].startswith("*")]
+            assert a["aligned_16"] == pointers and a["contiguous"] == pointers, where
+            assert set(a["dtypes"]) == set(pointers) and a["bias_dtype"] == bias, where
+            assert a["dtypes"]["y_ptr"] == dtype and a["dtypes"]["part_ptr"] == "float32", where
+            if v["kernel"] != "splitk_reduce":
+                assert a["dtypes"]["x_ptr"] == a["dtypes"]["vals_ptr"] == dtype, where
+                assert a["dtypes"]["meta_ptr"] == "uint8" and a["dtypes"]["sparse_cols_ptr"] == "int32", where
+            assert v["layer"] == fqn
+
+
+def test_check_launch_passes_good_tensors_and_names_what_is_wrong(generated):
+    import torch
+
+    from patchc.codegen import check_launch
+
+    entry = _variant(generated, "mixed.weight", "decode")
+    h = torch.float16
+    good = dict(x=torch.randn(4, 320, dtype=h), y=torch.empty(4, 256, dtype=h), part=torch.empty(2, 4, 256),
+                bias=torch.randn(256, dtype=h), dense=torch.empty(3, 128, 64, dtype=h),
+                vals=torch.empty(3, 128, 32, dtype=h), meta=torch.empty(3, 128, 8, dtype=torch.uint8),
+                dense_rowptr=torch.zeros(3, dtype=torch.int32), sparse_cols=torch.zeros(3, dtype=torch.int32))
+    check_launch(entry, **good)
+    check_launch(entry, x_ptr=good["x"])  # the kernel's own argument names work too
+    misaligned = torch.empty(4 * 320 + 1, dtype=h)[1:].view(4, 320)  # 2 bytes off, still contiguous
+    with pytest.raises(ValueError, match=r"'decode' of layer 'mixed.weight': x starts 2 bytes past a 16-byte"):
+        check_launch(entry, **(good | {"x": misaligned}))
+    with pytest.raises(ValueError, match=r"bias is torch.float32, the cubin was compiled for float16"):
+        check_launch(entry, **(good | {"bias": good["bias"].float()}))
+    with pytest.raises(ValueError, match=r"x is not contiguous"):
+        check_launch(entry, **(good | {"x": torch.randn(320, 4, dtype=h).t()}))
+    with pytest.raises(ValueError, match=r"meta is torch.int8"):
+        check_launch(entry, meta=torch.empty(4, dtype=torch.int8))
+    with pytest.raises(ValueError, match=r"compiled with a bias"):
+        check_launch(entry, bias=None)
+    with pytest.raises(ValueError, match=r"no pointer argument 'weights'"):
+        check_launch(entry, weights=good["dense"])
+    no_bias = _variant(generated, "sparse.weight", "prefill", "sm_80")
+    with pytest.raises(ValueError, match=r"layer 'sparse.weight'.*without a bias"):
+        check_launch(no_bias, bias=torch.randn(192, dtype=torch.bfloat16))
+    check_launch(no_bias, x=torch.randn(2, 256, dtype=torch.bfloat16), bias=None)
+    reduce = _variant(generated, "mixed.weight", entry["reduce"])
+    check_launch(reduce, part=good["part"], y=good["y"], bias=good["bias"])
+    with pytest.raises(ValueError, match="regenerate"):
+        check_launch({k: v for k, v in entry.items() if k != "assumes"}, x=good["x"])

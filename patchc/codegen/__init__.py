@@ -8,8 +8,8 @@ the launcher (and offline cubins) to the runtime (`patchc.runtime`).
     files = patchc.codegen.generate(plan, "out/", target="sm_90")  # Triton source + PTX + cubin + manifest
 
 Modules: `layout` (pack, PackedLayer), `kernels` (@triton.jit), `launch` (tile_linear), `configs`
-(KernelConfig, per-architecture tables), `generate` (offline compile), `sass` (static profile of a cubin),
-`reference` (plain PyTorch).
+(KernelConfig, per-architecture tables), `generate` (offline compile), `offline` (what an offline cubin
+assumes: check_launch), `sass` (static profile of a cubin), `reference` (plain PyTorch).
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from patchc.codegen.configs import ARCH_TABLE, KernelConfig
 from patchc.codegen.generate import generate
 from patchc.codegen.launch import tile_linear
 from patchc.codegen.layout import PackedLayer, PackError, pack, packed_to_dense
+from patchc.codegen.offline import check_launch
 from patchc.codegen.reference import reference_tile_linear
 
 __all__ = [
     "pack",
     "tile_linear",
     "generate",
+    "check_launch",
     "PackedLayer",
     "PackError",
     "KernelConfig",

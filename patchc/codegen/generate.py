@@ -10,6 +10,8 @@ Layout of `out_dir`::
     (each variant's manifest entry carries its static profile: registers, spill bytes, SASS instruction mix,
      and per weight loop its instructions, barriers and warp-instructions per weight byte)
     (variant = decode_m1, decode_m4, decode, prefill, and splitk_reduce_s<S> when a variant splits K)
+    (each variant's "assumes": the argument dtypes, bias dtype, 16-byte aligned and contiguous pointers it
+     was compiled for; a loader checks its tensors with `patchc.codegen.offline.check_launch` first)
 
 All-dense layers get no kernel (route "F.linear": cuBLAS is the right kernel for them).
 
@@ -35,6 +37,7 @@ from patchc.codegen import kernels
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, choose_block, normalize_target, resolve_config, variants
 from patchc.codegen.launch import GRID_RULES, KERNEL_ARGS, REDUCE_BLOCK, specialisation
 from patchc.codegen.layout import PackedLayer, pack
+from patchc.codegen.offline import assumptions
 from patchc.codegen.sass import disassemble, static_profile, weight_loops
 from patchc.utils.files import write_bytes_atomic
 
@@ -145,6 +148,7 @@ def _generate_layer(packed: PackedLayer, layer_dir: Path, arch: str, cc: int) ->
                                       cfg.num_warps)
         entry.update(
             name=var.name,
+            layer=packed.name,
             kernel=var.kernel,
             m_min=var.m_min,
             m_max=var.m_max,
@@ -161,7 +165,8 @@ def _generate_layer(packed: PackedLayer, layer_dir: Path, arch: str, cc: int) ->
                      "bias_ptr": f"*{_TRITON_TYPES[dtype]}", "M": "i32", "N": "i32"}
         entry, new, _ = _compile_one(kernels.splitk_reduce_kernel, signature, consts, 4, 1, layer_dir,
                                      f"splitk_reduce_s{s}", cc)
-        entry.update(name=f"splitk_reduce_s{s}", kernel="splitk_reduce", grid=GRID_RULES["splitk_reduce"])
+        entry.update(name=f"splitk_reduce_s{s}", layer=packed.name, kernel="splitk_reduce",
+                     grid=GRID_RULES["splitk_reduce"])
         entries.append(entry)
         files += new
     manifest = _header(arch, cc) | {
@@ -213,6 +218,8 @@ def _compile_one(fn, signature, consts, num_warps, num_stages, layer_dir: Path, 
         "entry": getattr(meta, "name", fn.__name__),
         "args": [{"name": a, "type": t} for a, t in signature.items()],
         "constexprs": consts,
+        # what the cubin takes for granted about its tensors, from the signature and hints compiled in
+        "assumes": assumptions(fn.arg_names, signature, attrs, consts),
         "num_warps": num_warps,
         "num_stages": num_stages,
         "shared_bytes": int(getattr(meta, "shared", 0) or 0),
