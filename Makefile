@@ -8,13 +8,18 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.patchc-installed
 
-.PHONY: demo test setup clean
+.PHONY: demo test gpu setup clean
 
 demo: $(STAMP)
 	$(PY) -m patchc prune
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The GPU proof (`patchc bench`): runs from the working tree with the machine's own torch + triton and
+# installs nothing (GPU machines may have no network). BENCH_ARGS="--parts check" etc. narrows it.
+gpu:
+	PYTHONPATH=. PYTHONUNBUFFERED=1 $(PYTHON) -m patchc bench $(BENCH_ARGS)
 
 setup: $(STAMP)
 

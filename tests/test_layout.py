@@ -31,6 +31,7 @@ RANK = {
     "passes": 4,
     "runtime": 4,
     "job": 5,
+    "bench": 5,
 }
 MAX_MODULE_LINES, MAX_CLASS_LINES = 400, 200
 

@@ -1,4 +1,4 @@
-"""Command line: `patchc prune | eval | report | generate | tune` (`python -m patchc ...` is the same).
+"""Command line: `patchc prune | eval | report | generate | tune | bench` (`python -m patchc ...` is the same).
 
     patchc prune                                   # the embedded default: stories260K, TinyStories, 35%
     patchc prune --model M --data a.txt --sparsity 0.45 --tile 32 32 --out runs/x
@@ -6,6 +6,8 @@
     patchc report runs/x/plan.patch                # redraw the plots (and report.md) from a plan
     patchc generate runs/x/plan.patch --target sm_90 --out kernels/
     patchc tune runs/x/plan.patch --batch-size 16 --prefill-len 128
+    patchc bench                                   # GPU proof: correctness + speed + end to end (make gpu)
+    patchc bench --dry-run --out runs/bench        # the same harness on CPU (Triton interpreter, tiny shapes)
 
 Errors print one line, `patchc <command>: error: ...`, and exit with status 2.
 """
@@ -147,6 +149,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import os
+
+    if args.dry_run:  # before anything imports triton: it decides interpreted vs compiled per @jit at import
+        os.environ["TRITON_INTERPRET"] = "1"
+    from patchc.bench import BenchOptions, exit_status, run
+
+    out = args.out or ("runs/bench-dry-run" if args.dry_run else "benchmarks/results")
+    opts = BenchOptions(parts=tuple(args.parts), dry_run=args.dry_run, budget_s=args.budget, out_dir=Path(out),
+                        tune=args.tune, e2e_layers=args.layers, e2e_tokens=args.tokens, seed=args.seed)
+    return exit_status(run(opts, progress=args.progress))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="patchc", description="Learnable tile-level hybrid dense/2:4 sparsity (PATCH).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -180,6 +195,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-len", type=int, default=128)
     p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"))
     p.set_defaults(run=cmd_tune)
+
+    p = sub.add_parser("bench", help="GPU proof: kernels and runtime vs cuBLAS / fp64, layer speed, end-to-end decode",
+                       description="Correctness of every kernel variant and the runtime (vs fp64 and cuBLAS), layer "
+                                   "speed (vs cuBLAS dense and cuSPARSELt) and end-to-end decode of a LLaMA-shaped "
+                                   "model, on this CUDA GPU; appends to <out>/<device>.jsonl and writes <device>.md. "
+                                   "Exit status 1 when a correctness check fails.")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run the same harness on CPU under the Triton interpreter with tiny shapes (timings mean nothing)")
+    p.add_argument("--parts", nargs="+", default=["check", "speed", "e2e"], choices=("check", "speed", "e2e"))
+    p.add_argument("--budget", type=float, default=510.0, help="seconds for the whole run, shared by the parts")
+    p.add_argument("--out", default=None, help="results folder (default: benchmarks/results; dry run: runs/bench-dry-run)")
+    p.add_argument("--no-tune", dest="tune", action="store_false", help="use the default configs instead of tuning")
+    p.add_argument("--layers", type=int, default=4, help="blocks of the end-to-end LLaMA-2-7B-shaped model")
+    p.add_argument("--tokens", type=int, default=128, help="tokens generated per end-to-end measurement")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(run=cmd_bench)
     return parser
 
 

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tqdm.auto import tqdm
 
 from patchc.utils.files import atomic_path
 
@@ -139,6 +138,8 @@ def train_masks(
     params = prog.mask_parameters()
     prog.train()
     start = time.perf_counter()
+    from tqdm.auto import tqdm  # here: `import patchc` must work without tqdm (bare GPU images)
+
     bar = tqdm(range(result.step, steps), initial=result.step, total=steps, desc="mask training", disable=not progress)
     for t in bar:
         optimizer.zero_grad(set_to_none=True)

@@ -47,6 +47,7 @@ from patchc.codegen.layout import PackedLayer
 from patchc.runtime.cache import TuneCache, drop_stale
 from patchc.runtime.op import decode_config, encode_buckets, encode_config
 from patchc.runtime.timing import LayerTimer, Setup, TimeFn, TuneError, score, setup
+from patchc.utils.progress import progress as progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -295,12 +296,10 @@ def tune_plan(
     Example:
         >>> tunings = tune_plan(patchc.TilePlan.load("model.patch"), batch_size=16, prefill_len=128)  # doctest: +SKIP
     """
-    from tqdm.auto import tqdm
-
     s = setup(batch_size, prefill_len, dtype, device, cache, time_fn, arch)
     names = list(plan.layers) if layers is None else layers
     out: dict[str, LayerTuning | None] = {}
-    for fqn in tqdm(names, desc="patchc tune", unit="layer", disable=not progress):
+    for fqn in progress_bar(names, desc="patchc tune", unit="layer", disable=not progress):
         if fqn not in plan.layers:
             raise KeyError(f"layer {fqn!r} is not in the plan")
         out[fqn] = tune_layer(plan.layers[fqn], s, cached_only=cached_only)

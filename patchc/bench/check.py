@@ -1,0 +1,129 @@
+"""Correctness part of `patchc bench`: every kernel variant and the runtime against fp64 and cuBLAS.
+
+Per layer case and M, each variant's output y is compared with the float64 product x @ (W*M)^T
+(`reference_tile_linear`, built from the plan's own tensors, not from the packed buffers) and with
+cuBLAS (`F.linear` on the dense W*M in the same dtype). A variant passes when
+
+    max |y - ref64| <= 2 * max |cuBLAS - ref64| + u * max |ref64|
+
+with u the dtype's unit roundoff (2^-11 fp16, 2^-8 bf16): it may be at most twice as far from the exact
+result as cuBLAS, plus one rounding of the output. One misplaced 2:4 value moves an output by about
+|w| |x| ~ 1/sqrt(K), several times that bound.
+
+Variants: "auto" (`tile_linear`'s own choice), "gemv" / "gemv_splitk" (M <= 4), "dot" (the padded
+tl.dot decode, M <= 64), "prefill" / "prefill_splitk" (M >= 16), and "runtime" (`TileLinear` with its
+default buckets, through the custom op). The explicit variants run on the cases marked `explicit`
+(fp16, 128 x 128 tiles); every case runs "auto" and "runtime".
+
+Example:
+    >>> rows = check_case(LayerCase((96, 160), "2:4", (32, 32), "fp16", (1, 17)), "cpu", seed=0)  # doctest: +SKIP
+    >>> all(r["ok"] for r in rows)                                                                 # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from patchc.bench.layers import DTYPES, Deadline, make_input, make_layer
+from patchc.bench.options import LayerCase
+from patchc.utils.progress import progress
+
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+
+
+def variants(m: int, explicit: bool) -> dict[str, Any]:
+    """{variant name: KernelConfig or None (auto) or "runtime"} for one M."""
+    from patchc.codegen import KernelConfig
+
+    out: dict[str, Any] = {"auto": None, "runtime": "runtime"}
+    if not explicit:
+        return out
+    if m <= 4:
+        bm = 1 << (m - 1).bit_length()
+        out["gemv"] = KernelConfig(kernel="decode", block_m=bm, split_k=1)
+        out["gemv_splitk"] = KernelConfig(kernel="decode", block_m=bm, split_k=4)
+    if m <= 64:
+        out["dot"] = KernelConfig(kernel="decode", block_m=16, split_k=1)
+    if m >= 16:
+        out["prefill"] = KernelConfig(kernel="prefill")
+        if m <= 128:
+            out["prefill_splitk"] = KernelConfig(kernel="prefill", split_k=2)
+    return out
+
+
+def error_bound(cublas_err: float, ref_max: float, dtype: torch.dtype) -> float:
+    """The pass bound of the module docstring.
+
+    Example:
+        >>> error_bound(1e-3, 4.0, torch.float16)
+        0.003953125
+    """
+    return 2.0 * cublas_err + UNIT_ROUNDOFF[dtype] * ref_max
+
+
+def check_case(case: LayerCase, device: str, seed: int) -> list[dict[str, Any]]:
+    """Rows {case, M, variant, err, cublas_err, bound, ok[, error]} for one layer case."""
+    from patchc.codegen import pack, reference_tile_linear
+    from patchc.codegen.configs import arch_of, choose_block
+    from patchc.runtime import TileLinear
+
+    dtype = DTYPES[case.dtype]
+    mixed = isinstance(case.kinds, float)
+    layer = make_layer(case, seed, bias=mixed)  # bias on the mixed plans: the epilogue and split-K reduce
+    block = choose_block(case.tile, arch_of(device))
+    packed = pack(layer, block=block, allow_all_dense=case.kinds == "dense").to(device)
+    w = layer.to_dense().to(device=device, dtype=dtype)
+    bias = None if layer.bias is None else layer.bias.to(device=device, dtype=dtype)
+    runtime = None if case.kinds == "dense" else TileLinear.from_plan(layer, dtype=dtype, device=device)
+    rows = []
+    for m in case.ms:
+        x = make_input(m, case.shape[1], dtype, device, seed + m)
+        ref = reference_tile_linear(x, layer)
+        cublas_err = _max_err(F.linear(x, w, bias), ref)
+        bound = error_bound(cublas_err, float(ref.abs().max()), dtype)
+        for name, cfg in variants(m, case.explicit).items():
+            if cfg == "runtime" and runtime is None:
+                continue  # an all-dense layer is routed to F.linear by the runtime: nothing of ours runs
+            row = {"case": case.label, "M": m, "variant": name, "cublas_err": cublas_err, "bound": bound}
+            row.update(_run_variant(lambda: _call(x, packed, cfg, runtime), ref, bound))
+            rows.append(row)
+    return rows
+
+
+def _call(x: torch.Tensor, packed: Any, cfg: Any, runtime: Any) -> torch.Tensor:
+    from patchc.codegen import tile_linear
+
+    if cfg == "runtime":
+        return runtime(x)
+    return tile_linear(x, packed, config=cfg)
+
+
+def _run_variant(fn: Callable[[], torch.Tensor], ref: torch.Tensor, bound: float) -> dict[str, Any]:
+    try:
+        err = _max_err(fn(), ref)
+    except Exception as e:  # a compile error or launch failure is a failed check, reported with its message
+        return {"ok": False, "err": None, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return {"ok": err <= bound, "err": err}
+
+
+def _max_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    d = (y.to(torch.float64) - ref).abs()
+    return float(d.max()) if d.isfinite().all() else float("inf")
+
+
+def run_checks(cases: list[LayerCase], device: str, seed: int, deadline: Deadline,
+               show: bool = True) -> dict[str, Any]:
+    """Every case until the deadline; {"rows", "failed", "skipped": [labels without time]}."""
+    rows: list[dict[str, Any]] = []
+    skipped = []
+    for case in progress(cases, desc="bench check", unit="layer", disable=not show):
+        if deadline.over():
+            skipped.append(case.label)
+            continue
+        rows += check_case(case, device, seed)
+    failed = [r for r in rows if not r["ok"]]
+    return {"rows": rows, "failed": failed, "skipped": skipped}

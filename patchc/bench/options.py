@@ -1,0 +1,126 @@
+"""What `patchc bench` measures: the options and the layer cases they expand to.
+
+The full run (a CUDA GPU) covers LLaMA-2-7B layer shapes and odd ones, M from 1 to 2048, fp16 / bf16,
+all-dense / all-2:4 / mixed plans and two tile sizes; `dry_run` keeps the same stages on tiny shapes so
+the harness runs on CPU under the Triton interpreter (CI runs it).
+
+Example:
+    >>> opts = BenchOptions(dry_run=True)
+    >>> len(check_cases(opts)) > 0, opts.parts
+    (True, ('check', 'speed', 'e2e'))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+PARTS = ("check", "speed", "e2e")
+LLAMA7B_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))
+ODD_SHAPES = ((1000, 3000), (4160, 4104))  # N, K not multiples of the 64/128 block
+FULL_MS = (1, 2, 4, 8, 16, 17, 64, 128, 2048)
+# plan kinds: "dense" (no 2:4 tile), "2:4" (every tile), or a float = the layer's overall sparsity
+FULL_KINDS: tuple[str | float, ...] = ("dense", "2:4", 0.25, 0.35, 0.45)
+
+# The dry run: shapes with N and K tails at 32 x 32 tiles, M across every kernel variant.
+DRY_SHAPES = ((96, 160), (72, 100))
+DRY_MS = (1, 3, 4, 17, 70)
+# Triton's interpreter multiplies bf16 tl.dot operands as raw uint16 bits: only the tl.dot-free M <= 4
+# kernels can run bf16 there (the GPU run checks bf16 at every M).
+DRY_BF16_MS = (1, 3, 4)
+DRY_TILES = ((32, 32), (16, 16))
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Options of one `patchc bench` run.
+
+    parts: any of "check" (correctness), "speed" (do_bench against cuBLAS / cuSPARSELt), "e2e" (a
+    7B-shaped Llama decoding through `patchc.compile`). budget_s: wall-clock seconds for the whole run;
+    each part gets its share and reports the cases it had no time for. out_dir: where
+    `<device>.jsonl` and `<device>.md` go. tune: tune the layers of the speed and e2e parts (GPU only).
+
+    Example:
+        >>> BenchOptions(parts=("speed",), budget_s=300).parts
+        ('speed',)
+    """
+
+    parts: tuple[str, ...] = PARTS
+    dry_run: bool = False
+    budget_s: float = 510.0
+    out_dir: Path = Path("benchmarks/results")
+    tune: bool = True
+    e2e_layers: int = 4
+    e2e_tokens: int = 128
+    e2e_batches: tuple[int, ...] = (1, 16)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.parts if p not in PARTS]
+        if unknown or not self.parts:
+            raise ValueError(f"BenchOptions.parts: unknown {unknown or 'none given'}; choose from {PARTS}")
+        if self.budget_s <= 0:
+            raise ValueError(f"BenchOptions.budget_s must be > 0 seconds, got {self.budget_s}")
+        if not 1 <= self.e2e_layers <= 32:
+            raise ValueError(f"BenchOptions.e2e_layers must be in 1..32 (LLaMA-2-7B has 32), got {self.e2e_layers}")
+        if self.e2e_tokens < 1 or not self.e2e_batches or min(self.e2e_batches) < 1:
+            raise ValueError("BenchOptions: e2e_tokens and every e2e batch size must be >= 1")
+        object.__setattr__(self, "out_dir", Path(self.out_dir))
+
+    def share(self, part: str) -> float:
+        """Seconds of the budget for one part (check and speed compile many kernels; e2e tunes 3 shapes)."""
+        weights = {"check": 0.4, "speed": 0.3, "e2e": 0.3}
+        total = sum(weights[p] for p in self.parts)
+        return self.budget_s * weights[part] / total
+
+
+@dataclass(frozen=True)
+class LayerCase:
+    """One layer to build: shape (N, K), plan kinds, tile, dtype name and the M values to run; `explicit`:
+    also check each kernel variant by an explicit config (else the automatic choice and the runtime).
+
+    Example:
+        >>> LayerCase((96, 160), 0.35, (32, 32), "fp16", (1, 17)).label
+        '96x160 35% t32x32 fp16'
+    """
+
+    shape: tuple[int, int]
+    kinds: str | float
+    tile: tuple[int, int]
+    dtype: str
+    ms: tuple[int, ...]
+    explicit: bool = False
+
+    @property
+    def label(self) -> str:
+        kinds = self.kinds if isinstance(self.kinds, str) else f"{round(100 * self.kinds)}%"
+        return f"{self.shape[0]}x{self.shape[1]} {kinds} t{self.tile[0]}x{self.tile[1]} {self.dtype}"
+
+
+def check_cases(opts: BenchOptions) -> list[LayerCase]:
+    """Correctness cases, most informative first (a run out of time drops the tail).
+
+    Full: every shape x kinds at 128 x 128 fp16 over all M, each kernel variant explicitly; bf16 and
+    64 x 64 tiles on the 2:4-holding plans over a shorter M list (the same code paths, other constexprs).
+    """
+    if opts.dry_run:  # each kernel path once or twice: the interpreter takes ~0.1-0.5 s per launch
+        (s0, s1), (t0, t1) = DRY_SHAPES, DRY_TILES
+        return [LayerCase(s0, "2:4", t0, "fp16", DRY_MS, explicit=True),
+                LayerCase(s1, 0.35, t0, "fp16", DRY_MS, explicit=True),
+                LayerCase(s1, 0.35, t1, "fp16", DRY_MS),
+                LayerCase(s0, 0.35, t1, "bf16", DRY_BF16_MS),
+                LayerCase(s0, "dense", t0, "fp16", (1, 17), explicit=True)]
+    shapes = LLAMA7B_SHAPES + ODD_SHAPES
+    cases = [LayerCase(s, k, (128, 128), "fp16", FULL_MS, explicit=True) for s in shapes for k in FULL_KINDS]
+    short = (1, 4, 16, 17, 2048)
+    cases += [LayerCase(s, k, (128, 128), "bf16", short) for s in shapes for k in ("2:4", 0.45)]
+    cases += [LayerCase(s, k, (64, 64), d, short) for s in shapes for k in ("2:4", 0.35) for d in ("fp16", "bf16")]
+    return cases
+
+
+def speed_cases(opts: BenchOptions) -> list[LayerCase]:
+    """Speed cases: the 7B shapes at every sparsity (and all-2:4), fp16, decode and prefill M."""
+    if opts.dry_run:
+        return [LayerCase(DRY_SHAPES[0], k, DRY_TILES[0], "fp16", (1, 17)) for k in ("2:4", 0.35)]
+    ms = (1, 4, 8, 16, 2048)
+    return [LayerCase(s, k, (128, 128), "fp16", ms) for k in (0.45, "2:4", 0.35, 0.25) for s in LLAMA7B_SHAPES]

@@ -1,0 +1,108 @@
+"""`patchc bench` (`make gpu`): correctness, layer speed and end-to-end decode on one GPU, in one command.
+
+    run -> pick the device (a CUDA GPU; the Triton interpreter on CPU for --dry-run)
+        -> check  (every kernel variant and the runtime vs fp64 and cuBLAS)
+        -> speed  (TileLinear vs cuBLAS dense / cuSPARSELt, do_bench with CUDA graphs)
+        -> e2e    (LLaMA-shaped model, patchc.compile vs dense, CUDA-graphed decode)
+        -> record (append benchmarks/results/<device>.jsonl, write <device>.md, print the tables)
+
+Each part has a share of the time budget (default 510 s, under the 9 minutes asked of `make gpu`) and
+lists what it had no time for. The exit status is 1 when a correctness check failed.
+
+Example:
+    >>> record = run(BenchOptions(dry_run=True, out_dir=tmp))   # doctest: +SKIP
+    >>> exit_status(record)                                      # doctest: +SKIP
+    0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from patchc.bench.check import run_checks
+from patchc.bench.e2e import run_e2e
+from patchc.bench.layers import Deadline, cpu_timer, gpu_timer, peak_bandwidth
+from patchc.bench.options import BenchOptions, check_cases, speed_cases
+from patchc.bench.record import append_jsonl, environment, markdown, slug
+from patchc.bench.speed import run_speed
+from patchc.utils.files import write_bytes_atomic
+
+
+class BenchError(RuntimeError):
+    """The bench cannot run here (no CUDA GPU without --dry-run)."""
+
+
+def pick_device(dry_run: bool) -> str:
+    """"cuda" with compiled kernels, or "cpu" with the kernels in the Triton interpreter (dry run)."""
+    if dry_run:
+        _use_interpreter()
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise BenchError("patchc bench needs a CUDA GPU (torch.cuda.is_available() is False); "
+                         "use --dry-run to run the same harness on CPU under the Triton interpreter")
+    from patchc.codegen import kernels
+    from patchc.runtime.op import kernels_interpreted
+
+    if os.environ.pop("TRITON_INTERPRET", None) is not None or kernels_interpreted():
+        importlib.reload(kernels)
+    return "cuda"
+
+
+def _use_interpreter() -> None:
+    """TRITON_INTERPRET=1 for patchc's kernels. Triton decides per @jit function when it is decorated, its
+    own library (tl.sum, ...) included, so the variable must be set before triton is first imported."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "triton" in sys.modules:
+        from triton.language import standard
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(standard.sum, InterpretedFunction):
+            raise BenchError("--dry-run: triton was imported before TRITON_INTERPRET=1 was set, so its kernels "
+                             "cannot run on CPU in this process; run `TRITON_INTERPRET=1 patchc bench --dry-run` "
+                             "or set the variable before importing triton")
+    from patchc.codegen import kernels
+    from patchc.runtime.op import kernels_interpreted
+
+    if not kernels_interpreted():
+        importlib.reload(kernels)  # decorated again, now as interpreted functions
+
+
+def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
+    """Run the parts of `opts`, record them, print the summary; returns the record (see `exit_status`)."""
+    device = pick_device(opts.dry_run)
+    env = environment(device, opts.dry_run)
+    timer = cpu_timer() if opts.dry_run else gpu_timer()
+    tune = opts.tune and not opts.dry_run
+    record: dict[str, Any] = {"env": env, "options": _jsonable(dataclasses.asdict(opts))}
+    if "check" in opts.parts:
+        record["check"] = run_checks(check_cases(opts), device, opts.seed, Deadline(opts.share("check")), progress)
+    if "speed" in opts.parts:
+        record["speed"] = run_speed(speed_cases(opts), device, timer, tune, opts.seed,
+                                    Deadline(opts.share("speed")), peak_bandwidth(env["device"]), progress)
+    if "e2e" in opts.parts:
+        record["e2e"] = run_e2e(dataclasses.replace(opts, tune=tune), device, Deadline(opts.share("e2e")), progress)
+    name = slug(env["device"]) + ("-dry-run" if opts.dry_run else "")
+    text = markdown(record)
+    append_jsonl(opts.out_dir / f"{name}.jsonl", record)
+    write_bytes_atomic(opts.out_dir / f"{name}.md", text.encode())
+    print(text)
+    print(f"patchc bench: appended to {opts.out_dir / (name + '.jsonl')}, summary in {opts.out_dir / (name + '.md')}")
+    return record
+
+
+def exit_status(record: dict[str, Any]) -> int:
+    """1 when a correctness check or the end-to-end logits comparison failed, else 0."""
+    failed = bool(record.get("check", {}).get("failed"))
+    failed |= any(not r["logits_ok"] for r in record.get("e2e", {}).get("rows", []))
+    return int(failed)
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}

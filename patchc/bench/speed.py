@@ -1,0 +1,106 @@
+"""Speed part of `patchc bench`: the runtime's layer against cuBLAS dense (and cuSPARSELt) in the same run.
+
+Per layer case and M: `TileLinear` (tuned on the GPU when `tune`, else the architecture defaults) is
+timed against `F.linear` on the dense weight, and for all-2:4 layers against
+`torch.sparse.to_sparse_semi_structured` (cuSPARSELt / CUTLASS). On a GPU the timer is
+`triton.testing.do_bench_cudagraph`, so microsecond decode kernels are not drowned in launch overhead.
+
+What the numbers mean: at decode (M <= 16) a layer is bound by its weight bytes, so the best possible
+speedup is dense bytes / hybrid bytes (`ceiling`: 1.31x at 35% sparsity, 1.49x at 45%, 1.78x all-2:4 for
+fp16); `of_ceiling` is the share of it reached. `GBps` counts weight + x + y bytes over the time and
+`of_peak` compares it with the device's HBM bandwidth.
+
+Example:
+    >>> rows = time_case(LayerCase((96, 160), "2:4", (32, 32), "fp16", (1,)), "cpu", cpu_timer(), False, 0)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from patchc.bench.layers import DTYPES, Deadline, make_input, make_layer, weight_bytes
+from patchc.bench.options import LayerCase
+from patchc.utils.progress import progress
+
+DECODE_MAX_M = 16  # M at or below this is weight-bandwidth bound: the ceiling applies
+
+
+def runtime_layer(layer: Any, dtype: torch.dtype, device: str, tune: bool) -> Any:
+    """The layer as users run it: a TileLinear, tuned for batch 16 / prefill 128 when `tune`."""
+    from patchc.runtime import TileLinear, tune_plan
+    from patchc.ir import TilePlan
+
+    tuning = None
+    if tune:
+        plan = TilePlan(layers={layer.name: layer}, skipped={}, meta={})
+        tuning = tune_plan(plan, 16, 128, dtype, device, progress=False)[layer.name]
+    return TileLinear.from_plan(layer, tuning, dtype=dtype, device=device, batch_size=16, prefill_len=128)
+
+
+def semi_structured(w: torch.Tensor) -> torch.Tensor | None:
+    """torch's 2:4 weight (cuSPARSELt / CUTLASS) where it exists: CUDA, fp16 / bf16; else None."""
+    if not w.is_cuda or w.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    try:
+        from torch.sparse import to_sparse_semi_structured
+
+        return to_sparse_semi_structured(w)
+    except Exception:  # unsupported shape / build without cuSPARSELt: that baseline is just absent
+        return None
+
+
+def time_case(case: LayerCase, device: str, timer: Callable[[Callable[[], Any]], float], tune: bool,
+              seed: int, peak: float | None = None) -> list[dict[str, Any]]:
+    """Rows of one speed case: one per M, all timings from this run."""
+    dtype = DTYPES[case.dtype]
+    layer = make_layer(case, seed)
+    w = layer.to_dense().to(device=device, dtype=dtype)
+    mod = runtime_layer(layer, dtype, device, tune)
+    semi = semi_structured(w) if case.kinds == "2:4" else None
+    elem = torch.empty((), dtype=dtype).element_size()
+    hybrid_b, dense_b = weight_bytes(layer, elem)
+    n, k = case.shape
+    rows = []
+    for m in case.ms:
+        x = make_input(m, k, dtype, device, seed + m)
+        io = (m * k + m * n) * elem
+        row: dict[str, Any] = {"case": case.label, "shape": [n, k], "kinds": case.kinds, "M": m,
+                               "dtype": case.dtype, "tuned": tune}
+        row["dense_ms"] = timer(lambda: F.linear(x, w))
+        row["tile_ms"] = timer(lambda: mod(x))
+        row["semi_ms"] = _time_or_none(timer, lambda: F.linear(x, semi)) if semi is not None else None
+        row["speedup"] = row["dense_ms"] / row["tile_ms"]
+        row["tile_GBps"] = (hybrid_b + io) / row["tile_ms"] / 1e6
+        row["dense_GBps"] = (dense_b + io) / row["dense_ms"] / 1e6
+        if m <= DECODE_MAX_M:
+            row["ceiling"] = (dense_b + io) / (hybrid_b + io)
+            row["of_ceiling"] = row["speedup"] / row["ceiling"]
+        if peak:
+            row["of_peak"] = row["tile_GBps"] * 1e9 / peak
+        if row["semi_ms"]:
+            row["vs_semi"] = row["semi_ms"] / row["tile_ms"]
+        rows.append(row)
+    return rows
+
+
+def _time_or_none(timer: Callable[[Callable[[], Any]], float], fn: Callable[[], Any]) -> float | None:
+    try:
+        return timer(fn)
+    except Exception:  # cuSPARSELt refuses some M / shapes: no number rather than a broken run
+        return None
+
+
+def run_speed(cases: list[LayerCase], device: str, timer: Callable[[Callable[[], Any]], float], tune: bool,
+              seed: int, deadline: Deadline, peak: float | None, show: bool = True) -> dict[str, Any]:
+    """Every case until the deadline; {"rows", "skipped": [labels without time]}."""
+    rows: list[dict[str, Any]] = []
+    skipped = []
+    for case in progress(cases, desc="bench speed", unit="layer", disable=not show):
+        if deadline.over():
+            skipped.append(case.label)
+            continue
+        rows += time_case(case, device, timer, tune, seed, peak)
+    return {"rows": rows, "skipped": skipped}
