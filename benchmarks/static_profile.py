@@ -4,13 +4,13 @@
     python benchmarks/static_profile.py --target sm_90 --sparsity 0.45
     python benchmarks/static_profile.py --sparsity 0.45 0.5 --dtype fp16 bf16 --tile 128 64   # the decode-issue grid
 
-For each shape, sparsity (random tile map, as in bench_kernels.py) and target, compiles the layer's kernels
+For each shape, sparsity (random tile map, as in `patchc bench`) and target, compiles the layer's kernels
 with `patchc.codegen.generate` and prints, per variant, what a profiler would show first: registers per
 thread, spill bytes, the SASS instruction mix (128-bit loads, cp.async, HMMA / HGMMA) and the weight bytes
 the kernel reads against dense (the decode ceiling is dense / packed bytes), and per weight loop the
 warp-instructions issued per weight byte (above ~0.28 an H100 cannot be memory bound). Appends one JSON line with
 versions and date to benchmarks/results/static_profile.jsonl. Runs on CPU: this is what can be said about
-the kernels' speed where no GPU is lent; the timings come from bench_kernels.py on a GPU.
+the kernels' speed where no GPU is lent; the timings come from `patchc bench` (`make gpu`) on a GPU.
 """
 
 from __future__ import annotations
@@ -28,9 +28,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_kernels import DTYPES, SHAPES, ceiling, tile_map
+from patchc.bench.layers import DTYPES, tile_kinds  # noqa: E402
+from patchc.bench.options import LLAMA7B_SHAPES as SHAPES  # noqa: E402
+
+
+def ceiling(s: float) -> float:
+    """Decode speedup bound when only weight bytes count: 2:4 tiles cost 1.125 / 2 of dense."""
+    return 1.0 / (1.0 - 0.875 * s)
 
 
 def profile_layer(layer, target: str, work: Path) -> tuple[list[dict], dict]:
@@ -70,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             tile = (side, side)
             gen = torch.Generator().manual_seed(0)
             name = f"s{round(100 * s)}_{n}x{k}_{dtype}_t{side}.weight"
-            layer = random_layer_plan(n, k, tile=tile, kinds=tile_map(n, k, tile, s, gen), dtype=DTYPES[dtype],
+            layer = random_layer_plan(n, k, tile=tile, kinds=tile_kinds(n, k, tile, s, gen), dtype=DTYPES[dtype],
                                       name=name)
             variants, man = profile_layer(layer, target, Path(tmp))
             bytes_ratio = man["dense_bytes"] / man["weight_bytes"]

@@ -288,7 +288,7 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
         "evaluation": {"protocol": protocol(bundle, opts)},
         "results": results,
         "speed": {"skipped": "no CUDA device" if not torch.cuda.is_available()
-                  else "not measured by prune: run benchmarks/bench_e2e.py or benchmarks/bench_kernels.py"},
+                  else "not measured by prune: run `make gpu` (patchc bench) on a CUDA GPU"},
         "versions": versions(),
         "device": device_name(opts.device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
