@@ -295,3 +295,31 @@ def test_under_capture_only_kernels_that_already_ran_launch(monkeypatch):
     _check(tile_linear(x, packed, config=cfg), reference_tile_linear(x, layer), torch.float32)
     with pytest.raises(RuntimeError, match="TileLinear.warmup"):
         tile_linear(x, packed, config=KernelConfig(kernel="decode", block_m=16, split_k=3))
+
+
+ISSUE_MS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 33, 64, 127, 2048)  # every dispatch bucket and its edges
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_every_m_against_float64_with_k_scaled_tolerance(dtype):
+    """Auto config (gemv / tl.dot decode / prefill by M) on a layer with N and K tails, block 32 x 64.
+
+    Tolerance: one rounding of the output (u |ref|) plus fp32 accumulation over K terms of size
+    |x||w| ~ 1/sqrt(K) (x is scaled so outputs are O(1)): 2 K u32 / sqrt(K) = 2 sqrt(K) u32. A misplaced
+    2:4 value moves an output by ~1/sqrt(K) = 0.07 here, far above both.
+    """
+    n, k = 3 * 32 + 5, 3 * 64 + 12
+    layer = random_layer_plan(n, k, tile=(32, 64), kinds="mixed", bias=True, seed=11, dtype=dtype)
+    packed = pack(layer, block=(32, 64))
+    # Triton's interpreter gets bf16 tl.dot wrong (raw uint16 bits): bf16 above 4 tokens is checked on the GPU
+    ms = ISSUE_MS if dtype != torch.bfloat16 else tuple(m for m in ISSUE_MS if m <= 4)
+    # ... and casts fp32 -> bf16 by truncation (the GPU rounds to nearest): up to 2u there, not u
+    ulps = 2 if dtype == torch.bfloat16 else 1
+    for m in ms:
+        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) / k**0.5).to(dtype)
+        ref = reference_tile_linear(x, layer)
+        y = tile_linear(x, packed)
+        bound = ulps * UNIT_ROUNDOFF[dtype] * ref.abs() + 2 * k**0.5 * 2.0**-24 + 1e-7
+        excess = ((y.double() - ref).abs() - bound).max().item()
+        assert y.dtype == dtype and excess <= 0, f"M={m} {dtype}: error exceeds the bound by {excess:.3g}"
