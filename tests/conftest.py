@@ -9,6 +9,12 @@ import pytest
 import torch
 from torch import nn
 
+# Triton decides interpreted vs compiled per @jit function when it is decorated, its own library included,
+# so on a CPU-only machine the interpreter must be on before any test module imports triton: otherwise the
+# order in which modules are collected decides whether the kernel tests can run at all.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHARED = Path(os.environ.get("PATCHC_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
 STORIES = SHARED / "models" / "stories260K"
 TINYSTORIES = SHARED / "data" / "tinystories_sample.txt"
