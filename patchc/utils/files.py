@@ -16,17 +16,31 @@ from pathlib import Path
 
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """A temp path in the target's folder; renamed onto `path` if the block succeeds, removed if not."""
+    """A temp path in the target's folder; renamed onto `path` if the block succeeds, removed if not.
+
+    The result gets the mode a plain `open(path, "w")` would give (the old file's, or 0666 less the umask),
+    not mkstemp's private 0600: shared run folders and caches stay readable to the group."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, _mode_for(path))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _mode_for(path: Path) -> int:
+    """The existing file's permission bits, else 0666 masked by the process umask."""
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)  # reading the umask means setting it: put it straight back
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
