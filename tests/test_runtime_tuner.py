@@ -251,3 +251,39 @@ def test_split_k_whose_workspace_exceeds_the_launch_bound_is_not_a_candidate(mon
     monkeypatch.setattr(launch, "MAX_WORKSPACE_BYTES", 3 * 16 * 4096 * 4)
     decode = candidates("decode", (4096, 4096), (64, 64), 16, F16, "sm_90")
     assert {c.split_k for c in decode} == {1, 2}  # the launcher's bound, read when pruning
+
+
+def test_cache_survives_deeply_nested_json(tmp_path):
+    """json.loads of a 100k-deep array raises RecursionError, which the cache documents never to raise."""
+    path = tmp_path / "tune.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    cache = TuneCache(path)
+    with pytest.warns(RuntimeWarning, match="RecursionError"):
+        assert cache.get("k") is None
+    cache.put("k", {"ms": 1.0})
+    assert TuneCache(path).get("k") == {"ms": 1.0}
+
+
+def test_cache_of_another_version_is_left_untouched(tmp_path):
+    """A newer patchc's cache file must not be wiped by this one's next put: results stay in memory."""
+    path = tmp_path / "tune.json"
+    newer = json.dumps({"format": "patchc-tune-cache", "version": 99, "entries": {"theirs": {"ms": 2}}})
+    path.write_text(newer)
+    cache = TuneCache(path)
+    with pytest.warns(RuntimeWarning, match="cache version 99.*results stay in memory"):
+        assert cache.get("theirs") is None
+    cache.put("mine", {"ms": 1.0})
+    assert cache.get("mine") == {"ms": 1.0} and path.read_text() == newer
+
+
+def test_dropped_entry_stays_dropped(tmp_path):
+    """drop() then put() of another key: the merge with the file must not bring the dropped record back."""
+    path = tmp_path / "tune.json"
+    cache = TuneCache(path)
+    cache.put("stale", {"ms": 1.0})
+    cache.put("other", {"ms": 2.0})
+    cache.drop("stale")
+    assert TuneCache(path).get("stale") is None  # gone from the file at once
+    cache.put("third", {"ms": 3.0})
+    fresh = TuneCache(path)
+    assert fresh.get("stale") is None and fresh.get("other") == {"ms": 2.0} and fresh.get("third") == {"ms": 3.0}

@@ -6,9 +6,10 @@ One file, ``$PATCHC_CACHE_DIR/tune.json`` (default ``~/.cache/patchc/tune.json``
 
 KEY (see `cache_key`) joins the device name, torch and triton versions, the layer shape, the plan hash
 (tile kinds + tile + block), dtype, regime and M, so a result is reused only on the same setup. A file
-that cannot be read, is not valid JSON or has another format/version is ignored with a warning and
-rewritten (atomically: temp file + os.replace) on the next write; write errors only warn. The cache
-never raises.
+that cannot be read or is not valid JSON is ignored with a warning and rewritten (atomically: temp
+file + os.replace) on the next write; a file of another cache version is ignored and left as it is
+(results stay in memory: another patchc's cache is not wiped). Write errors only warn. The cache never
+raises. `drop` removes an entry from the file too, so a stale record does not come back.
 
 Example:
     >>> cache = TuneCache("/tmp/patchc-doc/tune.json")
@@ -91,6 +92,7 @@ class TuneCache:
     def __init__(self, path: str | os.PathLike | None = None) -> None:
         self.path = Path(path) if path is not None else default_cache_path()
         self._entries: dict[str, Any] | None = None
+        self._foreign: str | None = None  # why the file on disk is not ours to rewrite (another version)
 
     def _load(self) -> dict[str, Any]:
         if self._entries is None:
@@ -106,15 +108,17 @@ class TuneCache:
             if not isinstance(data, dict) or data.get("format") != FORMAT:
                 raise ValueError(f"not a {FORMAT} file")
             if data.get("version") != VERSION:
-                raise ValueError(f"version {data.get('version')!r}, this patchc writes {VERSION}")
+                self._foreign = f"cache version {data.get('version')!r}, this patchc writes {VERSION}"
+                raise ValueError(self._foreign + "; leaving the file as it is")
             entries = data.get("entries")
             if not isinstance(entries, dict):
                 raise ValueError("'entries' is not an object")
             return entries
-        except (OSError, ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is a ValueError
             if warn:
-                warnings.warn(f"patchc tuning cache {self.path}: ignoring it ({type(e).__name__}: {e}); "
-                              "it will be rewritten", RuntimeWarning, stacklevel=3)
+                then = "results stay in memory" if self._foreign else "it will be rewritten"
+                warnings.warn(f"patchc tuning cache {self.path}: ignoring it ({type(e).__name__}: {e}); {then}",
+                              RuntimeWarning, stacklevel=3)
             return {}
 
     def get(self, key: str) -> dict[str, Any] | None:
@@ -152,13 +156,20 @@ class TuneCache:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
     def drop(self, key: str) -> None:
-        """Forget one entry in memory (a stale record); the file is rewritten on the next put."""
+        """Forget one entry (a stale record), in memory and in the file, so a later merge cannot bring it back."""
         self._load().pop(key, None)
+        with self._locked():
+            on_disk = self._read(warn=False)
+            if key in on_disk:
+                del on_disk[key]
+                self._write(on_disk)
 
     def __len__(self) -> int:
         return len(self._load())
 
     def _write(self, entries: dict[str, Any]) -> None:
+        if self._foreign:
+            return  # another version's file: never overwritten (the warning came with the read)
         text = json.dumps({"format": FORMAT, "version": VERSION, "entries": entries}, indent=1, sort_keys=True)
         try:
             write_bytes_atomic(self.path, text.encode())
