@@ -1,9 +1,9 @@
 """Building blocks shared by the bench parts: random layer plans, inputs, timers and the device's roofline.
 
 Example:
-    >>> layer = make_layer(LayerCase((96, 160), 0.35, (32, 32), "fp16", (1,)), seed=0)
+    >>> layer = make_layer(LayerCase((128, 160), 0.35, (32, 32), "fp16", (1,)), seed=0)
     >>> layer.shape, round(1 - layer.density, 2)
-    ((96, 160), 0.35)
+    ((128, 160), 0.35)
 """
 
 from __future__ import annotations
