@@ -1,4 +1,4 @@
-"""Stage 6, bench: the GPU proof (`patchc bench`, `make gpu`): correctness and speed of everything below.
+"""Bench (beside the job): the GPU proof (`patchc bench`, `make gpu`): correctness and speed of everything below.
 
 It takes random plans of real layer shapes through codegen (`tile_linear`) and the runtime
 (`TileLinear`, `patchc.compile`) and measures them against cuBLAS, cuSPARSELt and an fp64 reference on
