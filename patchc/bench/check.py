@@ -28,9 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from patchc.bench.layers import DTYPES, Deadline, make_input, make_layer
+from patchc.bench.layers import DTYPES, Deadline, make_input, make_layer, run_cases
 from patchc.bench.options import LayerCase
-from patchc.utils.progress import progress
 
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 
@@ -71,17 +70,22 @@ def check_case(case: LayerCase, device: str, seed: int) -> list[dict[str, Any]]:
     from patchc.codegen.configs import arch_of, choose_block
     from patchc.codegen.reference import layerplan_to_dense
     from patchc.runtime import TileLinear
+    from patchc.runtime.tuner import default_tuning
 
     dtype = DTYPES[case.dtype]
     mixed = isinstance(case.kinds, float)
     layer = make_layer(case, seed, bias=mixed)  # bias on the mixed plans: the epilogue and split-K reduce
-    block = choose_block(case.tile, arch_of(device))
-    packed = pack(layer, block=block, allow_all_dense=case.kinds == "dense").to(device)
-    w = layer.to_dense().to(device=device, dtype=dtype)
-    bias = None if layer.bias is None else layer.bias.to(device=device, dtype=dtype)
+    arch = arch_of(device)
+    packed_cpu = pack(layer, block=choose_block(case.tile, arch), allow_all_dense=case.kinds == "dense")
+    packed = packed_cpu.to(device)
     w64 = layerplan_to_dense(layer, torch.float64).to(device)  # once per case: 11008 x 4096 takes a second
-    b64 = None if bias is None else layer.bias.to(device=device, dtype=torch.float64)
-    runtime = None if case.kinds == "dense" else TileLinear.from_plan(layer, dtype=dtype, device=device)
+    w = w64.to(dtype)  # W*M holds values of `dtype`: exact, the weight cuBLAS gets
+    bias = None if layer.bias is None else layer.bias.to(device=device, dtype=dtype)
+    b64 = None if bias is None else bias.to(torch.float64)
+    # the runtime layer as `TileLinear.from_plan` builds it untuned, from the same packing (packing a 7B
+    # layer takes a second)
+    runtime = None if case.kinds == "dense" else TileLinear(
+        packed_cpu, default_tuning(layer, packed_cpu, 16, 128, arch), dtype=dtype, device=device)
     rows = []
     for m in case.ms:
         x = make_input(m, case.shape[1], dtype, device, seed + m)
@@ -121,12 +125,5 @@ def _max_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 def run_checks(cases: list[LayerCase], device: str, seed: int, deadline: Deadline,
                show: bool = True) -> dict[str, Any]:
     """Every case until the deadline; {"rows", "failed", "skipped": [labels without time]}."""
-    rows: list[dict[str, Any]] = []
-    skipped = []
-    for case in progress(cases, desc="bench check", unit="layer", disable=not show):
-        if deadline.over():
-            skipped.append(case.label)
-            continue
-        rows += check_case(case, device, seed)
-    failed = [r for r in rows if not r["ok"]]
-    return {"rows": rows, "failed": failed, "skipped": skipped}
+    rows, skipped = run_cases(cases, lambda case: check_case(case, device, seed), deadline, "bench check", show)
+    return {"rows": rows, "failed": [r for r in rows if not r["ok"]], "skipped": skipped}

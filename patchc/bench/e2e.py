@@ -50,7 +50,7 @@ def decode_speed(model: Llama, batch: int, tokens: int, graphed: bool) -> dict[s
     """Prefill PROMPT tokens, then `tokens` greedy decode steps; tokens/s of the decode steps."""
     dev = model.embed.weight.device
     model.reset_cache(batch, PROMPT + tokens)
-    prompt = torch.randint(0, model.s.vocab, (batch, PROMPT), device=dev, generator=None)
+    prompt = torch.randint(0, model.s.vocab, (batch, PROMPT), device=dev)
     tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
     pos = torch.zeros(1, dtype=torch.long, device=dev)
     model(prompt, torch.arange(PROMPT, device=dev))  # warm-up: compiles every prefill kernel

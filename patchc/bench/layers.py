@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from patchc.bench.options import LayerCase
+from patchc.utils.progress import progress
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -131,3 +132,16 @@ class Deadline:
 
     def over(self) -> bool:
         return self.left() <= 0
+
+
+def run_cases(cases: list[LayerCase], run_one: Callable[[LayerCase], list[dict[str, Any]]], deadline: Deadline,
+              desc: str, show: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+    """(rows of every case run before the deadline, labels of the cases left without time)."""
+    rows: list[dict[str, Any]] = []
+    skipped = []
+    for case in progress(cases, desc=desc, unit="layer", disable=not show):
+        if deadline.over():
+            skipped.append(case.label)
+            continue
+        rows += run_one(case)
+    return rows, skipped

@@ -21,9 +21,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from patchc.bench.layers import DTYPES, Deadline, make_input, make_layer, weight_bytes
+from patchc.bench.layers import DTYPES, Deadline, make_input, make_layer, run_cases, weight_bytes
 from patchc.bench.options import LayerCase
-from patchc.utils.progress import progress
 
 DECODE_MAX_M = 16  # M at or below this is weight-bandwidth bound: the ceiling applies
 
@@ -96,11 +95,6 @@ def _time_or_none(timer: Callable[[Callable[[], Any]], float], fn: Callable[[], 
 def run_speed(cases: list[LayerCase], device: str, timer: Callable[[Callable[[], Any]], float], tune: bool,
               seed: int, deadline: Deadline, peak: float | None, show: bool = True) -> dict[str, Any]:
     """Every case until the deadline; {"rows", "skipped": [labels without time]}."""
-    rows: list[dict[str, Any]] = []
-    skipped = []
-    for case in progress(cases, desc="bench speed", unit="layer", disable=not show):
-        if deadline.over():
-            skipped.append(case.label)
-            continue
-        rows += time_case(case, device, timer, tune, seed, peak)
+    rows, skipped = run_cases(cases, lambda case: time_case(case, device, timer, tune, seed, peak), deadline,
+                              "bench speed", show)
     return {"rows": rows, "skipped": skipped}
