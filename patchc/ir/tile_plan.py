@@ -25,6 +25,7 @@ from patchc.ir import file_format
 from patchc.ir.errors import PlanError
 from patchc.ir.from_pruned import layers_from_masks, layers_from_weights
 from patchc.ir.layer_plan import LayerPlan
+from patchc.ir.provenance import check_weights, fingerprints
 
 
 @dataclass(eq=False)
@@ -121,11 +122,12 @@ class TilePlan:
 
     # -- apply -----------------------------------------------------------------------------------
 
-    def apply(self, model: nn.Module) -> nn.Module:
+    def apply(self, model: nn.Module, force: bool = False) -> nn.Module:
         """Write each layer's W * M (and its bias, if the plan has one and the model a matching
         `<module>.bias`) into `model`'s parameters in place; returns `model`.
 
-        Every target is checked before anything is written. Example: `plan.apply(copy.deepcopy(model))`.
+        Every target is checked before anything is written, also that the model's weights are the plan's
+        source (`patchc.ir.provenance`; `force=True` skips that). Example: `plan.apply(copy.deepcopy(model))`.
         """
         writes: list[tuple[torch.Tensor, torch.Tensor]] = []
         for fqn, layer in self.layers.items():
@@ -146,6 +148,8 @@ class TilePlan:
                     bias = None
                 if bias is not None and tuple(bias.shape) == tuple(layer.bias.shape):
                     writes.append((bias, layer.bias))
+        if not force:
+            check_weights(self, model)
         with torch.no_grad():
             for param, value in writes:
                 param.copy_(value.to(device=param.device, dtype=param.dtype))
@@ -196,7 +200,9 @@ class TilePlan:
         """
         layers, skipped, tile = layers_from_masks(model_or_state_dict, masks, tile, allow_lossy)
         base = {"source": "from_masks", "tile": list(tile), "allow_lossy": allow_lossy}
-        return cls(layers=layers, skipped=skipped, meta=dict(meta or base))
+        state = getattr(model_or_state_dict, "state_dict", lambda: model_or_state_dict)()
+        meta = dict(meta or base) | {"fingerprints": fingerprints({fqn: state[fqn] for fqn in layers})}
+        return cls(layers=layers, skipped=skipped, meta=meta)
 
     # -- files -----------------------------------------------------------------------------------
 

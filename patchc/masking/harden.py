@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from patchc.ir import TILE_DENSE, TILE_SPARSE24, LayerPlan, TilePlan
+from patchc.ir.provenance import fingerprints
 
 if TYPE_CHECKING:
     from patchc.passes.program import MaskedProgram
@@ -62,16 +63,18 @@ def harden(prog: MaskedProgram, exact_budget: bool = False) -> TilePlan:
     """
     chosen = budget_tiles(prog) if exact_budget else None
     layers: dict[str, LayerPlan] = {}
+    sources: dict[str, torch.Tensor] = {}
     for fqn, m in prog.layers.items():
         tiles = m.hard_tiles().cpu() if chosen is None else chosen[fqn]
         kinds = torch.where(tiles, TILE_DENSE, TILE_SPARSE24).to(torch.uint8)
-        weight = prog.weight(fqn).detach()
+        weight = sources[fqn] = prog.weight(fqn).detach()
         mask = m.hard_mask(tiles.to(m.nm_logits.device)).cpu()
         layers[fqn] = LayerPlan.from_mask(fqn, weight.cpu(), kinds, mask, bias=_bias(prog, fqn), tile=m.tile)
     meta = {
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in prog.cfg.to_dict().items()},
         "exact_budget": exact_budget,
         "schedule_step": int(prog.schedule_step),
+        "fingerprints": fingerprints(sources),  # plan.apply refuses a model with other weights
     }
     plan = TilePlan(layers=layers, skipped=dict(prog.skipped), meta=meta)
     plan.verify()

@@ -1,0 +1,111 @@
+"""Which weights a plan belongs to: per-layer fingerprints of the dense weights, checked by `apply`.
+
+A plan stores its kept weights, so `plan.apply(model)` on a model with the same shapes but other
+weights would silently paste the plan's weights in. Two checks stop that, both robust to the model
+being loaded in another dtype than the plan was made in:
+
+  * a plan made from dense weights (hardening, `from_masks`) records in `meta["fingerprints"]` per
+    layer the weight's norm and 64 values at positions fixed by the shape; the model's weight must
+    match them to the coarser dtype's rounding;
+  * a plan without fingerprints (older files, `from_weights`) is checked on its kept positions: the
+    model's weights there must equal the plan's (a dense original or an already pruned copy both do).
+
+Example:
+    >>> plan.meta["fingerprints"] = fingerprints({"fc.weight": w})
+    >>> check_weights(plan, model)          # raises PlanError naming the first layer that differs
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from patchc.ir.errors import PlanError
+
+SAMPLES = 64
+_FORCE = "pass force=True to write the plan's weights anyway"
+
+
+def _positions(shape: tuple[int, ...], count: int = SAMPLES) -> torch.Tensor:
+    """Flat indices fixed by the shape alone, so the same layer samples the same weights everywhere."""
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    gen = torch.Generator().manual_seed(hash_shape(shape))
+    return torch.randint(0, max(numel, 1), (min(count, numel),), generator=gen)
+
+
+def hash_shape(shape: tuple[int, ...]) -> int:
+    value = 1469598103934665603  # FNV-1a: stable across processes, unlike hash()
+    for s in shape:
+        value = ((value ^ int(s)) * 1099511628211) % (1 << 63)
+    return value
+
+
+def fingerprint(weight: torch.Tensor) -> dict:
+    """{"dtype", "norm", "sample"} of one dense weight (a few hundred bytes of JSON)."""
+    w = weight.detach().to("cpu", torch.float64)
+    flat = w.flatten()
+    return {
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        "norm": float(flat.norm()),
+        "sample": [float(v) for v in flat[_positions(tuple(w.shape))]],
+    }
+
+
+def fingerprints(weights: Mapping[str, torch.Tensor]) -> dict[str, dict]:
+    """`fingerprint` of each named weight, for `plan.meta["fingerprints"]`."""
+    return {name: fingerprint(w) for name, w in weights.items()}
+
+
+def _eps(*dtypes: torch.dtype | str) -> float:
+    eps = 0.0
+    for d in dtypes:
+        d = getattr(torch, d) if isinstance(d, str) else d
+        eps = max(eps, torch.finfo(d).eps if d.is_floating_point else 0.0)
+    return eps
+
+
+def fingerprint_mismatch(fqn: str, recorded: Mapping, weight: torch.Tensor) -> str | None:
+    """Why `weight` is not the weight `recorded` was taken from, or None if it is."""
+    eps = _eps(recorded.get("dtype", "float32"), weight.dtype)
+    now = fingerprint(weight)
+    norm_a, norm_b = float(recorded["norm"]), now["norm"]
+    if abs(norm_a - norm_b) > 4 * eps * max(abs(norm_a), abs(norm_b)) + 1e-30:
+        return f"layer {fqn}: the model's weight has norm {norm_b:.6g}, the plan was made from one of norm {norm_a:.6g}"
+    a = torch.tensor(recorded["sample"], dtype=torch.float64)
+    b = torch.tensor(now["sample"], dtype=torch.float64)
+    if a.shape != b.shape:
+        return f"layer {fqn}: the fingerprint has {a.numel()} samples, the model's weight gives {b.numel()}"
+    scale = max(float(a.abs().max()) if a.numel() else 0.0, 1e-30)
+    bad = (a - b).abs() > 2 * eps * torch.maximum(a.abs(), b.abs()) + eps * scale * 1e-3
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        return (f"layer {fqn}: {int(bad.sum())} of {a.numel()} sampled weights differ from the weights the plan "
+                f"was made from (e.g. {float(b[i]):.6g} vs {float(a[i]):.6g})")
+    return None
+
+
+def kept_mismatch(fqn: str, layer, weight: torch.Tensor) -> str | None:
+    """Why `weight` disagrees with the plan's kept values (for plans without fingerprints), or None."""
+    mask = layer.mask().to(weight.device)
+    ours = layer.to_dense().to(weight.device, torch.float64)[mask]
+    theirs = weight.detach().to(torch.float64)[mask]
+    eps = _eps(layer.dtype, weight.dtype)
+    bad = (ours - theirs).abs() > 2 * eps * torch.maximum(ours.abs(), theirs.abs())
+    if bool(bad.any()):
+        return (f"layer {fqn}: {int(bad.sum()):,} of {int(mask.sum()):,} kept weights differ from the model's "
+                f"(max |diff| {float((ours - theirs).abs().max()):.3g})")
+    return None
+
+
+def check_weights(plan, model: torch.nn.Module) -> None:
+    """Raise `PlanError` naming the first planned layer whose model weight is not the plan's source."""
+    recorded = plan.meta.get("fingerprints") or {}
+    for fqn, layer in plan.layers.items():
+        weight = model.get_parameter(fqn)
+        why = (fingerprint_mismatch(fqn, recorded[fqn], weight) if fqn in recorded
+               else kept_mismatch(fqn, layer, weight))
+        if why:
+            raise PlanError(f"{why}: this plan was made for other weights (another checkpoint or model); {_FORCE}")
