@@ -37,6 +37,7 @@ _LAZY = {
     "codegen": ("patchc.codegen", None),
     "compile": ("patchc.runtime", "compile"),
     "runtime": ("patchc.runtime", None),
+    "from_pretrained": ("patchc.export", "from_pretrained"),
 }
 
 

@@ -32,6 +32,7 @@ RANK = {
     "runtime": 4,
     "job": 5,
     "bench": 5,
+    "export": 5,
 }
 MAX_MODULE_LINES, MAX_CLASS_LINES = 400, 200
 

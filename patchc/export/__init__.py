@@ -1,0 +1,37 @@
+"""Stage 5, export: getting a pruned model out of patchc and loading it back, ready to serve.
+
+It owns the exported checkpoint (an HF-style folder whose planned weights are stored compressed as the
+tile plan's buffers), writing it from a plan and a model or from a `patchc prune` run folder, rebuilding
+the model from it offline with the runtime's `TileLinear` layers (or plain dense ones), and reading
+compressed-tensors' legacy `sparse-24-bitmask` checkpoints into a TilePlan. It takes TilePlans (ir),
+models (models) and the runtime's `patchc.compile`; it hands users a folder and a model.
+
+    format.py      model.safetensors: plain tensors + "<fqn>.patchc.<part>" plan buffers, versioned header
+    arch.py        which model a folder holds: config.json, tokenizer files, rebuilding it
+    pretrained.py  export_pretrained, export_run, from_pretrained, load_plan, load_tokenizer
+    legacy.py      plan_from_compressed_tensors (sparse-24-bitmask)
+
+Example:
+    >>> from patchc.export import export_pretrained, from_pretrained
+    >>> export_pretrained(plan, model, "out/pruned", tokenizer_from=STORIES260K_DIR)
+    >>> fast = from_pretrained("out/pruned")            # TileLinear where planned; dense=True for plain
+"""
+
+from patchc.export.format import CONFIG, FORMAT, VERSION, WEIGHTS, ExportError
+from patchc.export.legacy import decode_24_bitmask, plan_from_compressed_tensors
+from patchc.export.pretrained import export_pretrained, export_run, from_pretrained, load_plan, load_tokenizer
+
+__all__ = [
+    "CONFIG",
+    "FORMAT",
+    "VERSION",
+    "WEIGHTS",
+    "ExportError",
+    "decode_24_bitmask",
+    "export_pretrained",
+    "export_run",
+    "from_pretrained",
+    "load_plan",
+    "load_tokenizer",
+    "plan_from_compressed_tensors",
+]

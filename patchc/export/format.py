@@ -1,0 +1,137 @@
+"""The exported checkpoint's weights file: plain tensors as-is, planned weights as the plan's buffers.
+
+`model.safetensors` holds two kinds of tensors:
+
+  * every tensor of the model's state dict that is not planned, under its own name (with the wrapper
+    prefix removed, see `patchc.export.arch`) and in its own dtype, exactly as `save_pretrained` stores it;
+  * for every planned weight `<fqn>` (e.g. ``model.layers.0.mlp.up_proj.weight``) its tile-plan buffers
+    instead of the dense (N, K) tensor: ``<fqn>.patchc.kinds`` uint8 (Tn, Tk), ``<fqn>.patchc.dense``
+    (n_dense, b1, b2), ``<fqn>.patchc.values`` (n_sparse, b1, b2/2), ``<fqn>.patchc.meta`` uint8
+    (n_sparse, b1, ceil(b2/8)) and, if the plan has one, ``<fqn>.patchc.bias`` (N,). The layout of each
+    buffer is the IR's (the `patchc.ir` docstring); the dense weight itself is absent.
+
+The file's metadata is ``{"format": "pt", "patchc": JSON}``, the JSON being::
+
+    {"format": "patchc.pretrained", "version": 1,
+     "layers": {fqn: {"shape": [N, K], "tile": [b1, b2], "dtype": "float16", "has_bias": false}, ...}}
+
+A reader refuses another format or version, a header layer whose buffers are missing, and a
+``.patchc.`` tensor the header does not describe, naming the file and the layer.
+
+Example:
+    >>> write_weights(path, plain, plan.layers)
+    >>> plain, layers = read_weights(path)      # {name: tensor}, {fqn: LayerPlan}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from patchc.ir import LayerPlan, PlanError
+from patchc.ir.file_format import FLOAT_DTYPES, dtype_name
+from patchc.ir.verify import PARTS
+
+FORMAT = "patchc.pretrained"
+VERSION = 1
+SEP = ".patchc."  # "<weight fqn>.patchc.<part>": never a real parameter name
+WEIGHTS = "model.safetensors"
+CONFIG = "patchc_config.json"
+
+
+class ExportError(ValueError):
+    """An exported checkpoint that cannot be written or read; the message names the folder or file."""
+
+
+def part_name(fqn: str, part: str) -> str:
+    """The tensor name of one buffer of a planned weight: part_name("fc.weight", "kinds") -> "fc.weight.patchc.kinds"."""
+    return f"{fqn}{SEP}{part}"
+
+
+def layer_header(layers: dict[str, LayerPlan]) -> dict:
+    """{fqn: {shape, tile, dtype, has_bias}}: what a reader needs to rebuild each LayerPlan."""
+    return {
+        fqn: {"shape": list(layer.shape), "tile": list(layer.tile), "dtype": dtype_name(layer.dtype),
+              "has_bias": layer.bias is not None}
+        for fqn, layer in layers.items()
+    }
+
+
+def write_weights(path: Path, plain: dict[str, torch.Tensor], layers: dict[str, LayerPlan]) -> None:
+    """Write `plain` tensors and the buffers of `layers` (keyed by their stored fqn) to one safetensors file.
+
+    Written in place: the caller's folder is a temporary one, renamed into place when complete."""
+    from safetensors.torch import save_file
+
+    tensors = {name: t.detach().cpu().contiguous() for name, t in plain.items()}
+    for fqn, layer in layers.items():
+        for part, t in layer.tensors().items():
+            name = part_name(fqn, part)
+            if name in tensors:
+                raise ExportError(f"{path}: tensor name {name!r} is both a model tensor and a plan buffer")
+            tensors[name] = t.detach().cpu().contiguous()
+    head = {"format": FORMAT, "version": VERSION, "layers": layer_header(layers)}
+    save_file(tensors, str(path), metadata={"format": "pt", "patchc": json.dumps(head)})
+
+
+def read_weights(path: Path, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, LayerPlan]]:
+    """(plain tensors by stored name, LayerPlans by `prefix` + stored fqn) of a file written by `write_weights`."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise ExportError(f"{path}: weights file missing (an exported folder holds {WEIGHTS})")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as e:  # safetensors raises its own error types
+        raise ExportError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    head = check_header(path, metadata.get("patchc"), "the file's 'patchc' metadata")
+    layers = {prefix + fqn: _layer(path, fqn, prefix, info, tensors) for fqn, info in head["layers"].items()}
+    stray = sorted(k for k in tensors if SEP in k)
+    if stray:
+        raise ExportError(f"{path}: tensor {stray[0]!r} is not described by the 'patchc' header (corrupt file?)")
+    return tensors, layers
+
+
+def check_header(path: Path, raw: str | dict | None, what: str) -> dict:
+    """The parsed header (a JSON string or dict) after checking its format and version; `ExportError` if wrong."""
+    if raw is None:
+        raise ExportError(f"{path}: {what} is missing; not a checkpoint written by patchc.export")
+    try:
+        head = json.loads(raw) if isinstance(raw, str) else raw
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{path}: {what} is not valid JSON ({e})") from None
+    if not isinstance(head, dict) or head.get("format") != FORMAT:
+        fmt = head.get("format") if isinstance(head, dict) else None
+        raise ExportError(f"{path}: {what} has format {fmt!r}, expected {FORMAT!r}")
+    if head.get("version") != VERSION:
+        raise ExportError(f"{path}: {what} has format version {head.get('version')!r}; this patchc reads "
+                          f"version {VERSION} (export the model again with this patchc, or upgrade patchc)")
+    if not isinstance(head.get("layers"), dict):
+        raise ExportError(f"{path}: {what} needs a 'layers' object")
+    return head
+
+
+def _layer(path: Path, fqn: str, prefix: str, info: dict, tensors: dict[str, torch.Tensor]) -> LayerPlan:
+    """Pop one layer's buffers out of `tensors` and rebuild (and validate) its LayerPlan."""
+    where = f"{path}: layer {fqn}"
+    try:
+        shape, tile, name, has_bias = tuple(info["shape"]), tuple(info["tile"]), info["dtype"], bool(info["has_bias"])
+    except (KeyError, TypeError):
+        raise ExportError(f"{where}: header entry needs shape, tile, dtype and has_bias, got {info!r}") from None
+    if name not in FLOAT_DTYPES:
+        raise ExportError(f"{where}: unsupported dtype {name!r} (one of {sorted(FLOAT_DTYPES)})")
+    parts = {}
+    for part in PARTS + (("bias",) if has_bias else ()):
+        key = part_name(fqn, part)
+        if key not in tensors:
+            raise ExportError(f"{where}: tensor {key!r} is missing from the file")
+        parts[part] = tensors.pop(key)
+    try:
+        return LayerPlan(name=prefix + fqn, shape=shape, tile=tile, dtype=FLOAT_DTYPES[name], bias=parts.pop("bias", None),
+                         **parts)
+    except PlanError as e:
+        raise ExportError(f"{path}: {e}") from None

@@ -1,0 +1,283 @@
+"""`export_pretrained` / `export_run`: a pruned model as an HF-style folder; `from_pretrained`: load it back.
+
+The folder (written atomically: built in a temporary sibling, then renamed into place)::
+
+    config.json               the model's config (transformers), or patchc's llama2.c config (`arch.py`)
+    generation_config.json    causal transformers models that have one
+    model.safetensors         plain tensors as-is + planned weights as tile-plan buffers (`format.py`)
+    patchc_config.json        format + version, how to rebuild the model, tied names, the model dtype,
+                              per planned layer shape / tile / dtype / tiles / density, plan skipped + meta
+    tokenizer files           copied (HF tokenizer files; llama2.c's tok*.bin)
+
+`from_pretrained` rebuilds the model from config.json (never a download), loads the plain tensors and,
+for the planned weights, installs the runtime's `TileLinear` through `patchc.runtime.compile` (on CPU the
+exact dense fallback runs), or with `dense=True` writes W * M into plain modules.
+
+Example:
+    >>> export_pretrained(plan, model, "out/stories-pruned", tokenizer_from=STORIES260K_DIR)
+    >>> model = patchc.from_pretrained("out/stories-pruned")           # TileLinear where planned
+    >>> tok = load_tokenizer("out/stories-pruned")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from patchc.export.arch import ModelSpec, copy_tokenizer, describe, rebuild, save_config
+from patchc.export.format import CONFIG, FORMAT, VERSION, WEIGHTS, ExportError, check_header, read_weights, write_weights
+from patchc.ir import TilePlan
+from patchc.ir.file_format import FLOAT_DTYPES, dtype_name
+
+Run = str | os.PathLike
+
+
+def export_pretrained(plan: TilePlan, model: nn.Module, out_dir: Run, *, tokenizer_from: Any = None,
+                      config: Any = None, overwrite: bool = False, info: dict | None = None) -> Path:
+    """Write `plan` applied to `model` as an HF-style folder `out_dir` (see the module docstring); returns it.
+
+    `model` is the dense model the plan was made for (it is not modified); `tokenizer_from` a folder or
+    checkpoint file whose tokenizer files to copy, or a tokenizer with `save_pretrained`; `config`
+    overrides the model's config; `info` is stored in patchc_config.json under "source".
+    Refuses an existing non-empty `out_dir` unless `overwrite=True`.
+
+    Example:
+        >>> export_pretrained(plan, bundle.model, "out/pruned", tokenizer_from=bundle.source)
+    """
+    out = Path(out_dir)
+    spec = describe(model)
+    plan.verify()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for fqn, layer in plan.layers.items():
+        if fqn not in params:
+            raise ExportError(f"layer {fqn}: the {type(model).__name__} has no parameter {fqn!r}; "
+                              "export the model the plan was made for")
+        if tuple(params[fqn].shape) != layer.shape:
+            raise ExportError(f"layer {fqn}: the model's weight has shape {tuple(params[fqn].shape)}, the plan {layer.shape}")
+    plain, tied = split_state(model, set(plan.layers), spec.prefix)
+    layers = {fqn.removeprefix(spec.prefix): layer for fqn, layer in plan.layers.items()}
+    weight = next(iter(params.values()))
+    with atomic_dir(out, overwrite) as tmp:
+        save_config(spec, model, tmp, config)
+        tokenizer = copy_tokenizer(tokenizer_from, tmp, spec)
+        write_weights(tmp / WEIGHTS, plain, layers)
+        body = {
+            "format": FORMAT, "version": VERSION, "weights": WEIGHTS, "model": spec.to_dict(), "tied": tied,
+            "dtype": dtype_name(weight.dtype), "tokenizer": tokenizer,
+            "layers": {fqn: {"shape": list(lp.shape), "tile": list(lp.tile), "dtype": dtype_name(lp.dtype),
+                             "dense_tiles": lp.n_dense, "sparse_tiles": lp.n_sparse, "density": round(lp.density, 6)}
+                       for fqn, lp in layers.items()},
+            "plan": {"density": plan.density, "skipped": plan.skipped, "meta": plan.meta},
+            "bytes": {"plan": plan.nbytes(), "plain": sum(t.numel() * t.element_size() for t in plain.values())},
+            "source": dict(info or {}),
+        }
+        (tmp / CONFIG).write_text(json.dumps(body, indent=2) + "\n")
+    return out
+
+
+def split_state(model: nn.Module, planned: set[str], prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(plain tensors to store, {tied alias: stored name}), names without `prefix`; planned weights left out.
+
+    A tensor shared by several names (a tied LM head) is stored once, under its first name."""
+    first: dict[int, str] = {}
+    plain: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if not name.startswith(prefix):
+            raise ExportError(f"tensor {name!r} lies outside the wrapped model ({prefix!r}); cannot store it")
+        short = name.removeprefix(prefix)
+        if id(t) in first:
+            tied[short] = first[id(t)]
+            continue
+        first[id(t)] = short
+        if name not in planned:
+            plain[short] = t.detach()
+    return plain, tied
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path, overwrite: bool) -> Iterator[Path]:
+    """A temporary sibling folder, renamed onto `out` if the block succeeds, removed if not.
+
+    Files inside are written plainly: nobody reads the temporary folder, and the rename makes the whole
+    folder appear at once. An existing `out` is moved aside first and deleted only after the rename."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"{out}: folder exists and is not empty; pass overwrite=True (CLI: --overwrite) or "
+                          "choose another folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.replace(out, old / "x")
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def export_run(run_dir: Run, out_dir: Run, *, model: str | None = None, overwrite: bool = False) -> Path:
+    """Export a `patchc prune` run folder (its plan.patch and report.json) to `out_dir`; returns it.
+
+    The model is loaded with `patchc.models.load_model` from `model`, else from the spec the run's
+    report records. Example: `export_run("runs/stories260K", "out/stories260K-pruned")`.
+    """
+    from patchc.models import load_model
+
+    run = Path(run_dir)
+    for name in ("plan.patch", "report.json"):
+        if not (run / name).is_file():
+            raise ExportError(f"{run}: no {name}; give the folder `patchc prune` wrote (runs/<name>)")
+    try:
+        report = json.loads((run / "report.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{run / 'report.json'}: not valid JSON ({e})") from None
+    spec = model or model_spec(report, run)
+    bundle = load_model(spec)
+    plan = TilePlan.load(run / "plan.patch")
+    source = bundle.source if bundle.tokenizer is not None else None
+    return export_pretrained(plan, bundle.model, out_dir, tokenizer_from=source, overwrite=overwrite,
+                             info={"run": str(run), "model": spec})
+
+
+def model_spec(report: dict, run: Path) -> str:
+    """The model spec a run used: a recorded spec, the command's --model, the prune default, or its name."""
+    for key in ("model_spec", "model_source", "source"):
+        if isinstance(report.get(key), str) and report[key]:
+            return report[key]
+    words = shlex.split(str(report.get("command") or ""))
+    for i, w in enumerate(words):
+        if w == "--model" and i + 1 < len(words):
+            return words[i + 1]
+        if w.startswith("--model="):
+            return w.split("=", 1)[1]
+    if words[:2] == ["patchc", "prune"]:
+        from patchc.job.options import DEFAULT_MODEL
+
+        return DEFAULT_MODEL
+    if isinstance(report.get("model"), str) and report["model"]:
+        return report["model"]
+    raise ExportError(f"{run / 'report.json'}: records no model spec; pass model= (CLI: --model)")
+
+
+def read_config(folder: Path) -> dict:
+    """patchc_config.json of an exported folder, its format and version checked."""
+    if not folder.is_dir():
+        raise ExportError(f"{folder}: no such folder")
+    path = folder / CONFIG
+    if not path.is_file():
+        raise ExportError(f"{folder}: no {CONFIG}; not a folder written by patchc export "
+                          "(a plain transformers folder loads with patchc.models.load_model)")
+    return check_header(path, path.read_text(), CONFIG)
+
+
+def load_plan(path: Run) -> TilePlan:
+    """The TilePlan stored in an exported folder, keyed by the loaded model's weight names.
+
+    Example: `load_plan("out/pruned").summary()`."""
+    return read_export(Path(path))[2]
+
+
+def read_export(folder: Path) -> tuple[dict, ModelSpec, TilePlan, dict[str, torch.Tensor]]:
+    """(patchc_config.json, model spec, plan, plain tensors by the model's names) of an exported folder."""
+    body = read_config(folder)
+    spec = ModelSpec(**body["model"])
+    plain, layers = read_weights(folder / body.get("weights", WEIGHTS), spec.prefix)
+    expected = {spec.prefix + fqn for fqn in body["layers"]}
+    if set(layers) != expected:
+        odd = sorted(set(layers) ^ expected)[0]
+        raise ExportError(f"{folder}: layer {odd} is in one of {CONFIG} / {WEIGHTS} but not the other")
+    # fingerprints describe the dense weights, which an export does not hold: loading checks kept values
+    meta = {k: v for k, v in body["plan"].get("meta", {}).items() if k != "fingerprints"}
+    plan = TilePlan(layers=layers, skipped=body["plan"].get("skipped", {}), meta=meta)
+    return body, spec, plan, {spec.prefix + k: v for k, v in plain.items()}
+
+
+def from_pretrained(path: Run, *, dense: bool = False, device: Any = "cpu", dtype: torch.dtype | None = None,
+                    tune: bool | str = True) -> nn.Module:
+    """Load an exported folder: the model in eval mode, `TileLinear` where planned (or W * M dense).
+
+    `dtype`: None keeps the exported model's dtype. `tune`: as `patchc.compile` (CPU: defaults).
+    Errors name the folder: missing files, another format version, a planned layer the model lacks.
+
+    Example:
+        >>> model = patchc.from_pretrained("out/pruned")                 # CPU: exact dense fallback
+        >>> model = patchc.from_pretrained("out/pruned", device="cuda", dtype=torch.float16)
+    """
+    folder = Path(path)
+    body, spec, plan, plain = read_export(folder)
+    model = rebuild(folder, spec)
+    load_plain(folder, model, plan, plain, {spec.prefix + a: spec.prefix + t for a, t in body["tied"].items()})
+    model.to(device=device, dtype=dtype or FLOAT_DTYPES.get(body.get("dtype"), torch.float32))
+    if dense:
+        plan.apply(model)
+        return model.eval()
+    from patchc.runtime import compile as compile_model
+
+    return compile_model(model, plan, tune=tune, inplace=True).eval()
+
+
+def load_plain(folder: Path, model: nn.Module, plan: TilePlan, plain: dict[str, torch.Tensor],
+               tied: dict[str, str]) -> None:
+    """Load the plain tensors into `model` and W * M into its planned weights; refuse any name mismatch."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for fqn, layer in plan.layers.items():
+        if fqn not in params or tuple(params[fqn].shape) != layer.shape:
+            got = "no such parameter" if fqn not in params else f"shape {tuple(params[fqn].shape)}"
+            raise ExportError(f"{folder}: layer {fqn}: the model built from config.json has {got} "
+                              f"(the plan needs {layer.shape}); config.json and {WEIGHTS} do not match")
+    result = model.load_state_dict(plain, strict=False)
+    if result.unexpected_keys:
+        raise ExportError(f"{folder}: tensor {result.unexpected_keys[0]!r} in {WEIGHTS} is not in the model "
+                          "built from config.json")
+    missing = sorted(set(result.missing_keys) - set(plan.layers) - set(tied))
+    if missing:
+        raise ExportError(f"{folder}: tensor {missing[0]!r} of the model is missing from {WEIGHTS}")
+    with torch.no_grad():
+        # W * M now, so that the model holds the pruned values even where the runtime keeps a weight
+        for fqn, layer in plan.layers.items():
+            params[fqn].copy_(layer.to_dense())
+        for alias, target in tied.items():
+            src = model.get_parameter(target) if target in params else model.get_buffer(target)
+            dst = params.get(alias)
+            if dst is not None and dst is not src:
+                dst.copy_(src)
+
+
+def load_tokenizer(path: Run) -> Any:
+    """The tokenizer saved in an exported folder: llama2.c's `Tokenizer`, or patchc's `HFTokenizer`.
+
+    Example: `load_tokenizer("out/pruned").encode("Once upon a time")`."""
+    folder = Path(path)
+    body = read_config(folder)
+    spec = ModelSpec(**body["model"])
+    if spec.family == "llama2c":
+        from patchc.models import load_tokenizer as load_llama2c_tokenizer
+
+        files = sorted(folder.glob("tok*.bin"))
+        if not files:
+            raise ExportError(f"{folder}: no llama2.c tokenizer (tok*.bin) was exported with this model")
+        return load_llama2c_tokenizer(files[0])
+    from patchc.models.bundle import HFTokenizer
+    from patchc.models.hf import load_hf_tokenizer
+
+    hf = load_hf_tokenizer(folder)
+    if hf is None:
+        raise ExportError(f"{folder}: no tokenizer files were exported with this model")
+    return HFTokenizer(hf, spec.kind)
