@@ -15,6 +15,14 @@ Layout of `out_dir`::
 
 All-dense layers get no kernel (route "F.linear": cuBLAS is the right kernel for them).
 
+Speed: a layer's kernels depend on its layout and specialisation only, never on weight values, so
+generation reads the layout (`pack_skeleton`, no weight copies) and compiles each distinct
+specialisation once (`compile_pool`: layers of equal shape and block counts share one compile, in
+parallel worker processes); every layer still gets its own files, byte-identical to those a generate of
+that layer alone writes. Each variant's "compile_key" says which ones share; the index's "kernels" counts
+variants and distinct compiles. FP fusion is requested explicitly ("compile_options", per variant
+"fp_fusion").
+
 Example:
     >>> files = generate(plan, "kernels/", target="sm_90")   # doctest: +SKIP
 """
@@ -27,6 +35,7 @@ import inspect
 import json
 import os
 import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +43,14 @@ import torch
 import triton
 
 from patchc.codegen import kernels
+from patchc.codegen.compile_pool import CompiledKernel, CompileJob, compile_all, kernel_function, pointer_hints
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, choose_block, normalize_target, resolve_config, variants
 from patchc.codegen.launch import GRID_RULES, KERNEL_ARGS, REDUCE_BLOCK, specialisation
-from patchc.codegen.layout import PackedLayer, pack
+from patchc.codegen.layout import PackedLayer
 from patchc.codegen.offline import assumptions
-from patchc.codegen.sass import disassemble, static_profile, weight_loops
+from patchc.codegen.skeleton import pack_skeleton
 from patchc.utils.files import write_bytes_atomic
+from patchc.utils.progress import progress
 
 MANIFEST_FORMAT = "patchc.kernels"
 MANIFEST_VERSION = 1
@@ -53,40 +64,57 @@ def generate(
     *,
     block: tuple[int, int] | None = None,
     layers: list[str] | None = None,
+    workers: int | None = None,
+    show_progress: bool = True,
+    fp_fusion: bool = True,
 ) -> list[Path]:
     """Compile every planned layer's kernels for `target` ("sm_80" or "sm_90") into `out_dir`.
 
     `block` overrides the per-architecture block choice (it must divide each layer's tile);
-    `layers` restricts generation to those FQNs. Returns the written files (the index manifest last).
+    `layers` restricts generation to those FQNs. Each distinct specialisation compiles once (layers that
+    share one get identical files), in `workers` processes (default: the CPU count; 1 = this process);
+    the files do not depend on the worker count. `fp_fusion` is Triton's `enable_fp_fusion` (fused
+    multiply-adds; the kernels are tuned with it on), recorded in every manifest. Progress bars on
+    stderr unless `show_progress=False`. Returns the written files (the index manifest last).
 
     Example:
-        >>> files = generate(plan, "kernels/", target="sm_80")   # doctest: +SKIP
-        >>> [f.name for f in files if f.suffix == ".ptx"]        # doctest: +SKIP
+        >>> files = generate(plan, "kernels/", target="sm_80", workers=2)   # doctest: +SKIP
+        >>> [f.name for f in files if f.suffix == ".ptx"]                  # doctest: +SKIP
     """
     _require_compiler()
     arch = normalize_target(target)
     cc = int(arch.split("_")[1])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
+    header = _header(arch, cc, fp_fusion)  # one timestamp for every manifest of this run
     index: dict[str, Any] = {}
+    planned: list[tuple[PackedLayer, list[tuple[Any, CompileJob]]]] = []
     names = list(plan.layers) if layers is None else layers
     for fqn in names:
         layer = plan.layers[fqn]
-        blk = block or choose_block(tuple(layer.tile), arch)
         if bool((layer.kinds == 0).all()):
             index[fqn] = {"route": "F.linear", "reason": "all tiles dense: cuBLAS is the right kernel"}
             continue
-        packed = pack(plan, fqn, block=blk)
-        layer_dir = out / _safe_name(fqn)
-        layer_dir.mkdir(parents=True, exist_ok=True)
-        manifest, files = _generate_layer(packed, layer_dir, arch, cc)
+        # generation reads the layout only: packing the weights (GBs for a 7B model) would buy nothing
+        skel = pack_skeleton(plan, fqn, block=block or choose_block(tuple(layer.tile), arch))
+        planned.append((skel, _layer_jobs(skel, arch, cc, fp_fusion)))
+    users: dict[CompileJob, list[str]] = {}
+    for skel, jobs in planned:
+        for item, job in jobs:
+            users.setdefault(job, []).append(f"layer {skel.name!r} ({_stem(item)})")
+    compiled = compile_all(users, workers, show_progress=show_progress)
+    written: list[Path] = []
+    for skel, jobs in progress(planned, desc="writing layers", unit="layer", disable=not show_progress):
+        layer_dir = out / _safe_name(skel.name)
+        manifest, files = _write_layer(skel, jobs, compiled, layer_dir, header)
         written += files
-        index[fqn] = {"route": "patchc", "manifest": str(Path(layer_dir.name) / "manifest.json")}
-        index[fqn]["variants"] = [v["name"] for v in manifest["variants"]]
+        index[skel.name] = {"route": "patchc", "manifest": str(Path(layer_dir.name) / "manifest.json"),
+                            "variants": [v["name"] for v in manifest["variants"]]}
+    index = {fqn: index[fqn] for fqn in names}  # plan order, whichever route a layer took
     skipped = dict(getattr(plan, "skipped", {}) or {})
-    header = _header(arch, cc) | {"layers": index, "skipped": skipped}
-    written.append(_write_text(out / "manifest.json", json.dumps(header, indent=2)))
+    kernels_made = {"variants": sum(len(jobs) for _, jobs in planned), "compiled": len(compiled)}
+    top = header | {"kernels": kernels_made, "layers": index, "skipped": skipped}
+    written.append(_write_text(out / "manifest.json", json.dumps(top, indent=2)))
     return written
 
 
@@ -130,51 +158,65 @@ def summary(out_dir: str | os.PathLike) -> str:
     return "\n".join(lines)
 
 
-def _generate_layer(packed: PackedLayer, layer_dir: Path, arch: str, cc: int) -> tuple[dict[str, Any], list[Path]]:
+def _layer_jobs(packed: PackedLayer, arch: str, cc: int, fp_fusion: bool) -> list[tuple[Any, CompileJob]]:
+    """(variant or split count, job) per kernel of a layer: its variants, then one reduction per split_k."""
     dtype = packed.dtype
     has_bias = packed.bias is not None
-    files: list[Path] = []
-    entries = []
-    reduce_splits: set[int] = set()
+    signature = tuple(_signature(dtype).items())
+    jobs: list[tuple[Any, CompileJob]] = []
+    splits: set[int] = set()
     for var in variants(arch):
         cfg = resolve_config(KernelConfig(kernel=var.kernel, block_m=var.block_m), packed, var.rep_m, arch)
-        consts = specialisation(packed, cfg, dtype, has_bias)
-        fn = kernels.KERNELS[var.kernel]
-        signature = _signature(dtype)
-        entry, new, sass = _compile_one(fn, signature, consts, cfg.num_warps, cfg.num_stages, layer_dir, var.name, cc)
-        files += new
-        # the weight loops' cost: warp-instructions per weight byte decide whether decode can be memory bound
-        entry["loops"] = weight_loops(sass, consts["HAS_DENSE"], consts["HAS_SPARSE"], packed.block, dtype.itemsize,
-                                      cfg.num_warps)
-        entry.update(
-            name=var.name,
-            layer=packed.name,
-            kernel=var.kernel,
-            m_min=var.m_min,
-            m_max=var.m_max,
-            grid=GRID_RULES[var.kernel],
-            split_k=cfg.split_k,
-            reduce=f"splitk_reduce_s{cfg.split_k}" if cfg.split_k > 1 else None,
-        )
-        entries.append(entry)
+        consts = tuple(specialisation(packed, cfg, dtype, has_bias).items())
+        jobs.append(((var, cfg), CompileJob(var.kernel, signature, consts, cfg.num_warps, cfg.num_stages, cc,
+                                            fp_fusion)))
         if cfg.split_k > 1:
-            reduce_splits.add(cfg.split_k)
-    for s in sorted(reduce_splits):
-        consts = {"SPLIT_K": s, "HAS_BIAS": has_bias, "BLOCK": REDUCE_BLOCK}
-        signature = {"part_ptr": "*fp32", "y_ptr": f"*{_TRITON_TYPES[dtype]}",
-                     "bias_ptr": f"*{_TRITON_TYPES[dtype]}", "M": "i32", "N": "i32"}
-        entry, new, _ = _compile_one(kernels.splitk_reduce_kernel, signature, consts, 4, 1, layer_dir,
-                                     f"splitk_reduce_s{s}", cc)
-        entry.update(name=f"splitk_reduce_s{s}", layer=packed.name, kernel="splitk_reduce",
-                     grid=GRID_RULES["splitk_reduce"])
-        entries.append(entry)
+            splits.add(cfg.split_k)
+    t = _TRITON_TYPES[dtype]
+    reduce_sig = (("part_ptr", "*fp32"), ("y_ptr", f"*{t}"), ("bias_ptr", f"*{t}"), ("M", "i32"), ("N", "i32"))
+    for s in sorted(splits):
+        consts = (("SPLIT_K", s), ("HAS_BIAS", has_bias), ("BLOCK", REDUCE_BLOCK))
+        jobs.append((s, CompileJob("splitk_reduce", reduce_sig, consts, 4, 1, cc, fp_fusion)))
+    return jobs
+
+
+def _stem(item: Any) -> str:
+    """File stem of a layer's kernel: the variant name, or splitk_reduce_s<S> for a reduction."""
+    return f"splitk_reduce_s{item}" if isinstance(item, int) else item[0].name
+
+
+def _write_layer(packed: PackedLayer, jobs: list[tuple[Any, CompileJob]], compiled: dict[CompileJob, CompiledKernel],
+                 layer_dir: Path, header: dict[str, Any]) -> tuple[dict[str, Any], list[Path]]:
+    files: list[Path] = []
+    entries = []
+    for item, job in jobs:
+        stem = _stem(item)
+        entry, new = _write_kernel(job, compiled[job], layer_dir, stem)
         files += new
-    manifest = _header(arch, cc) | {
+        if isinstance(item, int):
+            entry.update(name=stem, layer=packed.name, kernel="splitk_reduce", grid=GRID_RULES["splitk_reduce"])
+        else:
+            var, cfg = item
+            # the weight loops' cost: warp-instructions per weight byte decide whether decode can be memory bound
+            entry["loops"] = compiled[job].loops
+            entry.update(
+                name=var.name,
+                layer=packed.name,
+                kernel=var.kernel,
+                m_min=var.m_min,
+                m_max=var.m_max,
+                grid=GRID_RULES[var.kernel],
+                split_k=cfg.split_k,
+                reduce=f"splitk_reduce_s{cfg.split_k}" if cfg.split_k > 1 else None,
+            )
+        entries.append(entry)
+    dtype = packed.dtype
+    manifest = header | {
         "layer": packed.name,
         "shape": list(packed.shape),
         "block": list(packed.block),
         "dtype": str(dtype).replace("torch.", ""),
-        "has_bias": has_bias,
+        "has_bias": packed.bias is not None,
         "n_dense": packed.n_dense,
         "n_sparse": packed.n_sparse,
         "dense_per_row": packed.dense_per_row,
@@ -190,45 +232,36 @@ def _generate_layer(packed: PackedLayer, layer_dir: Path, arch: str, cc: int) ->
     return manifest, files
 
 
-def _compile_one(fn, signature, consts, num_warps, num_stages, layer_dir: Path, stem: str, cc: int):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = dict(signature)
-    sig.update({name: "constexpr" for name in consts})
-    # every pointer is 16-byte aligned (torch allocations; packed blocks are multiples of 16 bytes):
-    # the hint lets Triton vectorise the block loads to 128 bits
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t.startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    options = {"num_warps": num_warps, "num_stages": num_stages}
-    try:
-        compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
-    except Exception as exc:  # name the file being generated: compiler errors are long
-        raise RuntimeError(f"compiling {layer_dir.name}/{stem} for sm_{cc} failed: {exc}") from exc
-    cubin = _write_bytes(layer_dir / f"{stem}.cubin", compiled.asm["cubin"])
+def _write_kernel(job: CompileJob, kernel: CompiledKernel, layer_dir: Path, stem: str) -> tuple[dict[str, Any], list[Path]]:
+    """One compiled kernel's files in a layer folder and its manifest entry (without the layer's fields)."""
+    fn = kernel_function(job.kernel)
+    signature = dict(job.signature)
+    consts = dict(job.constexprs)
+    sig = signature | {name: "constexpr" for name in consts}
     files = [
-        _write_text(layer_dir / f"{stem}.py", _specialised_source(fn, sig, consts, options, stem)),
-        _write_text(layer_dir / f"{stem}.ptx", compiled.asm["ptx"]),
-        cubin,
+        _write_text(layer_dir / f"{stem}.py", _specialised_source(fn, sig, consts, job.options, stem)),
+        _write_text(layer_dir / f"{stem}.ptx", kernel.ptx),
+        _write_bytes(layer_dir / f"{stem}.cubin", kernel.cubin),
     ]
-    meta = compiled.metadata
-    sass = disassemble(cubin)  # once: the profile and the caller's loop costs both read it
     entry = {
         "function": fn.__name__,
-        "entry": getattr(meta, "name", fn.__name__),
+        "entry": kernel.entry,
         "args": [{"name": a, "type": t} for a, t in signature.items()],
         "constexprs": consts,
         # what the cubin takes for granted about its tensors, from the signature and hints compiled in
-        "assumes": assumptions(fn.arg_names, signature, attrs, consts),
-        "num_warps": num_warps,
-        "num_stages": num_stages,
-        "shared_bytes": int(getattr(meta, "shared", 0) or 0),
+        "assumes": assumptions(fn.arg_names, signature, pointer_hints(fn.arg_names, signature), consts),
+        "num_warps": job.num_warps,
+        "num_stages": job.num_stages,
+        "fp_fusion": kernel.fp_fusion,
+        # equal keys = one compile shared by several layers / variants (identical files)
+        "compile_key": job.key[:16],
+        "shared_bytes": kernel.shared_bytes,
         "files": {f.suffix.lstrip("."): f.name for f in files},
-        "cubin_sha256": hashlib.sha256(compiled.asm["cubin"]).hexdigest(),
+        "cubin_sha256": hashlib.sha256(kernel.cubin).hexdigest(),
         # registers, spills and the SASS instruction mix: the first things to look at when it is slow
-        "profile": static_profile(cubin, sass),
+        "profile": kernel.profile,
     }
-    return entry, files, sass
+    return entry, files
 
 
 def _signature(dtype: torch.dtype) -> dict[str, str]:
@@ -245,7 +278,7 @@ def _signature(dtype: torch.dtype) -> dict[str, str]:
 
 def _specialised_source(fn, sig, consts, options, stem: str) -> str:
     """The kernels module (self-contained: every helper it calls) + the bindings that specialise it."""
-    body = inspect.getsource(kernels)
+    body = _kernels_source()
     return (
         f"{body}\n\n# ---- specialisation (generated by patchc.codegen.generate: {stem}) ----\n"
         f"KERNEL = {fn.__name__}\n"
@@ -256,7 +289,12 @@ def _specialised_source(fn, sig, consts, options, stem: str) -> str:
     ).replace(": true", ": True").replace(": false", ": False").replace(": null", ": None")
 
 
-def _header(arch: str, cc: int) -> dict[str, Any]:
+@lru_cache(maxsize=1)
+def _kernels_source() -> str:
+    return inspect.getsource(kernels)
+
+
+def _header(arch: str, cc: int, fp_fusion: bool) -> dict[str, Any]:
     import patchc
 
     return {
@@ -269,6 +307,8 @@ def _header(arch: str, cc: int) -> dict[str, Any]:
         "patchc": getattr(patchc, "__version__", "?"),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "arch_defaults": ARCH_TABLE[arch].__dict__ | {"block": list(ARCH_TABLE[arch].block)},
+        # requested triton.compile options beyond warps / stages (each variant records what it got)
+        "compile_options": {"enable_fp_fusion": fp_fusion},
     }
 
 
