@@ -142,9 +142,9 @@ def copy_tokenizer(source: Any, folder: Path, spec: ModelSpec) -> list[str]:
         source.save_pretrained(str(folder))
         return sorted(set(p.name for p in folder.iterdir()) - before)
     src = Path(source)
-    src_dir = src if src.is_dir() else src.parent
-    if not src_dir.is_dir():
+    if not src.exists():
         raise ExportError(f"tokenizer_from={source}: no such file or folder")
+    src_dir = src if src.is_dir() else src.parent
     if spec.family == "llama2c":
         found = [p for p in src_dir.glob("tok*.bin") if p.name == "tokenizer.bin" or p.stem[3:].isdigit()]
     else:

@@ -8,7 +8,8 @@
     instead of the dense (N, K) tensor: ``<fqn>.patchc.kinds`` uint8 (Tn, Tk), ``<fqn>.patchc.dense``
     (n_dense, b1, b2), ``<fqn>.patchc.values`` (n_sparse, b1, b2/2), ``<fqn>.patchc.meta`` uint8
     (n_sparse, b1, ceil(b2/8)) and, if the plan has one, ``<fqn>.patchc.bias`` (N,). The layout of each
-    buffer is the IR's (the `patchc.ir` docstring); the dense weight itself is absent.
+    buffer is the IR's (the `patchc.ir` docstring); the dense weight itself is absent. The bias is
+    stored twice (``<module>.bias`` and ``.patchc.bias``, N values) so that the plan stays self-contained.
 
 The file's metadata is ``{"format": "pt", "patchc": JSON}``, the JSON being::
 
@@ -71,7 +72,8 @@ def write_weights(path: Path, plain: dict[str, torch.Tensor], layers: dict[str, 
             name = part_name(fqn, part)
             if name in tensors:
                 raise ExportError(f"{path}: tensor name {name!r} is both a model tensor and a plan buffer")
-            tensors[name] = t.detach().cpu().contiguous()
+            # the plan's bias often shares storage with the model's (from_masks); safetensors refuses aliases
+            tensors[name] = t.detach().cpu().clone() if part == "bias" else t.detach().cpu().contiguous()
     head = {"format": FORMAT, "version": VERSION, "layers": layer_header(layers)}
     save_file(tensors, str(path), metadata={"format": "pt", "patchc": json.dumps(head)})
 
