@@ -25,6 +25,10 @@ EVAL_MASKS = ("hard", "soft")
 # embedding table through a linear, and the LM head / classifier decides every output logit,
 # which one-shot and learned 2:4 methods alike leave dense (the paper masks only the
 # transformer blocks' projections).
+# Mixture-of-experts routers (Qwen-MoE / Mixtral / OLMoE `mlp.gate`, Qwen2-MoE's `shared_expert_gate`,
+# `*.router.*`): tiny (experts x hidden), and sparsifying them changes which experts each token visits.
+ROUTER_EXCLUDE: tuple[str, ...] = ("*.gate.weight", "*shared_expert_gate.weight", "*router*")
+
 DEFAULT_EXCLUDE: tuple[str, ...] = (
     "*embed*",
     "*lm_head*",
@@ -32,6 +36,7 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     "*wpe*",
     "output.weight",
     "*classifier*",
+    *ROUTER_EXCLUDE,
 )
 
 
@@ -160,7 +165,8 @@ class PatchConfig:
             return f"not matched by include={self.include}"
         for g in self.exclude:
             if fnmatch.fnmatchcase(fqn, g):
-                return f"excluded by {g!r}"
+                why = " (a MoE router: sparsifying it changes routing)" if g in ROUTER_EXCLUDE else ""
+                return f"excluded by {g!r}{why}"
         if len(shape) != 2:
             return f"not a 2-D weight (shape {tuple(shape)})"
         if min(shape) < self.min_features:
@@ -175,4 +181,4 @@ class PatchConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-__all__ = ["PatchConfig", "DEFAULT_EXCLUDE"]
+__all__ = ["PatchConfig", "DEFAULT_EXCLUDE", "ROUTER_EXCLUDE"]

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
+from patchc.ir import targets
 from patchc.ir.errors import PlanError
 
 SAMPLES = 64
@@ -103,8 +104,9 @@ def kept_mismatch(fqn: str, layer, weight: torch.Tensor) -> str | None:
 def check_weights(plan, model: torch.nn.Module) -> None:
     """Raise `PlanError` naming the first planned layer whose model weight is not the plan's source."""
     recorded = plan.meta.get("fingerprints") or {}
+    where = plan.meta.get(targets.META_KEY)
     for fqn, layer in plan.layers.items():
-        weight = model.get_parameter(fqn)
+        weight = targets.read(model, targets.resolve(model, fqn, where))  # (N, K), also for experts / Conv1D
         why = (fingerprint_mismatch(fqn, recorded[fqn], weight) if fqn in recorded
                else kept_mismatch(fqn, layer, weight))
         if why:

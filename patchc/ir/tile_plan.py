@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from patchc.ir import file_format
+from patchc.ir import file_format, targets
 from patchc.ir.errors import PlanError
 from patchc.ir.from_pruned import layers_from_masks, layers_from_weights
 from patchc.ir.layer_plan import LayerPlan
@@ -130,24 +130,16 @@ class TilePlan:
         source (`patchc.ir.provenance`; `force=True` skips that). Example: `plan.apply(copy.deepcopy(model))`.
         """
         writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        recorded = self.meta.get(targets.META_KEY)
         for fqn, layer in self.layers.items():
-            try:
-                param = model.get_parameter(fqn)
-            except AttributeError as e:
-                raise PlanError(f"layer {fqn}: the model has no parameter {fqn!r} ({e})") from None
-            if tuple(param.shape) != layer.shape:
-                raise PlanError(
-                    f"layer {fqn}: the model's parameter has shape {tuple(param.shape)}, the plan {layer.shape}"
-                )
-            writes.append((param, layer.to_dense()))
-            if layer.bias is not None:
-                bias_name = fqn.rsplit(".", 1)[0] + ".bias" if "." in fqn else "bias"
-                try:
-                    bias = model.get_parameter(bias_name)
-                except AttributeError:
-                    bias = None
-                if bias is not None and tuple(bias.shape) == tuple(layer.bias.shape):
-                    writes.append((bias, layer.bias))
+            target = targets.resolve(model, fqn, recorded)  # a parameter, its transpose or an expert slice
+            view = targets.read(model, target)
+            if tuple(view.shape) != layer.shape:
+                raise PlanError(f"layer {fqn}: the model's parameter has shape {tuple(view.shape)}, the plan {layer.shape}")
+            writes.append((view, layer.to_dense()))
+            bias = _bias_of(model, target, layer)
+            if bias is not None:
+                writes.append((bias, layer.bias))
         if not force:
             check_weights(self, model)
         with torch.no_grad():
@@ -229,3 +221,15 @@ class TilePlan:
             return cls(layers=layers, skipped=skipped, meta=meta)
         except PlanError as e:
             raise PlanError(f"{Path(path)}: {e}") from None
+
+
+def _bias_of(model: nn.Module, target: targets.Target, layer: LayerPlan) -> torch.Tensor | None:
+    """The model's `<module>.bias` a layer's plan bias goes to, or None (none planned, or no match)."""
+    if layer.bias is None or target.expert is not None:
+        return None
+    name = target.param.rsplit(".", 1)[0] + ".bias" if "." in target.param else "bias"
+    try:
+        bias = model.get_parameter(name)
+    except AttributeError:
+        return None
+    return bias if tuple(bias.shape) == tuple(layer.bias.shape) else None

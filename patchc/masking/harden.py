@@ -3,7 +3,10 @@
 Rule (the paper's): a tile is dense iff its logit > 0; each 2:4 group keeps its argmax candidate.
 The final density is then whatever the signs give. `exact_budget=True` instead ranks every tile of
 every layer by its logit and keeps the top ones dense until the global density is as close to the
-target as one tile allows (edge tiles of a padded grid count by their real elements).
+target as one tile allows (edge tiles of a padded grid count by their real elements). That moves the
+tiles whose logits sit on the wrong side of the cut: such a plan differs from the eval-mode program
+(`prog.eval()`, dense iff logit > 0) in exactly those tiles; with `exact_budget=False` the two are equal.
+Layer names are weight FQNs, or "<fqn>.<expert>" for fused expert weights (`patchc.ir.targets`).
 
 Example:
     >>> plan = patchc.harden(prog, exact_budget=True)
@@ -19,6 +22,8 @@ import torch
 
 from patchc.ir import TILE_DENSE, TILE_SPARSE24, LayerPlan, TilePlan
 from patchc.ir.provenance import fingerprints
+from patchc.ir.targets import META_KEY as TARGETS_KEY
+from patchc.ir.targets import recorded_targets
 
 if TYPE_CHECKING:
     from patchc.passes.program import MaskedProgram
@@ -76,6 +81,9 @@ def harden(prog: MaskedProgram, exact_budget: bool = False) -> TilePlan:
         "schedule_step": int(prog.schedule_step),
         "fingerprints": fingerprints(sources),  # plan.apply refuses a model with other weights
     }
+    where = recorded_targets(prog.plan_targets())
+    if where:  # expert slices / transposed (Conv1D) weights: apply and the fingerprint check read these
+        meta[TARGETS_KEY] = where
     plan = TilePlan(layers=layers, skipped=dict(prog.skipped), meta=meta)
     plan.verify()
     return plan

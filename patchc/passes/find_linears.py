@@ -6,15 +6,20 @@ Matched forms (the weight W has shape (N, K) = (out_features, in_features)):
     aten.addmm.default(b, x, T(W)) / aten.mm.default(x, T(W))   after run_decompositions() or aot_autograd
     aten.matmul.default(x, T(W))
 
-T(W) is one `aten.t` / `aten.permute(W, [1, 0])` / `aten.transpose(W, 0, 1)` of a parameter that a
+    aten._grouped_mm(x, T(W), offs) / transformers.grouped_mm_fallback(x, T(W), offs)   fused experts
+
+T(W) is one `aten.t` / `aten.permute(W, [1, 0])` / `aten.transpose(W, -2, -1)` of a parameter that a
 `get_attr` node reads (the exported program's `module()` form). Casts and detaches on the way are
-looked through. A weight used as (K, N) directly (GPT-2's Conv1D) is reported as skipped: its 2:4
-groups would run along the wrong axis.
+looked through. A weight read without that transpose is stored (K, N) (GPT-2's Conv1D, experts with
+`is_transposed`): it is masked as its transpose, so 2:4 groups still run along in_features. A 3-D
+weight (E, N, K) read by a grouped matmul is E experts: one (N, K) mask per expert, named
+"<fqn>.<expert>" (`patchc.ir.targets`).
 
 Which weights are masked: `PatchConfig.selects` (include / exclude globs over the weight's fully
 qualified name, 2-D, min_features) and two structural rules: a weight that an embedding lookup also
 reads (a tied LM head) is never masked, and K % 4 != 0 is skipped (no 2:4 groups). Every skipped
-weight is kept in `skipped` with its reason, so summaries can say why.
+weight is kept in `skipped` with its reason, so summaries can say why; so is a parameter that some
+matmul reads in a form not listed above (`W @ x`, a gathered expert slice, ...).
 
 Each matched matmul node gets `node.meta["patchc_site"]`; the rewrite pass consumes that.
 """
@@ -51,6 +56,11 @@ _BROADCAST = {
     aten.unsqueeze.default,
 }
 _EMBEDDING = {aten.embedding.default}
+_VIEWS = _PASS_THROUGH | _BROADCAST | _TRANSPOSE | {
+    aten.index.Tensor, aten.select.int, aten.slice.Tensor, aten.contiguous.default, aten.permute.default}
+_GROUPED_NAMES = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
+# Ops that read a weight as a matmul operand: a parameter reaching one of them and not masked is skipped.
+_MATMUL_NAMES = ("linear", "mm", "addmm", "bmm", "matmul", "einsum", "baddbmm", "_grouped_mm", "grouped_mm_fallback")
 META_KEY = "patchc_site"
 
 
@@ -71,13 +81,24 @@ class LinearSite:
     input_node: fx.Node
     bias: str | None
     form: str
+    experts: int | None = None
+    transposed: bool = False
+
+    @property
+    def names(self) -> list[str]:
+        """The plan layer names of this weight: its FQN, or "<fqn>.<e>" per expert."""
+        if self.experts is None:
+            return [self.fqn]
+        return [f"{self.fqn}.{e}" for e in range(self.experts)]
 
 
 def _is_transpose(node: fx.Node) -> bool:
     if node.target is aten.permute.default:
         return list(node.args[1]) == [1, 0]
     if node.target is aten.transpose.int:
-        return sorted(int(d) % 2 for d in node.args[1:3]) == [0, 1]
+        src = getattr(node.args[0], "meta", {}).get("val")
+        rank = src.dim() if src is not None else 2
+        return sorted(int(d) % rank for d in node.args[1:3]) == [rank - 2, rank - 1]
     return node.target in _TRANSPOSE
 
 
@@ -136,10 +157,17 @@ def _embedding_tensors(gm: fx.GraphModule) -> set[int]:
     return ids
 
 
+def _op_name(target) -> str:
+    schema = getattr(target, "_schema", None)
+    return schema.name if schema is not None else ""
+
+
 def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, str, int] | None:
     """(activation, weight operand, bias operand, form, flips expected) of a matmul node."""
     if node.op != "call_function":
         return None
+    if _op_name(node.target) in _GROUPED_NAMES:
+        return node.args[0], node.args[1], None, "grouped_mm", 1
     if node.target in _LINEAR:
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         return node.args[0], node.args[1], bias, "linear", 0
@@ -172,6 +200,7 @@ class AnnotateLinears(PassBase):
             if site is not None:
                 node.meta[META_KEY] = site
                 self.sites.append(site)
+        self._skip_unhandled(gm, self.sites)
         return PassResult(gm, modified=bool(self.sites))
 
     def _skip(self, fqn: str, reason: str) -> None:
@@ -190,17 +219,20 @@ class AnnotateLinears(PassBase):
         if weight is None or not weight.is_floating_point():
             return None
         fqn = w_node.target
-        if flips % 2 != flips_needed:
-            self._skip(fqn, f"used as (in, out) = {tuple(weight.shape)} by {form}; 2:4 groups need (out, in)")
+        grouped = form == "grouped_mm"
+        if weight.dim() != (3 if grouped else 2):
+            self._skip(fqn, f"a {weight.dim()}-D weight {tuple(weight.shape)} read by {form}")
             return None
+        transposed = flips % 2 != flips_needed  # stored (K, N): Conv1D, or experts with is_transposed
         if id(weight) in embedded:
             self._skip(fqn, "shared with an embedding lookup (tied LM head)")
             return None
-        reason = self.cfg.selects(fqn, tuple(weight.shape))
+        shape = tuple(weight.shape[-2:])
+        n, k = shape[::-1] if transposed else shape
+        reason = self.cfg.selects(fqn, (n, k))
         if reason is not None:
             self._skip(fqn, reason)
             return None
-        n, k = weight.shape
         if k % 4:
             self._skip(fqn, f"in_features={k} is not a multiple of 4 (no 2:4 groups)")
             return None
@@ -209,7 +241,39 @@ class AnnotateLinears(PassBase):
             traced_b = _trace_weight(b_arg)
             if traced_b is not None and traced_b[2] == 0:
                 bias = traced_b[0].target
-        return LinearSite(fqn, (int(n), int(k)), node, w_node, consumer or node, x, bias, form)
+        experts = int(weight.shape[0]) if grouped else None
+        return LinearSite(fqn, (int(n), int(k)), node, w_node, consumer or node, x, bias, form, experts, transposed)
+
+    def _skip_unhandled(self, gm: fx.GraphModule, sites: list[LinearSite]) -> None:
+        """List every other parameter a matmul reads (never silently left dense)."""
+        masked = {s.fqn for s in sites}
+        for node in gm.graph.nodes:
+            if node.op != "get_attr" or node.target in masked or node.target in self.skipped:
+                continue
+            weight = _parameter(gm, node.target)
+            if weight is None or not weight.is_floating_point() or weight.dim() < 2:
+                continue
+            op = _matmul_reader(node)
+            if op is not None:
+                self._skip(node.target, f"read by {op} in a form patchc does not mask (not x @ W^T)")
+
+
+def _matmul_reader(node: fx.Node, depth: int = 6) -> str | None:
+    """The name of a matmul op that reads `node` through at most `depth` other ops, or None."""
+    frontier = [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for user in n.users:
+                if user.op != "call_function":
+                    continue
+                name = _op_name(user.target).split("::")[-1] or getattr(user.target, "__name__", "")
+                if name in _MATMUL_NAMES:
+                    return name
+                if user.target in _VIEWS:  # only views of the weight itself, never a norm's output
+                    nxt.append(user)
+        frontier = nxt
+    return None
 
 
 def find_linear_sites(gm: fx.GraphModule, cfg: PatchConfig) -> tuple[list[LinearSite], dict[str, str]]:

@@ -73,6 +73,22 @@ class _Observer(nn.Module):
         return x
 
 
+class _ExpertObserver(nn.Module):
+    """Split a grouped matmul's input by its offsets: expert e's tokens go to "<fqn>.<e>"."""
+
+    def __init__(self, names: list[str], callback: Callable[[str, torch.Tensor], None]) -> None:
+        super().__init__()
+        self.names, self.callback = names, callback
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ends = [int(v) for v in offs.tolist()]
+        start = 0
+        for name, end in zip(self.names, ends):
+            self.callback(name, x[start:end].detach())
+            start = end
+        return x
+
+
 class InsertObservers(PassBase):
     """Route each annotated matmul's activation input through `callback(fqn, x)` (calibration).
 
@@ -88,9 +104,14 @@ class InsertObservers(PassBase):
         container = _container(gm, OBSERVERS_ATTR)
         for i, site in enumerate(self.sites):
             key = f"{module_key(site.fqn)}_{i}"
-            container.add_module(key, _Observer(site.fqn, self.callback))
+            args: tuple = (site.input_node,)
+            if site.experts is None:
+                container.add_module(key, _Observer(site.fqn, self.callback))
+            else:
+                container.add_module(key, _ExpertObserver(site.names, self.callback))
+                args = (site.input_node, site.matmul.args[2])
             with gm.graph.inserting_before(site.matmul):
-                gm.graph.call_module(f"{OBSERVERS_ATTR}.{key}", (site.input_node,))
+                gm.graph.call_module(f"{OBSERVERS_ATTR}.{key}", args)
         gm.recompile()
         return PassResult(gm, modified=bool(self.sites))
 

@@ -20,7 +20,9 @@ from torch import fx, nn
 
 from patchc.config import PatchConfig
 from patchc.masking import regularizer as reg
+from patchc.ir.targets import Target, matrix
 from patchc.masking.hybrid_mask import MODES, HybridMask
+from patchc.masking.param_mask import hybrid_masks
 from patchc.masking.schedule import schedule_at
 from patchc.passes.find_linears import LinearSite
 from patchc.passes.insert_masks import InsertObservers, RemoveObservers, module_key
@@ -40,32 +42,38 @@ class MaskedProgram(nn.Module):
         self,
         graph_module: fx.GraphModule,
         sites: list[LinearSite],
-        masks: dict[str, HybridMask],
+        masks: dict[str, nn.Module],
         skipped: dict[str, str],
         cfg: PatchConfig,
+        targets: dict[str, Target] | None = None,
+        call_kwargs: dict | None = None,
     ) -> None:
         super().__init__()
         object.__setattr__(self, "graph_module", graph_module)
         self.cfg, self.sites, self.skipped = cfg, sites, skipped
+        # layer name -> (N, K) matrix in a parameter; plain weights resolve to themselves
+        self.targets: dict[str, Target] = dict(targets or {})
+        self.call_kwargs = dict(call_kwargs or {})  # what the export was called with, e.g. use_cache=False
         self.masks = nn.ModuleDict({module_key(fqn): m for fqn, m in masks.items()})
         self.register_buffer("schedule_step", torch.zeros((), dtype=torch.int64))
         self._forced_mode: str | None = None
-        self._groups = reg.density_groups(list(masks.values()), cfg.scope)
+        hybrids = hybrid_masks(self.masks.values())
+        self._groups = reg.density_groups(hybrids, cfg.scope)
         self._step = 0  # host copy of `schedule_step`: reading the buffer would sync a GPU every step
-        for m in masks.values():
+        for m in hybrids:
             m.track_sum, m.track_norm = cfg.density_mode == "sampled", cfg.lambda_norm > 0
         self.register_load_state_dict_post_hook(lambda module, _keys: module._restore_step())
         # Constant denominator of the magnitude term; a buffer so it follows .to(device).
-        w_sq = sum(graph_module.get_parameter(f).detach().float().square().sum() for f in masks)
+        w_sq = sum(self.weight(m.name).detach().float().square().sum() for m in hybrids)
         self.register_buffer("weight_sq_norm", torch.as_tensor(w_sq), persistent=False)
         self._sync_schedule()
 
     # -- the model -------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         mode = self._forced_mode or ("sample" if self.training else self.cfg.eval_mask)
-        for m in self.masks.values():
+        for m in self._hybrids():
             m.mode = mode
-        return self.graph_module(*args, **kwargs)
+        return self.graph_module(*args, **{**self.call_kwargs, **kwargs})
 
     def train(self, mode: bool = True) -> "MaskedProgram":
         self.training = mode
@@ -79,18 +87,30 @@ class MaskedProgram(nn.Module):
         return self
 
     # -- masks ---------------------------------------------------------------------------
+    def _hybrids(self) -> list[HybridMask]:
+        return hybrid_masks(self.masks.values())
+
     @property
     def layers(self) -> dict[str, HybridMask]:
-        """Masked weight FQN -> its HybridMask, in graph order."""
-        return {m.name: m for m in self.masks.values()}
+        """Plan layer name -> its HybridMask, in graph order: the weight FQN, or "<fqn>.<e>" per expert
+        of a fused 3-D expert weight (`patchc.ir.targets`)."""
+        return {m.name: m for m in self._hybrids()}
+
+    def plan_targets(self) -> dict[str, Target]:
+        """Layer name -> `Target` for every masked layer (plain weights: the parameter itself)."""
+        return {name: self.targets.get(name, Target(name, name)) for name in self.layers}
 
     def mask_parameters(self) -> list[nn.Parameter]:
         """The trainable logits (tile and / or 2:4); weights are never among them."""
         return [p for p in self.parameters() if p.requires_grad]
 
     def weight(self, fqn: str) -> torch.Tensor:
-        """The frozen weight (or bias) tensor with this FQN."""
-        return self.graph_module.get_parameter(fqn)
+        """The frozen weight (or bias) with this FQN; for a layer name the (N, K) matrix (an expert's
+        slice, a Conv1D weight's transpose)."""
+        target = self.targets.get(fqn)
+        if target is None:
+            return self.graph_module.get_parameter(fqn)
+        return matrix(self.graph_module.get_parameter(target.param), target)
 
     @contextlib.contextmanager
     def mask_mode(self, mode: str) -> Iterator["MaskedProgram"]:
@@ -123,7 +143,7 @@ class MaskedProgram(nn.Module):
 
     def _sync_schedule(self) -> None:
         s = self.schedule()
-        for m in self.masks.values():
+        for m in self._hybrids():
             m.tau_tile, m.tau_nm = s["tau"], s["tau_nm"]
             m.kappa_tile, m.kappa_nm = s["kappa_tile"], s["kappa_nm"]
 
@@ -140,7 +160,7 @@ class MaskedProgram(nn.Module):
     # -- regulariser ---------------------------------------------------------------------
     def density(self, mode: str | None = None) -> torch.Tensor:
         """Parameter-weighted density over all masked layers ("expected" or "sampled")."""
-        return reg.density(list(self.masks.values()), mode or self.cfg.density_mode)
+        return reg.density(self._hybrids(), mode or self.cfg.density_mode)
 
     def regularizer(self) -> torch.Tensor:
         """lambda1 * |density - rho| - lambda2 * (1 - t/T) * sum ||M*W||^2 / sum ||W||^2.
@@ -149,5 +169,5 @@ class MaskedProgram(nn.Module):
         per transformer block (`scope="block"`). The magnitude term uses the masks of the last
         training forward and is 0 before one. See `patchc.masking.regularizer`.
         """
-        return reg.regularizer(list(self.masks.values()), self._groups, self.cfg, self._step, self.weight_sq_norm)
+        return reg.regularizer(self._hybrids(), self._groups, self.cfg, self._step, self.weight_sq_norm)
 

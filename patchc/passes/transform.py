@@ -22,9 +22,11 @@ import torch
 from torch import fx, nn
 
 from patchc.config import PatchConfig
+from patchc.ir.targets import Target, matrix
 from patchc.masking.hybrid_mask import HybridMask
+from patchc.masking.param_mask import ParamMask
 from patchc.passes.find_linears import LinearSite, find_linear_sites
-from patchc.passes.insert_masks import InsertMasks
+from patchc.passes.insert_masks import MASKS_ATTR, InsertMasks
 from patchc.passes.program import MaskedProgram
 
 
@@ -68,28 +70,45 @@ def check_tile_fits(sites: list[LinearSite], tile: tuple[int, int]) -> None:
             )
 
 
+def site_targets(sites: list[LinearSite]) -> dict[str, Target]:
+    """Plan layer name -> where its (N, K) matrix lives (`patchc.ir.targets`), in graph order."""
+    out: dict[str, Target] = {}
+    for site in sites:
+        for e, name in enumerate(site.names):
+            out.setdefault(name, Target(name, site.fqn, e if site.experts is not None else None, site.transposed))
+    return out
+
+
 def build_masks(
     sites: list[LinearSite],
     gm: fx.GraphModule,
     cfg: PatchConfig,
     calib=None,
     prior_masks: Mapping[str, torch.Tensor] | None = None,
-) -> dict[str, HybridMask]:
-    """One HybridMask per masked weight (graph order), initialised N(0, init_std) + prior."""
+) -> dict[str, nn.Module]:
+    """One mask module per masked parameter (graph order): a HybridMask, or a ParamMask holding one
+    HybridMask per expert / over the transpose; each initialised N(0, init_std) + prior."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    masks: dict[str, HybridMask] = {}
+    masks: dict[str, nn.Module] = {}
+    count = 0
     for site in sites:
         if site.fqn in masks:
             continue
-        mask = HybridMask(site.fqn, site.shape, cfg.tile, cfg.variant, index=len(masks), seed=cfg.seed, hard=cfg.hard)
-        mask.init_logits(cfg.init_std, gen)
-        if cfg.prior != "random":
-            weight = gm.get_parameter(site.fqn)
-            nm_prior, tile_prior = prior_logits(site.fqn, weight, cfg, calib, prior_masks)
-            # add_prior keeps the prior's choice as the argmax, so the "tile" variant's frozen 2:4
-            # logits harden to exactly the one-shot pattern.
-            mask.add_prior(nm_prior, tile_prior, cfg.init_std * cfg.prior_strength)
-        masks[site.fqn] = mask.to(gm.get_parameter(site.fqn).device)
+        param = gm.get_parameter(site.fqn)
+        hybrids = []
+        for e, name in enumerate(site.names):
+            target = Target(name, site.fqn, e if site.experts is not None else None, site.transposed)
+            mask = HybridMask(name, site.shape, cfg.tile, cfg.variant, index=count, seed=cfg.seed, hard=cfg.hard)
+            count += 1
+            mask.init_logits(cfg.init_std, gen)
+            if cfg.prior != "random":
+                nm_prior, tile_prior = prior_logits(name, matrix(param, target), cfg, calib, prior_masks)
+                # add_prior keeps the prior's choice as the argmax, so the "tile" variant's frozen 2:4
+                # logits harden to exactly the one-shot pattern.
+                mask.add_prior(nm_prior, tile_prior, cfg.init_std * cfg.prior_strength)
+            hybrids.append(mask.to(param.device))
+        plain = site.experts is None and not site.transposed
+        masks[site.fqn] = hybrids[0] if plain else ParamMask(site.fqn, hybrids, site.experts is not None, site.transposed)
     return masks
 
 
@@ -154,11 +173,13 @@ def transform(
         ['layers.0.mlp.down_proj.weight']
     """
     cfg = cfg or PatchConfig()
+    _refuse_transformed(program)
     if isinstance(program, nn.Module) and not isinstance(program, fx.GraphModule):
         program = _export(program, example_inputs, example_kwargs, dynamic)
     if not isinstance(program, (torch.export.ExportedProgram, fx.GraphModule)):
         raise TypeError(f"patchc.transform takes an ExportedProgram or nn.Module, got {type(program).__name__}")
     gm = program.module() if isinstance(program, torch.export.ExportedProgram) else program
+    _refuse_transformed(gm)
     _freeze_weights(gm)
     sites, skipped = find_linear_sites(gm, cfg)
     if not sites:
@@ -166,4 +187,24 @@ def transform(
     check_tile_fits(sites, cfg.tile)
     masks = build_masks(sites, gm, cfg, calib, prior_masks)
     InsertMasks(sites, masks)(gm)
-    return MaskedProgram(gm, sites, masks, skipped, cfg)
+    return MaskedProgram(gm, sites, masks, skipped, cfg, targets=site_targets(sites),
+                         call_kwargs=export_kwargs(program))
+
+
+def _refuse_transformed(program) -> None:
+    """A program that already has masks would get masks on masks (or an unrelated torch error)."""
+    if isinstance(program, MaskedProgram) or (isinstance(program, nn.Module) and hasattr(program, MASKS_ATTR)):
+        raise ValueError(
+            "patchc.transform: this program is already transformed (it holds patchc masks); pass the original "
+            "ExportedProgram or model, or keep training the MaskedProgram you have"
+        )
+
+
+def export_kwargs(program) -> dict:
+    """The constant keyword arguments an ExportedProgram was exported with (e.g. use_cache=False).
+
+    The exported module requires them on every call; the program passes them unless the caller does.
+    """
+    example = getattr(program, "example_inputs", None) if isinstance(program, torch.export.ExportedProgram) else None
+    kwargs = example[1] if isinstance(example, tuple) and len(example) == 2 else {}
+    return {k: v for k, v in (kwargs or {}).items() if v is None or isinstance(v, (bool, int, float, str))}

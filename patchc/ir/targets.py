@@ -1,0 +1,123 @@
+"""Where a plan layer lives in a model: a whole 2-D parameter, its transpose, or one expert's slice.
+
+A `LayerPlan` is always (N, K) = (out_features, in_features). Models store weights three ways:
+
+    plain      nn.Linear weight (N, K)                 layer name = the parameter FQN
+    transposed GPT-2 Conv1D weight (K, N)              layer name = the parameter FQN
+    expert     fused 3-D experts (E, N, K) or (E, K, N) layer name = "<parameter FQN>.<expert>",
+                                                        e.g. "model.layers.0.mlp.experts.gate_up_proj.3"
+
+Hardening records each non-plain layer in `plan.meta["targets"]` ({name: {"param", "expert",
+"transposed"}}), so `TilePlan.apply` and the fingerprint check read and write the right slice in the
+right orientation. A plan without that record (an older file, `from_weights`) is resolved from the
+model: a parameter of that name, or "<3-D parameter>.<int>" for an expert, transposed when the owning
+module is a `Conv1D` or an experts module with `is_transposed`.
+
+Example:
+    >>> t = resolve(model, "model.layers.0.mlp.experts.down_proj.2")
+    >>> read(model, t).shape            # (N, K) of expert 2
+    torch.Size([32, 64])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from patchc.ir.errors import PlanError
+
+META_KEY = "targets"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One (N, K) matrix inside a model parameter.
+
+    `param` is the parameter FQN, `expert` the index along dim 0 of a 3-D parameter (None for 2-D),
+    `transposed` True when the stored matrix is (K, N).
+    """
+
+    name: str
+    param: str
+    expert: int | None = None
+    transposed: bool = False
+
+    def to_json(self) -> dict:
+        return {"param": self.param, "expert": self.expert, "transposed": self.transposed}
+
+
+def layer_name(param: str, expert: int | None) -> str:
+    """The plan layer name of a parameter, or of one expert slice of it ("<param>.<expert>")."""
+    return param if expert is None else f"{param}.{expert}"
+
+
+def matrix(weight: torch.Tensor, target: Target) -> torch.Tensor:
+    """The (N, K) view of `target` inside the tensor of its parameter."""
+    w = weight if target.expert is None else weight[target.expert]
+    return w.t() if target.transposed else w
+
+
+def _owner(model: nn.Module, fqn: str) -> nn.Module | None:
+    path = fqn.rpartition(".")[0]
+    try:
+        return model.get_submodule(path) if path else model
+    except AttributeError:
+        return None
+
+
+def _param(model: nn.Module, fqn: str) -> torch.Tensor | None:
+    try:
+        return model.get_parameter(fqn)
+    except AttributeError:
+        return None
+
+
+def _guess(model: nn.Module, name: str) -> Target | None:
+    """Resolve a layer name without a recorded target (see the module docstring)."""
+    if _param(model, name) is not None:
+        owner = _owner(model, name)
+        return Target(name, name, None, type(owner).__name__ == "Conv1D")
+    param, _, index = name.rpartition(".")
+    weight = _param(model, param) if index.isdigit() else None
+    if weight is None or weight.dim() != 3:
+        return None
+    if int(index) >= weight.shape[0]:
+        raise PlanError(f"layer {name}: expert {index} is out of range for {param} with {weight.shape[0]} experts")
+    transposed = bool(getattr(_owner(model, param), "is_transposed", False))
+    return Target(name, param, int(index), transposed)
+
+
+def resolve(model: nn.Module, name: str, recorded: Mapping | None = None) -> Target:
+    """The `Target` of plan layer `name` in `model` (`recorded`: the plan's `meta["targets"]`).
+
+    Raises `PlanError` naming the layer when the model has no such parameter or expert.
+    """
+    entry = (recorded or {}).get(name)
+    if entry is not None:
+        target = Target(name, str(entry["param"]), entry.get("expert"), bool(entry.get("transposed", False)))
+        weight = _param(model, target.param)
+        if weight is None:
+            raise PlanError(f"layer {name}: the model has no parameter {target.param!r}")
+        if target.expert is not None and (weight.dim() != 3 or target.expert >= weight.shape[0]):
+            raise PlanError(f"layer {name}: {target.param} of shape {tuple(weight.shape)} has no expert {target.expert}")
+        return target
+    target = _guess(model, name)
+    if target is None:
+        raise PlanError(f"layer {name}: the model has no parameter {name!r} (nor an expert slice of that name)")
+    return target
+
+
+def read(model: nn.Module, target: Target) -> torch.Tensor:
+    """The (N, K) matrix of `target` in `model` (a view: writing to it writes the model)."""
+    return matrix(model.get_parameter(target.param), target)
+
+
+def recorded_targets(targets: Mapping[str, Target]) -> dict[str, dict]:
+    """The JSON for `plan.meta["targets"]`: only the non-plain targets (plain ones resolve by name)."""
+    return {name: t.to_json() for name, t in targets.items() if t.expert is not None or t.transposed}
+
+
+__all__ = ["META_KEY", "Target", "layer_name", "matrix", "read", "recorded_targets", "resolve"]
