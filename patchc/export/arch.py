@@ -152,8 +152,10 @@ def copy_tokenizer(source: Any, folder: Path, spec: ModelSpec) -> list[str]:
         pooling = src_dir / "1_Pooling"
         if pooling.is_dir():  # sentence-transformers' mean pooling set-up (MiniLM)
             shutil.copytree(pooling, folder / pooling.name)
+            found.append(folder / pooling.name)
     if not found:
         raise ExportError(f"tokenizer_from={source}: no tokenizer files in {src_dir}")
     for p in found:
-        shutil.copyfile(p, folder / p.name)
+        if p.is_file():
+            shutil.copyfile(p, folder / p.name)
     return sorted(p.name for p in found)
