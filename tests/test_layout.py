@@ -153,5 +153,10 @@ def test_plan_file_from_before_the_move_loads_and_saves_byte_identical(tmp_path)
     assert plan.layers["layers.0.mlp.up_proj.weight"].bias is not None
     assert plan.skipped == {"lm_head.weight": "excluded by PatchConfig.exclude"}
     assert plan.density == pytest.approx(0.8315789473684211, abs=0)
-    plan.save(tmp_path / "again.patch")
-    assert (tmp_path / "again.patch").read_bytes() == LEGACY_PLAN.read_bytes()
+    plan.save(tmp_path / "again.patch")  # now written as version 2: the same tensors plus checksums
+    import safetensors.torch
+
+    old, new = (safetensors.torch.load_file(str(p)) for p in (LEGACY_PLAN, tmp_path / "again.patch"))
+    assert old.keys() == new.keys() and all(torch.equal(old[k].view(torch.uint8), new[k].view(torch.uint8)) for k in old)
+    head = TilePlan.load(tmp_path / "again.patch").header()
+    assert head["version"] == 2 and head["layers"] == plan.header()["layers"]

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from patchc.ir import file_format
 from patchc.ir import (
     PATTERNS,
     TILE_DENSE,
@@ -400,13 +401,17 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["model.patch"]  # nothing partial under the new name either
 
 
-def write_raw(path, plan: TilePlan, tensors=None, header=None, edit=None):
-    """Write a plan file by hand, after applying `edit(tensors, header)`."""
+def write_raw(path, plan: TilePlan, tensors=None, header=None, edit=None, seal=True):
+    """Write a plan file by hand, after applying `edit(tensors, header)`; `seal`: with checksums that match
+    the edited content, so the checks behind the checksums are what a test reaches."""
     if tensors is None:
         tensors = {f"{fqn}::{p}": t for fqn, layer in plan.layers.items() for p, t in layer.tensors().items()}
     header = header or plan.header()
     if edit:
         edit(tensors, header)
+    if seal and isinstance(header, dict):
+        header["checksums"] = {k: file_format.checksum(t) for k, t in tensors.items()}
+        header["header_sha256"] = file_format.header_digest(header)
     meta = header if isinstance(header, str) else json.dumps(header)
     safetensors.torch.save_file(tensors, str(path), metadata={"patchc": meta})
 
@@ -448,7 +453,7 @@ CORRUPTIONS = {
         _tensor("a.weight::meta", lambda x: _set(x, (1, 0, 0), 0x43)),
         A + r"tile \(0, 2\) group at row 0, columns 32\.\.35 has meta positions \(3, 0\)",
     ),
-    "version": (_field(["version"], 2), "plan format version 2 is not supported"),
+    "version": (_field(["version"], 3), "plan format version 3 is not supported"),
     "format": (_field(["format"], "other"), "header format is 'other'"),
     "missing tensor": (
         lambda t, h: t.pop("blocks.0.b.weight::values"),

@@ -48,7 +48,7 @@ Buffers (all tensors in row-major grid order; the i-th dense tile is the i-th `T
     values dtype (n_sparse, b1, b2/2)  meta   uint8 (n_sparse, b1, ceil(b2/8))   bias dtype (N,) or None
 
 Stored as one safetensors file: tensors "<fqn>::kinds|dense|values|meta|bias" and metadata
-{"patchc": JSON header} (format "patchc.tileplan", version 1; `file_format.py`). Loading never unpickles anything.
+{"patchc": JSON header} (format "patchc.tileplan", version 2 with checksums; `file_format.py`). Loading never unpickles anything.
 
 Example:
     >>> import torch

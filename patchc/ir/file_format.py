@@ -3,13 +3,16 @@
 Tensors are named "<fqn>::kinds|dense|values|meta|bias"; the file's metadata holds {"patchc": JSON}
 with the header::
 
-    {"format": "patchc.tileplan", "version": 1,
+    {"format": "patchc.tileplan", "version": 2,
      "layers": {fqn: {"shape": [N, K], "tile": [b1, b2], "dtype": "float16", "has_bias": false}, ...},
-     "skipped": {fqn: reason, ...}, "meta": {...}}
+     "skipped": {fqn: reason, ...}, "meta": {...},
+     "checksums": {"<fqn>::<part>": sha256 of the tensor's bytes, ...},
+     "header_sha256": sha256 of this JSON without "header_sha256" (sorted keys, compact)}
 
-A reader refuses another format or version, a header that does not describe every tensor, and any
-layer whose buffers fail `LayerPlan`'s validation, naming the file (and the layer). Bump `VERSION`
-when the layout changes, and keep reading the old one.
+A reader refuses another format or version, a header that does not describe every tensor, a tensor or
+header whose checksum does not match (a flipped bit, tiles swapped by hand), and any layer whose buffers
+fail `LayerPlan`'s validation, naming the file (and the layer). Version 1 files (no checksums) still
+load. Bump `VERSION` when the layout changes, and keep reading the old one.
 
 Example:
     >>> write_plan(plan, "model.patch")
@@ -18,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -34,7 +38,8 @@ if TYPE_CHECKING:
     from patchc.ir.tile_plan import TilePlan
 
 FORMAT = "patchc.tileplan"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # version 1: the same layout without checksums
 FLOAT_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -67,6 +72,18 @@ def header(plan: TilePlan) -> dict:
     }
 
 
+def checksum(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (any dtype: hashed as raw bytes)."""
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(raw.data).hexdigest()
+
+
+def header_digest(head: dict) -> str:
+    """sha256 of the header without its own digest: a flipped byte in the JSON (meta included) is caught."""
+    body = {k: v for k, v in head.items() if k != "header_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def write_plan(plan: TilePlan, path: str | os.PathLike) -> None:
     """Write `plan` (already verified) atomically: temp file in the same folder, then os.replace."""
     from safetensors.torch import save_file
@@ -76,8 +93,10 @@ def write_plan(plan: TilePlan, path: str | os.PathLike) -> None:
         for fqn, layer in plan.layers.items()
         for part, t in layer.tensors().items()
     }
+    head = header(plan) | {"checksums": {key: checksum(t) for key, t in tensors.items()}}
+    head["header_sha256"] = header_digest(head)
     with atomic_path(Path(path)) as tmp:
-        save_file(tensors, str(tmp), metadata={"patchc": json.dumps(header(plan))})
+        save_file(tensors, str(tmp), metadata={"patchc": json.dumps(head)})
 
 
 def read_plan(path: str | os.PathLike) -> tuple[dict[str, LayerPlan], dict, dict]:
@@ -94,6 +113,7 @@ def read_plan(path: str | os.PathLike) -> tuple[dict[str, LayerPlan], dict, dict
     except Exception as e:  # safetensors raises its own SafetensorError / OSError types
         raise PlanError(f"{path}: not a readable safetensors plan file ({type(e).__name__}: {e})") from None
     head = _parse_header(path, metadata)
+    _check_sums(path, head, tensors)
     layers: dict[str, LayerPlan] = {}
     used: set[str] = set()
     for fqn, info in head["layers"].items():
@@ -134,12 +154,27 @@ def _parse_header(path: Path, metadata: dict[str, str]) -> dict:
     if not isinstance(head, dict) or head.get("format") != FORMAT:
         fmt = head.get("format") if isinstance(head, dict) else None
         raise PlanError(f"{path}: header format is {fmt!r}, expected {FORMAT!r}")
-    if head.get("version") != VERSION:
+    if head.get("version") not in READS:
         raise PlanError(
             f"{path}: plan format version {head.get('version')!r} is not supported "
-            f"(this patchc reads version {VERSION})"
+            f"(this patchc reads versions {', '.join(map(str, READS))})"
         )
     for key, typ in (("layers", dict), ("skipped", dict), ("meta", dict)):
         if not isinstance(head.get(key), typ):
             raise PlanError(f"{path}: header field {key!r} must be a JSON object")
     return head
+
+
+def _check_sums(path: Path, head: dict, tensors: dict[str, torch.Tensor]) -> None:
+    if head["version"] < 2:
+        return  # written before checksums existed
+    if head.get("header_sha256") != header_digest(head):
+        raise PlanError(f"{path}: the header does not match its checksum (the file was corrupted or edited)")
+    sums = head.get("checksums")
+    if not isinstance(sums, dict) or set(sums) != set(tensors):
+        raise PlanError(f"{path}: the header's checksums do not list exactly the file's tensors (corrupt file)")
+    for key, t in tensors.items():
+        if sums[key] != checksum(t):
+            layer, _, part = key.partition("::")
+            raise PlanError(f"{path}: layer {layer}: the {part} buffer does not match its checksum "
+                            "(the file was corrupted or edited)")

@@ -1,6 +1,6 @@
 """Validation of one layer's buffers: everything `LayerPlan` checks on creation and `verify()` re-checks.
 
-Shapes and dtypes against the grid, known tile kinds, one device, 2:4 metadata that names two distinct
+Shapes and dtypes against the grid, known tile kinds, one device, finite values, 2:4 metadata that names two distinct
 positions per group (and leaves the unused last nibble 0), and zero padding outside the (N, K) extent
 of partial edge tiles. Each failure raises `PlanError` naming the layer and, where it applies, the tile,
 row and columns.
@@ -86,9 +86,23 @@ def verify_layer(layer: LayerPlan) -> None:
             raise PlanError(f"{where}: bias must have shape ({n},), got {describe(layer.bias)}")
         if layer.bias.dtype != layer.dtype:
             raise PlanError(f"{where}: bias has dtype {layer.bias.dtype}, expected the layer dtype {layer.dtype}")
+    _verify_finite(layer)
     if ns:
         _verify_meta(layer)
     _verify_padding(layer)
+
+
+def _verify_finite(layer: LayerPlan) -> None:
+    """NaN or inf weights would silently poison every output that reads them."""
+    for part in ("dense", "values", "bias"):
+        t = getattr(layer, part)
+        if t is None or t.numel() == 0:
+            continue
+        bad = ~torch.isfinite(t)
+        if bad.any():
+            where = f"tile {first_true(bad.flatten(1).any(1, keepdim=True))[0]}" if t.dim() == 3 else "element"
+            raise PlanError(f"layer {layer.name}: {part} holds {int(bad.sum())} NaN/inf values (first in {part} "
+                            f"{where}); the weights it was made from were not finite")
 
 def _verify_meta(layer: LayerPlan) -> None:
     b1, b2 = layer.tile
