@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from patchc.models.outputs import logits_of
 from patchc.utils.files import atomic_path
 
 if TYPE_CHECKING:  # the trainer takes the program passes/ builds; importing it here would be circular
@@ -191,14 +192,16 @@ def lm_loss(
 ) -> torch.Tensor:
     """Next-token cross-entropy of a causal LM on a (B, T+1) block of token ids.
 
-    `logits(prog, inputs)` -> (B, T, V) replaces the plain call `prog(inputs)`, e.g. a `ModelBundle`'s
-    `logits`, which passes Hugging Face models `use_cache=False` and unwraps their outputs.
+    The plain call `prog(inputs)` works on a program transformed from `export_causal_lm` (the program
+    passes the `use_cache=False` it was exported with; a ModelOutput's `.logits` is taken).
+    `logits(prog, inputs)` -> (B, T, V) replaces that call, e.g. a `ModelBundle`'s `logits`.
 
     Example:
         >>> loss_fn = functools.partial(patchc.lm_loss, logits=bundle.logits)
         >>> patchc.train_masks(prog, blocks, loss_fn, steps=300)
     """
     out = prog(ids[:, :-1]) if logits is None else logits(prog, ids[:, :-1])
+    out = logits_of(out)  # an HF export returns a ModelOutput; the program passes its use_cache=False
     return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), ids[:, 1:].flatten())
 
 

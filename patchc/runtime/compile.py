@@ -20,12 +20,13 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from patchc.runtime.dispatch import TileLinear
+from patchc.runtime.dispatch import TileExperts, TileLinear
 from patchc.runtime.timing import TimeFn
 from patchc.runtime.tuner import LayerTuning, tune_plan
 
@@ -44,10 +45,15 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     cache: Any = None,
     time_fn: TimeFn | None = None,
     progress: bool = False,
+    strict: bool = False,
 ) -> nn.Module:
     """The model with its planned linears replaced by `TileLinear` (on a copy unless `inplace`).
 
     `plan`: a TilePlan or a path to a saved plan. `cache` / `time_fn`: passed to `tune_plan`.
+    Replaced: nn.Linear (and subclasses, e.g. Falcon's `x @ W.T`), transformers' `Conv1D` (K x N
+    storage), every module sharing a tied planned weight, and fused MoE experts (`TileExperts`).
+    Planned layers with a 2:4 tile that could not be replaced are listed in a warning
+    (`strict=True`: a ValueError); they keep the plan's pruned values in place either way.
 
     Example:
         >>> fast = patchc.compile(model, plan, tune=False)   # CPU: reference kernels, default configs
@@ -61,48 +67,88 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
         plan = TilePlan.load(plan)
     target = model if inplace else copy.deepcopy(model)
     plan.apply(target)
-    swaps = _planned_linears(target, plan)
-    if not swaps:
-        log.warning("patchc.compile: no nn.Linear with a 2:4 tile is planned; the model is unchanged")
+    swaps, experts, missed = plan_swaps(target, plan)
+    _report_missed(missed, strict)
+    if not swaps and not experts:
+        log.warning("patchc.compile: no layer with a 2:4 tile is planned; the model is unchanged")
         return target
-    first = next(iter(swaps.values()))[1].weight
-    tunings = _tunings(plan, list(swaps), batch_size, prefill_len, tune, first, cache, time_fn, progress)
-    for fqn, (parent_attr, linear) in swaps.items():
-        parent, attr = parent_attr
-        w = linear.weight
-        mod = TileLinear.from_plan(plan.layers[fqn], tunings.get(fqn), dtype=w.dtype, device=w.device,
-                                   batch_size=batch_size, prefill_len=prefill_len)
-        if linear.bias is not None and mod.bias is None:
-            mod.register_buffer("bias", linear.bias.detach().clone())  # the plan had none: keep the model's
-        setattr(parent, attr, mod)
+    w = (next(iter(swaps.values()))[0][2].weight if swaps else next(target.parameters()))
+    tunings = _tunings(plan, list(swaps), batch_size, prefill_len, tune, w, cache, time_fn, progress)
+    for fqn, users in swaps.items():
+        for parent, attr, module in users:
+            weight, bias = module.weight, getattr(module, "bias", None)
+            mod = TileLinear.from_plan(plan.layers[fqn], tunings.get(fqn), dtype=weight.dtype, device=weight.device,
+                                       batch_size=batch_size, prefill_len=prefill_len)
+            if isinstance(bias, torch.Tensor) and mod.bias is None:
+                mod.register_buffer("bias", bias.detach().clone())  # the plan had none: keep the model's
+            setattr(parent, attr, mod)
+    for path in experts:
+        parent_path, _, attr = path.rpartition(".")
+        parent = target.get_submodule(parent_path) if parent_path else target
+        setattr(parent, attr, TileExperts(target.get_submodule(path), plan, path))
     return target
 
 
-def _planned_linears(model: nn.Module, plan: Any) -> dict[str, tuple[tuple[nn.Module, str], nn.Linear]]:
-    """{fqn: ((parent, attribute), linear)} for planned nn.Linear weights that hold a 2:4 tile."""
-    out = {}
-    skipped = []
-    for fqn, layer in plan.layers.items():
-        path, _, leaf = fqn.rpartition(".")
-        if leaf != "weight":
-            skipped.append(fqn)
-            continue
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            skipped.append(fqn)
-            continue
-        if not isinstance(module, nn.Linear):
-            skipped.append(fqn)
-            continue
-        if int((layer.kinds == 1).sum()) == 0:
-            continue  # all dense: F.linear (cuBLAS) is the fastest kernel for it
-        parent_path, _, attr = path.rpartition(".")
-        parent = model.get_submodule(parent_path) if parent_path else model
-        out[fqn] = ((parent, attr), module)
-    if skipped:
-        log.info("patchc.compile: planned weights kept dense in place (not an nn.Linear weight): %s", skipped)
+Users = list[tuple[nn.Module, str, nn.Module]]
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """nn.Linear (any subclass) or transformers' Conv1D (weight K x N, y = x @ W + b)."""
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+
+
+def _users(model: nn.Module, param: torch.Tensor) -> Users:
+    """Every (parent, attribute, module) whose `.weight` is `param` (tied weights have several)."""
+    out = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if _is_linear(module) and module.weight is param:
+            parent_path, _, attr = name.rpartition(".")
+            out.append((model.get_submodule(parent_path) if parent_path else model, attr, module))
     return out
+
+
+def plan_swaps(model: nn.Module, plan: Any) -> tuple[dict[str, Users], list[str], dict[str, str]]:
+    """({layer: modules to replace}, [fused-experts module paths], {layer: why it is not replaced}).
+
+    Layers without a 2:4 tile are left out on purpose (F.linear / cuBLAS is the fastest kernel for them).
+    """
+    from patchc.ir import targets
+
+    swaps: dict[str, Users] = {}
+    experts: list[str] = []
+    missed: dict[str, str] = {}
+    for fqn, layer in plan.layers.items():
+        if not bool((layer.kinds == 1).any()):
+            continue
+        target = targets.resolve(model, fqn, plan.meta.get(targets.META_KEY))
+        owner = target.param.rpartition(".")[0]
+        if target.expert is not None:
+            if owner not in experts:
+                experts.append(owner)
+            continue
+        users = _users(model, model.get_parameter(target.param))
+        if users:
+            swaps[fqn] = users
+        else:
+            kind = type(model.get_submodule(owner)).__name__ if owner else type(model).__name__
+            missed[fqn] = f"read by a {kind}, not an nn.Linear / Conv1D"
+    for path in list(experts):
+        names = [p for p in TileExperts.PROJECTIONS if isinstance(getattr(model.get_submodule(path), p, None), torch.Tensor)]
+        if "down_proj" not in names or len(names) != 2:
+            experts.remove(path)
+            missed.update({f: f"fused experts without gate_up_proj/up_proj + down_proj ({names})"
+                           for f in plan.layers if f.startswith(path + ".")})
+    return swaps, experts, missed
+
+
+def _report_missed(missed: dict[str, str], strict: bool) -> None:
+    if not missed:
+        return
+    text = "; ".join(f"{f} ({why})" for f, why in missed.items())
+    msg = f"patchc.compile: {len(missed)} planned layer(s) not replaced (kept dense with the plan's values): {text}"
+    if strict:
+        raise ValueError(msg)
+    warnings.warn(msg, stacklevel=3)
 
 
 def _tunings(plan: Any, names: list[str], batch_size: int, prefill_len: int, tune: bool | str,

@@ -44,8 +44,10 @@ class TileLinear(nn.Module):
     """
 
     def __init__(self, packed: Any, tuning: LayerTuning, dtype: torch.dtype | None = None, device: Any = None,
-                 semi_weight: torch.Tensor | None = None) -> None:
+                 semi_weight: torch.Tensor | None = None, layer: Any = None) -> None:
         super().__init__()
+        self._layer = layer  # the LayerPlan, for `.weight` (materialised on first read, then cached)
+        self._weight_cache: torch.Tensor | None = None
         if tuple(tuning.block) != tuple(packed.block):
             raise ValueError(f"layer {packed.name!r}: tuning block {tuning.block} != packed block {packed.block}")
         dtype = dtype or packed.dtype
@@ -93,7 +95,30 @@ class TileLinear(nn.Module):
             from torch.sparse import to_sparse_semi_structured
 
             semi = to_sparse_semi_structured(layer.to_dense().to(device=device, dtype=dtype or layer.dtype))
-        return cls(packed, tuning, dtype=dtype, device=device, semi_weight=semi)
+        return cls(packed, tuning, dtype=dtype, device=device, semi_weight=semi, layer=layer)
+
+    # -- drop-in for nn.Linear -----------------------------------------------------------------
+    @property
+    def weight(self) -> torch.Tensor:
+        """W * M (out_features, in_features) in the module's dtype and device, built from the plan on
+        first read and cached (HF code reads `.weight.dtype`; the forward never uses it)."""
+        if self._layer is None:
+            raise AttributeError(f"TileLinear {self.name!r} was built without its LayerPlan; use from_plan "
+                                 "to read .weight")
+        dtype, device = self.values.dtype, self.values.device
+        cached = self._weight_cache
+        if cached is None or cached.dtype != dtype or cached.device != device:
+            cached = self._weight_cache = self._layer.to_dense().to(device=device, dtype=dtype)
+        return cached
+
+    @weight.setter
+    def weight(self, value: Any) -> None:
+        raise AttributeError(f"TileLinear {self.name!r}: the weight is packed from a plan and cannot be assigned; "
+                             "apply the new weights with plan.apply(model) before patchc.compile")
+
+    def _apply(self, fn, recurse=True):
+        self._weight_cache = None  # dtype / device moves: rebuild .weight on the next read
+        return super()._apply(fn, recurse)
 
     def op_args(self, bias: Any = None) -> tuple[Any, ...]:
         """Everything the op takes after x (bias: override, e.g. an FX node; default the module's own)."""
@@ -137,6 +162,76 @@ class TileLinear(nn.Module):
                 f"block={self.block}, decode={self.decode_cfg} ({len(self.tuning.buckets)} M buckets), "
                 f"prefill={self.prefill_cfg}, "
                 f"threshold={self.threshold}, bias={self.bias is not None}")
+
+
+class TileExperts(nn.Module):
+    """Drop-in for a transformers fused-experts module (gate_up_proj / up_proj and down_proj, 3-D) whose
+    expert slices are planned: each expert's tokens go through that expert's hybrid kernel (a TileLinear
+    per expert) on CUDA; on CPU each expert runs F.linear on its W * M (dense fallback, same numbers).
+
+    forward(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H), as HF's experts.
+
+    Example:
+        >>> mlp.experts = TileExperts(mlp.experts, plan, "model.layers.0.mlp.experts")   # doctest: +SKIP
+    """
+
+    PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
+
+    def __init__(self, experts: nn.Module, plan: Any, path: str, dtype: torch.dtype | None = None,
+                 device: Any = None) -> None:
+        super().__init__()
+        self.path = path
+        for key, value in vars(experts).items():  # routing / gating settings: ints, bools, config, act_fn
+            if not key.startswith("_") and not isinstance(value, (torch.Tensor, nn.Module)):
+                setattr(self, key, value)
+        self.act_fn = getattr(experts, "act_fn", None)
+        self.is_transposed = bool(getattr(experts, "is_transposed", False))
+        gate = getattr(type(experts), "_apply_gate", None)
+        self._gate = (lambda h: gate(self, h)) if gate is not None else None
+        self.names = [p for p in self.PROJECTIONS if isinstance(getattr(experts, p, None), torch.Tensor)]
+        if "down_proj" not in self.names or len(self.names) != 2:
+            raise ValueError(f"{path}: TileExperts needs gate_up_proj or up_proj, and down_proj; has {self.names}")
+        w0 = getattr(experts, self.names[0])
+        self.num_experts = int(w0.shape[0])
+        dtype, device = dtype or w0.dtype, device if device is not None else w0.device
+        self.on_gpu = torch.device(device).type == "cuda"
+        self.kernels = nn.ModuleDict()
+        for proj in self.names:
+            weight = getattr(experts, proj).detach()
+            stored = weight.transpose(1, 2) if self.is_transposed else weight  # (E, N, K)
+            layers = [plan.layers.get(f"{path}.{proj}.{e}") for e in range(self.num_experts)]
+            dense = torch.stack([stored[e] if lp is None else lp.to_dense().to(stored) for e, lp in enumerate(layers)])
+            self.register_buffer(f"{proj}_dense", dense.to(device=device, dtype=dtype))
+            bias = getattr(experts, f"{proj}_bias", None)
+            self.register_buffer(f"{proj}_bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
+            if self.on_gpu:  # per-expert hybrid kernels; an unplanned or all-dense expert stays F.linear
+                self.kernels[proj] = nn.ModuleList([
+                    TileLinear.from_plan(lp, dtype=dtype, device=device) if lp is not None and bool((lp.kinds == 1).any())
+                    else nn.Identity() for lp in layers])
+
+    def _project(self, proj: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        bias = getattr(self, f"{proj}_bias")
+        kernels = self.kernels[proj] if proj in self.kernels else None
+        if kernels is not None and isinstance(kernels[e], TileLinear):
+            y = kernels[e](x)
+        else:
+            y = F.linear(x, getattr(self, f"{proj}_dense")[e])
+        return y if bias is None else y + bias[e]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        k = top_k_index.shape[-1]
+        ids, weights = top_k_index.reshape(-1), top_k_weights.reshape(-1)
+        tokens = torch.arange(ids.numel(), device=ids.device) // k
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+        for e in range(self.num_experts):  # host loop over experts: each runs its own kernel
+            rows = (ids == e).nonzero().squeeze(-1)
+            if rows.numel() == 0:
+                continue
+            h = self._project(self.names[0], e, hidden_states[tokens[rows]])
+            h = self._gate(h) if self.names[0] == "gate_up_proj" and self._gate is not None else self.act_fn(h)
+            y = self._project("down_proj", e, h) * weights[rows, None]
+            out.index_add_(0, tokens[rows], y.float())
+        return out.to(hidden_states.dtype)
 
 
 def warmup(model: nn.Module, ms: Iterable[int]) -> int:
