@@ -68,7 +68,13 @@ def test_eval_and_report_commands_read_a_saved_plan(tmp_path, capsys):
         (["--model", "/nonexistent/model.bin"], "/nonexistent/model.bin"),
         (["--sparsity", "0.7"], "outside [0, 0.5]"),
         (["--tile", "64", "64"], "does not fit"),
-        (["--block-len", "100000"], "too short"),
+        (["--block-len", "100000"], "longer than the 512 positions"),
+        (["--eval-context", "4096"], "--eval-context 4096 is longer than the 512 positions"),
+        (["--lr", "-1"], "--lr must be a positive number"),
+        (["--seed", str(2**70)], "--seed must be in [0, 2**63)"),
+        (["--threads", "1000"], "--threads must be in [0, "),
+        (["--device", "cuda:7"], "--device cuda:7"),
+        (["--encoding", "klingon"], "--encoding 'klingon'"),
         (["--data", "/nonexistent/text.txt"], "/nonexistent/text.txt"),
     ],
 )
@@ -77,23 +83,12 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, messag
     assert main(["prune", "--out", str(out), *QUICK, "--no-baselines", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
-    assert not (out / "plan.patch").exists() and not (out / "report.json").exists()
+    assert not out.exists()  # no empty output folder left behind
 
 
 def test_python_dash_m_is_the_same_command():
     done = subprocess.run([sys.executable, "-m", "patchc", "prune", "--help"], capture_output=True, text=True, check=True)
     assert "--sparsity" in done.stdout and "--resume" in done.stdout
-
-
-def test_default_run_dir_never_reuses_a_finished_run(tmp_path):
-    from patchc.job.prune import next_run_dir
-
-    assert next_run_dir(tmp_path, "stories260K") == tmp_path / "stories260K"
-    (tmp_path / "stories260K").mkdir()
-    assert next_run_dir(tmp_path, "stories260K") == tmp_path / "stories260K"  # empty: free
-    (tmp_path / "stories260K" / "report.json").write_text("{}")
-    assert next_run_dir(tmp_path, "stories260K") == tmp_path / "stories260K-2"
-    assert next_run_dir(tmp_path, "a/b c") == tmp_path / "a_b_c"
 
 
 def test_data_free_mode_trains_on_sampled_text_and_evaluates_on_real_text(tmp_path):

@@ -2,14 +2,16 @@
 
     patchc prune                                   # the embedded default: stories260K, TinyStories, 35%
     patchc prune --model M --data a.txt --sparsity 0.45 --tile 32 32 --out runs/x
-    patchc eval runs/x/plan.patch --model M --data a.txt
+    patchc eval runs/x/plan.patch                  # dense vs pruned on the plan's own held-out text
+    patchc export runs/x --out pruned/             # HF-style folder, planned weights compressed
     patchc report runs/x/plan.patch                # redraw the plots (and report.md) from a plan
     patchc generate runs/x/plan.patch --target sm_90 --out kernels/
     patchc tune runs/x/plan.patch --batch-size 16 --prefill-len 128
     patchc bench                                   # GPU proof: correctness + speed + end to end (make gpu)
     patchc bench --dry-run --out runs/bench        # the same harness on CPU (Triton interpreter, tiny shapes)
 
-Errors print one line, `patchc <command>: error: ...`, and exit with status 2.
+A user error (bad flag value, missing file, a run folder in use, ...) prints one line,
+`patchc <command>: error: ...`, and exits with status 2; `--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -20,6 +22,19 @@ import sys
 from pathlib import Path
 
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
+
+# Errors that mean "the input is wrong", shown as one line; anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, OSError, RuntimeError, NotImplementedError, FloatingPointError, KeyError)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every help line ends with its default, unless it is a switch, has none, or the text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, True, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def add_prune_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,17 +48,22 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
                    help="run directory (plan, report.json, report.md, plots, checkpoint); default: the next free runs/<model>[-N]")
     p.add_argument("--sparsity", type=float, default=d.sparsity, help="global target sparsity in [0, 0.5]")
     p.add_argument("--tile", type=int, nargs=2, default=list(d.tile), metavar=("B1", "B2"), help="tile rows, columns")
-    p.add_argument("--variant", default=d.variant, choices=("joint", "tile", "nm"))
-    p.add_argument("--prior", default=d.prior, choices=("random", "magnitude", "wanda", "sparsegpt"))
-    p.add_argument("--prior-strength", type=float, default=d.prior_strength)
+    p.add_argument("--variant", default=d.variant, choices=("joint", "tile", "nm"),
+                   help="what is learned: tile kinds and 2:4 patterns (joint), tile kinds only, 2:4 patterns only")
+    p.add_argument("--prior", default=d.prior, choices=("random", "magnitude", "wanda", "sparsegpt"),
+                   help="one-shot method whose 2:4 masks initialise the logits")
+    p.add_argument("--prior-strength", type=float, default=d.prior_strength, help="logit scale of the prior")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (the schedules' length T)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (split over torchrun processes)")
     p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate of the logits")
-    p.add_argument("--tau", type=float, nargs=2, default=list(d.tau), metavar=("START", "END"))
+    p.add_argument("--tau", type=float, nargs=2, default=list(d.tau), metavar=("START", "END"),
+                   help="Gumbel-softmax temperature of the tile logits, linear over the steps")
     p.add_argument("--tau-nm", type=float, nargs=2, default=None, metavar=("START", "END"),
                    help="temperature of the 2:4 logits (default: the same as --tau)")
-    p.add_argument("--kappa-tile", type=float, nargs=2, default=list(d.kappa_tile), metavar=("START", "END"))
-    p.add_argument("--kappa-nm", type=float, nargs=2, default=list(d.kappa_nm), metavar=("START", "END"))
+    p.add_argument("--kappa-tile", type=float, nargs=2, default=list(d.kappa_tile), metavar=("START", "END"),
+                   help="logit scale of the tile choice, linear over the steps")
+    p.add_argument("--kappa-nm", type=float, nargs=2, default=list(d.kappa_nm), metavar=("START", "END"),
+                   help="logit scale of the 2:4 pattern choice, linear over the steps")
     p.add_argument("--lambda-density", type=float, default=d.lambda_density, help="lambda1 of the density term")
     p.add_argument("--lambda-norm", type=float, default=d.lambda_norm, help="lambda2 of the weight-magnitude term")
     p.add_argument("--scope", default=d.scope, choices=("global", "block"), help="density term scope")
@@ -56,13 +76,17 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-free", action="store_true", help="train on text the dense model samples itself")
     p.add_argument("--no-baselines", dest="baselines", action="store_false",
                    help="skip the one-shot 2:4 and learned 2:4 baselines")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="data split, batch order and Gumbel noise")
+    p.add_argument("--encoding", default=d.encoding, help="text encoding of the --data files")
     p.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
     p.add_argument("--dtype", default=d.dtype, choices=("auto", "float32", "bfloat16", "float16"),
                    help="weight dtype (auto: bfloat16 on CUDA, float32 on CPU); mask logits are always fp32")
     p.add_argument("--threads", type=int, default=d.threads, help="CPU threads (0: automatic)")
-    p.add_argument("--resume", action="store_true", help="continue from <out>/masks.ckpt")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--resume", action="store_true",
+                   help="continue <out>/masks.ckpt with the same settings (--steps may grow: extends the run)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start again in an --out that holds a finished run or a checkpoint")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
 def prune_options(args: argparse.Namespace) -> PruneOptions:
@@ -74,8 +98,8 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
         kappa_nm=tuple(args.kappa_nm), lambda_density=args.lambda_density, lambda_norm=args.lambda_norm,
         scope=args.scope, exact_budget=args.exact_budget, block_len=args.block_len, eval_context=args.eval_context,
         eval_fraction=args.eval_fraction, calib_blocks=args.calib_blocks, data_free=args.data_free,
-        baselines=args.baselines, seed=args.seed, device=args.device, dtype=args.dtype, threads=args.threads, resume=args.resume,
-        progress=args.progress,
+        baselines=args.baselines, seed=args.seed, device=args.device, dtype=args.dtype, threads=args.threads,
+        resume=args.resume, overwrite=args.overwrite, encoding=args.encoding, progress=args.progress,
     )
 
 
@@ -96,21 +120,25 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from patchc.ir import TilePlan
-    from patchc.job.prune import evaluate, load_data
-    from patchc.models import load_model
+    from patchc.job.rescore import rescore
 
-    plan = TilePlan.load(args.plan)
-    opts = PruneOptions(model=args.model, data=tuple(args.data), eval_context=args.eval_context,
-                        eval_fraction=args.eval_fraction, seed=args.seed)
-    bundle = load_model(opts.model)
-    data = load_data(bundle, opts)
-    dense_embed = bundle.embed(bundle.model, data["eval"]) if bundle.kind == "encoder" else None
-    dense = evaluate(bundle, bundle.model, data, opts, dense_embed)
-    pruned = evaluate(bundle, plan.apply(bundle.reload()), data, opts, dense_embed)
-    print(f"{args.plan}: density {plan.density:.4f}, {len(plan.layers)} layers")
-    for name, metrics in (("dense", dense), ("pruned", pruned)):
-        print(f"  {name:<8} " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    r = rescore(args.plan, allow_overlap=args.allow_overlap, force=args.force, model=args.model, data=args.data,
+                seed=args.seed, eval_fraction=args.eval_fraction, eval_context=args.eval_context, device=args.device,
+                encoding=args.encoding)
+    opts, plan = r["options"], r["plan"]
+    print(f"{args.plan}: density {plan.density:.4f}, {len(plan.layers)} layers; held-out {opts.eval_fraction:.0%} "
+          f"of {', '.join(opts.data)} (seed {opts.seed})" + (f"; {r['overlap']} documents seen in training"
+                                                              if r["overlap"] else ""))
+    for name in ("dense", "pruned"):
+        print(f"  {name:<8} " + "  ".join(f"{k} {v:.4f}" for k, v in r[name].items()))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from patchc.export import export_run
+
+    out = export_run(args.run, args.out, model=args.model, overwrite=args.overwrite)
+    print(f"wrote {Path(out).resolve()}; load it with patchc.from_pretrained({str(out)!r})")
     return 0
 
 
@@ -141,7 +169,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from patchc.ir import TilePlan
     from patchc.runtime import tune_plan
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     tunings = tune_plan(TilePlan.load(args.plan), batch_size=args.batch_size, prefill_len=args.prefill_len, dtype=dtype)
     for fqn, tuning in tunings.items():
         print(f"{fqn}: {json.dumps(tuning.to_dict()) if tuning is not None else 'all dense: F.linear'}")
@@ -163,40 +191,63 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="patchc", description="Learnable tile-level hybrid dense/2:4 sparsity (PATCH).")
+    from patchc import __version__
+
+    parser = argparse.ArgumentParser(prog="patchc", description="Learnable tile-level hybrid dense/2:4 sparsity (PATCH).",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"patchc {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prune", help="learn a hybrid mask for a model on text, evaluate it, write a report")
+
+    def command(name: str, help: str, **kw) -> argparse.ArgumentParser:  # noqa: A002 (argparse's name)
+        return sub.add_parser(name, help=help, description=kw.pop("description", help), formatter_class=HelpFormatter)
+
+    p = command("prune", "learn a hybrid mask for a model on text, evaluate it, write a report")
     add_prune_arguments(p)
     p.set_defaults(run=cmd_prune)
 
-    p = sub.add_parser("eval", help="evaluate a saved plan on a model and held-out text")
-    p.add_argument("plan")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--data", nargs="+", default=list(DEFAULT_DATA))
-    p.add_argument("--eval-context", type=int, default=256)
-    p.add_argument("--eval-fraction", type=float, default=0.2)
-    p.add_argument("--seed", type=int, default=0)
+    p = command("eval", "score a saved plan against the dense model on its own held-out text",
+                description="Score a saved plan against the dense model. By default on the plan's own split "
+                            "(model, files, seed and fraction recorded by `patchc prune`); refuses documents "
+                            "the plan was trained on unless --allow-overlap.")
+    p.add_argument("plan", help="plan file (plan.patch of a run)")
+    p.add_argument("--model", default=None, help="model spec (default: the one the plan records, else stories260K)")
+    p.add_argument("--data", nargs="+", default=None, help="text files (default: the plan's)")
+    p.add_argument("--seed", type=int, default=None, help="split seed (default: the plan's)")
+    p.add_argument("--eval-fraction", type=float, default=None, help="share of documents held out (default: the plan's)")
+    p.add_argument("--eval-context", type=int, default=256, help="perplexity window")
+    p.add_argument("--encoding", default=None, help="text encoding of the --data files (default: the plan's)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--allow-overlap", action="store_true", help="score even on documents the plan was trained on")
+    p.add_argument("--force", action="store_true", help="apply the plan even if the model's weights are not its source")
     p.set_defaults(run=cmd_eval)
 
-    p = sub.add_parser("report", help="redraw a plan's plots (and report.md if report.json is beside it)")
-    p.add_argument("plan")
+    p = command("export", "write a run's pruned model as an HF-style folder (planned weights compressed)")
+    p.add_argument("run", help="run folder of `patchc prune` (holds plan.patch and report.json)")
+    p.add_argument("--out", required=True, help="folder to write; must not exist or be empty")
+    p.add_argument("--model", default=None, help="model spec (default: the one the run used)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(run=cmd_export)
+
+    p = command("report", "redraw a plan's plots (and report.md if report.json is beside it)")
+    p.add_argument("plan", help="plan file")
     p.add_argument("--out", default=None, help="folder for the PNGs (default: the plan's folder)")
     p.set_defaults(run=cmd_report)
 
-    p = sub.add_parser("generate", help="compile per-layer Triton kernels for a GPU target, offline")
-    p.add_argument("plan")
-    p.add_argument("--target", default="sm_90", choices=("sm_80", "sm_90"))
-    p.add_argument("--out", required=True)
+    p = command("generate", "compile per-layer Triton kernels for a GPU target, offline")
+    p.add_argument("plan", help="plan file")
+    p.add_argument("--target", default="sm_90", choices=("sm_80", "sm_90"), help="GPU architecture (A100: sm_80, H100: sm_90)")
+    p.add_argument("--out", required=True, help="folder for the kernels and manifests")
     p.set_defaults(run=cmd_generate)
 
-    p = sub.add_parser("tune", help="autotune decode and prefill kernel configs on this GPU; fills the cache")
-    p.add_argument("plan")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--prefill-len", type=int, default=128)
-    p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"))
+    p = command("tune", "autotune decode and prefill kernel configs on this GPU; fills the cache")
+    p.add_argument("plan", help="plan file")
+    p.add_argument("--batch-size", type=int, default=16, help="decode batch: the largest M tuned as decode")
+    p.add_argument("--prefill-len", type=int, default=128, help="prompt length: M = batch x prefill tuned as prefill")
+    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "fp16", "bf16"), help="activation dtype")
     p.set_defaults(run=cmd_tune)
 
-    p = sub.add_parser("bench", help="GPU proof: kernels and runtime vs cuBLAS / fp64, layer speed, end-to-end decode",
+    p = command("bench", "GPU proof: kernels and runtime vs cuBLAS / fp64, layer speed, end-to-end decode",
                        description="Correctness of every kernel variant and the runtime (vs fp64 and cuBLAS), layer "
                                    "speed (vs cuBLAS dense and cuSPARSELt) and end-to-end decode of a LLaMA-shaped "
                                    "model, on this CUDA GPU; appends to <out>/<device>.jsonl and writes <device>.md. "
@@ -209,8 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-tune", dest="tune", action="store_false", help="use the default configs instead of tuning")
     p.add_argument("--layers", type=int, default=4, help="blocks of the end-to-end LLaMA-2-7B-shaped model")
     p.add_argument("--tokens", type=int, default=128, help="tokens generated per end-to-end measurement")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--seed", type=int, default=0, help="random layers and inputs")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.set_defaults(run=cmd_bench)
     return parser
 
@@ -220,10 +271,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, NotImplementedError) as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"patchc {args.command}: error: {message}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"patchc {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as exc:
+        if args.debug:
+            raise
+        print(f"patchc {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of the message (OSError: with its file name), or the error's type when it has none."""
+    if isinstance(exc, OSError) and exc.strerror and exc.filename:
+        return f"{exc.filename}: {exc.strerror}"
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -75,8 +75,19 @@ def split_text(text: str, kind: str = "auto") -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
-def load_documents(path: str | os.PathLike, kind: str = "auto") -> list[str]:
-    """Read a UTF-8 text file and split it into documents (rules in the module docstring).
+def read_text(path: Path, encoding: str = "utf-8") -> str:
+    """The file's text; a decoding error names the file, line and byte, and the way out (--encoding)."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}: line {line} (byte {e.start}) is not valid {encoding} ({e.reason}); "
+                         "pass the file's --encoding (e.g. latin-1)") from None
+
+
+def load_documents(path: str | os.PathLike, kind: str = "auto", encoding: str = "utf-8") -> list[str]:
+    """Read a text file (UTF-8 unless told) and split it into documents (rules in the module docstring).
 
     Example:
         >>> len(load_documents(SHARED_DIR / "data/tinystories_sample.txt"))
@@ -85,7 +96,7 @@ def load_documents(path: str | os.PathLike, kind: str = "auto") -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"text file not found: {path}")
-    docs = split_text(path.read_text(encoding="utf-8"), kind)
+    docs = split_text(read_text(path, encoding), kind)
     if not docs:
         raise ValueError(f"{path}: no documents (the file is empty or whitespace only)")
     return docs
@@ -121,7 +132,8 @@ def split_documents(
 
 
 def split_files(
-    paths: Sequence[str | os.PathLike], eval_fraction: float, seed: int = 0, kind: str = "auto"
+    paths: Sequence[str | os.PathLike], eval_fraction: float, seed: int = 0, kind: str = "auto",
+    encoding: str = "utf-8",
 ) -> tuple[list[str], list[str]]:
     """Load each file's documents and split them (`split_documents`) file by file; the parts are joined in
     file order, so every file gives its own share of held-out documents.
@@ -134,7 +146,7 @@ def split_files(
     train: list[str] = []
     evals: list[str] = []
     for path in paths:
-        part_train, part_eval = split_documents(load_documents(path, kind), eval_fraction, seed)
+        part_train, part_eval = split_documents(load_documents(path, kind, encoding), eval_fraction, seed)
         train += part_train
         evals += part_eval
     return train, evals
@@ -234,6 +246,12 @@ def load_text_data(
     return TextData(str(path), train_docs, eval_docs, train_blocks, eval_ids)
 
 
+def doc_hashes(docs: Sequence[str]) -> list[str]:
+    """A short stable id per document (12 hex digits of sha256): plans record their training documents so
+    `patchc eval` can refuse to score a plan on text it was trained on."""
+    return [hashlib.sha256(d.encode()).hexdigest()[:12] for d in docs]
+
+
 def _seed_for(seed: int, epoch: int) -> int:
     digest = hashlib.sha256(f"patchc.data:{seed}:{epoch}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -304,6 +322,7 @@ __all__ = [
     "load_documents",
     "split_documents",
     "split_files",
+    "doc_hashes",
     "tokenize_documents",
     "pack_blocks",
     "pack_documents",

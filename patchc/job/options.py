@@ -8,7 +8,11 @@ Example:
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import math
+import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +25,7 @@ DEFAULT_MODEL = str(SHARED_DIR / "models" / "stories260K" / "stories260K.bin")
 DEFAULT_DATA = (str(SHARED_DIR / "data" / "tinystories_sample.txt"),)
 ONESHOT_METHODS = ("magnitude", "wanda", "sparsegpt")
 _PAPER = PatchConfig()
+MAX_THREADS = 4 * (os.cpu_count() or 1)
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -64,6 +69,8 @@ class PruneOptions:
     dtype: str = "auto"  # weights: "auto" = bfloat16 on CUDA, float32 on CPU; logits are always fp32
     threads: int = 0
     resume: bool = False
+    overwrite: bool = False  # start again in an --out that holds a finished run or a checkpoint
+    encoding: str = "utf-8"  # of the --data files
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -78,8 +85,21 @@ class PruneOptions:
             raise ValueError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.threads < 0:
-            raise ValueError(f"--threads must be >= 0 (0 = automatic), got {self.threads}")
+        if self.threads < 0 or self.threads > MAX_THREADS:
+            raise ValueError(f"--threads must be in [0, {MAX_THREADS}] (0 = automatic; this machine has "
+                             f"{os.cpu_count()} cores), got {self.threads}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other: continue the run, or start it again")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+        try:
+            codecs.lookup(self.encoding)
+        except LookupError:
+            raise ValueError(f"--encoding {self.encoding!r} is not a text encoding Python knows") from None
         self.patch_config()  # validates sparsity, tile, variant, prior, schedules
 
     def patch_config(self, **changes: Any) -> PatchConfig:
@@ -95,3 +115,14 @@ def weight_dtype(opts: PruneOptions) -> torch.dtype:
     if chosen is None:
         chosen = torch.bfloat16 if opts.device.startswith("cuda") else torch.float32
     return chosen
+
+
+def check_device(device: str) -> None:
+    """A CUDA device that exists, before anything is loaded onto it."""
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no CUDA GPU that torch can use; use --device cpu")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")

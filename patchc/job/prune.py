@@ -28,7 +28,8 @@ import torch.distributed as dist
 import patchc
 from patchc.config import PatchConfig
 from patchc.job.distributed import init_distributed, rank_slice, say, world
-from patchc.job.options import ONESHOT_METHODS, PruneOptions, weight_dtype
+from patchc.job.options import ONESHOT_METHODS, PruneOptions, check_device, weight_dtype
+from patchc.job.runs import CHECKPOINT, check_settings, claim_run_dir, release
 from patchc.utils.env import device_name, versions
 
 
@@ -60,12 +61,12 @@ def choose_threads(opts: PruneOptions, model: torch.nn.Module) -> None:
 
 def load_data(bundle, opts: PruneOptions):
     """Held-out evaluation text always comes from --data; training text from it too unless data-free."""
-    from patchc.job.data import pack_documents, split_files, tokenize_documents
+    from patchc.job.data import doc_hashes, pack_documents, split_files, tokenize_documents
 
     for path in opts.data:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--data {path}: no such file")
-    docs_train, docs_eval = split_files(opts.data, opts.eval_fraction, opts.seed)
+    docs_train, docs_eval = split_files(opts.data, opts.eval_fraction, opts.seed, encoding=opts.encoding)
     if not docs_eval:
         raise ValueError(f"--data {', '.join(opts.data)}: too few documents to hold any out for evaluation")
     source = ", ".join(opts.data)
@@ -77,6 +78,7 @@ def load_data(bundle, opts: PruneOptions):
             "eval": sentences_from_docs(docs_eval, max_sentences=512),
             "docs_train": len(docs_train),
             "docs_eval": len(docs_eval),
+            "train_hashes": doc_hashes(docs_train),
         }
     eval_ids = tokenize_documents(docs_eval, bundle.tokenizer)
     if eval_ids.numel() < 2:
@@ -85,7 +87,15 @@ def load_data(bundle, opts: PruneOptions):
         train_blocks = sample_training_text(bundle, opts)
     else:
         train_blocks = pack_documents(docs_train, bundle.tokenizer, opts.block_len + 1, source=source)
-    return {"train": train_blocks, "eval": eval_ids, "docs_train": len(docs_train), "docs_eval": len(docs_eval)}
+    return {"train": train_blocks, "eval": eval_ids, "docs_train": len(docs_train), "docs_eval": len(docs_eval),
+            "train_hashes": [] if opts.data_free else doc_hashes(docs_train)}
+
+
+def data_record(data: dict, opts: PruneOptions) -> dict:
+    """The split a plan was trained on: files, seed, fraction, encoding and its training documents' ids."""
+    return {"files": [str(Path(p).resolve()) for p in opts.data], "seed": opts.seed,
+            "eval_fraction": opts.eval_fraction, "encoding": opts.encoding, "data_free": opts.data_free,
+            "train_documents": data["train_hashes"]}
 
 
 @torch.no_grad()
@@ -143,10 +153,11 @@ def calibrate(bundle, data: dict, opts: PruneOptions):
 
 
 def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, checkpoint: Path | None, resume: bool,
-          prior_masks: dict[str, torch.Tensor] | None = None):
+          prior_masks: dict[str, torch.Tensor] | None = None, steps: int | None = None):
     """transform -> train_masks -> harden for one configuration; returns (plan, train result).
 
     `prior_masks`: `oneshot_masks(bundle, cfg.prior, calib)`, when already computed for another run.
+    `steps`: optimizer steps when more than the schedules' length `cfg.steps` (an extended run).
     """
     prog = patchc.transform(bundle.export(bundle.model), cfg, calib=calib, prior_masks=prior_masks)
     forward_module = prog
@@ -157,7 +168,7 @@ def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, check
         prog,
         make_batches(bundle, data, opts),
         lambda _prog, batch: loss_fn(forward_module, batch),
-        steps=cfg.steps,
+        steps=steps or cfg.steps,
         lr=opts.lr,
         checkpoint=checkpoint if world()[0] == 0 else None,
         checkpoint_every=50 if checkpoint else 0,
@@ -204,28 +215,72 @@ def oneshot_baseline(bundle, method: str, calib, progress: bool = False,
 
 
 def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
-    """Run the whole job; returns the report dict (also written to `<out>/report.json`)."""
-    from patchc.job.report import plot_plan, write_report
+    """Run the whole job; returns the report dict (also written to `<out>/report.json`).
+
+    Every input is checked before a folder is made; the folder is claimed for this process (`runs.py`)
+    and released however the run ends.
+    """
     from patchc.models import load_model
 
+    check_device(opts.device)
     init_distributed(opts.device)
-    rank, size = world()
     timings: dict[str, float] = {}
-    results: list[dict] = []
-    cfg = opts.patch_config()
-    if rank == 0 and opts.out is not None:
-        refuse_to_clobber(Path(opts.out), opts.resume)  # fail before any work
-
     with timed(timings, "load"):
         bundle = cast_bundle(load_model(opts.model, device=opts.device), weight_dtype(opts))
+        check_model(bundle, opts)
         choose_threads(opts, bundle.model)
         data = load_data(bundle, opts)
-    out = Path(opts.out) if opts.out is not None else next_run_dir(Path("runs"), bundle.name)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    say(f"patchc prune: {bundle.name} ({bundle.kind}), sparsity {opts.sparsity:.0%}, tile {opts.tile}, "
-        f"{opts.steps} steps x batch {opts.batch_size}{f' on {size} processes' if size > 1 else ''}")
+    out, schedule_steps = claim_folder(bundle, opts)
+    failed = True
+    try:
+        report = _run(bundle, data, out, opts.patch_config(steps=schedule_steps), opts, command, timings)
+        failed = False
+        return report
+    finally:
+        if world()[0] == 0:
+            release(out, failed)
 
+
+def claim_folder(bundle, opts: PruneOptions) -> tuple[Path, int]:
+    """Rank 0 claims the run folder and checks the settings; every rank learns (folder, schedule length T)."""
+    rank, size = world()
+    if rank == 0:
+        out = claim_run_dir(opts.out, Path("runs"), bundle.name, opts.resume, opts.overwrite)
+        try:
+            schedule = check_settings(out, opts, opts.resume, opts.overwrite)
+        except BaseException:
+            release(out, failed=True)
+            raise
+        shared = [str(out), schedule]
+    else:
+        shared = [None, None]
+    if size > 1:
+        dist.broadcast_object_list(shared, src=0)
+    return Path(shared[0]), int(shared[1])  # T < --steps when a resumed run is extended
+
+
+def check_model(bundle, opts: PruneOptions) -> None:
+    """Weights that are all finite, and sequence lengths the model's positions allow, before any work."""
+    for name, param in bundle.model.named_parameters():
+        bad = int((~torch.isfinite(param.detach())).sum())
+        if bad:
+            raise ValueError(f"--model {opts.model}: parameter {name} holds {bad:,} NaN/inf values; the checkpoint "
+                             "is damaged or was saved from a diverged run")
+    limit = bundle.block_len_limit
+    for flag, value in (("--block-len", opts.block_len), ("--eval-context", opts.eval_context)):
+        if bundle.kind == "causal" and value > limit:
+            raise ValueError(f"{flag} {value} is longer than the {limit} positions {bundle.name} was built for; "
+                             f"use {flag} {limit} or less")
+
+
+def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, command: str | None,
+         timings: dict[str, float]) -> dict:
+    from patchc.job.report import plot_plan, write_report
+
+    rank, size = world()
+    results: list[dict] = []
+    say(f"patchc prune: {bundle.name} ({bundle.kind}), sparsity {opts.sparsity:.0%}, tile {opts.tile}, "
+        f"{opts.steps} steps x batch {opts.batch_size}{f' on {size} processes' if size > 1 else ''}; writing to {out}")
     dense_embed = None
     if rank == 0:
         with timed(timings, "evaluate"):
@@ -246,8 +301,11 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
             prior_masks = oneshot_masks(bundle, cfg.prior, calib, opts.progress and rank == 0)
 
     with timed(timings, "train"):
-        plan, trained = train(bundle, cfg, data, opts, calib, out / "masks.ckpt", opts.resume, prior_masks)
+        plan, trained = train(bundle, cfg, data, opts, calib, out / CHECKPOINT, opts.resume, prior_masks,
+                              steps=opts.steps)
     plan.meta["command"] = command or ""
+    plan.meta["model"] = opts.model
+    plan.meta["data"] = data_record(data, opts)  # `patchc eval` scores on this split, never on training text
     if rank == 0:
         pruned = plan.apply(bundle.reload())
         with timed(timings, "evaluate"):
@@ -262,7 +320,7 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
                     results.append(row(f"{method} 2:4", method, "2:4", 0.5, evaluate(bundle, model, data, opts, dense_embed)))
         with timed(timings, "baselines"):
             nm_cfg = cfg.replace(variant="nm", sparsity=0.5)
-            nm_plan, nm_trained = train(bundle, nm_cfg, data, opts, calib, None, False, prior_masks)
+            nm_plan, nm_trained = train(bundle, nm_cfg, data, opts, calib, None, False, prior_masks, steps=opts.steps)
         if rank == 0:
             model = nm_plan.apply(bundle.reload())
             results.append(row("learned 2:4 (nm)", "patch-nm", "2:4", nm_plan.sparsity, evaluate(bundle, model, data, opts, dense_embed), nm_trained.seconds))
@@ -273,6 +331,7 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
     report = {
         "command": command or "",
         "model": bundle.name,
+        "model_spec": opts.model,
         "kind": bundle.kind,
         "data": {"train": list(opts.data) if not opts.data_free else ["sampled from the dense model"], "eval": list(opts.data),
                  "train_documents": data["docs_train"], "eval_documents": data["docs_eval"],
@@ -280,7 +339,8 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
                  "eval_tokens": int(data["eval"].numel()) if bundle.kind == "causal" else len(data["eval"]),
                  "data_free": opts.data_free},
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_dict().items()},
-        "train": {"steps": opts.steps, "batch_size": opts.batch_size, "lr": opts.lr, "processes": size,
+        "train": {"steps": opts.steps, "schedule_steps": cfg.steps, "batch_size": opts.batch_size, "lr": opts.lr,
+                  "processes": size,
                   "seconds": round(trained.seconds, 2), "final": trained.history[-1] if trained.history else {}},
         "plan": {"path": str(out / "plan.patch"), "density": plan.density, "sparsity": plan.sparsity,
                  "n_layers": len(plan.layers), "skipped": plan.skipped},
@@ -319,22 +379,6 @@ def protocol(bundle, opts: PruneOptions) -> str:
                 f"next-token prediction scored")
     return ("mean cosine between pruned and dense mean-pooled sentence embeddings of held-out sentences, and the "
             "share of sentences whose nearest neighbour is unchanged")
-
-
-def refuse_to_clobber(out: Path, resume: bool) -> None:
-    """Never overwrite a finished run's files: a new run needs a new --out (or --resume)."""
-    if (out / "report.json").exists() and not resume:
-        raise FileExistsError(f"--out {out} already holds a finished run (report.json); choose another --out or pass --resume")
-
-
-def next_run_dir(root: Path, name: str) -> Path:
-    """runs/<name>, or runs/<name>-2, -3, ... : the first that holds no run yet."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-    candidate, n = root / safe, 1
-    while candidate.exists() and any(candidate.iterdir()):
-        n += 1
-        candidate = root / f"{safe}-{n}"
-    return candidate
 
 
 def format_results(report: dict) -> str:

@@ -1,0 +1,80 @@
+"""`patchc eval`: score a saved plan against the dense model on the held-out text of the plan's own split.
+
+A plan made by `patchc prune` records its split in `plan.meta["data"]` (files, seed, fraction, encoding and
+the ids of its training documents) and its model in `plan.meta["model"]`. `patchc eval` uses them unless
+told otherwise, and refuses to score on documents the plan was trained on (`--allow-overlap` to insist):
+a plan scored on its own training text looks better than it is.
+
+Example:
+    >>> scores = rescore("runs/x/plan.patch")
+    >>> scores["pruned"]["perplexity"] / scores["dense"]["perplexity"]
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
+
+
+def recorded_split(plan: Any) -> dict:
+    """The plan's recorded split (empty for plans made outside `patchc prune` or by older versions)."""
+    data = plan.meta.get("data")
+    return data if isinstance(data, dict) else {}
+
+
+def eval_options(plan: Any, model: str | None = None, data: list[str] | None = None, seed: int | None = None,
+                 eval_fraction: float | None = None, eval_context: int = 256, device: str = "cpu",
+                 encoding: str | None = None) -> PruneOptions:
+    """The options `patchc eval` runs with: each one given, else the plan's recorded one, else the default."""
+    split = recorded_split(plan)
+    if not split and (data is None or seed is None or eval_fraction is None):
+        warnings.warn("the plan records no data split (made outside `patchc prune` or by an older patchc): "
+                      "scoring on the defaults, which may overlap its training text", stacklevel=2)
+    pick = lambda given, key, default: given if given is not None else split.get(key, default)  # noqa: E731
+    return PruneOptions(
+        model=model or plan.meta.get("model") or DEFAULT_MODEL,
+        data=tuple(data or split.get("files") or DEFAULT_DATA),
+        seed=pick(seed, "seed", 0), eval_fraction=pick(eval_fraction, "eval_fraction", 0.2),
+        encoding=pick(encoding, "encoding", "utf-8"), eval_context=eval_context, device=device,
+    )
+
+
+def check_overlap(plan: Any, eval_docs: list[str], allow_overlap: bool) -> int:
+    """How many evaluation documents the plan was trained on; raises unless `allow_overlap`."""
+    from patchc.job.data import doc_hashes
+
+    trained = set(recorded_split(plan).get("train_documents") or ())
+    seen = sum(h in trained for h in doc_hashes(eval_docs))
+    if seen and not allow_overlap:
+        raise ValueError(f"{seen} of the {len(eval_docs)} evaluation documents were used to train this plan, so "
+                         "its score would flatter it; drop --seed/--eval-fraction/--data to use the plan's own "
+                         "split, or pass --allow-overlap")
+    return seen
+
+
+def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bool = False,
+            **options: Any) -> dict[str, Any]:
+    """{"options", "overlap", "dense", "pruned"}: metrics of the dense model and the plan applied to it."""
+    from patchc.ir import TilePlan
+    from patchc.job.data import split_files
+    from patchc.job.prune import check_model, evaluate, load_data
+    from patchc.models import load_model
+
+    plan = TilePlan.load(plan_path)
+    opts = eval_options(plan, **options)
+    for path in opts.data:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--data {path}: no such file (the plan was trained on {', '.join(opts.data)})")
+    _, eval_docs = split_files(opts.data, opts.eval_fraction, opts.seed, encoding=opts.encoding)
+    overlap = check_overlap(plan, eval_docs, allow_overlap)
+    bundle = load_model(opts.model, device=opts.device)
+    check_model(bundle, opts)
+    data = load_data(bundle, opts)
+    dense_embed = bundle.embed(bundle.model, data["eval"]) if bundle.kind == "encoder" else None
+    dense = evaluate(bundle, bundle.model, data, opts, dense_embed)
+    pruned = evaluate(bundle, plan.apply(bundle.reload(), force=force), data, opts, dense_embed)
+    return {"plan": plan, "options": opts, "overlap": overlap, "dense": dense, "pruned": pruned}

@@ -1,0 +1,171 @@
+"""Run folders: claimed atomically, marked while in progress, resumed only with the settings they started with.
+
+    runs/<name>/.patchc-run   the claim: {"pid", "host", "started"}; created with O_EXCL, removed at the end.
+                              A claim whose process is gone (same host) is stale: the next run takes it over.
+    runs/<name>/run.json      the settings that change the result, written before training starts;
+                              `--resume` compares every one of them and names each difference.
+    runs/<name>/report.json   written last: its presence means the run finished.
+
+Two `patchc prune` runs started together never share a folder: the O_EXCL claim lets exactly one of them
+have it (the other takes the next free name, or fails with a clear error for an explicit --out).
+
+Example:
+    >>> out = claim_run_dir(None, Path("runs"), "stories260K", resume=False)   # runs/stories260K[-N]
+    >>> settings = check_settings(out, opts, resume=False)                      # writes run.json
+    >>> release(out)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import socket
+from pathlib import Path
+
+from patchc.job.options import PruneOptions
+from patchc.utils.files import write_bytes_atomic
+
+CLAIM = ".patchc-run"
+SETTINGS = "run.json"
+CHECKPOINT = "masks.ckpt"
+# PruneOptions fields that do not change the plan or its training: free to differ on --resume.
+FREE = ("out", "eval_context", "baselines", "device", "threads", "resume", "overwrite", "progress", "steps")
+
+
+class RunError(ValueError):
+    """A run folder cannot be used as asked (busy, finished, settings differ); the message says what to do."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def _try_claim(folder: Path) -> str | None:
+    """Create the claim file exclusively; None on success, else why the folder is busy."""
+    claim = folder / CLAIM
+    record = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    for _ in range(2):  # a second try after removing a stale claim
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            try:
+                held = json.loads(claim.read_text())
+            except (OSError, ValueError):
+                held = {}
+            if held.get("host") == record["host"] and isinstance(held.get("pid"), int) and not _alive(held["pid"]):
+                claim.unlink(missing_ok=True)  # stale: the run that held it died without cleaning up
+                continue
+            return f"another patchc run (pid {held.get('pid', '?')} on {held.get('host', '?')}) is using it"
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        return None
+    return "its claim file keeps reappearing"
+
+
+def _finished(folder: Path) -> bool:
+    return (folder / "report.json").exists()
+
+
+def claim_run_dir(out: str | os.PathLike | None, root: Path, name: str, resume: bool, overwrite: bool = False) -> Path:
+    """The run folder, claimed for this process: `out`, or the first free `root/<name>[-N]`."""
+    if out is not None:
+        folder = Path(out)
+        _make_dir(folder)
+        if _finished(folder) and not (resume or overwrite):
+            raise RunError(f"--out {folder} already holds a finished run (report.json); choose another --out, "
+                           "or pass --overwrite to replace it")
+        busy = _try_claim(folder)
+        if busy:
+            raise RunError(f"--out {folder}: {busy}; wait for it or choose another --out")
+        return folder
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    for n in range(1, 10_000):
+        folder = root / (safe if n == 1 else f"{safe}-{n}")
+        if folder.exists() and (_finished(folder) or (folder / SETTINGS).exists()):
+            continue  # finished or started runs keep their folder
+        _make_dir(folder)
+        if _try_claim(folder) is None:
+            return folder
+    raise RunError(f"{root}: no free run folder for {safe}; clean up old runs or pass --out")
+
+
+def _make_dir(folder: Path) -> None:
+    for parent in [folder, *folder.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise RunError(f"--out {folder}: {parent} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"--out {folder}: cannot create the folder ({e.strerror or e})") from None
+
+
+def release(folder: Path, failed: bool = False) -> None:
+    """Drop this process's claim. A run that `failed` before writing a checkpoint leaves no trace: its
+    run.json goes, and the folder too if nothing else is in it."""
+    (folder / CLAIM).unlink(missing_ok=True)
+    if failed and not (folder / CHECKPOINT).exists() and not _finished(folder):
+        (folder / SETTINGS).unlink(missing_ok=True)
+        try:
+            folder.rmdir()  # only if empty: never remove a user's files
+        except OSError:
+            pass
+
+
+def settings_of(opts: PruneOptions) -> dict:
+    """The options that change the result, JSON-ready, with paths made absolute."""
+    values = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts) if f.name not in FREE}
+    values["data"] = [str(Path(p).resolve()) for p in opts.data]
+    if Path(opts.model).exists():
+        values["model"] = str(Path(opts.model).resolve())
+    return json.loads(json.dumps(values))  # tuples -> lists, as they read back
+
+
+def check_settings(folder: Path, opts: PruneOptions, resume: bool, overwrite: bool = False) -> int:
+    """Write (fresh run) or compare (resume) `run.json`; returns the schedule length T to train with.
+
+    A resumed run may ask for more --steps than it started with: it goes on at the schedules' final values.
+    """
+    path, ckpt = folder / SETTINGS, folder / CHECKPOINT
+    now = settings_of(opts)
+    if not resume:
+        if ckpt.exists() and not overwrite:
+            raise RunError(f"--out {folder} holds a training checkpoint ({CHECKPOINT}); pass --resume to continue "
+                           "it or --overwrite to start again")
+        ckpt.unlink(missing_ok=True)
+        _write(path, now, opts.steps, opts.steps)
+        return opts.steps
+    if not ckpt.exists():
+        raise RunError(f"--resume: {folder} has no checkpoint ({CHECKPOINT}) to continue; drop --resume to start")
+    if not path.exists():
+        raise RunError(f"--resume: {folder} has no {SETTINGS} (a run from an older patchc); its settings cannot be "
+                       "checked, so start a new run")
+    saved = json.loads(path.read_text())
+    diffs = [f"{_flag(k)} {json.dumps(saved['settings'].get(k))} (now {json.dumps(v)})"
+             for k, v in now.items() if saved["settings"].get(k) != v]
+    if diffs:
+        raise RunError(f"--resume: {folder} was started with other settings: {'; '.join(diffs)}; rerun with the "
+                       "original values, or start a new run in another --out")
+    schedule = int(saved["schedule_steps"])
+    if opts.steps < int(saved["steps"]):
+        raise RunError(f"--resume: --steps {opts.steps} is fewer than the {saved['steps']} the run was started with; "
+                       "a run can be extended, not shortened")
+    _write(path, now, opts.steps, schedule)
+    return schedule
+
+
+def _write(path: Path, settings: dict, steps: int, schedule: int) -> None:
+    record = {"format": "patchc.run", "version": 1, "settings": settings, "steps": steps, "schedule_steps": schedule}
+    write_bytes_atomic(path, (json.dumps(record, indent=1) + "\n").encode())
