@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -91,6 +92,7 @@ def build_masks(
     gen = torch.Generator().manual_seed(cfg.seed)
     masks: dict[str, nn.Module] = {}
     count = 0
+    fallback: list[str] = []
     for site in sites:
         if site.fqn in masks:
             continue
@@ -102,14 +104,28 @@ def build_masks(
             count += 1
             mask.init_logits(cfg.init_std, gen)
             if cfg.prior != "random":
-                nm_prior, tile_prior = prior_logits(name, matrix(param, target), cfg, calib, prior_masks)
+                layer_cfg = cfg
+                if _uncalibrated(site, name, cfg, calib):
+                    layer_cfg = cfg.replace(prior="magnitude")
+                    fallback.append(name)
+                nm_prior, tile_prior = prior_logits(name, matrix(param, target), layer_cfg, calib, prior_masks)
                 # add_prior keeps the prior's choice as the argmax, so the "tile" variant's frozen 2:4
                 # logits harden to exactly the one-shot pattern.
                 mask.add_prior(nm_prior, tile_prior, cfg.init_std * cfg.prior_strength)
             hybrids.append(mask.to(param.device))
         plain = site.experts is None and not site.transposed
         masks[site.fqn] = hybrids[0] if plain else ParamMask(site.fqn, hybrids, site.experts is not None, site.transposed)
+    if fallback:
+        warnings.warn(f"patchc.transform: no calibration statistics for {len(fallback)} expert / Conv1D layer(s) "
+                      f"(calibrating a plain model hooks nn.Linear only; patchc.calibrate(prog, ...) covers them): "
+                      f"they start from the magnitude prior instead of {cfg.prior!r}: {fallback[:4]}...", stacklevel=3)
     return masks
+
+
+def _uncalibrated(site: LinearSite, name: str, cfg: PatchConfig, calib) -> bool:
+    """An expert slice or a (K, N) weight the calibration did not see, under a calibration-based prior."""
+    needs = cfg.prior in ("wanda", "sparsegpt") and calib is not None
+    return needs and name not in calib and (site.experts is not None or site.transposed)
 
 
 def prior_logits(fqn: str, weight: torch.Tensor, cfg: PatchConfig, calib=None,

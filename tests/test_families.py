@@ -1,0 +1,170 @@
+"""The model-family matrix (issue 14): tiny random-initialised transformers 5 models, one per family.
+
+For each family: patchc masks exactly the weights it should (every projection and every expert slice;
+embeddings, LM heads and MoE routers stay dense and are listed as skipped), the ones-mask program is the
+original model, `harden` -> `plan.apply` equals the eval-mode program, and `patchc.compile` (CPU reference
+kernels) equals the plan-applied model. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from torch import nn
+
+import patchc
+from patchc.config import PatchConfig
+
+transformers = pytest.importorskip("transformers")
+
+TILE = (16, 16)
+VOCAB, HIDDEN, HEADS = 128, 64, 4
+BASE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=HEADS,
+            max_position_embeddings=64)
+MOE = dict(num_experts_per_tok=2, num_key_value_heads=2)
+
+
+def _build(name: str) -> nn.Module:
+    t = transformers
+    cfgs = {
+        "llama": lambda: t.LlamaForCausalLM(t.LlamaConfig(intermediate_size=64, num_key_value_heads=2, **BASE)),
+        "qwen2": lambda: t.Qwen2ForCausalLM(t.Qwen2Config(intermediate_size=64, num_key_value_heads=2, **BASE)),
+        "qwen3": lambda: t.Qwen3ForCausalLM(t.Qwen3Config(intermediate_size=64, num_key_value_heads=2, head_dim=16, **BASE)),
+        "qwen2_moe": lambda: t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(
+            intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, **MOE, **BASE)),
+        "qwen3_moe": lambda: t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(
+            intermediate_size=64, moe_intermediate_size=32, num_experts=4, head_dim=16, **MOE, **BASE)),
+        "mixtral": lambda: t.MixtralForCausalLM(t.MixtralConfig(intermediate_size=64, num_local_experts=4, **MOE, **BASE)),
+        "olmoe": lambda: t.OlmoeForCausalLM(t.OlmoeConfig(intermediate_size=32, num_experts=4, pad_token_id=0,
+                                                          bos_token_id=1, eos_token_id=2, **MOE, **BASE)),
+        "gemma3": lambda: t.Gemma3ForCausalLM(t.Gemma3TextConfig(intermediate_size=64, num_key_value_heads=2, head_dim=16,
+                                                                 sliding_window=8, **BASE)),
+        "mistral": lambda: t.MistralForCausalLM(t.MistralConfig(intermediate_size=64, num_key_value_heads=2, **BASE)),
+        "phi3": lambda: t.Phi3ForCausalLM(t.Phi3Config(intermediate_size=64, num_key_value_heads=2, pad_token_id=0, **BASE)),
+        "opt": lambda: t.OPTForCausalLM(t.OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, ffn_dim=64,
+                                                    num_attention_heads=HEADS, word_embed_proj_dim=HIDDEN,
+                                                    max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                                                    eos_token_id=2)),
+        "gpt_neox": lambda: t.GPTNeoXForCausalLM(t.GPTNeoXConfig(intermediate_size=64, **BASE)),
+        "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=1, n_head=HEADS,
+                                                       n_positions=64, bos_token_id=1, eos_token_id=2)),
+        "falcon": lambda: t.FalconForCausalLM(t.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1,
+                                                             num_attention_heads=HEADS)),
+        "bert": lambda: t.BertModel(t.BertConfig(intermediate_size=64, **BASE)),
+        "t5": lambda: t.T5ForConditionalGeneration(t.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, d_ff=64,
+                                                              num_layers=1, num_decoder_layers=1, num_heads=HEADS)),
+    }
+    torch.manual_seed(0)
+    return cfgs[name]().eval()
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gemma3", "mistral", "phi3",
+            "opt", "gpt_neox", "gpt2", "falcon", "bert", "t5"]
+
+
+class Case:
+    """A family's model with how to export and call it."""
+
+    def __init__(self, name: str) -> None:
+        from patchc.models.hf import EncoderWrapper
+
+        self.name = name
+        model = _build(name)
+        gen = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(3, VOCAB, (2, 9), generator=gen)
+        self.kwargs: dict = {}
+        self.args: tuple = ()
+        if name == "bert":
+            model = EncoderWrapper(model).eval()
+            self.args = (torch.ones_like(self.ids),)  # attention mask, positional as exported
+        elif name == "t5":
+            self.kwargs = {"decoder_input_ids": torch.randint(3, VOCAB, (2, 5), generator=gen)}
+        self.model = model
+
+    def export(self) -> torch.export.ExportedProgram:
+        from patchc.models.hf import export_causal_lm, export_encoder
+
+        if self.name == "bert":
+            return export_encoder(self.model)
+        if self.name == "t5":
+            return torch.export.export(self.model, (self.ids,), kwargs={**self.kwargs, "use_cache": False})
+        return export_causal_lm(self.model)
+
+    def run(self, model) -> torch.Tensor:
+        kwargs = dict(self.kwargs)
+        if self.name != "bert" and not isinstance(model, patchc.MaskedProgram):
+            kwargs["use_cache"] = False  # the program remembers it from the export
+        with torch.no_grad():
+            out = model(self.ids, *self.args, **kwargs)
+        return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def expected_layers(model: nn.Module, cfg: PatchConfig) -> tuple[set[str], set[str]]:
+    """(layer names patchc should mask, router weights it should skip), read off the module tree."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    names, routers = set(), set()
+    for path, module in model.named_modules():
+        conv1d = type(module).__name__ == "Conv1D"
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Linear) or conv1d:
+            fqn = f"{path}.weight"
+            shape = tuple(weight.shape[::-1] if conv1d else weight.shape)
+            if any(g in (cfg.selects(fqn, shape) or "") for g in ("router",)):
+                routers.add(fqn)
+            elif id(weight) not in embedded and cfg.selects(fqn, shape) is None:
+                names.add(fqn)
+        elif isinstance(weight, nn.Parameter) and weight.dim() == 2 and path.endswith(".gate"):
+            routers.add(f"{path}.weight")  # HF 5 routers are plain modules holding a weight
+        for pname, p in module.named_parameters(recurse=False):
+            if p.dim() == 3:  # fused experts: one layer per expert slice
+                names.update(f"{path}.{pname}.{e}" for e in range(p.shape[0]))
+    return names, routers
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    case = Case(request.param)
+    cfg = PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5)  # wide init: a plan with dense and 2:4 tiles
+    prog = patchc.transform(case.export(), cfg)
+    return case, cfg, prog
+
+
+def test_masks_exactly_the_expected_layers(family):
+    case, cfg, prog = family
+    expected, routers = expected_layers(case.model, cfg)
+    assert set(prog.layers) == expected
+    assert routers <= set(prog.skipped), f"routers not listed as skipped: {routers - set(prog.skipped)}"
+    assert all("router" in prog.skipped[r] for r in routers)
+    experts = [n for n in prog.layers if n.rsplit(".", 1)[-1].isdigit()]
+    assert bool(experts) == ("moe" in case.name or case.name in ("mixtral", "olmoe"))
+
+
+def test_ones_mask_is_the_original_model(family):
+    case, _, prog = family
+    ref = case.run(case.model)
+    with prog.mask_mode("ones"):
+        torch.testing.assert_close(case.run(prog), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_apply_equals_eval_program_and_runtime_equals_plan(family):
+    case, _, prog = family
+    prog.eval()
+    evald = case.run(prog)
+    plan = patchc.harden(prog)
+    assert set(plan.layers) == set(prog.layers)
+    assert 0 < sum(int((lp.kinds == 1).sum()) for lp in plan.layers.values()) < sum(lp.kinds.numel() for lp in plan.layers.values())
+    pruned = plan.apply(copy.deepcopy(case.model))
+    applied = case.run(pruned)
+    torch.testing.assert_close(applied, evald, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(applied, case.run(case.model), atol=1e-4)  # the plan really prunes
+    fast = patchc.compile(case.model, plan, tune=False, strict=True)
+    replaced = [m for m in fast.modules() if type(m).__name__ in ("TileLinear", "TileExperts")]
+    with_24 = {n.rsplit(".", 2)[0] if n.rsplit(".", 1)[-1].isdigit() else n
+               for n, lp in plan.layers.items() if bool((lp.kinds == 1).any())}
+    assert len(replaced) >= len(with_24) > 0
+    torch.testing.assert_close(case.run(fast), applied, atol=1e-5, rtol=1e-5)
