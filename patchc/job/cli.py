@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("prune", "learn a hybrid mask for a model on text, evaluate it, write a report")
     add_prune_arguments(p)
-    p.set_defaults(run=cmd_prune)
+    p.set_defaults(handler=cmd_prune)
 
     p = command("eval", "score a saved plan against the dense model on its own held-out text",
                 description="Score a saved plan against the dense model. By default on the plan's own split "
@@ -220,32 +220,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--allow-overlap", action="store_true", help="score even on documents the plan was trained on")
     p.add_argument("--force", action="store_true", help="apply the plan even if the model's weights are not its source")
-    p.set_defaults(run=cmd_eval)
+    p.set_defaults(handler=cmd_eval)
 
     p = command("export", "write a run's pruned model as an HF-style folder (planned weights compressed)")
     p.add_argument("run", help="run folder of `patchc prune` (holds plan.patch and report.json)")
     p.add_argument("--out", required=True, help="folder to write; must not exist or be empty")
     p.add_argument("--model", default=None, help="model spec (default: the one the run used)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    p.set_defaults(run=cmd_export)
+    p.set_defaults(handler=cmd_export)
 
     p = command("report", "redraw a plan's plots (and report.md if report.json is beside it)")
     p.add_argument("plan", help="plan file")
     p.add_argument("--out", default=None, help="folder for the PNGs (default: the plan's folder)")
-    p.set_defaults(run=cmd_report)
+    p.set_defaults(handler=cmd_report)
 
     p = command("generate", "compile per-layer Triton kernels for a GPU target, offline")
     p.add_argument("plan", help="plan file")
     p.add_argument("--target", default="sm_90", choices=("sm_80", "sm_90"), help="GPU architecture (A100: sm_80, H100: sm_90)")
     p.add_argument("--out", required=True, help="folder for the kernels and manifests")
-    p.set_defaults(run=cmd_generate)
+    p.set_defaults(handler=cmd_generate)
 
     p = command("tune", "autotune decode and prefill kernel configs on this GPU; fills the cache")
     p.add_argument("plan", help="plan file")
     p.add_argument("--batch-size", type=int, default=16, help="decode batch: the largest M tuned as decode")
     p.add_argument("--prefill-len", type=int, default=128, help="prompt length: M = batch x prefill tuned as prefill")
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "fp16", "bf16"), help="activation dtype")
-    p.set_defaults(run=cmd_tune)
+    p.set_defaults(handler=cmd_tune)
 
     p = command("bench", "GPU proof: kernels and runtime vs cuBLAS / fp64, layer speed, end-to-end decode",
                        description="Correctness of every kernel variant and the runtime (vs fp64 and cuBLAS), layer "
@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=128, help="tokens generated per end-to-end measurement")
     p.add_argument("--seed", type=int, default=0, help="random layers and inputs")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
-    p.set_defaults(run=cmd_bench)
+    p.set_defaults(handler=cmd_bench)
     return parser
 
 
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        return args.handler(args)
     except KeyboardInterrupt:
         print(f"patchc {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,9 @@ from patchc.models.outputs import device_of, logits_of
 
 Kind = Literal["causal", "encoder"]
 _TOKENIZER_NAMES = ("tokenizer.bin",)
+# transformers' weight files: a folder of these is never read as a llama2.c checkpoint folder
+_HF_WEIGHTS = re.compile(r"pytorch_model.*\.bin$|.*\.safetensors$|tf_model.*\.h5$|flax_model.*\.msgpack$"
+                         r"|.*\.index\.json$")
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer
@@ -360,6 +364,10 @@ def _load(raw: str, device: str) -> ModelBundle:
     if path.is_dir():
         if (path / "config.json").is_file():
             return _load_hf_bundle(raw, str(path), path.name, device)
+        hf_files = sorted(p.name for p in path.iterdir() if _HF_WEIGHTS.match(p.name))
+        if hf_files:
+            raise ValueError(f"{raw}: folder holds transformers weights ({hf_files[0]}) but no config.json; "
+                             "copy the model's config.json beside them")
         ckpts = _llama2c_in_folder(path)
         if len(ckpts) == 1:
             return _load_llama2c_bundle(raw, ckpts[0], device)

@@ -191,6 +191,10 @@ def oneshot(
 
     masks: dict[str, torch.Tensor] = {}
     skipped: list[str] = []
+    for fqn in names:  # every weight before any work: a NaN surfaces later as a Hessian or sort error
+        bad = int((~torch.isfinite(_weight_of(model, fqn).detach())).sum())
+        if bad:
+            raise ValueError(f"oneshot: layer {fqn}: the weight holds {bad:,} NaN/inf values; fix the model first")
     for fqn in tqdm(names, desc=f"oneshot {method} {pattern}", disable=not progress, leave=False):
         param = _weight_of(model, fqn)
         if pattern in ("2:4", "tiles") and param.shape[-1] % 4 and not explicit:

@@ -1,0 +1,165 @@
+"""Every bad input is named in one line (exit 2), before any folder is made; random argument mutations
+never end in a traceback (issue 17's findings, CPU)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+import patchc
+from patchc.job import cli, prune
+from patchc.job.data import load_documents
+from tests.conftest import STORIES, TINYSTORIES, needs_shared
+
+QUICK = ["--steps", "2", "--batch-size", "2", "--calib-blocks", "2", "--no-progress", "--no-baselines"]
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def one_line_error(capsys, argv: list[str], *expected: str) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for text in expected:
+        assert text in err, err
+    return err
+
+
+def nan_checkpoint(tmp_path):
+    raw = bytearray((STORIES / "stories260K.bin").read_bytes())
+    torch.frombuffer(raw, dtype=torch.float32, offset=28)[1000] = float("nan")  # inside the embedding
+    (tmp_path / "nan.bin").write_bytes(bytes(raw))
+    shutil.copy(STORIES / "tok512.bin", tmp_path / "tok512.bin")
+    return tmp_path / "nan.bin"
+
+
+@needs_shared
+def test_nan_weights_are_named_before_any_work(tmp_path, capsys):
+    out = tmp_path / "run"
+    one_line_error(capsys, ["prune", "--model", str(nan_checkpoint(tmp_path)), "--out", str(out), *QUICK],
+                   "parameter embed_tokens.weight holds 1 NaN/inf values")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda", "sparsegpt"])
+def test_oneshot_names_a_nan_layer(method):
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 8))
+    with torch.no_grad():
+        model[1].weight[2, 3] = float("inf")
+    calib = patchc.calibrate(model, [torch.randn(4, 16)], progress=False) if method != "magnitude" else None
+    with pytest.raises(ValueError, match=r"layer 1\.weight: the weight holds 1 NaN/inf"):
+        patchc.oneshot(model, method, "2:4", calib=calib, progress=False)
+
+
+def test_non_utf8_text_names_the_file_and_line(tmp_path):
+    path = tmp_path / "latin.txt"
+    path.write_bytes("first story\nsecond story\ncaf\xe9 story\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"{path}: line 3 \(byte 28\) is not valid utf-8.*--encoding"):
+        load_documents(path)
+    assert load_documents(path, encoding="latin-1")[2] == "café story"
+
+
+@needs_shared
+def test_non_utf8_data_is_one_line_and_encoding_flag_reads_it(tmp_path, capsys):
+    text = TINYSTORIES.read_text().replace("Once", "Caf\xe9", 3)
+    (tmp_path / "latin.txt").write_bytes(text.encode("latin-1"))
+    out = tmp_path / "run"
+    one_line_error(capsys, ["prune", "--data", str(tmp_path / "latin.txt"), "--out", str(out), *QUICK],
+                   "latin.txt: line", "pass the file's --encoding")
+    assert not out.exists()
+    assert cli.main(["prune", "--data", str(tmp_path / "latin.txt"), "--encoding", "latin-1", "--out", str(out),
+                     *QUICK]) == 0
+
+
+def test_a_transformers_folder_without_config_is_refused(tmp_path, capsys):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "pytorch_model.bin").write_bytes(b"\0" * 64)
+    one_line_error(capsys, ["prune", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "run"), *QUICK],
+                   "holds transformers weights (pytorch_model.bin) but no config.json")
+    assert not (tmp_path / "run").exists()
+
+
+@needs_shared
+def test_nan_loss_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    def diverge(*args, **kwargs):
+        raise FloatingPointError("mask training: loss is nan at step 3 (task nan)")
+
+    monkeypatch.setattr(prune, "train", diverge)
+    argv = ["prune", "--out", str(tmp_path / "run"), *QUICK]
+    one_line_error(capsys, argv, "mask training: loss is nan at step 3")
+    assert not (tmp_path / "run").exists()  # nothing of the failed run is left
+    with pytest.raises(FloatingPointError):
+        cli.main(["--debug", *argv])
+
+
+def test_cuda_device_without_cuda_is_one_line(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    one_line_error(capsys, ["prune", "--device", "cuda", "--out", str(tmp_path / "run"), *QUICK],
+                   "--device cuda: this machine has no CUDA GPU")
+
+
+# -- random mutations -------------------------------------------------------------------------------------
+
+VALUES = ["-1", "0", "1", "nan", "inf", "-inf", "1e309", str(2**70), "abc", "", "/nonexistent", "0.5", "99999",
+          "--", "-", "é", "cuda:3", "float16", "3 4"]
+
+
+def mutations(rng: random.Random, n: int) -> list[list[str]]:
+    """Valid-looking command lines with one or two flags given random values."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    out = []
+    for _ in range(n):
+        name = rng.choice(["prune", "prune", "prune", "eval", "generate", "tune", "report", "export"])
+        flags = [a for a in sub.choices[name]._actions if a.option_strings and a.dest != "help"]
+        argv = [name]
+        if name in ("eval", "generate", "tune", "report"):
+            argv.append(rng.choice(["/nonexistent/plan.patch", str(TINYSTORIES), ""]))
+        if name == "export":
+            argv += [rng.choice(["/nonexistent/run", ""]), "--out", "/nonexistent/out"]
+        for action in rng.sample(flags, k=min(2, len(flags))):
+            argv.append(action.option_strings[-1])
+            if action.nargs != 0:
+                argv += [rng.choice(VALUES) for _ in range(action.nargs if isinstance(action.nargs, int) else 1)]
+        out.append(argv)
+    return out
+
+
+@needs_shared
+def test_random_argument_mutations_never_end_in_a_traceback(tmp_path, capsys, monkeypatch):
+    """Each mutated command either is refused by argparse (exit 2), fails with one line (exit 2), or gets as
+    far as real work (stopped there: the test is about input handling, not about running jobs)."""
+
+    class ReachedWork(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise ReachedWork
+
+    monkeypatch.setattr(prune, "_run", stop)
+    monkeypatch.chdir(tmp_path)
+    for argv in mutations(random.Random(0), 150):
+        if argv[0] == "prune":
+            argv += ["--out", str(tmp_path / "run"), "--no-progress"]
+        try:
+            code = cli.main(argv)
+        except SystemExit as e:  # argparse's usage error
+            code = e.code
+        except ReachedWork:
+            continue
+        err = capsys.readouterr().err.strip()
+        assert code == 2, (argv, code, err)
+        assert "Traceback" not in err and err.splitlines(), (argv, err)
+        if not err.startswith("usage:"):
+            assert len(err.splitlines()) == 1, (argv, err)
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

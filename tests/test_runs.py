@@ -1,0 +1,204 @@
+"""Runs are never lost: claimed folders, resume that checks its settings, eval on the plan's own split,
+exact resume after SIGKILL at a random step (issue 17's findings, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from patchc.ir import TilePlan
+from patchc.job import runs
+from patchc.job.cli import main
+from tests.conftest import STORIES, TINYSTORIES, needs_shared
+
+QUICK = ["--steps", "6", "--batch-size", "4", "--calib-blocks", "4", "--no-progress", "--no-baselines",
+         "--prior", "magnitude"]
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- claims ---------------------------------------------------------------------------------------------
+
+
+def test_two_runs_never_share_a_default_folder(tmp_path):
+    a = runs.claim_run_dir(None, tmp_path, "stories260K", resume=False)
+    b = runs.claim_run_dir(None, tmp_path, "stories260K", resume=False)  # a still holds its claim
+    assert a != b and {a.name, b.name} == {"stories260K", "stories260K-2"}
+    with pytest.raises(runs.RunError, match=r"another patchc run \(pid \d+"):
+        runs.claim_run_dir(a, tmp_path, "x", resume=False)
+    runs.release(a)
+    assert runs.claim_run_dir(a, tmp_path, "x", resume=False) == a
+
+
+def test_a_stale_claim_is_taken_over(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    import socket
+
+    (folder / runs.CLAIM).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
+    assert runs.claim_run_dir(folder, tmp_path, "x", resume=False) == folder
+    assert json.loads((folder / runs.CLAIM).read_text())["pid"] == os.getpid()
+
+
+def test_out_under_a_file_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert main(["prune", "--out", str(tmp_path / "file" / "run"), *QUICK]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a file, not a folder" in err
+
+
+@needs_shared
+def test_concurrent_prunes_pick_distinct_folders(tmp_path):
+    """Two `patchc prune` processes started together (default --out) end in two folders, both finished."""
+    cmd = [sys.executable, "-m", "patchc", "prune", "--steps", "2", "--batch-size", "2", "--no-baselines",
+           "--prior", "magnitude", "--no-progress", "--threads", "1"]
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-500:] for o in outs]
+    finished = sorted(p.parent.name for p in (tmp_path / "runs").glob("*/report.json"))
+    assert finished == ["stories260K", "stories260K-2"]
+    assert not list((tmp_path / "runs").glob(f"*/{runs.CLAIM}"))  # claims released
+
+
+# -- resume ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    if not STORIES.exists():
+        pytest.skip("needs ../shared")
+    out = tmp_path_factory.mktemp("runs") / "run"
+    assert main(["prune", "--out", str(out), *QUICK]) == 0
+    return out
+
+
+@needs_shared
+@pytest.mark.parametrize("change, named", [
+    (["--lr", "0.01"], "--lr 0.001 (now 0.01)"),
+    (["--batch-size", "2"], "--batch-size 4 (now 2)"),
+    (["--block-len", "64"], "--block-len 128 (now 64)"),
+    (["--sparsity", "0.45"], "--sparsity 0.35 (now 0.45)"),
+    (["--data", "COPY"], "--data"),
+])
+def test_resume_names_each_changed_setting(finished_run, tmp_path, capsys, change, named):
+    if change[-1] == "COPY":  # the same text under another name is other data as far as a resume knows
+        change = ["--data", str(tmp_path / "copy.txt")]
+        (tmp_path / "copy.txt").write_bytes(TINYSTORIES.read_bytes())
+    args = ["prune", "--out", str(finished_run), *QUICK, "--resume"]
+    assert main([*args, *change]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "was started with other settings" in err and named in err, err
+
+
+@needs_shared
+def test_resume_may_extend_but_not_shorten_and_never_restarts_silently(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["prune", "--out", str(out), *QUICK]) == 0
+    (out / "report.json").unlink()  # as if it had crashed after training
+    assert main(["prune", "--out", str(out), *QUICK]) == 2
+    assert "holds a training checkpoint" in capsys.readouterr().err
+    assert main(["prune", "--out", str(out), *QUICK, "--resume", "--steps", "4"]) == 2
+    assert "a run can be extended, not shortened" in capsys.readouterr().err
+    assert main(["prune", "--out", str(out), *QUICK[2:], "--steps", "9", "--resume"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["train"]["steps"] == 9 and report["train"]["schedule_steps"] == 6
+    assert report["train"]["final"]["step"] == 9
+    ckpt = torch.load(out / runs.CHECKPOINT, weights_only=True)
+    assert ckpt["step"] == 9
+    assert main(["prune", "--out", str(out), *QUICK, "--overwrite"]) == 0  # explicit fresh start
+    assert json.loads((out / "report.json").read_text())["train"]["final"]["step"] == 6
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):
+    if not STORIES.exists():
+        pytest.skip("needs ../shared")
+    assert main(["prune", "--out", str(tmp_path / "new"), *QUICK, "--resume"]) == 2
+    assert "has no checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+# -- eval on the recorded split -------------------------------------------------------------------------
+
+
+@needs_shared
+def test_eval_uses_the_plans_split_and_refuses_training_documents(finished_run, capsys):
+    plan = TilePlan.load(finished_run / "plan.patch")
+    split = plan.meta["data"]
+    assert split["seed"] == 0 and split["files"] == [str(TINYSTORIES.resolve())] and split["train_documents"]
+    capsys.readouterr()
+    assert main(["eval", str(finished_run / "plan.patch")]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((finished_run / "report.json").read_text())
+    patch_ppl = next(r["perplexity"] for r in report["results"] if r["name"].startswith("PATCH"))
+    assert f"perplexity {patch_ppl:.4f}" in printed  # the same number the run reported
+    assert main(["eval", str(finished_run / "plan.patch"), "--seed", "1"]) == 2
+    assert "were used to train this plan" in capsys.readouterr().err
+    assert main(["eval", str(finished_run / "plan.patch"), "--seed", "1", "--allow-overlap"]) == 0
+    assert "documents seen in training" in capsys.readouterr().out
+
+
+@needs_shared
+def test_eval_refuses_a_model_with_other_weights(finished_run, tmp_path, capsys):
+    raw = bytearray((STORIES / "stories260K.bin").read_bytes())
+    weights = torch.frombuffer(raw, dtype=torch.float32, offset=28)  # llama2.c: 7 int32 header, then fp32
+    weights.add_(1e-3 * torch.randn(weights.shape, generator=torch.Generator().manual_seed(0)))
+    other = tmp_path / "noised.bin"
+    other.write_bytes(bytes(raw))
+    (tmp_path / "tok512.bin").write_bytes((STORIES / "tok512.bin").read_bytes())
+    assert main(["eval", str(finished_run / "plan.patch"), "--model", str(other)]) == 2
+    assert "this plan was made for other weights" in capsys.readouterr().err
+
+
+# -- kill and resume ------------------------------------------------------------------------------------
+
+_KILLED = textwrap.dedent("""
+    import os, signal, sys, torch, patchc
+    from torch import nn
+    kill_at, ckpt = int(sys.argv[1]), sys.argv[2]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    prog = patchc.transform(torch.export.export(model, (torch.randn(4, 32),)),
+                            patchc.PatchConfig(tile=(16, 16), sparsity=0.35, steps=12))
+    data = torch.randn(12, 4, 32, generator=torch.Generator().manual_seed(1))
+    def batch(step):
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return data[step]
+    loss = lambda p, x: (p(x) - model(x)).pow(2).mean()
+    patchc.train_masks(prog, batch, loss, checkpoint=ckpt, checkpoint_every=1, resume=True, progress=False)
+    patchc.harden(prog).save(ckpt + ".plan")
+""")
+
+
+def test_a_run_killed_at_a_random_step_resumes_to_the_identical_plan(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_KILLED)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    run = lambda kill_at, ckpt: subprocess.run([sys.executable, str(script), str(kill_at), str(ckpt)],  # noqa: E731
+                                               env=env, capture_output=True, text=True, timeout=300)
+    straight = run(-1, tmp_path / "straight.ckpt")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    kill_at = random.Random(os.getpid()).randrange(1, 12)
+    killed = run(kill_at, tmp_path / "killed.ckpt")
+    assert killed.returncode == -9, f"kill at step {kill_at}: {killed.stderr[-2000:]}"
+    resumed = run(-1, tmp_path / "killed.ckpt")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = (TilePlan.load(f"{tmp_path / name}.ckpt.plan") for name in ("straight", "killed"))
+    for fqn, layer in a.layers.items():
+        for part, t in layer.tensors().items():
+            assert torch.equal(t, b.layers[fqn].tensors()[part]), f"killed at step {kill_at}: {fqn} {part} differs"
