@@ -168,3 +168,127 @@ def test_plan_apply_equals_eval_program_and_runtime_equals_plan(family):
                for n, lp in plan.layers.items() if bool((lp.kinds == 1).any())}
     assert len(replaced) >= len(with_24) > 0
     torch.testing.assert_close(case.run(fast), applied, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------- beyond the matrix
+
+
+def test_expert_plan_names_slices_and_apply_writes_only_that_expert():
+    from patchc.ir.targets import resolve
+
+    case = Case("mixtral")
+    prog = patchc.transform(case.export(), PatchConfig(tile=TILE, init_std=0.5))
+    plan = patchc.harden(prog)
+    name = "model.layers.0.mlp.experts.down_proj.2"
+    assert plan.layers[name].shape == (HIDDEN, 64)  # (out, in) of one expert, stored (E, N, K)
+    assert plan.meta["targets"][name] == {"param": name[:-2], "expert": 2, "transposed": False}
+    model = copy.deepcopy(case.model)
+    before = model.get_parameter(name[:-2]).detach().clone()
+    only = patchc.TilePlan(layers={name: plan.layers[name]}, meta={"targets": {name: plan.meta["targets"][name]}})
+    only.apply(model, force=True)
+    after = model.get_parameter(name[:-2])
+    assert torch.equal(after[2], plan.layers[name].to_dense()) and not torch.equal(after[2], before[2])
+    assert torch.equal(after[[0, 1, 3]], before[[0, 1, 3]])  # tiles never cross experts
+    assert resolve(model, name).expert == 2  # also without the recorded target
+    with pytest.raises(patchc.ir.PlanError, match="has no expert 9|out of range"):
+        resolve(model, name[:-2] + ".9")
+
+
+def test_conv1d_is_masked_as_its_transpose_and_the_fingerprint_check_reads_it():
+    case = Case("gpt2")
+    prog = patchc.transform(case.export(), PatchConfig(tile=TILE, init_std=0.5))
+    plan = patchc.harden(prog)
+    fc = "transformer.h.0.mlp.c_fc.weight"
+    assert case.model.get_parameter(fc).shape == (HIDDEN, 4 * HIDDEN)  # Conv1D stores (in, out)
+    assert plan.layers[fc].shape == (4 * HIDDEN, HIDDEN) and plan.meta["targets"][fc]["transposed"] is True
+    other = copy.deepcopy(case.model)
+    with torch.no_grad():
+        other.get_parameter(fc).mul_(1.5)
+    with pytest.raises(patchc.ir.PlanError, match=fc):
+        plan.apply(other)
+
+
+def test_router_exclusion_can_be_overridden_and_is_explained():
+    cfg = PatchConfig(tile=TILE)
+    assert "router" in cfg.selects("model.layers.0.mlp.gate.weight", (4, 64))
+    assert cfg.selects("model.layers.0.mlp.gate_proj.weight", (64, 64)) is None  # not a router
+    assert PatchConfig(exclude=()).selects("model.layers.0.mlp.gate.weight", (4, 64)) is None
+
+
+def test_transform_twice_is_a_clear_error():
+    case = Case("llama")
+    prog = patchc.transform(case.export(), PatchConfig(tile=TILE))
+    with pytest.raises(ValueError, match="already transformed"):
+        patchc.transform(prog, PatchConfig(tile=TILE))
+    with pytest.raises(ValueError, match="already transformed"):
+        patchc.transform(prog.graph_module, PatchConfig(tile=TILE))
+
+
+def test_readme_loop_lm_loss_on_an_hf_export():
+    case = Case("qwen2_moe")
+    prog = patchc.transform(case.export(), PatchConfig(tile=TILE, steps=3))
+    assert prog.call_kwargs == {"use_cache": False}
+    opt = torch.optim.Adam(prog.mask_parameters(), lr=1e-2)
+    ids = torch.randint(3, VOCAB, (2, 9))
+    before = {n: m.nm_logits.detach().clone() for n, m in prog.layers.items()}
+    for _ in range(2):
+        loss = patchc.lm_loss(prog, ids) + prog.regularizer()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        prog.step()
+    assert torch.isfinite(loss)
+    moved = [n for n, m in prog.layers.items() if not torch.equal(m.nm_logits, before[n])]
+    assert any(".experts." in n for n in moved)  # expert masks train too
+
+
+def test_exact_budget_hits_the_target_and_moves_only_tiles_at_the_cut():
+    case = Case("llama")
+    prog = patchc.transform(case.export(), PatchConfig(tile=TILE, sparsity=0.45, init_std=0.5))
+    signs, exact = patchc.harden(prog), patchc.harden(prog, exact_budget=True)
+    total = sum(lp.numel for lp in exact.layers.values())
+    assert abs(exact.density - 0.55) <= 0.5 * TILE[0] * TILE[1] / total + 1e-12
+    logits = torch.cat([m.tile_logits.detach().flatten() for m in prog.layers.values()])
+    a = torch.cat([lp.kinds.flatten() for lp in signs.layers.values()])
+    b = torch.cat([lp.kinds.flatten() for lp in exact.layers.values()])
+    moved = a != b
+    if moved.any():  # every moved tile lies between the cut and 0: the rest equal the eval-mode masks
+        dense_exact = logits[b == 0]
+        cut = float(dense_exact.min()) if dense_exact.numel() else float("inf")
+        assert bool(((logits[moved] >= min(cut, 0)) & (logits[moved] <= max(cut, 0))).all())
+
+
+def test_calibrating_the_program_sees_each_expert_on_its_own_tokens():
+    case = Case("olmoe")
+    prog = patchc.transform(case.export(), PatchConfig(tile=TILE))
+    seen: dict[str, int] = {}
+    with prog.observe_inputs(lambda fqn, x: seen.__setitem__(fqn, seen.get(fqn, 0) + x.shape[0])):
+        case.run(prog)
+    experts = [n for n in prog.layers if ".experts.gate_up_proj." in n]
+    tokens = case.ids.numel() * case.model.config.num_experts_per_tok
+    assert sum(seen.get(n, 0) for n in experts) == tokens  # every routed token once, split by expert
+
+
+def test_prune_command_on_a_moe_directory(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from patchc.job.cli import main
+
+    model = _build("qwen2_moe")
+    model.save_pretrained(tmp_path / "moe")
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(100)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(tmp_path / "moe")
+    gen = torch.Generator().manual_seed(0)
+    docs = [" ".join(f"w{int(i)}" for i in torch.randint(0, 100, (120,), generator=gen)) for _ in range(12)]
+    (tmp_path / "t.txt").write_text("\n\n".join(docs))
+    args = ["prune", "--model", str(tmp_path / "moe"), "--data", str(tmp_path / "t.txt"), "--tile", "16", "16",
+            "--steps", "2", "--batch-size", "2", "--calib-blocks", "2", "--eval-context", "32", "--block-len", "32", "--no-baselines",
+            "--no-progress", "--out", str(tmp_path / "run")]
+    with pytest.warns(UserWarning, match="magnitude prior"):
+        assert main(args) == 0
+    plan = patchc.TilePlan.load(tmp_path / "run" / "plan.patch")
+    assert "model.layers.0.mlp.experts.gate_up_proj.3" in plan.layers
+    assert "router" in plan.skipped["model.layers.0.mlp.gate.weight"]

@@ -397,3 +397,83 @@ def test_runtime_warmup_warms_every_tile_linear(capture):
     for m in (1, 3, 40):
         assert model(torch.randn(m, 64)).shape == (m, 32)
     assert rt.warmup(nn.Linear(4, 4), [1]) == 0
+
+
+# --- TileLinear as a drop-in for nn.Linear, and what patchc.compile swaps ------------------------------
+def test_tile_linear_is_a_drop_in_for_linear():
+    layer, mod = small_module()
+    assert (mod.in_features, mod.out_features) == (64, 48) and mod.bias.shape == (48,)
+    w = mod.weight
+    assert torch.equal(w, layer.to_dense()) and mod.weight is w  # built once, then cached
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(mod(x), torch.nn.functional.linear(x, w, mod.bias))
+    with pytest.raises(AttributeError, match="cannot be assigned"):
+        mod.weight = torch.zeros(48, 64)
+    assert "weight" not in mod.state_dict()
+    mod.to(torch.float64)
+    assert mod.weight.dtype == torch.float64 and mod.bias.dtype == torch.float64
+    other = small_module()[1].to(torch.float64)
+    other.load_state_dict(copy.deepcopy(mod.state_dict()))
+    torch.testing.assert_close(other(x.double()), mod(x.double()))
+
+
+def _mask24(shape, seed):
+    return random_24_mask(*shape, torch.Generator().manual_seed(seed))
+
+
+def _planned(model, fqns, tile=(16, 16)):
+    masks = {f: _mask24(tuple(model.get_parameter(f).shape), seed=i) for i, f in enumerate(fqns)}
+    return TilePlan.from_masks(model, masks, tile=tile, allow_lossy=True)
+
+
+def test_compile_swaps_sequential_tied_users_and_conv1d():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    seq[2].weight = seq[0].weight  # tied: one plan layer, two modules
+    conv = transformers.pytorch_utils.Conv1D(48, 32)  # weight (in, out) = (32, 48)
+    model = nn.Sequential(seq, conv)
+    plan = _planned(model, ["0.0.weight"])
+    conv_mask = _mask24((48, 32), seed=5)
+    conv_plan = TilePlan.from_masks({"1.weight": conv.weight.detach().t()}, {"1.weight": conv_mask}, tile=(16, 16))
+    plan = TilePlan(layers={**plan.layers, **conv_plan.layers},
+                    meta={"targets": {"1.weight": {"param": "1.weight", "expert": None, "transposed": True}}})
+    ref = plan.apply(copy.deepcopy(model), force=True)
+    fast = compile_fn(model, plan, tune=False, strict=True)
+    assert isinstance(fast[0][0], rt.TileLinear) and isinstance(fast[0][2], rt.TileLinear)
+    assert isinstance(fast[1], rt.TileLinear) and fast[1].weight.shape == (48, 32)
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(fast(x), ref(x))
+
+
+def test_compile_warns_about_planned_layers_it_cannot_replace():
+    class Raw(nn.Module):  # the weight is used in a hand-written matmul, not an nn.Linear
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(32, 32))
+
+        def forward(self, x):
+            return x @ self.w.T
+
+    model = Raw()
+    masks = {"w": _mask24((32, 32), seed=1)}
+    plan = TilePlan.from_masks(model, masks, tile=(16, 16))
+    with pytest.warns(UserWarning, match=r"1 planned layer\(s\) not replaced.*w \(read by a Raw"):
+        fast = compile_fn(model, plan, tune=False)
+    torch.testing.assert_close(fast(torch.ones(2, 32)), torch.ones(2, 32) @ plan.layers["w"].to_dense().T)
+    with pytest.raises(ValueError, match="not replaced"):
+        compile_fn(model, plan, tune=False, strict=True)
+
+
+def test_backend_matches_plan_names_on_a_sequential():
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    plan = _planned(seq, ["0.weight", "2.weight"])
+    plan.apply(seq)
+    counts = []
+    cm = torch.compile(seq, backend="patch", options={"plan": plan, "tune": False,
+                                                      "graph_callback": lambda gm, n: counts.append(n)})
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(cm(x), seq(x))
+    assert counts == [2]
+    torch._dynamo.reset()

@@ -79,8 +79,9 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
             weight, bias = module.weight, getattr(module, "bias", None)
             mod = TileLinear.from_plan(plan.layers[fqn], tunings.get(fqn), dtype=weight.dtype, device=weight.device,
                                        batch_size=batch_size, prefill_len=prefill_len)
-            if isinstance(bias, torch.Tensor) and mod.bias is None:
-                mod.register_buffer("bias", bias.detach().clone())  # the plan had none: keep the model's
+            # Each module keeps its own bias (plan.apply wrote the plan's into the owner): tied users differ.
+            own = bias.detach().clone().to(mod.values.dtype) if isinstance(bias, torch.Tensor) else None
+            mod.register_buffer("bias", own)
             setattr(parent, attr, mod)
     for path in experts:
         parent_path, _, attr = path.rpartition(".")
