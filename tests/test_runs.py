@@ -202,3 +202,23 @@ def test_a_run_killed_at_a_random_step_resumes_to_the_identical_plan(tmp_path):
     for fqn, layer in a.layers.items():
         for part, t in layer.tensors().items():
             assert torch.equal(t, b.layers[fqn].tensors()[part]), f"killed at step {kill_at}: {fqn} {part} differs"
+
+
+@needs_shared
+def test_export_command_writes_a_folder_that_loads_back_to_the_plans_logits(finished_run, tmp_path, capsys,
+                                                                           monkeypatch):
+    import patchc
+
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")  # the exact CPU path, not the interpreted kernels
+    from patchc.models import load_model
+
+    out = tmp_path / "exported"
+    assert main(["export", str(finished_run), "--out", str(out)]) == 0
+    assert str(out.resolve()) in capsys.readouterr().out
+    bundle = load_model(STORIES / "stories260K.bin")
+    pruned = TilePlan.load(finished_run / "plan.patch").apply(bundle.reload())
+    ids = torch.tensor([bundle.tokenizer.encode("Once upon a time")])
+    with torch.no_grad():
+        assert torch.equal(patchc.from_pretrained(out)(ids), pruned(ids))
+    assert main(["export", str(finished_run), "--out", str(out)]) == 2  # never over a folder by accident
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

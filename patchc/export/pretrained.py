@@ -38,6 +38,7 @@ from patchc.export.arch import ModelSpec, copy_tokenizer, describe, rebuild, sav
 from patchc.export.format import CONFIG, FORMAT, VERSION, WEIGHTS, ExportError, check_header, read_weights, write_weights
 from patchc.ir import TilePlan
 from patchc.ir.file_format import FLOAT_DTYPES, dtype_name
+from patchc.ir.provenance import check_weights
 
 Run = str | os.PathLike
 
@@ -64,6 +65,7 @@ def export_pretrained(plan: TilePlan, model: nn.Module, out_dir: Run, *, tokeniz
                               "export the model the plan was made for")
         if tuple(params[fqn].shape) != layer.shape:
             raise ExportError(f"layer {fqn}: the model's weight has shape {tuple(params[fqn].shape)}, the plan {layer.shape}")
+    check_weights(plan, model)  # the plan's kept weights must be this model's, or the export mixes two models
     plain, tied = split_state(model, set(plan.layers), spec.prefix)
     layers = {fqn.removeprefix(spec.prefix): layer for fqn, layer in plan.layers.items()}
     weight = next(iter(params.values()))
