@@ -48,6 +48,10 @@ for workers in (1, 2):
                      "layer 'other.weight' (splitk_reduce_s2)"]}, workers=workers, show_progress=False)
     except CompileError as exc:
         errors[workers] = str(exc)
+try:
+    generate(plan, out / "none", layers=["b.weight", "nope.weight"], show_progress=False)
+except KeyError as exc:
+    errors["unknown"] = str(exc)
 (out / "errors.json").write_text(json.dumps(errors))
 """
 
@@ -131,6 +135,13 @@ def test_a_failed_compile_names_the_layers_that_need_it(runs, workers):
     assert "layer 'broken.weight' (splitk_reduce_s2)" in message and "other.weight" in message
     assert "ok.weight" not in message, "a job that compiled is blamed"
     assert "power of 2" in message or "arange" in message, f"Triton's reason is missing: {message[-500:]}"
+
+
+def test_an_unknown_layer_name_is_refused_by_name(runs):
+    out, _ = runs
+    message = json.loads((out / "errors.json").read_text()).get("unknown")
+    assert message is not None and "'nope.weight'" in message and "not in the plan" in message
+    assert not (out / "none" / "b.weight").exists(), "generate wrote layers before refusing the list"
 
 
 def test_fp_fusion_is_explicit_and_triton_does_not_warn(runs):

@@ -167,8 +167,8 @@ def compile_all(
 ) -> dict[CompileJob, CompiledKernel]:
     """Compile every job once; `jobs` maps each to the "layer/variant" labels that need it (for errors).
 
-    `workers` processes (default: the CPU count; never more than there are jobs); 1 compiles in this
-    process. The result does not depend on the worker count or on completion order.
+    `workers` processes (default: the CPUs this process may use; never more than there are jobs); 1, or a
+    daemon caller, compiles in this process. The result does not depend on the worker count or on completion order.
 
     Example:
         >>> compile_all({job: ["fc.weight/decode"]}, workers=1, show_progress=False)   # doctest: +SKIP
@@ -176,7 +176,7 @@ def compile_all(
     todo = list(jobs)
     n = min(_worker_count(workers), len(todo))
     bar = dict(total=len(todo), desc=f"compiling {len(todo)} kernels", unit="kernel", disable=not show_progress)
-    if n <= 1:
+    if n <= 1 or multiprocessing.current_process().daemon:  # a daemon (a pool worker itself) may not fork
         return {job: _unwrap(job, _try_compile(job), jobs) for job in progress(todo, **bar)}
     done: dict[CompileJob, CompiledKernel] = {}
     ctx = multiprocessing.get_context("spawn")
@@ -198,8 +198,8 @@ def compile_all(
 
 
 def _worker_count(workers: int | None) -> int:
-    if workers is None:
-        return os.cpu_count() or 1
+    if workers is None:  # the CPUs this process may run on (a container's share, not the host's count)
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive int (processes compiling in parallel), got {workers!r}")
     return workers

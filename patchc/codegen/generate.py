@@ -89,7 +89,11 @@ def generate(
     header = _header(arch, cc, fp_fusion)  # one timestamp for every manifest of this run
     index: dict[str, Any] = {}
     planned: list[tuple[PackedLayer, list[tuple[Any, CompileJob]]]] = []
-    names = list(plan.layers) if layers is None else layers
+    names = list(plan.layers) if layers is None else list(layers)
+    unknown = [fqn for fqn in names if fqn not in plan.layers]
+    if unknown:
+        raise KeyError(f"generate(layers=...): {unknown[:4]} not in the plan; planned layers include "
+                       f"{list(plan.layers)[:4]}")
     for fqn in names:
         layer = plan.layers[fqn]
         if bool((layer.kinds == 0).all()):
