@@ -39,6 +39,7 @@ def test_from_masks_records_fingerprints_and_apply_accepts_its_source_in_any_dty
         target = copy.deepcopy(model).to(dtype)
         plan.apply(target)
         assert torch.equal(target[0].weight, plan.layers["0.weight"].to_dense().to(dtype))
+        plan.apply(target)  # applying twice (or compiling an applied model) is fine: W * M is the plan's own
 
 
 @pytest.mark.parametrize("scale", [1e-2, 1e-5])

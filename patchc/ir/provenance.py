@@ -8,7 +8,8 @@ being loaded in another dtype than the plan was made in:
     layer the weight's norm and 64 values at positions fixed by the shape; the model's weight must
     match them to the coarser dtype's rounding;
   * a plan without fingerprints (older files, `from_weights`) is checked on its kept positions: the
-    model's weights there must equal the plan's (a dense original or an already pruned copy both do).
+    model's weights there must equal the plan's (a dense original or an already pruned copy both do);
+  * a model the plan was already applied to (its weights are W * M) is accepted either way.
 
 Example:
     >>> plan.meta["fingerprints"] = fingerprints({"fc.weight": w})
@@ -101,6 +102,14 @@ def kept_mismatch(fqn: str, layer, weight: torch.Tensor) -> str | None:
     return None
 
 
+def _is_applied(layer, weight: torch.Tensor) -> bool:
+    """Whether `weight` is this layer's W * M (to the coarser dtype's rounding)."""
+    ours = layer.to_dense().to(weight.device, torch.float64)
+    theirs = weight.detach().to(torch.float64)
+    eps = _eps(layer.dtype, weight.dtype)
+    return bool(((ours - theirs).abs() <= 2 * eps * torch.maximum(ours.abs(), theirs.abs())).all())
+
+
 def check_weights(plan, model: torch.nn.Module) -> None:
     """Raise `PlanError` naming the first planned layer whose model weight is not the plan's source."""
     recorded = plan.meta.get("fingerprints") or {}
@@ -109,5 +118,7 @@ def check_weights(plan, model: torch.nn.Module) -> None:
         weight = targets.read(model, targets.resolve(model, fqn, where))  # (N, K), also for experts / Conv1D
         why = (fingerprint_mismatch(fqn, recorded[fqn], weight) if fqn in recorded
                else kept_mismatch(fqn, layer, weight))
+        if why and fqn in recorded and _is_applied(layer, weight):
+            why = None  # the plan was already applied to this model: W * M is its own weight
         if why:
             raise PlanError(f"{why}: this plan was made for other weights (another checkpoint or model); {_FORCE}")
