@@ -2,9 +2,9 @@
 
 Steps: copy the model (unless `inplace`), write the plan's pruned weights into it (`plan.apply`, so tied
 weights and all-dense layers match the pruned dense model exactly), tune (see `tune`), then replace each
-nn.Linear whose weight ``<module path>.weight`` is planned with a `TileLinear`. Layers without a 2:4 tile
-stay nn.Linear (cuBLAS); planned weights that are not an nn.Linear's (e.g. a tied embedding) only get
-the pruned values.
+nn.Linear / Conv1D whose weight is planned (every user of a tied weight) with a `TileLinear`, and each
+fused-experts module with planned expert slices with a `TileExperts`. Layers without a 2:4 tile stay
+nn.Linear (cuBLAS); other planned weights only get the pruned values, and a warning lists them.
 
 `tune`: True -> tune here on a CUDA model (cache-backed: a tuned setup is read, not re-timed); on a CPU
 model nothing can be timed and the architecture-table defaults are used. "cached" -> only read the cache
