@@ -26,8 +26,10 @@ def _threads():
 
 
 def one_line_error(capsys, argv: list[str], *expected: str) -> str:
+    capsys.readouterr()
     assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip()
+    # transformers draws its own "Loading weights" bar on stderr; everything else must be the one line
+    err = "\n".join(line for line in capsys.readouterr().err.strip().splitlines() if "it/s]" not in line)
     assert len(err.splitlines()) == 1, err
     for text in expected:
         assert text in err, err
@@ -163,3 +165,39 @@ def test_random_argument_mutations_never_end_in_a_traceback(tmp_path, capsys, mo
         if not err.startswith("usage:"):
             assert len(err.splitlines()) == 1, (argv, err)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def tiny_hf_dir(tmp_path, bos: bool | None):
+    """A tiny HF Llama folder; `bos=None`: without a tokenizer; False: a tokenizer with neither BOS nor EOS."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    if bos is not None:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        words = ["<unk>", "<s>", *sorted(set(TINYSTORIES.read_text().lower().split()))[:62]]
+        tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+        tk.pre_tokenizer = pre_tokenizers.Whitespace()
+        special = {"bos_token": "<s>"} if bos else {}
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", **special).save_pretrained(
+            tmp_path / "m")
+    return tmp_path / "m"
+
+
+@needs_shared
+def test_a_model_folder_without_tokenizer_is_one_line(tmp_path, capsys):
+    model = tiny_hf_dir(tmp_path, bos=None)
+    one_line_error(capsys, ["prune", "--model", str(model), "--out", str(tmp_path / "run"), *QUICK],
+                   "no tokenizer found beside", "copy the model's tokenizer files")
+    assert not (tmp_path / "run").exists()
+
+
+@needs_shared
+def test_a_tokenizer_without_bos_or_eos_names_the_flag_and_no_bos_runs(tmp_path, capsys):
+    model = tiny_hf_dir(tmp_path, bos=False)
+    argv = ["prune", "--model", str(model), "--out", str(tmp_path / "run"), "--block-len", "32", *QUICK]
+    one_line_error(capsys, argv, "neither a BOS nor an EOS token", "pass --no-bos")
+    assert cli.main([*argv, "--no-bos"]) == 0
+    assert cli.main(["eval", str(tmp_path / "run" / "plan.patch")]) == 0  # eval reads --no-bos from the plan

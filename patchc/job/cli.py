@@ -78,6 +78,8 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the one-shot 2:4 and learned 2:4 baselines")
     p.add_argument("--seed", type=int, default=d.seed, help="data split, batch order and Gumbel noise")
     p.add_argument("--encoding", default=d.encoding, help="text encoding of the --data files")
+    p.add_argument("--no-bos", dest="bos", action="store_false",
+                   help="do not start each document with the tokenizer's BOS (or EOS) token")
     p.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
     p.add_argument("--dtype", default=d.dtype, choices=("auto", "float32", "bfloat16", "float16"),
                    help="weight dtype (auto: bfloat16 on CUDA, float32 on CPU); mask logits are always fp32")
@@ -99,7 +101,7 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
         scope=args.scope, exact_budget=args.exact_budget, block_len=args.block_len, eval_context=args.eval_context,
         eval_fraction=args.eval_fraction, calib_blocks=args.calib_blocks, data_free=args.data_free,
         baselines=args.baselines, seed=args.seed, device=args.device, dtype=args.dtype, threads=args.threads,
-        resume=args.resume, overwrite=args.overwrite, encoding=args.encoding, progress=args.progress,
+        resume=args.resume, overwrite=args.overwrite, encoding=args.encoding, bos=args.bos, progress=args.progress,
     )
 
 

@@ -205,14 +205,15 @@ def pack_blocks(ids: torch.Tensor, block_len: int, source: str | os.PathLike | N
     return ids[: n_blocks * block_len].reshape(n_blocks, block_len).long()
 
 
-def pack_documents(docs: Sequence[str], tokenizer: Any, block_len: int, source: str | os.PathLike | None = None) -> torch.Tensor:
+def pack_documents(docs: Sequence[str], tokenizer: Any, block_len: int, source: str | os.PathLike | None = None,
+                   bos: bool = True) -> torch.Tensor:
     """`tokenize_documents` then `pack_blocks`: the training blocks of a list of documents.
 
     Example:
         >>> pack_documents(train_docs, tok, block_len=129, source="stories.txt").shape[1]
         129
     """
-    return pack_blocks(tokenize_documents(docs, tokenizer), block_len, source=source)
+    return pack_blocks(tokenize_documents(docs, tokenizer, bos=bos), block_len, source=source)
 
 
 @dataclass(frozen=True, eq=False)

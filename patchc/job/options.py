@@ -71,6 +71,7 @@ class PruneOptions:
     resume: bool = False
     overwrite: bool = False  # start again in an --out that holds a finished run or a checkpoint
     encoding: str = "utf-8"  # of the --data files
+    bos: bool = True  # start every document with BOS (else EOS); False for tokenizers with neither
     progress: bool = True
 
     def __post_init__(self) -> None:

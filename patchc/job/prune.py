@@ -80,13 +80,14 @@ def load_data(bundle, opts: PruneOptions):
             "docs_eval": len(docs_eval),
             "train_hashes": doc_hashes(docs_train),
         }
-    eval_ids = tokenize_documents(docs_eval, bundle.tokenizer)
+    tokenizer = bundle.require_tokenizer()
+    eval_ids = tokenize_documents(docs_eval, tokenizer, bos=opts.bos)
     if eval_ids.numel() < 2:
         raise ValueError(f"--data {source}: the held-out part is too short to evaluate")
     if opts.data_free:
         train_blocks = sample_training_text(bundle, opts)
     else:
-        train_blocks = pack_documents(docs_train, bundle.tokenizer, opts.block_len + 1, source=source)
+        train_blocks = pack_documents(docs_train, tokenizer, opts.block_len + 1, source=source, bos=opts.bos)
     return {"train": train_blocks, "eval": eval_ids, "docs_train": len(docs_train), "docs_eval": len(docs_eval),
             "train_hashes": [] if opts.data_free else doc_hashes(docs_train)}
 
@@ -94,7 +95,7 @@ def load_data(bundle, opts: PruneOptions):
 def data_record(data: dict, opts: PruneOptions) -> dict:
     """The split a plan was trained on: files, seed, fraction, encoding and its training documents' ids."""
     return {"files": [str(Path(p).resolve()) for p in opts.data], "seed": opts.seed,
-            "eval_fraction": opts.eval_fraction, "encoding": opts.encoding, "data_free": opts.data_free,
+            "eval_fraction": opts.eval_fraction, "encoding": opts.encoding, "bos": opts.bos, "data_free": opts.data_free,
             "train_documents": data["train_hashes"]}
 
 

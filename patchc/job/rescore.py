@@ -39,7 +39,8 @@ def eval_options(plan: Any, model: str | None = None, data: list[str] | None = N
         model=model or plan.meta.get("model") or DEFAULT_MODEL,
         data=tuple(data or split.get("files") or DEFAULT_DATA),
         seed=pick(seed, "seed", 0), eval_fraction=pick(eval_fraction, "eval_fraction", 0.2),
-        encoding=pick(encoding, "encoding", "utf-8"), eval_context=eval_context, device=device,
+        encoding=pick(encoding, "encoding", "utf-8"), bos=split.get("bos", True), eval_context=eval_context,
+        device=device,
     )
 
 

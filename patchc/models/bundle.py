@@ -94,7 +94,7 @@ class HFTokenizer:
         ids = list(self.hf.encode(text, add_special_tokens=False))
         if bos:
             if self.bos_id is None:
-                raise ValueError(f"{getattr(self.hf, 'name_or_path', 'tokenizer')}: tokenizer has neither a BOS nor an EOS token; use bos=False")
+                raise ValueError(f"{getattr(self.hf, 'name_or_path', 'tokenizer')}: tokenizer has neither a BOS nor an EOS token to start documents with; pass --no-bos (patchc prune) or bos=False")
             ids = [self.bos_id] + ids
         if eos and self.eos_id is not None:
             ids = ids + [self.eos_id]
@@ -156,7 +156,8 @@ class ModelBundle:
     def require_tokenizer(self) -> Any:
         """The tokenizer, or a ValueError naming the model when none was found beside it."""
         if self.tokenizer is None:
-            raise ValueError(f"{self.name}: no tokenizer found beside {self.source or 'the model'}")
+            raise ValueError(f"{self.name}: no tokenizer found beside {self.source or 'the model'}; copy the "
+                             "model's tokenizer files (tokenizer.json, tokenizer_config.json, ...) into that folder")
         return self.tokenizer
 
 
