@@ -29,7 +29,7 @@ def test_resume_equals_straight_run_exactly(tiny_mlp, tmp_path):
 
     ckpt = tmp_path / "masks.ckpt"
     first = _setup(tiny_mlp, steps=100)
-    patchc.train_masks(first, _batches, _loss, steps=50, lr=1e-2, checkpoint=ckpt, progress=False)
+    patchc.train_masks(first, _batches, _loss, steps=50, lr=1e-2, checkpoint=ckpt, progress=False, schedule_steps=100)
     resumed = _setup(tiny_mlp, steps=100)
     result = patchc.train_masks(resumed, _batches, _loss, steps=100, lr=1e-2, checkpoint=ckpt, resume=True, progress=False)
 
@@ -47,8 +47,18 @@ def test_checkpoint_errors_name_the_file(tiny_mlp, tmp_path):
     good = tmp_path / "good.ckpt"
     patchc.train_masks(prog, _batches, _loss, steps=2, checkpoint=good, progress=False)
     other = _setup(tiny_mlp, sparsity=0.2)
-    with pytest.raises(ValueError, match="another PatchConfig"):
-        patchc.train_masks(other, _batches, _loss, steps=4, checkpoint=good, resume=True, progress=False)
+    with pytest.raises(ValueError, match=r"another PatchConfig: sparsity 0\.35 \(now 0\.2\)$") as err:
+        patchc.train_masks(other, _batches, _loss, steps=2, checkpoint=good, resume=True, progress=False)
+    assert "\n" not in str(err.value)  # one line that names the setting, not two reprs
+
+
+def test_train_masks_fits_the_schedules_to_its_steps_unless_told(tiny_mlp):
+    prog = _setup(tiny_mlp, steps=300)
+    patchc.train_masks(prog, _batches, _loss, steps=10, progress=False)
+    assert prog.schedule()["tau"] == pytest.approx(prog.cfg.tau[1]) and prog.cfg.steps == 10  # fully annealed
+    held = _setup(tiny_mlp, steps=300)
+    patchc.train_masks(held, _batches, _loss, steps=10, schedule_steps=300, progress=False)
+    assert held.schedule()["tau"] > held.cfg.tau[1] + 0.5  # 10 of 300 steps in: still hot
 
 
 def test_training_moves_density_toward_the_target(tiny_mlp):

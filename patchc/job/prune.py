@@ -170,6 +170,8 @@ def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, check
         make_batches(bundle, data, opts),
         lambda _prog, batch: loss_fn(forward_module, batch),
         steps=steps or cfg.steps,
+        schedule_steps=cfg.steps,
+        desc=f"mask training ({'learned 2:4 baseline' if cfg.variant == 'nm' and opts.variant != 'nm' else 'PATCH ' + cfg.variant})",
         lr=opts.lr,
         checkpoint=checkpoint if world()[0] == 0 else None,
         checkpoint_every=50 if checkpoint else 0,

@@ -69,7 +69,7 @@ def load_checkpoint(path: str | os.PathLike, prog: MaskedProgram, optimizer: tor
     if state.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"{path}: checkpoint version {state.get('version')} is not {CHECKPOINT_VERSION}")
     if state["config"] != _config_tag(prog):
-        raise ValueError(f"{path}: checkpoint was made with another PatchConfig:\n {state['config']}\n vs {_config_tag(prog)}")
+        raise ValueError(f"{path}: checkpoint was made with another PatchConfig: {_config_diff(state, prog)}")
     prog.load_state_dict(state["program"])
     optimizer.load_state_dict(state["optimizer"])
     return TrainResult(history=list(state["history"]), step=int(state["step"]))
@@ -79,12 +79,21 @@ def _config_tag(prog: MaskedProgram) -> str:
     return repr(prog.cfg)
 
 
+def _config_diff(state: dict, prog: MaskedProgram) -> str:
+    """One line naming each setting that differs ("steps 100 (now 50)"), or both reprs for old checkpoints."""
+    saved, now = state.get("settings"), prog.cfg.to_dict()
+    if not isinstance(saved, dict):
+        return f"{state['config']} (now {_config_tag(prog)})"
+    return "; ".join(f"{k} {saved.get(k)!r} (now {v!r})" for k, v in now.items() if saved.get(k) != v)
+
+
 def save_checkpoint(path: str | os.PathLike, prog: MaskedProgram, optimizer: torch.optim.Optimizer, result: TrainResult) -> None:
     atomic_torch_save(
         {
             "format": CHECKPOINT_FORMAT,
             "version": CHECKPOINT_VERSION,
             "config": _config_tag(prog),
+            "settings": prog.cfg.to_dict(),
             "program": prog.state_dict(),
             "optimizer": optimizer.state_dict(),
             "history": result.history,
@@ -114,6 +123,8 @@ def train_masks(
     progress: bool = True,
     on_log: Callable[[dict[str, float]], None] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    schedule_steps: int | None = None,
+    desc: str = "mask training",
 ) -> TrainResult:
     """Train the mask logits of `prog` for `steps` optimizer steps (default: `prog.cfg.steps`).
 
@@ -123,11 +134,19 @@ def train_masks(
         checkpoint: file written every `checkpoint_every` steps and at the end (atomically).
         resume: continue from `checkpoint` if it exists (exact: same batches, noise, Adam state).
         optimizer: defaults to Adam(lr) over `prog.mask_parameters()`.
+        schedule_steps: the length T of the tau / kappa schedules and the lambda2 decay (held after T);
+            default `steps`, so `train_masks(prog, ..., steps=50)` anneals fully in 50 steps.
+        desc: the progress bar's label.
     """
 
     steps = prog.cfg.steps if steps is None else steps
     if steps < 0:
         raise ValueError(f"train_masks: steps={steps} must be >= 0")
+    schedule_steps = steps if schedule_steps is None else schedule_steps
+    if schedule_steps < 1:
+        raise ValueError(f"train_masks: schedule_steps={schedule_steps} must be >= 1")
+    if schedule_steps != prog.cfg.steps:
+        prog.cfg = prog.cfg.replace(steps=schedule_steps)  # the program's schedules read T from its config
     optimizer = optimizer or make_optimizer(prog, lr)
     result = TrainResult()
     if resume:
@@ -141,7 +160,7 @@ def train_masks(
     start = time.perf_counter()
     from tqdm.auto import tqdm  # here: `import patchc` must work without tqdm (bare GPU images)
 
-    bar = tqdm(range(result.step, steps), initial=result.step, total=steps, desc="mask training", disable=not progress)
+    bar = tqdm(range(result.step, steps), initial=result.step, total=steps, desc=desc, disable=not progress)
     for t in bar:
         optimizer.zero_grad(set_to_none=True)
         task = loss_fn(prog, get_batch(t))
