@@ -156,7 +156,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from patchc.codegen.generate import generate, summary
     from patchc.ir import TilePlan
 
-    files = generate(TilePlan.load(args.plan), args.out, target=args.target)
+    files = generate(TilePlan.load(args.plan), args.out, target=args.target, workers=args.workers,
+                     show_progress=args.progress, fp_fusion=args.fp_fusion)
     count = len(files) if hasattr(files, "__len__") else 0
     print(f"wrote {count} files for {args.target} to {Path(args.out).resolve()}")
     print(summary(args.out))
@@ -240,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="plan file")
     p.add_argument("--target", default="sm_90", choices=("sm_80", "sm_90"), help="GPU architecture (A100: sm_80, H100: sm_90)")
     p.add_argument("--out", required=True, help="folder for the kernels and manifests")
+    p.add_argument("--workers", type=int, default=None, help="compile processes (default: the CPUs this process may use)")
+    p.add_argument("--no-fp-fusion", dest="fp_fusion", action="store_false",
+                   help="compile without fusing multiply-adds (Triton's enable_fp_fusion=False)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.set_defaults(handler=cmd_generate)
 
     p = command("tune", "autotune decode and prefill kernel configs on this GPU; fills the cache")
