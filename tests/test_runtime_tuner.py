@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import patchc.runtime as rt
+from patchc.ir import PlanError
 from patchc.codegen.configs import KernelConfig
 from patchc.codegen.reference import random_tile_plan
 from patchc.runtime.cache import TuneCache, cache_key
@@ -123,6 +124,9 @@ def test_compile_tune_paths(tmp_path):
     model = nn.Sequential(nn.Linear(1024, 128, bias=False))
     plan = random_tile_plan({"0.weight": dict(n=128, k=1024, tile=(64, 64), kinds="mixed")})
     timer = FakeTimer()
+    with pytest.raises(PlanError, match=r"layer 0\.weight: .*other weights"):
+        rt.compile(model, plan, tune=False)  # a random plan is not made from this model's weights
+    model[0].weight.data.copy_(plan.layers["0.weight"].to_dense())  # now the model is the plan's
     fast = rt.compile(model, plan, batch_size=16, prefill_len=32, tune=True, time_fn=timer, cache=tmp_path / "c.json")
     assert timer.calls > 0 and fast[0].block == (32, 64) and fast[0].decode_cfg[2] == 2
     cached = rt.compile(model, plan, batch_size=16, prefill_len=32, tune="cached", cache=tmp_path / "c.json")

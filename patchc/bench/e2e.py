@@ -130,10 +130,11 @@ def run_e2e(opts: BenchOptions, device: str, deadline: Deadline, progress: bool 
         plan = make_plan(base, sparsity, tile, opts.seed)
         # tuned for batch 16 and a 128-token prefill like the speed part (cache hits); the decode buckets
         # serve batch 1 and the 16-token prompt
+        # the plan's random weights are the pruned model (force: they were not made from base's weights)
         fast = patchc.compile(base, plan, batch_size=max(opts.e2e_batches), prefill_len=128,
-                              tune=opts.tune and cuda, progress=progress)
+                              tune=opts.tune and cuda, progress=progress, force=True)
         pruned = copy.deepcopy(base)
-        plan.apply(pruned)
+        plan.apply(pruned, force=True)
         err = logits_error(fast, pruned, shape.vocab, device)
         del pruned
         for b in opts.e2e_batches:

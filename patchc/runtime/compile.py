@@ -46,6 +46,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     time_fn: TimeFn | None = None,
     progress: bool = False,
     strict: bool = False,
+    force: bool = False,
 ) -> nn.Module:
     """The model with its planned linears replaced by `TileLinear` (on a copy unless `inplace`).
 
@@ -54,6 +55,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     storage), every module sharing a tied planned weight, and fused MoE experts (`TileExperts`).
     Planned layers with a 2:4 tile that could not be replaced are listed in a warning
     (`strict=True`: a ValueError); they keep the plan's pruned values in place either way.
+    A model whose weights are not the plan's source is refused (`plan.apply`); `force=True` writes anyway.
 
     Example:
         >>> fast = patchc.compile(model, plan, tune=False)   # CPU: reference kernels, default configs
@@ -66,7 +68,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     if isinstance(plan, (str, os.PathLike)):
         plan = TilePlan.load(plan)
     target = model if inplace else copy.deepcopy(model)
-    plan.apply(target)
+    plan.apply(target, force=force)
     swaps, experts, missed = plan_swaps(target, plan)
     _report_missed(missed, strict)
     if not swaps and not experts:
