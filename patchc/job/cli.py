@@ -261,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Exit status 1 when a correctness check fails.")
     p.add_argument("--dry-run", action="store_true",
                    help="run the same harness on CPU under the Triton interpreter with tiny shapes (timings mean nothing)")
-    p.add_argument("--parts", nargs="+", default=["check", "speed", "e2e"], choices=("check", "speed", "e2e"))
+    p.add_argument("--parts", nargs="+", default=["check", "speed", "e2e"], choices=("check", "speed", "e2e"),
+                   help="which parts to run")
     p.add_argument("--budget", type=float, default=510.0, help="seconds for the whole run, shared by the parts")
     p.add_argument("--out", default=None, help="results folder (default: benchmarks/results; dry run: runs/bench-dry-run)")
     p.add_argument("--no-tune", dest="tune", action="store_false", help="use the default configs instead of tuning")
