@@ -32,8 +32,7 @@ from pathlib import Path
 import torch
 
 from patchc.ir import LayerPlan, PlanError
-from patchc.ir.file_format import FLOAT_DTYPES, dtype_name
-from patchc.ir.verify import PARTS
+from patchc.ir.file_format import layer_header, read_layer
 
 FORMAT = "patchc.pretrained"
 VERSION = 1
@@ -49,15 +48,6 @@ class ExportError(ValueError):
 def part_name(fqn: str, part: str) -> str:
     """The tensor name of one buffer of a planned weight: part_name("fc.weight", "kinds") -> "fc.weight.patchc.kinds"."""
     return f"{fqn}{SEP}{part}"
-
-
-def layer_header(layers: dict[str, LayerPlan]) -> dict:
-    """{fqn: {shape, tile, dtype, has_bias}}: what a reader needs to rebuild each LayerPlan."""
-    return {
-        fqn: {"shape": list(layer.shape), "tile": list(layer.tile), "dtype": dtype_name(layer.dtype),
-              "has_bias": layer.bias is not None}
-        for fqn, layer in layers.items()
-    }
 
 
 def write_weights(path: Path, plain: dict[str, torch.Tensor], layers: dict[str, LayerPlan]) -> None:
@@ -119,21 +109,7 @@ def check_header(path: Path, raw: str | dict | None, what: str) -> dict:
 
 def _layer(path: Path, fqn: str, prefix: str, info: dict, tensors: dict[str, torch.Tensor]) -> LayerPlan:
     """Pop one layer's buffers out of `tensors` and rebuild (and validate) its LayerPlan."""
-    where = f"{path}: layer {fqn}"
     try:
-        shape, tile, name, has_bias = tuple(info["shape"]), tuple(info["tile"]), info["dtype"], bool(info["has_bias"])
-    except (KeyError, TypeError):
-        raise ExportError(f"{where}: header entry needs shape, tile, dtype and has_bias, got {info!r}") from None
-    if name not in FLOAT_DTYPES:
-        raise ExportError(f"{where}: unsupported dtype {name!r} (one of {sorted(FLOAT_DTYPES)})")
-    parts = {}
-    for part in PARTS + (("bias",) if has_bias else ()):
-        key = part_name(fqn, part)
-        if key not in tensors:
-            raise ExportError(f"{where}: tensor {key!r} is missing from the file")
-        parts[part] = tensors.pop(key)
-    try:
-        return LayerPlan(name=prefix + fqn, shape=shape, tile=tile, dtype=FLOAT_DTYPES[name], bias=parts.pop("bias", None),
-                         **parts)
+        return read_layer(path, fqn, info, tensors, key=lambda part: part_name(fqn, part), name=prefix + fqn)
     except PlanError as e:
-        raise ExportError(f"{path}: {e}") from None
+        raise ExportError(str(e)) from None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,20 +54,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def layer_header(layers: dict[str, LayerPlan]) -> dict:
+    """{fqn: {shape, tile, dtype, has_bias}}: what `read_layer` needs to rebuild each LayerPlan."""
+    return {
+        fqn: {"shape": list(layer.shape), "tile": list(layer.tile), "dtype": dtype_name(layer.dtype),
+              "has_bias": layer.bias is not None}
+        for fqn, layer in layers.items()
+    }
+
+
 def header(plan: TilePlan) -> dict:
     """The JSON header stored in the file's metadata under "patchc"."""
     return {
         "format": FORMAT,
         "version": VERSION,
-        "layers": {
-            fqn: {
-                "shape": list(layer.shape),
-                "tile": list(layer.tile),
-                "dtype": dtype_name(layer.dtype),
-                "has_bias": layer.bias is not None,
-            }
-            for fqn, layer in plan.layers.items()
-        },
+        "layers": layer_header(plan.layers),
         "skipped": plan.skipped,
         "meta": plan.meta,
     }
@@ -114,34 +116,37 @@ def read_plan(path: str | os.PathLike) -> tuple[dict[str, LayerPlan], dict, dict
         raise PlanError(f"{path}: not a readable safetensors plan file ({type(e).__name__}: {e})") from None
     head = _parse_header(path, metadata)
     _check_sums(path, head, tensors)
-    layers: dict[str, LayerPlan] = {}
-    used: set[str] = set()
-    for fqn, info in head["layers"].items():
-        where = f"{path}: layer {fqn}"
-        try:
-            shape, tile = tuple(info["shape"]), tuple(info["tile"])
-            name, has_bias = info["dtype"], bool(info["has_bias"])
-        except (KeyError, TypeError):
-            raise PlanError(f"{where}: header entry needs shape, tile, dtype and has_bias, got {info!r}") from None
-        if name not in FLOAT_DTYPES:
-            raise PlanError(f"{where}: unsupported dtype {name!r} in header (one of {sorted(FLOAT_DTYPES)})")
-        parts = {}
-        for part in PARTS + (("bias",) if has_bias else ()):
-            key = f"{fqn}::{part}"
-            if key not in tensors:
-                raise PlanError(f"{where}: tensor {key!r} is missing from the file")
-            parts[part] = tensors[key]
-            used.add(key)
-        try:
-            layers[fqn] = LayerPlan(
-                name=fqn, shape=shape, tile=tile, dtype=FLOAT_DTYPES[name], bias=parts.pop("bias", None), **parts
-            )
-        except PlanError as e:
-            raise PlanError(f"{path}: {e}") from None
-    extra = sorted(set(tensors) - used)
-    if extra:
-        raise PlanError(f"{path}: tensor {extra[0]!r} is not described by the header (corrupt or foreign file)")
+    layers = {fqn: read_layer(path, fqn, info, tensors) for fqn, info in head["layers"].items()}
+    if tensors:  # read_layer popped every described buffer
+        raise PlanError(f"{path}: tensor {sorted(tensors)[0]!r} is not described by the header (corrupt or foreign file)")
     return layers, head["skipped"], head["meta"]
+
+
+def read_layer(path: Path, fqn: str, info: dict, tensors: dict[str, torch.Tensor],
+               key: Callable[[str], str] | None = None, name: str | None = None) -> LayerPlan:
+    """Rebuild (and validate) one layer from its header entry, popping its buffers, stored as `key`, out of
+    `tensors` (default "<fqn>::<part>"); `PlanError` naming the file and layer. The exported checkpoint
+    reuses it with its own tensor names."""
+    where = f"{path}: layer {fqn}"
+    key = key or (lambda part: f"{fqn}::{part}")
+    try:
+        shape, tile = tuple(info["shape"]), tuple(info["tile"])
+        dtype, has_bias = info["dtype"], bool(info["has_bias"])
+    except (KeyError, TypeError):
+        raise PlanError(f"{where}: header entry needs shape, tile, dtype and has_bias, got {info!r}") from None
+    if dtype not in FLOAT_DTYPES:
+        raise PlanError(f"{where}: unsupported dtype {dtype!r} in header (one of {sorted(FLOAT_DTYPES)})")
+    parts = {}
+    for part in PARTS + (("bias",) if has_bias else ()):
+        stored = key(part)
+        if stored not in tensors:
+            raise PlanError(f"{where}: tensor {stored!r} is missing from the file")
+        parts[part] = tensors.pop(stored)
+    try:
+        return LayerPlan(name=name or fqn, shape=shape, tile=tile, dtype=FLOAT_DTYPES[dtype],
+                         bias=parts.pop("bias", None), **parts)
+    except PlanError as e:
+        raise PlanError(f"{path}: {e}") from None
 
 
 def _parse_header(path: Path, metadata: dict[str, str]) -> dict:
