@@ -89,13 +89,21 @@ def fingerprint_mismatch(fqn: str, recorded: Mapping, weight: torch.Tensor) -> s
     return None
 
 
+def _rounding_apart(layer, weight: torch.Tensor, where: torch.Tensor | None = None):
+    """(plan's W * M, model's weight, mask of entries further apart than the coarser dtype's rounding),
+    in fp64, over `where` (a bool mask) or the whole weight."""
+    ours = layer.to_dense().to(weight.device, torch.float64)
+    theirs = weight.detach().to(torch.float64)
+    if where is not None:
+        ours, theirs = ours[where], theirs[where]
+    eps = _eps(layer.dtype, weight.dtype)
+    return ours, theirs, (ours - theirs).abs() > 2 * eps * torch.maximum(ours.abs(), theirs.abs())
+
+
 def kept_mismatch(fqn: str, layer, weight: torch.Tensor) -> str | None:
     """Why `weight` disagrees with the plan's kept values (for plans without fingerprints), or None."""
     mask = layer.mask().to(weight.device)
-    ours = layer.to_dense().to(weight.device, torch.float64)[mask]
-    theirs = weight.detach().to(torch.float64)[mask]
-    eps = _eps(layer.dtype, weight.dtype)
-    bad = (ours - theirs).abs() > 2 * eps * torch.maximum(ours.abs(), theirs.abs())
+    ours, theirs, bad = _rounding_apart(layer, weight, mask)
     if bool(bad.any()):
         return (f"layer {fqn}: {int(bad.sum()):,} of {int(mask.sum()):,} kept weights differ from the model's "
                 f"(max |diff| {float((ours - theirs).abs().max()):.3g})")
@@ -104,10 +112,7 @@ def kept_mismatch(fqn: str, layer, weight: torch.Tensor) -> str | None:
 
 def _is_applied(layer, weight: torch.Tensor) -> bool:
     """Whether `weight` is this layer's W * M (to the coarser dtype's rounding)."""
-    ours = layer.to_dense().to(weight.device, torch.float64)
-    theirs = weight.detach().to(torch.float64)
-    eps = _eps(layer.dtype, weight.dtype)
-    return bool(((ours - theirs).abs() <= 2 * eps * torch.maximum(ours.abs(), theirs.abs())).all())
+    return not bool(_rounding_apart(layer, weight)[2].any())
 
 
 def check_weights(plan, model: torch.nn.Module) -> None:
