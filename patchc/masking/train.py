@@ -103,6 +103,24 @@ def save_checkpoint(path: str | os.PathLike, prog: MaskedProgram, optimizer: tor
     )
 
 
+class CheckpointIO:
+    """How `train_masks` saves and restores its checkpoint: one torch.save'd file (the default).
+
+    Replace it to checkpoint differently, e.g. sharded with torch.distributed.checkpoint under FSDP2
+    (every rank then calls `save` and `load`, so pass the checkpoint path on every rank).
+    """
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return Path(path).exists()
+
+    def save(self, path: str | os.PathLike, prog: MaskedProgram, optimizer: torch.optim.Optimizer,
+             result: TrainResult) -> None:
+        save_checkpoint(path, prog, optimizer, result)
+
+    def load(self, path: str | os.PathLike, prog: MaskedProgram, optimizer: torch.optim.Optimizer) -> TrainResult:
+        return load_checkpoint(path, prog, optimizer)
+
+
 def make_optimizer(prog: MaskedProgram, lr: float) -> torch.optim.Optimizer:
     """Adam over the mask logits (fp32, so its state is fp32 too)."""
     return torch.optim.Adam(prog.mask_parameters(), lr=lr)
@@ -125,6 +143,7 @@ def train_masks(
     optimizer: torch.optim.Optimizer | None = None,
     schedule_steps: int | None = None,
     desc: str = "mask training",
+    checkpoint_io: CheckpointIO | None = None,
 ) -> TrainResult:
     """Train the mask logits of `prog` for `steps` optimizer steps (default: `prog.cfg.steps`).
 
@@ -137,6 +156,7 @@ def train_masks(
         schedule_steps: the length T of the tau / kappa schedules and the lambda2 decay (held after T);
             default `steps`, so `train_masks(prog, ..., steps=50)` anneals fully in 50 steps.
         desc: the progress bar's label.
+        checkpoint_io: how the checkpoint is written and read (default: one file, `CheckpointIO`).
     """
 
     steps = prog.cfg.steps if steps is None else steps
@@ -148,12 +168,13 @@ def train_masks(
     if schedule_steps != prog.cfg.steps:
         prog.cfg = prog.cfg.replace(steps=schedule_steps)  # the program's schedules read T from its config
     optimizer = optimizer or make_optimizer(prog, lr)
+    io = checkpoint_io or CheckpointIO()
     result = TrainResult()
     if resume:
         if checkpoint is None:
             raise ValueError("train_masks(resume=True) needs checkpoint=PATH")
-        if Path(checkpoint).exists():
-            result = load_checkpoint(checkpoint, prog, optimizer)
+        if io.exists(checkpoint):
+            result = io.load(checkpoint, prog, optimizer)
     get_batch = _batch_getter(batches)
     params = prog.mask_parameters()
     prog.train()
@@ -185,10 +206,10 @@ def train_masks(
             if on_log is not None:
                 on_log(record)
         if checkpoint is not None and checkpoint_every and (t + 1) % checkpoint_every == 0:
-            save_checkpoint(checkpoint, prog, optimizer, result)
+            io.save(checkpoint, prog, optimizer, result)
     result.seconds = time.perf_counter() - start
     if checkpoint is not None and result.step > 0:
-        save_checkpoint(checkpoint, prog, optimizer, result)
+        io.save(checkpoint, prog, optimizer, result)
     prog.eval()
     return result
 
@@ -224,4 +245,4 @@ def lm_loss(
     return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-__all__ = ["TrainResult", "train_masks", "lm_loss", "save_checkpoint", "load_checkpoint", "atomic_torch_save"]
+__all__ = ["TrainResult", "CheckpointIO", "train_masks", "lm_loss", "save_checkpoint", "load_checkpoint", "atomic_torch_save"]
