@@ -21,6 +21,7 @@ from patchc import _moved
 from patchc.config import DEFAULT_EXCLUDE, PatchConfig
 from patchc.ir import LayerPlan, PlanError, TilePlan
 from patchc.masking.harden import harden
+from patchc.masking.recover import recover
 from patchc.masking.train import TrainResult, lm_loss, train_masks
 from patchc.passes.program import MaskedProgram
 from patchc.passes.transform import transform
@@ -58,6 +59,7 @@ __all__ = [
     "TrainResult",
     "lm_loss",
     "harden",
+    "recover",
     "TilePlan",
     "LayerPlan",
     "PlanError",

@@ -1,0 +1,317 @@
+"""Weight recovery after hardening: with a plan's masks fixed, fine-tune the weights it keeps.
+
+Hardening leaves the kept weights as they were in the dense model; recovery lets them absorb part of
+what the pruned ones did. Two ways:
+
+  * ``method="adam"`` (default): Adam on `batches` with the task loss, gradient clipping and a cosine
+    or linear decay. Only the plan's layers train; their gradients are masked to the trainable
+    positions (``scope="all"``: every kept weight; ``scope="values"``: only the kept values of the
+    2:4 tiles, dense tiles frozen bit for bit) and pruned positions are set back to exactly 0 after
+    each step. Nothing but the model (trained in place), its gradients and Adam's two moments is held.
+  * ``method="sparsegpt"``: one OBS update per layer with the plan's mask fixed (`patchc.pruning`'s
+    SparseGPT), from calibration Hessians (`patchc.calibrate`); seconds instead of minutes.
+
+The returned plan has the same tile kinds and 2:4 metadata as the input plan and the recovered values.
+Its ``meta["fingerprints"]`` still describe the *source* weights (the dense model the plan was made
+from), so ``recovered.apply(dense_model)`` is accepted and writes the recovered values;
+``meta["recovery"]`` records what was done.
+
+Example:
+    >>> plan = patchc.harden(prog)
+    >>> model = bundle.reload()
+    >>> rec = patchc.recover(plan, model, batch_fn(blocks, 8), patchc.lm_loss, steps=300, lr=3e-4)
+    >>> rec.meta["recovery"]["loss_after"] < rec.meta["recovery"]["loss_before"]
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from patchc.ir import TILE_SPARSE24, LayerPlan, PlanError, TilePlan
+from patchc.ir import targets as tg
+from patchc.ir.provenance import check_weights, fingerprint
+from patchc.ir.tiles import expand_tiles
+from patchc.utils.progress import progress as progress_bar
+
+SCOPES = ("all", "values")
+METHODS = ("adam", "sparsegpt")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass(frozen=True)
+class RecoverConfig:
+    """How `recover` trains; validated on creation (every message names the argument to fix).
+
+    Example: `RecoverConfig(steps=300, lr=3e-4, scope="values").schedule_factor(150)` -> 0.5.
+    """
+
+    steps: int = 300
+    lr: float = 1e-4
+    scope: str = "all"
+    method: str = "adam"
+    schedule: str = "cosine"
+    warmup: int = 0
+    grad_clip: float | None = 1.0
+    score_batches: int = 4
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"recover: scope={self.scope!r}; use one of {SCOPES}")
+        if self.method not in METHODS:
+            raise ValueError(f"recover: method={self.method!r}; use one of {METHODS}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"recover: schedule={self.schedule!r}; use one of {SCHEDULES}")
+        if self.method == "adam" and self.steps < 1:
+            raise ValueError(f"recover: steps={self.steps} must be >= 1 (or use method='sparsegpt')")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"recover: lr={self.lr} must be a positive number")
+        if not 0 <= self.warmup < max(self.steps, 1):
+            raise ValueError(f"recover: warmup={self.warmup} must be in [0, steps={self.steps})")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"recover: grad_clip={self.grad_clip} must be > 0, or None for no clipping")
+        if self.score_batches < 0:
+            raise ValueError(f"recover: score_batches={self.score_batches} must be >= 0")
+        if self.method == "sparsegpt" and self.scope != "all":
+            raise ValueError("recover: method='sparsegpt' updates every kept weight (its OBS update spreads the "
+                             "error over all of them); use scope='all', or method='adam' for scope='values'")
+
+    def schedule_factor(self, step: int) -> float:
+        """The learning-rate multiplier of optimizer step `step` (0-based): warmup, then the decay to 0."""
+        if step < self.warmup:
+            return (step + 1) / (self.warmup + 1)
+        if self.schedule == "constant":
+            return 1.0
+        done = (step - self.warmup) / max(self.steps - self.warmup, 1)
+        return 0.5 * (1 + math.cos(math.pi * done)) if self.schedule == "cosine" else 1.0 - done
+
+
+@dataclass
+class _Param:
+    """One model parameter that holds planned layers: which entries train, which must stay 0."""
+
+    param: nn.Parameter
+    train: torch.Tensor  # bool, the parameter's shape
+    pruned: torch.Tensor  # bool, the parameter's shape
+
+
+def recover(
+    plan: TilePlan,
+    model: nn.Module,
+    batches: Callable[[int], Any] | Sequence | None = None,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    steps: int = 300,
+    lr: float = 1e-4,
+    *,
+    scope: str = "all",
+    method: str = "adam",
+    calib: Any = None,
+    schedule: str = "cosine",
+    warmup: int = 0,
+    grad_clip: float | None = 1.0,
+    score_batches: int = 4,
+    progress: bool = True,
+    force: bool = False,
+    on_log: Callable[[dict[str, float]], None] | None = None,
+) -> TilePlan:
+    """Fine-tune the weights `plan` keeps in `model` with its masks fixed; returns the recovered plan.
+
+    `model` is the plan's source (the dense model; checked as `plan.apply` does, `force=True` skips that)
+    and is changed in place: it ends holding the recovered W * M. Other parameters stay frozen.
+
+    Args:
+        batches: `batches(step)` or a sequence indexed by `step % len` (as `patchc.train_masks`).
+        loss_fn: `loss_fn(model, batch)` -> scalar loss, e.g. `patchc.lm_loss`.
+        scope: "all" trains every kept weight; "values" only the kept values of 2:4 tiles.
+        method: "adam", or "sparsegpt" (one OBS update per layer from `calib`, a `patchc.calibrate`
+            result of the dense model; `batches`, `loss_fn` and `steps` are then optional).
+        score_batches: the first this many batches are scored before and after (meta's loss_before/after).
+
+    Example:
+        >>> rec = recover(plan, model, blocks, patchc.lm_loss, steps=100, lr=3e-4, scope="values")
+        >>> rec.save("plan-recovered.patch"); rec.apply(bundle.reload())
+    """
+    cfg = RecoverConfig(steps=steps, lr=lr, scope=scope, method=method, schedule=schedule, warmup=warmup,
+                        grad_clip=grad_clip, score_batches=score_batches)
+    if cfg.method == "adam" and (batches is None or loss_fn is None):
+        raise ValueError("recover: method='adam' needs batches and loss_fn")
+    if cfg.method == "sparsegpt" and calib is None:
+        raise ValueError("recover: method='sparsegpt' needs calib=patchc.calibrate(dense_model, batches)")
+    where = plan.meta.get(tg.META_KEY)
+    views = {fqn: tg.resolve(model, fqn, where) for fqn in plan.layers}
+    if not force:
+        check_weights(plan, model)
+    prints = source_fingerprints(plan, model, views)
+    get_batch = _batch_getter(batches) if batches is not None else None
+    n_score = min(cfg.score_batches, len(batches)) if isinstance(batches, Sequence) else cfg.score_batches
+    score = (lambda: _mean_loss(model, loss_fn, get_batch, n_score)) if get_batch and loss_fn and n_score else None
+    start = time.perf_counter()
+    if cfg.method == "sparsegpt":
+        dense = {fqn: tg.read(model, t).detach().clone() for fqn, t in views.items()}
+        plan.apply(model, force=True)  # checked above; the loss before is that of the hardened plan
+        before = score() if score else None
+        update_sparsegpt(plan, model, views, dense, calib, progress)
+        history: list[dict[str, float]] = []
+    else:
+        plan.apply(model, force=True)
+        before = score() if score else None
+        history = train_kept(plan, model, views, get_batch, loss_fn, cfg, progress, on_log)
+    after = score() if score else None
+    record = {**dataclasses.asdict(cfg), "loss_before": before, "loss_after": after,
+              "seconds": round(time.perf_counter() - start, 3), "history": history[-20:],
+              "fingerprints": "of the source weights the plan was made from, not of the recovered values"}
+    if cfg.method == "sparsegpt":
+        for key in ("steps", "lr", "schedule", "warmup", "grad_clip"):
+            record.pop(key)
+    layers = {fqn: rebuild(layer, tg.read(model, views[fqn]), cfg.scope) for fqn, layer in plan.layers.items()}
+    meta = dict(plan.meta) | {"fingerprints": prints, "recovery": record}
+    return TilePlan(layers=layers, skipped=dict(plan.skipped), meta=meta)
+
+
+def source_fingerprints(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target]) -> dict[str, dict]:
+    """The plan's fingerprints of its source weights, completed from `model` (still the source here)
+    for layers that have none, so the recovered plan keeps applying to that source."""
+    recorded = dict(plan.meta.get("fingerprints") or {})
+    for fqn, target in views.items():
+        if fqn not in recorded:
+            recorded[fqn] = fingerprint(tg.read(model, target))
+    return recorded
+
+
+def rebuild(layer: LayerPlan, weight: torch.Tensor, scope: str = "all") -> LayerPlan:
+    """`layer` with its kept values read from `weight` (N, K): same kinds, same 2:4 metadata, same bias.
+
+    With scope="values" the dense tiles are the layer's own buffer (bit-identical, whatever the weight).
+    """
+    fresh = LayerPlan.from_mask(layer.name, weight.detach().to(layer.dense.device, layer.dtype), layer.kinds,
+                                layer.mask(), bias=layer.bias, tile=layer.tile)
+    if not torch.equal(fresh.meta, layer.meta):  # cannot happen for a verified layer: say so loudly if it does
+        raise PlanError(f"layer {layer.name}: rebuilding the recovered values changed the 2:4 metadata")
+    dense = layer.dense if scope == "values" else fresh.dense
+    return dataclasses.replace(layer, dense=dense, values=fresh.values)
+
+
+def trainable(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], scope: str) -> list[_Param]:
+    """Per parameter holding planned layers: the entries that train and the pruned ones (both bool)."""
+    found: dict[str, _Param] = {}
+    for fqn, layer in plan.layers.items():
+        target = views[fqn]
+        if target.param not in found:
+            p = model.get_parameter(target.param)
+            zeros = torch.zeros(p.shape, dtype=torch.bool, device=p.device)
+            found[target.param] = _Param(p, zeros, zeros.clone())
+        entry = found[target.param]
+        keep = layer.mask().to(entry.param.device)
+        train = keep
+        if scope == "values":
+            sparse = (layer.kinds == TILE_SPARSE24).to(keep.device)
+            train = keep & expand_tiles(sparse, layer.tile, layer.shape)
+        tg.matrix(entry.train, target).copy_(train)
+        tg.matrix(entry.pruned, target).copy_(~keep)
+    return list(found.values())
+
+
+def train_kept(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], get_batch: Callable[[int], Any],
+               loss_fn: Callable[[nn.Module, Any], torch.Tensor], cfg: RecoverConfig, progress: bool,
+               on_log: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+    """The Adam loop of `recover`; returns its log records ({"step", "loss", "lr"} every 10 steps)."""
+    params = trainable(plan, model, views, cfg.scope)
+    grads_were = {id(p): p.requires_grad for p in model.parameters()}
+    was_training = model.training
+    for p in model.parameters():
+        p.requires_grad_(False)
+    weights = [e.param for e in params]
+    for w in weights:
+        w.requires_grad_(True)
+    optimizer = torch.optim.Adam(weights, lr=cfg.lr)
+    history: list[dict[str, float]] = []
+    model.train()
+    try:
+        bar = progress_bar(range(cfg.steps), desc=f"weight recovery ({cfg.scope})", disable=not progress)
+        for t in bar:
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.lr * cfg.schedule_factor(t)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model, get_batch(t))
+            loss.backward()
+            for e in params:
+                if e.param.grad is not None:  # a zero gradient keeps Adam's moments, hence the entry, unchanged
+                    e.param.grad.mul_(e.train)
+            if cfg.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(weights, cfg.grad_clip)
+            optimizer.step()
+            with torch.no_grad():
+                for e in params:
+                    e.param.masked_fill_(e.pruned, 0.0)  # exact zeros, whatever the optimizer did
+            if (t + 1) % 10 == 0 or t == 0 or t + 1 == cfg.steps:
+                record = {"step": t + 1, "loss": float(loss.detach()), "lr": optimizer.param_groups[0]["lr"]}
+                if not math.isfinite(record["loss"]):
+                    raise FloatingPointError(f"weight recovery: loss is {record['loss']} at step {t + 1}; "
+                                             "lower lr or keep grad_clip")
+                history.append(record)
+                if hasattr(bar, "set_postfix"):
+                    bar.set_postfix(loss=f"{record['loss']:.3f}")
+                if on_log is not None:
+                    on_log(record)
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+        del optimizer
+        for p in model.parameters():
+            p.requires_grad_(grads_were[id(p)])
+        model.train(was_training)
+    return history
+
+
+@torch.no_grad()
+def update_sparsegpt(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], dense: dict[str, torch.Tensor],
+                     calib: Any, progress: bool) -> None:
+    """Write SparseGPT's OBS update of each planned layer (mask fixed to the plan's) into `model`.
+
+    Layers the calibration has no Hessian for keep the hardened W * M, with a warning naming them.
+    """
+    from patchc.pruning.sparsegpt import sparsegpt
+
+    missing = []
+    for fqn in progress_bar(list(plan.layers), desc="recovery (sparsegpt)", disable=not progress):
+        stats = calib[fqn] if fqn in calib else None
+        if stats is None or not getattr(stats, "has_hessian", False):
+            missing.append(fqn)
+            continue
+        layer = plan.layers[fqn]
+        mask = layer.mask().to(dense[fqn].device)
+        _, updated = sparsegpt(dense[fqn], stats.hessian, mask=mask, name=fqn)
+        tg.read(model, views[fqn]).copy_(updated.masked_fill(~mask, 0.0))
+    if missing:
+        warnings.warn(f"recover(method='sparsegpt'): no calibration Hessian for {len(missing)} layer(s), "
+                      f"left as hardened: {missing[:5]}", stacklevel=3)
+
+
+def _batch_getter(batches: Callable[[int], Any] | Sequence) -> Callable[[int], Any]:
+    if callable(batches):
+        return batches
+    if len(batches) == 0:
+        raise ValueError("recover got an empty batch sequence")
+    return lambda step: batches[step % len(batches)]
+
+
+@torch.no_grad()
+def _mean_loss(model: nn.Module, loss_fn: Callable, get_batch: Callable[[int], Any], count: int) -> float:
+    """Mean loss over batches 0..count-1 in eval mode (no dropout), as a plain float."""
+    was_training = model.training
+    model.eval()
+    try:
+        return sum(float(loss_fn(model, get_batch(i))) for i in range(count)) / count
+    finally:
+        model.train(was_training)
+
+
+__all__ = ["recover", "RecoverConfig", "rebuild", "SCOPES", "METHODS", "SCHEDULES"]

@@ -1,0 +1,168 @@
+"""Weight recovery (`patchc.recover`, `patchc.job.recover.run_recover`): the loss falls, no mask breaks,
+provenance still points at the dense source, and the run-folder job writes its two files."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import patchc
+from patchc.ir import TILE_DENSE, TILE_SPARSE24, TilePlan
+from patchc.ir.tiles import expand_tiles, to_tiles
+from patchc.masking.recover import RecoverConfig, rebuild
+from patchc.pruning.patterns import mask_24, merge_tiles
+from tests.conftest import TINYSTORIES, needs_shared
+
+TILE = (8, 8)
+
+
+def hybrid_masks(model, every: int = 3) -> dict[str, torch.Tensor]:
+    """Every `every`-th tile dense, the rest 2:4 by magnitude: a plan with both kinds in each layer."""
+    masks = {}
+    for fqn in ("up.weight", "down.weight"):
+        w = model.get_parameter(fqn).detach()
+        grid = to_tiles(w, TILE).shape[:2]
+        dense = (torch.arange(grid[0] * grid[1]) % every == 0).view(grid)
+        masks[fqn] = merge_tiles(dense, mask_24(w.abs(), fqn), TILE)
+    return masks
+
+
+def distill_batches(model, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 32, (8, 6), generator=gen) for _ in range(n)]
+    with torch.no_grad():
+        return [(x, model(x)) for x in ids]
+
+
+def mse(model, batch):
+    ids, target = batch
+    return F.mse_loss(model(ids), target)
+
+
+@pytest.fixture
+def setup(tiny_mlp):
+    dense = copy.deepcopy(tiny_mlp)
+    plan = TilePlan.from_masks(tiny_mlp, hybrid_masks(tiny_mlp), tile=TILE)
+    return plan, tiny_mlp, dense, distill_batches(dense)
+
+
+def check_structure(rec: TilePlan, plan: TilePlan) -> None:
+    """Same tiles, same 2:4 metadata, and every 2:4 group keeps exactly 2 of 4 in the mask."""
+    assert list(rec.layers) == list(plan.layers) and rec.skipped == plan.skipped
+    for fqn, layer in rec.layers.items():
+        old = plan.layers[fqn]
+        assert torch.equal(layer.kinds, old.kinds) and torch.equal(layer.meta, old.meta)
+        mask = layer.mask()
+        assert torch.equal(mask, old.mask())
+        b1, b2 = layer.tile
+        groups = to_tiles(mask, layer.tile, value=True).reshape(*layer.grid, b1, b2 // 4, 4)
+        inside = to_tiles(torch.ones(layer.shape, dtype=torch.bool), layer.tile).reshape(groups.shape).any(-1)
+        sparse = layer.kinds == TILE_SPARSE24
+        assert bool((groups[sparse].sum(-1)[inside[sparse]] == 2).all()), f"{fqn}: a 2:4 group keeps other than 2"
+        assert bool(groups[layer.kinds == TILE_DENSE].all()), f"{fqn}: a dense tile lost a weight"
+        assert sparse.any() and (~sparse).any()
+    rec.verify()
+
+
+def test_adam_recovery_lowers_loss_and_keeps_every_mask(setup, tmp_path):
+    plan, model, dense, batches = setup
+    rec = patchc.recover(plan, model, batches, mse, steps=40, lr=3e-3, progress=False)
+    info = rec.meta["recovery"]
+    assert info["loss_after"] < 0.8 * info["loss_before"], info
+    assert (info["scope"], info["steps"], info["lr"], info["method"]) == ("all", 40, 3e-3, "adam")
+    check_structure(rec, plan)
+    changed = [not torch.equal(rec.layers[f].to_dense(), plan.layers[f].to_dense()) for f in plan.layers]
+    assert all(changed)
+    for fqn, layer in rec.layers.items():  # the model itself holds the recovered W * M, zeros where pruned
+        w = model.get_parameter(fqn).detach()
+        assert torch.equal(w, layer.to_dense()) and bool((w[~layer.mask()] == 0).all())
+    assert rec.meta["fingerprints"] == plan.meta["fingerprints"]  # still the dense source's
+    rec.save(tmp_path / "rec.patch")
+    again = TilePlan.load(tmp_path / "rec.patch")
+    applied = again.apply(copy.deepcopy(dense))  # the original dense model accepts it
+    for fqn, layer in again.layers.items():
+        got = applied.get_parameter(fqn).detach()
+        assert torch.equal(got, rec.layers[fqn].to_dense())
+        assert bool((got[~layer.mask()] == 0).all())
+    assert torch.equal(applied.up.bias, dense.up.bias)  # only weights train
+
+
+def test_values_scope_freezes_dense_tiles_bit_for_bit(setup):
+    plan, model, _, batches = setup
+    rec = patchc.recover(plan, model, batches, mse, steps=20, lr=3e-3, scope="values", progress=False)
+    check_structure(rec, plan)
+    assert rec.meta["recovery"]["loss_after"] < rec.meta["recovery"]["loss_before"]
+    for fqn, layer in rec.layers.items():
+        old = plan.layers[fqn]
+        assert torch.equal(layer.dense, old.dense)
+        assert not torch.equal(layer.values, old.values)
+        dense_area = expand_tiles((layer.kinds == TILE_DENSE), layer.tile, layer.shape)
+        w = model.get_parameter(fqn).detach()
+        assert torch.equal(w[dense_area], old.to_dense()[dense_area])  # the model's dense tiles did not move
+
+
+def test_refuses_other_weights_and_bad_settings(setup):
+    plan, model, _, batches = setup
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.up.weight.add_(1.0)
+    with pytest.raises(patchc.PlanError, match="made for other weights"):
+        patchc.recover(plan, other, batches, mse, steps=2, progress=False)
+    with pytest.raises(ValueError, match="scope='bogus'"):
+        patchc.recover(plan, model, batches, mse, steps=2, scope="bogus")
+    with pytest.raises(ValueError, match="steps=0"):
+        RecoverConfig(steps=0)
+    with pytest.raises(ValueError, match="needs calib"):
+        patchc.recover(plan, model, method="sparsegpt")
+    cfg = RecoverConfig(steps=10, schedule="linear", warmup=2)
+    assert [round(cfg.schedule_factor(t), 3) for t in (0, 1, 2, 6, 9)] == [0.333, 0.667, 1.0, 0.5, 0.125]
+    assert RecoverConfig(steps=4).schedule_factor(4) == pytest.approx(0.0)
+
+
+def test_sparsegpt_update_keeps_masks_and_lowers_loss(setup):
+    plan, model, dense, batches = setup
+    calib = patchc.calibrate(dense, [b[0] for b in batches], progress=False)
+    rec = patchc.recover(plan, model, batches, mse, method="sparsegpt", calib=calib, progress=False)
+    check_structure(rec, plan)
+    info = rec.meta["recovery"]
+    assert info["loss_after"] < info["loss_before"] and "lr" not in info
+
+
+def test_rebuild_keeps_dense_buffer_for_values_scope(setup):
+    plan = setup[0]
+    layer = plan.layers["up.weight"]
+    noisy = layer.to_dense() + 1.0
+    same = rebuild(layer, noisy, scope="values")
+    assert torch.equal(same.dense, layer.dense) and torch.equal(same.meta, layer.meta)
+    moved = rebuild(layer, noisy, scope="all")
+    assert torch.equal(moved.to_dense(), noisy * layer.mask())
+
+
+@needs_shared
+def test_run_recover_on_a_real_run_folder(tmp_path):
+    from patchc.job.prune import PruneOptions, run_prune
+    from patchc.job.recover import run_recover
+
+    out = tmp_path / "run"
+    run_prune(PruneOptions(out=str(out), steps=3, baselines=False, progress=False, data=(str(TINYSTORIES),),
+                           calib_blocks=4))
+    before = (out / "plan.patch").read_bytes()
+    result = run_recover(out, steps=4, lr=1e-3, progress=False)
+    assert (out / "plan.patch").read_bytes() == before  # never touched
+    rec = TilePlan.load(out / "plan-recovered.patch")
+    check_structure(rec, TilePlan.load(out / "plan.patch"))
+    saved = json.loads((out / "recover.json").read_text())
+    assert saved["results"] == result["results"]
+    names = [r["name"] for r in saved["results"]]
+    assert names == ["dense", "hardened", "recovered"]
+    assert all(r["perplexity"] > 1 for r in saved["results"])
+    assert saved["recovery"]["steps"] == 4 and saved["train_tokens"] > 0 and saved["eval_tokens"] > 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no plan.patch") as err:
+        run_recover(empty, steps=2)
+    assert "\n" not in str(err.value)
