@@ -1,6 +1,8 @@
 """Mask training: Adam over the logits, gradient clipping, schedules, logs, checkpoint and exact resume.
 
 A step is: batch(t) -> task loss + prog.regularizer() -> backward -> clip -> Adam -> prog.step().
+With `optim=MaskOptimConfig(memory="low")` clip and Adam run inside backward, per logit tensor, as
+each gradient is accumulated (bf16 Adam state, no gradient persists; see `patchc.masking.optim`).
 Batches are looked up by step index (a callable or a sequence, cycled), so a resumed run sees
 exactly the batches the uninterrupted run would have; with the program's noise counters and the
 optimizer state in the checkpoint, 50 + 50 resumed steps equal 100 straight steps bit for bit.
@@ -15,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from patchc.masking.optim import MaskOptimConfig, StepInBackward, make_mask_optimizer
 from patchc.models.outputs import logits_of
 from patchc.utils.files import atomic_path
 
@@ -70,9 +74,19 @@ def load_checkpoint(path: str | os.PathLike, prog: MaskedProgram, optimizer: tor
         raise ValueError(f"{path}: checkpoint version {state.get('version')} is not {CHECKPOINT_VERSION}")
     if state["config"] != _config_tag(prog):
         raise ValueError(f"{path}: checkpoint was made with another PatchConfig: {_config_diff(state, prog)}")
+    saved_kind = state.get("optimizer_kind", optimizer_kind(optimizer))  # absent in older checkpoints
+    if saved_kind != optimizer_kind(optimizer):
+        raise ValueError(f"{path}: checkpoint was trained with optimizer {saved_kind} (now {optimizer_kind(optimizer)}): "
+                         "resume with the same MaskOptimConfig (memory mode)")
     prog.load_state_dict(state["program"])
     optimizer.load_state_dict(state["optimizer"])
     return TrainResult(history=list(state["history"]), step=int(state["step"]))
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """"Adam", or "LowMemAdam(bfloat16)": what must match for an exact resume (fused / foreach need not)."""
+    dtype = getattr(optimizer, "state_dtype", None)
+    return type(optimizer).__name__ + (f"({str(dtype).removeprefix('torch.')})" if dtype is not None else "")
 
 
 def _config_tag(prog: MaskedProgram) -> str:
@@ -96,6 +110,7 @@ def save_checkpoint(path: str | os.PathLike, prog: MaskedProgram, optimizer: tor
             "settings": prog.cfg.to_dict(),
             "program": prog.state_dict(),
             "optimizer": optimizer.state_dict(),
+            "optimizer_kind": optimizer_kind(optimizer),
             "history": result.history,
             "step": result.step,
         },
@@ -121,9 +136,11 @@ class CheckpointIO:
         return load_checkpoint(path, prog, optimizer)
 
 
-def make_optimizer(prog: MaskedProgram, lr: float) -> torch.optim.Optimizer:
-    """Adam over the mask logits (fp32, so its state is fp32 too)."""
-    return torch.optim.Adam(prog.mask_parameters(), lr=lr)
+def make_optimizer(prog: MaskedProgram, lr: float, optim: MaskOptimConfig | None = None) -> torch.optim.Optimizer:
+    """Adam over the mask logits: fused fp32 Adam by default, `LowMemAdam` for `memory="low"`.
+
+    The low-memory optimizer's stochastic rounding is seeded by the program's seed."""
+    return make_mask_optimizer(prog.mask_parameters(), lr, optim, seed=prog.cfg.seed)
 
 
 def train_masks(
@@ -144,6 +161,7 @@ def train_masks(
     schedule_steps: int | None = None,
     desc: str = "mask training",
     checkpoint_io: CheckpointIO | None = None,
+    optim: MaskOptimConfig | None = None,
 ) -> TrainResult:
     """Train the mask logits of `prog` for `steps` optimizer steps (default: `prog.cfg.steps`).
 
@@ -157,6 +175,13 @@ def train_masks(
             default `steps`, so `train_masks(prog, ..., steps=50)` anneals fully in 50 steps.
         desc: the progress bar's label.
         checkpoint_io: how the checkpoint is written and read (default: one file, `CheckpointIO`).
+        optim: the optimizer's memory mode (`MaskOptimConfig`; default fp32 Adam, global clipping).
+            `MaskOptimConfig(memory="low")`: bf16 Adam state, each tensor stepped inside backward and
+            its gradient freed, `grad_clip` applied per tensor. Under torchrun (DDP) the step runs after
+            backward instead, since the gradients are averaged over ranks only then.
+
+    Example:
+        >>> train_masks(prog, blocks, lm_loss, steps=300, optim=MaskOptimConfig(memory="low"))
     """
 
     steps = prog.cfg.steps if steps is None else steps
@@ -167,7 +192,9 @@ def train_masks(
         raise ValueError(f"train_masks: schedule_steps={schedule_steps} must be >= 1")
     if schedule_steps != prog.cfg.steps:
         prog.cfg = prog.cfg.replace(steps=schedule_steps)  # the program's schedules read T from its config
-    optimizer = optimizer or make_optimizer(prog, lr)
+    optim = optim or MaskOptimConfig()
+    optimizer = optimizer or make_optimizer(prog, lr, optim)
+    in_backward = bool(optim.in_backward) and _world_size() == 1
     io = checkpoint_io or CheckpointIO()
     result = TrainResult()
     if resume:
@@ -182,36 +209,58 @@ def train_masks(
     from tqdm.auto import tqdm  # here: `import patchc` must work without tqdm (bare GPU images)
 
     bar = tqdm(range(result.step, steps), initial=result.step, total=steps, desc=desc, disable=not progress)
-    for t in bar:
-        optimizer.zero_grad(set_to_none=True)
-        task = loss_fn(prog, get_batch(t))
-        reg = prog.regularizer()
-        loss = task + reg
-        loss.backward()
-        if grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        optimizer.step()
-        prog.step()
-        result.step = t + 1
-        if (t + 1) % log_every == 0 or t + 1 == steps or t == 0:
-            record = dict(zip(("loss", "task", "reg"), _global_mean(torch.stack([loss, task, reg]).detach()).tolist()))
-            record = {"step": t + 1, **record}
-            if not math.isfinite(record["loss"]):  # checked at log steps: a per-step check syncs the GPU
-                raise FloatingPointError(f"mask training: loss is {record['loss']} at step {t + 1} (task {record['task']})")
-            with torch.no_grad():
-                record["density"] = prog.density("expected").item()
-            record.update(prog.schedule())
-            result.history.append(record)
-            bar.set_postfix(task=f"{record['task']:.3f}", density=f"{record['density']:.3f}", tau=f"{record['tau']:.2f}")
-            if on_log is not None:
-                on_log(record)
-        if checkpoint is not None and checkpoint_every and (t + 1) % checkpoint_every == 0:
-            io.save(checkpoint, prog, optimizer, result)
+    hooks = StepInBackward(optimizer, params, grad_clip) if in_backward else contextlib.nullcontext()
+    optimizer.zero_grad(set_to_none=True)
+    with hooks:
+        for t in bar:
+            losses = _step(prog, loss_fn, get_batch(t), optimizer, params, grad_clip, in_backward)
+            _after_step(prog, result, t, steps, losses, log_every, bar, on_log)
+            if checkpoint is not None and checkpoint_every and (t + 1) % checkpoint_every == 0:
+                io.save(checkpoint, prog, optimizer, result)
     result.seconds = time.perf_counter() - start
     if checkpoint is not None and result.step > 0:
         io.save(checkpoint, prog, optimizer, result)
     prog.eval()
     return result
+
+
+def _step(prog, loss_fn, batch, optimizer, params, grad_clip, in_backward):
+    """One optimizer step; gradients are freed right after it, so none are alive during the next forward."""
+    task = loss_fn(prog, batch)
+    reg = prog.regularizer()
+    loss = task + reg
+    loss.backward()  # in_backward: the hooks clip, step and free each tensor's gradient here
+    if not in_backward:
+        if grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss, task, reg
+
+
+def _after_step(prog, result: TrainResult, t: int, steps: int, losses, log_every: int, bar, on_log) -> None:
+    """Advance the schedules; at log steps check the loss and record a history line."""
+    prog.step()
+    result.step = t + 1
+    if not ((t + 1) % log_every == 0 or t + 1 == steps or t == 0):
+        return
+    record = dict(zip(("loss", "task", "reg"), _global_mean(torch.stack(losses).detach()).tolist()))
+    record = {"step": t + 1, **record}
+    if not math.isfinite(record["loss"]):  # checked at log steps: a per-step check syncs the GPU
+        raise FloatingPointError(f"mask training: loss is {record['loss']} at step {t + 1} (task {record['task']})")
+    with torch.no_grad():
+        record["density"] = prog.density("expected").item()
+    record.update(prog.schedule())
+    result.history.append(record)
+    bar.set_postfix(task=f"{record['task']:.3f}", density=f"{record['density']:.3f}", tau=f"{record['tau']:.2f}")
+    if on_log is not None:
+        on_log(record)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _global_mean(values: torch.Tensor) -> torch.Tensor:
@@ -245,4 +294,4 @@ def lm_loss(
     return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-__all__ = ["TrainResult", "CheckpointIO", "train_masks", "lm_loss", "save_checkpoint", "load_checkpoint", "atomic_torch_save"]
+__all__ = ["TrainResult", "CheckpointIO", "MaskOptimConfig", "train_masks", "lm_loss", "save_checkpoint", "load_checkpoint", "atomic_torch_save"]
