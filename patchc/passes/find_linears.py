@@ -7,6 +7,9 @@ Matched forms (the weight W has shape (N, K) = (out_features, in_features)):
     aten.matmul.default(x, T(W))
 
     aten._grouped_mm(x, T(W), offs) / transformers.grouped_mm_fallback(x, T(W), offs)   fused experts
+    aten.einsum.default(eq, [x, W])   a (batched) matmul: W's subscripts are one contracted letter k
+                                      and one output letter n ("bsk,nk->bsn", "...k,kn->...n"), or an
+                                      expert letter first that x and the output share ("ebk,enk->ebn")
 
 T(W) is one `aten.t` / `aten.permute(W, [1, 0])` / `aten.transpose(W, -2, -1)` of a parameter that a
 `get_attr` node reads (the exported program's `module()` form). Casts and detaches on the way are
@@ -33,6 +36,7 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from patchc.config import PatchConfig
+from patchc.passes.einsum_forms import parse_einsum
 
 aten = torch.ops.aten
 
@@ -56,6 +60,7 @@ _BROADCAST = {
     aten.unsqueeze.default,
 }
 _EMBEDDING = {aten.embedding.default}
+_EINSUM = {aten.einsum.default}
 _VIEWS = _PASS_THROUGH | _BROADCAST | _TRANSPOSE | {
     aten.index.Tensor, aten.select.int, aten.slice.Tensor, aten.contiguous.default, aten.permute.default}
 _GROUPED_NAMES = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
@@ -83,6 +88,7 @@ class LinearSite:
     form: str
     experts: int | None = None
     transposed: bool = False
+    x_axes: tuple[int, int | None] | None = None  # einsum: (K axis, expert axis) of the activation
 
     @property
     def names(self) -> list[str]:
@@ -145,6 +151,15 @@ def _parameter(gm: fx.GraphModule, target: str) -> torch.Tensor | None:
     return value
 
 
+def _weight_of(gm: fx.GraphModule, node: fx.Node) -> tuple[str, torch.Tensor] | None:
+    """(FQN, tensor) of the floating parameter `node` reads through transposes / casts, or None."""
+    traced = _trace_weight(node)
+    weight = _parameter(gm, traced[0].target) if traced is not None else None
+    if weight is None or not weight.is_floating_point():
+        return None
+    return traced[0].target, weight
+
+
 def _embedding_tensors(gm: fx.GraphModule) -> set[int]:
     ids = set()
     for node in gm.graph.nodes:
@@ -171,6 +186,8 @@ def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, str, int] |
     if node.target in _LINEAR:
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         return node.args[0], node.args[1], bias, "linear", 0
+    if node.target in _EINSUM:
+        return None  # matched by `_einsum_site` (the weight may be either operand)
     if node.target in _MATMUL:
         w_pos = _MATMUL[node.target]
         bias = node.args[0] if node.target is aten.addmm.default else None
@@ -206,11 +223,28 @@ class AnnotateLinears(PassBase):
     def _skip(self, fqn: str, reason: str) -> None:
         self.skipped.setdefault(fqn, reason)
 
+    def _einsum(self, gm: fx.GraphModule, node: fx.Node) -> tuple | None:
+        """`_match`'s tuple for an einsum that reads a parameter as a matmul (+ its `EinsumMatmul`)."""
+        if node.op != "call_function" or node.target not in _EINSUM or len(node.args[1]) != 2:
+            return None
+        operands = list(node.args[1])
+        found = [i for i, op in enumerate(operands) if isinstance(op, fx.Node) and _weight_of(gm, op) is not None]
+        if len(found) != 1:
+            return None  # activations only (attention), or two weights: `_skip_unhandled` lists those
+        i = found[0]
+        fqn, weight = _weight_of(gm, operands[i])
+        form = parse_einsum(str(node.args[0]), i, weight.dim())
+        if isinstance(form, str):
+            self._skip(fqn, f"read by einsum {node.args[0]!r}: {form}")
+            return None
+        return operands[1 - i], operands[i], None, "einsum", int(form.transposed), form
+
     def _site(self, gm: fx.GraphModule, node: fx.Node, embedded: set[int]) -> LinearSite | None:
-        matched = _match(node)
+        matched = _match(node) or self._einsum(gm, node)
         if matched is None or not isinstance(matched[1], fx.Node):
             return None
-        x, w_arg, b_arg, form, flips_needed = matched
+        x, w_arg, b_arg, form, flips_needed = matched[:5]
+        einsum = matched[5] if form == "einsum" else None
         traced = _trace_weight(w_arg)
         if traced is None:
             return None  # activation @ activation (attention scores) or a computed weight
@@ -219,7 +253,7 @@ class AnnotateLinears(PassBase):
         if weight is None or not weight.is_floating_point():
             return None
         fqn = w_node.target
-        grouped = form == "grouped_mm"
+        grouped = form == "grouped_mm" or (einsum is not None and einsum.expert_axis is not None)
         if weight.dim() != (3 if grouped else 2):
             self._skip(fqn, f"a {weight.dim()}-D weight {tuple(weight.shape)} read by {form}")
             return None
@@ -242,7 +276,9 @@ class AnnotateLinears(PassBase):
             if traced_b is not None and traced_b[2] == 0:
                 bias = traced_b[0].target
         experts = int(weight.shape[0]) if grouped else None
-        return LinearSite(fqn, (int(n), int(k)), node, w_node, consumer or node, x, bias, form, experts, transposed)
+        x_axes = (einsum.k_axis, einsum.expert_axis) if einsum is not None else None
+        return LinearSite(fqn, (int(n), int(k)), node, w_node, consumer or node, x, bias, form, experts, transposed,
+                          x_axes)
 
     def _skip_unhandled(self, gm: fx.GraphModule, sites: list[LinearSite]) -> None:
         """List every other parameter a matmul reads (never silently left dense)."""

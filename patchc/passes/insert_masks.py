@@ -89,6 +89,26 @@ class _ExpertObserver(nn.Module):
         return x
 
 
+class _AxesObserver(nn.Module):
+    """An einsum's activation with its K axis last (rows = every other axis); with an expert axis,
+    expert e's rows go to "<fqn>.<e>"."""
+
+    def __init__(self, names: list[str], axes: tuple[int, int | None],
+                 callback: Callable[[str, torch.Tensor], None]) -> None:
+        super().__init__()
+        self.names, self.axes, self.callback = names, axes, callback
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k_axis, e_axis = self.axes
+        if e_axis is None:
+            self.callback(self.names[0], x.detach().movedim(k_axis, -1))
+            return x
+        per_expert = x.detach().movedim((e_axis, k_axis), (0, -1))
+        for name, rows in zip(self.names, per_expert):
+            self.callback(name, rows)
+        return x
+
+
 class InsertObservers(PassBase):
     """Route each annotated matmul's activation input through `callback(fqn, x)` (calibration).
 
@@ -105,7 +125,9 @@ class InsertObservers(PassBase):
         for i, site in enumerate(self.sites):
             key = f"{module_key(site.fqn)}_{i}"
             args: tuple = (site.input_node,)
-            if site.experts is None:
+            if site.x_axes is not None:
+                container.add_module(key, _AxesObserver(site.names, site.x_axes, self.callback))
+            elif site.experts is None:
                 container.add_module(key, _Observer(site.fqn, self.callback))
             else:
                 container.add_module(key, _ExpertObserver(site.names, self.callback))

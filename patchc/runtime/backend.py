@@ -4,12 +4,16 @@ Registered through the ``torch_dynamo_backends`` entry point (``patch =
 "patchc.runtime.backend:patch_backend"``), never with ``register_backend`` at import (that would clash
 with the entry point's name).
 
-Dynamo hands the backend a Torch-IR graph: builtin ``torch._C._nn.linear`` / ``F.linear`` calls whose
-weights are placeholders, and the example inputs of those placeholders are the real parameters. Each
-placeholder's source (``L['self']._modules['layers']._modules['0']..._parameters['weight']``) gives the
-weight's FQN. Every linear whose weight has a plan layer with at least one 2:4 tile becomes a call of
-``torch.ops.patchc.tile_linear`` on packed buffers attached to the graph module; the rest of the graph
-goes to inductor (CUDA) or aot_eager (CPU, or when inductor cannot be imported).
+Dynamo hands the backend a Torch-IR graph whose weights are placeholders, and the example inputs of
+those placeholders are the real parameters. Each placeholder's source
+(``L['self']._modules['layers']._modules['0']..._parameters['weight']``) gives the weight's FQN. Every
+matmul that reads a planned weight (a plan layer with at least one 2:4 tile) becomes a call of
+``torch.ops.patchc.tile_linear`` on packed tensors: ``F.linear``, ``x @ W.T`` / matmul / mm, GPT-2
+Conv1D's ``addmm(b, x, W)`` (W stored (K, N), planned as its (N, K) transpose) and linear-layout einsums
+(`patchc.runtime.matmul_reads`). A planned weight read in a form the op cannot serve (fused experts,
+``W @ x``, an einsum with another output layout) is left dense and listed in a warning; with
+``options={"strict": True}`` that is a ValueError. The rest of the graph goes to inductor (CUDA) or
+aot_eager (CPU, or when inductor cannot be imported).
 
 Without a plan, one is inferred from the zero pattern of the weights (`TilePlan.from_weights`, tile from
 ``options["tile"]``, default (16, 16)): tiles with <= 2 nonzeros per group of 4 are 2:4, the rest dense;
@@ -17,9 +21,9 @@ layers with no 2:4 tile are left to F.linear.
 
 Options (all optional): plan, tile, batch_size (16), prefill_len (128), tune (True: tune on CUDA,
 cache-backed; "cached"; False), cache, inner ("inductor" / "aot_eager" / "eager" / any backend name),
-graph_callback (called with the rewritten GraphModule and the number of replaced linears; for tests).
-A tied weight is matched under the name dynamo saw first (e.g. the embedding's), so plan such layers
-under that name or use `patchc.compile`.
+strict (False), graph_callback (called with the rewritten GraphModule and the number of replaced
+matmuls; for tests). A tied weight is matched under the name dynamo saw first (e.g. the embedding's),
+so plan such layers under that name or use `patchc.compile`.
 
 Example:
     >>> cm = torch.compile(model, backend="patch", options={"plan": plan})   # doctest: +SKIP
@@ -30,20 +34,22 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
 from patchc.runtime.dispatch import BUFFER_NAMES, TileLinear
+from patchc.runtime.matmul_reads import LINEAR, Read, find_reads
 from patchc.runtime.op import tile_linear as _op  # noqa: F401  (registers the op)
 
 log = logging.getLogger(__name__)
 
-OPTION_KEYS = ("plan", "tile", "batch_size", "prefill_len", "tune", "cache", "inner", "graph_callback", "time_fn")
+OPTION_KEYS = ("plan", "tile", "batch_size", "prefill_len", "tune", "cache", "inner", "graph_callback", "time_fn",
+               "strict")
 DEFAULT_TILE = (16, 16)
-LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
+LINEAR_TARGETS = LINEAR
 _KEY = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]|\.([A-Za-z_][A-Za-z0-9_]*)|\['([^']*)'\]")
 
 
@@ -98,8 +104,11 @@ def source_fqn(node: fx.Node) -> str | None:
 
 def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any],
                     options: dict[str, Any]) -> tuple[fx.GraphModule, list[torch.Tensor]]:
-    """A copy of `gm` whose planned linears call `patchc::tile_linear`, and the packed tensors.
+    """A copy of `gm` whose planned matmul reads call `patchc::tile_linear`, and the packed tensors.
 
+    Every form of `patchc.runtime.matmul_reads` is rewritten: linear, `x @ W.T` / matmul / mm, Conv1D's
+    `addmm(b, x, W)`, linear-layout einsums. A planned layer (with a 2:4 tile) whose weight this graph
+    reads in a form `tile_linear` cannot serve is left dense and listed in a warning (`strict`: ValueError).
     The packed tensors become new trailing placeholders (marked static, like parameters), returned in
     placeholder order for the caller to pass after dynamo's own inputs. (Buffers attached to the graph
     module would need dynamo sources for aot_autograd; plain tensor constants would meet fake tensors.)
@@ -107,47 +116,93 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any],
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     examples = dict(zip(placeholders, example_inputs))
-    linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in LINEAR_TARGETS]
-    weights: dict[fx.Node, tuple[str, torch.Tensor]] = {}
-    for i, node in enumerate(linears):
-        w = _arg(node, 1, "weight")
-        if isinstance(w, fx.Node) and w.op == "placeholder" and isinstance(examples.get(w), torch.Tensor):
-            weights[w] = (source_fqn(w) or f"patchc_linear_{i}.weight", examples[w])
+    reads = find_reads(gm, examples)
+    names = {r.weight: source_fqn(r.weight) or f"patchc_weight_{i}" for i, r in enumerate(reads)}
     plan = options.get("plan")
     if plan is None:
-        plan = _infer_plan(weights.values(), options.get("tile", DEFAULT_TILE))
-    modules = _modules(plan, weights, options)
+        plan = _infer_plan(reads, names, examples, options.get("tile", DEFAULT_TILE))
+    served, left = _servable(plan, reads, names, examples)
+    _report_left(left, bool(options.get("strict", False)))
+    modules = _modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options)
     if not modules:
         return gm, []
     gm, node_map = _copy_graph_module(gm)
     placeholders = [node_map[n] for n in placeholders]
-    linears = [node_map[n] for n in linears]
     modules = {node_map[n]: v for n, v in modules.items()}
     extra, attrs = _attach(gm, modules, placeholders)
-    count = 0
-    for node in linears:
-        w = _arg(node, 1, "weight")
-        if w not in modules:
-            continue
-        name, mod = modules[w]
-        x, bias = _arg(node, 0, "input"), _arg(node, 2, "bias")
-        with gm.graph.inserting_before(node):
-            args = list(mod.op_args())
-            for j, bname in enumerate(BUFFER_NAMES):
-                args[j] = attrs[f"{name}_{bname}"]
-            if mod.bias is not None:
-                args[7] = attrs[f"{name}_bias"]
-            else:
-                args[7] = bias  # the plan has no bias: keep the model's (a placeholder or None)
-            new = gm.graph.call_function(torch.ops.patchc.tile_linear.default, (x, *args))
-        new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "example_value", "stack_trace")})
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-        count += 1
+    for read in served:
+        _replace(gm, read, node_map, *modules[node_map[read.weight]], attrs)
     gm.graph.lint()
     gm.recompile()
-    log.info("patch backend: %d linear call(s) -> patchc::tile_linear", count)
+    log.info("patch backend: %d matmul call(s) -> patchc::tile_linear", len(served))
     return gm, extra
+
+
+def _replace(gm: fx.GraphModule, read: Read, node_map: dict[fx.Node, fx.Node], name: str, mod: TileLinear,
+             attrs: dict[str, fx.Node]) -> None:
+    """Swap one read (in the copied graph) for tile_linear(x) with the plan's bias, else the model's."""
+    node = node_map[read.node]
+    x = node_map.get(read.x, read.x)
+    bias = node_map.get(read.bias, read.bias) if isinstance(read.bias, fx.Node) else read.bias
+    add_after = None
+    if mod.bias is not None:
+        bias = attrs[f"{name}_bias"]
+    elif isinstance(bias, fx.Node) and read.form == "addmm":
+        add_after, bias = bias, None  # addmm broadcasts its bias: added after the op, any shape
+    with gm.graph.inserting_before(node):
+        args = list(mod.op_args())
+        for j, bname in enumerate(BUFFER_NAMES):
+            args[j] = attrs[f"{name}_{bname}"]
+        args[7] = bias
+        new = gm.graph.call_function(torch.ops.patchc.tile_linear.default, (x, *args))
+        if add_after is not None:
+            new = gm.graph.call_function(torch.add, (new, add_after))
+    new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "example_value", "stack_trace")})
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
+def _planned(plan: Any, fqn: str) -> bool:
+    layer = plan.layers.get(fqn)
+    return layer is not None and int((layer.kinds == 1).sum()) > 0
+
+
+def _servable(plan: Any, reads: list[Read], names: dict[fx.Node, str],
+              examples: dict[fx.Node, Any]) -> tuple[list[Read], dict[str, str]]:
+    """(reads to rewrite, {planned layer left dense: why}); a layer is served only if all its reads are."""
+    recorded = (getattr(plan, "meta", None) or {}).get("targets", {})
+    why: dict[str, str] = {}
+    for read in reads:
+        fqn = names[read.weight]
+        experts = [f for f in plan.layers if f.rpartition(".")[0] == fqn and f.rpartition(".")[2].isdigit()]
+        if experts and any(_planned(plan, f) for f in experts):
+            why.setdefault(f"{fqn}.*", "fused expert slices (3-D weight): patchc.compile serves them (TileExperts)")
+        if not _planned(plan, fqn):
+            continue
+        entry = recorded.get(fqn)
+        if read.reason is not None:
+            why.setdefault(fqn, read.reason)
+        elif entry is not None and bool(entry.get("transposed")) != read.transposed:
+            why.setdefault(fqn, f"read {'as stored (K, N)' if read.transposed else 'as x @ W^T'} by {read.form}, "
+                                "but the plan records the other orientation")
+    served = [r for r in reads if _planned(plan, names[r.weight]) and names[r.weight] not in why]
+    for read in served:
+        w = examples[read.weight]
+        expect = tuple(w.shape[::-1]) if read.transposed else tuple(w.shape)
+        if expect != tuple(plan.layers[names[read.weight]].shape):
+            raise ValueError(f"patch backend: layer {names[read.weight]!r} is read as a {expect} (N, K) matrix by "
+                             f"{read.form} but the plan has {plan.layers[names[read.weight]].shape}")
+    return served, why
+
+
+def _report_left(left: dict[str, str], strict: bool) -> None:
+    if not left:
+        return
+    text = "; ".join(f"{f} ({why})" for f, why in left.items())
+    msg = f"patch backend: {len(left)} planned layer(s) left dense in this graph: {text}"
+    if strict:
+        raise ValueError(msg)
+    warnings.warn(msg, stacklevel=2)
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
@@ -167,20 +222,23 @@ def _copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node
     return new_gm, node_map
 
 
-def _arg(node: fx.Node, i: int, name: str) -> Any:
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name)
-
-
-def _infer_plan(weights: Any, tile: Any) -> Any:
-    """A plan from the zero pattern of the graph's linear weights (layers with a 2:4 tile only)."""
+def _infer_plan(reads: list[Read], names: dict[fx.Node, str], examples: dict[fx.Node, Any], tile: Any) -> Any:
+    """A plan from the zero pattern of the weights the graph reads as (N, K) (layers with a 2:4 tile only);
+    a weight read as stored (K, N) is planned as its transpose and recorded so."""
     from patchc.ir import TilePlan
 
-    state = {fqn: w.detach() for fqn, w in weights}
-    plan = TilePlan.from_weights(state, tile=tuple(tile) if not isinstance(tile, int) else (tile, tile))
+    state, targets = {}, {}
+    for read in reads:
+        if read.reason is None and read.weight not in state:
+            w = examples[read.weight].detach()
+            state[read.weight] = w.t() if read.transposed else w
+            if read.transposed:
+                targets[names[read.weight]] = {"param": names[read.weight], "expert": None, "transposed": True}
+    plan = TilePlan.from_weights({names[n]: w for n, w in state.items()},
+                                 tile=tuple(tile) if not isinstance(tile, int) else (tile, tile))
     for fqn in [f for f, layer in plan.layers.items() if int((layer.kinds == 1).sum()) == 0]:
         del plan.layers[fqn]
+    plan.meta["targets"] = {f: t for f, t in targets.items() if f in plan.layers}
     return plan
 
 
@@ -189,12 +247,7 @@ def _modules(plan: Any, weights: dict[fx.Node, tuple[str, torch.Tensor]],
     """Build (and tune) one TileLinear per planned weight placeholder; attach them to nothing yet."""
     from patchc.runtime.compile import _tunings
 
-    planned = {node: (fqn, w) for node, (fqn, w) in weights.items()
-               if fqn in plan.layers and int((plan.layers[fqn].kinds == 1).sum()) > 0}
-    for node, (fqn, w) in planned.items():
-        if tuple(w.shape) != tuple(plan.layers[fqn].shape):
-            raise ValueError(f"patch backend: layer {fqn!r} has shape {tuple(w.shape)} in the model but "
-                             f"{plan.layers[fqn].shape} in the plan")
+    planned = dict(weights)  # already checked by `_servable`
     if not planned:
         return {}
     bs, pl = int(options.get("batch_size", 16)), int(options.get("prefill_len", 128))

@@ -72,7 +72,8 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     swaps, experts, missed = plan_swaps(target, plan)
     _report_missed(missed, strict)
     if not swaps and not experts:
-        log.warning("patchc.compile: no layer with a 2:4 tile is planned; the model is unchanged")
+        log.warning("patchc.compile: no planned layer with a 2:4 tile can be replaced; the model only has the "
+                    "plan's pruned weights")
         return target
     w = (next(iter(swaps.values()))[0][2].weight if swaps else next(target.parameters()))
     tunings = _tunings(plan, list(swaps), batch_size, prefill_len, tune, w, cache, time_fn, progress)
@@ -118,7 +119,7 @@ def plan_swaps(model: nn.Module, plan: Any) -> tuple[dict[str, Users], list[str]
     from patchc.ir import targets
 
     swaps: dict[str, Users] = {}
-    experts: list[str] = []
+    experts: dict[str, list[str]] = {}  # fused-experts module path -> its planned expert layers
     missed: dict[str, str] = {}
     for fqn, layer in plan.layers.items():
         if not bool((layer.kinds == 1).any()):
@@ -126,22 +127,23 @@ def plan_swaps(model: nn.Module, plan: Any) -> tuple[dict[str, Users], list[str]
         target = targets.resolve(model, fqn, plan.meta.get(targets.META_KEY))
         owner = target.param.rpartition(".")[0]
         if target.expert is not None:
-            if owner not in experts:
-                experts.append(owner)
+            experts.setdefault(owner, []).append(fqn)
             continue
         users = _users(model, model.get_parameter(target.param))
         if users:
             swaps[fqn] = users
         else:
             kind = type(model.get_submodule(owner)).__name__ if owner else type(model).__name__
-            missed[fqn] = f"read by a {kind}, not an nn.Linear / Conv1D"
-    for path in list(experts):
-        names = [p for p in TileExperts.PROJECTIONS if isinstance(getattr(model.get_submodule(path), p, None), torch.Tensor)]
+            missed[fqn] = f"read by a {kind} in its forward (e.g. torch.einsum / x @ W), not an nn.Linear / Conv1D"
+    for path, layers in list(experts.items()):
+        module = model.get_submodule(path)
+        names = [p for p in TileExperts.PROJECTIONS if isinstance(getattr(module, p, None), torch.Tensor)]
         if "down_proj" not in names or len(names) != 2:
-            experts.remove(path)
-            missed.update({f: f"fused experts without gate_up_proj/up_proj + down_proj ({names})"
-                           for f in plan.layers if f.startswith(path + ".")})
-    return swaps, experts, missed
+            del experts[path]
+            why = (f"3-D weight of a {type(module).__name__}, not a fused-experts module with gate_up_proj/up_proj "
+                   f"+ down_proj (has {names})")
+            missed.update({f: why for f in layers})
+    return swaps, list(experts), missed
 
 
 def _report_missed(missed: dict[str, str], strict: bool) -> None:
