@@ -20,6 +20,7 @@ PRIORS = ("random", "magnitude", "wanda", "sparsegpt")
 DENSITY_MODES = ("expected", "sampled")
 SCOPES = ("global", "block")
 EVAL_MASKS = ("hard", "soft")
+NM_PARAMS = ("pattern", "weight")
 
 # Weights never masked by default. Embeddings are not matmuls, but a tied LM head reads the
 # embedding table through a linear, and the LM head / classifier decides every output logit,
@@ -70,6 +71,10 @@ class PatchConfig:
             (sum of the sampled soft mask, as the paper's code).
         scope: "global" (one parameter-weighted density over all masked layers, the paper's
             default) or "block" (one term per transformer block; an ablation that does worse).
+        nm_param: how the 2:4 choice is learned: "pattern" (6 logits per group of 4, one per
+            candidate, 6 bytes per weight in fp32) or "weight" (4 scores per group, one per weight,
+            4 bytes per weight; a candidate's logit is the sum of its two kept weights' scores, and
+            hardening keeps the top-2 scores of each group).
         hard: straight-through hard samples in training (forward hard, backward soft).
         eval_mask: mask used in eval mode: "hard" (exactly what `harden` produces) or "soft"
             (noise-free softmax at the current tau / kappa).
@@ -93,6 +98,7 @@ class PatchConfig:
     init_std: float = 0.014
     density_mode: str = "expected"
     scope: str = "global"
+    nm_param: str = "pattern"
     hard: bool = False
     eval_mask: str = "hard"
     include: tuple[str, ...] = ("*",)
@@ -146,6 +152,11 @@ class PatchConfig:
             raise ValueError(f"PatchConfig.density_mode={self.density_mode!r}: choose one of {DENSITY_MODES}")
         if self.scope not in SCOPES:
             raise ValueError(f"PatchConfig.scope={self.scope!r}: choose one of {SCOPES}")
+        if self.nm_param not in NM_PARAMS:
+            raise ValueError(
+                f"PatchConfig.nm_param={self.nm_param!r}: choose 'pattern' (6 logits per group of 4) or "
+                "'weight' (4 scores per group, one per weight: fewer bytes per weight)"
+            )
         if self.eval_mask not in EVAL_MASKS:
             raise ValueError(f"PatchConfig.eval_mask={self.eval_mask!r}: choose one of {EVAL_MASKS}")
         for name in ("lambda_density", "lambda_norm", "prior_strength"):

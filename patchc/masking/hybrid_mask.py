@@ -13,8 +13,17 @@ full-size mask per layer lives at a time (plus what autograd saves).
 
 L is Logistic(0, 1) noise and g Gumbel(0, 1) noise (the two-class Gumbel-softmax of [P_t, 0]
 is exactly the sigmoid form). All logits, noise and the mask are fp32: updates of ~1e-4 vanish in
-bf16. Noise is drawn from a generator seeded by (seed, layer index, draw counter); the counter is
-a buffer, so a restored state_dict continues the same noise stream.
+bf16. Noise is keyed by (seed, layer index, draw counter, element); the counter is a buffer, so a
+restored state_dict continues the same noise stream.
+
+impl: "fused" (default; `patchc.masking.fused`: counter-based noise regenerated in backward, W * M
+in one autograd node saving no noise / softmax / mask; the tile-only variant uses the argmax 2:4
+pattern of its frozen logits, computed once), "compiled" (the same through torch.compile: one pass
+on CPU, after a compile of about a minute), "reference" (the original autograd graph, noise from a
+torch.Generator; `_sample_reference` also takes injected noise, for tests).
+nm_param: "pattern" (6 logits per group of 4) or "weight" (4 scores per group, one per weight: the
+pattern logits are the pairwise sums s_i + s_j, hardening keeps the top-2 scores). `nm_logits`
+holds either, (N*K/4, 6) or (N*K/4, 4); `pattern_logits()` is always (N*K/4, 6).
 
 Modes: "sample" (training), "hard" (eval default: tile dense iff P_t > 0, 2:4 pattern = argmax
 P24; exactly what `patchc.harden` produces), "soft" (noise-free softmax at the current tau and
@@ -35,8 +44,11 @@ from torch import nn
 
 from patchc.ir.patterns import PATTERNS
 from patchc.ir.tiles import expand_tiles, tile_grid, tile_sizes
+from patchc.masking.fused import MaskSpec, cover_sums, fused_masked_weight, pair_sums, split_key, uniform
 
 MODES = ("sample", "hard", "soft", "ones")
+IMPLS = ("fused", "compiled", "reference")
+NM_PARAMS = ("pattern", "weight")
 
 _MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
@@ -67,20 +79,25 @@ class HybridMask(nn.Module):
         index: int = 0,
         seed: int = 0,
         hard: bool = False,
+        nm_param: str = "pattern",
+        impl: str = "fused",
     ) -> None:
         super().__init__()
         n, k = shape
         if k % 4:
             raise ValueError(f"{name}: in_features={k} is not a multiple of 4, so it has no 2:4 groups")
+        if nm_param not in NM_PARAMS:
+            raise ValueError(f"{name}: nm_param={nm_param!r}: choose one of {NM_PARAMS}")
         self.name, self.shape, self.tile, self.variant = name, (n, k), tuple(tile), variant
-        self.index, self.seed, self.hard = index, seed, hard
+        self.index, self.seed, self.hard, self.nm_param = index, seed, hard, nm_param
+        self.impl = impl
         self.grid = tile_grid((n, k), self.tile)
         self.mode = "sample"
         # Set by the owning program before each forward from its step counter.
         self.tau_tile, self.tau_nm, self.kappa_tile, self.kappa_nm = 1.0, 1.0, 1.0, 1.0
 
         tile_logits = torch.zeros(self.grid, dtype=torch.float32)
-        nm_logits = torch.zeros(n * k // 4, 6, dtype=torch.float32)
+        nm_logits = torch.zeros(n * k // 4, 6 if nm_param == "pattern" else 4, dtype=torch.float32)
         self.tile_logits = nn.Parameter(tile_logits) if variant != "nm" else None
         if variant == "tile":
             self.register_buffer("nm_logits", nm_logits)
@@ -95,6 +112,17 @@ class HybridMask(nn.Module):
         self.register_buffer("patterns", PATTERNS.float(), persistent=False)
         self.last_sum: torch.Tensor | None = None  # sum(M) of the last forward, for "sampled" density
         self.last_sq_norm: torch.Tensor | None = None  # ||M * W||^2 of the last forward
+        self._keep_cache: tuple[tuple, torch.Tensor] | None = None  # tile-only: frozen 2:4 keep mask
+
+    @property
+    def impl(self) -> str:
+        return self._impl
+
+    @impl.setter
+    def impl(self, value: str) -> None:
+        if value not in IMPLS:
+            raise ValueError(f"{self.name}: impl={value!r}: choose one of {IMPLS}")
+        self._impl = value
 
     @property
     def numel(self) -> int:
@@ -106,10 +134,12 @@ class HybridMask(nn.Module):
     # -- logits initialisation -------------------------------------------------------------
     @torch.no_grad()
     def init_logits(self, std: float, gen: torch.Generator) -> None:
-        """Paper init: logits ~ N(0, std)."""
+        """Paper init: logits ~ N(0, std); per-weight scores N(0, std / sqrt(2)), so their pairwise
+        sums (the pattern logits) have the paper's spread."""
         if self.tile_logits is not None:
             self.tile_logits.copy_(torch.randn(self.grid, generator=gen) * std)
-        self.nm_logits.copy_(torch.randn(self.nm_logits.shape, generator=gen) * std)
+        nm_std = std if self.nm_param == "pattern" else std / 2**0.5
+        self.nm_logits.copy_(torch.randn(self.nm_logits.shape, generator=gen) * nm_std)
 
     @torch.no_grad()
     def add_prior(self, nm_prior: torch.Tensor | None, tile_prior: torch.Tensor | None, scale: float) -> None:
@@ -118,7 +148,15 @@ class HybridMask(nn.Module):
         The random init is first clipped to +-0.45 * scale: prior levels are `scale` apart, so the
         prior's choice (its 2:4 pattern, its dense tiles) is exactly what hardening right after init
         gives, and the random part only breaks ties within a level.
+
+        Per-weight scores take the least-squares scores whose pairwise sums are the pattern prior
+        (+-0.5 per position for a one-shot pattern, exact), the random part clipped to +-0.2 * scale
+        so a pattern logit's random part stays within +-0.4 * scale.
         """
+        if nm_prior is not None and self.nm_param == "weight":
+            cover = cover_sums(nm_prior.to(self.nm_logits))  # (S^T S)^-1 S^T p with S^T S = 2I + J
+            self.nm_logits.clamp_(-0.2 * scale, 0.2 * scale).add_(0.5 * (cover - cover.sum(-1, keepdim=True) / 6) * scale)
+            nm_prior = None
         for logits, prior in ((self.nm_logits, nm_prior), (self.tile_logits, tile_prior)):
             if prior is None or logits is None:
                 continue
@@ -133,6 +171,11 @@ class HybridMask(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._draw = int(self.draws)
+        self._keep_cache = None
+
+    def pattern_logits(self) -> torch.Tensor:
+        """(N*K/4, 6) logits of the 6 candidates (derived as pairwise sums for per-weight scores)."""
+        return self.nm_logits if self.nm_param == "pattern" else pair_sums(self.nm_logits)
 
     def tile_probability(self) -> torch.Tensor:
         """P(tile dense) of the hard sample, sigmoid(kappa * P_t) (Tn, Tk); zeros for "nm"."""
@@ -153,7 +196,7 @@ class HybridMask(nn.Module):
 
     def hard_patterns(self) -> torch.Tensor:
         """Long (N*K/4,): the argmax 2:4 candidate of each group."""
-        return self.nm_logits.detach().argmax(-1)
+        return self.pattern_logits().detach().argmax(-1)
 
     def hard_mask(self, tiles: torch.Tensor | None = None) -> torch.Tensor:
         """Bool (N, K) hard mask; `tiles` overrides the dense-tile choice (exact budgets)."""
@@ -161,39 +204,37 @@ class HybridMask(nn.Module):
         m24 = self.patterns.bool()[self.hard_patterns()].reshape(self.shape)
         return expand_tiles(tiles, self.tile, self.shape) | m24
 
-    def _sample(self) -> torch.Tensor:
-        device = self.nm_logits.device
-        gen = self._generator(device)
-        self._draw += 1
+    def _advance(self) -> int:
+        draw, self._draw = self._draw, self._draw + 1
         self.draws += 1
-        groups = self.nm_logits.shape[0]
-        g = -torch.log(-torch.log(_uniform((groups, 6), gen, device)))
-        soft24 = torch.softmax((self.kappa_nm * self.nm_logits + g) / self.tau_nm, dim=-1)
-        if self.hard:
-            hard24 = F.one_hot(soft24.argmax(-1), 6).to(soft24)
-            soft24 = hard24 - soft24.detach() + soft24
-        m24 = (soft24 @ self.patterns).reshape(self.shape)
-        if self.tile_logits is None:
-            return m24
-        u = _uniform(self.grid, gen, device)
-        z = (self.kappa_tile * self.tile_logits + torch.log(u) - torch.log1p(-u)) / self.tau_tile
-        p = torch.sigmoid(z)
-        if self.hard:
-            p = (z > 0).to(p) - p.detach() + p
-        mt = expand_tiles(p, self.tile, self.shape)
-        return mt + (1 - mt) * m24
+        return draw
+
+    def _sample_reference(self, noise: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+        return sample_reference(self, noise)
 
     def _soft(self) -> torch.Tensor:
-        m24 = (torch.softmax(self.kappa_nm * self.nm_logits / self.tau_nm, dim=-1) @ self.patterns).reshape(self.shape)
+        m24 = (torch.softmax(self.kappa_nm * self.pattern_logits() / self.tau_nm, dim=-1) @ self.patterns).reshape(self.shape)
         if self.tile_logits is None:
             return m24
         mt = expand_tiles(torch.sigmoid(self.kappa_tile * self.tile_logits / self.tau_tile), self.tile, self.shape)
         return mt + (1 - mt) * m24
 
+    def frozen_keep(self) -> torch.Tensor:
+        """Tile-only: bool (N, K) argmax 2:4 pattern of the frozen logits, computed once and
+        recomputed when they change (in place, or through load_state_dict)."""
+        stamp = (self.nm_logits._version, self.nm_logits.data_ptr(), self.nm_logits.device)
+        if self._keep_cache is None or self._keep_cache[0] != stamp:
+            keep = self.patterns.bool()[self.hard_patterns()].reshape(self.shape)
+            self._keep_cache = (stamp, keep)
+        return self._keep_cache[1]
+
     def mask(self) -> torch.Tensor:
         """The fp32 (N, K) mask of the current mode."""
         if self.mode == "sample":
-            return self._sample()
+            if self.impl == "reference":
+                return self._sample_reference()
+            ones = torch.ones(self.shape, device=self.nm_logits.device, dtype=self.nm_logits.dtype)
+            return sample_fused(self, ones, False)[0]
         if self.mode == "soft":
             return self._soft()
         if self.mode == "hard":
@@ -205,6 +246,10 @@ class HybridMask(nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         if tuple(weight.shape) != self.shape:
             raise ValueError(f"{self.name}: mask built for {self.shape}, got a weight of shape {tuple(weight.shape)}")
+        if self.mode == "sample" and self.impl != "reference":
+            out, self.last_sq_norm, total = sample_fused(self, weight, self.track_norm)
+            self.last_sum = total if self.track_sum else None
+            return out
         m = self.mask()
         # fp32 product rounded once into W's dtype: M = 1 reproduces W bit for bit.
         masked = weight.detach().float() * m
@@ -212,3 +257,64 @@ class HybridMask(nn.Module):
             self.last_sum = m.sum() if self.track_sum else None
             self.last_sq_norm = masked.square().sum() if self.track_norm else None
         return masked.to(weight.dtype)
+
+
+def _views(m: HybridMask, weight: torch.Tensor, mt: torch.Tensor | None) -> tuple[tuple[int, ...], torch.Tensor | None]:
+    """5-D shape (Tn, b1, Tk, b2/4, 4) of the weight and the tile mask viewed to broadcast over it;
+    (1, N, 1, K/4, 4) and an expanded tile mask where the tile does not divide the shape."""
+    (n, k), (b1, b2), (tn, tk) = m.shape, m.tile, m.grid
+    if n % b1 == 0 and k % b2 == 0:
+        return (tn, b1, tk, b2 // 4, 4), (None if mt is None else mt.view(tn, 1, tk, 1, 1))
+    return (1, n, 1, k // 4, 4), (None if mt is None else expand_tiles(mt, m.tile, m.shape).reshape(1, n, 1, k // 4, 4))
+
+
+def sample_fused(m: HybridMask, weight: torch.Tensor, want_sq: bool):
+    """One training draw of `m` through `patchc.masking.fused`: (W * M, ||W * M||^2 or None, sum(M)).
+
+    sum(M) is exact from the tile probabilities alone: every 2:4 group, soft or hard, sums to 2.
+    """
+    logits = m.nm_logits
+    device, dt = logits.device, logits.dtype
+    key = torch.tensor(split_key(noise_seed(m.seed, m.index, m._advance())), device=device)
+    p = None
+    if m.tile_logits is not None:
+        u = uniform(key, m.grid, logits.shape[0] * 6, device, dt)
+        z = (m.kappa_tile * m.tile_logits + torch.log(u) - torch.log1p(-u)) / m.tau_tile
+        p = torch.sigmoid(z)
+        if m.hard:
+            p = (z > 0).to(p) - p.detach() + p
+    shape5, mt5 = _views(m, weight, p)
+    frozen = m.variant == "tile"
+    nm = m.frozen_keep() if frozen else logits
+    spec = MaskSpec(hard=m.hard, scores=m.nm_param == "weight", want_sq=want_sq, frozen=frozen,
+                    impl="compiled" if m.impl == "compiled" else "eager")
+    kappa, tau = (torch.tensor(v, dtype=dt, device=device) for v in (m.kappa_nm, m.tau_nm))
+    out, sq = fused_masked_weight(weight.reshape(shape5), nm.reshape(*shape5[:-1], nm.shape[-1] if not frozen else 4),
+                                  mt5, key, kappa, tau, spec)
+    total = torch.full((), m.numel / 2, dtype=dt, device=device) if p is None else (m.tile_numel * (0.5 + 0.5 * p)).sum()
+    return out.view(m.shape), sq, total
+
+
+def sample_reference(m: HybridMask, noise: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Today's autograd graph of a training draw of `m`; `noise` = (U for the (groups, 6) logits, U for the tiles) replaces
+    the generator's draws (the counter still advances)."""
+    device = m.nm_logits.device
+    gen = m._generator(device)
+    m._advance()
+    groups = m.nm_logits.shape[0]
+    u24 = _uniform((groups, 6), gen, device) if noise is None else noise[0]
+    g = -torch.log(-torch.log(u24))
+    soft24 = torch.softmax((m.kappa_nm * m.pattern_logits() + g) / m.tau_nm, dim=-1)
+    if m.hard:
+        hard24 = F.one_hot(soft24.argmax(-1), 6).to(soft24)
+        soft24 = hard24 - soft24.detach() + soft24
+    m24 = (soft24 @ m.patterns).reshape(m.shape)
+    if m.tile_logits is None:
+        return m24
+    u = _uniform(m.grid, gen, device) if noise is None else noise[1]
+    z = (m.kappa_tile * m.tile_logits + torch.log(u) - torch.log1p(-u)) / m.tau_tile
+    p = torch.sigmoid(z)
+    if m.hard:
+        p = (z > 0).to(p) - p.detach() + p
+    mt = expand_tiles(p, m.tile, m.shape)
+    return mt + (1 - mt) * m24
