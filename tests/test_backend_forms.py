@@ -1,0 +1,115 @@
+"""torch.compile(backend="patch") on every matmul form the export path masks (issue 14 item 2).
+
+One tiny module reads its weights as `x @ W.T`, `torch.matmul(x, W.t())`, `torch.mm`, GPT-2 Conv1D's
+`torch.addmm(b, x, W)` (W stored (K, N)) and a linear-layout einsum; the backend must rewrite all five to
+`patchc::tile_linear` and give the plan-applied model's outputs. A weight read as `W @ x` cannot be served:
+it is left dense and named in a warning, or refused with strict=True.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import patchc.runtime as rt
+from patchc.codegen.reference import random_24_mask
+from patchc.ir import TilePlan
+
+OP = torch.ops.patchc.tile_linear.default
+
+
+@pytest.fixture(autouse=True)
+def reference_on_cpu(monkeypatch):
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
+
+
+class Holder(nn.Module):
+    def __init__(self, *shape: int, gen: torch.Generator) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(*shape, generator=gen) / 4)
+
+
+class Forms(nn.Module):
+    def __init__(self, left: bool = False) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a, self.c, self.d = Holder(32, 32, gen=g), Holder(32, 32, gen=g), Holder(32, 32, gen=g)
+        self.conv = Holder(32, 48, gen=g)  # Conv1D: (K, N)
+        self.conv_bias = nn.Parameter(torch.randn(48, generator=g))
+        self.left = left
+
+    def forward(self, x: torch.Tensor):
+        y = x @ self.a.weight.T + torch.matmul(x, self.c.weight.t())
+        flat = y.reshape(-1, 32)
+        z = torch.addmm(self.conv_bias, flat, self.conv.weight)
+        z2 = torch.mm(flat, self.a.weight.t())
+        z3 = torch.einsum("bsk,nk->bsn", y, self.d.weight)
+        if self.left:
+            z3 = z3 + (self.d.weight @ y.transpose(1, 2)).transpose(1, 2)  # W @ x: not a tile_linear
+        return z, z2, z3
+
+
+def _plan(model: Forms) -> TilePlan:
+    """2:4 everywhere (N, K); the Conv1D weight planned as its transpose and recorded so."""
+    g = torch.Generator().manual_seed(1)
+    dense = {n: model.get_parameter(n).detach() for n in ("a.weight", "c.weight", "d.weight")}
+    dense["conv.weight"] = model.conv.weight.detach().t()
+    pruned = {n: w * random_24_mask(*w.shape, g) for n, w in dense.items()}
+    plan = TilePlan.from_weights(pruned, tile=(16, 16))
+    plan.meta["targets"] = {"conv.weight": {"param": "conv.weight", "expert": None, "transposed": True}}
+    return plan
+
+
+def _compiled(model, options):
+    counts = []
+    torch._dynamo.reset()
+    cm = torch.compile(model, backend=rt.patch_backend,
+                       options={"tune": False, "inner": "eager", **options, "graph_callback": lambda gm, n: counts.append(n)})
+    return cm, counts
+
+
+def test_backend_rewrites_every_form_with_a_plan_and_without():
+    model = Forms()
+    plan = _plan(model)
+    assert all(int((lp.kinds == 1).sum()) == lp.kinds.numel() for lp in plan.layers.values())
+    pruned = plan.apply(copy.deepcopy(model), force=True)
+    x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = pruned(x)
+        for options in ({"plan": plan}, {}):  # {}: inferred from the pruned weights' zeros
+            cm, counts = _compiled(pruned, options)
+            out = cm(x)
+            assert counts == [5], options  # linear-form reads of a, c, conv, a (tied), d
+            for got, want in zip(out, ref):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_backend_names_layers_it_leaves_dense_and_strict_refuses():
+    model = Forms(left=True)
+    plan = _plan(model)
+    pruned = plan.apply(copy.deepcopy(model), force=True)
+    x = torch.randn(2, 3, 32)
+    cm, counts = _compiled(pruned, {"plan": plan})
+    with pytest.warns(UserWarning, match=r"1 planned layer\(s\) left dense.*d\.weight \(matmul with the weight on the left"):
+        out = cm(x)
+    assert counts == [4]  # d.weight is read twice, once as W @ x: both reads stay dense
+    for got, want in zip(out, pruned(x)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    cm, _ = _compiled(pruned, {"plan": plan, "strict": True})
+    with pytest.raises(Exception, match="left dense"):
+        cm(x)
+    torch._dynamo.reset()
+
+
+def test_backend_refuses_a_plan_in_the_other_orientation():
+    model = Forms()
+    plan = _plan(model)
+    # a.weight is read as x @ W^T, but the plan says it is stored (K, N)
+    plan.meta["targets"]["a.weight"] = {"param": "a.weight", "expert": None, "transposed": True}
+    cm, _ = _compiled(model, {"plan": plan, "strict": True})
+    with pytest.raises(Exception, match="a.weight.*other orientation"):
+        cm(torch.randn(2, 3, 32))
+    torch._dynamo.reset()
