@@ -4,6 +4,7 @@ provenance still points at the dense source, and the run-folder job writes its t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -142,25 +143,54 @@ def test_rebuild_keeps_dense_buffer_for_values_scope(setup):
     assert torch.equal(moved.to_dense(), noisy * layer.mask())
 
 
+def real_run_folder(out):
+    """A finished-run folder as `patchc prune` leaves it (run.json, plan.patch with model and split recorded),
+    built with the job's own helpers but a magnitude hybrid mask instead of training: torch.export alone
+    would cost this test ~10 s of its budget."""
+    from patchc.job import prune as job
+    from patchc.job.runs import check_settings
+    from patchc.models import load_model
+    from patchc.pruning.calibrate import default_layers
+
+    fields = {f.name for f in dataclasses.fields(job.PruneOptions)}
+    real_text = {k: v for k, v in {"train_data": "real"}.items() if k in fields}  # no generated text: fast
+    opts = job.PruneOptions(out=str(out), baselines=False, progress=False, data=(str(TINYSTORIES),), **real_text)
+    bundle = load_model(opts.model)
+    data = job.load_data(bundle, opts)
+    masks = {}
+    for fqn in default_layers(bundle.model):
+        w = bundle.model.get_parameter(fqn).detach()
+        grid = to_tiles(w, (16, 16)).shape[:2]
+        dense = (torch.arange(grid[0] * grid[1]) % 3 == 0).view(grid)
+        masks[fqn] = merge_tiles(dense, mask_24(w.abs(), fqn), (16, 16))
+    plan = TilePlan.from_masks(bundle.model, masks, tile=(16, 16))
+    plan.meta |= {"model": opts.model, "data": job.data_record(data, opts)}
+    out.mkdir()
+    check_settings(out, opts, resume=False)
+    plan.save(out / "plan.patch")
+    return bundle
+
+
 @needs_shared
 def test_run_recover_on_a_real_run_folder(tmp_path):
-    from patchc.job.prune import PruneOptions, run_prune
     from patchc.job.recover import run_recover
 
     out = tmp_path / "run"
-    run_prune(PruneOptions(out=str(out), steps=3, baselines=False, progress=False, data=(str(TINYSTORIES),),
-                           calib_blocks=4))
+    bundle = real_run_folder(out)
     before = (out / "plan.patch").read_bytes()
-    result = run_recover(out, steps=4, lr=1e-3, progress=False)
+    result = run_recover(out, steps=4, lr=1e-3, batch_size=2, progress=False)
     assert (out / "plan.patch").read_bytes() == before  # never touched
     rec = TilePlan.load(out / "plan-recovered.patch")
     check_structure(rec, TilePlan.load(out / "plan.patch"))
     saved = json.loads((out / "recover.json").read_text())
     assert saved["results"] == result["results"]
-    names = [r["name"] for r in saved["results"]]
-    assert names == ["dense", "hardened", "recovered"]
-    assert all(r["perplexity"] > 1 for r in saved["results"])
+    assert [r["name"] for r in saved["results"]] == ["dense", "hardened", "recovered"]
+    ppl = [r["perplexity"] for r in saved["results"]]
+    assert 1 < ppl[0] < ppl[1] and ppl[2] != ppl[1], ppl
     assert saved["recovery"]["steps"] == 4 and saved["train_tokens"] > 0 and saved["eval_tokens"] > 0
+    applied = rec.apply(bundle.reload())  # the original dense model is the recovered plan's source too
+    for fqn, layer in rec.layers.items():
+        assert torch.equal(applied.get_parameter(fqn).detach(), layer.to_dense())
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="no plan.patch") as err:

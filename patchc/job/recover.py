@@ -1,0 +1,173 @@
+"""`patchc recover RUN`: fine-tune the weights a finished prune run's plan keeps, on that run's training text.
+
+    run folder -> plan.patch + run.json -> the model and the run's exact training split
+        -> score dense / hardened -> `patchc.recover` -> plan-recovered.patch -> score recovered -> recover.json
+
+The training split is rebuilt from what the plan records (`plan.meta["data"]`: files, seed, fraction,
+encoding, BOS, and the ids of its training documents, which must match) and the batch settings from the
+run's `run.json`; scores are on the run's held-out documents, as `patchc eval` scores the plan. The
+recovered plan keeps the dense model's fingerprints, so `patchc eval RUN/plan-recovered.patch` and
+`plan.apply(dense)` work on it as on plan.patch, which is never touched.
+
+Example:
+    >>> result = run_recover("runs/stories260K", steps=300, lr=3e-4)
+    >>> [(r["name"], round(r["perplexity"], 2)) for r in result["results"]]
+    [('dense', 5.26), ('hardened', 10.22), ('recovered', ...)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from patchc.job.options import PruneOptions
+from patchc.job.runs import SETTINGS
+from patchc.utils.files import write_bytes_atomic
+
+PLAN = "plan.patch"
+RECOVERED = "plan-recovered.patch"
+RESULT = "recover.json"
+# What a run did before these options existed: a run.json without them was trained that way.
+OLDER_RUNS = {"train_data": "real", "loss": "lm"}
+
+
+def find_plan(run_dir: str | os.PathLike) -> Path:
+    """`<run>/plan.patch`, or FileNotFoundError in one line saying what a run folder is."""
+    run = Path(run_dir)
+    if not (run / PLAN).is_file():
+        what = "no such folder" if not run.exists() else f"no {PLAN} in it"
+        raise FileNotFoundError(f"{run}: {what}; give the folder of a finished `patchc prune` run "
+                                f"(its --out), which holds {PLAN}")
+    return run / PLAN
+
+
+def recover_options(plan: Any, run: Path, **changes: Any) -> PruneOptions:
+    """The run's PruneOptions with `changes` applied: its run.json (every setting that changes the result,
+    training text included), else what the plan records (`patchc eval`'s `eval_options`).
+
+    Raises ValueError when the plan records no split: its training text could not be rebuilt.
+    """
+    from patchc.job.rescore import eval_options, recorded_split
+
+    if not recorded_split(plan).get("files"):
+        raise ValueError(f"{run / PLAN}: the plan records no data split (made outside `patchc prune` or by an "
+                         "older patchc), so its training text cannot be rebuilt; prune again with this version")
+    fields = {f.name for f in dataclasses.fields(PruneOptions)}
+    if (run / SETTINGS).is_file():
+        settings = json.loads((run / SETTINGS).read_text()).get("settings", {})
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if k in fields}
+        older = {k: v for k, v in OLDER_RUNS.items() if k in fields and k not in settings}
+        opts = PruneOptions(**(older | values))
+    else:
+        opts = eval_options(plan)
+    fixed = {"out": str(run), "resume": False, "overwrite": False, "baselines": False}
+    return dataclasses.replace(opts, **fixed, **changes)
+
+
+def check_split(plan: Any, rebuilt: dict, where: Path) -> None:
+    """The rebuilt training text is the one the plan records (files, seeds, documents...), or ValueError."""
+    recorded = plan.meta["data"]
+    differ = [k for k, v in recorded.items() if k in rebuilt and rebuilt[k] != v]
+    if differ:
+        raise ValueError(f"{where}: the training text rebuilt for recovery differs from the plan's in "
+                         f"{', '.join(differ)} (the text files or run.json changed since the run?)")
+
+
+def run_recover(
+    run_dir: str | os.PathLike,
+    steps: int = 300,
+    lr: float = 3e-4,
+    scope: str = "all",
+    *,
+    method: str = "adam",
+    batch_size: int | None = None,
+    schedule: str = "cosine",
+    eval_context: int = 256,
+    device: str = "cpu",
+    threads: int = 0,
+    progress: bool = True,
+    command: str | None = None,
+) -> dict:
+    """Recover the run's plan; writes `<run>/plan-recovered.patch` and `<run>/recover.json`, returns the latter.
+
+    Example:
+        >>> run_recover("runs/x", steps=100, scope="values")["results"][-1]["perplexity"]
+    """
+    import patchc
+    from patchc.ir import TilePlan
+    from patchc.job.options import check_device, weight_dtype
+    from patchc.job import prune as job
+    from patchc.models import load_model
+
+    run = Path(run_dir)
+    plan = TilePlan.load(find_plan(run))
+    changes = {"device": device, "eval_context": eval_context, "threads": threads, "progress": progress}
+    opts = recover_options(plan, run, **changes, **({"batch_size": batch_size} if batch_size else {}))
+    check_device(opts.device)
+    started = time.perf_counter()
+    bundle = job.cast_bundle(load_model(opts.model, device=opts.device), weight_dtype(opts))
+    job.check_model(bundle, opts)
+    job.choose_threads(opts, bundle.model)
+    data = job.load_data(bundle, opts, cache_dir=job.cache_dir(opts))  # generated text: the run's cache
+    check_split(plan, job.data_record(data, opts), run / PLAN)
+    dense_embed = bundle.embed(bundle.model, data["eval"]) if bundle.kind == "encoder" else None
+    scores = {"dense": job.evaluate(bundle, bundle.model, data, opts, dense_embed)}
+    hardened = plan.apply(bundle.reload())
+    scores["hardened"] = job.evaluate(bundle, hardened, data, opts, dense_embed)
+    del hardened
+    model = bundle.reload()  # the dense model stays the teacher of a KD loss
+    calib = job.calibrate(bundle, data, opts) if method == "sparsegpt" else None
+    loss_fn = job.make_loss(bundle, bundle.model, opts)
+    recovered = patchc.recover(plan, model, job.global_batches(bundle, data, opts), loss_fn,
+                               steps=steps, lr=lr, scope=scope, method=method, calib=calib, schedule=schedule,
+                               progress=progress)
+    recovered.meta["command"] = command or ""
+    recovered.meta["recovery"]["from"] = str(run / PLAN)
+    recovered.save(run / RECOVERED)
+    scores["recovered"] = job.evaluate(bundle, recovered.apply(model), data, opts, dense_embed)
+    result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started,
+                    job.protocol(bundle, opts), job.row)
+    write_bytes_atomic(run / RESULT, (json.dumps(result, indent=1) + "\n").encode())
+    return result
+
+
+def report(bundle, plan, recovered, scores: dict, data: dict, opts: PruneOptions, run: Path, command: str | None,
+           seconds: float, protocol: str, row) -> dict:
+    """The recover.json record: dense / hardened / recovered scores and what recovery did."""
+    metric = "perplexity" if bundle.kind == "causal" else "cosine"
+    results = [row(name, name, "-" if name == "dense" else "hybrid", 0.0 if name == "dense" else plan.sparsity,
+                   scores[name]) for name in ("dense", "hardened", "recovered")]
+    out = {
+        "command": command or "", "run": str(run), "model": bundle.name, "metric": metric,
+        "plan": str(run / PLAN), "recovered_plan": str(run / RECOVERED),
+        "results": results,
+        "recovery": {k: v for k, v in recovered.meta["recovery"].items() if k != "history"},
+        "train_documents": data["docs_train"], "eval_documents": data["docs_eval"],
+        "train_tokens": int(data["train"].numel()) if bundle.kind == "causal" else len(data["train"]),
+        "eval_tokens": int(data["eval"].numel()) if bundle.kind == "causal" else len(data["eval"]),
+        "protocol": protocol, "seconds": round(seconds, 2),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if metric == "perplexity":
+        dense = results[0]["perplexity"]
+        out["vs_dense"] = {r["name"]: round(r["perplexity"] / dense, 4) for r in results[1:]}
+    return out
+
+
+def format_recover(result: dict) -> str:
+    """A few lines for the terminal: each score and its ratio to dense."""
+    metric = result["metric"]
+    lines = [f"{result['model']}: {metric} on held-out text ({result['eval_tokens']} tokens)"]
+    for r in result["results"]:
+        ratio = result.get("vs_dense", {}).get(r["name"])
+        lines.append(f"  {r['name']:<10} {metric} {r[metric]:9.3f}" + (f"   ({ratio:.2f}x dense)" if ratio else ""))
+    lines.append(f"wrote {result['recovered_plan']} and {Path(result['run']) / RESULT}")
+    return "\n".join(lines)
+
+
+__all__ = ["run_recover", "recover_options", "format_recover", "find_plan", "RECOVERED", "RESULT"]
