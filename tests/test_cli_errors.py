@@ -15,7 +15,8 @@ from patchc.job import cli, prune
 from patchc.job.data import load_documents
 from tests.conftest import STORIES, TINYSTORIES, needs_shared
 
-QUICK = ["--steps", "2", "--batch-size", "2", "--calib-blocks", "2", "--no-progress", "--no-baselines"]
+QUICK = ["--steps", "2", "--batch-size", "2", "--calib-blocks", "2", "--no-progress", "--no-baselines",
+         "--train-data", "real"]
 
 
 @pytest.fixture(autouse=True)

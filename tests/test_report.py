@@ -210,7 +210,7 @@ def causal_report(out: Path | None = None) -> dict:
         "model": "stories260K",
         "kind": "causal",
         "data": {"train": ["tinystories_sample.txt"], "eval": ["tinystories_sample.txt"],
-                 "train_tokens": 123456, "eval_tokens": 7890, "data_free": False},
+                 "train_tokens": 123456, "eval_tokens": 7890},
         "config": {"tile": [16, 16], "sparsity": 0.35, "variant": "joint", "prior": "sparsegpt"},
         "train": {"steps": 300, "batch_size": 8, "lr": 0.001, "seconds": 42.25,
                   "final": {"step": 300, "loss": 2.34567, "density": 0.6512}},
@@ -266,7 +266,8 @@ def test_render_markdown_causal() -> None:
 def test_render_markdown_encoder() -> None:
     report = {
         "model": "all-MiniLM-L6-v2", "kind": "encoder", "metric": "cosine",
-        "data": {"train": ["a.txt"], "eval": ["b.txt"], "train_tokens": 2000, "eval_tokens": 500, "data_free": True},
+        "data": {"train": ["a.txt"], "eval": ["b.txt"], "train_tokens": 2000, "eval_tokens": 500,
+                 "train_tokens_generated": 1500, "eval_extra": ["c.txt"]},
         "results": [
             {"name": "dense", "method": "dense", "pattern": "-", "sparsity": 0.0, "perplexity": None,
              "cosine": 1.0, "retrieval_agreement": 1.0, "seconds": None},
@@ -278,7 +279,7 @@ def test_render_markdown_encoder() -> None:
     assert "cosine to dense (higher is better)" in md and "retrieval agreement (higher is better)" in md
     assert "| dense | - | 0.0% | 1.0000 | 1.000 |" in md
     assert "| PATCH joint | hybrid | 25.0% | 0.9877 | 0.951 |" in md
-    assert "2,000 sentences" in md and "data-free" in md
+    assert "2,000 sentences" in md and "1,500 were written by the dense model" in md and "scored whole: c.txt" in md
     assert "perplexity" not in md
 
 

@@ -73,10 +73,27 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-context", type=int, default=d.eval_context, help="perplexity window")
     p.add_argument("--eval-fraction", type=float, default=d.eval_fraction, help="share of documents held out")
     p.add_argument("--calib-blocks", type=int, default=d.calib_blocks, help="calibration sequences for one-shot methods")
-    p.add_argument("--data-free", action="store_true", help="train on text the dense model samples itself")
+    p.add_argument("--train-data", default=d.train_data, choices=("real", "self", "mix"),
+                   help="training text: --data's training documents, text the dense model writes from their "
+                        "first tokens, or both (causal LMs; held-out documents are never used)")
+    p.add_argument("--data-free", dest="train_data", action="store_const", const="self",
+                   help="the same as --train-data self")
+    p.add_argument("--self-tokens", type=int, default=d.self_tokens,
+                   help="tokens the dense model generates for --train-data self/mix (cached under runs/.cache)")
+    p.add_argument("--self-temperature", type=float, default=d.self_temperature, help="sampling temperature")
+    p.add_argument("--self-top-p", type=float, default=d.self_top_p, help="nucleus sampling cut-off")
+    p.add_argument("--loss", default=d.loss, choices=("lm", "kd", "lm+kd"),
+                   help="task loss of causal LMs: next-token cross-entropy, KL to the dense model's "
+                        "next-token distribution (distillation), or their sum")
+    p.add_argument("--kd-temperature", type=float, default=d.kd_temperature, help="distillation temperature")
+    p.add_argument("--eval-data", nargs="+", default=list(d.eval_data), metavar="FILE",
+                   help="more real text files, each scored whole (no split): generalisation beyond --data")
+    p.add_argument("--eval-tokens", type=int, default=d.eval_tokens, help="tokens scored per --eval-data file")
     p.add_argument("--no-baselines", dest="baselines", action="store_false",
                    help="skip the one-shot 2:4 and learned 2:4 baselines")
-    p.add_argument("--seed", type=int, default=d.seed, help="data split, batch order and Gumbel noise")
+    p.add_argument("--seed", type=int, default=d.seed, help="mask init, Gumbel noise and batch order")
+    p.add_argument("--split-seed", type=int, default=d.split_seed,
+                   help="which documents are held out, and the generated text (fixed while --seed varies)")
     p.add_argument("--encoding", default=d.encoding, help="text encoding of the --data files")
     p.add_argument("--no-bos", dest="bos", action="store_false",
                    help="do not start each document with the tokenizer's BOS (or EOS) token")
@@ -99,7 +116,10 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
         tau_nm=tuple(args.tau_nm) if args.tau_nm else None, kappa_tile=tuple(args.kappa_tile),
         kappa_nm=tuple(args.kappa_nm), lambda_density=args.lambda_density, lambda_norm=args.lambda_norm,
         scope=args.scope, exact_budget=args.exact_budget, block_len=args.block_len, eval_context=args.eval_context,
-        eval_fraction=args.eval_fraction, calib_blocks=args.calib_blocks, data_free=args.data_free,
+        eval_fraction=args.eval_fraction, calib_blocks=args.calib_blocks,
+        train_data=args.train_data, self_tokens=args.self_tokens, self_temperature=args.self_temperature,
+        self_top_p=args.self_top_p, loss=args.loss, kd_temperature=args.kd_temperature,
+        eval_data=tuple(args.eval_data), eval_tokens=args.eval_tokens, split_seed=args.split_seed,
         baselines=args.baselines, seed=args.seed, device=args.device, dtype=args.dtype, threads=args.threads,
         resume=args.resume, overwrite=args.overwrite, encoding=args.encoding, bos=args.bos, progress=args.progress,
     )
@@ -125,15 +145,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from patchc.job.rescore import rescore
 
     r = rescore(args.plan, allow_overlap=args.allow_overlap, force=args.force, model=args.model, data=args.data,
-                seed=args.seed, eval_fraction=args.eval_fraction, eval_context=args.eval_context, device=args.device,
-                encoding=args.encoding)
+                seed=args.split_seed, eval_fraction=args.eval_fraction, eval_context=args.eval_context,
+                device=args.device, encoding=args.encoding, texts=args.text)
     opts, plan = r["options"], r["plan"]
     print(f"{args.plan}: density {plan.density:.4f}, {len(plan.layers)} layers; held-out {opts.eval_fraction:.0%} "
-          f"of {', '.join(opts.data)} (seed {opts.seed})" + (f"; {r['overlap']} documents seen in training"
-                                                              if r["overlap"] else ""))
+          f"of {', '.join(opts.data)} (split seed {opts.split_seed})" + (f"; {r['overlap']} documents seen in "
+                                                                          "training" if r["overlap"] else ""))
     for name in ("dense", "pruned"):
-        print(f"  {name:<8} " + "  ".join(f"{k} {v:.4f}" for k, v in r[name].items()))
+        print(f"  {name:<8} " + format_metrics(r[name]))
     return 0
+
+
+def format_metrics(metrics: dict) -> str:
+    """"perplexity 5.2570  wikitext2_raw_test.txt 812.3" (extra texts by file name)."""
+    flat = {k: v for k, v in metrics.items() if k != "extra" and v is not None}
+    flat.update(metrics.get("extra") or {})
+    return "  ".join(f"{k} {v:.4f}" for k, v in flat.items())
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -216,7 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="plan file (plan.patch of a run)")
     p.add_argument("--model", default=None, help="model spec (default: the one the plan records, else stories260K)")
     p.add_argument("--data", nargs="+", default=None, help="text files (default: the plan's)")
-    p.add_argument("--seed", type=int, default=None, help="split seed (default: the plan's)")
+    p.add_argument("--split-seed", "--seed", dest="split_seed", type=int, default=None,
+                   help="which documents are held out (default: the plan's)")
+    p.add_argument("--text", nargs="+", default=None, metavar="FILE",
+                   help="more text files, each scored whole (no split; refused if it holds training documents)")
     p.add_argument("--eval-fraction", type=float, default=None, help="share of documents held out (default: the plan's)")
     p.add_argument("--eval-context", type=int, default=256, help="perplexity window")
     p.add_argument("--encoding", default=None, help="text encoding of the --data files (default: the plan's)")

@@ -19,11 +19,13 @@ from typing import Any
 import torch
 
 from patchc.config import PatchConfig
+from patchc.job.losses import LossSpec
 from patchc.models.shared import SHARED_DIR
 
 DEFAULT_MODEL = str(SHARED_DIR / "models" / "stories260K" / "stories260K.bin")
 DEFAULT_DATA = (str(SHARED_DIR / "data" / "tinystories_sample.txt"),)
 ONESHOT_METHODS = ("magnitude", "wanda", "sparsegpt")
+TRAIN_DATA = ("real", "self", "mix")
 _PAPER = PatchConfig()
 MAX_THREADS = 4 * (os.cpu_count() or 1)
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,9 +64,19 @@ class PruneOptions:
     eval_context: int = 256
     eval_fraction: float = 0.2
     calib_blocks: int = 32
-    data_free: bool = False
+    # Training text: "real" (--data's training documents), "self" (the dense model's own text, prompted
+    # by those documents), or "mix" (both; causal LMs only, encoders always train on real text).
+    train_data: str = "mix"
+    self_tokens: int = 65536
+    self_temperature: float = 1.0
+    self_top_p: float = 0.95
+    loss: str = "kd"  # "lm", "kd" (distil the dense model's next-token distribution), "lm+kd"
+    kd_temperature: float = 1.0
+    eval_data: tuple[str, ...] = ()  # more real text, scored whole: generalisation beyond --data's domain
+    eval_tokens: int = 32768  # cap per --eval-data file
     baselines: bool = True
-    seed: int = 0
+    seed: int = 0  # mask init, Gumbel noise and batch order
+    split_seed: int = 0  # which documents are held out (and the self-generated text): fixed across --seed
     device: str = "cpu"
     dtype: str = "auto"  # weights: "auto" = bfloat16 on CUDA, float32 on CPU; logits are always fp32
     threads: int = 0
@@ -77,9 +89,10 @@ class PruneOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "data", tuple(self.data))
         object.__setattr__(self, "tile", tuple(self.tile))
+        object.__setattr__(self, "eval_data", tuple(self.eval_data))
         if not self.data:
             raise ValueError("--data: give at least one text file (evaluation always needs real held-out text)")
-        for name in ("steps", "batch_size", "block_len", "eval_context", "calib_blocks"):
+        for name in ("steps", "batch_size", "block_len", "eval_context", "calib_blocks", "self_tokens", "eval_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.eval_fraction < 1.0:
@@ -91,8 +104,15 @@ class PruneOptions:
                              f"{os.cpu_count()} cores), got {self.threads}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
+        for name in ("seed", "split_seed"):
+            if not 0 <= getattr(self, name) < 2**63:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 2**63), got {getattr(self, name)}")
+        if self.train_data not in TRAIN_DATA:
+            raise ValueError(f"--train-data must be one of {', '.join(TRAIN_DATA)}, got {self.train_data!r}")
+        if not self.self_temperature > 0 or not 0 < self.self_top_p <= 1:
+            raise ValueError(f"--self-temperature must be > 0 and --self-top-p in (0, 1], got "
+                             f"{self.self_temperature} and {self.self_top_p}")
+        LossSpec(self.loss, self.kd_temperature)  # validates --loss and --kd-temperature
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: continue the run, or start it again")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -102,6 +122,9 @@ class PruneOptions:
         except LookupError:
             raise ValueError(f"--encoding {self.encoding!r} is not a text encoding Python knows") from None
         self.patch_config()  # validates sparsity, tile, variant, prior, schedules
+
+    def loss_spec(self) -> LossSpec:
+        return LossSpec(self.loss, self.kd_temperature)
 
     def patch_config(self, **changes: Any) -> PatchConfig:
         fields = {f.name for f in dataclasses.fields(PatchConfig)}

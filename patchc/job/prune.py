@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -27,7 +26,9 @@ import torch.distributed as dist
 
 import patchc
 from patchc.config import PatchConfig
+from patchc.job.corpus import data_record, data_summary, load_data
 from patchc.job.distributed import init_distributed, rank_slice, say, world
+from patchc.job.losses import make_lm_loss
 from patchc.job.options import ONESHOT_METHODS, PruneOptions, check_device, weight_dtype
 from patchc.job.runs import CHECKPOINT, check_settings, claim_run_dir, release
 from patchc.utils.env import device_name, versions
@@ -59,67 +60,13 @@ def choose_threads(opts: PruneOptions, model: torch.nn.Module) -> None:
         torch.set_num_threads(1)
 
 
-def load_data(bundle, opts: PruneOptions):
-    """Held-out evaluation text always comes from --data; training text from it too unless data-free."""
-    from patchc.job.data import doc_hashes, pack_documents, split_files, tokenize_documents
-
-    for path in opts.data:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"--data {path}: no such file")
-    docs_train, docs_eval = split_files(opts.data, opts.eval_fraction, opts.seed, encoding=opts.encoding)
-    if not docs_eval:
-        raise ValueError(f"--data {', '.join(opts.data)}: too few documents to hold any out for evaluation")
-    source = ", ".join(opts.data)
-    if bundle.kind == "encoder":
-        from patchc.job.encoder_eval import sentences_from_docs
-
-        return {
-            "train": sentences_from_docs(docs_train, max_sentences=4096),
-            "eval": sentences_from_docs(docs_eval, max_sentences=512),
-            "docs_train": len(docs_train),
-            "docs_eval": len(docs_eval),
-            "train_hashes": doc_hashes(docs_train),
-        }
-    tokenizer = bundle.require_tokenizer()
-    eval_ids = tokenize_documents(docs_eval, tokenizer, bos=opts.bos)
-    if eval_ids.numel() < 2:
-        raise ValueError(f"--data {source}: the held-out part is too short to evaluate")
-    if opts.data_free:
-        train_blocks = sample_training_text(bundle, opts)
-    else:
-        train_blocks = pack_documents(docs_train, tokenizer, opts.block_len + 1, source=source, bos=opts.bos)
-    return {"train": train_blocks, "eval": eval_ids, "docs_train": len(docs_train), "docs_eval": len(docs_eval),
-            "train_hashes": [] if opts.data_free else doc_hashes(docs_train)}
-
-
-def data_record(data: dict, opts: PruneOptions) -> dict:
-    """The split a plan was trained on: files, seed, fraction, encoding and its training documents' ids."""
-    return {"files": [str(Path(p).resolve()) for p in opts.data], "seed": opts.seed,
-            "eval_fraction": opts.eval_fraction, "encoding": opts.encoding, "bos": opts.bos, "data_free": opts.data_free,
-            "train_documents": data["train_hashes"]}
-
-
-@torch.no_grad()
-def sample_training_text(bundle, opts: PruneOptions, n_blocks: int | None = None) -> torch.Tensor:
-    """Data-free mode: the dense model writes its own training text (seeded, temperature 1)."""
-    n_blocks = n_blocks or max(32, opts.batch_size * 4)
-    gen = torch.Generator().manual_seed(opts.seed)
-    bos = getattr(bundle.tokenizer, "bos_id", 1)  # llama2.c's BOS is 1
-    ids = torch.full((n_blocks, 1), bos, dtype=torch.long)
-    for _ in range(opts.block_len):
-        logits = bundle.logits(bundle.model, ids)[:, -1].float()
-        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
-        ids = torch.cat([ids, nxt], dim=1)
-    return ids
-
-
-def make_loss(bundle, dense_model) -> Callable:
+def make_loss(bundle, dense_model, opts: PruneOptions) -> Callable:
+    """Encoders distil the dense embeddings; causal LMs use --loss (LM, KD to the dense model, or both)."""
     if bundle.kind == "encoder":
         from patchc.job.encoder_eval import make_distill_loss
 
         return make_distill_loss(bundle, dense_model)
-
-    return functools.partial(patchc.lm_loss, logits=bundle.logits)
+    return make_lm_loss(bundle, dense_model, opts.loss_spec())
 
 
 def global_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]:
@@ -164,7 +111,7 @@ def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, check
     forward_module = prog
     if world()[1] > 1:
         forward_module = torch.nn.parallel.DistributedDataParallel(prog)
-    loss_fn = make_loss(bundle, bundle.model)
+    loss_fn = make_loss(bundle, bundle.model, opts)
     result = patchc.train_masks(
         prog,
         make_batches(bundle, data, opts),
@@ -190,7 +137,8 @@ def evaluate(bundle, model: torch.nn.Module, data: dict, opts: PruneOptions, den
         return embedding_agreement(dense_embed, bundle.embed(model, data["eval"]))
     from patchc.job.evaluate import perplexity
 
-    return {"perplexity": perplexity(lambda ids: bundle.logits(model, ids), data["eval"], context=opts.eval_context)}
+    score = lambda ids: perplexity(lambda x: bundle.logits(model, x), ids, context=opts.eval_context)  # noqa: E731
+    return {"perplexity": score(data["eval"]), "extra": {Path(p).name: score(ids) for p, ids in data["extra"].items()}}
 
 
 def oneshot_masks(bundle, method: str, calib, progress: bool = False) -> dict[str, torch.Tensor]:
@@ -232,7 +180,7 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
         bundle = cast_bundle(load_model(opts.model, device=opts.device), weight_dtype(opts))
         check_model(bundle, opts)
         choose_threads(opts, bundle.model)
-        data = load_data(bundle, opts)
+        data = load_data(bundle, opts, cache_dir=cache_dir(opts))
     out, schedule_steps = claim_folder(bundle, opts)
     failed = True
     try:
@@ -242,6 +190,11 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
     finally:
         if world()[0] == 0:
             release(out, failed)
+
+
+def cache_dir(opts: PruneOptions) -> Path:
+    """Where generated training text is cached: `.cache/` beside the run folders."""
+    return (Path(opts.out).parent if opts.out else Path("runs")) / ".cache"
 
 
 def claim_folder(bundle, opts: PruneOptions) -> tuple[Path, int]:
@@ -336,13 +289,11 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
         "model": bundle.name,
         "model_spec": opts.model,
         "kind": bundle.kind,
-        "data": {"train": list(opts.data) if not opts.data_free else ["sampled from the dense model"], "eval": list(opts.data),
-                 "train_documents": data["docs_train"], "eval_documents": data["docs_eval"],
-                 "train_tokens": int(data["train"].numel()) if bundle.kind == "causal" else len(data["train"]),
-                 "eval_tokens": int(data["eval"].numel()) if bundle.kind == "causal" else len(data["eval"]),
-                 "data_free": opts.data_free},
+        "data": data_summary(bundle, data, opts),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_dict().items()},
         "train": {"steps": opts.steps, "schedule_steps": cfg.steps, "batch_size": opts.batch_size, "lr": opts.lr,
+                  "loss": opts.loss if bundle.kind == "causal" else "distil embeddings", "kd_temperature": opts.kd_temperature,
+                  "seed": opts.seed,
                   "processes": size,
                   "seconds": round(trained.seconds, 2), "final": trained.history[-1] if trained.history else {}},
         "plan": {"path": str(out / "plan.patch"), "density": plan.density, "sparsity": plan.sparsity,
@@ -370,7 +321,8 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
 
 def row(name: str, method: str, pattern: str, sparsity: float, metrics: dict, seconds: float | None = None) -> dict:
     return {"name": name, "method": method, "pattern": pattern, "sparsity": round(float(sparsity), 6),
-            "perplexity": metrics.get("perplexity"), "cosine": metrics.get("cosine"),
+            "perplexity": metrics.get("perplexity"), "perplexity_extra": metrics.get("extra") or {},
+            "cosine": metrics.get("cosine"),
             "retrieval_agreement": metrics.get("retrieval_agreement"),
             "seconds": round(seconds, 2) if seconds is not None else None}
 
@@ -378,7 +330,7 @@ def row(name: str, method: str, pattern: str, sparsity: float, metrics: dict, se
 def protocol(bundle, opts: PruneOptions) -> str:
     if bundle.kind == "causal":
         return (f"perplexity over the held-out {opts.eval_fraction:.0%} of documents (split by document, seed "
-                f"{opts.seed}), BOS per document, non-overlapping windows of {opts.eval_context} tokens, every "
+                f"{opts.split_seed}), BOS per document, non-overlapping windows of {opts.eval_context} tokens, every "
                 f"next-token prediction scored")
     return ("mean cosine between pruned and dense mean-pooled sentence embeddings of held-out sentences, and the "
             "share of sentences whose nearest neighbour is unchanged")

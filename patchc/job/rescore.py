@@ -28,8 +28,9 @@ def recorded_split(plan: Any) -> dict:
 
 def eval_options(plan: Any, model: str | None = None, data: list[str] | None = None, seed: int | None = None,
                  eval_fraction: float | None = None, eval_context: int = 256, device: str = "cpu",
-                 encoding: str | None = None) -> PruneOptions:
-    """The options `patchc eval` runs with: each one given, else the plan's recorded one, else the default."""
+                 encoding: str | None = None, texts: list[str] | None = None) -> PruneOptions:
+    """The options `patchc eval` runs with: each one given, else the plan's recorded one, else the default.
+    `seed` is the data split's seed; `texts` are files scored whole (`--text`)."""
     split = recorded_split(plan)
     if not split and (data is None or seed is None or eval_fraction is None):
         warnings.warn("the plan records no data split (made outside `patchc prune` or by an older patchc): "
@@ -38,7 +39,8 @@ def eval_options(plan: Any, model: str | None = None, data: list[str] | None = N
     return PruneOptions(
         model=model or plan.meta.get("model") or DEFAULT_MODEL,
         data=tuple(data or split.get("files") or DEFAULT_DATA),
-        seed=pick(seed, "seed", 0), eval_fraction=pick(eval_fraction, "eval_fraction", 0.2),
+        split_seed=pick(seed, "seed", 0), eval_fraction=pick(eval_fraction, "eval_fraction", 0.2),
+        train_data="real", eval_data=tuple(texts or ()),
         encoding=pick(encoding, "encoding", "utf-8"), bos=split.get("bos", True), eval_context=eval_context,
         device=device,
     )
@@ -61,8 +63,9 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
             **options: Any) -> dict[str, Any]:
     """{"options", "overlap", "dense", "pruned"}: metrics of the dense model and the plan applied to it."""
     from patchc.ir import TilePlan
-    from patchc.job.data import split_files
-    from patchc.job.prune import check_model, evaluate, load_data
+    from patchc.job.corpus import load_data
+    from patchc.job.data import load_documents, split_files
+    from patchc.job.prune import check_model, evaluate
     from patchc.models import load_model
 
     plan = TilePlan.load(plan_path)
@@ -70,8 +73,12 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     for path in opts.data:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--data {path}: no such file (the plan was trained on {', '.join(opts.data)})")
-    _, eval_docs = split_files(opts.data, opts.eval_fraction, opts.seed, encoding=opts.encoding)
+    _, eval_docs = split_files(opts.data, opts.eval_fraction, opts.split_seed, encoding=opts.encoding)
     overlap = check_overlap(plan, eval_docs, allow_overlap)
+    for path in opts.eval_data:  # a whole file must not hold training documents either
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--text {path}: no such file")
+        overlap += check_overlap(plan, load_documents(path, encoding=opts.encoding), allow_overlap)
     bundle = load_model(opts.model, device=opts.device)
     check_model(bundle, opts)
     data = load_data(bundle, opts)

@@ -111,19 +111,29 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.kv_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: list[torch.Tensor] | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        causal = True
+        if cache is not None:  # [k, v] of the earlier positions, extended in place
+            if cache:
+                if t != 1:
+                    raise ValueError("Llama KV cache: after the prompt, feed one token per call")
+                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+                causal = False  # one new query attends to every cached position
+            cache[:] = [k, v]
+        t = k.shape[2]
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:
             # Query head h reads kv head h // rep (llama2.c); expand+reshape exports cleanly.
             k = k[:, :, None].expand(b, self.n_kv_heads, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
             v = v[:, :, None].expand(b, self.n_kv_heads, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return self.o_proj(y.transpose(1, 2).reshape(b, q.shape[2], self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -147,8 +157,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: list[torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -187,13 +198,20 @@ class Llama(nn.Module):
                     std = 0.02 / math.sqrt(2 * self.config.n_layers)
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: list[list[torch.Tensor]] | None = None) -> torch.Tensor:
+        """`cache`: for generation, one empty list per layer, filled with (k, v) by the prompt's call and
+        extended by each later one-token call (positions continue from the cached length)."""
+        start = cache[0][0].shape[2] if cache and cache[0] else 0
         t = input_ids.shape[1]
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        cos, sin = self.rope_cos[start : start + t], self.rope_sin[start : start + t]
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, None if cache is None else cache[i])
         return self.lm_head(self.norm(x)).float()
+
+    def new_cache(self) -> list[list[torch.Tensor]]:
+        """An empty KV cache for `forward(ids, cache=...)`."""
+        return [[] for _ in self.layers]
 
 
 def rope_tables(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,115 @@
+"""The job's text: training blocks (real, self-generated, or both), held-out ids, extra evaluation texts.
+
+    --data files ─ split by document (--split-seed) ─┬─ training documents ──> real training blocks ─┐
+                                                      │        └─ first tokens = prompts ─> dense model writes --self-tokens ─┤─> train
+                                                      └─ held-out documents ──> eval ids (never trained on, never prompts)
+    --eval-data files ──> scored whole (capped at --eval-tokens), a second view of generalisation
+
+Example:
+    >>> data = load_data(bundle, PruneOptions(), cache_dir=Path("runs/.cache"))
+    >>> data["train"].shape, data["eval"].numel()
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from patchc.job.options import PruneOptions
+
+
+def check_files(paths: tuple[str, ...], flag: str) -> None:
+    for path in paths:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{flag} {path}: no such file")
+
+
+def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None) -> dict[str, Any]:
+    """Held-out evaluation text always comes from --data; training text from it, from the dense model, or both.
+
+    `cache_dir`: where self-generated text is cached (None: generate without caching).
+    """
+    from patchc.job.data import doc_hashes, pack_documents, split_files, tokenize_documents
+
+    check_files(opts.data, "--data")
+    check_files(opts.eval_data, "--eval-data")
+    docs_train, docs_eval = split_files(opts.data, opts.eval_fraction, opts.split_seed, encoding=opts.encoding)
+    if not docs_eval:
+        raise ValueError(f"--data {', '.join(opts.data)}: too few documents to hold any out for evaluation")
+    source = ", ".join(opts.data)
+    if bundle.kind == "encoder":
+        from patchc.job.encoder_eval import sentences_from_docs
+
+        return {"train": sentences_from_docs(docs_train, max_sentences=4096),
+                "eval": sentences_from_docs(docs_eval, max_sentences=512), "extra": {},
+                "docs_train": len(docs_train), "docs_eval": len(docs_eval), "train_hashes": doc_hashes(docs_train),
+                "real_tokens": 0, "self_tokens": 0, "self_cached": False}
+    tokenizer = bundle.require_tokenizer()
+    eval_ids = tokenize_documents(docs_eval, tokenizer, bos=opts.bos)
+    if eval_ids.numel() < 2:
+        raise ValueError(f"--data {source}: the held-out part is too short to evaluate")
+    parts, real_tokens, self_tokens, cached = [], 0, 0, False
+    if opts.train_data in ("real", "mix"):
+        real = pack_documents(docs_train, tokenizer, opts.block_len + 1, source=source, bos=opts.bos)
+        parts.append(real)
+        real_tokens = real.numel()
+    if opts.train_data in ("self", "mix"):
+        generated, cached = self_generated(bundle, opts, docs_train, tokenizer, cache_dir)
+        parts.append(generated)
+        self_tokens = generated.numel()
+    return {"train": torch.cat(parts), "eval": eval_ids, "extra": extra_texts(opts, tokenizer),
+            "docs_train": len(docs_train), "docs_eval": len(docs_eval),
+            # self-only runs still saw the training documents' first tokens as prompts
+            "train_hashes": doc_hashes(docs_train),
+            "real_tokens": real_tokens, "self_tokens": self_tokens, "self_cached": cached}
+
+
+def self_generated(bundle: Any, opts: PruneOptions, docs_train: list[str], tokenizer: Any,
+                   cache_dir: Path | None) -> tuple[torch.Tensor, bool]:
+    """The dense model's own text, prompted by the training documents' first tokens (cached)."""
+    from patchc.job.selfdata import SelfDataSpec, prompts_from, self_generated_blocks
+
+    spec = SelfDataSpec(tokens=opts.self_tokens, block_len=opts.block_len, seed=opts.split_seed,
+                        temperature=opts.self_temperature, top_p=opts.self_top_p)
+    prompts = prompts_from(docs_train, tokenizer, spec.prompt_len, bos=opts.bos)
+    return self_generated_blocks(bundle, spec, prompts, cache_dir, progress=opts.progress)
+
+
+def extra_texts(opts: PruneOptions, tokenizer: Any) -> dict[str, torch.Tensor]:
+    """--eval-data files, each scored whole (BOS per document), cut to the first --eval-tokens tokens."""
+    from patchc.job.data import load_documents, tokenize_documents
+
+    out = {}
+    for path in opts.eval_data:
+        ids = tokenize_documents(load_documents(path, encoding=opts.encoding), tokenizer, bos=opts.bos)
+        if ids.numel() < 2:
+            raise ValueError(f"--eval-data {path}: too short to evaluate")
+        out[path] = ids[: opts.eval_tokens]
+    return out
+
+
+def data_record(data: dict, opts: PruneOptions) -> dict:
+    """The split a plan was trained on: files, split seed, fraction, encoding and its training documents' ids."""
+    return {"files": [str(Path(p).resolve()) for p in opts.data], "seed": opts.split_seed,
+            "eval_fraction": opts.eval_fraction, "encoding": opts.encoding, "bos": opts.bos,
+            "train_data": opts.train_data, "self_tokens": data["self_tokens"], "train_documents": data["train_hashes"]}
+
+
+def data_summary(bundle: Any, data: dict, opts: PruneOptions) -> dict:
+    """report.json's "data": where training and evaluation text came from, and how much of each."""
+    causal = bundle.kind == "causal"
+    train = {"real": list(opts.data), "self": ["generated by the dense model"],
+             "mix": [*opts.data, "generated by the dense model"]}[opts.train_data if causal else "real"]
+    return {"train": train, "eval": list(opts.data), "eval_extra": list(opts.eval_data),
+            "train_data": opts.train_data if causal else "real", "split_seed": opts.split_seed,
+            "train_documents": data["docs_train"], "eval_documents": data["docs_eval"],
+            "train_tokens": int(data["train"].numel()) if causal else len(data["train"]),
+            "train_tokens_real": data["real_tokens"], "train_tokens_generated": data["self_tokens"],
+            "generated_from_cache": data["self_cached"],
+            "eval_tokens": int(data["eval"].numel()) if causal else len(data["eval"]),
+            "eval_extra_tokens": {k: int(v.numel()) for k, v in data["extra"].items()}}
+
+
+__all__ = ["load_data", "data_record", "data_summary", "self_generated", "extra_texts"]

@@ -1,0 +1,151 @@
+"""Self-generated training text, the distillation loss, and the job's data assembly (issue 15)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from patchc.job.corpus import load_data
+from patchc.job.data import split_files, tokenize_documents
+from patchc.job.losses import LossSpec, kd_loss, make_lm_loss
+from patchc.job.options import DEFAULT_DATA, PruneOptions
+from patchc.job.selfdata import SelfDataSpec, generate_blocks, prompts_from, sample_next, self_generated_blocks
+from patchc.models import load_model
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return load_model(PruneOptions().model)
+
+
+@pytest.fixture(scope="module")
+def prompts(bundle):
+    docs_train, _ = split_files(DEFAULT_DATA, 0.2, 0)
+    return prompts_from(docs_train, bundle.tokenizer, prompt_len=4)
+
+
+def test_kv_cache_generation_equals_full_recompute(bundle):
+    ids = torch.randint(0, 512, (3, 17), generator=torch.Generator().manual_seed(0))
+    full = bundle.model(ids)
+    cache = bundle.model.new_cache()
+    steps = [bundle.model(ids[:, :5], cache=cache)] + [bundle.model(ids[:, i : i + 1], cache=cache) for i in range(5, 17)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=5e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="one token per call"):
+        bundle.model(ids[:, :2], cache=cache)
+
+
+def test_generation_is_seeded_and_continues_the_prompts(bundle, prompts):
+    spec = SelfDataSpec(tokens=3 * 17, block_len=16, seed=5, batch=2)
+    a = generate_blocks(bundle, spec, prompts)
+    b = generate_blocks(bundle, spec, prompts)
+    c = generate_blocks(bundle, SelfDataSpec(tokens=3 * 17, block_len=16, seed=6, batch=2), prompts)
+    assert a.shape == (3, 17) and a.dtype == torch.long
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    heads = {tuple(p.tolist()) for p in prompts}
+    assert all(tuple(row[: prompts.shape[1]].tolist()) in heads for row in a)  # every row continues a prompt
+    assert int(a.max()) < bundle.tokenizer.vocab_size
+
+
+def test_generated_text_is_the_models_distribution(bundle, prompts):
+    """The dense model scores its own samples far better than it scores uniform noise (sanity of sampling)."""
+    from patchc.job.evaluate import perplexity
+
+    blocks = generate_blocks(bundle, SelfDataSpec(tokens=4 * 49, block_len=48, seed=0), prompts)
+    ppl = perplexity(lambda x: bundle.logits(bundle.model, x), blocks.flatten(), context=49)
+    noise = torch.randint(0, 512, (4 * 49,), generator=torch.Generator().manual_seed(0))
+    assert ppl < 12 < perplexity(lambda x: bundle.logits(bundle.model, x), noise, context=49)
+
+
+def test_top_p_keeps_the_nucleus_only():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.cat([sample_next(logits.expand(2000, 4), 1.0, 0.75, gen)]).flatten()
+    assert set(draws.tolist()) == {0, 1}  # 0.5 + 0.3 reach 0.75; 0.15 and 0.05 never drawn
+    assert abs((draws == 0).float().mean().item() - 0.5 / 0.8) < 0.04
+    assert set(sample_next(logits.expand(50, 4), 1.0, 1e-6, gen).flatten().tolist()) == {0}
+
+
+def test_cache_is_reused_and_a_damaged_entry_regenerated(bundle, prompts, tmp_path):
+    spec = SelfDataSpec(tokens=2 * 17, block_len=16, seed=1)
+    first, cached = self_generated_blocks(bundle, spec, prompts, tmp_path)
+    again, cached2 = self_generated_blocks(bundle, spec, prompts, tmp_path)
+    assert not cached and cached2 and torch.equal(first, again)
+    (entry,) = tmp_path.glob("selfdata-*.pt")
+    entry.write_bytes(b"not a checkpoint")
+    third, cached3 = self_generated_blocks(bundle, spec, prompts, tmp_path)
+    assert not cached3 and torch.equal(first, third)
+    other, _ = self_generated_blocks(bundle, SelfDataSpec(tokens=2 * 17, block_len=16, seed=2), prompts, tmp_path)
+    assert len(list(tmp_path.glob("selfdata-*.pt"))) == 2 and not torch.equal(first, other)
+
+
+def test_spec_validation_names_the_flag():
+    with pytest.raises(ValueError, match="--self-top-p"):
+        SelfDataSpec(tokens=10, block_len=8, top_p=0)
+    with pytest.raises(ValueError, match="--self-tokens"):
+        SelfDataSpec(tokens=0, block_len=8)
+    with pytest.raises(ValueError, match="--train-data"):
+        PruneOptions(train_data="web")
+    with pytest.raises(ValueError, match="--loss"):
+        PruneOptions(loss="mse")
+
+
+def test_mixed_training_text_never_touches_held_out_documents(bundle, tmp_path, monkeypatch):
+    import patchc.job.selfdata as selfdata
+
+    seen_docs = []
+    real_prompts_from = selfdata.prompts_from
+    monkeypatch.setattr(selfdata, "prompts_from", lambda docs, *a, **k: seen_docs.extend(docs) or real_prompts_from(docs, *a, **k))
+    opts = PruneOptions(train_data="mix", self_tokens=3 * 129, progress=False)
+    data = load_data(bundle, opts, cache_dir=tmp_path)
+    real = load_data(bundle, PruneOptions(train_data="real"), cache_dir=None)
+    assert data["self_tokens"] == 3 * 129 and data["real_tokens"] == real["train"].numel()
+    assert torch.equal(data["train"][: real["train"].shape[0]], real["train"])
+    assert torch.equal(data["eval"], real["eval"])
+    docs_train, docs_eval = split_files(DEFAULT_DATA, 0.2, 0)
+    assert seen_docs == docs_train and not set(seen_docs) & set(docs_eval)  # prompts come from training documents only
+    # the noise seed does not move the split; the split seed does
+    assert torch.equal(load_data(bundle, PruneOptions(train_data="real", seed=3))["eval"], real["eval"])
+    assert not torch.equal(load_data(bundle, PruneOptions(train_data="real", split_seed=3))["eval"], real["eval"])
+
+
+def test_extra_eval_text_is_scored_whole_and_capped(bundle, tmp_path):
+    text = tmp_path / "other.txt"
+    text.write_text("Tom had a red ball.\n\nThe sun was hot and the sky was blue.\n")
+    data = load_data(bundle, PruneOptions(train_data="real", eval_data=(str(text),), eval_tokens=10))
+    (ids,) = data["extra"].values()
+    assert ids.numel() == 10
+    with pytest.raises(FileNotFoundError, match="--eval-data"):
+        load_data(bundle, PruneOptions(train_data="real", eval_data=(str(tmp_path / "missing.txt"),)))
+
+
+# -- distillation ---------------------------------------------------------------------------
+def test_kd_loss_is_temperature_scaled_kl():
+    gen = torch.Generator().manual_seed(0)
+    s, t = torch.randn(2, 3, 7, generator=gen), torch.randn(2, 3, 7, generator=gen)
+    for temp in (1.0, 2.0):
+        p = F.softmax(t / temp, -1)
+        manual = (p * (p.log() - F.log_softmax(s / temp, -1))).sum(-1).mean() * temp**2
+        torch.testing.assert_close(kd_loss(s, t, temp), manual)
+    assert kd_loss(t, t).abs() < 1e-6
+    with pytest.raises(ValueError, match="differ in shape"):
+        kd_loss(s, t[:, :2])
+
+
+def test_lm_kd_loss_kinds(bundle):
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    student = load_model(PruneOptions().model).model
+    with torch.no_grad():
+        student.lm_head.weight.mul_(0.9)
+    lm = make_lm_loss(bundle, bundle.model, LossSpec("lm"))(student, ids)
+    kd = make_lm_loss(bundle, bundle.model, LossSpec("kd"))(student, ids)
+    both = make_lm_loss(bundle, bundle.model, LossSpec("lm+kd", kd_weight=0.5))(student, ids)
+    torch.testing.assert_close(both, lm + 0.5 * kd)
+    assert kd > 0 and math.isfinite(lm.item())
+    assert make_lm_loss(bundle, bundle.model, LossSpec("kd"))(bundle.model, ids).abs() < 1e-5  # teacher = student
+    student.zero_grad()
+    make_lm_loss(bundle, bundle.model, LossSpec("kd"))(student, ids).backward()
+    assert student.lm_head.weight.grad.abs().sum() > 0 and bundle.model.lm_head.weight.grad is None
