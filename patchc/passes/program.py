@@ -60,6 +60,10 @@ class MaskedProgram(nn.Module):
         hybrids = hybrid_masks(self.masks.values())
         self._groups = reg.density_groups(hybrids, cfg.scope)
         self._step = 0  # host copy of `schedule_step`: reading the buffer would sync a GPU every step
+        # Set by graph rewrites that move weights out of their exported module (`patchc.job.fsdp`).
+        self._homes: dict[str, tuple[nn.Module, str]] = {}
+        # name -> E[sum(M)] computed where the logits are whole; None reads each mask (see `regularizer`).
+        self.kept_source: Callable[[bool], dict[str, torch.Tensor]] | None = None
         for m in hybrids:
             m.track_sum, m.track_norm = cfg.density_mode == "sampled", cfg.lambda_norm > 0
         self.register_load_state_dict_post_hook(lambda module, _keys: module._restore_step())
@@ -109,8 +113,24 @@ class MaskedProgram(nn.Module):
         slice, a Conv1D weight's transpose)."""
         target = self.targets.get(fqn)
         if target is None:
+            return self._parameter(fqn)
+        return matrix(self._parameter(target.param), target)
+
+    def _parameter(self, fqn: str) -> torch.Tensor:
+        home = self._homes.get(fqn)
+        if home is None:
             return self.graph_module.get_parameter(fqn)
-        return matrix(self.graph_module.get_parameter(target.param), target)
+        owner, attr = home
+        return getattr(owner, attr)
+
+    def relocate(self, fqn: str, owner: nn.Module, attr: str) -> None:
+        """Record that parameter `fqn` of the exported module now lives at `owner.<attr>`.
+
+        For graph rewrites that regroup weights (per-block FSDP2 shards): `weight(fqn)` follows it.
+
+        >>> prog.relocate("model.layers.0.mlp.up_proj.weight", shard.weights, "model_layers_0_mlp_up_proj_weight")
+        """
+        self._homes[fqn] = (owner, attr)
 
     @contextlib.contextmanager
     def mask_mode(self, mode: str) -> Iterator["MaskedProgram"]:
@@ -160,7 +180,22 @@ class MaskedProgram(nn.Module):
     # -- regulariser ---------------------------------------------------------------------
     def density(self, mode: str | None = None) -> torch.Tensor:
         """Parameter-weighted density over all masked layers ("expected" or "sampled")."""
-        return reg.density(self._hybrids(), mode or self.cfg.density_mode)
+        mode = mode or self.cfg.density_mode
+        masks = self._regularised(fresh=True)[0] if mode == "expected" else self._hybrids()
+        return reg.density(masks, mode)
+
+    def _regularised(self, fresh: bool) -> tuple[list, list[list]]:
+        """The masks and density groups the regulariser reads.
+
+        When the logits are sharded outside their block's forward (FSDP2), `kept_source` supplies each
+        mask's expected kept count: from the last forward (`fresh=False`: the training loss, with its
+        graph) or computed now (`fresh=True`: logging).
+        """
+        if self.kept_source is None or (not fresh and self.cfg.density_mode != "expected"):
+            return self._hybrids(), self._groups
+        kept = self.kept_source(fresh)
+        view = {m.name: _Kept(m, kept[m.name]) if m.name in kept else m for m in self._hybrids()}
+        return list(view.values()), [[view[m.name] for m in group] for group in self._groups]
 
     def regularizer(self) -> torch.Tensor:
         """lambda1 * |density - rho| - lambda2 * (1 - t/T) * sum ||M*W||^2 / sum ||W||^2.
@@ -169,5 +204,17 @@ class MaskedProgram(nn.Module):
         per transformer block (`scope="block"`). The magnitude term uses the masks of the last
         training forward and is 0 before one. See `patchc.masking.regularizer`.
         """
-        return reg.regularizer(self._hybrids(), self._groups, self.cfg, self._step, self.weight_sq_norm)
+        masks, groups = self._regularised(fresh=False)
+        return reg.regularizer(masks, groups, self.cfg, self._step, self.weight_sq_norm)
+
+
+class _Kept:
+    """A mask as the regulariser reads it, with its expected kept count computed elsewhere."""
+
+    def __init__(self, mask: HybridMask, kept: torch.Tensor) -> None:
+        self.name, self.numel, self.kept = mask.name, mask.numel, kept
+        self.last_sum, self.last_sq_norm = mask.last_sum, mask.last_sq_norm
+
+    def expected_kept(self) -> torch.Tensor:
+        return self.kept
 
