@@ -191,6 +191,13 @@ def test_run_recover_on_a_real_run_folder(tmp_path):
     applied = rec.apply(bundle.reload())  # the original dense model is the recovered plan's source too
     for fqn, layer in rec.layers.items():
         assert torch.equal(applied.get_parameter(fqn).detach(), layer.to_dense())
+    with pytest.raises(ValueError, match="not the held-out split"):
+        run_recover(out, steps=2, recipe={"eval_fraction": 0.5})
+    settings = json.loads((out / "run.json").read_text())
+    settings["settings"]["eval_fraction"] = 0.3  # another split than the plan was trained on
+    (out / "run.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match="differs from the plan's in .*eval_fraction"):
+        run_recover(out, steps=2, progress=False)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="no plan.patch") as err:

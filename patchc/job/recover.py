@@ -69,10 +69,14 @@ def recover_options(plan: Any, run: Path, **changes: Any) -> PruneOptions:
     return dataclasses.replace(opts, **fixed, **changes)
 
 
-def check_split(plan: Any, rebuilt: dict, where: Path) -> None:
-    """The rebuilt training text is the one the plan records (files, seeds, documents...), or ValueError."""
+def check_split(plan: Any, rebuilt: dict, where: Path, changed: tuple[str, ...] = ()) -> None:
+    """The rebuilt training text is the one the plan records (files, seeds, documents...), or ValueError.
+
+    `changed`: record keys a recovery recipe changes on purpose (e.g. "train_data"); the held-out
+    documents are still the run's, since files, split seed and fraction are always checked.
+    """
     recorded = plan.meta["data"]
-    differ = [k for k, v in recorded.items() if k in rebuilt and rebuilt[k] != v]
+    differ = [k for k, v in recorded.items() if k in rebuilt and k not in changed and rebuilt[k] != v]
     if differ:
         raise ValueError(f"{where}: the training text rebuilt for recovery differs from the plan's in "
                          f"{', '.join(differ)} (the text files or run.json changed since the run?)")
@@ -92,8 +96,13 @@ def run_recover(
     threads: int = 0,
     progress: bool = True,
     command: str | None = None,
+    recipe: dict[str, Any] | None = None,
 ) -> dict:
     """Recover the run's plan; writes `<run>/plan-recovered.patch` and `<run>/recover.json`, returns the latter.
+
+    Recovery trains on the run's own training text with the run's loss; `recipe` changes those
+    PruneOptions for recovery only (e.g. {"loss": "kd", "train_data": "mix", "self_tokens": 65536}),
+    never the held-out documents it is scored on.
 
     Example:
         >>> run_recover("runs/x", steps=100, scope="values")["results"][-1]["perplexity"]
@@ -106,7 +115,11 @@ def run_recover(
 
     run = Path(run_dir)
     plan = TilePlan.load(find_plan(run))
-    changes = {"device": device, "eval_context": eval_context, "threads": threads, "progress": progress}
+    recipe = dict(recipe or {})
+    if {"data", "split_seed", "eval_fraction", "encoding"} & set(recipe):
+        raise ValueError("recover: the recipe may change the training text and loss, not the held-out split "
+                         f"(got {sorted(recipe)}); recovery is scored on the run's own held-out documents")
+    changes = {"device": device, "eval_context": eval_context, "threads": threads, "progress": progress, **recipe}
     opts = recover_options(plan, run, **changes, **({"batch_size": batch_size} if batch_size else {}))
     check_device(opts.device)
     started = time.perf_counter()
@@ -114,7 +127,7 @@ def run_recover(
     job.check_model(bundle, opts)
     job.choose_threads(opts, bundle.model)
     data = job.load_data(bundle, opts, cache_dir=job.cache_dir(opts))  # generated text: the run's cache
-    check_split(plan, job.data_record(data, opts), run / PLAN)
+    check_split(plan, job.data_record(data, opts), run / PLAN, changed=tuple(recipe) + ("self_tokens",) * bool(recipe))
     dense_embed = bundle.embed(bundle.model, data["eval"]) if bundle.kind == "encoder" else None
     scores = {"dense": job.evaluate(bundle, bundle.model, data, opts, dense_embed)}
     hardened = plan.apply(bundle.reload())
@@ -127,7 +140,7 @@ def run_recover(
                                steps=steps, lr=lr, scope=scope, method=method, calib=calib, schedule=schedule,
                                progress=progress)
     recovered.meta["command"] = command or ""
-    recovered.meta["recovery"]["from"] = str(run / PLAN)
+    recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe}
     recovered.save(run / RECOVERED)
     scores["recovered"] = job.evaluate(bundle, recovered.apply(model), data, opts, dense_embed)
     result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started,
