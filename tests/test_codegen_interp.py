@@ -123,11 +123,6 @@ def test_half_precision_inputs(dtype, m):
     packed = pack(layer)
     x = torch.randn(m, 72).to(dtype)
     ref = reference_tile_linear(x, layer)
-    if dtype == torch.bfloat16 and m > 4:
-        # Triton's interpreter multiplies bf16 tl.dot operands as their raw uint16 bits
-        # (interpreter.create_dot converts only fp8): only the multiply-and-sum path runs bf16 here;
-        # the tl.dot path in bf16 is covered by the GPU tests.
-        pytest.skip("bf16 tl.dot is wrong in the Triton interpreter (raw uint16 matmul)")
     for kernel in ("decode", "prefill") if m > 4 else ("decode",):
         y = tile_linear(x, packed, config=KernelConfig(kernel=kernel, split_k=2))
         _check(y, ref, dtype)

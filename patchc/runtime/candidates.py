@@ -88,6 +88,9 @@ def candidate_space(arch: str) -> CandidateSpace:
     return SPACES[arch]
 
 
+SMALL_M_STAGES = (1, 2)  # decode_gemv: its only pipelined loads are the dense blocks of its tl.dot
+
+
 def _pow2_ceil(v: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, v))))
 
@@ -100,7 +103,8 @@ def smem_estimate(cfg: KernelConfig, dtype: torch.dtype) -> int:
         131072
     """
     elem = torch.empty((), dtype=dtype).element_size()
-    x_tile = cfg.block_m * cfg.block_k if cfg.block_m >= 16 else 0  # multiply-and-sum keeps x in registers
+    # decode_gemv (block_m < 16) pads its dense tl.dot to 16 tokens; its 2:4 gathers keep x in registers
+    x_tile = max(16, cfg.block_m) * cfg.block_k
     return cfg.num_stages * (x_tile + cfg.block_n * cfg.block_k) * elem
 
 
@@ -166,8 +170,8 @@ def candidates(
     blocks = (block,) if block is not None else space.blocks
     if regime == "decode":
         dot_bms = tuple(b for b in space.decode_block_m if b <= max(16, _pow2_ceil(m)))
-        # M <= 4: multiply-and-sum wastes no tensor-core lanes on padding tokens, but its loads are not
-        # pipelined (cp.async needs a tl.dot); the padded tl.dot kernel stays a candidate and timing decides
+        # M <= 4: decode_gemv (2:4 blocks gather x, no expansion; dense blocks on a 16-token tl.dot, unpipelined
+        # by default: 2 barriers per iteration); the padded tl.dot kernel stays a candidate and timing decides
         bms = (_pow2_ceil(m), *dot_bms[:1]) if m <= ARCH_TABLE[arch].small_m else dot_bms
         sks, warps, stages = space.decode_split_k, space.decode_warps, space.decode_stages
     else:
@@ -178,7 +182,7 @@ def candidates(
         for bm in bms:
             for sk in sks:
                 for nw in warps:
-                    for ns in stages:
+                    for ns in (SMALL_M_STAGES if regime == "decode" and bm < 16 else stages):
                         cfg = KernelConfig(regime, bm, bn, bk, sk, nw, ns, space.group_m)
                         if prune_reason(cfg, shape, tile, dtype, space, smem_limit, m) is None:
                             out.append(cfg)
