@@ -56,7 +56,7 @@ class RecoverConfig:
     """
 
     steps: int = 300
-    lr: float = 1e-4
+    lr: float = 3e-4
     scope: str = "all"
     method: str = "adam"
     schedule: str = "cosine"
@@ -110,7 +110,7 @@ def recover(
     batches: Callable[[int], Any] | Sequence | None = None,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     steps: int = 300,
-    lr: float = 1e-4,
+    lr: float = 3e-4,
     *,
     scope: str = "all",
     method: str = "adam",
