@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import Shard
 
 import patchc
-from patchc.job.distributed import rank_slice
-from patchc.job.fsdp import ShardedCheckpointIO, full_state_dict, gather_program, shard_program, state_bytes
+from patchc.job.distributed import prepare_training, rank_slice
+from patchc.job.fsdp import ShardedCheckpointIO, full_state_dict, shard_program, state_bytes
 from patchc.masking.train import make_optimizer
 from patchc.models.outputs import logits_of
 
@@ -75,11 +75,11 @@ def _worker(rank: int, ep, out: Path) -> None:
         placements = {name: getattr(p, "placements", None) for name, p in prog.named_parameters()}
         sizes = [None] * WORLD
         dist.all_gather_object(sizes, state_bytes(prog, optimizer))
-        resumed = shard_program(patchc.transform(ep, _config()))
-        _train(resumed, rank, WORLD, checkpoint=out / "ckpt" / f"step{HALF}", resume=True,
-               checkpoint_io=ShardedCheckpointIO())
+        resumed = patchc.transform(ep, _config())
+        setup = prepare_training(resumed, out / "ckpt" / f"step{HALF}", fsdp=True)  # what `patchc prune --fsdp` does
+        _train(resumed, rank, WORLD, checkpoint=setup.checkpoint, resume=True, checkpoint_io=setup.checkpoint_io)
         states = full_state_dict(prog), full_state_dict(resumed)
-        plan = patchc.harden(gather_program(prog))
+        plan = patchc.harden(setup.finish(prog))
         logits = _eval_logits(prog)
         if rank == 0:
             torch.save({"straight": states[0], "resumed": states[1], "sizes": sizes, "placements": placements,
@@ -137,6 +137,12 @@ def test_fsdp_two_ranks_equal_one_and_resume_sharded(exported, tmp_path):
     for key, value in got["straight"].items():
         assert torch.equal(got["resumed"][key], value), key
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"step{HALF}", f"step{STEPS}"]
+    # DCP reshards on load: one process without FSDP reads the 2-rank checkpoint whole.
+    single = patchc.transform(exported, _config())
+    loaded = ShardedCheckpointIO().load(tmp_path / "ckpt" / f"step{STEPS}", single, make_optimizer(single, LR))
+    assert loaded.step == STEPS and loaded.history == got["history"]
+    for key, value in single.state_dict().items():
+        assert torch.equal(value, got["straight"][key]), key
 
     # (d) The plan hardened from the gathered program is the single-process plan.
     plan = patchc.TilePlan.load(tmp_path / "plan.patch")

@@ -2,7 +2,9 @@
 
 Under `torchrun --nproc_per_node=N -m patchc prune ...` each rank takes its slice of every global
 batch, DDP averages the logits' gradients (gloo on CPU, NCCL on GPU), and rank 0 alone evaluates and
-writes files. Outside torchrun everything here is the identity.
+writes files. With `--fsdp` FSDP2 shards each block's weights and logits over the ranks instead
+(`patchc.job.fsdp`) and every rank writes its part of a sharded checkpoint folder; `prepare_training`
+picks the one or the other. Outside torchrun everything here is the identity.
 
 Example:
     >>> world()
@@ -12,9 +14,12 @@ Example:
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 
 def world() -> tuple[int, int]:
@@ -46,3 +51,52 @@ def say(message: str) -> None:
     """Print on rank 0 only (flushed, so it interleaves correctly with the progress bars)."""
     if world()[0] == 0:
         print(message, flush=True)
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """How this rank trains a program: what its loss calls, where and how it checkpoints.
+
+    `checkpoint` is the path to pass to `train_masks` on this rank (DDP: rank 0 only; FSDP: every rank),
+    `checkpoint_io` its `CheckpointIO` (None: the default single file); `finish(prog)` before hardening.
+    """
+
+    forward_module: nn.Module
+    checkpoint: Path | None
+    checkpoint_io: Any = None
+    fsdp: bool = False
+
+    def finish(self, prog):
+        """The program ready for `patchc.harden` on every rank (FSDP: whole weights and logits gathered)."""
+        if not self.fsdp:
+            return prog
+        from patchc.job.fsdp import gather_program
+
+        return gather_program(prog)
+
+
+def prepare_training(prog, checkpoint: Path | None, fsdp: bool = False) -> TrainSetup:
+    """Wrap `prog` for this process: nothing alone, DDP under torchrun, FSDP2 shards with `fsdp=True`.
+
+    With `fsdp` the checkpoint is a folder (torch.distributed.checkpoint) in one process too, so a run
+    may resume on another number of ranks.
+
+    Example:
+        >>> setup = prepare_training(prog, out / "masks.ckpt", fsdp=True)
+        >>> patchc.train_masks(prog, batches, lambda _p, b: loss_fn(setup.forward_module, b),
+        ...                    checkpoint=setup.checkpoint, checkpoint_io=setup.checkpoint_io)
+        >>> plan = patchc.harden(setup.finish(prog))
+    """
+    rank, size = world()
+    if fsdp:
+        from patchc.job.fsdp import ShardedCheckpointIO, shard_program
+
+        if size > 1:
+            shard_program(prog)
+        return TrainSetup(prog, checkpoint, ShardedCheckpointIO(), fsdp=True)
+    forward_module = prog
+    if size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        forward_module = DistributedDataParallel(prog)
+    return TrainSetup(forward_module, checkpoint if rank == 0 else None)

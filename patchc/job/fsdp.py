@@ -27,6 +27,7 @@ import json
 import operator
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,7 +35,8 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from patchc.masking.param_mask import hybrid_masks
-from patchc.masking.train import CHECKPOINT_FORMAT, CheckpointIO, TrainResult, _config_diff, _config_tag
+from patchc.masking.train import (CHECKPOINT_FORMAT, CheckpointIO, TrainResult, _config_diff, _config_tag,
+                                  optimizer_kind)
 from patchc.passes.insert_masks import MASKS_ATTR
 from patchc.passes.program import MaskedProgram
 from patchc.utils.files import write_bytes_atomic
@@ -258,13 +260,17 @@ def state_bytes(prog: MaskedProgram, optimizer: torch.optim.Optimizer | None = N
     return out
 
 
+def _joined() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _joined():
         dist.barrier()
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _joined() else 0
 
 
 class ShardedCheckpointIO(CheckpointIO):
@@ -273,7 +279,8 @@ class ShardedCheckpointIO(CheckpointIO):
     Each rank writes its shards of the logits and of the Adam state (DCP), rank 0 the history and
     settings (`patchc.json`). A save goes to `<path>.next` and replaces `<path>` only when complete
     (the previous one waits in `<path>.prev` meanwhile), so a crash never leaves half a checkpoint.
-    Pass the same path on every rank.
+    Pass the same path on every rank. DCP reshards on load: a run may resume on another number of
+    ranks, or in one process without FSDP.
 
     Example:
         >>> patchc.train_masks(prog, batches, loss_fn, checkpoint=out / "masks.ckpt", resume=True,
@@ -302,10 +309,11 @@ class ShardedCheckpointIO(CheckpointIO):
             shutil.rmtree(staging, ignore_errors=True)  # a save that died half way
         _barrier()
         model_state, optim_state = get_state_dict(prog, optimizer)
-        dcp.save({"program": model_state, "optimizer": optim_state}, checkpoint_id=str(staging))
+        dcp.save({"program": model_state, "optimizer": optim_state}, checkpoint_id=str(staging), no_dist=not _joined())
         if _rank() == 0:
             meta = {"format": CHECKPOINT_FORMAT, "sharded": SHARDED_VERSION, "config": _config_tag(prog),
-                    "settings": prog.cfg.to_dict(), "history": result.history, "step": result.step}
+                    "settings": prog.cfg.to_dict(), "optimizer_kind": optimizer_kind(optimizer),
+                    "history": result.history, "step": result.step}
             write_bytes_atomic(staging / META, json.dumps(meta).encode())
             if path.exists():
                 shutil.rmtree(previous, ignore_errors=True)
@@ -329,9 +337,14 @@ class ShardedCheckpointIO(CheckpointIO):
             raise ValueError(f"{folder}: not a patchc sharded checkpoint of version {SHARDED_VERSION}")
         if meta["config"] != _config_tag(prog):
             raise ValueError(f"{folder}: checkpoint was made with another PatchConfig: {_config_diff(meta, prog)}")
+        if meta.get("optimizer_kind") != optimizer_kind(optimizer):
+            raise ValueError(f"{folder}: checkpoint was trained with optimizer {meta.get('optimizer_kind')} (now "
+                             f"{optimizer_kind(optimizer)}): resume with the same MaskOptimConfig (memory mode)")
         model_state, optim_state = get_state_dict(prog, optimizer)
         state = {"program": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(folder))
+        with warnings.catch_warnings():  # DCP warns that one process loads alone: intended here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(folder), no_dist=not _joined())
         set_state_dict(prog, optimizer, model_state_dict=state["program"], optim_state_dict=state["optimizer"])
         return TrainResult(history=list(meta["history"]), step=int(meta["step"]))
 
