@@ -4,11 +4,17 @@ For each family: patchc masks exactly the weights it should (every projection an
 embeddings, LM heads and MoE routers stay dense and are listed as skipped), the ones-mask program is the
 original model, `harden` -> `plan.apply` equals the eval-mode program, and `patchc.compile` (CPU reference
 kernels) equals the plan-applied model. Nothing is downloaded.
+
+Speed (the whole suite has a time cap): each family is exported once (`exported`, shared with the tests
+beyond the matrix and tests/test_calibrate_experts.py), and the compiled models run the plain-PyTorch CPU
+path: under TRITON_INTERPRET=1 the interpreted kernels took ~30 s per family; they are checked against the
+reference in tests/test_codegen_interp.py and tests/test_runtime.py.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -126,11 +132,24 @@ def expected_layers(model: nn.Module, cfg: PatchConfig) -> tuple[set[str], set[s
     return names, routers
 
 
+@functools.lru_cache(maxsize=None)
+def exported(name: str) -> tuple[Case, torch.export.ExportedProgram]:
+    """The family's Case and its exported program, built once per test session (transform never changes
+    either: it works on its own copy of `ep.module()` over the same, frozen, weights)."""
+    case = Case(name)
+    return case, case.export()
+
+
+@pytest.fixture(autouse=True)
+def reference_on_cpu(monkeypatch):
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
-    case = Case(request.param)
+    case, ep = exported(request.param)
     cfg = PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5)  # wide init: a plan with dense and 2:4 tiles
-    prog = patchc.transform(case.export(), cfg)
+    prog = patchc.transform(ep, cfg)
     return case, cfg, prog
 
 
@@ -176,8 +195,8 @@ def test_plan_apply_equals_eval_program_and_runtime_equals_plan(family):
 def test_expert_plan_names_slices_and_apply_writes_only_that_expert():
     from patchc.ir.targets import resolve
 
-    case = Case("mixtral")
-    prog = patchc.transform(case.export(), PatchConfig(tile=TILE, init_std=0.5))
+    case, ep = exported("mixtral")
+    prog = patchc.transform(ep, PatchConfig(tile=TILE, init_std=0.5))
     plan = patchc.harden(prog)
     name = "model.layers.0.mlp.experts.down_proj.2"
     assert plan.layers[name].shape == (HIDDEN, 64)  # (out, in) of one expert, stored (E, N, K)
@@ -195,8 +214,8 @@ def test_expert_plan_names_slices_and_apply_writes_only_that_expert():
 
 
 def test_conv1d_is_masked_as_its_transpose_and_the_fingerprint_check_reads_it():
-    case = Case("gpt2")
-    prog = patchc.transform(case.export(), PatchConfig(tile=TILE, init_std=0.5))
+    case, ep = exported("gpt2")
+    prog = patchc.transform(ep, PatchConfig(tile=TILE, init_std=0.5))
     plan = patchc.harden(prog)
     fc = "transformer.h.0.mlp.c_fc.weight"
     assert case.model.get_parameter(fc).shape == (HIDDEN, 4 * HIDDEN)  # Conv1D stores (in, out)
@@ -216,8 +235,8 @@ def test_router_exclusion_can_be_overridden_and_is_explained():
 
 
 def test_transform_twice_is_a_clear_error():
-    case = Case("llama")
-    prog = patchc.transform(case.export(), PatchConfig(tile=TILE))
+    _, ep = exported("llama")
+    prog = patchc.transform(ep, PatchConfig(tile=TILE))
     with pytest.raises(ValueError, match="already transformed"):
         patchc.transform(prog, PatchConfig(tile=TILE))
     with pytest.raises(ValueError, match="already transformed"):
@@ -225,8 +244,8 @@ def test_transform_twice_is_a_clear_error():
 
 
 def test_readme_loop_lm_loss_on_an_hf_export():
-    case = Case("qwen2_moe")
-    prog = patchc.transform(case.export(), PatchConfig(tile=TILE, steps=3))
+    _, ep = exported("qwen2_moe")
+    prog = patchc.transform(ep, PatchConfig(tile=TILE, steps=3))
     assert prog.call_kwargs == {"use_cache": False}
     opt = torch.optim.Adam(prog.mask_parameters(), lr=1e-2)
     ids = torch.randint(3, VOCAB, (2, 9))
@@ -243,8 +262,8 @@ def test_readme_loop_lm_loss_on_an_hf_export():
 
 
 def test_exact_budget_hits_the_target_and_moves_only_tiles_at_the_cut():
-    case = Case("llama")
-    prog = patchc.transform(case.export(), PatchConfig(tile=TILE, sparsity=0.45, init_std=0.5))
+    _, ep = exported("llama")
+    prog = patchc.transform(ep, PatchConfig(tile=TILE, sparsity=0.45, init_std=0.5))
     signs, exact = patchc.harden(prog), patchc.harden(prog, exact_budget=True)
     total = sum(lp.numel for lp in exact.layers.values())
     assert abs(exact.density - 0.55) <= 0.5 * TILE[0] * TILE[1] / total + 1e-12
@@ -259,8 +278,8 @@ def test_exact_budget_hits_the_target_and_moves_only_tiles_at_the_cut():
 
 
 def test_calibrating_the_program_sees_each_expert_on_its_own_tokens():
-    case = Case("olmoe")
-    prog = patchc.transform(case.export(), PatchConfig(tile=TILE))
+    case, ep = exported("olmoe")
+    prog = patchc.transform(ep, PatchConfig(tile=TILE))
     seen: dict[str, int] = {}
     with prog.observe_inputs(lambda fqn, x: seen.__setitem__(fqn, seen.get(fqn, 0) + x.shape[0])):
         case.run(prog)
@@ -269,26 +288,4 @@ def test_calibrating_the_program_sees_each_expert_on_its_own_tokens():
     assert sum(seen.get(n, 0) for n in experts) == tokens  # every routed token once, split by expert
 
 
-def test_prune_command_on_a_moe_directory(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from patchc.job.cli import main
-
-    model = _build("qwen2_moe")
-    model.save_pretrained(tmp_path / "moe")
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(100)]
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
-                                         unk_token="<unk>").save_pretrained(tmp_path / "moe")
-    gen = torch.Generator().manual_seed(0)
-    docs = [" ".join(f"w{int(i)}" for i in torch.randint(0, 100, (120,), generator=gen)) for _ in range(12)]
-    (tmp_path / "t.txt").write_text("\n\n".join(docs))
-    args = ["prune", "--model", str(tmp_path / "moe"), "--data", str(tmp_path / "t.txt"), "--tile", "16", "16",
-            "--steps", "2", "--batch-size", "2", "--calib-blocks", "2", "--eval-context", "32", "--block-len", "32", "--no-baselines",
-            "--no-progress", "--out", str(tmp_path / "run")]
-    with pytest.warns(UserWarning, match="magnitude prior"):
-        assert main(args) == 0
-    plan = patchc.TilePlan.load(tmp_path / "run" / "plan.patch")
-    assert "model.layers.0.mlp.experts.gate_up_proj.3" in plan.layers
-    assert "router" in plan.skipped["model.layers.0.mlp.gate.weight"]
+# `patchc prune` on a MoE directory (with baselines): tests/test_calibrate_experts.py

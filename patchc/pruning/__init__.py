@@ -1,7 +1,8 @@
 """One-shot pruning: magnitude, Wanda and SparseGPT, as baselines and as priors for learned masks.
 
     calib = patchc.calibrate(model, batches)          # per-layer input statistics
-    masks = patchc.oneshot(model, "sparsegpt", "2:4", calib=calib)   # {weight FQN: bool (N, K)}
+    masks = patchc.oneshot(model, "sparsegpt", "2:4", calib=calib)   # {plan layer name: bool (N, K)}
+    apply_masks(model, masks)                          # the one-shot baseline (expert slices, Conv1D too)
     plan  = patchc.TilePlan.from_masks(model, masks, tile=(16, 16))
 
 Patterns:
@@ -14,6 +15,7 @@ Patterns:
 Beside the pipeline: the transform takes its priors from here, and the job its baselines.
 
     calibrate.py    input statistics per layer (Wanda norms, SparseGPT Hessians), observers for masked programs
+    observe.py      a plain model's layers under plan names (Linear, Conv1D, fused experts) and their observers
     magnitude.py, wanda.py, sparsegpt.py    the methods' scores / OBS updates
     patterns.py     masks from scores: 2:4, unstructured, tiles
     priors.py       initial logits from one-shot masks (2:4 pattern scores, dense-tile choice)
@@ -30,6 +32,7 @@ import torch
 
 from patchc.pruning.calibrate import Calibration, InputStats, calibrate, default_layers
 from patchc.pruning.magnitude import magnitude_scores
+from patchc.pruning.observe import layer_matrix
 from patchc.pruning.patterns import check_sparsity, check_tile, mask_24, mask_unstructured, merge_tiles
 from patchc.pruning.priors import dense_tiles
 from patchc.pruning.sparsegpt import sparsegpt
@@ -144,7 +147,30 @@ def prune_weight(
 def _weight_of(model: Any, fqn: str) -> torch.Tensor:
     if hasattr(model, "observe_inputs") and hasattr(model, "weight"):
         return model.weight(fqn)  # a MaskedProgram: weights live in its graph module
-    return model.get_parameter(fqn)
+    return layer_matrix(model, fqn)  # (N, K): a Conv1D weight's transpose, an expert's slice (views)
+
+
+def apply_masks(model: torch.nn.Module, masks: Mapping[str, torch.Tensor],
+                recorded: Mapping[str, Mapping] | None = None) -> torch.nn.Module:
+    """Zero the weights `masks` drops ({plan layer name: bool (N, K)}, True = kept), in place; returns `model`.
+
+    Names are plan layer names (`patchc.ir.targets`): a Conv1D weight is masked as its transpose, and
+    "<param>.<e>" masks expert e's slice of a fused 3-D weight only. `recorded`: a plan's
+    `meta["targets"]`, for layers the model alone cannot place.
+
+    Example:
+        >>> masks = patchc.oneshot(model, "wanda", "2:4", calib=calib)
+        >>> apply_masks(model, masks)          # the one-shot baseline
+    """
+    from patchc.ir import targets
+
+    with torch.no_grad():
+        for name, mask in masks.items():
+            view = targets.read(model, targets.resolve(model, name, recorded))
+            if tuple(mask.shape) != tuple(view.shape):
+                raise ValueError(f"apply_masks: layer {name}: mask {tuple(mask.shape)} != (N, K) {tuple(view.shape)}")
+            view.mul_(mask.to(device=view.device, dtype=view.dtype))
+    return model
 
 
 def oneshot(
@@ -160,10 +186,11 @@ def oneshot(
     percdamp: float = 0.01,
     progress: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """One-shot masks for a model's layers: {weight FQN: bool (N, K), True = kept}.
+    """One-shot masks for a model's layers: {plan layer name: bool (N, K), True = kept}.
 
     Args:
-        model: an nn.Module (default layers: every nn.Linear weight not matched by DEFAULT_EXCLUDE)
+        model: an nn.Module (default layers: those `patchc.transform` masks, as `calibrate`'s
+            `default_layers`: nn.Linear, Conv1D as its (N, K) transpose, "<param>.<e>" per fused expert)
             or a `MaskedProgram` (default: its masked layers).
         method: "magnitude" | "wanda" | "sparsegpt" (the last two need `calib`).
         pattern: "2:4" | "unstructured" (with sparsity=) | "tiles" (with sparsity= and tile=).
@@ -217,6 +244,7 @@ def oneshot(
 
 
 __all__ = [
+    "apply_masks",
     "oneshot",
     "prune_weight",
     "calibrate",

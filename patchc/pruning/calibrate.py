@@ -19,15 +19,14 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from patchc.config import DEFAULT_EXCLUDE
+from patchc.pruning.observe import known_layers, observing_plain, plain_layers
 
 
 class InputStats:
@@ -142,30 +141,16 @@ class Calibration(Mapping):
 
 
 def default_layers(model: Any, exclude: Sequence[str] = DEFAULT_EXCLUDE) -> dict[str, int]:
-    """FQN -> in_features of the layers masked by default.
+    """Plan layer name -> in_features of the layers masked by default.
 
-    For an object with `observe_inputs` (a MaskedProgram): its masked layers. For a plain module:
-    every nn.Linear weight whose FQN matches none of the `exclude` globs and that no nn.Embedding
-    also reads (a tied LM head), as `patchc.transform` selects them.
+    For an object with `observe_inputs` (a MaskedProgram): its masked layers. For a plain module: the
+    layers `patchc.transform` masks, under the same names (`patchc.pruning.observe`): every nn.Linear
+    and GPT-2 Conv1D weight whose FQN matches none of the `exclude` globs and that no nn.Embedding also
+    reads (a tied LM head), and one "<param>.<e>" per expert of each fused 3-D expert weight.
     """
     if hasattr(model, "observe_inputs") and hasattr(model, "layers"):
         return {fqn: int(model.weight(fqn).shape[-1]) for fqn in model.layers}
-    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    out: dict[str, int] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, nn.Linear) and id(module.weight) not in embedded:
-            fqn = f"{name}.weight" if name else "weight"
-            if not any(fnmatch.fnmatchcase(fqn, g) for g in exclude):
-                out[fqn] = module.in_features
-    return out
-
-
-def _all_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    return {
-        (f"{name}.weight" if name else "weight"): m
-        for name, m in model.named_modules(remove_duplicate=False)
-        if isinstance(m, nn.Linear)
-    }
+    return plain_layers(model, exclude)
 
 
 def _select_layers(model: Any, layers: Iterable[str] | None) -> dict[str, int]:
@@ -175,7 +160,7 @@ def _select_layers(model: Any, layers: Iterable[str] | None) -> dict[str, int]:
     if hasattr(model, "observe_inputs") and hasattr(model, "layers"):
         known = {fqn: int(model.weight(fqn).shape[-1]) for fqn in model.layers}
     else:
-        known = {fqn: m.in_features for fqn, m in _all_linears(model).items()}
+        known = known_layers(model)
     unknown = [f for f in layers if f not in known]
     if unknown:
         raise ValueError(
@@ -232,31 +217,22 @@ class _Collector:
 
 
 @contextlib.contextmanager
-def _observing(model: Any, callback: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
+def _observing(model: Any, callback: Callable[[str, torch.Tensor], None], names: set[str]) -> Iterator[None]:
     if hasattr(model, "observe_inputs"):
         # Calibrate the dense model: masks are off while observing, whatever their current state.
         mode = model.mask_mode("ones") if hasattr(model, "mask_mode") else contextlib.nullcontext()
         with model.observe_inputs(callback), mode:
             yield
         return
-    handles = []
-    for fqn, module in _all_linears(model).items():
-        def hook(mod, args, kwargs, _fqn=fqn):
-            callback(_fqn, args[0] if args else kwargs["input"])
-
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
+    with observing_plain(model, names, callback):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _discover_groups(model: Any, batch: Any, sizes: dict[str, int]) -> list[list[str]]:
     """Which selected layers share an input tensor (one cheap statistics-free forward)."""
     stats: dict[str, InputStats] = {}
     collector = _Collector(stats, set(sizes), sizes, hessian=False)
-    with _observing(model, collector), torch.no_grad():
+    with _observing(model, collector, set(sizes)), torch.no_grad():
         _run(model, batch)
     calib = Calibration(stats)
     groups = calib.groups()
@@ -297,11 +273,12 @@ def calibrate(
     """Run `model` on `batches` and record input statistics of the masked layers.
 
     Args:
-        model: a plain nn.Module (forward pre-hooks on its nn.Linear modules; FQN "<module>.weight")
+        model: a plain nn.Module (its nn.Linear / Conv1D inputs through forward pre-hooks, FQN
+            "<module>.weight"; each fused expert's routed tokens, "<param>.<e>": `patchc.pruning.observe`)
             or an object with `observe_inputs(callback)` (a `patchc.MaskedProgram`; masks are off).
         batches: model inputs: a tensor (model(batch)), a tuple (model(*batch)) or a dict (model(**batch)).
-        layers: weight FQNs to record (default: every Linear weight not matched by DEFAULT_EXCLUDE,
-            or the program's masked layers).
+        layers: plan layer names to record (default: the layers `patchc.transform` masks, as
+            `default_layers`; or the program's masked layers).
         hessian: record the K x K Hessians (SparseGPT); False records only channel norms (Wanda).
         max_hessian_bytes: bound on the float32 Hessians held at once; above it the batches are
             run several times, each pass recording a subset of the layers.
@@ -315,7 +292,7 @@ def calibrate(
     """
     sizes = _select_layers(model, layers)
     if not sizes:
-        raise ValueError("calibrate: no layers selected (the model has no maskable nn.Linear)")
+        raise ValueError("calibrate: no layers selected (the model has no maskable nn.Linear, Conv1D or fused experts)")
     if isinstance(batches, torch.Tensor):
         raise TypeError(
             "calibrate takes an iterable of batches, not one tensor: e.g. list(ids.split(8)) for (n, T) ids"
@@ -337,7 +314,7 @@ def calibrate(
         for i, active in enumerate(passes):
             collector = _Collector(stats, set(active), sizes, hessian)
             desc = "calibrate" if len(passes) == 1 else f"calibrate pass {i + 1}/{len(passes)}"
-            with _observing(model, collector), torch.no_grad():
+            with _observing(model, collector, set(active)), torch.no_grad():
                 for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
                     _run(model, batch)
                     collector.end_batch()
