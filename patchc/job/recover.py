@@ -10,9 +10,13 @@ recovered plan keeps the dense model's fingerprints, so `patchc eval RUN/plan-re
 `plan.apply(dense)` work on it as on plan.patch, which is never touched.
 
 Example:
-    >>> result = run_recover("runs/stories260K", steps=300, lr=3e-4)
+    >>> result = run_recover("runs/stories260K", steps=300, lr=1e-3)
     >>> [(r["name"], round(r["perplexity"], 2)) for r in result["results"]]
-    [('dense', 5.26), ('hardened', 10.22), ('recovered', ...)]
+    [('dense', 5.26), ('hardened', 10.22), ('recovered', 6.75)]
+
+Measured (stories260K, 35%, recovery with KD on real + generated text, 300 steps, lr 1e-3): held-out
+perplexity 10.22 -> 6.75 (1.94x -> 1.28x dense). LM loss on the ~11K real tokens alone overfits
+(lr 1e-3: 11.49), and the one-shot SparseGPT update made it worse (11.50): use KD where the run allows.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def check_split(plan: Any, rebuilt: dict, where: Path, changed: tuple[str, ...] 
 def run_recover(
     run_dir: str | os.PathLike,
     steps: int = 300,
-    lr: float = 3e-4,
+    lr: float = 1e-3,
     scope: str = "all",
     *,
     method: str = "adam",
