@@ -43,6 +43,34 @@ def test_plain_calibration_equals_the_programs_and_oneshot_covers_the_plan(name)
             assert bool((mask.reshape(mask.shape[0], -1, 4).sum(-1) == 2).all()), (method, layer)
 
 
+def test_transform_falls_back_to_magnitude_for_layers_the_calibration_missed():
+    case, ep = exported("mixtral")
+    from patchc.pruning.calibrate import default_layers
+
+    linears = [n for n in default_layers(case.model) if ".experts." not in n]
+    calib = patchc.calibrate(case.model, [case.ids], layers=linears, progress=False)
+    with pytest.warns(UserWarning, match=r"8 expert / Conv1D layer\(s\).*magnitude prior"):
+        prog = patchc.transform(ep, PatchConfig(tile=TILE, prior="wanda"), calib=calib)
+    assert len(prog.layers) == len(linears) + 8
+
+
+def test_the_eager_experts_loop_is_observed_like_grouped_mm(monkeypatch):
+    case, _ = exported("mixtral")
+    grouped = patchc.calibrate(case.model, [case.ids], progress=False)
+    eager = copy.deepcopy(case.model)
+    eager.config._experts_implementation = "eager"  # F.linear on each expert's slice, one expert at a time
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the eager experts path must not call torch._grouped_mm")
+
+    monkeypatch.setattr(torch, "_grouped_mm", refuse)
+    looped = patchc.calibrate(eager, [case.ids], progress=False)
+    assert set(looped) == set(grouped)
+    for layer in grouped:
+        assert looped[layer].n_samples == grouped[layer].n_samples, layer
+        torch.testing.assert_close(looped[layer].hessian, grouped[layer].hessian, atol=1e-5, rtol=1e-4)
+
+
 def test_apply_masks_writes_expert_slices_and_conv1d_transposes():
     from patchc.pruning import apply_masks
 

@@ -117,8 +117,9 @@ def build_masks(
         masks[site.fqn] = hybrids[0] if plain else ParamMask(site.fqn, hybrids, site.experts is not None, site.transposed)
     if fallback:
         warnings.warn(f"patchc.transform: no calibration statistics for {len(fallback)} expert / Conv1D layer(s) "
-                      f"(calibrating a plain model hooks nn.Linear only; patchc.calibrate(prog, ...) covers them): "
-                      f"they start from the magnitude prior instead of {cfg.prior!r}: {fallback[:4]}...", stacklevel=3)
+                      f"(calibrate this model, or the program, with their plan names: patchc.calibrate(model, batches) "
+                      f"covers them): they start from the magnitude prior instead of {cfg.prior!r}: {fallback[:4]}...",
+                      stacklevel=3)
     return masks
 
 
