@@ -15,7 +15,8 @@ from tests.conftest import TINYSTORIES, needs_shared
 
 pytestmark = needs_shared
 
-QUICK = ["--steps", "6", "--batch-size", "4", "--calib-blocks", "4", "--no-progress", "--self-tokens", "516"]
+QUICK = ["--steps", "6", "--batch-size", "4", "--calib-blocks", "4", "--no-progress", "--self-tokens", "516",
+         "--eval-tokens", "256"]
 
 
 @pytest.fixture(autouse=True)

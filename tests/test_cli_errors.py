@@ -16,7 +16,7 @@ from patchc.job.data import load_documents
 from tests.conftest import STORIES, TINYSTORIES, needs_shared
 
 QUICK = ["--steps", "2", "--batch-size", "2", "--calib-blocks", "2", "--no-progress", "--no-baselines",
-         "--train-data", "real"]
+         "--train-data", "real", "--eval-data"]
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,7 @@ from patchc.job.cli import main
 from tests.conftest import STORIES, TINYSTORIES, needs_shared
 
 QUICK = ["--steps", "6", "--batch-size", "4", "--calib-blocks", "4", "--no-progress", "--no-baselines",
-         "--prior", "magnitude", "--self-tokens", "258"]
+         "--prior", "magnitude", "--self-tokens", "258", "--eval-data"]
 
 
 @pytest.fixture(autouse=True)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from patchc.job.corpus import load_data
-from patchc.job.data import split_files, tokenize_documents
+from patchc.job.data import split_files
 from patchc.job.losses import LossSpec, kd_loss, make_lm_loss
 from patchc.job.options import DEFAULT_DATA, PruneOptions
 from patchc.job.selfdata import SelfDataSpec, generate_blocks, prompts_from, sample_next, self_generated_blocks

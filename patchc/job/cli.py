@@ -86,9 +86,16 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
                    help="task loss of causal LMs: next-token cross-entropy, KL to the dense model's "
                         "next-token distribution (distillation), or their sum")
     p.add_argument("--kd-temperature", type=float, default=d.kd_temperature, help="distillation temperature")
-    p.add_argument("--eval-data", nargs="+", default=list(d.eval_data), metavar="FILE",
-                   help="more real text files, each scored whole (no split): generalisation beyond --data")
+    p.add_argument("--eval-data", nargs="*", default=list(d.eval_data), metavar="FILE",
+                   help="more real text files, each scored whole (no split): generalisation beyond --data "
+                        "(give the flag alone for none)")
     p.add_argument("--eval-tokens", type=int, default=d.eval_tokens, help="tokens scored per --eval-data file")
+    p.add_argument("--recover", type=int, default=d.recover, metavar="STEPS",
+                   help="then fine-tune the kept weights this many steps with the masks fixed (0: no); writes "
+                        "plan-recovered.patch and scores it beside the masks-only plan")
+    p.add_argument("--recover-lr", type=float, default=d.recover_lr, help="Adam learning rate of --recover")
+    p.add_argument("--recover-scope", choices=("all", "values"), default=d.recover_scope,
+                   help="what --recover trains: every kept weight, or only the 2:4 tiles' values")
     p.add_argument("--no-baselines", dest="baselines", action="store_false",
                    help="skip the one-shot 2:4 and learned 2:4 baselines")
     p.add_argument("--seed", type=int, default=d.seed, help="mask init, Gumbel noise and batch order")
@@ -120,6 +127,7 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
         train_data=args.train_data, self_tokens=args.self_tokens, self_temperature=args.self_temperature,
         self_top_p=args.self_top_p, loss=args.loss, kd_temperature=args.kd_temperature,
         eval_data=tuple(args.eval_data), eval_tokens=args.eval_tokens, split_seed=args.split_seed,
+        recover=args.recover, recover_lr=args.recover_lr, recover_scope=args.recover_scope,
         baselines=args.baselines, seed=args.seed, device=args.device, dtype=args.dtype, threads=args.threads,
         resume=args.resume, overwrite=args.overwrite, encoding=args.encoding, bos=args.bos, progress=args.progress,
     )
@@ -161,6 +169,18 @@ def format_metrics(metrics: dict) -> str:
     flat = {k: v for k, v in metrics.items() if k != "extra" and v is not None}
     flat.update(metrics.get("extra") or {})
     return "  ".join(f"{k} {v:.4f}" for k, v in flat.items())
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    from patchc.job.recover import format_recover, run_recover
+
+    recipe = {k: v for k, v in (("loss", args.loss), ("train_data", args.train_data)) if v}
+    result = run_recover(args.run, steps=args.steps, lr=args.lr, scope=args.scope, method=args.method,
+                         batch_size=args.batch_size, eval_context=args.eval_context, device=args.device,
+                         threads=args.threads, progress=args.progress, recipe=recipe,
+                         command=" ".join(["patchc", *map(shlex.quote, sys.argv[1:])]))
+    print(format_recover(result))
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -254,6 +274,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-overlap", action="store_true", help="score even on documents the plan was trained on")
     p.add_argument("--force", action="store_true", help="apply the plan even if the model's weights are not its source")
     p.set_defaults(handler=cmd_eval)
+
+    p = command("recover", "fine-tune the weights a run's plan keeps (masks fixed); writes RUN/plan-recovered.patch "
+                           "and RUN/recover.json")
+    p.add_argument("run", help="run folder of a finished `patchc prune` (holds plan.patch and run.json)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate of the weights")
+    p.add_argument("--scope", choices=("all", "values"), default="all",
+                   help="train every kept weight, or only the 2:4 tiles' values (dense tiles frozen)")
+    p.add_argument("--method", choices=("adam", "sparsegpt"), default="adam",
+                   help="Adam fine-tuning, or one SparseGPT OBS update per layer")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the run's")
+    p.add_argument("--loss", choices=("lm", "kd", "lm+kd"), default=None, help="default: the run's")
+    p.add_argument("--train-data", choices=("real", "self", "mix"), default=None, help="default: the run's")
+    p.add_argument("--eval-context", type=int, default=256, help="perplexity window")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: automatic)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.set_defaults(handler=cmd_recover)
 
     p = command("export", "write a run's pruned model as an HF-style folder (planned weights compressed)")
     p.add_argument("run", help="run folder of `patchc prune` (holds plan.patch and report.json)")

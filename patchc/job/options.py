@@ -24,6 +24,9 @@ from patchc.models.shared import SHARED_DIR
 
 DEFAULT_MODEL = str(SHARED_DIR / "models" / "stories260K" / "stories260K.bin")
 DEFAULT_DATA = (str(SHARED_DIR / "data" / "tinystories_sample.txt"),)
+# A second real text, scored whole: out of the default model's domain, so it shows what pruning costs
+# beyond the text the masks were fitted to (the standard WikiText-2 test split).
+DEFAULT_EVAL_DATA = (str(SHARED_DIR / "data" / "wikitext2_raw_test.txt"),)
 ONESHOT_METHODS = ("magnitude", "wanda", "sparsegpt")
 TRAIN_DATA = ("real", "self", "mix")
 _PAPER = PatchConfig()
@@ -72,8 +75,11 @@ class PruneOptions:
     self_top_p: float = 0.95
     loss: str = "kd"  # "lm", "kd" (distil the dense model's next-token distribution), "lm+kd"
     kd_temperature: float = 1.0
-    eval_data: tuple[str, ...] = ()  # more real text, scored whole: generalisation beyond --data's domain
-    eval_tokens: int = 32768  # cap per --eval-data file
+    eval_data: tuple[str, ...] = DEFAULT_EVAL_DATA  # more real text, scored whole: beyond --data's domain
+    eval_tokens: int = 16384  # cap per --eval-data file
+    recover: int = 0  # steps of weight recovery after hardening (masks fixed), 0 = none
+    recover_lr: float = 1e-3
+    recover_scope: str = "all"  # "all" kept weights, or "values" (2:4 tiles' values only)
     baselines: bool = True
     seed: int = 0  # mask init, Gumbel noise and batch order
     split_seed: int = 0  # which documents are held out (and the self-generated text): fixed across --seed
@@ -104,6 +110,11 @@ class PruneOptions:
                              f"{os.cpu_count()} cores), got {self.threads}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if self.recover < 0 or not (math.isfinite(self.recover_lr) and self.recover_lr > 0):
+            raise ValueError(f"--recover must be >= 0 steps and --recover-lr positive, got {self.recover} and "
+                             f"{self.recover_lr}")
+        if self.recover_scope not in ("all", "values"):
+            raise ValueError(f"--recover-scope must be all or values, got {self.recover_scope!r}")
         for name in ("seed", "split_seed"):
             if not 0 <= getattr(self, name) < 2**63:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 2**63), got {getattr(self, name)}")

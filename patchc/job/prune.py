@@ -266,6 +266,9 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
         pruned = plan.apply(bundle.reload())
         with timed(timings, "evaluate"):
             results.append(row(f"PATCH {opts.variant}", "patch", "hybrid", plan.sparsity, evaluate(bundle, pruned, data, opts, dense_embed), trained.seconds))
+        del pruned
+        if opts.recover:
+            recovered = recover_row(bundle, plan, data, opts, results, timings, dense_embed)
 
     if opts.baselines:
         if rank == 0:
@@ -280,6 +283,8 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
         if rank == 0:
             model = nm_plan.apply(bundle.reload())
             results.append(row("learned 2:4 (nm)", "patch-nm", "2:4", nm_plan.sparsity, evaluate(bundle, model, data, opts, dense_embed), nm_trained.seconds))
+            if opts.recover:  # the baseline gets the same recovery as PATCH
+                recover_row(bundle, nm_plan, data, opts, results, timings, dense_embed)
 
     if rank != 0:
         dist.barrier()
@@ -291,6 +296,7 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
         "kind": bundle.kind,
         "data": data_summary(bundle, data, opts),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_dict().items()},
+        "recover": {"steps": opts.recover, "lr": opts.recover_lr, "scope": opts.recover_scope} if opts.recover else None,
         "train": {"steps": opts.steps, "schedule_steps": cfg.steps, "batch_size": opts.batch_size, "lr": opts.lr,
                   "loss": opts.loss if bundle.kind == "causal" else "distil embeddings", "kd_temperature": opts.kd_temperature,
                   "seed": opts.seed,
@@ -310,13 +316,34 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
     }
     with timed(timings, "write"):
         plan.save(out / "plan.patch")
+        if opts.recover:
+            recovered.save(out / "plan-recovered.patch")
         pictures = plot_plan(plan, out, title=f"{bundle.name}: PATCH {opts.variant} at {plan.sparsity:.1%} sparsity")
-    report["files"] = {"plan": str(out / "plan.patch"), **{p.stem: str(p) for p in pictures},
+    recovered_file = {"plan_recovered": str(out / "plan-recovered.patch")} if opts.recover else {}
+    report["files"] = {"plan": str(out / "plan.patch"), **recovered_file, **{p.stem: str(p) for p in pictures},
                        "report_json": str(out / "report.json"), "report_md": str(out / "report.md")}
     write_report(report, out)  # last, outside the timings, so the files hold every number the dict does
     if size > 1:
         dist.barrier()
     return report
+
+
+def recover_row(bundle, plan, data: dict, opts: PruneOptions, results: list[dict], timings: dict[str, float],
+                dense_embed=None):
+    """Fine-tune the kept weights of `plan` (masks fixed, same text and loss as mask training), score the
+    result as one more row named after the last one; returns the recovered plan."""
+    with timed(timings, "recover"):
+        start = time.perf_counter()
+        recovered = patchc.recover(plan, bundle.reload(), global_batches(bundle, data, opts),
+                                   make_loss(bundle, bundle.model, opts), steps=opts.recover, lr=opts.recover_lr,
+                                   scope=opts.recover_scope, progress=opts.progress)
+        seconds = time.perf_counter() - start
+    last = results[-1]
+    with timed(timings, "evaluate"):
+        metrics = evaluate(bundle, recovered.apply(bundle.reload()), data, opts, dense_embed)
+    results.append(row(f"{last['name']} + recovery", f"{last['method']}+recover", last["pattern"], recovered.sparsity,
+                       metrics, seconds))
+    return recovered
 
 
 def row(name: str, method: str, pattern: str, sparsity: float, metrics: dict, seconds: float | None = None) -> dict:
