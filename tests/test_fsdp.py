@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 from torch.distributed.tensor import Shard
 
 import patchc
 from patchc.job.distributed import prepare_training, rank_slice
-from patchc.job.fsdp import ShardedCheckpointIO, full_state_dict, shard_program, state_bytes
+from patchc.job.fsdp import ShardedCheckpointIO, full_state_dict, group_blocks, shard_program, state_bytes
 from patchc.masking.train import make_optimizer
 from patchc.models.outputs import logits_of
 
@@ -150,3 +151,48 @@ def test_fsdp_two_ranks_equal_one_and_resume_sharded(exported, tmp_path):
     same = sum(int((plan.layers[k].mask() == ref_plan.layers[k].mask()).sum()) for k in plan.layers)
     assert same == sum(lp.numel for lp in ref_plan.layers.values())
     assert plan.density == ref_plan.density
+
+
+class _ReadTwice(nn.Module):
+    """Two blocks and a head; block 0's weight is also read unmasked (the shard must hand out a copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.head = nn.Linear(16, 32, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return self.head(h) + self.layers[0].weight.mean()
+
+
+def test_group_blocks_keeps_what_the_program_computes():
+    torch.manual_seed(0)
+    model, ids = _ReadTwice(), torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(3))
+    cfg = patchc.PatchConfig(tile=(8, 8), prior="magnitude", include=("*",), exclude=())
+    ep = torch.export.export(model, (ids,))
+    plain, grouped = patchc.transform(ep, cfg), patchc.transform(ep, cfg)
+    shards = group_blocks(grouped)
+    assert {name: sorted(s.masks) for name, s in shards.items()} == {
+        "block_0": ["layers_0_weight"], "block_1": ["layers_1_weight"], "other": ["head_weight"]}
+    assert shards["block_0"].raw == ["layers_0_weight"] and not shards["other"].raw
+    # The weights moved into the shards (nothing left to shard twice) and prog.weight follows them.
+    assert "layers.0.weight" not in dict(grouped.graph_module.named_parameters())
+    assert grouped.weight("layers.0.weight") is shards["block_0"].weights.layers_0_weight
+    for mode in ("ones", "hard", "sample"):
+        with plain.mask_mode(mode), grouped.mask_mode(mode):
+            torch.testing.assert_close(grouped(ids), plain(ids), rtol=0, atol=0, msg=mode)
+    # The regulariser reads the kept counts the shards computed in their forward, as FSDP2 makes it.
+    grouped.kept_source = lambda fresh: {k: v for s in shards.values() for k, v in s.kept.items()}
+    plain.train(), grouped.train()
+    plain(ids), grouped(ids)
+    torch.testing.assert_close(grouped.regularizer(), plain.regularizer(), rtol=0, atol=0)
+    grouped.regularizer().backward()
+    plain.regularizer().backward()
+    for a, b in zip(plain.mask_parameters(), grouped.mask_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="already sharded"):
+        group_blocks(grouped)
