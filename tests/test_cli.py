@@ -28,7 +28,7 @@ def _threads():
 
 def test_prune_writes_every_output_and_consistent_numbers(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["prune", "--out", str(out), *QUICK]) == 0
+    assert main(["prune", "--out", str(out), "--recover", "2", *QUICK]) == 0
     printed = capsys.readouterr().out
     assert str(out.resolve()) in printed and "perplexity" in printed
     for name in ("plan.patch", "report.json", "report.md", "sparsity_per_block.png", "sparsity_per_projection.png"):
@@ -44,6 +44,13 @@ def test_prune_writes_every_output_and_consistent_numbers(tmp_path, capsys):
     patch_row = next(r for r in report["results"] if r["name"].startswith("PATCH"))
     assert patch_row["sparsity"] == pytest.approx(plan.sparsity, abs=1e-6)
     assert all(r["perplexity"] > 1 for r in report["results"])
+    # --recover: PATCH and the learned 2:4 baseline are both recovered; the masks never move
+    assert {"PATCH joint + recovery", "learned 2:4 (nm) + recovery"} <= set(names)
+    recovered = TilePlan.load(out / "plan-recovered.patch")
+    recovered.verify()
+    for name, lp in plan.layers.items():
+        assert torch.equal(recovered.layers[name].kinds, lp.kinds) and torch.equal(recovered.layers[name].meta, lp.meta), name
+    assert report["files"]["plan_recovered"] == str(out / "plan-recovered.patch")
     md = (out / "report.md").read_text()
     assert "sparsegpt 2:4" in md and "sparsity_per_block.png" in md
     # A finished run is never overwritten.
