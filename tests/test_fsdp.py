@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 import patchc
-from patchc.job.distributed import prepare_training, rank_slice
+from patchc.job.distributed import check_checkpoint_kind, prepare_training, rank_slice
 from patchc.job.fsdp import ShardedCheckpointIO, full_state_dict, group_blocks, shard_program, state_bytes
 from patchc.masking.train import make_optimizer
 from patchc.models.outputs import logits_of
@@ -196,3 +196,15 @@ def test_group_blocks_keeps_what_the_program_computes():
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
     with pytest.raises(ValueError, match="already sharded"):
         group_blocks(grouped)
+
+
+def test_a_checkpoint_continues_only_in_its_own_kind(tmp_path):
+    single, sharded = tmp_path / "masks.ckpt", tmp_path / "run2" / "masks.ckpt"
+    single.write_bytes(b"torch.save'd")
+    sharded.mkdir(parents=True)
+    with pytest.raises(ValueError, match="single-file checkpoint .* continue it without --fsdp"):
+        check_checkpoint_kind(single, fsdp=True)
+    with pytest.raises(ValueError, match="sharded checkpoint .* continue it with --fsdp"):
+        check_checkpoint_kind(sharded, fsdp=False)
+    for path, fsdp in ((single, False), (sharded, True), (tmp_path / "none", True), (None, False)):
+        check_checkpoint_kind(path, fsdp)

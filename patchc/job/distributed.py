@@ -75,6 +75,18 @@ class TrainSetup:
         return gather_program(prog)
 
 
+def check_checkpoint_kind(checkpoint: Path | None, fsdp: bool) -> None:
+    """Refuse to continue a single-file checkpoint with --fsdp (a folder) or a sharded folder without it."""
+    if checkpoint is None or not Path(checkpoint).exists():
+        return
+    if fsdp and not Path(checkpoint).is_dir():
+        raise ValueError(f"{checkpoint} is a single-file checkpoint from a run without --fsdp: continue it without "
+                         "--fsdp (or start again with --overwrite)")
+    if not fsdp and Path(checkpoint).is_dir():
+        raise ValueError(f"{checkpoint} is a sharded checkpoint from a --fsdp run: continue it with --fsdp "
+                         "(any number of processes)")
+
+
 def prepare_training(prog, checkpoint: Path | None, fsdp: bool = False) -> TrainSetup:
     """Wrap `prog` for this process: nothing alone, DDP under torchrun, FSDP2 shards with `fsdp=True`.
 
@@ -88,6 +100,7 @@ def prepare_training(prog, checkpoint: Path | None, fsdp: bool = False) -> Train
         >>> plan = patchc.harden(setup.finish(prog))
     """
     rank, size = world()
+    check_checkpoint_kind(checkpoint, fsdp)
     if fsdp:
         from patchc.job.fsdp import ShardedCheckpointIO, shard_program
 

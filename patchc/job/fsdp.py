@@ -223,7 +223,9 @@ def gather_program(prog: MaskedProgram) -> MaskedProgram:
     if shards is None:
         return prog
     for module in (*shards.values(), prog.graph_module):
-        module.set_reshard_after_forward(False)
+        keep = getattr(module, "set_reshard_after_forward", None)  # else a later forward reshards; harden needs none
+        if keep is not None:
+            keep(False)
         module.unshard()
     prog.kept_source = None
     return prog
