@@ -179,6 +179,13 @@ def test_group_blocks_keeps_what_the_program_computes():
     assert {name: sorted(s.masks) for name, s in shards.items()} == {
         "block_0": ["layers_0_weight"], "block_1": ["layers_1_weight"], "other": ["head_weight"]}
     assert shards["block_0"].raw == ["layers_0_weight"] and not shards["other"].raw
+    # Each shard takes its block's input activation and the block reads it back through the shard, so
+    # FSDP2 can hook the end of the block's backward (reduce-scatter and free there, not after backward).
+    order = {node: i for i, node in enumerate(grouped.graph_module.graph.nodes)}
+    calls = [n for n in order if n.op == "call_module" and n.target.startswith("patchc_shards.")]
+    assert len(calls) == 3 and all(len(call.args) == 1 for call in calls)
+    for call in calls:
+        assert all(order[user] < order[call] for user in call.args[0].users if user is not call), call
     # The weights moved into the shards (nothing left to shard twice) and prog.weight follows them.
     assert "layers.0.weight" not in dict(grouped.graph_module.named_parameters())
     assert grouped.weight("layers.0.weight") is shards["block_0"].weights.layers_0_weight

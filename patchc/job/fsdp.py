@@ -50,9 +50,10 @@ META = "patchc.json"
 class BlockShard(nn.Module):
     """The masked weights of one transformer block with their masks: the unit FSDP2 shards.
 
-    `forward()` -> (W_i * M_i for each mask, W_j for each weight also read unmasked, E[sum(M)] per
-    HybridMask); the expected kept counts are kept in `self.kept` for the regulariser, because
-    outside this forward the logits are sharded.
+    `forward(*x)` -> (W_i * M_i for each mask, W_j for each weight also read unmasked, E[sum(M)] per
+    HybridMask, *x); the expected kept counts are kept in `self.kept` for the regulariser, because
+    outside this forward the logits are sharded. `x`, the block's input activation, passes through
+    unchanged so FSDP2 can hook the end of the block's backward.
     """
 
     def __init__(self, name: str) -> None:
@@ -72,12 +73,12 @@ class BlockShard(nn.Module):
     def hybrids(self) -> list:
         return hybrid_masks(self.masks.values())
 
-    def forward(self) -> tuple[torch.Tensor, ...]:
+    def forward(self, *through: torch.Tensor) -> tuple[torch.Tensor, ...]:
         masked = [mask(getattr(self.weights, key)) for key, mask in self.masks.items()]
         # A copy: the gathered weight's storage is freed when FSDP2 reshards after this forward.
         raw = [getattr(self.weights, key).detach().clone() for key in self.raw]
         self.kept = {m.name: m.expected_kept() for m in self.hybrids()}
-        return (*masked, *raw, *self.kept.values())
+        return (*masked, *raw, *self.kept.values(), *through)
 
 
 def _group_name(fqn: str) -> str:
@@ -142,22 +143,42 @@ def _regroup(prog: MaskedProgram, name: str, mask_nodes: list[fx.Node], readers:
         delattr(container, key)
         prog.relocate(fqn, shard.weights, key)
     getattr(gm, SHARDS_ATTR).add_module(name, shard)
-    first = min([*mask_nodes, *(r for rs in aliases.values() for r in rs)], key=order.__getitem__)
+    readers_of = {r for rs in aliases.values() for r in rs}
+    users = [u for n in [*mask_nodes, *readers_of] for u in n.users if u not in mask_nodes]
+    first = min(users, key=order.__getitem__)
+    x = _block_input(prog, {n.meta["patchc_mask"] for n in mask_nodes}, first, order)
     with graph.inserting_before(first):
-        call = graph.call_module(f"{SHARDS_ATTR}.{name}", ())
+        call = graph.call_module(f"{SHARDS_ATTR}.{name}", (x,) if x is not None else ())
+    outputs = [*mask_nodes, *(aliases[key] for key in shard.raw)]
     with graph.inserting_after(call):
-        for i, node in enumerate(mask_nodes):
+        if x is not None:  # the block's later reads of its input go through the shard (see `_block_input`)
+            through = graph.call_function(operator.getitem, (call, len(outputs) + len(shard.hybrids())))
+            after = {n for n in graph.nodes if order.get(n, -1) >= order[first]}
+            x.replace_all_uses_with(through, delete_user_cb=after.__contains__)
+        for i, produced in enumerate(outputs):
             item = graph.call_function(operator.getitem, (call, i))
-            item.meta.update(node.meta)
-            node.replace_all_uses_with(item)
-            graph.erase_node(node)
-        for j, key in enumerate(shard.raw):
-            item = graph.call_function(operator.getitem, (call, len(mask_nodes) + j))
-            for reader in aliases[key]:
-                reader.replace_all_uses_with(item)
-    for reader in {r for rs in aliases.values() for r in rs}:
+            for node in produced if isinstance(produced, list) else [produced]:
+                item.meta.update(node.meta)
+                node.replace_all_uses_with(item)
+    for node in mask_nodes:
+        graph.erase_node(node)
+    for reader in readers_of:
         graph.erase_node(reader)
     return shard
+
+
+def _block_input(prog: MaskedProgram, fqns: set[str], first: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
+    """The activation read by the group's first matmul, when it exists before the group's first use.
+
+    Passed through `BlockShard.forward`, it lets FSDP2 hook its gradient: once every use of it in the
+    block has run backward, the block's logit gradients are complete, so FSDP2 reduce-scatters them
+    and frees the block's gathered weights there rather than at the end of backward.
+    """
+    sites = [s for s in prog.sites if s.fqn in fqns and s.matmul in order and s.input_node in order]
+    if not sites:
+        return None
+    x = min(sites, key=lambda s: order[s.matmul]).input_node
+    return x if order[x] < order[first] else None
 
 
 def default_mesh(device: torch.device | str):
