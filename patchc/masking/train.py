@@ -170,7 +170,7 @@ def train_masks(
         loss_fn: `loss_fn(prog, batch)` -> the task loss; the regulariser is added here.
         checkpoint: file written every `checkpoint_every` steps and at the end (atomically).
         resume: continue from `checkpoint` if it exists (exact: same batches, noise, Adam state).
-        optimizer: defaults to Adam(lr) over `prog.mask_parameters()`.
+        optimizer: defaults to `make_optimizer(prog, lr, optim)` over `prog.mask_parameters()`.
         schedule_steps: the length T of the tau / kappa schedules and the lambda2 decay (held after T);
             default `steps`, so `train_masks(prog, ..., steps=50)` anneals fully in 50 steps.
         desc: the progress bar's label.
