@@ -53,6 +53,7 @@ class Shape:
     steps: int = 4
     threads: int = 2
     impl: str = ""  # HybridMask.impl of the mask modes; "" = its default
+    clamp_uniform: bool = False  # work around fused.uniform returning 1.0 (a NaN every ~2^24 draws)
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads or self.steps < 2:
@@ -76,10 +77,18 @@ def _peak() -> int:
 
 
 def has_four_scores() -> bool:
-    """Whether this patchc's PatchConfig can learn 2:4 with 4 scores per group (another engineer's option)."""
+    """Whether `transform` builds 4-score 2:4 masks for PatchConfig(nm_param="weight") (another engineer's
+    option): checked on a one-layer model, since the field may exist before transform passes it on."""
+    import torch
+
+    import patchc
     from patchc.config import PatchConfig
 
-    return "nm_param" in {f.name for f in dataclasses.fields(PatchConfig)}
+    if "nm_param" not in {f.name for f in dataclasses.fields(PatchConfig)}:
+        return False
+    prog = patchc.transform(torch.nn.Sequential(torch.nn.Linear(16, 16)), PatchConfig(tile=(4, 4), nm_param="weight"),
+                            example_inputs=(torch.zeros(2, 16),))
+    return all(m.nm_logits.shape[-1] == 4 for m in prog.layers.values())
 
 
 def _model(s: Shape):
@@ -125,7 +134,11 @@ def _masked(model, s: Shape, mode: str) -> tuple[list[float], dict]:
 
     extra = {"nm_param": "weight"} if mode == "low-4" else {}
     cfg = patchc.PatchConfig(tile=(16, 16), steps=s.steps, **extra)
+    if s.clamp_uniform:
+        _clamp_fused_uniform()
     prog = patchc.transform(export_causal_lm(model), cfg)
+    if extra and not all(m.nm_logits.shape[-1] == 4 for m in prog.layers.values()):
+        raise RuntimeError("low-4: transform did not build 4-score masks for nm_param='weight'")
     for m in prog.layers.values() if s.impl else ():
         m.impl = s.impl
     optim = MaskOptimConfig(memory="default" if mode == "default" else "low")
@@ -146,6 +159,20 @@ def _masked(model, s: Shape, mode: str) -> tuple[list[float], dict]:
     weights = sum(m.numel for m in prog.layers.values())
     return times, {"weights": weights, "bytes_per_weight": sum(b.values()) / weights,
                    **{f"{k}_per_weight": v / weights for k, v in b.items()}}
+
+
+def _clamp_fused_uniform() -> None:
+    """`patchc.masking.fused.uniform` maps its largest 24-bit value to (2^24 - 0.5) / 2^24, which rounds to
+    1.0 in fp32, so about one draw in 2^24 gives an infinite Gumbel and a NaN loss. Clamp below 1 (one extra
+    elementwise op: memory unchanged) so a run of this size finishes."""
+    from patchc.masking import fused, hybrid_mask
+
+    original = fused.uniform
+
+    def clamped(*args, **kwargs):
+        return original(*args, **kwargs).clamp_(max=1.0 - 2.0**-24)
+
+    fused.uniform = hybrid_mask.uniform = clamped
 
 
 def child(mode: str, s: Shape) -> dict:
@@ -220,13 +247,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=Shape.steps, help="training steps per mode")
     p.add_argument("--repeats", type=int, default=3, help="runs per mode (medians reported)")
     p.add_argument("--impl", default="", help="HybridMask.impl of the mask modes (default: its default)")
+    p.add_argument("--clamp-uniform", action="store_true", help="work around fused.uniform's 1.0 (see _clamp_fused_uniform)")
     p.add_argument("--tiny", action="store_true", help="the tiny model of the pytest check")
     p.add_argument("--no-record", action="store_true", help=f"do not append to {RESULTS.relative_to(ROOT)}")
     a = p.parse_args(argv)
     if a.child:
         print(json.dumps(child(a.child, Shape(**json.loads(a.shape)))))
         return
-    s = dataclasses.replace(TINY if a.tiny else Shape(), steps=a.steps, impl=a.impl)
+    s = dataclasses.replace(TINY if a.tiny else Shape(), steps=a.steps, impl=a.impl,
+                            clamp_uniform=a.clamp_uniform)
     table = run(s, a.repeats)
     print(format_table(table))
     if not a.no_record:

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_mask_memory, beside this file
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "quality_lowmem.jsonl"
 
@@ -59,6 +61,8 @@ def train_one(bundle, data, calib, prior, opts, row: str, impl: str | None = Non
     optim_kw, cfg_kw = ROWS[row]
     cfg = dataclasses.replace(opts.patch_config(steps=opts.steps), **cfg_kw)
     prog = patchc.transform(bundle.export(bundle.model), cfg, calib=calib, prior_masks=prior)
+    if cfg_kw and not all(m.nm_logits.shape[-1] == 4 for m in prog.layers.values()):
+        raise RuntimeError(f"row {row}: transform did not build 4-score masks for nm_param='weight'")
     if impl:
         for m in prog.layers.values():
             m.impl = impl
@@ -104,7 +108,6 @@ def read_runs(paths: list[str]) -> tuple[list[dict], float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from patchc.config import PatchConfig
     from patchc.job.options import PruneOptions
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -118,7 +121,9 @@ def main(argv: list[str] | None = None) -> None:
                         "run side by side) instead of training")
     p.add_argument("--no-record", action="store_true")
     a = p.parse_args(argv)
-    four = "nm_param" in {f.name for f in dataclasses.fields(PatchConfig)}
+    from bench_mask_memory import has_four_scores
+
+    four = has_four_scores()
     rows = a.rows or [r for r in ("default", "low", "low-4") if four or not r.endswith("-4")]
     base = PruneOptions(steps=a.steps, progress=False)
     if a.runs_from:
