@@ -150,10 +150,16 @@ def test_gemv_decode_every_token_count(preset, block, dtype):
         _check(y, reference_tile_linear(x, layer), dtype)
 
 
-def test_decode_block_m_between_gemv_and_dot_is_refused():
-    packed = pack(random_layer_plan(32, 32, tile=(16, 16), kinds="mixed", seed=1))
-    with pytest.raises(ValueError, match="block_m must be 1, 2 or 4"):
-        tile_linear(torch.randn(8, 32), packed, config=KernelConfig(kernel="decode", block_m=8))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_programs_store_only_their_own_tokens(dtype):
+    """block_m 2 / 8 with the tokens padded to 16 inside each program: M = 11 needs 6 / 2 programs, the last
+    one partial; a program that stored its padding rows would overwrite the next program's tokens."""
+    layer = random_layer_plan(48, 96, tile=(16, 32), kinds="mixed", bias=True, seed=5, dtype=dtype)
+    packed = pack(layer)
+    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for block_m, split_k in ((2, 1), (8, 2)):
+        y = tile_linear(x, packed, config=KernelConfig(kernel="decode", block_m=block_m, split_k=split_k))
+        _check(y, reference_tile_linear(x, layer), dtype)
 
 
 def test_auto_config_and_leading_dims():

@@ -48,6 +48,7 @@ from patchc.codegen.configs import ARCH_TABLE, KernelConfig, choose_block, norma
 from patchc.codegen.launch import GRID_RULES, KERNEL_ARGS, REDUCE_BLOCK, specialisation
 from patchc.codegen.layout import PackedLayer
 from patchc.codegen.offline import assumptions
+from patchc.codegen.sass import target_misses
 from patchc.codegen.skeleton import pack_skeleton
 from patchc.utils.files import write_bytes_atomic
 from patchc.utils.progress import progress
@@ -126,12 +127,14 @@ def summary(out_dir: str | os.PathLike) -> str:
     """Per variant, over every generated layer: the worst weight-loop cost and what limits it.
 
     Warp-instructions per weight byte of the dense and 2:4 loops (an H100 stops being memory bound above
-    ~0.28), barriers per iteration, registers and spill bytes; "-" where the code has no such loop.
+    ~0.28), barriers per iteration, registers and spill bytes, the longest loop body, the fewest 128-bit
+    loads in a loop, and whether the decode targets (`sass.LOOP_TARGETS`) hold in every layer; "-" where
+    the code has no such loop.
 
     Example:
         >>> print(summary("kernels/"))                                    # doctest: +SKIP
-        variant     layers  warps  regs  spills  dense w-instr/B  2:4 w-instr/B  barriers
-        decode_m1       35      4    64       0            0.045          0.132         2
+        variant     layers  warps  regs  spills  dense w-instr/B  2:4 w-instr/B  barriers  loop instrs  LDG.128/iter  targets
+        decode_m1       35      4    72       0            0.020          0.123         2          148             4       ok
     """
     out = Path(out_dir)
     index = json.loads((out / "manifest.json").read_text())
@@ -143,7 +146,7 @@ def summary(out_dir: str | os.PathLike) -> str:
             if v["kernel"] == "splitk_reduce":
                 continue
             r = rows.setdefault(v["name"], {"layers": 0, "warps": set(), "regs": 0, "spills": 0, "dense": None,
-                                            "2:4": None, "barriers": 0})
+                                            "2:4": None, "barriers": 0, "instrs": 0, "ldg128": None, "misses": 0})
             r["layers"] += 1
             r["warps"].add(v["num_warps"])
             prof = v.get("profile") or {}
@@ -152,13 +155,20 @@ def summary(out_dir: str | os.PathLike) -> str:
             for lp in v.get("loops") or []:
                 r[lp["loop"]] = max(r[lp["loop"]] or 0.0, lp["warp_instr_per_byte"])
                 r["barriers"] = max(r["barriers"], lp["barriers"])
-    head = f"{'variant':<10} {'layers':>6} {'warps':>6} {'regs':>5} {'spills':>7} {'dense w-instr/B':>16} {'2:4 w-instr/B':>14} {'barriers':>9}"
+                r["instrs"] = max(r["instrs"], lp["instructions"])
+                r["ldg128"] = lp["ldg128"] if r["ldg128"] is None else min(r["ldg128"], lp["ldg128"])
+            r["misses"] += bool(v.get("target_misses"))
+    head = (f"{'variant':<10} {'layers':>6} {'warps':>6} {'regs':>5} {'spills':>7} {'dense w-instr/B':>16} "
+            f"{'2:4 w-instr/B':>14} {'barriers':>9} {'loop instrs':>12} {'LDG.128/iter':>13} {'targets':>8}")
     lines = [head]
     for name, r in rows.items():
         cost = {k: "-" if r[k] is None else f"{r[k]:.3f}" for k in ("dense", "2:4")}
         warps = "/".join(map(str, sorted(r["warps"])))
+        wide = "-" if r["ldg128"] is None else str(r["ldg128"])
+        # targets: "ok", "miss:<layers>" or "-" (prefill and decode beyond M = 16 have none)
+        held = "-" if name == "prefill" else ("ok" if not r["misses"] else f"miss:{r['misses']}")
         lines.append(f"{name:<10} {r['layers']:>6} {warps:>6} {r['regs']:>5} {r['spills']:>7} {cost['dense']:>16} "
-                     f"{cost['2:4']:>14} {r['barriers']:>9}")
+                     f"{cost['2:4']:>14} {r['barriers']:>9} {r['instrs']:>12} {wide:>13} {held:>8}")
     return "\n".join(lines)
 
 
@@ -213,6 +223,8 @@ def _write_layer(packed: PackedLayer, jobs: list[tuple[Any, CompileJob]], compil
                 split_k=cfg.split_k,
                 reduce=f"splitk_reduce_s{cfg.split_k}" if cfg.split_k > 1 else None,
             )
+            if var.kernel == "decode":  # the decode issue's static targets (sass.LOOP_TARGETS): what it misses
+                entry["target_misses"] = target_misses(var.m_min, entry["loops"], entry.get("profile"))
         entries.append(entry)
     dtype = packed.dtype
     manifest = header | {

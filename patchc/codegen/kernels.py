@@ -4,18 +4,18 @@ Layering as in Triton's tutorials: these `@triton.jit` kernels are called only b
 `patchc.codegen.launch` (check, allocate, grid, launch). Two kernels:
 
 * `decode_kernel` (small M, bound by weight bytes): the weight block is the `tl.dot` M side,
-  acc[BN, BM] += W[BN, BK] @ x^T[BK, BM] with the tokens padded to BLOCK_M >= 16; for M <= 4
-  (USE_DOT=False) the dense blocks still go through `tl.dot` (16 padded tokens, unpipelined: 2 barriers per
-  iteration), but the 2:4 blocks are never expanded: `decode_gemv` multiplies each kept value with the x it
-  gathers, every thread owning whole 16-byte chunks, and reduces over K once after the loop.
+  acc[BN, TOK] += W[BN, BK] @ x^T[BK, TOK], BLOCK_M tokens padded to TOK >= 16 (for M <= 16 one program
+  reads every weight once). Its loops are unpipelined by default (num_stages 1: 2 barriers per iteration).
   Split-K over grid axis 1: split s of a block row takes the s-th equal share of the row's dense blocks and
   the s-th equal share of its 2:4 blocks, so every split reads the same bytes (balanced by bytes).
 * `prefill_kernel` (large M, compute bound): a tiled GEMM acc[BM, BN] += x[BM, BK] @ W^T[BK, BN] with
   grouped ("super-grouping") program order for L2 reuse of x, same two loops and optional split-K.
 
 In both, a block row's dense blocks and 2:4 blocks are walked by two separate loops (no per-iteration
-branch on the block kind). A 2:4 block is loaded compressed (values (BN, BK/2) + metadata (BN, BK/8) bytes,
-each one contiguous 16-byte-aligned run); `tl.dot` paths expand it to (BN, BK) in registers by `expand_24`.
+branch on the block kind). A 2:4 block is loaded compressed (values (BN, BK/2) + metadata (BN, BK/8) bytes)
+and expanded to the dense (BN, BK) operand in registers: for fp16 / bf16 each group's kept pair is one
+32-bit load and two PRMT byte permutes whose selectors come from the group's nibble (`expand_words`, ~10
+instructions per group of 4 weights, no layout conversion); fp32 uses the generic `expand_24`.
 Accumulation is fp32. With SPLIT_K > 1 each split writes fp32 partial sums to a (SPLIT_K, M, N) workspace
 and `splitk_reduce_kernel` adds them in split order: the result is deterministic (bitwise reproducible run
 to run), unlike fp32 atomics whose summation order depends on scheduling; the cost is one extra small pass
@@ -36,7 +36,7 @@ import triton.language as tl
 # Triton's interpreter multiplies bf16 tl.dot operands as their raw uint16 bits (it converts only fp8), so
 # there `mma` widens them to fp32 first; compiled kernels never see this branch. Tests reload this module
 # when they switch the interpreter on or off, so the flag follows the environment.
-INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
@@ -64,16 +64,85 @@ def expand_24(vals, meta, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     return tl.reshape(dense, (BLOCK_N, BLOCK_K))
 
 
+# One 2:4 group -> its four dense values, as two 32-bit words of two 16-bit values each. A group's kept
+# pair is one word (v0 low, v1 high); PRMT picks each output half from {v0, v1, zero} by a selector built
+# from the group's nibble i0 | i1 << 2: every position starts as "zero" (selector byte 0x54: bytes 4, 5 of
+# the zero operand), position i0 is flipped to v0 (0x10) and i1 to v1 (0x32) by xor-ing 0x44 << 8*i0 and
+# 0x66 << 8*i1. The nibble sits at bit `sh` (0 or 4) of its metadata byte; 8*i0 = (byte rotr (sh - 3)) & 0x18
+# and 8*i1 = (byte rotr (sh - 1)) & 0x18, the rotations r0, r1 precomputed per group.
+_EXPAND_ASM = tl.constexpr("""{
+.reg .b32 s0, s1, t0, t1, sel, selhi;
+shf.r.wrap.b32 s0, $3, $3, $4;
+and.b32 s0, s0, 0x18;
+shf.r.wrap.b32 s1, $3, $3, $5;
+and.b32 s1, s1, 0x18;
+shl.b32 t0, 0x44, s0;
+shl.b32 t1, 0x66, s1;
+xor.b32 sel, t0, t1;
+xor.b32 sel, sel, 0x54545454;
+prmt.b32 $0, $2, 0, sel;
+shr.b32 selhi, sel, 16;
+prmt.b32 $1, $2, 0, selhi;
+}""")
+
+
+@triton.jit
+def _pick(pair, sel):
+    """What `prmt.b32 d, pair, 0, sel` gives for the selectors `_EXPAND_ASM` builds (the interpreter's path):
+    each 16-bit half is v0 (selector byte 0x10), v1 (0x32) or zero."""
+    c0 = sel & 0xFF
+    c1 = (sel >> 8) & 0xFF
+    v0 = pair & 0xFFFF
+    v1 = (pair >> 16) & 0xFFFF
+    h0 = tl.where(c0 == 0x10, v0, tl.where(c0 == 0x32, v1, 0))
+    h1 = tl.where(c1 == 0x10, v0, tl.where(c1 == 0x32, v1, 0))
+    return h0 | (h1 << 16)
+
+
+@triton.jit
+def expand_words(pair, byte, r0, r1):
+    """(lo, hi) int32 words: positions 0, 1 and 2, 3 of each group (see `_EXPAND_ASM`)."""
+    if INTERPRETED:  # no inline PTX in the interpreter: the same selector arithmetic in plain ops
+        s0 = (((byte >> r0) | (byte << ((32 - r0) & 31))) & 0x18)
+        s1 = (((byte >> r1) | (byte << ((32 - r1) & 31))) & 0x18)
+        sel = (0x44 << s0) ^ (0x66 << s1) ^ 0x54545454
+        return _pick(pair, sel), _pick(pair, (sel >> 16) & 0xFFFF)
+    else:
+        return tl.inline_asm_elementwise(_EXPAND_ASM, "=r,=r,r,r,r,r", [pair, byte, r0, r1],
+                                         dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def halves(w, dtype: tl.constexpr):
+    """(..., 2) 16-bit values of 32-bit words, low half first."""
+    lo = (w & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
+    hi = (w >> 16).to(tl.int16).to(dtype, bitcast=True)
+    return tl.join(lo, hi)
+
+
 @triton.jit
 def load_sparse_block(vals_ptr, meta_ptr, t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Load 2:4 block number `t` compressed and expand it: (BN, BK)."""
+    """Load 2:4 block number `t` compressed and expand it: (BN, BK). 16-bit values: one 32-bit load per group
+    and two PRMTs (`expand_words`); fp32 values (not bandwidth critical): `expand_24`."""
     rn = tl.arange(0, BLOCK_N)
-    rv = tl.arange(0, BLOCK_K // 2)
-    rm = tl.arange(0, BLOCK_K // 8)
     t64 = tl.cast(t, tl.int64)
-    vals = tl.load(vals_ptr + t64 * (BLOCK_N * BLOCK_K // 2) + rn[:, None] * (BLOCK_K // 2) + rv[None, :])
-    meta = tl.load(meta_ptr + t64 * (BLOCK_N * BLOCK_K // 8) + rn[:, None] * (BLOCK_K // 8) + rm[None, :])
-    return expand_24(vals, meta, BLOCK_N, BLOCK_K)
+    vbase = vals_ptr + t64 * (BLOCK_N * BLOCK_K // 2)
+    mbase = meta_ptr + t64 * (BLOCK_N * BLOCK_K // 8)
+    if vals_ptr.dtype.element_ty.primitive_bitwidth == 16:
+        G: tl.constexpr = BLOCK_K // 4
+        rg = tl.arange(0, G)[None, :]
+        pair = tl.load(vbase.to(tl.pointer_type(tl.int32)) + rn[:, None] * G + rg)  # (BN, G) kept pairs
+        byte = tl.load(mbase + rn[:, None] * (BLOCK_K // 8) + rg // 2).to(tl.int32)  # the group's metadata byte
+        sh = (rg & 1) * 4
+        lo, hi = expand_words(pair, byte, (sh + 29) & 31, (sh + 31) & 31)
+        dense = halves(tl.join(lo, hi), vals_ptr.dtype.element_ty)  # (BN, G, word, half): column 4g + 2 word + half
+        return tl.reshape(dense, (BLOCK_N, BLOCK_K))
+    else:
+        rv = tl.arange(0, BLOCK_K // 2)
+        rm = tl.arange(0, BLOCK_K // 8)
+        vals = tl.load(vbase + rn[:, None] * (BLOCK_K // 2) + rv[None, :])
+        meta = tl.load(mbase + rn[:, None] * (BLOCK_K // 8) + rm[None, :])
+        return expand_24(vals, meta, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -100,17 +169,6 @@ def row_share(rowptr_ptr, row, split, PER_ROW: tl.constexpr, SPLIT_K: tl.constex
 
 
 @triton.jit
-def load_xt(x_ptr, offs_m, offs_k, M, K: tl.constexpr, EVEN_K: tl.constexpr):
-    """x^T block (BK, BM) of the contiguous (M, K) input, zero outside."""
-    ptrs = x_ptr + offs_m[None, :].to(tl.int64) * K + offs_k[:, None]
-    if EVEN_K:
-        mask = offs_m[None, :] < M
-    else:
-        mask = (offs_m[None, :] < M) & (offs_k[:, None] < K)
-    return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
 def load_x(x_ptr, offs_m, offs_k, M, K: tl.constexpr, EVEN_K: tl.constexpr):
     """x block (BM, BK) of the contiguous (M, K) input, zero outside."""
     ptrs = x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
@@ -123,102 +181,14 @@ def load_x(x_ptr, offs_m, offs_k, M, K: tl.constexpr, EVEN_K: tl.constexpr):
 
 @triton.jit
 def decode_mac(acc, w, x_ptr, m0, col, M, K: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc[BN, BM] += w[BN, BK] @ x[m0 : m0+BM, col*BK : col*BK+BK]^T (tl.dot, tokens padded to BM >= 16)."""
+               TOK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc[BN, TOK] += w[BN, BK] @ x[m0 : m0+TOK, col*BK : col*BK+BK]^T (tl.dot; rows from M on are zeros).
+
+    x is loaded token-major and transposed in registers: on sm_80 that feeds the mma with fewer register
+    moves than a (BK, TOK) load."""
     offs_k = col * BLOCK_K + tl.arange(0, BLOCK_K)
-    xt = load_xt(x_ptr, m0 + tl.arange(0, BLOCK_M), offs_k, M, K, EVEN_K)
-    return mma(w, xt, acc, DOT_PRECISION)
-
-
-@triton.jit
-def to_f32(x):
-    """fp32 of loaded values; bf16 by moving its bits up (one instruction per value, where cvt takes two for
-    the high half of a register)."""
-    if x.dtype == tl.bfloat16:
-        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.float32)
-
-
-@triton.jit
-def gemv_sparse(acc, v, xrow, col, gbase, pos, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc (BN, CS, VEC) += each kept value times the x it gathers (column gbase + pos) for one token."""
-    xb = xrow + col * BLOCK_K
-    # (xb + gbase) + pos, not xb + (gbase + pos): the per-thread constant part folds into the load's offset
-    if EVEN_K:
-        x = to_f32(tl.load((xb + gbase) + pos))
-    else:
-        x = to_f32(tl.load((xb + gbase) + pos, mask=col * BLOCK_K + gbase + pos < K, other=0.0))
-    return acc + v * x
-
-
-@triton.jit
-def decode_gemv(x_ptr, vals_ptr, meta_ptr, sparse_rowptr_ptr, sparse_cols_ptr, row, split, m0, M, K: tl.constexpr,
-                BLOCK_M: tl.constexpr, TOK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT_K: tl.constexpr, SPARSE_PER_ROW: tl.constexpr, EVEN_K: tl.constexpr, VEC: tl.constexpr):
-    """(TOK, BN) partial sums of a block row's 2:4 blocks for BLOCK_M <= 4 tokens, without expanding a block.
-
-    Each thread owns whole 16-byte chunks (VEC values) of a few rows, so the K reduction stays in-thread
-    until after the loop: no shuffles, one small metadata layout change per iteration. A 2:4 value multiplies
-    the x it gathers: value r of a chunk belongs to group r // 2, and its position in the group is bits
-    2r, 2r + 1 of the chunk's 2*VEC-bit metadata word (the nibble i0 | i1 << 2 of consecutive groups, as
-    packed). One fp32 accumulator per value and token, so the inner loop is gathers and FMAs only. Rows
-    TOK > BLOCK_M of the result repeat the last token (the caller never stores them).
-    """
-    rn = tl.arange(0, BLOCK_N)
-    rv = tl.arange(0, VEC)
-    # token rows past M re-read row M - 1 (always valid) and are never stored
-    x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * K
-    x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * K
-    x2 = x_ptr + tl.minimum(m0 + 2, M - 1).to(tl.int64) * K
-    x3 = x_ptr + tl.minimum(m0 + 3, M - 1).to(tl.int64) * K
-    CS: tl.constexpr = BLOCK_K // 2 // VEC  # chunks of VEC kept values (VEC // 2 groups) per row
-    rc = tl.arange(0, CS)
-    voffs = rn[:, None, None] * (BLOCK_K // 2) + rc[None, :, None] * VEC + rv[None, None, :]
-    moffs = rn[:, None] * CS + rc[None, :]  # one metadata word per chunk
-    gbase = (rc[:, None] * (2 * VEC) + (rv[None, :] // 2) * 4)[None, :, :]  # first column of value r's group
-    shift = (2 * rv)[None, None, :]
-    # signed words: sign extension leaves bits 0..15 as they are and costs no masking instruction
-    if VEC == 8:
-        mptr = meta_ptr.to(tl.pointer_type(tl.int16))
-    else:
-        mptr = meta_ptr.to(tl.pointer_type(tl.int8))
-    b0 = tl.zeros((BLOCK_N, CS, VEC), dtype=tl.float32)
-    b1 = tl.zeros((BLOCK_N, CS, VEC), dtype=tl.float32)
-    b2 = tl.zeros((BLOCK_N, CS, VEC), dtype=tl.float32)
-    b3 = tl.zeros((BLOCK_N, CS, VEC), dtype=tl.float32)
-    lo, hi = row_share(sparse_rowptr_ptr, row, split, SPARSE_PER_ROW, SPLIT_K)
-    for i in range(lo, hi):
-        col = tl.load(sparse_cols_ptr + i)
-        t64 = tl.cast(i, tl.int64)
-        v = to_f32(tl.load(vals_ptr + t64 * (BLOCK_N * BLOCK_K // 2) + voffs))
-        meta = tl.load(mptr + t64 * (BLOCK_N * CS) + moffs).to(tl.int32)
-        pos = (meta[:, :, None] >> shift) & 3  # (BN, CS, VEC) position of each kept value in its group
-        b0 = gemv_sparse(b0, v, x0, col, gbase, pos, K, BLOCK_K, EVEN_K)
-        if BLOCK_M > 1:
-            b1 = gemv_sparse(b1, v, x1, col, gbase, pos, K, BLOCK_K, EVEN_K)
-        if BLOCK_M > 2:
-            b2 = gemv_sparse(b2, v, x2, col, gbase, pos, K, BLOCK_K, EVEN_K)
-            b3 = gemv_sparse(b3, v, x3, col, gbase, pos, K, BLOCK_K, EVEN_K)
-    s0 = tl.sum(tl.sum(b0, axis=2), axis=1)  # the cross-thread reduction, once, after the loop
-    s1 = tl.sum(tl.sum(b1, axis=2), axis=1)
-    s2 = tl.sum(tl.sum(b2, axis=2), axis=1)
-    s3 = tl.sum(tl.sum(b3, axis=2), axis=1)
-    tok = tl.arange(0, TOK)[:, None]
-    return tl.where(tok == 0, s0[None, :], tl.where(tok == 1, s1[None, :], tl.where(tok == 2, s2[None, :], s3[None, :])))
-
-
-@triton.jit
-def decode_dot(acc, x_ptr, dense_ptr, dense_rowptr_ptr, dense_cols_ptr, row, split, m0, M, K: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-               PER_ROW: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc[BN, BM] += the block row's dense blocks @ x^T (tensor cores; tokens from M on read as zeros)."""
-    lo, hi = row_share(dense_rowptr_ptr, row, split, PER_ROW, SPLIT_K)
-    for i in range(lo, hi):
-        col = tl.load(dense_cols_ptr + i)
-        w = load_dense_block(dense_ptr, i, BLOCK_N, BLOCK_K)
-        acc = decode_mac(acc, w, x_ptr, m0, col, M, K, BLOCK_M, BLOCK_K, EVEN_K, DOT_PRECISION)
-    return acc
+    x = load_x(x_ptr, m0 + tl.arange(0, TOK), offs_k, M, K, EVEN_K)
+    return mma(w, tl.trans(x), acc, DOT_PRECISION)
 
 
 @triton.jit
@@ -245,46 +215,32 @@ def decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_DENSE: tl.constexpr, HAS_SPARSE: tl.constexpr,
     DENSE_PER_ROW: tl.constexpr, SPARSE_PER_ROW: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    VEC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Small-M kernel. grid = (ceil(N/BN), SPLIT_K, ceil(M/BM)); tl.dot with the weights on its M side
-    (USE_DOT, BLOCK_M >= 16), else `decode_gemv` (BLOCK_M <= 4)."""
+    """Small-M kernel. grid = (ceil(N/BN), SPLIT_K, ceil(M/BM)): acc[BN, TOK] += W @ x^T with the weights
+    on the tl.dot M side, BLOCK_M tokens padded to TOK >= 16 (a tl.dot side); one weight pass per program."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    TOK: tl.constexpr = BLOCK_M if BLOCK_M >= 16 else 16
+    offs_m = m0 + tl.arange(0, TOK)
     offs_n = row * BLOCK_N + tl.arange(0, BLOCK_N)
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if HAS_DENSE:
-            acc = decode_dot(acc, x_ptr, dense_ptr, dense_rowptr_ptr, dense_cols_ptr, row, split, m0, M, K,
-                             BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DENSE_PER_ROW, EVEN_K, DOT_PRECISION)
-        if HAS_SPARSE:
-            lo, hi = row_share(sparse_rowptr_ptr, row, split, SPARSE_PER_ROW, SPLIT_K)
-            for i in range(lo, hi):
-                col = tl.load(sparse_cols_ptr + i)
-                w = load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K)
-                acc = decode_mac(acc, w, x_ptr, m0, col, M, K, BLOCK_M, BLOCK_K, EVEN_K, DOT_PRECISION)
-        out = tl.trans(acc)
-        keep = offs_m < M
-    else:
-        # dense blocks on the tensor cores (tokens padded to 16: a tl.dot side), 2:4 blocks by gathering x
-        TOK: tl.constexpr = 16 if HAS_DENSE else BLOCK_M
-        offs_m = m0 + tl.arange(0, TOK)
-        keep = (offs_m < M) & (tl.arange(0, TOK) < BLOCK_M)
-        out = tl.zeros((TOK, BLOCK_N), dtype=tl.float32)
-        if HAS_DENSE:  # first, as in every kernel here: the static profile reads the dense loop first
-            acc = tl.zeros((BLOCK_N, TOK), dtype=tl.float32)
-            # this program's tokens only: rows from m0 + BLOCK_M on belong to the next program
-            acc = decode_dot(acc, x_ptr, dense_ptr, dense_rowptr_ptr, dense_cols_ptr, row, split, m0,
-                             tl.minimum(M, m0 + BLOCK_M), K, TOK, BLOCK_N, BLOCK_K, SPLIT_K, DENSE_PER_ROW, EVEN_K,
-                             DOT_PRECISION)
-            out = tl.trans(acc)
-        if HAS_SPARSE:
-            out += decode_gemv(x_ptr, vals_ptr, meta_ptr, sparse_rowptr_ptr, sparse_cols_ptr, row, split, m0, M, K,
-                               BLOCK_M, TOK, BLOCK_N, BLOCK_K, SPLIT_K, SPARSE_PER_ROW, EVEN_K, VEC)
-    store_out(out, offs_m, offs_n, keep, y_ptr, part_ptr, bias_ptr, split, M, N, HAS_BIAS, SPLIT_K)
+    m_end = tl.minimum(M, m0 + BLOCK_M)  # padding rows and the next program's tokens read as zeros
+    acc = tl.zeros((BLOCK_N, TOK), dtype=tl.float32)
+    if HAS_DENSE:
+        lo, hi = row_share(dense_rowptr_ptr, row, split, DENSE_PER_ROW, SPLIT_K)
+        for i in range(lo, hi):
+            col = tl.load(dense_cols_ptr + i)
+            w = load_dense_block(dense_ptr, i, BLOCK_N, BLOCK_K)
+            acc = decode_mac(acc, w, x_ptr, m0, col, m_end, K, TOK, BLOCK_K, EVEN_K, DOT_PRECISION)
+    if HAS_SPARSE:
+        lo, hi = row_share(sparse_rowptr_ptr, row, split, SPARSE_PER_ROW, SPLIT_K)
+        for i in range(lo, hi):
+            col = tl.load(sparse_cols_ptr + i)
+            w = load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K)
+            acc = decode_mac(acc, w, x_ptr, m0, col, m_end, K, TOK, BLOCK_K, EVEN_K, DOT_PRECISION)
+    store_out(tl.trans(acc), offs_m, offs_n, offs_m < m_end, y_ptr, part_ptr, bias_ptr, split, M, N, HAS_BIAS,
+              SPLIT_K)
 
 
 @triton.jit

@@ -64,12 +64,7 @@ def constexprs(
         # fp32 inputs: exact fp32 products (tf32 would break the fp32 tolerances); ignored for fp16/bf16
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
     }
-    if cfg.kernel == "decode":
-        if 4 < cfg.block_m < 16:
-            raise ValueError(f"decode block_m must be 1, 2 or 4 (gemv) or >= 16 (tl.dot), got {cfg.block_m}")
-        consts["USE_DOT"] = cfg.block_m >= 16
-        consts["VEC"] = 16 // dtype.itemsize  # elements per 16-byte chunk
-    else:
+    if cfg.kernel == "prefill":
         consts["GROUP_M"] = cfg.group_m
     return consts
 

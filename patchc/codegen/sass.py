@@ -164,6 +164,41 @@ def weight_loops(sass: str | None, has_dense: bool, has_sparse: bool, block: tup
             for (kind, nbytes), lp in zip(kinds, found)]
 
 
+# The decode-kernel issue's static targets, for every decode variant that serves M <= 16: warp-instructions
+# per weight byte of each weight loop, barriers per iteration where the variant serves M <= 4, no spills,
+# 128-bit weight loads. Above ~0.28 w-instr/B an H100 cannot be memory bound; these leave room for the rest.
+LOOP_TARGETS = {"dense": 0.08, "2:4": 0.14}
+TARGET_M = 16  # variants serving M up to this are held to LOOP_TARGETS
+SMALL_M_BARRIERS = (4, 2)  # variants serving M <= 4: at most 2 barriers per loop iteration
+
+
+def target_misses(m_min: int, loops: list[dict] | None, profile: dict | None) -> list[str]:
+    """The static targets a decode variant serving M >= `m_min` misses ([] = all hold; `loops` as
+    `weight_loops` returns them, `profile` as `static_profile`). Variants from M > 16 on have no targets.
+
+    Example:
+        >>> target_misses(1, [{"loop": "2:4", "warp_instr_per_byte": 0.2, "barriers": 2, "ldg128": 2}],
+        ...               {"spill_bytes": 0})
+        ['2:4 loop 0.200 w-instr/B > 0.14']
+    """
+    if m_min > TARGET_M:
+        return []
+    if loops is None or profile is None:
+        return ["no SASS profile (no cuobjdump, or the loops were not found)"]
+    misses = []
+    for lp in loops:
+        kind = lp["loop"]
+        if lp["warp_instr_per_byte"] > LOOP_TARGETS[kind]:
+            misses.append(f"{kind} loop {lp['warp_instr_per_byte']:.3f} w-instr/B > {LOOP_TARGETS[kind]}")
+        if m_min <= SMALL_M_BARRIERS[0] and lp["barriers"] > SMALL_M_BARRIERS[1]:
+            misses.append(f"{kind} loop {lp['barriers']} barriers per iteration > {SMALL_M_BARRIERS[1]}")
+        if lp["ldg128"] < 1:
+            misses.append(f"{kind} loop has no 128-bit weight load")
+    if profile.get("spill_bytes", 0) or profile.get("stack_bytes", 0):
+        misses.append(f"spills {profile.get('spill_bytes', 0)} B")
+    return misses
+
+
 def static_profile(cubin: str | os.PathLike, sass: str | None = None) -> dict[str, int] | None:
     """`resource_usage` and `instruction_mix` together (`sass`: the cubin's, when already disassembled);
     None when no cuobjdump is available."""
@@ -172,5 +207,5 @@ def static_profile(cubin: str | os.PathLike, sass: str | None = None) -> dict[st
     return resource_usage(cubin) | instruction_mix(sass if sass is not None else disassemble(cubin))
 
 
-__all__ = ["INSTRUCTIONS", "LOOP_COUNTS", "cuobjdump", "disassemble", "instruction_mix", "loop_cost", "loops", "resource_usage",
+__all__ = ["INSTRUCTIONS", "LOOP_COUNTS", "LOOP_TARGETS", "TARGET_M", "cuobjdump", "target_misses", "disassemble", "instruction_mix", "loop_cost", "loops", "resource_usage",
            "sass_instructions", "static_profile", "weight_loops"]

@@ -64,13 +64,13 @@ SPACES: dict[str, CandidateSpace] = {
     # Ampere (A100: 163 KiB opt-in shared memory per block, 108 SMs): mma.sync; 4 warps per 64-row tile.
     "sm_80": CandidateSpace(
         blocks=_BLOCKS, decode_block_m=(16, 32, 64), decode_split_k=(1, 2, 4, 8), decode_warps=(4, 8),
-        decode_stages=(2, 4), prefill_block_m=(64, 128), prefill_split_k=(1, 2), prefill_warps=(4, 8),
+        decode_stages=(1, 2, 4), prefill_block_m=(64, 128), prefill_split_k=(1, 2), prefill_warps=(4, 8),
         prefill_stages=(3, 4), group_m=8, smem_bytes=163 * 1024, min_k_per_split=256, min_blocks_per_split=2,
     ),
     # Hopper (H100/H200: 227 KiB, 132 SMs): more SMs want more split-K at decode; deeper pipelines fit.
     "sm_90": CandidateSpace(
         blocks=_BLOCKS, decode_block_m=(16, 32, 64), decode_split_k=(1, 2, 4, 8, 16), decode_warps=(4, 8),
-        decode_stages=(3, 4), prefill_block_m=(64, 128), prefill_split_k=(1, 2), prefill_warps=(4, 8),
+        decode_stages=(1, 3, 4), prefill_block_m=(64, 128), prefill_split_k=(1, 2), prefill_warps=(4, 8),
         prefill_stages=(3, 4), group_m=8, smem_bytes=227 * 1024, min_k_per_split=256, min_blocks_per_split=2,
     ),
 }
@@ -88,9 +88,6 @@ def candidate_space(arch: str) -> CandidateSpace:
     return SPACES[arch]
 
 
-SMALL_M_STAGES = (1, 2)  # decode_gemv: its only pipelined loads are the dense blocks of its tl.dot
-
-
 def _pow2_ceil(v: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, v))))
 
@@ -103,7 +100,7 @@ def smem_estimate(cfg: KernelConfig, dtype: torch.dtype) -> int:
         131072
     """
     elem = torch.empty((), dtype=dtype).element_size()
-    # decode_gemv (block_m < 16) pads its dense tl.dot to 16 tokens; its 2:4 gathers keep x in registers
+    # decode pads block_m < 16 to 16 tokens (a tl.dot side)
     x_tile = max(16, cfg.block_m) * cfg.block_k
     return cfg.num_stages * (x_tile + cfg.block_n * cfg.block_k) * elem
 
@@ -170,8 +167,7 @@ def candidates(
     blocks = (block,) if block is not None else space.blocks
     if regime == "decode":
         dot_bms = tuple(b for b in space.decode_block_m if b <= max(16, _pow2_ceil(m)))
-        # M <= 4: decode_gemv (2:4 blocks gather x, no expansion; dense blocks on a 16-token tl.dot, unpipelined
-        # by default: 2 barriers per iteration); the padded tl.dot kernel stays a candidate and timing decides
+        # M <= 4: block_m = M rounded up (tokens padded to 16 inside the kernel) or the smallest tl.dot block
         bms = (_pow2_ceil(m), *dot_bms[:1]) if m <= ARCH_TABLE[arch].small_m else dot_bms
         sks, warps, stages = space.decode_split_k, space.decode_warps, space.decode_stages
     else:
@@ -182,7 +178,7 @@ def candidates(
         for bm in bms:
             for sk in sks:
                 for nw in warps:
-                    for ns in (SMALL_M_STAGES if regime == "decode" and bm < 16 else stages):
+                    for ns in stages:
                         cfg = KernelConfig(regime, bm, bn, bk, sk, nw, ns, space.group_m)
                         if prune_reason(cfg, shape, tile, dtype, space, smem_limit, m) is None:
                             out.append(cfg)
