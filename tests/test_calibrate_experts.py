@@ -135,3 +135,13 @@ def test_prune_command_on_a_moe_directory_with_baselines(tmp_path):
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     methods = {r["method"] for r in report["results"]}
     assert {"wanda", "sparsegpt", "magnitude"} <= methods, methods
+
+
+def test_sparsegpt_leaves_a_transposed_conv1d_weight_untouched():
+    case, _ = exported("gpt2")
+    model = copy.deepcopy(case.model)
+    layer = "transformer.h.0.mlp.c_fc.weight"
+    calib = patchc.calibrate(model, [case.ids], layers=[layer], progress=False)
+    before = model.get_parameter(layer).detach().clone()
+    patchc.oneshot(model, "sparsegpt", "2:4", calib=calib, layers=[layer], progress=False)
+    assert torch.equal(model.get_parameter(layer), before)

@@ -115,6 +115,9 @@ def prune_weight(
         raise ValueError(f"{name}: one-shot pruning needs a 2-D weight, got shape {tuple(weight.shape)}")
     w = weight.detach()
     if method == "sparsegpt":
+        # SparseGPT updates W^T in place after `.T.contiguous()`, which is no copy when W is a transposed
+        # view (a Conv1D weight, an experts module with is_transposed): it would write the model.
+        w = w.contiguous()
         hessian = _hessian(stats, name)
         kw = dict(blocksize=blocksize, percdamp=percdamp, name=name)
         if pattern == "tiles":
