@@ -32,6 +32,10 @@ def world() -> tuple[int, int]:
 def init_distributed(device: str) -> None:
     """Join the torchrun process group when launched by torchrun (WORLD_SIZE > 1)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if device == "cuda":  # one GPU per rank: "cuda" then means this rank's GPU (model, mesh, NCCL)
+            import torch
+
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
 
 
