@@ -205,3 +205,21 @@ def test_compiled_equals_eager():
         torch.testing.assert_close(c(w), m(w), rtol=1e-5, atol=1e-6)
         for a, b in zip(_grads(m), _grads(c)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_uniform_noise_never_reaches_0_or_1_in_fp32():
+    """The largest and smallest hashes map strictly inside (0, 1): with 24-bit values the top one rounded to
+    exactly 1.0, the Gumbel noise was +inf and the job's loss turned NaN within ~15 steps."""
+    from patchc.masking import fused
+
+    key = torch.tensor(fused.split_key(7))
+    u = fused.uniform(key, (1 << 20,), 0, "cpu")
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    x = torch.tensor([0, (1 << 32) - 1], dtype=torch.int64)
+    real_mix = fused._mix32
+    try:
+        fused._mix32 = lambda _v, x=x: x  # the hash's extreme outputs
+        extremes = fused.uniform(torch.zeros(2, dtype=torch.int64), (2,), 0, "cpu")
+    finally:
+        fused._mix32 = real_mix
+    assert torch.isfinite(-torch.log(-torch.log(extremes))).all()
