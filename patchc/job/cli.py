@@ -112,6 +112,9 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue <out>/masks.ckpt with the same settings (--steps may grow: extends the run)")
     p.add_argument("--overwrite", action="store_true",
                    help="start again in an --out that holds a finished run or a checkpoint")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun, shard each block's frozen weights and mask logits over the processes "
+                        "(FSDP2); the checkpoint becomes a folder every process writes")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
@@ -127,7 +130,7 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
         train_data=args.train_data, self_tokens=args.self_tokens, self_temperature=args.self_temperature,
         self_top_p=args.self_top_p, loss=args.loss, kd_temperature=args.kd_temperature,
         eval_data=tuple(args.eval_data), eval_tokens=args.eval_tokens, split_seed=args.split_seed,
-        recover=args.recover, recover_lr=args.recover_lr, recover_scope=args.recover_scope,
+        recover=args.recover, recover_lr=args.recover_lr, recover_scope=args.recover_scope, fsdp=args.fsdp,
         baselines=args.baselines, seed=args.seed, device=args.device, dtype=args.dtype, threads=args.threads,
         resume=args.resume, overwrite=args.overwrite, encoding=args.encoding, bos=args.bos, progress=args.progress,
     )

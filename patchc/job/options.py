@@ -84,6 +84,7 @@ class PruneOptions:
     seed: int = 0  # mask init, Gumbel noise and batch order
     split_seed: int = 0  # which documents are held out (and the self-generated text): fixed across --seed
     device: str = "cpu"
+    fsdp: bool = False  # under torchrun: FSDP2 shards each block's weights + logits; sharded checkpoint folder
     dtype: str = "auto"  # weights: "auto" = bfloat16 on CUDA, float32 on CPU; logits are always fp32
     threads: int = 0
     resume: bool = False

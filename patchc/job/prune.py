@@ -27,9 +27,10 @@ import torch.distributed as dist
 import patchc
 from patchc.config import PatchConfig
 from patchc.job.corpus import data_record, data_summary, load_data
-from patchc.job.distributed import init_distributed, rank_slice, say, world
+from patchc.job.distributed import init_distributed, prepare_training, rank_slice, say, world
 from patchc.job.losses import make_lm_loss
 from patchc.job.options import ONESHOT_METHODS, PruneOptions, check_device, weight_dtype
+from patchc.pruning import apply_masks
 from patchc.job.runs import CHECKPOINT, check_settings, claim_run_dir, release
 from patchc.utils.env import device_name, versions
 
@@ -108,24 +109,23 @@ def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, check
     `steps`: optimizer steps when more than the schedules' length `cfg.steps` (an extended run).
     """
     prog = patchc.transform(bundle.export(bundle.model), cfg, calib=calib, prior_masks=prior_masks)
-    forward_module = prog
-    if world()[1] > 1:
-        forward_module = torch.nn.parallel.DistributedDataParallel(prog)
+    setup = prepare_training(prog, checkpoint, fsdp=opts.fsdp)  # alone, DDP, or FSDP2 shards
     loss_fn = make_loss(bundle, bundle.model, opts)
     result = patchc.train_masks(
         prog,
         make_batches(bundle, data, opts),
-        lambda _prog, batch: loss_fn(forward_module, batch),
+        lambda _prog, batch: loss_fn(setup.forward_module, batch),
         steps=steps or cfg.steps,
         schedule_steps=cfg.steps,
         desc=f"mask training ({'learned 2:4 baseline' if cfg.variant == 'nm' and opts.variant != 'nm' else 'PATCH ' + cfg.variant})",
         lr=opts.lr,
-        checkpoint=checkpoint if world()[0] == 0 else None,
+        checkpoint=setup.checkpoint,
         checkpoint_every=50 if checkpoint else 0,
+        checkpoint_io=setup.checkpoint_io,
         resume=resume,
         progress=opts.progress and world()[0] == 0,
     )
-    plan = patchc.harden(prog, exact_budget=opts.exact_budget and cfg.variant != "nm")
+    plan = patchc.harden(setup.finish(prog), exact_budget=opts.exact_budget and cfg.variant != "nm")
     return plan, result
 
 
@@ -159,10 +159,7 @@ def oneshot_baseline(bundle, method: str, calib, progress: bool = False,
     model = bundle.reload()
     if masks is None:
         masks = patchc.oneshot(model, method=method, pattern="2:4", calib=calib, progress=progress)
-    with torch.no_grad():
-        for fqn, mask in masks.items():
-            model.get_parameter(fqn).mul_(mask.to(model.get_parameter(fqn).device))
-    return model
+    return apply_masks(model, masks)  # plan-named masks: expert slices and Conv1D transposes too
 
 
 def run_prune(opts: PruneOptions, command: str | None = None) -> dict:

@@ -10,7 +10,8 @@ It takes a `TilePlan` (and codegen's packed layers and launcher) and swaps a mod
 Modules: `op` (custom op + fake implementation), `candidates` (the candidate configs per GPU generation),
 `timing` (timing a layer's configs), `tuner` (decode, prefill and per-M-bucket tuning), `cache` (on-disk
 JSON cache), `dispatch` (TileLinear; `warmup` before CUDA-graph capture), `compile` (patchc.compile),
-`backend` (the dynamo backend `patch_backend`).
+`backend` (the dynamo backend `patch_backend`), `matmul_reads` (the matmul forms the backend recognises
+on a weight: linear, x @ W.T, matmul / mm, Conv1D addmm, einsum).
 """
 
 from __future__ import annotations
