@@ -42,6 +42,7 @@ LEARNED = [
     ("PATCH joint 25%", dict(sparsity=0.25)),
     ("PATCH tile-only 35%", TILE_ONLY),
 ]
+RECOVERED = {"learned 2:4", "PATCH joint 45%", "PATCH joint 35%"}  # rows also scored after --recover
 
 
 def scores(bundle, model, data, opts) -> dict:
@@ -66,7 +67,7 @@ def run_seed(opts: PruneOptions, recover_steps: int) -> list[dict]:
                      **scores(bundle, plan.apply(bundle.reload()), data, run_opts),
                      "seconds": round(time.perf_counter() - start, 1)})
         print(f"seed {opts.seed}  {name:<22} {rows[-1]['perplexity']:8.3f}", flush=True)
-        if recover_steps:
+        if recover_steps and name in RECOVERED:
             recovered = patchc.recover(plan, bundle.reload(), global_batches(bundle, data, run_opts),
                                        make_loss(bundle, bundle.model, run_opts), steps=recover_steps,
                                        lr=run_opts.recover_lr, progress=False)

@@ -29,7 +29,7 @@ class LossSpec:
     """Which task loss: "lm" (cross-entropy on the next token), "kd" (KL to the dense model at
     `temperature`), or "lm+kd" (their sum, KD weighted by `kd_weight`)."""
 
-    kind: str = "kd"
+    kind: str = "lm+kd"
     temperature: float = 1.0
     kd_weight: float = 1.0
 
