@@ -29,6 +29,7 @@ DEFAULT_DATA = (str(SHARED_DIR / "data" / "tinystories_sample.txt"),)
 DEFAULT_EVAL_DATA = (str(SHARED_DIR / "data" / "wikitext2_raw_test.txt"),)
 ONESHOT_METHODS = ("magnitude", "wanda", "sparsegpt")
 TRAIN_DATA = ("real", "self", "mix")
+MASK_IMPLS = ("fused", "compiled", "reference")
 _PAPER = PatchConfig()
 MAX_THREADS = 4 * (os.cpu_count() or 1)
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,6 +63,8 @@ class PruneOptions:
     lambda_density: float = _PAPER.lambda_density
     lambda_norm: float = _PAPER.lambda_norm
     scope: str = _PAPER.scope
+    nm_param: str = _PAPER.nm_param  # "pattern": 6 logits per 2:4 group; "weight": 4 scores (2/3 of the bytes)
+    mask_impl: str = "fused"  # "fused" (one autograd node per mask), "compiled" (torch.compile of it), "reference"
     exact_budget: bool = True
     block_len: int = 128
     eval_context: int = 256
@@ -127,6 +130,8 @@ class PruneOptions:
             raise ValueError(f"--self-temperature must be > 0 and --self-top-p in (0, 1], got "
                              f"{self.self_temperature} and {self.self_top_p}")
         LossSpec(self.loss, self.kd_temperature)  # validates --loss and --kd-temperature
+        if self.mask_impl not in MASK_IMPLS:
+            raise ValueError(f"--mask-impl must be one of {', '.join(MASK_IMPLS)}, got {self.mask_impl!r}")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: continue the run, or start it again")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):

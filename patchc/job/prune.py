@@ -109,6 +109,8 @@ def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, check
     `steps`: optimizer steps when more than the schedules' length `cfg.steps` (an extended run).
     """
     prog = patchc.transform(bundle.export(bundle.model), cfg, calib=calib, prior_masks=prior_masks)
+    for mask in prog.layers.values():
+        mask.impl = opts.mask_impl
     setup = prepare_training(prog, checkpoint, fsdp=opts.fsdp)  # alone, DDP, or FSDP2 shards
     loss_fn = make_loss(bundle, bundle.model, opts)
     result = patchc.train_masks(

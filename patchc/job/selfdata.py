@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -185,9 +186,12 @@ def self_generated_blocks(bundle: Any, spec: SelfDataSpec, prompts: torch.Tensor
             pass
     blocks = generate_blocks(bundle, spec, prompts, progress=progress)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            torch.save({"format": CACHE_FORMAT, "key": key, "spec": asdict(spec), "blocks": blocks}, tmp)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_path(path) as tmp:
+                torch.save({"format": CACHE_FORMAT, "key": key, "spec": asdict(spec), "blocks": blocks}, tmp)
+        except OSError as exc:  # the cache only saves time: a read-only or odd folder must not stop the run
+            warnings.warn(f"generated training text not cached in {path.parent}: {exc}", stacklevel=2)
     return blocks, False
 
 

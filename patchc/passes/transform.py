@@ -100,7 +100,8 @@ def build_masks(
         hybrids = []
         for e, name in enumerate(site.names):
             target = Target(name, site.fqn, e if site.experts is not None else None, site.transposed)
-            mask = HybridMask(name, site.shape, cfg.tile, cfg.variant, index=count, seed=cfg.seed, hard=cfg.hard)
+            mask = HybridMask(name, site.shape, cfg.tile, cfg.variant, index=count, seed=cfg.seed, hard=cfg.hard,
+                              nm_param=cfg.nm_param)
             count += 1
             mask.init_logits(cfg.init_std, gen)
             if cfg.prior != "random":
