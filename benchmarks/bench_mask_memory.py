@@ -233,6 +233,35 @@ def record(table: dict[str, dict], s: Shape, command: str) -> None:
     write_bytes_atomic(RESULTS, old + (json.dumps(line) + "\n").encode())
 
 
+def time_optimizers(s: Shape, repeats: int = 3) -> dict[str, float]:
+    """Seconds per optimizer step over the logits a joint 16x16 program of `s` has (6 per 2:4 group + tiles),
+    for torch Adam (for-loop, foreach, fused) and LowMemAdam (bf16 + stochastic rounding); interleaved,
+    median of `repeats`."""
+    import torch
+
+    from patchc.masking.optim import LowMemAdam
+
+    torch.set_num_threads(s.threads)
+    shapes = [(n * k // 4, 6) for n, k in [(s.hidden, s.hidden)] * 4 + [(s.inter, s.hidden)] * 2 + [(s.hidden, s.inter)]]
+    shapes = shapes * s.layers
+    makers = {"adam-loop": lambda p: torch.optim.Adam(p, foreach=False), "adam-foreach": lambda p: torch.optim.Adam(p, foreach=True),
+              "adam-fused": lambda p: torch.optim.Adam(p, fused=True), "lowmem-bf16-sr": lambda p: LowMemAdam(p)}
+    opts = {}
+    for name, make in makers.items():
+        params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        opts[name] = make(params)
+        opts[name].step()  # state allocated outside the timing
+    times: dict[str, list[float]] = {name: [] for name in opts}
+    for _ in range(repeats):
+        for name, opt in opts.items():
+            start = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def test_low_mode_uses_less_memory_than_default():
     table = run(TINY, modes=("dense", "default", "low"))
     assert all(r["extra_mib"] > 0 for r in table.values())
@@ -248,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per mode (medians reported)")
     p.add_argument("--impl", default="", help="HybridMask.impl of the mask modes (default: its default)")
     p.add_argument("--clamp-uniform", action="store_true", help="work around fused.uniform's 1.0 (see _clamp_fused_uniform)")
+    p.add_argument("--optimizer-times", action="store_true", help="time one optimizer step per kind instead")
     p.add_argument("--tiny", action="store_true", help="the tiny model of the pytest check")
     p.add_argument("--no-record", action="store_true", help=f"do not append to {RESULTS.relative_to(ROOT)}")
     a = p.parse_args(argv)
@@ -256,6 +286,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     s = dataclasses.replace(TINY if a.tiny else Shape(), steps=a.steps, impl=a.impl,
                             clamp_uniform=a.clamp_uniform)
+    if a.optimizer_times:
+        for name, sec in time_optimizers(s, a.repeats).items():
+            print(f"{name:<16} {sec:.3f} s per step")
+        return
     table = run(s, a.repeats)
     print(format_table(table))
     if not a.no_record:
