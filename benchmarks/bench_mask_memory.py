@@ -213,7 +213,7 @@ def run(s: Shape, repeats: int = 1, modes: tuple[str, ...] | None = None) -> dic
 
 
 def format_table(table: dict[str, dict]) -> str:
-    dense = table["dense"]["extra_mib"]
+    dense = table["dense"]["extra_mib"] if "dense" in table else float("nan")
     lines = [f"{'mode':<8} {'B/weight':>9} {'extra MiB':>10} {'x dense':>8} {'step s':>7}   (runs)"]
     for m, r in table.items():
         lines.append(f"{m:<8} {r['bytes_per_weight']:9.2f} {r['extra_mib']:10.1f} {r['extra_mib'] / dense:8.2f} "
@@ -277,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per mode (medians reported)")
     p.add_argument("--impl", default="", help="HybridMask.impl of the mask modes (default: its default)")
     p.add_argument("--clamp-uniform", action="store_true", help="work around fused.uniform's 1.0 (see _clamp_fused_uniform)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=None, help="default: all (low-4 where available)")
     p.add_argument("--optimizer-times", action="store_true", help="time one optimizer step per kind instead")
     p.add_argument("--tiny", action="store_true", help="the tiny model of the pytest check")
     p.add_argument("--no-record", action="store_true", help=f"do not append to {RESULTS.relative_to(ROOT)}")
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, sec in time_optimizers(s, a.repeats).items():
             print(f"{name:<16} {sec:.3f} s per step")
         return
-    table = run(s, a.repeats)
+    table = run(s, a.repeats, tuple(a.modes) if a.modes else None)
     print(format_table(table))
     if not a.no_record:
         record(table, s, "python " + " ".join([Path(__file__).relative_to(ROOT).as_posix(), *sys.argv[1:]]))
