@@ -2,13 +2,14 @@
 
     python benchmarks/static_profile.py                       # sm_80 and sm_90, 25/35/45/50%, fp16
     python benchmarks/static_profile.py --target sm_90 --sparsity 0.45
-    python benchmarks/static_profile.py --sparsity 0.45 0.5 --dtype fp16 bf16 --tile 128 64   # the decode-issue grid
+    python benchmarks/static_profile.py --issue-matrix        # the decode issue's grid: its static targets
 
 For each shape, sparsity (random tile map, as in `patchc bench`) and target, compiles the layer's kernels
 with `patchc.codegen.generate` and prints, per variant, what a profiler would show first: registers per
 thread, spill bytes, the SASS instruction mix (128-bit loads, cp.async, HMMA / HGMMA) and the weight bytes
 the kernel reads against dense (the decode ceiling is dense / packed bytes), and per weight loop the
-warp-instructions issued per weight byte (above ~0.28 an H100 cannot be memory bound). Appends one JSON line with
+warp-instructions issued per weight byte (above ~0.28 an H100 cannot be memory bound) and, for decode variants
+serving M <= 16, the static targets they miss (`patchc.codegen.sass.LOOP_TARGETS`). Appends one JSON line with
 versions and date to benchmarks/results/static_profile.jsonl. Runs on CPU: this is what can be said about
 the kernels' speed where no GPU is lent; the timings come from `patchc bench` (`make gpu`) on a GPU.
 """
@@ -50,8 +51,10 @@ def profile_layer(layer, target: str, work: Path) -> tuple[list[dict], dict]:
     return [
         {"variant": v["name"], "num_warps": v["num_warps"], "num_stages": v["num_stages"],
          "split_k": v.get("split_k"), "block": man["block"], **(v["profile"] or {}),
-         "loops": {lp["loop"]: {k: lp[k] for k in ("warp_instr_per_byte", "instructions", "barriers", "shuffles")}
-                   for lp in v.get("loops") or []}}
+         "loops": {lp["loop"]: {k: lp[k] for k in ("warp_instr_per_byte", "instructions", "weight_bytes", "barriers",
+                                                    "shuffles", "ldg128")}
+                   for lp in v.get("loops") or []},
+         **({"target_misses": v["target_misses"]} if "target_misses" in v else {})}
         for v in man["variants"]
     ], man
 
@@ -62,15 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sparsity", type=float, nargs="+", default=[0.25, 0.35, 0.45, 0.50])
     ap.add_argument("--dtype", choices=sorted(DTYPES), nargs="+", default=["fp16"])
     ap.add_argument("--tile", type=int, nargs="+", default=[128], help="square tile sides")
+    ap.add_argument("--shape", nargs="+", default=None, help="N x K shapes (e.g. 4096x11008); default LLaMA-2-7B's")
+    ap.add_argument("--issue-matrix", action="store_true",
+                    help="the decode issue's grid: 4096x4096 and 4096x11008, mixed 45%% and all-2:4, fp16 and bf16, "
+                         "tiles 128 and 64, sm_80 and sm_90; exits 1 when a static target is missed")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "static_profile.jsonl")
     args = ap.parse_args(argv)
+    if args.issue_matrix:
+        args.shape, args.sparsity, args.dtype, args.tile = ["4096x4096", "4096x11008"], [0.45, 0.5], ["fp16", "bf16"], [128, 64]
+    shapes = SHAPES if args.shape is None else [tuple(int(v) for v in s.lower().split("x")) for s in args.shape]
     os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real Triton, not the interpreter
     from patchc.codegen.reference import random_layer_plan
     from patchc.utils.env import versions
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for target, (n, k), s, dtype, side in itertools.product(args.target, SHAPES, args.sparsity, args.dtype,
+        for target, (n, k), s, dtype, side in itertools.product(args.target, shapes, args.sparsity, args.dtype,
                                                                  args.tile):
             tile = (side, side)
             gen = torch.Generator().manual_seed(0)
@@ -83,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"target": target, "N": n, "K": k, "sparsity": s, "dtype": dtype, "tile": side,
                        "bytes_ratio": bytes_ratio, "ceiling": ceiling(s), **v}
                 rows.append(row)
-                loops = "  ".join(f"{kind} loop {lp['warp_instr_per_byte']:.3f} w-instr/B ({lp['barriers']} bar)"
+                loops = "  ".join(f"{kind} loop {lp['warp_instr_per_byte']:.3f} w-instr/B ({lp['instructions']} instr, "
+                                  f"{lp['weight_bytes']} B, {lp['barriers']} bar, {lp['ldg128']} LDG.128)"
                                   for kind, lp in v["loops"].items())
+                if v.get("target_misses"):
+                    loops += "  MISSES: " + "; ".join(v["target_misses"])
                 print(f"{target} {n:>5}x{k:<5} s={s:.2f} {dtype} tile {side:<3} {v['variant']:<17} block {v['block']} "
                       f"warps {v['num_warps']} split_k {v['split_k'] or '-':<2} regs {v.get('registers', '?'):>3} "
                       f"spill {v.get('spill_bytes', '?'):>3} B  LDG.128 {v.get('ldg128', '?'):>3} "
@@ -102,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "a") as f:  # append-only log: earlier runs are never rewritten
         f.write(json.dumps(record) + "\n")
     print(f"appended {len(rows)} rows to {args.out}")
-    return 0
+    missed = [r for r in rows if r.get("target_misses")]
+    print(f"static targets: {len(missed)} of {sum('target_misses' in r for r in rows)} decode variants (M <= 16) miss")
+    return 1 if args.issue_matrix and missed else 0
 
 
 if __name__ == "__main__":

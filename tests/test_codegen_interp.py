@@ -139,7 +139,7 @@ GEMV_CASES = [  # every preset, block and dtype, several times each (the interpr
 
 @pytest.mark.parametrize("preset,block,dtype", GEMV_CASES)
 def test_gemv_decode_every_token_count(preset, block, dtype):
-    """decode_gemv (block_m 1, 2, 4): N and K tails, M that is not a multiple of block_m, split-K, bias."""
+    """decode with block_m 1, 2, 4: N and K tails, M that is not a multiple of block_m, split-K, bias."""
     n, k = 2 * block[0] + 5, 2 * block[1] + 12  # a partial edge block in N and a ragged K
     layer = random_layer_plan(n, k, tile=block, kinds=preset, bias=True, seed=sum(block), dtype=dtype)
     packed = pack(layer, block=block)
@@ -152,7 +152,7 @@ def test_gemv_decode_every_token_count(preset, block, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_programs_store_only_their_own_tokens(dtype):
-    """block_m 2 / 8 with the tokens padded to 16 inside each program: M = 11 needs 6 / 2 programs, the last
+    """block_m 2 / 8 with the tokens padded to 8 inside each program: M = 11 needs 6 / 2 programs, the last
     one partial; a program that stored its padding rows would overwrite the next program's tokens."""
     layer = random_layer_plan(48, 96, tile=(16, 32), kinds="mixed", bias=True, seed=5, dtype=dtype)
     packed = pack(layer)
@@ -165,7 +165,7 @@ def test_decode_programs_store_only_their_own_tokens(dtype):
 def test_auto_config_and_leading_dims():
     layer = random_layer_plan(64, 64, tile=(32, 32), kinds="rows_no_dense", bias=True, seed=9)
     packed = pack(layer)
-    for shape in [(2, 3, 64), (1, 64), (70, 64)]:  # decode / gemv / prefill picked by M
+    for shape in [(2, 3, 64), (1, 64), (70, 64)]:  # decode block_m 16 / block_m 1 / prefill picked by M
         x = torch.randn(*shape)
         y = tile_linear(x, packed)
         assert y.shape == (*shape[:-1], 64)
@@ -304,7 +304,7 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat1
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_every_m_against_float64_with_k_scaled_tolerance(dtype):
-    """Auto config (gemv / tl.dot decode / prefill by M) on a layer with N and K tails, block 32 x 64.
+    """Auto config (small-block_m / block_m-16 decode / prefill by M) on a layer with N and K tails, block 32 x 64.
 
     Tolerance: one rounding of the output (u |ref|) plus fp32 accumulation over K terms of size
     |x||w| ~ 1/sqrt(K) (x is scaled so outputs are O(1)): 2 K u32 / sqrt(K) = 2 sqrt(K) u32. A misplaced

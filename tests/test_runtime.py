@@ -322,7 +322,7 @@ def test_launch_path_has_no_host_sync(monkeypatch):
 
 
 def bucketed_module(n=48, k=64, tile=(16, 32), threshold=16):
-    """small_module with decode buckets M=1 (gemv), 2-4 (gemv), 5-16 (tl.dot, split-K 2), prefill above."""
+    """small_module with decode buckets M=1 (block_m 1), 2-4 (block_m 4), 5-16 (block_m 16, split-K 2), prefill above."""
     from patchc.codegen.configs import KernelConfig
 
     _, mod = small_module(n=n, k=k, tile=tile, threshold=threshold)

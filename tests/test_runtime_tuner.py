@@ -211,7 +211,7 @@ def test_tuned_buckets_read_the_weights_once_up_to_16_tokens(tmp_path):
     for m, cfg in mixed.buckets:
         assert (cfg.kernel, (cfg.block_n, cfg.block_k)) == ("decode", mixed.block)
         assert cfg.block_m >= min(m, 16), f"bucket M <= {m}: block_m {cfg.block_m} reads the weights twice"
-    assert dict(mixed.buckets)[1].block_m == 1 and dict(mixed.buckets)[4].block_m == 4  # decode_gemv
+    assert dict(mixed.buckets)[1].block_m == 1 and dict(mixed.buckets)[4].block_m == 4  # small-M decode blocks
     assert dict(mixed.buckets)[16] == mixed.decode  # the batch size's bucket is the decode config itself
     assert mixed.to_dict()["buckets"][0] == [1, dataclasses.asdict(dict(mixed.buckets)[1])]
 

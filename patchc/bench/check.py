@@ -10,8 +10,8 @@ with u the dtype's unit roundoff (2^-11 fp16, 2^-8 bf16): it may be at most twic
 result as cuBLAS, plus one rounding of the output. One misplaced 2:4 value moves an output by about
 |w| |x| ~ 1/sqrt(K), several times that bound.
 
-Variants: "auto" (`tile_linear`'s own choice), "gemv" / "gemv_splitk" (M <= 4), "dot" (the padded
-tl.dot decode, M <= 64), "prefill" / "prefill_splitk" (M >= 16), and "runtime" (`TileLinear` with its
+Variants: "auto" (`tile_linear`'s own choice), "gemv" / "gemv_splitk" (decode with block_m = M <= 4,
+tokens padded to 8), "dot" (decode with block_m 16, M <= 64), "prefill" / "prefill_splitk" (M >= 16), and "runtime" (`TileLinear` with its
 default buckets, through the custom op). The explicit variants run on the cases marked `explicit`
 (fp16, 128 x 128 tiles); every case runs "auto" and "runtime".
 

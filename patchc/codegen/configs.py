@@ -23,7 +23,7 @@ class KernelConfig:
     """Launch parameters of one tile_linear call; None fields are filled from the architecture table.
 
     kernel: "decode" (small M, weights on the dot M side), "prefill" (tiled GEMM) or "auto" (by M).
-    block_m: tokens per program (decode: padded to >= 16 for tl.dot; one weight pass serves them all).
+    block_m: tokens per program (decode: padded to >= 8 for tl.dot; one weight pass serves them all).
     block_n / block_k: must equal the packed block (the layout is cut to it); None = the packed block.
     split_k: programs sharing one block row's K range (fp32 partial sums, deterministic reduction).
 
@@ -62,11 +62,12 @@ class ArchDefaults:
     block: tuple[int, int]  # preferred pack block (BLOCK_N, BLOCK_K) for generate()
     decode_max_m: int  # M above this goes to the prefill kernel
     decode_buckets: tuple[int, ...]  # upper M of each decode bucket (own tuned config each, one weight pass)
-    small_m: int  # M at or below this gets its own decode variants (block_m 1, 2 or 4; tokens padded to 16)
+    small_m: int  # M at or below this gets its own decode variants (block_m 1, 2 or 4; tokens padded to 8)
     decode_block_m: int  # token padding for the decode tl.dot (>= 16)
     # warps: at least decode_warps, more for bigger blocks (decode_elems_per_warp); fewer warps issue fewer
     # instructions per weight byte (the per-iteration x / address / loop overhead is per warp)
     decode_warps: int
+    decode_warps_m16: int  # the minimum for block_m >= 16 (more tokens per iteration: fewer warps pay off)
     decode_elems_per_warp: int
     decode_stages: int  # 1: no cp.async ring, 2 barriers per iteration; latency is hidden by split-K programs
     decode_waves: float  # aim for this many programs per SM when choosing split_k
@@ -80,15 +81,16 @@ class ArchDefaults:
 ARCH_TABLE: dict[str, ArchDefaults] = {
     "sm_80": ArchDefaults(
         sm_count=108, block=(128, 64), decode_max_m=64, decode_buckets=(1, 4, 8, 16, 64), small_m=4, decode_block_m=16,
-        decode_warps=4, decode_elems_per_warp=2048, decode_stages=1, decode_waves=4.0, max_split_k=16,
+        decode_warps=4, decode_warps_m16=2, decode_elems_per_warp=2048, decode_stages=1, decode_waves=4.0,
+        max_split_k=16,
         # 8 warps: with 4, the 128 x 64 fp32 accumulator plus the in-register 2:4 expansion hit 255 registers
         prefill_block_m=128, prefill_warps=8, prefill_stages=3, group_m=8,
     ),
     # Hopper: more SMs and shared memory; wgmma wants 8 warps (two warp groups) for 128-row tiles.
     "sm_90": ArchDefaults(
         sm_count=132, block=(128, 64), decode_max_m=64, decode_buckets=(1, 4, 8, 16, 64), small_m=4, decode_block_m=16,
-        decode_warps=4, decode_elems_per_warp=2048, decode_stages=1, decode_waves=4.0, max_split_k=16,
-        prefill_block_m=128, prefill_warps=8, prefill_stages=3, group_m=8,
+        decode_warps=4, decode_warps_m16=4, decode_elems_per_warp=2048, decode_stages=1, decode_waves=4.0,
+        max_split_k=16, prefill_block_m=128, prefill_warps=8, prefill_stages=3, group_m=8,
     ),
 }
 
@@ -144,7 +146,8 @@ def resolve_config(config: KernelConfig | None, packed: Any, m: int, arch: str) 
     kernel = cfg.kernel if cfg.kernel != "auto" else choose_kernel(m, arch)
     if kernel == "decode":
         block_m = cfg.block_m or (_pow2_at_least(m) if m <= d.small_m else d.decode_block_m)
-        warps = min(8, max(d.decode_warps, bn * bk // d.decode_elems_per_warp))
+        least = d.decode_warps if block_m < 16 else d.decode_warps_m16
+        warps = min(8, max(least, bn * bk // d.decode_elems_per_warp))
         stages = d.decode_stages
     else:
         block_m = cfg.block_m or min(d.prefill_block_m, max(16, _pow2_at_least(m)))

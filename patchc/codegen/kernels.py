@@ -4,7 +4,7 @@ Layering as in Triton's tutorials: these `@triton.jit` kernels are called only b
 `patchc.codegen.launch` (check, allocate, grid, launch). Two kernels:
 
 * `decode_kernel` (small M, bound by weight bytes): the weight block is the `tl.dot` M side,
-  acc[BN, TOK] += W[BN, BK] @ x^T[BK, TOK], BLOCK_M tokens padded to TOK >= 16 (for M <= 16 one program
+  acc[BN, TOK] += W[BN, BK] @ x^T[BK, TOK], BLOCK_M tokens padded to TOK >= 8 (for M <= 16 one program
   reads every weight once). Its loops are unpipelined by default (num_stages 1: 2 barriers per iteration).
   Split-K over grid axis 1: split s of a block row takes the s-th equal share of the row's dense blocks and
   the s-th equal share of its 2:4 blocks, so every split reads the same bytes (balanced by bytes).
@@ -218,11 +218,11 @@ def decode_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Small-M kernel. grid = (ceil(N/BN), SPLIT_K, ceil(M/BM)): acc[BN, TOK] += W @ x^T with the weights
-    on the tl.dot M side, BLOCK_M tokens padded to TOK >= 16 (a tl.dot side); one weight pass per program."""
+    on the tl.dot M side, BLOCK_M tokens padded to TOK >= 8 (an mma's N side); one weight pass per program."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
-    TOK: tl.constexpr = BLOCK_M if BLOCK_M >= 16 else 16
+    TOK: tl.constexpr = BLOCK_M if BLOCK_M >= 8 else 8  # an mma's N side is 8 tokens
     offs_m = m0 + tl.arange(0, TOK)
     offs_n = row * BLOCK_N + tl.arange(0, BLOCK_N)
     m_end = tl.minimum(M, m0 + BLOCK_M)  # padding rows and the next program's tokens read as zeros

@@ -63,7 +63,7 @@ _BLOCKS = ((16, 64), (32, 64), (64, 32), (64, 64), (128, 64), (64, 128), (128, 1
 SPACES: dict[str, CandidateSpace] = {
     # Ampere (A100: 163 KiB opt-in shared memory per block, 108 SMs): mma.sync; 4 warps per 64-row tile.
     "sm_80": CandidateSpace(
-        blocks=_BLOCKS, decode_block_m=(16, 32, 64), decode_split_k=(1, 2, 4, 8), decode_warps=(4, 8),
+        blocks=_BLOCKS, decode_block_m=(16, 32, 64), decode_split_k=(1, 2, 4, 8), decode_warps=(2, 4, 8),
         decode_stages=(1, 2, 4), prefill_block_m=(64, 128), prefill_split_k=(1, 2), prefill_warps=(4, 8),
         prefill_stages=(3, 4), group_m=8, smem_bytes=163 * 1024, min_k_per_split=256, min_blocks_per_split=2,
     ),
@@ -100,8 +100,8 @@ def smem_estimate(cfg: KernelConfig, dtype: torch.dtype) -> int:
         131072
     """
     elem = torch.empty((), dtype=dtype).element_size()
-    # decode pads block_m < 16 to 16 tokens (a tl.dot side)
-    x_tile = max(16, cfg.block_m) * cfg.block_k
+    # decode pads block_m < 8 to 8 tokens (an mma N side)
+    x_tile = max(8, cfg.block_m) * cfg.block_k
     return cfg.num_stages * (x_tile + cfg.block_n * cfg.block_k) * elem
 
 
@@ -167,7 +167,7 @@ def candidates(
     blocks = (block,) if block is not None else space.blocks
     if regime == "decode":
         dot_bms = tuple(b for b in space.decode_block_m if b <= max(16, _pow2_ceil(m)))
-        # M <= 4: block_m = M rounded up (tokens padded to 16 inside the kernel) or the smallest tl.dot block
+        # M <= 4: block_m = M rounded up (tokens padded to 8 inside the kernel) or the smallest block_m of 16
         bms = (_pow2_ceil(m), *dot_bms[:1]) if m <= ARCH_TABLE[arch].small_m else dot_bms
         sks, warps, stages = space.decode_split_k, space.decode_warps, space.decode_stages
     else:

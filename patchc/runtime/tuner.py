@@ -256,7 +256,7 @@ def _tune_bucket(t: LayerTimer, m: int, block: tuple[int, int]) -> tuple[KernelC
 def _tune_buckets(t: LayerTimer, block: tuple[int, int], dec: KernelConfig,
                   cached_only: bool) -> tuple[tuple[int, KernelConfig], ...] | None:
     """A decode config per M bucket (`decode_buckets` of the architecture), each timed at the bucket's
-    largest M with the block fixed: M = 1 gets decode_gemv with one token, 5..16 one padded tl.dot pass.
+    largest M with the block fixed: M = 1 gets block_m 1 (padded to 8 tokens), 5..16 one block_m-16 pass.
     None when `cached_only` and one is missing."""
     s, out = t.s, []
     for m in ARCH_TABLE[s.arch].decode_buckets:
