@@ -83,7 +83,7 @@ def summarise(runs: list[dict], rows: list[str]) -> dict:
     for r in rows:
         vals = list(by[r].values())
         out[r] = {"mean": statistics.mean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
-        if r != "default":
+        if r != "default" and "default" in by:
             diffs = [by[r][s] - by["default"][s] for s in by[r] if s in by["default"]]
             out[r]["paired_diff_mean"] = statistics.mean(diffs) if diffs else None
             out[r]["within_seed_noise"] = abs(out[r]["mean"] - out["default"]["mean"]) <= max(out["default"]["std"],
@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps(runs[-1]), flush=True)
     summary = summarise(runs, rows)
     for r, s in summary.items():
-        extra = f"   paired diff {s['paired_diff_mean']:+.3f}  within seed noise: {s['within_seed_noise']}" if r != "default" else ""
+        extra = (f"   paired diff {s['paired_diff_mean']:+.3f}  within seed noise: {s['within_seed_noise']}"
+                 if "paired_diff_mean" in s else "")
         print(f"{r:<10} perplexity {s['mean']:.3f} +- {s['std']:.3f} (n={s['n']}){extra}")
     if not a.no_record:
         from patchc.utils.env import device_name, versions
