@@ -70,6 +70,9 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nm-param", default=d.nm_param, choices=("pattern", "weight"),
                    help="how the 2:4 choice is learned: 6 logits per group of 4 (the paper), or 4 scores per "
                         "group (one per weight; 2/3 of the logit bytes)")
+    p.add_argument("--low-memory", action="store_true",
+                   help="bf16 Adam state and a per-layer step inside backward: ~12 bytes per masked weight (8 "
+                        "with --nm-param weight) instead of ~24; gradient clipping per tensor")
     p.add_argument("--mask-impl", default=d.mask_impl, choices=("fused", "compiled", "reference"),
                    help="mask step: one fused autograd node per mask, the same through torch.compile (faster "
                         "steps after a 1-2 minute compile), or the plain autograd graph")
@@ -131,7 +134,8 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
         batch_size=args.batch_size, lr=args.lr, tau=tuple(args.tau),
         tau_nm=tuple(args.tau_nm) if args.tau_nm else None, kappa_tile=tuple(args.kappa_tile),
         kappa_nm=tuple(args.kappa_nm), lambda_density=args.lambda_density, lambda_norm=args.lambda_norm,
-        scope=args.scope, nm_param=args.nm_param, mask_impl=args.mask_impl, exact_budget=args.exact_budget, block_len=args.block_len, eval_context=args.eval_context,
+        scope=args.scope, nm_param=args.nm_param, mask_impl=args.mask_impl,
+        low_memory=args.low_memory, exact_budget=args.exact_budget, block_len=args.block_len, eval_context=args.eval_context,
         eval_fraction=args.eval_fraction, calib_blocks=args.calib_blocks,
         train_data=args.train_data, self_tokens=args.self_tokens, self_temperature=args.self_temperature,
         self_top_p=args.self_top_p, loss=args.loss, kd_temperature=args.kd_temperature,

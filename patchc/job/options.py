@@ -64,6 +64,9 @@ class PruneOptions:
     lambda_norm: float = _PAPER.lambda_norm
     scope: str = _PAPER.scope
     nm_param: str = _PAPER.nm_param  # "pattern": 6 logits per 2:4 group; "weight": 4 scores (2/3 of the bytes)
+    # bf16 Adam state + the step inside backward: ~12 bytes per masked weight (8 with nm_param="weight")
+    # instead of ~24; gradient clipping per tensor
+    low_memory: bool = False
     mask_impl: str = "fused"  # "fused" (one autograd node per mask), "compiled" (torch.compile of it), "reference"
     exact_budget: bool = True
     block_len: int = 128

@@ -30,6 +30,7 @@ from patchc.job.corpus import data_record, data_summary, load_data
 from patchc.job.distributed import init_distributed, prepare_training, rank_slice, say, world
 from patchc.job.losses import make_lm_loss
 from patchc.job.options import ONESHOT_METHODS, PruneOptions, check_device, weight_dtype
+from patchc.masking.optim import MaskOptimConfig
 from patchc.pruning import apply_masks
 from patchc.job.runs import CHECKPOINT, check_settings, claim_run_dir, release
 from patchc.utils.env import device_name, versions
@@ -124,6 +125,7 @@ def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, check
         checkpoint=setup.checkpoint,
         checkpoint_every=50 if checkpoint else 0,
         checkpoint_io=setup.checkpoint_io,
+        optim=MaskOptimConfig(memory="low" if opts.low_memory else "default"),
         resume=resume,
         progress=opts.progress and world()[0] == 0,
     )

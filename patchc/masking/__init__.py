@@ -6,8 +6,11 @@
     schedule.py      tau and kappa, linear per optimizer step
     regularizer.py   the density term (global or per block) and the decaying magnitude term
     train.py         `train_masks`: Adam over the logits, clipping, logs, checkpoints, exact resume; `lm_loss`
+    optim.py         `MaskOptimConfig`, `LowMemAdam` (bf16 m / v, stochastic rounding), the step in backward,
+                     bytes per weight
     harden.py        `harden`: logits -> hard masks -> a verified `TilePlan` (optionally an exact global budget)
+    recover.py       `recover`: fine-tune a plan's kept weights with its masks fixed (Adam or a SparseGPT update)
 
 It takes the `MaskedProgram` of `patchc.passes` and hands a `TilePlan` to the IR (`patchc.ir`).
-`patchc.train_masks`, `patchc.lm_loss` and `patchc.harden` are the public names.
+`patchc.train_masks`, `patchc.lm_loss`, `patchc.harden` and `patchc.recover` are the public names.
 """
