@@ -115,10 +115,10 @@ def test_self_generated_text_trains_and_real_text_evaluates(tmp_path):
 
 
 def test_bf16_weights_train_fp32_logits(tmp_path):
-    """Also the low-byte 2:4 parametrisation: 4 scores per group of 4 weights instead of 6 pattern logits."""
+    """Also the low-byte mode: 4 scores per group of 4 weights instead of 6 pattern logits, bf16 Adam state."""
     out = tmp_path / "bf16"
     args = ["prune", "--out", str(out), "--dtype", "bfloat16", "--tau-nm", "3", "0.1", "--no-baselines",
-            "--prior", "magnitude", "--nm-param", "weight", *QUICK]
+            "--prior", "magnitude", "--nm-param", "weight", "--low-memory", *QUICK]
     assert main(args) == 0
     plan = TilePlan.load(out / "plan.patch")
     assert {lp.dtype for lp in plan.layers.values()} == {torch.bfloat16}
@@ -126,6 +126,8 @@ def test_bf16_weights_train_fp32_logits(tmp_path):
     logits = [v for k, v in state["program"].items() if k.endswith("_logits")]
     assert logits and all(v.dtype == torch.float32 for v in logits)
     assert {v.shape[-1] for k, v in state["program"].items() if k.endswith("nm_logits")} == {4}
+    moments = [t for s in state["optimizer"]["state"].values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+    assert moments and {t.dtype for t in moments} == {torch.bfloat16}
     plan.verify()
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["tau_nm"] == [3.0, 0.1]
