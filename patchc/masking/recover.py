@@ -41,6 +41,7 @@ from patchc.ir import TILE_SPARSE24, LayerPlan, PlanError, TilePlan
 from patchc.ir import targets as tg
 from patchc.ir.provenance import check_weights, fingerprint
 from patchc.ir.tiles import expand_tiles
+from patchc.masking.train import batch_getter
 from patchc.utils.progress import progress as progress_bar
 
 SCOPES = ("all", "values")
@@ -151,7 +152,7 @@ def recover(
     if not force:
         check_weights(plan, model)
     prints = source_fingerprints(plan, model, views)
-    get_batch = _batch_getter(batches) if batches is not None else None
+    get_batch = batch_getter(batches, 'recover') if batches is not None else None
     n_score = min(cfg.score_batches, len(batches)) if isinstance(batches, Sequence) else cfg.score_batches
     score = (lambda: _mean_loss(model, loss_fn, get_batch, n_score)) if get_batch and loss_fn and n_score else None
     start = time.perf_counter()
@@ -293,14 +294,6 @@ def update_sparsegpt(plan: TilePlan, model: nn.Module, views: dict[str, tg.Targe
     if missing:
         warnings.warn(f"recover(method='sparsegpt'): no calibration Hessian for {len(missing)} layer(s), "
                       f"left as hardened: {missing[:5]}", stacklevel=3)
-
-
-def _batch_getter(batches: Callable[[int], Any] | Sequence) -> Callable[[int], Any]:
-    if callable(batches):
-        return batches
-    if len(batches) == 0:
-        raise ValueError("recover got an empty batch sequence")
-    return lambda step: batches[step % len(batches)]
 
 
 @torch.no_grad()

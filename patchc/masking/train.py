@@ -54,11 +54,12 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
         torch.save(obj, tmp)
 
 
-def _batch_getter(batches: Callable[[int], Any] | Sequence) -> Callable[[int], Any]:
+def batch_getter(batches: Callable[[int], Any] | Sequence, who: str = "train_masks") -> Callable[[int], Any]:
+    """step -> batch from a callable, or from a sequence cycled by `step % len`."""
     if callable(batches):
         return batches
     if len(batches) == 0:
-        raise ValueError("train_masks got an empty batch sequence")
+        raise ValueError(f"{who} got an empty batch sequence")
     return lambda step: batches[step % len(batches)]
 
 
@@ -202,7 +203,7 @@ def train_masks(
             raise ValueError("train_masks(resume=True) needs checkpoint=PATH")
         if io.exists(checkpoint):
             result = io.load(checkpoint, prog, optimizer)
-    get_batch = _batch_getter(batches)
+    get_batch = batch_getter(batches)
     params = prog.mask_parameters()
     prog.train()
     start = time.perf_counter()

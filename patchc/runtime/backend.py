@@ -34,13 +34,12 @@ from __future__ import annotations
 
 import logging
 import re
-import warnings
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
-from patchc.runtime.dispatch import BUFFER_NAMES, TileLinear
+from patchc.runtime.dispatch import BUFFER_NAMES, TileLinear, report_unreplaced
 from patchc.runtime.matmul_reads import LINEAR, Read, find_reads
 from patchc.runtime.op import tile_linear as _op  # noqa: F401  (registers the op)
 
@@ -122,7 +121,7 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any],
     if plan is None:
         plan = _infer_plan(reads, names, examples, options.get("tile", DEFAULT_TILE))
     served, left = _servable(plan, reads, names, examples)
-    _report_left(left, bool(options.get("strict", False)))
+    report_unreplaced("patch backend", "left dense in this graph", left, bool(options.get("strict", False)))
     modules = _modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options)
     if not modules:
         return gm, []
@@ -193,16 +192,6 @@ def _servable(plan: Any, reads: list[Read], names: dict[fx.Node, str],
             raise ValueError(f"patch backend: layer {names[read.weight]!r} is read as a {expect} (N, K) matrix by "
                              f"{read.form} but the plan has {plan.layers[names[read.weight]].shape}")
     return served, why
-
-
-def _report_left(left: dict[str, str], strict: bool) -> None:
-    if not left:
-        return
-    text = "; ".join(f"{f} ({why})" for f, why in left.items())
-    msg = f"patch backend: {len(left)} planned layer(s) left dense in this graph: {text}"
-    if strict:
-        raise ValueError(msg)
-    warnings.warn(msg, stacklevel=2)
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:

@@ -20,13 +20,12 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from patchc.runtime.dispatch import TileExperts, TileLinear
+from patchc.runtime.dispatch import TileExperts, TileLinear, report_unreplaced
 from patchc.runtime.timing import TimeFn
 from patchc.runtime.tuner import LayerTuning, tune_plan
 
@@ -70,7 +69,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     target = model if inplace else copy.deepcopy(model)
     plan.apply(target, force=force)
     swaps, experts, missed = plan_swaps(target, plan)
-    _report_missed(missed, strict)
+    report_unreplaced("patchc.compile", "not replaced (kept dense with the plan's values)", missed, strict)
     if not swaps and not experts:
         log.warning("patchc.compile: no planned layer with a 2:4 tile can be replaced; the model only has the "
                     "plan's pruned weights")
@@ -144,16 +143,6 @@ def plan_swaps(model: nn.Module, plan: Any) -> tuple[dict[str, Users], list[str]
                    f"+ down_proj (has {names})")
             missed.update({f: why for f in layers})
     return swaps, list(experts), missed
-
-
-def _report_missed(missed: dict[str, str], strict: bool) -> None:
-    if not missed:
-        return
-    text = "; ".join(f"{f} ({why})" for f, why in missed.items())
-    msg = f"patchc.compile: {len(missed)} planned layer(s) not replaced (kept dense with the plan's values): {text}"
-    if strict:
-        raise ValueError(msg)
-    warnings.warn(msg, stacklevel=3)
 
 
 def _tunings(plan: Any, names: list[str], batch_size: int, prefill_len: int, tune: bool | str,

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -248,3 +250,14 @@ def warmup(model: nn.Module, ms: Iterable[int]) -> int:
     for mod in mods:
         mod.warmup(ms)
     return len(mods)
+
+
+def report_unreplaced(what: str, verdict: str, layers: dict[str, str], strict: bool, stacklevel: int = 3) -> None:
+    """Warn (or raise with `strict`) naming every planned layer an entry point left dense, and why:
+    "patchc.compile: 2 planned layer(s) not replaced (...): a (why); b (why)"."""
+    if not layers:
+        return
+    msg = f"{what}: {len(layers)} planned layer(s) {verdict}: " + "; ".join(f"{f} ({why})" for f, why in layers.items())
+    if strict:
+        raise ValueError(msg)
+    warnings.warn(msg, stacklevel=stacklevel)
