@@ -3,9 +3,9 @@
 `fused_masked_weight` replaces `HybridMask`'s reference path (noise from a torch.Generator, softmax
 over (groups, 6), the pattern matmul, each saved for backward). Here:
 
-    noise      counter-based: u = hash(key, element) with key = noise_seed(seed, layer, draw), so
-               backward REGENERATES it instead of keeping it (`uniform`); the same numbers on any
-               device and in any implementation (eager or `torch.compile`d)
+    noise      keyed: a generator seeded by (key, stream) with key = noise_seed(seed, layer, draw), so
+               backward REGENERATES it instead of keeping it (`uniform`); the same numbers in either
+               implementation (eager or `torch.compile`d) on one device
     forward    Gumbel-softmax of the pattern logits, merged with the tile mask, times W; optionally
                also ||W * M||^2 for the magnitude term
     backward   recomputes the softmax from the logits and the regenerated noise and writes the logit
@@ -36,9 +36,6 @@ import torch.nn.functional as F
 PAIRS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))
 IMPLS = ("eager", "compiled")
 _M32 = 0xFFFFFFFF
-# lowbias32 multipliers (C. Wellons' hash prospector), the second written as its negative residue mod
-# 2^32 so a product with a 32-bit value never overflows int64 (signed overflow is undefined in C++).
-_C1, _C2 = 0x7FEB352D, 0x846CA68B - 2**32
 
 
 @dataclass(frozen=True)
@@ -63,35 +60,38 @@ class MaskSpec:
 
 
 # -- counter-based noise ----------------------------------------------------------------------
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int64 tensors holding 32-bit values (good avalanche, no overflow)."""
-    x = x ^ (x >> 16)
-    x = (x * _C1) & _M32
-    x = x ^ (x >> 15)
-    x = (x * _C2) & _M32
-    return x ^ (x >> 16)
-
-
 def split_key(seed63: int) -> tuple[int, int]:
     """Two 32-bit halves of a 63-bit stream seed (`hybrid_mask.noise_seed`)."""
     return seed63 & _M32, (seed63 >> 32) & _M32
 
 
-def uniform(key: torch.Tensor, shape: tuple[int, ...], offset: int, device, dtype=torch.float32) -> torch.Tensor:
-    """U(0, 1) noise of element `offset + i` for the flat index i over `shape`, keyed by `key` (2,) int64.
+def _stream_seed(k0: int, k1: int, offset: int) -> int:
+    """splitmix64 of (key, offset): one independent generator seed per (seed, layer, draw, stream)."""
+    x = ((k1 << 32) | k0) + (offset + 1) * 0x9E3779B97F4A7C15 & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) & (2**63 - 1)
 
-    Strictly inside (0, 1) (23-bit values + half a step), so both logs of the Gumbel noise are finite: with
-    24 bits, (2^24 - 1 + 0.5) / 2^24 rounds to exactly 1.0 in fp32, log(1) = 0 and the Gumbel noise is
-    +inf (a NaN loss about every 2^24 draws, i.e. within ~15 steps of a 260K-weight model).
+
+@torch.compiler.disable  # eager under torch.compile too: a Python-int seed in a graph would recompile per draw
+def uniform(key: torch.Tensor, shape: tuple[int, ...], offset: int, device, dtype=torch.float32) -> torch.Tensor:
+    """U(0, 1) noise of the stream `offset` keyed by `key` (2,) int64 (kept on the CPU): the same key gives
+    the same noise, so backward regenerates what forward drew instead of saving it.
+
+    torch's own generator (Philox on CUDA, MT19937 on CPU) seeded per (key, offset) costs one pass; an
+    integer hash of each element's index cost ~25 and made the fused step slower than plain autograd.
+    Values are strictly inside (0, 1): `torch.rand` never returns 1, and 0 is lifted to 2^-24, so both
+    logs of the Gumbel noise are finite.
 
     >>> key = torch.tensor(split_key(12345))
     >>> torch.equal(uniform(key, (3, 6), 0, "cpu"), uniform(key, (3, 6), 0, "cpu"))
     True
     """
-    e = torch.arange(offset, offset + math.prod(shape), device=device, dtype=torch.int64).view(shape)
-    x = _mix32((e & _M32) ^ key[0])
-    x = _mix32(x ^ key[1] ^ (e >> 32))
-    return (((x >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)).to(dtype)
+    k0, k1 = (int(v) for v in key.tolist())
+    gen = torch.Generator(device=device)
+    gen.manual_seed(_stream_seed(k0, k1, offset))
+    u = torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
+    return u.clamp_(min=2.0**-24).to(dtype)
 
 
 # -- pattern algebra (explicit sums: a (.., 6) @ (6, 4) matmul would break fusion) ----------------

@@ -275,7 +275,7 @@ def sample_fused(m: HybridMask, weight: torch.Tensor, want_sq: bool):
     """
     logits = m.nm_logits
     device, dt = logits.device, logits.dtype
-    key = torch.tensor(split_key(noise_seed(m.seed, m.index, m._advance())), device=device)
+    key = torch.tensor(split_key(noise_seed(m.seed, m.index, m._advance())))  # CPU: read back without a sync
     p = None
     if m.tile_logits is not None:
         u = uniform(key, m.grid, logits.shape[0] * 6, device, dt)
