@@ -368,7 +368,8 @@ def format_results(report: dict) -> str:
     lines = []
     for r in report["results"]:
         if report["metric"] == "perplexity":
-            lines.append(f"  {r['name']:<22} sparsity {r['sparsity']:6.1%}   perplexity {r['perplexity']:9.3f}")
+            extra = "".join(f"   {Path(k).stem} {v:9.3f}" for k, v in (r.get("perplexity_extra") or {}).items())
+            lines.append(f"  {r['name']:<22} sparsity {r['sparsity']:6.1%}   perplexity {r['perplexity']:9.3f}{extra}")
         else:
             lines.append(f"  {r['name']:<22} sparsity {r['sparsity']:6.1%}   cosine {r['cosine']:.4f}   "
                          f"retrieval agreement {r['retrieval_agreement']:.3f}")

@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
