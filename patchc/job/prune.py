@@ -30,9 +30,9 @@ from patchc.job.corpus import data_record, data_summary, load_data
 from patchc.job.distributed import init_distributed, prepare_training, rank_slice, say, world
 from patchc.job.losses import make_lm_loss
 from patchc.job.options import ONESHOT_METHODS, PruneOptions, check_device, weight_dtype
+from patchc.job.runs import CHECKPOINT, check_settings, claim_run_dir, release
 from patchc.masking.optim import MaskOptimConfig
 from patchc.pruning import apply_masks
-from patchc.job.runs import CHECKPOINT, check_settings, claim_run_dir, release
 from patchc.utils.env import device_name, versions
 
 
