@@ -37,6 +37,26 @@ def test_kv_cache_generation_equals_full_recompute(bundle):
         bundle.model(ids[:, :2], cache=cache)
 
 
+def test_hf_stepper_uses_the_kv_cache_and_equals_a_full_forward():
+    import transformers
+
+    from patchc.job.selfdata import stepper
+
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    hf = type("Bundle", (), {"model": model, "logits": staticmethod(lambda m, ids: m(ids).logits)})()
+    step = stepper(hf)
+    assert step.__name__ == "step_hf"
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        last, state = step(ids[:, :4], None)
+        outs = [last] + [step(ids[:, i : i + 1], state)[0] for i in range(4, 9)]
+        full = model(ids).logits[:, 3:]
+    torch.testing.assert_close(torch.stack(outs, 1), full, atol=1e-5, rtol=1e-5)
+
+
 def test_generation_is_seeded_and_continues_the_prompts(bundle, prompts):
     spec = SelfDataSpec(tokens=3 * 17, block_len=16, seed=5, batch=2)
     a = generate_blocks(bundle, spec, prompts)

@@ -96,7 +96,7 @@ def stepper(bundle: Any) -> Callable[[torch.Tensor, Any], tuple[torch.Tensor, An
             cache = model.new_cache() if cache is None else cache
             return model(ids, cache=cache)[:, -1], cache
         return step_llama
-    if hasattr(model, "generate") and getattr(model.config, "is_decoder", True) is not False:
+    if hasattr(model, "generate"):  # an HF causal LM (encoders never generate: corpus trains them on real text)
         def step_hf(ids: torch.Tensor, past: Any) -> tuple[torch.Tensor, Any]:
             out = model(input_ids=ids, past_key_values=past, use_cache=True)
             return out.logits[:, -1], out.past_key_values
