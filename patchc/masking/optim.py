@@ -221,7 +221,25 @@ def clip_tensor_(grad: torch.Tensor, max_norm: float) -> None:
     grad.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
 
 
-class StepInBackward:
+class _GradHooks:
+    """A context manager that runs `self._hook(p)` whenever a gradient of one of `self.params` is accumulated."""
+
+    params: list[torch.Tensor]
+
+    def _hook(self, p: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class StepInBackward(_GradHooks):
     """Hooks that step `optimizer` on each tensor as soon as its gradient is accumulated, then free it.
 
     Use as a context manager around the training loop (removes the hooks on exit).
@@ -244,17 +262,8 @@ class StepInBackward:
         self.optimizer.step_param(p)
         p.grad = None
 
-    def __enter__(self) -> "StepInBackward":
-        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
-        return self
 
-    def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-
-
-class GradPeak:
+class GradPeak(_GradHooks):
     """Records the most gradient bytes alive at once among `params` during backwards run inside the block.
 
     Enter it before `train_masks` so its hooks run before the step-in-backward ones (which free each grad).
@@ -271,14 +280,6 @@ class GradPeak:
     def _hook(self, _p: torch.Tensor) -> None:
         alive = sum(_local(q.grad).numel() * _local(q.grad).element_size() for q in self.params if q.grad is not None)
         self.bytes = max(self.bytes, alive)
-
-    def __enter__(self) -> "GradPeak":
-        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def state_bytes(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
