@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from patchc.ir import LayerPlan, PlanError
-from patchc.ir.file_format import layer_header, read_layer
+from patchc.ir.file_format import layer_header, read_layer, read_safetensors
 
 FORMAT = "patchc.pretrained"
 VERSION = 1
@@ -70,16 +70,9 @@ def write_weights(path: Path, plain: dict[str, torch.Tensor], layers: dict[str, 
 
 def read_weights(path: Path, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, LayerPlan]]:
     """(plain tensors by stored name, LayerPlans by `prefix` + stored fqn) of a file written by `write_weights`."""
-    from safetensors import safe_open
-
     if not path.is_file():
         raise ExportError(f"{path}: weights file missing (an exported folder holds {WEIGHTS})")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-    except Exception as e:  # safetensors raises its own error types
-        raise ExportError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    metadata, tensors = read_safetensors(path, ExportError, "safetensors file")
     head = check_header(path, metadata.get("patchc"), "the file's 'patchc' metadata")
     layers = {prefix + fqn: _layer(path, fqn, prefix, info, tensors) for fqn, info in head["layers"].items()}
     stray = sorted(k for k in tensors if SEP in k)

@@ -101,19 +101,25 @@ def write_plan(plan: TilePlan, path: str | os.PathLike) -> None:
         save_file(tensors, str(tmp), metadata={"patchc": json.dumps(head)})
 
 
-def read_plan(path: str | os.PathLike) -> tuple[dict[str, LayerPlan], dict, dict]:
-    """(layers, skipped, meta) of a plan file, every layer validated; `PlanError` naming the file."""
+def read_safetensors(path: Path, error: type[Exception] = PlanError,
+                     what: str = "safetensors plan file") -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a safetensors file; anything unreadable is `error` naming the file (plan files
+    and exported checkpoints alike)."""
     from safetensors import safe_open
 
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}, {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as e:  # safetensors raises its own SafetensorError / OSError types
+        raise error(f"{path}: not a readable {what} ({type(e).__name__}: {e})") from None
+
+
+def read_plan(path: str | os.PathLike) -> tuple[dict[str, LayerPlan], dict, dict]:
+    """(layers, skipped, meta) of a plan file, every layer validated; `PlanError` naming the file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such plan file")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-    except Exception as e:  # safetensors raises its own SafetensorError / OSError types
-        raise PlanError(f"{path}: not a readable safetensors plan file ({type(e).__name__}: {e})") from None
+    metadata, tensors = read_safetensors(path)
     head = _parse_header(path, metadata)
     _check_sums(path, head, tensors)
     layers = {fqn: read_layer(path, fqn, info, tensors) for fqn, info in head["layers"].items()}
