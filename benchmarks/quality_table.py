@@ -26,9 +26,7 @@ import torch
 
 from patchc.job.corpus import load_data
 from patchc.job.options import PruneOptions
-import patchc
-from patchc.job.prune import (cache_dir, calibrate, choose_threads, evaluate, global_batches, make_loss,
-                              oneshot_baseline, train)
+from patchc.job.prune import cache_dir, calibrate, choose_threads, evaluate, oneshot_baseline, recover_plan, train
 from patchc.models import load_model
 from patchc.utils.env import device_name, versions
 
@@ -68,9 +66,7 @@ def run_seed(opts: PruneOptions, recover_steps: int) -> list[dict]:
                      "seconds": round(time.perf_counter() - start, 1)})
         print(f"seed {opts.seed}  {name:<22} {rows[-1]['perplexity']:8.3f}", flush=True)
         if recover_steps and name in RECOVERED:
-            recovered = patchc.recover(plan, bundle.reload(), global_batches(bundle, data, run_opts),
-                                       make_loss(bundle, bundle.model, run_opts), steps=recover_steps,
-                                       lr=run_opts.recover_lr, progress=False)
+            recovered = recover_plan(bundle, plan, data, run_opts, steps=recover_steps)
             rows.append({"name": f"{name} + recovery", "sparsity": round(recovered.sparsity, 4),
                          **scores(bundle, recovered.apply(bundle.reload()), data, run_opts)})
             print(f"seed {opts.seed}  {name + ' + recovery':<22} {rows[-1]['perplexity']:8.3f}", flush=True)

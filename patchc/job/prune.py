@@ -329,15 +329,20 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
     return report
 
 
+def recover_plan(bundle, plan, data: dict, opts: PruneOptions, steps: int | None = None):
+    """`plan` with its kept weights fine-tuned on the run's training text and loss (masks fixed)."""
+    return patchc.recover(plan, bundle.reload(), global_batches(bundle, data, opts), make_loss(bundle, bundle.model, opts),
+                          steps=steps or opts.recover, lr=opts.recover_lr, scope=opts.recover_scope,
+                          progress=opts.progress)
+
+
 def recover_row(bundle, plan, data: dict, opts: PruneOptions, results: list[dict], timings: dict[str, float],
                 dense_embed=None):
     """Fine-tune the kept weights of `plan` (masks fixed, same text and loss as mask training), score the
     result as one more row named after the last one; returns the recovered plan."""
     with timed(timings, "recover"):
         start = time.perf_counter()
-        recovered = patchc.recover(plan, bundle.reload(), global_batches(bundle, data, opts),
-                                   make_loss(bundle, bundle.model, opts), steps=opts.recover, lr=opts.recover_lr,
-                                   scope=opts.recover_scope, progress=opts.progress)
+        recovered = recover_plan(bundle, plan, data, opts)
         seconds = time.perf_counter() - start
     last = results[-1]
     with timed(timings, "evaluate"):
