@@ -4,7 +4,6 @@ provenance still points at the dense source, and the run-folder job writes its t
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 
 import pytest
@@ -152,9 +151,8 @@ def real_run_folder(out):
     from patchc.models import load_model
     from patchc.pruning.calibrate import default_layers
 
-    fields = {f.name for f in dataclasses.fields(job.PruneOptions)}
-    real_text = {k: v for k, v in {"train_data": "real"}.items() if k in fields}  # no generated text: fast
-    opts = job.PruneOptions(out=str(out), baselines=False, progress=False, data=(str(TINYSTORIES),), **real_text)
+    opts = job.PruneOptions(out=str(out), baselines=False, progress=False, data=(str(TINYSTORIES),),
+                            train_data="real", eval_data=())  # no generated text, no second text: fast
     bundle = load_model(opts.model)
     data = job.load_data(bundle, opts)
     masks = {}
