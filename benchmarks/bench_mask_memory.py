@@ -4,10 +4,12 @@ Run:
     python benchmarks/bench_mask_memory.py                 # Llama hidden 512, 4 layers, batch 4x128, 2 threads
     python -m pytest benchmarks/bench_mask_memory.py -q    # the same on a tiny model, as a check
 
-Each mode runs in a fresh subprocess: a random-weight HF Llama is built, the resident set size is read
-(`/proc/self/statm`), then N training steps run and the peak (`ru_maxrss`) is read; "extra" is the
-difference, so it counts everything training adds: logits, gradients, optimizer state, activations,
-and for the mask modes the exported graph. Modes:
+Each mode runs in a fresh subprocess: a random-weight HF Llama is built (and, for the mask modes,
+exported and transformed: setup, reported apart as "setup MiB"); then what setup freed is returned
+to the OS (gc, malloc_trim), the resident high-water mark is reset (/proc/self/clear_refs) and the
+resident set size read; N training steps run and the high-water mark (VmHWM) is read. "extra" is the
+difference plus the logits, so it counts everything training adds: logits, gradients, optimizer
+state, activations, the saved W * M, the noise bank. Modes:
 
     dense      torch Adam over every weight (plain fine-tuning), the reference
     default    mask training, `MaskOptimConfig()`: fused fp32 Adam, all gradients alive at the step
@@ -22,6 +24,7 @@ The main prints a table and appends one JSON line to benchmarks/results/mask_mem
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import datetime
 import gc
@@ -53,7 +56,6 @@ class Shape:
     steps: int = 4
     threads: int = 2
     impl: str = ""  # HybridMask.impl of the mask modes; "" = its default
-    clamp_uniform: bool = False  # work around fused.uniform returning 1.0 (a NaN every ~2^24 draws)
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads or self.steps < 2:
@@ -72,8 +74,30 @@ def _rss() -> int:
 
 
 def _peak() -> int:
+    """The resident high-water mark since the last `_settle` (Linux), else since the process started."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def _settle() -> int:
+    """Free what setup left (gc, glibc's malloc_trim), restart the high-water mark, and return the RSS:
+    the export's transient peak and memory glibc kept from it would otherwise hide or absorb training's."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+    return _rss()
 
 
 def has_four_scores() -> bool:
@@ -127,20 +151,25 @@ def _dense(model, s: Shape) -> tuple[list[float], dict]:
     return times, {"weights": n, "bytes_per_weight": (4 * n + state) / n}  # grads (all alive) + m, v
 
 
-def _masked(model, s: Shape, mode: str) -> tuple[list[float], dict]:
+def _program(model, s: Shape, mode: str):
+    """The masked program of `model` for `mode` (export and transform: setup, not training)."""
     import patchc
-    from patchc.masking.optim import GradPeak, MaskOptimConfig, make_mask_optimizer, state_bytes
     from patchc.models import export_causal_lm
 
     extra = {"nm_param": "weight"} if mode == "low-4" else {}
     cfg = patchc.PatchConfig(tile=(16, 16), steps=s.steps, **extra)
-    if s.clamp_uniform:
-        _clamp_fused_uniform()
     prog = patchc.transform(export_causal_lm(model), cfg)
     if extra and not all(m.nm_logits.shape[-1] == 4 for m in prog.layers.values()):
         raise RuntimeError("low-4: transform did not build 4-score masks for nm_param='weight'")
     for m in prog.layers.values() if s.impl else ():
         m.impl = s.impl
+    return prog
+
+
+def _masked(prog, s: Shape, mode: str) -> tuple[list[float], dict]:
+    import patchc
+    from patchc.masking.optim import GradPeak, MaskOptimConfig, make_mask_optimizer, state_bytes
+
     optim = MaskOptimConfig(memory="default" if mode == "default" else "low")
     params = prog.mask_parameters()
     opt = make_mask_optimizer(params, 1e-3, optim)
@@ -161,30 +190,25 @@ def _masked(model, s: Shape, mode: str) -> tuple[list[float], dict]:
                    **{f"{k}_per_weight": v / weights for k, v in b.items()}}
 
 
-def _clamp_fused_uniform() -> None:
-    """`patchc.masking.fused.uniform` maps its largest 24-bit value to (2^24 - 0.5) / 2^24, which rounds to
-    1.0 in fp32, so about one draw in 2^24 gives an infinite Gumbel and a NaN loss. Clamp below 1 (one extra
-    elementwise op: memory unchanged) so a run of this size finishes."""
-    from patchc.masking import fused, hybrid_mask
-
-    original = fused.uniform
-
-    def clamped(*args, **kwargs):
-        return original(*args, **kwargs).clamp_(max=1.0 - 2.0**-24)
-
-    fused.uniform = hybrid_mask.uniform = clamped
-
-
 def child(mode: str, s: Shape) -> dict:
     """Measure one mode in this process (fresh: ru_maxrss is per process). Returns the JSON record."""
     import torch
 
     torch.set_num_threads(s.threads)
     model = _model(s)
-    gc.collect()
-    base = _rss()
-    times, info = _dense(model, s) if mode == "dense" else _masked(model, s, mode)
-    return {"mode": mode, "extra_mib": (_peak() - base) / 2**20, "step_s": statistics.median(times[1:]), **info}
+    if mode == "dense":
+        base = _settle()
+        times, info = _dense(model, s)
+        return {"mode": mode, "extra_mib": (_peak() - base) / 2**20, "step_s": statistics.median(times[1:]), **info}
+    start = _settle()
+    prog = _program(model, s, mode)
+    logits = sum(p.numel() * p.element_size() for p in prog.mask_parameters())
+    base = _settle()
+    setup = base - start - logits  # the exported graph, buffers, and any weight copies: setup, not training
+    times, info = _masked(prog, s, mode)
+    # the logits were allocated by transform (before `base`) but are training state: counted in
+    return {"mode": mode, "extra_mib": (_peak() - base + logits) / 2**20, "setup_mib": setup / 2**20,
+            "step_s": statistics.median(times[1:]), **info}
 
 
 def measure(mode: str, s: Shape) -> dict:
@@ -214,10 +238,11 @@ def run(s: Shape, repeats: int = 1, modes: tuple[str, ...] | None = None) -> dic
 
 def format_table(table: dict[str, dict]) -> str:
     dense = table["dense"]["extra_mib"] if "dense" in table else float("nan")
-    lines = [f"{'mode':<8} {'B/weight':>9} {'extra MiB':>10} {'x dense':>8} {'step s':>7}   (runs)"]
+    lines = [f"{'mode':<8} {'B/weight':>9} {'extra MiB':>10} {'x dense':>8} {'setup MiB':>10} {'step s':>7}   (runs)"]
     for m, r in table.items():
+        setup = f"{r['setup_mib']:10.1f}" if "setup_mib" in r else f"{'':>10}"
         lines.append(f"{m:<8} {r['bytes_per_weight']:9.2f} {r['extra_mib']:10.1f} {r['extra_mib'] / dense:8.2f} "
-                     f"{r['step_s']:7.3f}   {r['extra_mib_all']}")
+                     f"{setup} {r['step_s']:7.3f}   {r['extra_mib_all']}")
     return "\n".join(lines)
 
 
@@ -276,7 +301,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=Shape.steps, help="training steps per mode")
     p.add_argument("--repeats", type=int, default=3, help="runs per mode (medians reported)")
     p.add_argument("--impl", default="", help="HybridMask.impl of the mask modes (default: its default)")
-    p.add_argument("--clamp-uniform", action="store_true", help="work around fused.uniform's 1.0 (see _clamp_fused_uniform)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=None, help="default: all (low-4 where available)")
     p.add_argument("--optimizer-times", action="store_true", help="time one optimizer step per kind instead")
     p.add_argument("--tiny", action="store_true", help="the tiny model of the pytest check")
@@ -285,8 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.child:
         print(json.dumps(child(a.child, Shape(**json.loads(a.shape)))))
         return
-    s = dataclasses.replace(TINY if a.tiny else Shape(), steps=a.steps, impl=a.impl,
-                            clamp_uniform=a.clamp_uniform)
+    s = dataclasses.replace(TINY if a.tiny else Shape(), steps=a.steps, impl=a.impl)
     if a.optimizer_times:
         for name, sec in time_optimizers(s, a.repeats).items():
             print(f"{name:<16} {sec:.3f} s per step")

@@ -5,13 +5,14 @@ num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, vocab_size=20
 (14.7M weights, 12.6M of them in the 28 masked block linears), batch 4 x 128 next-token loss, CPU
 with 2 torch threads. Rows:
 
-    dense Adam     all weights trainable, torch.optim.Adam(foreach=True): zero_grad, loss, backward, step
+    dense Adam     all weights trainable, torch.optim.Adam(fused=True): zero_grad, loss, backward, step
     dense floor    the same forward + backward, no optimizer
-    mask steps     the trainer's step (loss + regulariser, backward, clip to 1, Adam(foreach=True) over
-                   the logits, schedule step) for joint / tile-only / 2:4-only at 16 x 16 and joint at
-                   128 x 128, per impl: "reference" (the original autograd graph), "fused" (eager
-                   `patchc.masking.fused`), "compiled" (the same through torch.compile; compile time
-                   is reported apart and excluded)
+    mask steps     the trainer's step (loss + regulariser, backward, clip to 1, the trainer's Adam over
+                   the logits: `make_mask_optimizer`, fused fp32, schedule step) for joint / tile-only /
+                   2:4-only at 16 x 16 and joint at 128 x 128, per impl: "reference" (the original
+                   autograd graph), "fused" (the default: the C loop of `patchc.masking.native` on the
+                   CPU), "compiled" (`patchc.masking.fused` through torch.compile; compile time is
+                   reported apart and excluded)
 
 Every configuration runs once per round, round after round (medians over rounds), so the ratios
 share whatever else loads the machine. Prints a table and appends a JSON line to
@@ -92,7 +93,7 @@ def dense_cases(model, ids) -> list[Case]:
     params = [p for p in model.parameters()]
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=1e-5, foreach=True)
+    opt = torch.optim.Adam(params, lr=1e-5, fused=True)
 
     def floor():
         model.zero_grad(set_to_none=True)
@@ -125,11 +126,13 @@ def mask_program(model, ids, fields: dict):
 
 
 def mask_step(prog, ids):
-    """The trainer's step (`patchc.train_masks`), with a foreach Adam built here."""
+    """The trainer's step (`patchc.train_masks`): its optimizer, clipping and schedule."""
     import patchc
 
+    from patchc.masking.optim import make_mask_optimizer
+
     params = prog.mask_parameters()
-    opt = torch.optim.Adam(params, lr=1e-3, foreach=True)
+    opt = make_mask_optimizer(params, 1e-3)
 
     def step():
         opt.zero_grad(set_to_none=True)

@@ -2,7 +2,8 @@
 
     hybrid_mask.py   `HybridMask`: tile logits + 2:4 logits -> M (Gumbel-softmax; sample / hard / soft / ones)
     fused.py         the fused training draw: counter-based noise regenerated in backward, W * M in one
-                     autograd node saving no noise / softmax / mask (eager, or torch.compile'd)
+                     autograd node saving no noise / softmax / mask (torch ops, eager or torch.compile'd)
+    native.py        the same draw as one C loop per direction on the CPU (native_mask.c, built once)
     schedule.py      tau and kappa, linear per optimizer step
     regularizer.py   the density term (global or per block) and the decaying magnitude term
     train.py         `train_masks`: Adam over the logits, clipping, logs, checkpoints, exact resume; `lm_loss`

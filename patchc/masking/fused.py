@@ -3,9 +3,9 @@
 `fused_masked_weight` replaces `HybridMask`'s reference path (noise from a torch.Generator, softmax
 over (groups, 6), the pattern matmul, each saved for backward). Here:
 
-    noise      keyed: a generator seeded by (key, stream) with key = noise_seed(seed, layer, draw), so
-               backward REGENERATES it instead of keeping it (`uniform`); the same numbers in either
-               implementation (eager or `torch.compile`d) on one device
+    noise      keyed: a window of a per-seed bank of Gumbel noise at an offset hashed from (key, stream),
+               key = noise_seed(seed, layer, draw), so backward REGENERATES it instead of keeping it
+               (`gumbel`); the same numbers in either implementation (eager or `torch.compile`d)
     forward    Gumbel-softmax of the pattern logits, merged with the tile mask, times W; optionally
                also ||W * M||^2 for the magnitude term
     backward   recomputes the softmax from the logits and the regenerated noise and writes the logit
@@ -58,39 +58,82 @@ class MaskSpec:
             raise ValueError(f"MaskSpec.impl={self.impl!r}: choose one of {IMPLS}")
 
 
-# -- counter-based noise ----------------------------------------------------------------------
+# -- counter-based noise: windows into a per-seed bank of Gumbel noise ------------------------------
+BANK_CHUNK = 1 << 20  # bank lengths are whole chunks, with at least one spare chunk of offsets
+_BANKS: dict[tuple, torch.Tensor] = {}
+_MAX_BANKS = 8
+
+
 def split_key(seed63: int) -> tuple[int, int]:
     """Two 32-bit halves of a 63-bit stream seed (`hybrid_mask.noise_seed`)."""
     return seed63 & _M32, (seed63 >> 32) & _M32
 
 
 def _stream_seed(k0: int, k1: int, offset: int) -> int:
-    """splitmix64 of (key, offset): one independent generator seed per (seed, layer, draw, stream)."""
+    """splitmix64 of (key, offset): one independent 63-bit number per (seed, layer, draw, stream)."""
     x = ((k1 << 32) | k0) + (offset + 1) * 0x9E3779B97F4A7C15 & (2**64 - 1)
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
     return (x ^ (x >> 31)) & (2**63 - 1)
 
 
-@torch.compiler.disable  # eager under torch.compile too: a Python-int seed in a graph would recompile per draw
-def uniform(key: torch.Tensor, shape: tuple[int, ...], offset: int, device, dtype=torch.float32) -> torch.Tensor:
-    """U(0, 1) noise of the stream `offset` keyed by `key` (2,) int64 (kept on the CPU): the same key gives
-    the same noise, so backward regenerates what forward drew instead of saving it.
+def bank_length(numel: int) -> int:
+    """Bank entries serving windows of `numel`: whole chunks, at least one spare chunk, so a window
+    starts at any of >= 2^20 offsets (two draws of an element repeat a value with odds ~1e-6)."""
+    return (-(-numel // BANK_CHUNK) + 1) * BANK_CHUNK
 
-    torch's own generator (Philox on CUDA, MT19937 on CPU) seeded per (key, offset) costs one pass; an
-    integer hash of each element's index cost ~25 and made the fused step slower than plain autograd.
-    Values are strictly inside (0, 1): `torch.rand` never returns 1, and 0 is lifted to 2^-24, so both
-    logs of the Gumbel noise are finite.
 
-    >>> key = torch.tensor(split_key(12345))
-    >>> torch.equal(uniform(key, (3, 6), 0, "cpu"), uniform(key, (3, 6), 0, "cpu"))
+def gumbel_bank(seed: int, length: int, device) -> torch.Tensor:
+    """fp32 Gumbel(0, 1) noise, `length` values drawn once per (run seed, length, device) and kept.
+
+    The values lie strictly inside (-3.0, 17.4): U is lifted off 0 and never reaches 1, so both logs
+    are finite (an exact 1.0 once made the job's loss NaN within ~15 steps).
+    """
+    device = torch.device(device)
+    slot = (seed, length, device.type, device.index)
+    bank = _BANKS.get(slot)
+    if bank is None:
+        if len(_BANKS) >= _MAX_BANKS:
+            _BANKS.pop(next(iter(_BANKS)))
+        gen = torch.Generator(device=device)
+        gen.manual_seed(_stream_seed(seed & _M32, (seed >> 32) & _M32, length))
+        u = torch.rand(length, generator=gen, device=device, dtype=torch.float32).clamp_(min=2.0**-24)
+        bank = _BANKS[slot] = u.log_().neg_().log_().neg_()
+    return bank
+
+
+def clear_banks() -> None:
+    """Drop every cached noise bank (they are rebuilt, identical, on the next draw)."""
+    _BANKS.clear()
+
+
+@torch.compiler.disable  # eager under torch.compile too: a Python-int offset in a graph would recompile per draw
+def gumbel(key: torch.Tensor, shape: tuple[int, ...], stream: int, device) -> torch.Tensor:
+    """Gumbel(0, 1) noise of `stream` keyed by `key` (3,) int64 = (`split_key` halves, run seed), kept on
+    the CPU: a read-only fp32 view into the run's bank at an offset hashed from (key, stream). The same
+    key gives the same noise, so backward regenerates what forward drew instead of saving it, and a
+    draw costs no generator pass and no logs (a torch.Generator pass over (groups, 6) cost ~17% of a
+    CPU step, an integer hash of each element's index ~25 passes).
+
+    Within one draw every element gets its own bank value (iid Gumbel); across draws an element's
+    values come from independent offsets. Two tensors of similar size share a bank.
+
+    >>> key = torch.tensor([*split_key(12345), 0])
+    >>> torch.equal(gumbel(key, (3, 6), 0, "cpu"), gumbel(key, (3, 6), 0, "cpu"))
     True
     """
-    k0, k1 = (int(v) for v in key.tolist())
-    gen = torch.Generator(device=device)
-    gen.manual_seed(_stream_seed(k0, k1, offset))
-    u = torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
-    return u.clamp_(min=2.0**-24).to(dtype)
+    k0, k1, seed = (int(v) for v in key.tolist())
+    numel = 1
+    for d in shape:
+        numel *= d
+    bank = gumbel_bank(seed, bank_length(numel), device)
+    start = _stream_seed(k0, k1, stream) % (bank.numel() - numel + 1)
+    return bank[start:start + numel].view(shape)
+
+
+def logistic(key: torch.Tensor, shape: tuple[int, ...], stream: int, device) -> torch.Tensor:
+    """Logistic(0, 1) noise (log U - log(1 - U) in law): the difference of two independent Gumbels."""
+    return gumbel(key, shape, 2 * stream + 1, device) - gumbel(key, shape, 2 * stream + 2, device)
 
 
 # -- pattern algebra (explicit sums: a (.., 6) @ (6, 4) matmul would break fusion) ----------------
@@ -113,8 +156,7 @@ def _softmax6(y: torch.Tensor) -> torch.Tensor:
 def _sample24(logits, key, kappa, tau, spec: MaskSpec):
     """Soft pattern probabilities s (..., 6) and the forward 2:4 mask m24 (..., 4) of this draw."""
     p = pair_sums(logits) if spec.scores else logits
-    u = uniform(key, p.shape, 0, p.device, p.dtype)
-    y = (kappa * p - torch.log(-torch.log(u))) / tau
+    y = (kappa * p + gumbel(key, p.shape, 0, p.device)) / tau
     s = _softmax6(y)
     chosen = F.one_hot(y.argmax(-1), 6).to(s) if spec.hard else s
     return s, cover_sums(chosen)
@@ -200,11 +242,11 @@ def fused_masked_weight(w, logits, mt, key, kappa, tau, spec: MaskSpec):
     Args:
         w: (.., 4) 5-D view of the weight; logits: (.., 6) pattern logits, (.., 4) scores, or the
             (.., 4) 0/1 keep mask when spec.frozen; mt: tile mask broadcastable to w, or None (2:4 only).
-        key: (2,) int64 from `split_key`; kappa, tau: 0-d tensors (tensors, so a compiled kernel
+        key: (3,) int64, `split_key` of the draw's seed and the run seed (see `gumbel`); kappa, tau: 0-d tensors (tensors, so a compiled kernel
             is not rebuilt when the schedules move).
     """
     out, sq = _FusedMask.apply(w.detach(), logits, mt, key, kappa, tau, spec)
     return out, (sq if spec.want_sq else None)
 
 
-__all__ = ["MaskSpec", "fused_masked_weight", "uniform", "split_key", "pair_sums", "cover_sums", "forward_core", "backward_core"]
+__all__ = ["MaskSpec", "fused_masked_weight", "gumbel", "logistic", "clear_banks", "split_key", "pair_sums", "cover_sums", "forward_core", "backward_core"]

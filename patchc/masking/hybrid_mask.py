@@ -16,11 +16,13 @@ is exactly the sigmoid form). All logits, noise and the mask are fp32: updates o
 bf16. Noise is keyed by (seed, layer index, draw counter, element); the counter is a buffer, so a
 restored state_dict continues the same noise stream.
 
-impl: "fused" (default; `patchc.masking.fused`: counter-based noise regenerated in backward, W * M
-in one autograd node saving no noise / softmax / mask; the tile-only variant uses the argmax 2:4
-pattern of its frozen logits, computed once), "compiled" (the same through torch.compile: one pass
-on CPU, after a compile of about a minute), "reference" (the original autograd graph, noise from a
-torch.Generator; `_sample_reference` also takes injected noise, for tests).
+impl: "fused" (default): W * M in one autograd node that saves no noise, softmax or mask; noise is
+a window of a per-seed Gumbel bank, regenerated in backward. On the CPU (fp32 / bf16 weights) it runs
+as one compiled C loop per direction (`patchc.masking.native`), elsewhere as torch ops
+(`patchc.masking.fused`); the tile-only variant uses the argmax 2:4 pattern of its frozen logits,
+computed once. "compiled": the torch ops through torch.compile (for GPUs; a compile of about a
+minute). "reference": the original autograd graph, noise from a torch.Generator
+(`_sample_reference` also takes injected noise, for tests).
 nm_param: "pattern" (6 logits per group of 4) or "weight" (4 scores per group, one per weight: the
 pattern logits are the pairwise sums s_i + s_j, hardening keeps the top-2 scores). `nm_logits`
 holds either, (N*K/4, 6) or (N*K/4, 4); `pattern_logits()` is always (N*K/4, 6).
@@ -44,7 +46,8 @@ from torch import nn
 
 from patchc.ir.patterns import PATTERNS
 from patchc.ir.tiles import expand_tiles, tile_grid, tile_sizes
-from patchc.masking.fused import MaskSpec, cover_sums, fused_masked_weight, pair_sums, split_key, uniform
+from patchc.masking import native
+from patchc.masking.fused import MaskSpec, cover_sums, fused_masked_weight, gumbel, logistic, pair_sums, split_key
 
 MODES = ("sample", "hard", "soft", "ones")
 IMPLS = ("fused", "compiled", "reference")
@@ -268,6 +271,11 @@ def _views(m: HybridMask, weight: torch.Tensor, mt: torch.Tensor | None) -> tupl
     return (1, n, 1, k // 4, 4), (None if mt is None else expand_tiles(mt, m.tile, m.shape).reshape(1, n, 1, k // 4, 4))
 
 
+def draw_key(m: HybridMask, draw: int) -> torch.Tensor:
+    """(3,) int64 key of `fused.gumbel` for draw `draw` of `m`, on the CPU (read back without a sync)."""
+    return torch.tensor([*split_key(noise_seed(m.seed, m.index, draw)), m.seed])
+
+
 def sample_fused(m: HybridMask, weight: torch.Tensor, want_sq: bool):
     """One training draw of `m` through `patchc.masking.fused`: (W * M, ||W * M||^2 or None, sum(M)).
 
@@ -275,35 +283,37 @@ def sample_fused(m: HybridMask, weight: torch.Tensor, want_sq: bool):
     """
     logits = m.nm_logits
     device, dt = logits.device, logits.dtype
-    key = torch.tensor(split_key(noise_seed(m.seed, m.index, m._advance())))  # CPU: read back without a sync
+    key = draw_key(m, m._advance())
     p = None
     if m.tile_logits is not None:
-        u = uniform(key, m.grid, logits.shape[0] * 6, device, dt)
-        z = (m.kappa_tile * m.tile_logits + torch.log(u) - torch.log1p(-u)) / m.tau_tile
+        z = (m.kappa_tile * m.tile_logits + logistic(key, m.grid, 0, device)) / m.tau_tile
         p = torch.sigmoid(z)
         if m.hard:
             p = (z > 0).to(p) - p.detach() + p
-    shape5, mt5 = _views(m, weight, p)
     frozen = m.variant == "tile"
     nm = m.frozen_keep() if frozen else logits
+    total = torch.full((), m.numel / 2, dtype=dt, device=device) if p is None else (m.tile_numel * (0.5 + 0.5 * p)).sum()
+    if m.impl == "fused" and native.supports(weight, nm):
+        g = None if frozen else gumbel(key, (logits.shape[0], 6), 0, device)
+        out, sq = native.native_masked_weight(weight, nm, p, g, m.tile, m.kappa_nm, m.tau_nm, m.hard, frozen)
+        return out, (sq if want_sq else None), total
+    shape5, mt5 = _views(m, weight, p)
     spec = MaskSpec(hard=m.hard, scores=m.nm_param == "weight", want_sq=want_sq, frozen=frozen,
                     impl="compiled" if m.impl == "compiled" else "eager")
     kappa, tau = (torch.tensor(v, dtype=dt, device=device) for v in (m.kappa_nm, m.tau_nm))
     out, sq = fused_masked_weight(weight.reshape(shape5), nm.reshape(*shape5[:-1], nm.shape[-1] if not frozen else 4),
                                   mt5, key, kappa, tau, spec)
-    total = torch.full((), m.numel / 2, dtype=dt, device=device) if p is None else (m.tile_numel * (0.5 + 0.5 * p)).sum()
     return out.view(m.shape), sq, total
 
 
 def sample_reference(m: HybridMask, noise: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
-    """Today's autograd graph of a training draw of `m`; `noise` = (U for the (groups, 6) logits, U for the tiles) replaces
-    the generator's draws (the counter still advances)."""
+    """The original autograd graph of a training draw of `m`; `noise` = (Gumbel noise of the (groups, 6) logits,
+    logistic noise of the tiles) replaces the generator's draws (the counter still advances)."""
     device = m.nm_logits.device
     gen = m._generator(device)
     m._advance()
     groups = m.nm_logits.shape[0]
-    u24 = _uniform((groups, 6), gen, device) if noise is None else noise[0]
-    g = -torch.log(-torch.log(u24))
+    g = -torch.log(-torch.log(_uniform((groups, 6), gen, device))) if noise is None else noise[0]
     soft24 = torch.softmax((m.kappa_nm * m.pattern_logits() + g) / m.tau_nm, dim=-1)
     if m.hard:
         hard24 = F.one_hot(soft24.argmax(-1), 6).to(soft24)
@@ -311,8 +321,10 @@ def sample_reference(m: HybridMask, noise: tuple[torch.Tensor, torch.Tensor | No
     m24 = (soft24 @ m.patterns).reshape(m.shape)
     if m.tile_logits is None:
         return m24
-    u = _uniform(m.grid, gen, device) if noise is None else noise[1]
-    z = (m.kappa_tile * m.tile_logits + torch.log(u) - torch.log1p(-u)) / m.tau_tile
+    if noise is None:
+        u = _uniform(m.grid, gen, device)
+        noise = (None, torch.log(u) - torch.log1p(-u))
+    z = (m.kappa_tile * m.tile_logits + noise[1]) / m.tau_tile
     p = torch.sigmoid(z)
     if m.hard:
         p = (z > 0).to(p) - p.detach() + p
