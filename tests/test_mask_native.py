@@ -100,3 +100,41 @@ def test_native_library_is_built_once_and_reused(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="could not build tiny.c"):
         native._build(cc)
     assert len(list(first.parent.iterdir())) == 2  # the failed build left nothing
+
+
+@pytest.mark.parametrize("torch_path", [False, True])
+def test_recompute_gives_the_same_gradients_and_saves_no_masked_weight(torch_path, monkeypatch):
+    import contextlib
+
+    from patchc.masking import recompute
+
+    if torch_path:
+        monkeypatch.setattr(native, "supports", lambda *a: False)
+    m = _mask((48, 100), (16, 20), "joint", False, "pattern")
+    ref = copy.deepcopy(m)
+    w = torch.randn(48, 100, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(7, 100, generator=torch.Generator().manual_seed(6), requires_grad=True)  # dX needs W * M
+    kept: list = []
+    pack = recompute._pack
+    monkeypatch.setattr(recompute, "_pack", lambda t: kept.append(pack(t)) or kept[-1])
+
+    def run(mask, ctx):
+        with ctx:
+            y = torch.nn.functional.linear(x, mask(w))  # mm saves W * M, transposed, for dX
+            (y.square().sum() + 0.3 * mask.last_sq_norm).backward()
+        return [p.grad.clone() for p in mask.parameters()]
+
+    grads = run(ref, contextlib.nullcontext())
+    got = run(m, recompute.recompute_masked_weights())
+    recipes = [k for k in kept if isinstance(k, recompute._Recipe)]
+    assert len(recipes) == 1 and tuple(recipes[0].size) == (100, 48)
+    assert not any(isinstance(k, torch.Tensor) and k.numel() == 4800 and k.data_ptr() != w.data_ptr() for k in kept)
+    for g, r in zip(got, grads):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)  # the redraw is bit-identical
+
+    with recompute.recompute_masked_weights():  # logits stepped between forward and backward: refused by name
+        y = torch.nn.functional.linear(x, m(w)).sum()
+        with torch.no_grad():
+            m.nm_logits.add_(1.0)
+        with pytest.raises(RuntimeError, match="w: its 2:4 logits changed"):
+            y.backward()

@@ -40,13 +40,15 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from patchc.ir.patterns import PATTERNS
 from patchc.ir.tiles import expand_tiles, tile_grid, tile_sizes
-from patchc.masking import native
+from patchc.masking import native, recompute
 from patchc.masking.fused import MaskSpec, cover_sums, fused_masked_weight, gumbel, logistic, pair_sums, split_key
 
 MODES = ("sample", "hard", "soft", "ones")
@@ -295,15 +297,32 @@ def sample_fused(m: HybridMask, weight: torch.Tensor, want_sq: bool):
     total = torch.full((), m.numel / 2, dtype=dt, device=device) if p is None else (m.tile_numel * (0.5 + 0.5 * p)).sum()
     if m.impl == "fused" and native.supports(weight, nm):
         g = None if frozen else gumbel(key, (logits.shape[0], 6), 0, device)
-        out, sq = native.native_masked_weight(weight, nm, p, g, m.tile, m.kappa_nm, m.tau_nm, m.hard, frozen)
-        return out, (sq if want_sq else None), total
-    shape5, mt5 = _views(m, weight, p)
-    spec = MaskSpec(hard=m.hard, scores=m.nm_param == "weight", want_sq=want_sq, frozen=frozen,
-                    impl="compiled" if m.impl == "compiled" else "eager")
-    kappa, tau = (torch.tensor(v, dtype=dt, device=device) for v in (m.kappa_nm, m.tau_nm))
-    out, sq = fused_masked_weight(weight.reshape(shape5), nm.reshape(*shape5[:-1], nm.shape[-1] if not frozen else 4),
-                                  mt5, key, kappa, tau, spec)
-    return out.view(m.shape), sq, total
+
+        def draw(mt):
+            return native.native_masked_weight(weight, nm, mt, g, m.tile, m.kappa_nm, m.tau_nm, m.hard, frozen)
+    else:
+        shape5, _ = _views(m, weight, None)
+        spec = MaskSpec(hard=m.hard, scores=m.nm_param == "weight", want_sq=want_sq, frozen=frozen,
+                        impl="compiled" if m.impl == "compiled" else "eager")
+        kappa, tau = (torch.tensor(v, dtype=dt, device=device) for v in (m.kappa_nm, m.tau_nm))
+
+        def draw(mt):
+            out, sq = fused_masked_weight(weight.reshape(shape5), nm.reshape(*shape5[:-1], nm.shape[-1] if not frozen else 4),
+                                          _views(m, weight, mt)[1], key, kappa, tau, spec)
+            return out.view(m.shape), sq
+    out, sq = draw(p)
+    if recompute.active():
+        recompute.register(out, functools.partial(_redraw, m.name, draw, None if p is None else p.detach(), nm, nm._version))
+    return out, (sq if want_sq else None), total
+
+
+def _redraw(name: str, draw, p: torch.Tensor | None, nm: torch.Tensor, version: int) -> torch.Tensor:
+    """The same draw again, for backward (`patchc.masking.recompute`)."""
+    if nm._version != version:
+        raise RuntimeError(f"{name}: its 2:4 logits changed between forward and backward, so W * M cannot be "
+                           "recomputed; step the optimizer after backward, or train without recompute")
+    with torch.no_grad():
+        return draw(p)[0]
 
 
 def sample_reference(m: HybridMask, noise: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:

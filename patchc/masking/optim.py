@@ -45,6 +45,7 @@ class MaskOptimConfig:
         state_dtype: dtype of Adam's m and v, "float32" or "bfloat16" (default: by `memory`).
         in_backward: step each tensor inside backward so no gradient persists (default: by `memory`).
         stochastic_rounding: round bf16 m / v stochastically (keeps v's 0.1% per-step moves).
+        recompute: keep no W * M for backward; redraw it there (`patchc.masking.recompute`; default: by `memory`).
         betas, eps: Adam's.
 
     Example:
@@ -56,6 +57,7 @@ class MaskOptimConfig:
     state_dtype: str | None = None
     in_backward: bool | None = None
     stochastic_rounding: bool = True
+    recompute: bool | None = None
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
 
@@ -69,6 +71,8 @@ class MaskOptimConfig:
             raise ValueError(f"MaskOptimConfig.state_dtype={self.state_dtype!r}: choose one of {tuple(STATE_DTYPES)}")
         if self.in_backward is None:
             object.__setattr__(self, "in_backward", low)
+        if self.recompute is None:
+            object.__setattr__(self, "recompute", low)
         betas = tuple(self.betas)
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"MaskOptimConfig.betas={self.betas!r}: two values in [0, 1), e.g. (0.9, 0.999)")

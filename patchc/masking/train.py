@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from patchc.masking.optim import MaskOptimConfig, StepInBackward, make_mask_optimizer
+from patchc.masking.recompute import recompute_masked_weights
 from patchc.models.outputs import logits_of
 from patchc.utils.files import atomic_path
 
@@ -211,8 +212,9 @@ def train_masks(
 
     bar = tqdm(range(result.step, steps), initial=result.step, total=steps, desc=desc, disable=not progress)
     hooks = StepInBackward(optimizer, params, grad_clip) if in_backward else contextlib.nullcontext()
+    redraw = recompute_masked_weights() if optim.recompute else contextlib.nullcontext()
     optimizer.zero_grad(set_to_none=True)
-    with hooks:
+    with hooks, redraw:
         for t in bar:
             losses = _step(prog, loss_fn, get_batch(t), optimizer, params, grad_clip, in_backward)
             _after_step(prog, result, t, steps, losses, log_every, bar, on_log)
