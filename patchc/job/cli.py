@@ -71,11 +71,13 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the 2:4 choice is learned: 6 logits per group of 4 (the paper), or 4 scores per "
                         "group (one per weight; 2/3 of the logit bytes)")
     p.add_argument("--low-memory", action="store_true",
-                   help="bf16 Adam state and a per-layer step inside backward: ~12 bytes per masked weight (8 "
-                        "with --nm-param weight) instead of ~24; gradient clipping per tensor")
+                   help="bf16 Adam state, a per-layer step inside backward, and W*M redrawn in backward instead "
+                        "of kept: ~12 bytes per masked weight (8 with --nm-param weight) instead of ~24; gradient "
+                        "clipping per tensor")
     p.add_argument("--mask-impl", default=d.mask_impl, choices=("fused", "compiled", "reference"),
-                   help="mask step: one fused autograd node per mask, the same through torch.compile (faster "
-                        "steps after a 1-2 minute compile), or the plain autograd graph")
+                   help="mask step: one fused autograd node per mask (on a CPU a compiled C loop, built once "
+                        "with the system C compiler), its torch ops through torch.compile (for GPUs; a 1-2 minute "
+                        "compile), or the plain autograd graph")
     p.add_argument("--no-exact-budget", dest="exact_budget", action="store_false",
                    help="harden by logit signs only instead of a global top-k that hits the target")
     p.add_argument("--block-len", type=int, default=d.block_len, help="training sequence length")
