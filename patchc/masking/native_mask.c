@@ -15,6 +15,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Flush denormals to zero inside the loops: late in training the softmax saturates, its products fall
+ * below 1e-38, and denormal arithmetic ran the whole step ~5x slower. Values that small are 0 to Adam. */
+#if defined(__x86_64__) || defined(__SSE__)
+#include <xmmintrin.h>
+#define FTZ_ON const unsigned int csr_ = _mm_getcsr(); _mm_setcsr(csr_ | 0x8040u);
+#define FTZ_OFF _mm_setcsr(csr_);
+#else
+#define FTZ_ON
+#define FTZ_OFF
+#endif
+
 #define INLINE static inline __attribute__((always_inline))
 #define L 8 /* groups per vector */
 
@@ -272,17 +283,22 @@ void mask_forward(const void *w, int bf16, const float *logits, int ncols, const
     const int64_t blocks = (n + rows_per - 1) / rows_per;
     const int has_mt = mt != NULL;
     double total = 0.0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        float *tcol = malloc((size_t)(kg + L) * sizeof(float));
-        const int64_t r_end = (blk + 1) * rows_per < n ? (blk + 1) * rows_per : n;
-        for (int64_t r = blk * rows_per; r < r_end; r++) {
-            tile_row(mt, r, kg, tk, b1, b2, tcol);
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        FTZ_ON
+#pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            float *tcol = malloc((size_t)(kg + L) * sizeof(float));
+            const int64_t r_end = (blk + 1) * rows_per < n ? (blk + 1) * rows_per : n;
+            for (int64_t r = blk * rows_per; r < r_end; r++) {
+                tile_row(mt, r, kg, tk, b1, b2, tcol);
 #define FWD(NC, H, M, B, F) total += forward_row(w, logits, keep, gumbel, tcol, out, r, kg, kappa, tau, NC, H, M, B, F)
-            SPECIALISE(FWD)
+                SPECIALISE(FWD)
 #undef FWD
+            }
+            free(tcol);
         }
-        free(tcol);
+        FTZ_OFF
     }
     if (sq) *sq = total;
 }
@@ -295,23 +311,28 @@ void mask_backward(const void *grad_out, float grad_sq, const void *w, int bf16,
     const int64_t blocks = (n + rows_per - 1) / rows_per;
     const int has_mt = mt != NULL;
     const float two_gsq = 2.0f * grad_sq;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        float *tcol = malloc((size_t)(2 * kg + L) * sizeof(float)), *part = tcol + kg + L;
-        double *acc = calloc((size_t)tk, sizeof(double));
-        const int64_t r_end = (blk + 1) * rows_per < n ? (blk + 1) * rows_per : n;
-        for (int64_t r = blk * rows_per; r < r_end; r++) {
-            tile_row(mt, r, kg, tk, b1, b2, tcol);
+#pragma omp parallel num_threads(threads)
+    {
+        FTZ_ON
+#pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            float *tcol = malloc((size_t)(2 * kg + L) * sizeof(float)), *part = tcol + kg + L;
+            double *acc = calloc((size_t)tk, sizeof(double));
+            const int64_t r_end = (blk + 1) * rows_per < n ? (blk + 1) * rows_per : n;
+            for (int64_t r = blk * rows_per; r < r_end; r++) {
+                tile_row(mt, r, kg, tk, b1, b2, tcol);
 #define BWD(NC, H, M, B, F) \
     backward_row(grad_out, two_gsq, w, logits, keep, gumbel, tcol, part, d_logits, r, kg, kappa, tau, NC, H, M, B, F)
-            SPECIALISE(BWD)
+                SPECIALISE(BWD)
 #undef BWD
-            for (int64_t c = 0, per = b2 / 4, j = 0; c < kg; c += per, j++)
-                for (int64_t q = c; q < c + per && q < kg; q++) acc[j] += part[q];
+                for (int64_t c = 0, per = b2 / 4, j = 0; c < kg; c += per, j++)
+                    for (int64_t q = c; q < c + per && q < kg; q++) acc[j] += part[q];
+            }
+            if (d_mt) /* this block is exactly tile row `blk` */
+                for (int64_t j = 0; j < tk; j++) d_mt[blk * tk + j] = (float)acc[j];
+            free(acc);
+            free(tcol);
         }
-        if (d_mt) /* this block is exactly tile row `blk` */
-            for (int64_t j = 0; j < tk; j++) d_mt[blk * tk + j] = (float)acc[j];
-        free(acc);
-        free(tcol);
+        FTZ_OFF
     }
 }
