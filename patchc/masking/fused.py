@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -123,9 +124,7 @@ def gumbel(key: torch.Tensor, shape: tuple[int, ...], stream: int, device) -> to
     True
     """
     k0, k1, seed = (int(v) for v in key.tolist())
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     bank = gumbel_bank(seed, bank_length(numel), device)
     start = _stream_seed(k0, k1, stream) % (bank.numel() - numel + 1)
     return bank[start:start + numel].view(shape)

@@ -3,16 +3,17 @@
 `patchc.masking.fused` states the step as torch ops: about 10 passes over the (groups, 6) logits each
 way, which on a CPU costs more than the model's own GEMMs. `torch.compile` of the same functions still
 ran at ~10 ns per logit. This module compiles `native_mask.c` (plain C, OpenMP, no torch headers:
-about a second with the system's C compiler) into `$PATCHC_CACHE_DIR/native/` once per source and
-machine, and runs forward and backward as one pass each, from the same Gumbel windows as the torch
-path. Where no C compiler works, `available()` is False and the torch path runs (one warning).
+~9 s with the system's C compiler) into `$PATCHC_CACHE_DIR/native/` once per source and machine,
+and runs forward and backward as one pass each, from the same Gumbel windows as the torch path.
+Where no C compiler works, `available()` is False and the torch path runs (one warning).
 
 Layouts: a contiguous (N, K) weight in fp32 or bf16, fp32 logits (groups, 6) or scores (groups, 4),
 the fp32 (Tn, Tk) tile mask; fp64 (the reference tests) and other dtypes use the torch path.
 
 Example:
     >>> if available():
-    ...     out, sq = native_masked_weight(w, logits, p_tiles, None, key, (16, 16), 100.0, 1.0, spec)
+    ...     g = fused.gumbel(key, (w.numel() // 4, 6), 0, "cpu")
+    ...     out, sq = native_masked_weight(w, logits, p_tiles, g, (16, 16), kappa=100.0, tau=1.0)
 """
 
 from __future__ import annotations
@@ -29,16 +30,11 @@ from pathlib import Path
 
 import torch
 
-from patchc.utils.files import atomic_path
+from patchc.utils.files import atomic_path, cache_root
 
 SOURCE = Path(__file__).with_name("native_mask.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 _ENV = "PATCHC_NATIVE_MASK"  # "0" turns the native step off (the torch path runs)
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("PATCHC_CACHE_DIR") or Path.home() / ".cache" / "patchc"
-    return Path(root) / "native"
 
 
 def _compiler() -> str | None:
@@ -49,7 +45,7 @@ def _build(cc: str) -> Path:
     """The shared library for this source, flags and machine, compiled once (atomically) and reused."""
     text = SOURCE.read_bytes()
     tag = hashlib.sha256(text + " ".join((cc, *FLAGS, platform.machine(), platform.node())).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"native_mask-{tag}.so"
+    lib = cache_root() / "native" / f"native_mask-{tag}.so"
     if not lib.exists():
         with atomic_path(lib) as tmp:
             res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from patchc.utils.env import versions
-from patchc.utils.files import write_bytes_atomic
+from patchc.utils.files import cache_root, write_bytes_atomic
 
 FORMAT = "patchc-tune-cache"
 VERSION = 1
@@ -44,8 +44,7 @@ def default_cache_path() -> Path:
         >>> default_cache_path().name
         'tune.json'
     """
-    root = os.environ.get("PATCHC_CACHE_DIR") or Path.home() / ".cache" / "patchc"
-    return Path(root) / "tune.json"
+    return cache_root() / "tune.json"
 
 
 def plan_hash(kinds: torch.Tensor, tile: tuple[int, int], block: tuple[int, int] | str) -> str:

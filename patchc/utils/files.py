@@ -14,6 +14,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def cache_root() -> Path:
+    """patchc's per-user cache folder: ``$PATCHC_CACHE_DIR``, else ``~/.cache/patchc`` (tuning, built libraries)."""
+    return Path(os.environ.get("PATCHC_CACHE_DIR") or Path.home() / ".cache" / "patchc")
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temp path in the target's folder; renamed onto `path` if the block succeeds, removed if not.
