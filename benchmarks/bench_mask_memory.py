@@ -15,6 +15,7 @@ state, activations, the saved W * M, the noise bank. Modes:
     default    mask training, `MaskOptimConfig()`: fused fp32 Adam, all gradients alive at the step
     low        mask training, `MaskOptimConfig(memory="low")`: bf16 m / v, step in backward
     low-4      low, with 4 scores per 2:4 group (PatchConfig(nm_param="weight")) where this patchc has it
+    low-4v     low-4 with one Adam v per 2:4 group (MaskOptimConfig(v_per_group=True))
 
 Bytes per weight = (logits + the most gradient bytes alive at once + optimizer state) / masked weights,
 read from the real tensors after training (`patchc.masking.optim.state_bytes`, `GradPeak`).
@@ -39,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "mask_memory.jsonl"
-MODES = ("dense", "default", "low", "low-4")
+MODES = ("dense", "default", "low", "low-4", "low-4v")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +157,7 @@ def _program(model, s: Shape, mode: str):
     import patchc
     from patchc.models import export_causal_lm
 
-    extra = {"nm_param": "weight"} if mode == "low-4" else {}
+    extra = {"nm_param": "weight"} if mode.startswith("low-4") else {}
     cfg = patchc.PatchConfig(tile=(16, 16), steps=s.steps, **extra)
     prog = patchc.transform(export_causal_lm(model), cfg)
     if extra and not all(m.nm_logits.shape[-1] == 4 for m in prog.layers.values()):
@@ -168,11 +169,12 @@ def _program(model, s: Shape, mode: str):
 
 def _masked(prog, s: Shape, mode: str) -> tuple[list[float], dict]:
     import patchc
-    from patchc.masking.optim import GradPeak, MaskOptimConfig, make_mask_optimizer, state_bytes
+    from patchc.masking.optim import GradPeak, MaskOptimConfig, state_bytes
+    from patchc.masking.train import make_optimizer
 
-    optim = MaskOptimConfig(memory="default" if mode == "default" else "low")
+    optim = MaskOptimConfig(memory="default" if mode == "default" else "low", v_per_group=mode == "low-4v")
     params = prog.mask_parameters()
-    opt = make_mask_optimizer(params, 1e-3, optim)
+    opt = make_optimizer(prog, 1e-3, optim)
     times: list[float] = []
     last = [time.perf_counter()]
 
@@ -223,7 +225,7 @@ def measure(mode: str, s: Shape) -> dict:
 
 def run(s: Shape, repeats: int = 1, modes: tuple[str, ...] | None = None) -> dict[str, dict]:
     """Every mode (low-4 only where available), `repeats` times, modes interleaved; medians per mode."""
-    modes = modes or tuple(m for m in MODES if m != "low-4" or has_four_scores())
+    modes = modes or tuple(m for m in MODES if not m.startswith("low-4") or has_four_scores())
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(repeats):
         for m in modes:

@@ -34,6 +34,7 @@ ROWS = {
     "low": ({"memory": "low"}, {}),
     "low-4": ({"memory": "low"}, {"nm_param": "weight"}),
     "default-4": ({}, {"nm_param": "weight"}),
+    "low-4v": ({"memory": "low", "v_per_group": True}, {"nm_param": "weight"}),
 }
 
 
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=PruneOptions.steps)
     p.add_argument("--rows", nargs="+", choices=tuple(ROWS), default=None,
-                   help="default: default, low, and low-4 where PatchConfig has nm_param")
+                   help="default: default, low, and low-4 / low-4v where PatchConfig has nm_param")
     p.add_argument("--impl", default=None, help="the masks' sampling implementation (HybridMask.impl); default: its default")
     p.add_argument("--runs-from", nargs="+", default=None, metavar="LOG",
                    help="summarise and record the run lines printed by earlier invocations (e.g. one per seed, "
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench_mask_memory import has_four_scores
 
     four = has_four_scores()
-    rows = a.rows or [r for r in ("default", "low", "low-4") if four or not r.endswith("-4")]
+    rows = a.rows or [r for r in ("default", "low", "low-4", "low-4v") if four or "-4" not in r]
     base = PruneOptions(steps=a.steps, progress=False)
     if a.runs_from:
         runs, dense = read_runs(a.runs_from)

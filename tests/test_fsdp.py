@@ -20,6 +20,7 @@ from torch.distributed.tensor import Shard
 import patchc
 from patchc.job.distributed import check_checkpoint_kind, prepare_training, rank_slice
 from patchc.job.fsdp import ShardedCheckpointIO, full_state_dict, group_blocks, shard_program, state_bytes
+from patchc.masking.optim import MaskOptimConfig
 from patchc.masking.train import make_optimizer
 from patchc.models.outputs import logits_of
 
@@ -151,6 +152,51 @@ def test_fsdp_two_ranks_equal_one_and_resume_sharded(exported, tmp_path):
     same = sum(int((plan.layers[k].mask() == ref_plan.layers[k].mask()).sum()) for k in plan.layers)
     assert same == sum(lp.numel for lp in ref_plan.layers.values())
     assert plan.density == ref_plan.density
+
+
+LOW = MaskOptimConfig(memory="low", v_per_group=True)
+CLIP = 0.05  # small, so every tensor is clipped: a global or per-shard norm would show
+
+
+def _low_config() -> patchc.PatchConfig:
+    return patchc.PatchConfig(tile=(16, 16), prior="magnitude", steps=STEPS, nm_param="weight")
+
+
+def _low_worker(rank: int, ep, out: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=WORLD)
+    try:
+        prog = shard_program(patchc.transform(ep, _low_config()))
+        result = patchc.train_masks(prog, lambda step: rank_slice(_batch(step), rank, WORLD), patchc.lm_loss,
+                                    steps=STEPS, lr=LR, optim=LOW, progress=False, log_every=1, grad_clip=CLIP)
+        state = full_state_dict(prog)
+        if rank == 0:
+            torch.save({"state": state, "history": result.history}, out / "result.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_low_memory_mode_equals_one_process(exported, tmp_path):
+    """bf16 state with stochastic rounding, one v per group, per-tensor clipping: on two shards each
+    tensor is rounded and clipped as a whole, so the ranks train what one process trains (which
+    steps inside backward; the ranks step after it)."""
+    ranks = mp.start_processes(_low_worker, args=(exported, tmp_path), nprocs=WORLD, join=False, start_method="fork")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = patchc.transform(exported, _low_config())
+        ref = patchc.train_masks(reference, _batch, patchc.lm_loss, steps=STEPS, lr=LR, optim=LOW, progress=False,
+                                 log_every=1, grad_clip=CLIP)
+    finally:
+        torch.set_num_threads(threads)
+    _join_ranks(ranks)
+    got = torch.load(tmp_path / "result.pt", weights_only=False)
+    # Measured max 3e-4: the half-batch gradients' reassociation now and then moves a bf16 m or v to
+    # the other side of its stochastic rounding threshold. Clipping by the global norm instead (what
+    # the ranks did before) is off by 6e-2.
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(got["state"][key], value, rtol=0, atol=1e-3, msg=key)
+    assert got["history"][-1]["task"] == pytest.approx(ref.history[-1]["task"], rel=1e-5)
 
 
 class _ReadTwice(nn.Module):

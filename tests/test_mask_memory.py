@@ -9,7 +9,8 @@ import torch
 import patchc
 from patchc.masking.optim import (GradPeak, LowMemAdam, MaskOptimConfig, StepInBackward, make_mask_optimizer, round_into,
                                   state_bytes)
-from patchc.masking.train import CheckpointIO
+from patchc.masking.hybrid_mask import HybridMask
+from patchc.masking.train import CheckpointIO, make_optimizer
 
 LOW = MaskOptimConfig(memory="low")
 
@@ -158,3 +159,56 @@ def test_low_mode_halves_the_bytes_per_weight(tiny_mlp):
     assert per_weight["low"] == pytest.approx(8 * logits_per_weight)  # fp32 logits + bf16 m, v
     assert grads["default"] == 4 * sum(p.numel() for p in params)  # every gradient alive at the step
     assert grads["low"] == 4 * max(p.numel() for p in params)  # one tensor's, freed before the next
+
+
+def _adam_mini_reference(p0: torch.Tensor, grads: list[torch.Tensor], lr: float, b1=0.9, b2=0.999, eps=1e-8):
+    """Adam with one v per row (the mean of the row's squared gradients), written out step by step."""
+    p, m, v = p0.clone().double(), torch.zeros_like(p0).double(), torch.zeros(p0.shape[0], 1).double()
+    for t, g in enumerate(grads, 1):
+        g = g.double()
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * (g * g).mean(-1, keepdim=True)
+        p = p - lr / (1 - b1**t) * m / ((v / (1 - b2**t)).sqrt() + eps)
+    return p
+
+
+def test_v_per_group_is_adam_with_one_second_moment_per_group():
+    torch.manual_seed(0)
+    nm, tile = torch.nn.Parameter(torch.randn(50, 4)), torch.nn.Parameter(torch.randn(6, 4))
+    start = {id(p): p.detach().clone() for p in (nm, tile)}
+    cfg = MaskOptimConfig(memory="low", state_dtype="float32", v_per_group=True)
+    opt = make_mask_optimizer([tile, nm], 1e-2, cfg, grouped=[nm])
+    grads = {id(p): [torch.randn(p.shape, generator=torch.Generator().manual_seed(s + 9 * i)) * (1 + i)
+                     for s in range(6)] for i, p in enumerate((nm, tile))}
+    for s in range(6):
+        for p in (nm, tile):
+            p.grad = grads[id(p)][s].clone()
+        opt.step()
+    # The 2:4 logits share v per row; the tile logits (4 columns too, but not a group) keep one v each.
+    assert opt.state[nm]["exp_avg_sq"].shape == (50, 1) and opt.state[tile]["exp_avg_sq"].shape == (6, 4)
+    torch.testing.assert_close(nm.detach().double(), _adam_mini_reference(start[id(nm)], grads[id(nm)], 1e-2),
+                               rtol=0, atol=1e-6)
+    plain = torch.nn.Parameter(start[id(tile)].clone())
+    ref = torch.optim.Adam([plain], lr=1e-2)
+    for s in range(6):
+        plain.grad = grads[id(tile)][s].clone()
+        ref.step()
+    torch.testing.assert_close(tile.detach(), plain.detach(), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="grouped"):
+        make_mask_optimizer([nm], 1e-2, cfg)
+
+
+def test_v_per_group_bytes_and_resume_check(tiny_mlp, tmp_path):
+    cfg = MaskOptimConfig(memory="low", v_per_group=True)
+    prog = _setup(tiny_mlp, nm_param="weight")
+    opt = make_optimizer(prog, 1e-3, cfg)
+    patchc.train_masks(prog, _batches, _loss, steps=2, progress=False, optimizer=opt, optim=cfg,
+                       checkpoint=tmp_path / "v.ckpt")
+    weights = sum(m.numel for m in prog.layers.values())
+    tiles = sum(m.tile_logits.numel() for m in prog.modules() if isinstance(m, HybridMask))
+    b = state_bytes(prog.mask_parameters(), opt)
+    # 4 fp32 scores + 4 bf16 m per 4 weights, one bf16 v per group; each tile logit: fp32 + bf16 m, v.
+    assert b["logits"] + b["state"] == 4 * weights + 2 * weights + weights // 2 + 8 * tiles
+    with pytest.raises(ValueError, match=r"v per group\) \(now LowMemAdam\(bfloat16\)\)"):
+        patchc.train_masks(_setup(tiny_mlp, nm_param="weight"), _batches, _loss, steps=2, progress=False, optim=LOW,
+                           checkpoint=tmp_path / "v.ckpt", resume=True)

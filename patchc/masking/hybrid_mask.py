@@ -312,12 +312,16 @@ def sample_fused(m: HybridMask, weight: torch.Tensor, want_sq: bool):
             return out.view(m.shape), sq
     out, sq = draw(p)
     if recompute.active():
-        recompute.register(out, functools.partial(_redraw, m.name, draw, None if p is None else p.detach(), nm, nm._version))
+        recompute.register(out, functools.partial(_redraw, m.name, draw, None if p is None else p.detach(), nm, nm._version,
+                                                  weight))
     return out, (sq if want_sq else None), total
 
 
-def _redraw(name: str, draw, p: torch.Tensor | None, nm: torch.Tensor, version: int) -> torch.Tensor:
+def _redraw(name: str, draw, p: torch.Tensor | None, nm: torch.Tensor, version: int, weight: torch.Tensor) -> torch.Tensor:
     """The same draw again, for backward (`patchc.masking.recompute`)."""
+    if weight.untyped_storage().nbytes() < weight.numel() * weight.element_size():
+        raise RuntimeError(f"{name}: its weight was freed after forward (FSDP reshards it), so W * M cannot be "
+                           "recomputed in backward; train without recompute (MaskOptimConfig(recompute=False))")
     if nm._version != version:
         raise RuntimeError(f"{name}: its 2:4 logits changed between forward and backward, so W * M cannot be "
                            "recomputed; step the optimizer after backward, or train without recompute")

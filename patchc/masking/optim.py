@@ -8,6 +8,9 @@
                       (`Tensor.register_post_accumulate_grad_hook`), so no gradient outlives its layer.
                       ~12 B per weight with 6 pattern logits per 2:4 group (logits 6 + m, v 3 + 3), ~8 B
                       with 4 scores per group. Logits stay fp32: updates of ~1e-4 vanish in bf16.
+    v_per_group=True  one second moment per 2:4 group, shared by its 6 logits or 4 scores (Adam-mini's
+                      rule: one v per block of parameters whose gradients share a scale). ~6.5 B per
+                      weight with 4 scores (logits 4 + m 2 + v 0.5).
 
 Why stochastic rounding: v moves by (1 - beta2) = 0.1% of itself per step, below bf16's 0.4% spacing,
 so round-to-nearest would freeze it; rounding up with probability equal to the dropped fraction keeps
@@ -46,6 +49,8 @@ class MaskOptimConfig:
         in_backward: step each tensor inside backward so no gradient persists (default: by `memory`).
         stochastic_rounding: round bf16 m / v stochastically (keeps v's 0.1% per-step moves).
         recompute: keep no W * M for backward; redraw it there (`patchc.masking.recompute`; default: by `memory`).
+        v_per_group: one Adam v per 2:4 group instead of per logit (needs the custom optimizer; the
+            mean of the group's squared gradients feeds it).
         betas, eps: Adam's.
 
     Example:
@@ -58,6 +63,7 @@ class MaskOptimConfig:
     in_backward: bool | None = None
     stochastic_rounding: bool = True
     recompute: bool | None = None
+    v_per_group: bool = False
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
 
@@ -83,7 +89,7 @@ class MaskOptimConfig:
     @property
     def custom(self) -> bool:
         """True when torch's Adam cannot do it (bf16 state or a per-tensor step in backward)."""
-        return self.state_dtype != "float32" or bool(self.in_backward)
+        return self.state_dtype != "float32" or bool(self.in_backward) or self.v_per_group
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -97,6 +103,55 @@ def _seed(seed: int, index: int, step: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
     return (x ^ (x >> 31)) & (2**63 - 1)
+
+
+_CHUNK = 1 << 20  # elements per independently seeded block of a noise stream
+
+
+def counter_bits(key: int, start: int, shape: tuple[int, ...], device: torch.device, total: int) -> torch.Tensor:
+    """31 random bits (int32 in [0, 2^31)) for elements start, start+1, ... of stream `key`, whose whole
+    tensor has `total` elements.
+
+    The stream is cut into blocks of min(2^20, total) elements, each drawn from its own seeded
+    generator, so a slice (an FSDP shard) draws only the blocks it overlaps and gets exactly what the
+    whole tensor gets.
+
+    Example:
+        >>> cpu = torch.device("cpu")
+        >>> torch.equal(counter_bits(7, 0, (9,), cpu, 9)[2:], counter_bits(7, 2, (7,), cpu, 9))
+        True
+    """
+    n, size = math.prod(shape), max(1, min(_CHUNK, total))
+    if start + n > total:
+        raise ValueError(f"counter_bits: elements {start}..{start + n} lie outside a tensor of {total}")
+    first, last = start // size, (start + n - 1) // size if n else start // size - 1
+    gen = torch.Generator(device=device)
+    blocks = []
+    for block in range(first, last + 1):
+        gen.manual_seed(_seed(key, block, 0))
+        blocks.append(torch.randint(0, 2**31 - 1, (size,), generator=gen, device=device, dtype=torch.int32))
+    if not blocks:
+        return torch.empty(shape, dtype=torch.int32, device=device)
+    flat = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    lo = start - first * size
+    return flat[lo: lo + n].view(shape)
+
+
+def shard_offset(t: torch.Tensor) -> int:
+    """Flat index, in the whole tensor, of the first element of this rank's shard: 0 for a plain tensor,
+    rank * ceil(rows / ranks) rows for FSDP2's Shard(0) DTensor (torch.chunk's split)."""
+    if not hasattr(t, "to_local"):
+        return 0
+    from torch.distributed.tensor import Shard
+
+    if tuple(t.placements) != (Shard(0),):
+        raise NotImplementedError(f"LowMemAdam: a DTensor placed {t.placements}; only FSDP2's Shard(0) is handled")
+    rows, ranks = t.shape[0], t.device_mesh.size()
+    first = min(t.device_mesh.get_local_rank() * -(-rows // ranks), rows)
+    if t.to_local().shape[0] != min(-(-rows // ranks), rows - first):
+        raise NotImplementedError(f"LowMemAdam: a Shard(0) DTensor of {rows} rows split unevenly "
+                                  f"({t.to_local().shape[0]} rows here)")
+    return first * math.prod(t.shape[1:])
 
 
 def round_into(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor | None) -> None:
@@ -120,6 +175,7 @@ class LowMemAdam(torch.optim.Optimizer):
 
     `step_param(p)` updates one tensor from its `.grad` (what the in-backward hook calls); `step()`
     updates every tensor that has a gradient. State dicts keep the low-precision dtype on load.
+    A param group with `v_per_group=True` keeps one v per row of the last dim (a 2:4 group's logits).
 
     Example:
         >>> opt = LowMemAdam(prog.mask_parameters(), lr=1e-3)
@@ -131,7 +187,7 @@ class LowMemAdam(torch.optim.Optimizer):
                  seed: int = 0) -> None:
         if not lr > 0:
             raise ValueError(f"LowMemAdam: lr={lr} must be > 0")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps))
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, v_per_group=False))
         self.state_dtype, self.stochastic_rounding, self.seed = state_dtype, stochastic_rounding, seed
         self._index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         self._map_groups()
@@ -160,7 +216,8 @@ class LowMemAdam(torch.optim.Optimizer):
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+            like = p[..., :1] if group["v_per_group"] else p  # a view: keeps a DTensor's sharding
+            state["exp_avg_sq"] = torch.zeros_like(like, dtype=self.state_dtype, memory_format=torch.contiguous_format)
         state["step"] += 1
         t = int(state["step"])  # a CPU scalar: no device sync
         (b1, b2), lr, eps = group["betas"], group["lr"], group["eps"]
@@ -170,21 +227,23 @@ class LowMemAdam(torch.optim.Optimizer):
         if m.data_ptr() == m_store.data_ptr():  # fp32 state: .float() is the state itself, update in place
             m, v = m_store, v_store
         m.lerp_(g, 1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        if group["v_per_group"]:
+            v.mul_(b2).add_(g.square().mean(-1, keepdim=True), alpha=1 - b2)
+        else:
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
         denom = v.sqrt().div_(math.sqrt(1 - b2**t)).add_(eps)
         w.addcdiv_(m, denom, value=-lr / (1 - b1**t))
         del denom
         if m is not m_store:
             noise = self._noise(p, t) if self.stochastic_rounding else None
             round_into(m_store, m, None if noise is None else noise & (_LOW16 - 1))
-            round_into(v_store, v, None if noise is None else noise >> 15)
+            round_into(v_store, v, None if noise is None else (noise >> 15)[..., : v.shape[-1]])
 
     def _noise(self, p: torch.Tensor, t: int) -> torch.Tensor:
-        """31 random bits per element: the low 16 round m, the high 16 round v."""
+        """31 random bits per element: the low 16 round m, the high 16 round v. Keyed by the element's
+        index in the whole tensor, so an FSDP shard draws what one process draws for the same rows."""
         local = _local(p)
-        gen = torch.Generator(device=local.device)
-        gen.manual_seed(_seed(self.seed, self._index[p], t))
-        return torch.randint(0, 2**31 - 1, local.shape, generator=gen, device=local.device, dtype=torch.int32)
+        return counter_bits(_seed(self.seed, self._index[p], t), shard_offset(p), local.shape, local.device, p.numel())
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader casts float state to the parameter's dtype: cast m and v back (exactly)."""
@@ -197,14 +256,25 @@ class LowMemAdam(torch.optim.Optimizer):
 
 
 def make_mask_optimizer(params: Sequence[torch.Tensor], lr: float, cfg: MaskOptimConfig | None = None,
-                        seed: int = 0) -> torch.optim.Optimizer:
+                        seed: int = 0, grouped: Sequence[torch.Tensor] = ()) -> torch.optim.Optimizer:
     """Adam over the logits as `cfg` asks: torch's fused (else foreach) Adam, or `LowMemAdam`.
+
+    `grouped`: the tensors among `params` whose last dim holds one 2:4 group's logits (they share a v
+    under `cfg.v_per_group`; `patchc.masking.train.make_optimizer` finds them in a program).
 
     Example:
         >>> opt = make_mask_optimizer(prog.mask_parameters(), 1e-3, MaskOptimConfig(memory="low"))
     """
     cfg = cfg or MaskOptimConfig()
     params = list(params)
+    if cfg.v_per_group:
+        if not grouped:
+            raise ValueError("MaskOptimConfig(v_per_group=True) needs `grouped`, the 2:4 logit tensors "
+                             "(make_optimizer(prog, ...) finds them)")
+        ids = {id(p) for p in grouped}
+        params = [{"params": [p for p in params if id(p) not in ids]},
+                  {"params": [p for p in params if id(p) in ids], "v_per_group": True}]
+        params = [g for g in params if g["params"]]
     if cfg.custom:
         return LowMemAdam(params, lr=lr, betas=cfg.betas, eps=cfg.eps, state_dtype=STATE_DTYPES[cfg.state_dtype],
                           stochastic_rounding=cfg.stochastic_rounding, seed=seed)
@@ -223,6 +293,22 @@ def clip_tensor_(grad: torch.Tensor, max_norm: float) -> None:
     """Scale `grad` so its norm is at most `max_norm` (torch's clip rule, on one tensor; no device sync)."""
     norm = torch.linalg.vector_norm(grad)
     grad.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+
+
+def clip_each_(grads: Sequence[torch.Tensor], max_norm: float) -> None:
+    """`clip_tensor_` of every tensor, where a tensor may be an FSDP2 shard: the shards' squared norms
+    are summed across ranks in one all-reduce, so each whole tensor is clipped as one process would."""
+    local = [_local(g) for g in grads]
+    if not local:
+        return
+    sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in local])
+    if hasattr(grads[0], "to_local"):
+        import torch.distributed as dist
+
+        dist.all_reduce(sq, group=grads[0].device_mesh.get_group())
+    scale = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+    for g, s in zip(local, scale):
+        g.mul_(s)
 
 
 class _GradHooks:
@@ -305,4 +391,4 @@ def state_bytes(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
 
 
 __all__ = ["MaskOptimConfig", "LowMemAdam", "StepInBackward", "GradPeak", "make_mask_optimizer", "state_bytes", "round_into",
-           "clip_tensor_", "MEMORY_MODES"]
+           "clip_tensor_", "clip_each_", "counter_bits", "shard_offset", "MEMORY_MODES"]

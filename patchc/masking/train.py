@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from patchc.masking.optim import MaskOptimConfig, StepInBackward, make_mask_optimizer
+from patchc.masking.hybrid_mask import HybridMask
+from patchc.masking.optim import MaskOptimConfig, StepInBackward, clip_each_, make_mask_optimizer
 from patchc.masking.recompute import recompute_masked_weights
 from patchc.models.outputs import logits_of
 from patchc.utils.files import atomic_path
@@ -86,9 +87,13 @@ def load_checkpoint(path: str | os.PathLike, prog: MaskedProgram, optimizer: tor
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
-    """"Adam", or "LowMemAdam(bfloat16)": what must match for an exact resume (fused / foreach need not)."""
+    """"Adam", "LowMemAdam(bfloat16)" or "LowMemAdam(bfloat16, v per group)": what must match for an exact
+    resume (fused / foreach need not)."""
     dtype = getattr(optimizer, "state_dtype", None)
-    return type(optimizer).__name__ + (f"({str(dtype).removeprefix('torch.')})" if dtype is not None else "")
+    if dtype is None:
+        return type(optimizer).__name__
+    shared = any(g.get("v_per_group") for g in optimizer.param_groups)
+    return f"{type(optimizer).__name__}({str(dtype).removeprefix('torch.')}{', v per group' if shared else ''})"
 
 
 def _config_tag(prog: MaskedProgram) -> str:
@@ -141,8 +146,10 @@ class CheckpointIO:
 def make_optimizer(prog: MaskedProgram, lr: float, optim: MaskOptimConfig | None = None) -> torch.optim.Optimizer:
     """Adam over the mask logits: fused fp32 Adam by default, `LowMemAdam` for `memory="low"`.
 
-    The low-memory optimizer's stochastic rounding is seeded by the program's seed."""
-    return make_mask_optimizer(prog.mask_parameters(), lr, optim, seed=prog.cfg.seed)
+    The low-memory optimizer's stochastic rounding is seeded by the program's seed; the 2:4 logits
+    (last dim = one group) are handed over as `grouped` for `MaskOptimConfig(v_per_group=True)`."""
+    grouped = [m.nm_logits for m in prog.modules() if isinstance(m, HybridMask) and m.nm_logits.requires_grad]
+    return make_mask_optimizer(prog.mask_parameters(), lr, optim, seed=prog.cfg.seed, grouped=grouped)
 
 
 def train_masks(
@@ -179,8 +186,9 @@ def train_masks(
         checkpoint_io: how the checkpoint is written and read (default: one file, `CheckpointIO`).
         optim: the optimizer's memory mode (`MaskOptimConfig`; default fp32 Adam, global clipping).
             `MaskOptimConfig(memory="low")`: bf16 Adam state, each tensor stepped inside backward and
-            its gradient freed, `grad_clip` applied per tensor. Under torchrun (DDP) the step runs after
-            backward instead, since the gradients are averaged over ranks only then.
+            its gradient freed, `grad_clip` applied per tensor. Under torchrun (DDP, FSDP2) the step runs
+            after backward instead, since the gradients are averaged over ranks only then; the clip
+            stays per (whole) tensor, so the ranks train what one process trains.
 
     Example:
         >>> train_masks(prog, blocks, lm_loss, steps=300, optim=MaskOptimConfig(memory="low"))
@@ -197,6 +205,7 @@ def train_masks(
     optim = optim or MaskOptimConfig()
     optimizer = optimizer or make_optimizer(prog, lr, optim)
     in_backward = bool(optim.in_backward) and _world_size() == 1
+    clip_each = bool(optim.in_backward)  # the low mode clips per tensor, also where it steps after backward
     io = checkpoint_io or CheckpointIO()
     result = TrainResult()
     if resume:
@@ -212,11 +221,13 @@ def train_masks(
 
     bar = tqdm(range(result.step, steps), initial=result.step, total=steps, desc=desc, disable=not progress)
     hooks = StepInBackward(optimizer, params, grad_clip) if in_backward else contextlib.nullcontext()
-    redraw = recompute_masked_weights() if optim.recompute else contextlib.nullcontext()
+    # FSDP2 frees each block's gathered weights after its forward: there is nothing to redraw from.
+    sharded = any(hasattr(p, "to_local") for p in params)
+    redraw = recompute_masked_weights() if optim.recompute and not sharded else contextlib.nullcontext()
     optimizer.zero_grad(set_to_none=True)
     with hooks, redraw:
         for t in bar:
-            losses = _step(prog, loss_fn, get_batch(t), optimizer, params, grad_clip, in_backward)
+            losses = _step(prog, loss_fn, get_batch(t), optimizer, params, grad_clip, in_backward, clip_each)
             _after_step(prog, result, t, steps, losses, log_every, bar, on_log)
             if checkpoint is not None and checkpoint_every and (t + 1) % checkpoint_every == 0:
                 io.save(checkpoint, prog, optimizer, result)
@@ -227,14 +238,16 @@ def train_masks(
     return result
 
 
-def _step(prog, loss_fn, batch, optimizer, params, grad_clip, in_backward):
+def _step(prog, loss_fn, batch, optimizer, params, grad_clip, in_backward, clip_each):
     """One optimizer step; gradients are freed right after it, so none are alive during the next forward."""
     task = loss_fn(prog, batch)
     reg = prog.regularizer()
     loss = task + reg
     loss.backward()  # in_backward: the hooks clip, step and free each tensor's gradient here
     if not in_backward:
-        if grad_clip is not None:
+        if grad_clip is not None and clip_each:
+            clip_each_([p.grad for p in params if p.grad is not None], grad_clip)
+        elif grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
