@@ -74,6 +74,9 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
                    help="bf16 Adam state, a per-layer step inside backward, and W*M redrawn in backward instead "
                         "of kept: ~12 bytes per masked weight (8 with --nm-param weight) instead of ~24; gradient "
                         "clipping per tensor")
+    p.add_argument("--v-per-group", action="store_true",
+                   help="one Adam second moment per 2:4 group instead of per logit (Adam-mini's rule): ~6.5 bytes "
+                        "per masked weight with --low-memory --nm-param weight")
     p.add_argument("--mask-impl", default=d.mask_impl, choices=("fused", "compiled", "reference"),
                    help="mask step: one fused autograd node per mask (on a CPU a compiled C loop, built once "
                         "with the system C compiler), its torch ops through torch.compile (for GPUs; a 1-2 minute "
@@ -137,7 +140,7 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
         tau_nm=tuple(args.tau_nm) if args.tau_nm else None, kappa_tile=tuple(args.kappa_tile),
         kappa_nm=tuple(args.kappa_nm), lambda_density=args.lambda_density, lambda_norm=args.lambda_norm,
         scope=args.scope, nm_param=args.nm_param, mask_impl=args.mask_impl,
-        low_memory=args.low_memory, exact_budget=args.exact_budget, block_len=args.block_len, eval_context=args.eval_context,
+        low_memory=args.low_memory, v_per_group=args.v_per_group, exact_budget=args.exact_budget, block_len=args.block_len, eval_context=args.eval_context,
         eval_fraction=args.eval_fraction, calib_blocks=args.calib_blocks,
         train_data=args.train_data, self_tokens=args.self_tokens, self_temperature=args.self_temperature,
         self_top_p=args.self_top_p, loss=args.loss, kd_temperature=args.kd_temperature,

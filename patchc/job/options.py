@@ -67,6 +67,7 @@ class PruneOptions:
     # bf16 Adam state + the step inside backward: ~12 bytes per masked weight (8 with nm_param="weight")
     # instead of ~24; gradient clipping per tensor
     low_memory: bool = False
+    v_per_group: bool = False  # one Adam v per 2:4 group: ~6.5 bytes per weight with low_memory + nm_param="weight"
     mask_impl: str = "fused"  # "fused" (one autograd node per mask), "compiled" (torch.compile of it), "reference"
     exact_budget: bool = True
     block_len: int = 128

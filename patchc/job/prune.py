@@ -125,7 +125,7 @@ def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, check
         checkpoint=setup.checkpoint,
         checkpoint_every=50 if checkpoint else 0,
         checkpoint_io=setup.checkpoint_io,
-        optim=MaskOptimConfig(memory="low" if opts.low_memory else "default"),
+        optim=MaskOptimConfig(memory="low" if opts.low_memory else "default", v_per_group=opts.v_per_group),
         resume=resume,
         progress=opts.progress and world()[0] == 0,
     )
