@@ -87,8 +87,9 @@ def summarise(runs: list[dict], rows: list[str]) -> dict:
         if r != "default" and "default" in by:
             diffs = [by[r][s] - by["default"][s] for s in by[r] if s in by["default"]]
             out[r]["paired_diff_mean"] = statistics.mean(diffs) if diffs else None
-            out[r]["within_seed_noise"] = abs(out[r]["mean"] - out["default"]["mean"]) <= max(out["default"]["std"],
-                                                                                               out[r]["std"])
+            noise = max(out["default"]["std"], out[r]["std"])
+            out[r]["within_seed_noise"] = abs(out[r]["mean"] - out["default"]["mean"]) <= noise
+            out[r]["no_worse"] = out[r]["mean"] <= out["default"]["mean"] + noise  # within noise, or better
     return out
 
 
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarise(runs, rows)
     for r, s in summary.items():
         extra = (f"   paired diff {s['paired_diff_mean']:+.3f}  within seed noise: {s['within_seed_noise']}"
+                 f"  no worse: {s['no_worse']}"
                  if "paired_diff_mean" in s else "")
         print(f"{r:<10} perplexity {s['mean']:.3f} +- {s['std']:.3f} (n={s['n']}){extra}")
     if not a.no_record:
