@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import patchc
-from patchc.masking.optim import (GradPeak, LowMemAdam, MaskOptimConfig, StepInBackward, make_mask_optimizer, round_into,
-                                  state_bytes)
+from patchc.masking.optim import (GradPeak, LowMemAdam, MaskOptimConfig, StepInBackward, counter_bits, make_mask_optimizer,
+                                  round_into, state_bytes)
 from patchc.masking.hybrid_mask import HybridMask
 from patchc.masking.train import CheckpointIO, make_optimizer
 
@@ -212,3 +212,17 @@ def test_v_per_group_bytes_and_resume_check(tiny_mlp, tmp_path):
     with pytest.raises(ValueError, match=r"v per group\) \(now LowMemAdam\(bfloat16\)\)"):
         patchc.train_masks(_setup(tiny_mlp, nm_param="weight"), _batches, _loss, steps=2, progress=False, optim=LOW,
                            checkpoint=tmp_path / "v.ckpt", resume=True)
+
+
+def test_rounding_noise_of_a_slice_is_the_whole_tensors_slice():
+    # What an FSDP shard relies on: rows [a, b) draw exactly what the whole tensor draws there, also
+    # across the 2^20-element blocks the stream is cut into.
+    cpu, total = torch.device("cpu"), 3 * 2**20 + 5
+    whole = counter_bits(11, 0, (total,), cpu, total)
+    for start, n in ((0, 7), (2**20 - 3, 10), (2**21 + 17, 2**20 - 100), (total - 5, 5)):
+        assert torch.equal(counter_bits(11, start, (n,), cpu, total), whole[start:start + n]), (start, n)
+    assert 0 <= int(whole.min()) and int(whole.max()) < 2**31
+    assert abs((whole & 0xFFFF).float().mean().item() / 2**16 - 0.5) < 0.01  # the 16 bits that round m
+    assert not torch.equal(counter_bits(12, 0, (64,), cpu, 64), counter_bits(11, 0, (64,), cpu, 64))
+    with pytest.raises(ValueError, match="outside"):
+        counter_bits(11, total - 2, (5,), cpu, total)
