@@ -201,3 +201,12 @@ def test_run_recover_on_a_real_run_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="no plan.patch") as err:
         run_recover(empty, steps=2)
     assert "\n" not in str(err.value)
+
+
+def test_the_recover_summary_names_what_was_scored():
+    from patchc.job.recover import format_recover
+
+    base = {"model": "m", "results": [{"name": "dense", "cosine": 1.0, "perplexity": 5.0}], "recovered_plan": "p",
+            "run": "r"}
+    assert "(123 sentences)" in format_recover({**base, "metric": "cosine", "eval_tokens": 123})
+    assert "(4096 tokens)" in format_recover({**base, "metric": "perplexity", "eval_tokens": 4096})

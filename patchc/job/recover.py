@@ -179,7 +179,8 @@ def report(bundle, plan, recovered, scores: dict, data: dict, opts: PruneOptions
 def format_recover(result: dict) -> str:
     """A few lines for the terminal: each score and its ratio to dense."""
     metric = result["metric"]
-    lines = [f"{result['model']}: {metric} on held-out text ({result['eval_tokens']} tokens)"]
+    unit = "tokens" if metric == "perplexity" else "sentences"  # an encoder is scored per sentence
+    lines = [f"{result['model']}: {metric} on held-out text ({result['eval_tokens']} {unit})"]
     for r in result["results"]:
         ratio = result.get("vs_dense", {}).get(r["name"])
         lines.append(f"  {r['name']:<10} {metric} {r[metric]:9.3f}" + (f"   ({ratio:.2f}x dense)" if ratio else ""))
