@@ -196,6 +196,7 @@ def test_v_per_group_is_adam_with_one_second_moment_per_group():
     torch.testing.assert_close(tile.detach(), plain.detach(), rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="grouped"):
         make_mask_optimizer([nm], 1e-2, cfg)
+    assert isinstance(make_mask_optimizer([tile], 1e-2, cfg, grouped=[]), LowMemAdam)  # tile-only: nothing to share
 
 
 def test_v_per_group_bytes_and_resume_check(tiny_mlp, tmp_path):

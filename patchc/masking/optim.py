@@ -256,11 +256,12 @@ class LowMemAdam(torch.optim.Optimizer):
 
 
 def make_mask_optimizer(params: Sequence[torch.Tensor], lr: float, cfg: MaskOptimConfig | None = None,
-                        seed: int = 0, grouped: Sequence[torch.Tensor] = ()) -> torch.optim.Optimizer:
+                        seed: int = 0, grouped: Sequence[torch.Tensor] | None = None) -> torch.optim.Optimizer:
     """Adam over the logits as `cfg` asks: torch's fused (else foreach) Adam, or `LowMemAdam`.
 
     `grouped`: the tensors among `params` whose last dim holds one 2:4 group's logits (they share a v
-    under `cfg.v_per_group`; `patchc.masking.train.make_optimizer` finds them in a program).
+    under `cfg.v_per_group`; `patchc.masking.train.make_optimizer` finds them in a program; empty for a
+    tile-only program, whose 2:4 patterns are frozen).
 
     Example:
         >>> opt = make_mask_optimizer(prog.mask_parameters(), 1e-3, MaskOptimConfig(memory="low"))
@@ -268,7 +269,7 @@ def make_mask_optimizer(params: Sequence[torch.Tensor], lr: float, cfg: MaskOpti
     cfg = cfg or MaskOptimConfig()
     params = list(params)
     if cfg.v_per_group:
-        if not grouped:
+        if grouped is None:
             raise ValueError("MaskOptimConfig(v_per_group=True) needs `grouped`, the 2:4 logit tensors "
                              "(make_optimizer(prog, ...) finds them)")
         ids = {id(p) for p in grouped}
