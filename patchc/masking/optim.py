@@ -290,15 +290,10 @@ def _fastest(params: Sequence[torch.Tensor]) -> dict[str, bool]:
     return {"fused": True} if plain and params else {"foreach": True}
 
 
-def clip_tensor_(grad: torch.Tensor, max_norm: float) -> None:
-    """Scale `grad` so its norm is at most `max_norm` (torch's clip rule, on one tensor; no device sync)."""
-    norm = torch.linalg.vector_norm(grad)
-    grad.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
-
-
 def clip_each_(grads: Sequence[torch.Tensor], max_norm: float) -> None:
-    """`clip_tensor_` of every tensor, where a tensor may be an FSDP2 shard: the shards' squared norms
-    are summed across ranks in one all-reduce, so each whole tensor is clipped as one process would."""
+    """Scale each gradient so its norm is at most `max_norm` (torch's clip rule, per tensor; no device sync).
+    A tensor may be an FSDP2 shard: the shards' squared norms are summed across ranks in one all-reduce,
+    so each whole tensor is clipped as one process would."""
     local = [_local(g) for g in grads]
     if not local:
         return
@@ -349,7 +344,7 @@ class StepInBackward(_GradHooks):
 
     def _hook(self, p: torch.Tensor) -> None:
         if self.grad_clip is not None:
-            clip_tensor_(p.grad, self.grad_clip)
+            clip_each_([p.grad], self.grad_clip)
         self.optimizer.step_param(p)
         p.grad = None
 
@@ -392,4 +387,4 @@ def state_bytes(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
 
 
 __all__ = ["MaskOptimConfig", "LowMemAdam", "StepInBackward", "GradPeak", "make_mask_optimizer", "state_bytes", "round_into",
-           "clip_tensor_", "clip_each_", "counter_bits", "shard_offset", "MEMORY_MODES"]
+           "clip_each_", "counter_bits", "shard_offset", "MEMORY_MODES"]
