@@ -14,7 +14,7 @@ state, activations, the saved W * M, the noise bank. Modes:
     dense      torch Adam over every weight (plain fine-tuning), the reference
     default    mask training, `MaskOptimConfig()`: fused fp32 Adam, all gradients alive at the step
     low        mask training, `MaskOptimConfig(memory="low")`: bf16 m / v, step in backward
-    low-4      low, with 4 scores per 2:4 group (PatchConfig(nm_param="weight")) where this patchc has it
+    low-4      low, with 4 scores per 2:4 group (PatchConfig(nm_param="weight"))
     low-4v     low-4 with one Adam v per 2:4 group (MaskOptimConfig(v_per_group=True))
 
 Bytes per weight = (logits + the most gradient bytes alive at once + optimizer state) / masked weights,
@@ -99,21 +99,6 @@ def _settle() -> int:
     except OSError:
         pass
     return _rss()
-
-
-def has_four_scores() -> bool:
-    """Whether `transform` builds 4-score 2:4 masks for PatchConfig(nm_param="weight") (another engineer's
-    option): checked on a one-layer model, since the field may exist before transform passes it on."""
-    import torch
-
-    import patchc
-    from patchc.config import PatchConfig
-
-    if "nm_param" not in {f.name for f in dataclasses.fields(PatchConfig)}:
-        return False
-    prog = patchc.transform(torch.nn.Sequential(torch.nn.Linear(16, 16)), PatchConfig(tile=(4, 4), nm_param="weight"),
-                            example_inputs=(torch.zeros(2, 16),))
-    return all(m.nm_logits.shape[-1] == 4 for m in prog.layers.values())
 
 
 def _model(s: Shape):
@@ -224,8 +209,8 @@ def measure(mode: str, s: Shape) -> dict:
 
 
 def run(s: Shape, repeats: int = 1, modes: tuple[str, ...] | None = None) -> dict[str, dict]:
-    """Every mode (low-4 only where available), `repeats` times, modes interleaved; medians per mode."""
-    modes = modes or tuple(m for m in MODES if not m.startswith("low-4") or has_four_scores())
+    """Every mode, `repeats` times, modes interleaved; medians per mode."""
+    modes = modes or MODES
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(repeats):
         for m in modes:
@@ -303,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=Shape.steps, help="training steps per mode")
     p.add_argument("--repeats", type=int, default=3, help="runs per mode (medians reported)")
     p.add_argument("--impl", default="", help="HybridMask.impl of the mask modes (default: its default)")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=None, help="default: all (low-4 where available)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=None, help="default: all")
     p.add_argument("--optimizer-times", action="store_true", help="time one optimizer step per kind instead")
     p.add_argument("--tiny", action="store_true", help="the tiny model of the pytest check")
     p.add_argument("--no-record", action="store_true", help=f"do not append to {RESULTS.relative_to(ROOT)}")

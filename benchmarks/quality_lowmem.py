@@ -5,7 +5,7 @@ Run: python benchmarks/quality_lowmem.py [--seeds 0 1 2] [--steps 300]
 The job's own pieces and defaults (`PruneOptions()`: 300 steps, batch 8, block 128, tiles 16x16,
 sparsity 0.35, SparseGPT prior, KD loss on real + self-generated text): load_data -> calibrate ->
 SparseGPT prior -> transform -> train_masks(optim=...) -> harden (exact budget) -> perplexity on the
-held-out documents. Only the optimizer's memory mode (and, where this patchc has it, the 4-score 2:4
+held-out documents. Only the optimizer's memory mode (and the 4-score 2:4
 parametrisation) changes between rows; the seed sets the mask init, the noise and the batch order, so
 seed s of each row sees the same batches. Prints mean and std (n-1) of the held-out perplexity per
 row and the paired per-seed differences, and appends one JSON line to
@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_mask_memory, beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "quality_lowmem.jsonl"
@@ -116,17 +115,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=PruneOptions.steps)
     p.add_argument("--rows", nargs="+", choices=tuple(ROWS), default=None,
-                   help="default: default, low, and low-4 / low-4v where PatchConfig has nm_param")
+                   help="default: default, low, low-4, low-4v")
     p.add_argument("--impl", default=None, help="the masks' sampling implementation (HybridMask.impl); default: its default")
     p.add_argument("--runs-from", nargs="+", default=None, metavar="LOG",
                    help="summarise and record the run lines printed by earlier invocations (e.g. one per seed, "
                         "run side by side) instead of training")
     p.add_argument("--no-record", action="store_true")
     a = p.parse_args(argv)
-    from bench_mask_memory import has_four_scores
-
-    four = has_four_scores()
-    rows = a.rows or [r for r in ("default", "low", "low-4", "low-4v") if four or "-4" not in r]
+    rows = a.rows or ["default", "low", "low-4", "low-4v"]
     base = PruneOptions(steps=a.steps, progress=False)
     if a.runs_from:
         runs, dense = read_runs(a.runs_from)
