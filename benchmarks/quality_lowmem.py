@@ -69,7 +69,7 @@ def train_one(bundle, data, calib, prior, opts, row: str, impl: str | None = Non
     loss_fn = prune.make_loss(bundle, bundle.model, opts)
     start = time.perf_counter()
     result = patchc.train_masks(prog, prune.make_batches(bundle, data, opts), lambda _p, b: loss_fn(prog, b),
-                                steps=opts.steps, lr=opts.lr, optim=MaskOptimConfig(**optim_kw), progress=False)
+                                steps=opts.steps, lr=opts.lr, tile_lr=opts.tile_lr, optim=MaskOptimConfig(**optim_kw), progress=False)
     seconds = time.perf_counter() - start
     plan = patchc.harden(prog, exact_budget=opts.exact_budget)
     ppl = prune.evaluate(bundle, plan.apply(bundle.reload()), data, opts)["perplexity"]

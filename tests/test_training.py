@@ -7,6 +7,7 @@ import torch
 
 import patchc
 from patchc.masking.harden import budget_tiles
+from patchc.masking.optim import MaskOptimConfig
 
 
 def _setup(tiny_mlp, **cfg):
@@ -105,3 +106,30 @@ def test_harden_carries_bias_and_skips(tiny_mlp):
     assert plan.layers["down.weight"].bias is None
     assert "odd.weight" in plan.skipped
     assert "odd.weight" in plan.summary()
+
+
+@pytest.mark.parametrize("memory", ["default", "low"])
+def test_tile_logits_step_at_their_own_lr(tiny_mlp, memory):
+    # Adam's first step moves every logit with a gradient by its lr (m / sqrt(v) = sign(g)).
+    prog = _setup(tiny_mlp, steps=5)
+    masks = list(prog.layers.values())
+    tiles0 = [m.tile_logits.detach().clone() for m in masks]
+    nm0 = [m.nm_logits.detach().clone() for m in masks]
+    patchc.train_masks(prog, _batches, _loss, steps=1, lr=1e-3, tile_lr=1e-1, progress=False,
+                       optim=MaskOptimConfig(memory=memory))
+    tile_moves = torch.cat([(m.tile_logits.detach() - t0).abs().flatten() for m, t0 in zip(masks, tiles0)])
+    nm_moves = torch.cat([(m.nm_logits.detach() - n0).abs().flatten() for m, n0 in zip(masks, nm0)])
+    assert tile_moves.max() == pytest.approx(1e-1, rel=1e-3) and nm_moves.max() == pytest.approx(1e-3, rel=1e-3)
+    with pytest.raises(ValueError, match="tile_lr=-1"):
+        patchc.train_masks(prog, _batches, _loss, steps=1, tile_lr=-1.0, progress=False)
+
+
+def test_resume_with_another_optimizer_layout_names_the_file(tiny_mlp, tmp_path):
+    ckpt = tmp_path / "masks.ckpt"
+    patchc.train_masks(_setup(tiny_mlp), _batches, _loss, steps=2, checkpoint=ckpt, progress=False)
+    state = torch.load(ckpt, weights_only=True)
+    groups = state["optimizer"]["param_groups"]  # as before the tile logits had a group of their own
+    state["optimizer"]["param_groups"] = [dict(groups[0], params=[i for g in groups for i in g["params"]])]
+    torch.save(state, ckpt)
+    with pytest.raises(ValueError, match=r"masks\.ckpt: the optimizer state does not fit"):
+        patchc.train_masks(_setup(tiny_mlp), _batches, _loss, steps=2, checkpoint=ckpt, resume=True, progress=False)

@@ -55,7 +55,9 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prior-strength", type=float, default=d.prior_strength, help="logit scale of the prior")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (the schedules' length T)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (split over torchrun processes)")
-    p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate of the logits")
+    p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate of the 2:4 logits")
+    p.add_argument("--tile-lr", type=float, default=d.tile_lr,
+                   help="Adam learning rate of the tile logits (the paper: the same as --lr)")
     p.add_argument("--tau", type=float, nargs=2, default=list(d.tau), metavar=("START", "END"),
                    help="Gumbel-softmax temperature of the tile logits, linear over the steps")
     p.add_argument("--tau-nm", type=float, nargs=2, default=None, metavar=("START", "END"),

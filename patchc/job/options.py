@@ -41,7 +41,9 @@ class PruneOptions:
 
     The paper trains 2000 steps of 256 x 4096 tokens; here 300 steps of 8 x 128 tokens keep the same
     schedule shapes (tau 2 -> 0.05, kappa 25 -> 350 for tiles and 100 -> 500 for 2:4, lambda1 7,
-    lambda2 10, Adam 1e-3, SparseGPT prior of strength 3) on the embedded default.
+    Adam 1e-3, SparseGPT prior of strength 3) on the embedded default. Two settings differ, for the
+    short run: the tile logits step at 3e-2, and lambda2 is 1 (at 10 its pull to keep weight norm
+    makes tiles with the faster rate overshoot the density target).
     """
 
     model: str = DEFAULT_MODEL
@@ -55,13 +57,16 @@ class PruneOptions:
     steps: int = 300
     batch_size: int = 8
     lr: float = 1e-3
-    # The schedules and loss weights are PatchConfig's (the paper's): one place to change them.
+    # Tile logits at 30x lr, lambda2 1 instead of the paper's 10: on stories260K PATCH 35%, held-out, seed 0,
+    # 8.60 -> 7.61 (seeds 1, 2: 8.11, 8.06); learned 2:4 under lambda2 1: 10.25 -> 9.85.
+    tile_lr: float = 3e-2
+    # The schedules and loss weights are PatchConfig's (the paper's), but lambda2: one place to change them.
     tau: tuple[float, float] = _PAPER.tau
     tau_nm: tuple[float, float] | None = None
     kappa_tile: tuple[float, float] = _PAPER.kappa_tile
     kappa_nm: tuple[float, float] = _PAPER.kappa_nm
     lambda_density: float = _PAPER.lambda_density
-    lambda_norm: float = _PAPER.lambda_norm
+    lambda_norm: float = 1.0
     scope: str = _PAPER.scope
     nm_param: str = _PAPER.nm_param  # "pattern": 6 logits per 2:4 group; "weight": 4 scores (2/3 of the bytes)
     # bf16 Adam state + the step inside backward: ~12 bytes per masked weight (8 with nm_param="weight")
@@ -118,8 +123,9 @@ class PruneOptions:
         if self.threads < 0 or self.threads > MAX_THREADS:
             raise ValueError(f"--threads must be in [0, {MAX_THREADS}] (0 = automatic; this machine has "
                              f"{os.cpu_count()} cores), got {self.threads}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        for flag, value in (("--lr", self.lr), ("--tile-lr", self.tile_lr)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{flag} must be a positive number, got {value}")
         if self.recover < 0 or not (math.isfinite(self.recover_lr) and self.recover_lr > 0):
             raise ValueError(f"--recover must be >= 0 steps and --recover-lr positive, got {self.recover} and "
                              f"{self.recover_lr}")

@@ -122,6 +122,7 @@ def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, check
         schedule_steps=cfg.steps,
         desc=f"mask training ({'learned 2:4 baseline' if cfg.variant == 'nm' and opts.variant != 'nm' else 'PATCH ' + cfg.variant})",
         lr=opts.lr,
+        tile_lr=opts.tile_lr,
         checkpoint=setup.checkpoint,
         checkpoint_every=50 if checkpoint else 0,
         checkpoint_io=setup.checkpoint_io,

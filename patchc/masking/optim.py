@@ -256,30 +256,35 @@ class LowMemAdam(torch.optim.Optimizer):
 
 
 def make_mask_optimizer(params: Sequence[torch.Tensor], lr: float, cfg: MaskOptimConfig | None = None,
-                        seed: int = 0, grouped: Sequence[torch.Tensor] | None = None) -> torch.optim.Optimizer:
+                        seed: int = 0, grouped: Sequence[torch.Tensor] | None = None,
+                        tiles: Sequence[torch.Tensor] = (), tile_lr: float | None = None) -> torch.optim.Optimizer:
     """Adam over the logits as `cfg` asks: torch's fused (else foreach) Adam, or `LowMemAdam`.
 
     `grouped`: the tensors among `params` whose last dim holds one 2:4 group's logits (they share a v
     under `cfg.v_per_group`; `patchc.masking.train.make_optimizer` finds them in a program; empty for a
-    tile-only program, whose 2:4 patterns are frozen).
+    tile-only program, whose 2:4 patterns are frozen). `tiles`: the tile-logit tensors among `params`,
+    stepped at `tile_lr` (default `lr`) in a param group of their own.
 
     Example:
         >>> opt = make_mask_optimizer(prog.mask_parameters(), 1e-3, MaskOptimConfig(memory="low"))
     """
     cfg = cfg or MaskOptimConfig()
     params = list(params)
-    if cfg.v_per_group:
-        if grouped is None:
-            raise ValueError("MaskOptimConfig(v_per_group=True) needs `grouped`, the 2:4 logit tensors "
-                             "(make_optimizer(prog, ...) finds them)")
-        ids = {id(p) for p in grouped}
-        params = [{"params": [p for p in params if id(p) not in ids]},
-                  {"params": [p for p in params if id(p) in ids], "v_per_group": True}]
-        params = [g for g in params if g["params"]]
+    if tile_lr is not None and not (math.isfinite(tile_lr) and tile_lr > 0):
+        raise ValueError(f"tile_lr={tile_lr} must be a positive number (or None: the logits' lr)")
+    if cfg.v_per_group and grouped is None:
+        raise ValueError("MaskOptimConfig(v_per_group=True) needs `grouped`, the 2:4 logit tensors "
+                         "(make_optimizer(prog, ...) finds them)")
+    tile_ids = {id(p) for p in tiles}
+    shared_ids = {id(p) for p in grouped or ()} if cfg.v_per_group else set()
+    groups = [{"params": [p for p in params if id(p) in tile_ids], "lr": lr if tile_lr is None else tile_lr},
+              {"params": [p for p in params if id(p) not in tile_ids and id(p) not in shared_ids]},
+              {"params": [p for p in params if id(p) in shared_ids], "v_per_group": True}]
+    groups = [g for g in groups if g["params"]] or [{"params": params}]  # no tensors: torch says so by name
     if cfg.custom:
-        return LowMemAdam(params, lr=lr, betas=cfg.betas, eps=cfg.eps, state_dtype=STATE_DTYPES[cfg.state_dtype],
+        return LowMemAdam(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, state_dtype=STATE_DTYPES[cfg.state_dtype],
                           stochastic_rounding=cfg.stochastic_rounding, seed=seed)
-    return torch.optim.Adam(params, lr=lr, betas=cfg.betas, eps=cfg.eps, **_fastest(params))
+    return torch.optim.Adam(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, **_fastest(params))
 
 
 def _fastest(params: Sequence[torch.Tensor]) -> dict[str, bool]:
