@@ -75,6 +75,7 @@ def run_seed(opts: PruneOptions, recover_steps: int) -> list[dict]:
 
 def recipe(opts: PruneOptions, recover_steps: int) -> dict:
     return {"steps": opts.steps, "batch_size": opts.batch_size, "loss": opts.loss, "train_data": opts.train_data,
+            "lr": opts.lr, "tile_lr": opts.tile_lr, "lambda_norm": opts.lambda_norm,
             "self_tokens": opts.self_tokens, "tile": list(opts.tile), "split_seed": opts.split_seed,
             "recover_steps": recover_steps}
 
