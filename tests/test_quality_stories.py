@@ -44,8 +44,8 @@ def _oneshot(job, method):
 
 
 def test_patch_35_beats_one_shot_24(job):
-    # Global against layer-wise budgets is not asserted: under this recipe they are within seed noise
-    # (seed 0: 8.60 global, 8.58 layer-wise), so one run cannot order them.
+    # Global against layer-wise budgets is not asserted: they were within seed noise (seed 0, tile lr 1e-3:
+    # 8.60 global, 8.58 layer-wise), so one run cannot order them.
     opts, bundle, data, _ = job
     plan, ppl_global = _learned(job, exact_budget=False)  # the paper's sign rule
     ppl_dense = evaluate(bundle, bundle.model, data, opts)["perplexity"]
@@ -53,5 +53,5 @@ def test_patch_35_beats_one_shot_24(job):
     print(f"dense {ppl_dense:.2f}  PATCH 35% global {ppl_global:.2f} (density {plan.density:.4f})  "
           f"SparseGPT 2:4 {ppl_sparsegpt:.2f}  magnitude 2:4 {ppl_magnitude:.2f}")
     assert abs(plan.density - 0.65) <= 0.02
-    assert ppl_dense < ppl_global < 2.0 * ppl_dense  # held-out: 1.63x dense over 3 seeds
+    assert ppl_dense < ppl_global < 2.0 * ppl_dense  # held-out: 1.51x dense over 3 seeds
     assert ppl_global < 0.5 * ppl_sparsegpt < ppl_magnitude

@@ -1,0 +1,94 @@
+"""Does the learned tile choice matter? One PATCH run, then other choices of which tiles stay dense.
+
+    python benchmarks/tile_choice.py --seed 0 --tile-lr 1e-3     # the README's numbers (about 2 min)
+
+Trains PATCH 35% with the main job's stages and recipe, then keeps the run's learned 2:4 pattern in
+every group and its number of dense tiles per layer, and changes only which tiles are dense:
+
+- learned: the run's own choice (what `patchc.harden` keeps, dense iff logit > 0);
+- random: a uniformly random choice per layer (three draws);
+- Hessian: the tiles whose 2:4 pruning costs most in the layer's output, sum over the tile's rows of
+  e H e^T with e the weights the 2:4 pattern drops and H = X^T X from calibration (SparseGPT's
+  statistic); and the reverse of that ranking.
+
+Each is scored on the job's held-out TinyStories documents. If the learned choice is no better than
+random, tile training is not doing its job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import torch
+
+import patchc
+from patchc.ir.tiles import expand_tiles, to_tiles
+from patchc.job.corpus import load_data
+from patchc.job.options import PruneOptions
+from patchc.job.prune import cache_dir, calibrate, choose_threads, evaluate, make_batches, make_loss
+from patchc.models import load_model
+from patchc.pruning import apply_masks
+
+
+def hessian_error(weight: torch.Tensor, dropped: torch.Tensor, hessian: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """(Tn, Tk) output error of pruning each tile to its 2:4 pattern: sum over its rows of e H_tt e^T."""
+    e = weight.float() * dropped.float()
+    b1, b2 = tile
+    per_row = torch.stack([((e[:, c:c + b2] @ hessian[c:c + b2, c:c + b2]) * e[:, c:c + b2]).sum(1)
+                           for c in range(0, e.shape[1], b2)], 1)  # (N, Tk): row r's error in tile column t
+    return to_tiles(per_row, (b1, 1)).sum((2, 3))
+
+
+def top(scores: torch.Tensor, count: int) -> torch.Tensor:
+    chosen = torch.zeros(scores.numel(), dtype=torch.bool)
+    chosen[torch.argsort(scores.flatten(), descending=True)[:count]] = True
+    return chosen.view(scores.shape)
+
+
+def trained_program(bundle, data, opts: PruneOptions, calib):
+    """The job's `train` stage, keeping the program: its logits hold a 2:4 pattern for dense tiles too."""
+    prog = patchc.transform(bundle.export(bundle.model), opts.patch_config(), calib=calib)
+    loss_fn = make_loss(bundle, bundle.model, opts)
+    patchc.train_masks(prog, make_batches(bundle, data, opts), lambda p, batch: loss_fn(p, batch), steps=opts.steps,
+                       lr=opts.lr, tile_lr=opts.tile_lr, progress=False)
+    return prog
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tile-lr", type=float, default=PruneOptions.tile_lr)
+    parser.add_argument("--lambda-norm", type=float, default=PruneOptions.lambda_norm)
+    args = parser.parse_args()
+    opts = PruneOptions(seed=args.seed, tile_lr=args.tile_lr, lambda_norm=args.lambda_norm, eval_data=(),
+                        progress=False)
+    bundle = load_model(opts.model)
+    choose_threads(opts, bundle.model)
+    data = load_data(bundle, opts, cache_dir=cache_dir(opts))
+    calib = calibrate(bundle, data, opts)
+    prog = trained_program(bundle, data, opts, calib)
+
+    layers = prog.layers
+    learned = {f: m.hard_tiles().cpu() for f, m in layers.items()}
+    kept24 = {f: m.hard_mask(torch.zeros(m.grid, dtype=torch.bool, device=m.nm_logits.device)).cpu()
+              for f, m in layers.items()}
+    counts = {f: int(t.sum()) for f, t in learned.items()}
+
+    def score(tiles: dict[str, torch.Tensor]) -> float:
+        masks = {f: kept24[f] | expand_tiles(tiles[f].float(), m.tile, m.shape).bool() for f, m in layers.items()}
+        return evaluate(bundle, apply_masks(bundle.reload(), masks), data, opts)["perplexity"]
+
+    print(f"seed {opts.seed}, tile lr {opts.tile_lr}, lambda2 {opts.lambda_norm}: "
+          f"{sum(counts.values())} dense tiles of {sum(t.numel() for t in learned.values())}")
+    print(f"  learned choice          {score(learned):8.3f}")
+    gen = torch.Generator().manual_seed(opts.seed)
+    for draw in range(3):
+        rand = {f: top(torch.rand(t.shape, generator=gen), counts[f]) for f, t in learned.items()}
+        print(f"  random choice ({draw})      {score(rand):8.3f}")
+    error = {f: hessian_error(prog.weight(f).detach().cpu(), ~kept24[f], calib[f].hessian.float().cpu(), m.tile)
+             for f, m in layers.items()}
+    print(f"  Hessian 2:4 error, top  {score({f: top(e, counts[f]) for f, e in error.items()}):8.3f}")
+    print(f"  Hessian 2:4 error, last {score({f: top(-e, counts[f]) for f, e in error.items()}):8.3f}")
+
+
+if __name__ == "__main__":
+    main()
