@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         from patchc.utils.files import write_bytes_atomic
 
         line = {"bench": "quality_lowmem", "command": "python benchmarks/quality_lowmem.py " + " ".join(sys.argv[1:]),
-                "model": base.model, "steps": a.steps, "impl": a.impl or "default", "dense_perplexity": dense, "runs": runs, "summary": summary,
+                "model": base.model, "steps": a.steps, "lr": base.lr, "tile_lr": base.tile_lr,
+                "lambda_norm": base.lambda_norm, "impl": a.impl or "default", "dense_perplexity": dense, "runs": runs, "summary": summary,
                 "device": device_name("cpu"), "versions": versions(),
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         old = RESULTS.read_bytes() if RESULTS.exists() else b""
