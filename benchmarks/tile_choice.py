@@ -20,11 +20,10 @@ from __future__ import annotations
 import argparse
 import torch
 
-import patchc
 from patchc.ir.tiles import expand_tiles, to_tiles
 from patchc.job.corpus import load_data
 from patchc.job.options import PruneOptions
-from patchc.job.prune import cache_dir, calibrate, choose_threads, evaluate, make_batches, make_loss
+from patchc.job.prune import cache_dir, calibrate, choose_threads, evaluate, train_program
 from patchc.models import load_model
 from patchc.pruning import apply_masks
 
@@ -44,15 +43,6 @@ def top(scores: torch.Tensor, count: int) -> torch.Tensor:
     return chosen.view(scores.shape)
 
 
-def trained_program(bundle, data, opts: PruneOptions, calib):
-    """The job's `train` stage, keeping the program: its logits hold a 2:4 pattern for dense tiles too."""
-    prog = patchc.transform(bundle.export(bundle.model), opts.patch_config(), calib=calib)
-    loss_fn = make_loss(bundle, bundle.model, opts)
-    patchc.train_masks(prog, make_batches(bundle, data, opts), lambda p, batch: loss_fn(p, batch), steps=opts.steps,
-                       lr=opts.lr, tile_lr=opts.tile_lr, progress=False)
-    return prog
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
@@ -65,7 +55,8 @@ def main() -> None:
     choose_threads(opts, bundle.model)
     data = load_data(bundle, opts, cache_dir=cache_dir(opts))
     calib = calibrate(bundle, data, opts)
-    prog = trained_program(bundle, data, opts, calib)
+    # The program, not the plan: its logits hold a 2:4 pattern for the dense tiles too.
+    prog, _ = train_program(bundle, opts.patch_config(), data, opts, calib, None, False)
 
     layers = prog.layers
     learned = {f: m.hard_tiles().cpu() for f, m in layers.items()}

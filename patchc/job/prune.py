@@ -109,6 +109,14 @@ def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, check
     `prior_masks`: `oneshot_masks(bundle, cfg.prior, calib)`, when already computed for another run.
     `steps`: optimizer steps when more than the schedules' length `cfg.steps` (an extended run).
     """
+    prog, result = train_program(bundle, cfg, data, opts, calib, checkpoint, resume, prior_masks, steps)
+    plan = patchc.harden(prog, exact_budget=opts.exact_budget and cfg.variant != "nm")
+    return plan, result
+
+
+def train_program(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, checkpoint: Path | None,
+                  resume: bool, prior_masks: dict[str, torch.Tensor] | None = None, steps: int | None = None):
+    """`train` up to the trained program (whole on every rank), before hardening; returns (program, result)."""
     prog = patchc.transform(bundle.export(bundle.model), cfg, calib=calib, prior_masks=prior_masks)
     for mask in prog.layers.values():
         mask.impl = opts.mask_impl
@@ -130,8 +138,7 @@ def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, check
         resume=resume,
         progress=opts.progress and world()[0] == 0,
     )
-    plan = patchc.harden(setup.finish(prog), exact_budget=opts.exact_budget and cfg.variant != "nm")
-    return plan, result
+    return setup.finish(prog), result
 
 
 def evaluate(bundle, model: torch.nn.Module, data: dict, opts: PruneOptions, dense_embed=None) -> dict[str, float]:
