@@ -267,19 +267,22 @@ def test_render_markdown_encoder() -> None:
     report = {
         "model": "all-MiniLM-L6-v2", "kind": "encoder", "metric": "cosine",
         "data": {"train": ["a.txt"], "eval": ["b.txt"], "train_tokens": 2000, "eval_tokens": 500,
-                 "train_tokens_generated": 1500, "eval_extra": ["c.txt"]},
+                 "train_tokens_generated": 1500, "eval_extra": ["c.txt"], "eval_extra_tokens": {"c.txt": 512}},
         "results": [
             {"name": "dense", "method": "dense", "pattern": "-", "sparsity": 0.0, "perplexity": None,
-             "cosine": 1.0, "retrieval_agreement": 1.0, "seconds": None},
+             "cosine": 1.0, "retrieval_agreement": 1.0, "seconds": None, "cosine_extra": {"c.txt": 1.0}},
             {"name": "PATCH joint", "method": "patch", "pattern": "hybrid", "sparsity": 0.25,
-             "perplexity": None, "cosine": 0.98765, "retrieval_agreement": 0.9512, "seconds": None},
+             "perplexity": None, "cosine": 0.98765, "retrieval_agreement": 0.9512, "seconds": None,
+             "cosine_extra": {"c.txt": 0.91234}},
         ],
     }
     md = render_markdown(report)
     assert "cosine to dense (higher is better)" in md and "retrieval agreement (higher is better)" in md
-    assert "| dense | - | 0.0% | 1.0000 | 1.000 |" in md
-    assert "| PATCH joint | hybrid | 25.0% | 0.9877 | 0.951 |" in md
-    assert "2,000 sentences" in md and "1,500 were written by the dense model" in md and "scored whole: c.txt" in md
+    assert "| c.txt (cosine) |" in md
+    assert "| dense | - | 0.0% | 1.0000 | 1.000 | 1.0000 |" in md
+    assert "| PATCH joint | hybrid | 25.0% | 0.9877 | 0.951 | 0.9123 |" in md
+    assert "2,000 sentences" in md and "1,500 were written by the dense model" in md
+    assert "also scored on its sentences: c.txt (512 sentences)" in md
     assert "perplexity" not in md
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from patchc.job.corpus import load_data
+from patchc.job.corpus import extra_sentences, load_data
 from patchc.job.data import split_files
 from patchc.job.losses import LossSpec, kd_loss, make_lm_loss
 from patchc.job.options import DEFAULT_DATA, PruneOptions
@@ -139,6 +139,17 @@ def test_extra_eval_text_is_scored_whole_and_capped(bundle, tmp_path):
     assert ids.numel() == 10
     with pytest.raises(FileNotFoundError, match="--eval-data"):
         load_data(bundle, PruneOptions(train_data="real", eval_data=(str(tmp_path / "missing.txt"),)))
+
+
+def test_extra_eval_text_for_an_encoder_is_its_sentences(tmp_path):
+    text = tmp_path / "other.txt"
+    text.write_text("Tom had a red ball. It was very round.\n\nThe sun was hot and the sky was blue.\n")
+    out = extra_sentences(PruneOptions(eval_data=(str(text),)))
+    assert out == {str(text): ["Tom had a red ball.", "The sun was hot and the sky was blue.", "It was very round."]}
+    assert len(extra_sentences(PruneOptions(eval_data=(str(text),)), max_sentences=2)[str(text)]) == 2
+    text.write_text("Too short.\n")  # one sentence, under 4 words: no nearest neighbours to compare
+    with pytest.raises(ValueError, match=r"--eval-data .*other\.txt: 0 sentence"):
+        extra_sentences(PruneOptions(eval_data=(str(text),)))
 
 
 # -- distillation ---------------------------------------------------------------------------

@@ -160,9 +160,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if not report:  # a torchrun rank other than 0
         return 0
     extra = report["data"].get("eval_extra_tokens") or {}
-    print(f"\n{report['model']}: {report['metric']} on held-out text ({report['data']['eval_tokens']} "
-          f"{'tokens' if report['kind'] == 'causal' else 'sentences'})"
-          + "".join(f"; {Path(k).name} scored whole ({v} tokens)" for k, v in extra.items()))
+    unit = "tokens" if report["kind"] == "causal" else "sentences"
+    print(f"\n{report['model']}: {report['metric']} on held-out text ({report['data']['eval_tokens']} {unit})"
+          + "".join(f"; {Path(k).name} scored whole ({v} {unit})" for k, v in extra.items()))
     print(format_results(report))
     out = Path(report["files"]["plan"]).parent.resolve()
     print(f"\nplan density {report['plan']['density']:.4f} (target {1 - args.sparsity:.4f}); files in {out}:")

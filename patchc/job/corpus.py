@@ -43,7 +43,7 @@ def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None) ->
         from patchc.job.encoder_eval import sentences_from_docs
 
         return {"train": sentences_from_docs(docs_train, max_sentences=4096),
-                "eval": sentences_from_docs(docs_eval, max_sentences=512), "extra": {},
+                "eval": sentences_from_docs(docs_eval, max_sentences=512), "extra": extra_sentences(opts),
                 "docs_train": len(docs_train), "docs_eval": len(docs_eval), "train_hashes": doc_hashes(docs_train),
                 "real_tokens": 0, "self_tokens": 0, "self_cached": False}
     tokenizer = bundle.require_tokenizer()
@@ -90,6 +90,21 @@ def extra_texts(opts: PruneOptions, tokenizer: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def extra_sentences(opts: PruneOptions, max_sentences: int = 512) -> dict[str, list[str]]:
+    """--eval-data files for an encoder: up to `max_sentences` sentences of each, taken across its documents."""
+    from patchc.job.data import load_documents
+    from patchc.job.encoder_eval import sentences_from_docs
+
+    out = {}
+    for path in opts.eval_data:
+        sentences = sentences_from_docs(load_documents(path, encoding=opts.encoding), max_sentences=max_sentences)
+        if len(sentences) < 2:
+            raise ValueError(f"--eval-data {path}: {len(sentences)} sentence(s) of 4 or more words; an encoder is "
+                             "judged on at least 2 (nearest neighbours)")
+        out[path] = sentences
+    return out
+
+
 def data_record(data: dict, opts: PruneOptions) -> dict:
     """The split a plan was trained on: files, split seed, fraction, encoding and its training documents' ids."""
     return {"files": [str(Path(p).resolve()) for p in opts.data], "seed": opts.split_seed,
@@ -109,7 +124,8 @@ def data_summary(bundle: Any, data: dict, opts: PruneOptions) -> dict:
             "train_tokens_real": data["real_tokens"], "train_tokens_generated": data["self_tokens"],
             "generated_from_cache": data["self_cached"],
             "eval_tokens": int(data["eval"].numel()) if causal else len(data["eval"]),
-            "eval_extra_tokens": {k: int(v.numel()) for k, v in data["extra"].items()}}
+            # an encoder's texts are lists of sentences: counts are sentences, as for "eval_tokens"
+            "eval_extra_tokens": {k: int(v.numel()) if causal else len(v) for k, v in data["extra"].items()}}
 
 
-__all__ = ["load_data", "data_record", "data_summary", "self_generated", "extra_texts"]
+__all__ = ["load_data", "data_record", "data_summary", "self_generated", "extra_texts", "extra_sentences"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -109,6 +110,25 @@ def embedding_agreement(dense_embed: torch.Tensor, pruned_embed: torch.Tensor) -
     return {"cosine": float(min(cosine, 1.0)), "retrieval_agreement": float(retrieval)}
 
 
+def dense_embeddings(bundle: Any, data: dict) -> dict[str, Any]:
+    """The dense model's embeddings of the held-out sentences ("eval") and of each --eval-data file's
+    sentences ("extra", by path): what `score_embeddings` compares a pruned copy with."""
+    return {"eval": bundle.embed(bundle.model, data["eval"]),
+            "extra": {path: bundle.embed(bundle.model, sentences) for path, sentences in data["extra"].items()}}
+
+
+def score_embeddings(bundle: Any, model: nn.Module, data: dict, dense: dict[str, Any] | None) -> dict[str, Any]:
+    """`embedding_agreement` on the held-out sentences, plus the mean cosine on each --eval-data file
+    under "extra" (keyed by file name). `dense`: `dense_embeddings(bundle, data)`."""
+    if dense is None:
+        raise ValueError(f"{getattr(bundle, 'name', 'encoder')} is scored against the dense embeddings: pass "
+                         "dense_embeddings(bundle, data)")
+    metrics: dict[str, Any] = embedding_agreement(dense["eval"], bundle.embed(model, data["eval"]))
+    metrics["extra"] = {Path(path).name: embedding_agreement(dense["extra"][path], bundle.embed(model, sents))["cosine"]
+                        for path, sents in data["extra"].items()}
+    return metrics
+
+
 def distillation_loss(
     student_hidden: torch.Tensor,
     teacher_hidden: torch.Tensor,
@@ -194,4 +214,5 @@ def encode_batches(bundle: Any, sentences: Sequence[str], max_len: int, batch_si
     return out
 
 
-__all__ = ["distillation_loss", "embedding_agreement", "encode_batches", "make_distill_loss", "sentences_from_docs"]
+__all__ = ["dense_embeddings", "distillation_loss", "embedding_agreement", "encode_batches", "make_distill_loss",
+           "score_embeddings", "sentences_from_docs"]

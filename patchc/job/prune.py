@@ -73,11 +73,14 @@ def make_loss(bundle, dense_model, opts: PruneOptions) -> Callable:
 
 def global_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]:
     """step -> the whole batch of that step (every rank computes the same one)."""
-    if bundle.kind == "encoder":
+    if bundle.kind == "encoder":  # sentences in a fresh seeded order every epoch, as blocks are below
+        from patchc.job.data import batch_indices
         from patchc.job.encoder_eval import encode_batches
 
-        batches = encode_batches(bundle, data["train"], max_len=opts.block_len, batch_size=opts.batch_size)
-        return lambda step: batches[step % len(batches)]
+        sentences = data["train"]
+        return lambda step: encode_batches(
+            bundle, [sentences[i] for i in batch_indices(len(sentences), opts.batch_size, step, opts.seed)],
+            max_len=opts.block_len, batch_size=opts.batch_size)[0]
     from patchc.job.data import get_batch
 
     return lambda step: get_batch(data["train"], opts.batch_size, step, opts.seed)
@@ -141,12 +144,23 @@ def train_program(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, cali
     return setup.finish(prog), result
 
 
-def evaluate(bundle, model: torch.nn.Module, data: dict, opts: PruneOptions, dense_embed=None) -> dict[str, float]:
-    """Perplexity on held-out text (causal) or agreement with the dense embeddings (encoder)."""
-    if bundle.kind == "encoder":
-        from patchc.job.encoder_eval import embedding_agreement
+def dense_reference(bundle, data: dict) -> dict[str, Any] | None:
+    """An encoder's dense embeddings of every scored text (`encoder_eval.dense_embeddings`), computed once
+    per job; None for causal LMs, whose perplexity needs no reference."""
+    if bundle.kind != "encoder":
+        return None
+    from patchc.job.encoder_eval import dense_embeddings
 
-        return embedding_agreement(dense_embed, bundle.embed(model, data["eval"]))
+    return dense_embeddings(bundle, data)
+
+
+def evaluate(bundle, model: torch.nn.Module, data: dict, opts: PruneOptions, dense_ref=None) -> dict[str, Any]:
+    """Perplexity on held-out text (causal) or agreement with the dense embeddings (encoder; `dense_ref`
+    from `dense_reference`), and the same measure on each --eval-data file under "extra" (by file name)."""
+    if bundle.kind == "encoder":
+        from patchc.job.encoder_eval import score_embeddings
+
+        return score_embeddings(bundle, model, data, dense_ref)
     from patchc.job.evaluate import perplexity
 
     score = lambda ids: perplexity(lambda x: bundle.logits(model, x), ids, context=opts.eval_context)  # noqa: E731
@@ -246,12 +260,11 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
     results: list[dict] = []
     say(f"patchc prune: {bundle.name} ({bundle.kind}), sparsity {opts.sparsity:.0%}, tile {opts.tile}, "
         f"{opts.steps} steps x batch {opts.batch_size}{f' on {size} processes' if size > 1 else ''}; writing to {out}")
-    dense_embed = None
+    dense_ref = None
     if rank == 0:
         with timed(timings, "evaluate"):
-            if bundle.kind == "encoder":
-                dense_embed = bundle.embed(bundle.model, data["eval"])
-            results.append(row("dense", "dense", "-", 0.0, evaluate(bundle, bundle.model, data, opts, dense_embed)))
+            dense_ref = dense_reference(bundle, data)
+            results.append(row("dense", "dense", "-", 0.0, evaluate(bundle, bundle.model, data, opts, dense_ref)))
 
     calib = None
     if cfg.prior in ("wanda", "sparsegpt") or (opts.baselines and rank == 0):
@@ -274,10 +287,10 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
     if rank == 0:
         pruned = plan.apply(bundle.reload())
         with timed(timings, "evaluate"):
-            results.append(row(f"PATCH {opts.variant}", "patch", "hybrid", plan.sparsity, evaluate(bundle, pruned, data, opts, dense_embed), trained.seconds))
+            results.append(row(f"PATCH {opts.variant}", "patch", "hybrid", plan.sparsity, evaluate(bundle, pruned, data, opts, dense_ref), trained.seconds))
         del pruned
         if opts.recover:
-            recovered = recover_row(bundle, plan, data, opts, results, timings, dense_embed)
+            recovered = recover_row(bundle, plan, data, opts, results, timings, dense_ref)
 
     if opts.baselines:
         if rank == 0:
@@ -285,15 +298,15 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
                 for method in ONESHOT_METHODS:
                     model = oneshot_baseline(bundle, method, calib, opts.progress,
                                              prior_masks if method == cfg.prior else None)
-                    results.append(row(f"{method} 2:4", method, "2:4", 0.5, evaluate(bundle, model, data, opts, dense_embed)))
+                    results.append(row(f"{method} 2:4", method, "2:4", 0.5, evaluate(bundle, model, data, opts, dense_ref)))
         with timed(timings, "baselines"):
             nm_cfg = cfg.replace(variant="nm", sparsity=0.5)
             nm_plan, nm_trained = train(bundle, nm_cfg, data, opts, calib, None, False, prior_masks, steps=opts.steps)
         if rank == 0:
             model = nm_plan.apply(bundle.reload())
-            results.append(row("learned 2:4 (nm)", "patch-nm", "2:4", nm_plan.sparsity, evaluate(bundle, model, data, opts, dense_embed), nm_trained.seconds))
+            results.append(row("learned 2:4 (nm)", "patch-nm", "2:4", nm_plan.sparsity, evaluate(bundle, model, data, opts, dense_ref), nm_trained.seconds))
             if opts.recover:  # the baseline gets the same recovery as PATCH
-                recover_row(bundle, nm_plan, data, opts, results, timings, dense_embed)
+                recover_row(bundle, nm_plan, data, opts, results, timings, dense_ref)
 
     if rank != 0:
         dist.barrier()
@@ -345,7 +358,7 @@ def recover_plan(bundle, plan, data: dict, opts: PruneOptions, steps: int | None
 
 
 def recover_row(bundle, plan, data: dict, opts: PruneOptions, results: list[dict], timings: dict[str, float],
-                dense_embed=None):
+                dense_ref=None):
     """Fine-tune the kept weights of `plan` (masks fixed, same text and loss as mask training), score the
     result as one more row named after the last one; returns the recovered plan."""
     with timed(timings, "recover"):
@@ -354,15 +367,18 @@ def recover_row(bundle, plan, data: dict, opts: PruneOptions, results: list[dict
         seconds = time.perf_counter() - start
     last = results[-1]
     with timed(timings, "evaluate"):
-        metrics = evaluate(bundle, recovered.apply(bundle.reload()), data, opts, dense_embed)
+        metrics = evaluate(bundle, recovered.apply(bundle.reload()), data, opts, dense_ref)
     results.append(row(f"{last['name']} + recovery", f"{last['method']}+recover", last["pattern"], recovered.sparsity,
                        metrics, seconds))
     return recovered
 
 
 def row(name: str, method: str, pattern: str, sparsity: float, metrics: dict, seconds: float | None = None) -> dict:
+    """One line of the report; "extra" scores (per --eval-data file) are filed under the metric they are."""
+    extra_key = "cosine_extra" if metrics.get("cosine") is not None else "perplexity_extra"
     return {"name": name, "method": method, "pattern": pattern, "sparsity": round(float(sparsity), 6),
-            "perplexity": metrics.get("perplexity"), "perplexity_extra": metrics.get("extra") or {},
+            "perplexity": metrics.get("perplexity"), "perplexity_extra": {}, "cosine_extra": {},
+            extra_key: metrics.get("extra") or {},
             "cosine": metrics.get("cosine"),
             "retrieval_agreement": metrics.get("retrieval_agreement"),
             "seconds": round(seconds, 2) if seconds is not None else None}
@@ -374,7 +390,8 @@ def protocol(bundle, opts: PruneOptions) -> str:
                 f"{opts.split_seed}), BOS per document, non-overlapping windows of {opts.eval_context} tokens, every "
                 f"next-token prediction scored")
     return ("mean cosine between pruned and dense mean-pooled sentence embeddings of held-out sentences, and the "
-            "share of sentences whose nearest neighbour is unchanged")
+            "share of sentences whose nearest neighbour is unchanged; on each --eval-data file, the mean cosine over "
+            "up to 512 of its sentences")
 
 
 def format_results(report: dict) -> str:
@@ -384,8 +401,9 @@ def format_results(report: dict) -> str:
             extra = "".join(f"   {Path(k).stem} {v:9.3f}" for k, v in (r.get("perplexity_extra") or {}).items())
             lines.append(f"  {r['name']:<22} sparsity {r['sparsity']:6.1%}   perplexity {r['perplexity']:9.3f}{extra}")
         else:
+            extra = "".join(f"   {Path(k).stem} {v:.4f}" for k, v in (r.get("cosine_extra") or {}).items())
             lines.append(f"  {r['name']:<22} sparsity {r['sparsity']:6.1%}   cosine {r['cosine']:.4f}   "
-                         f"retrieval agreement {r['retrieval_agreement']:.3f}")
+                         f"retrieval agreement {r['retrieval_agreement']:.3f}{extra}")
     return "\n".join(lines)
 
 

@@ -132,10 +132,10 @@ def run_recover(
     job.choose_threads(opts, bundle.model)
     data = job.load_data(bundle, opts, cache_dir=job.cache_dir(opts))  # generated text: the run's cache
     check_split(plan, job.data_record(data, opts), run / PLAN, changed=tuple(recipe) + ("self_tokens",) * bool(recipe))
-    dense_embed = bundle.embed(bundle.model, data["eval"]) if bundle.kind == "encoder" else None
-    scores = {"dense": job.evaluate(bundle, bundle.model, data, opts, dense_embed)}
+    dense_ref = job.dense_reference(bundle, data)
+    scores = {"dense": job.evaluate(bundle, bundle.model, data, opts, dense_ref)}
     hardened = plan.apply(bundle.reload())
-    scores["hardened"] = job.evaluate(bundle, hardened, data, opts, dense_embed)
+    scores["hardened"] = job.evaluate(bundle, hardened, data, opts, dense_ref)
     del hardened
     model = bundle.reload()  # the dense model stays the teacher of a KD loss
     calib = job.calibrate(bundle, data, opts) if method == "sparsegpt" else None
@@ -146,7 +146,7 @@ def run_recover(
     recovered.meta["command"] = command or ""
     recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe}
     recovered.save(run / RECOVERED)
-    scores["recovered"] = job.evaluate(bundle, recovered.apply(model), data, opts, dense_embed)
+    scores["recovered"] = job.evaluate(bundle, recovered.apply(model), data, opts, dense_ref)
     result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started,
                     job.protocol(bundle, opts), job.row)
     write_bytes_atomic(run / RESULT, (json.dumps(result, indent=1) + "\n").encode())

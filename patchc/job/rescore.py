@@ -65,7 +65,7 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     from patchc.ir import TilePlan
     from patchc.job.corpus import load_data
     from patchc.job.data import load_documents, split_files
-    from patchc.job.prune import check_model, evaluate
+    from patchc.job.prune import check_model, dense_reference, evaluate
     from patchc.models import load_model
 
     plan = TilePlan.load(plan_path)
@@ -82,7 +82,7 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     bundle = load_model(opts.model, device=opts.device)
     check_model(bundle, opts)
     data = load_data(bundle, opts)
-    dense_embed = bundle.embed(bundle.model, data["eval"]) if bundle.kind == "encoder" else None
-    dense = evaluate(bundle, bundle.model, data, opts, dense_embed)
-    pruned = evaluate(bundle, plan.apply(bundle.reload(), force=force), data, opts, dense_embed)
+    dense_ref = dense_reference(bundle, data)
+    dense = evaluate(bundle, bundle.model, data, opts, dense_ref)
+    pruned = evaluate(bundle, plan.apply(bundle.reload(), force=force), data, opts, dense_ref)
     return {"plan": plan, "options": opts, "overlap": overlap, "dense": dense, "pruned": pruned}

@@ -86,8 +86,9 @@ def _quality_table(report: Mapping[str, Any]) -> list[str]:
     else:
         head = ["method", "pattern", "sparsity", "cosine to dense (higher is better)",
                 "retrieval agreement (higher is better)"]
-    extras = list(dict.fromkeys(k for r in rows for k in (r.get("perplexity_extra") or {}))) if metric == "perplexity" else []
-    head += [f"{name} (whole file)" for name in extras]
+    extra_key = "perplexity_extra" if metric == "perplexity" else "cosine_extra"
+    extras = list(dict.fromkeys(k for r in rows for k in (r.get(extra_key) or {})))
+    head += [f"{name} ({'whole file' if metric == 'perplexity' else 'cosine'})" for name in extras]
     if with_seconds:
         head.append("mask training (s)")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|"]
@@ -101,7 +102,8 @@ def _quality_table(report: Mapping[str, Any]) -> list[str]:
                 cells.append("–" if v is None or r is dense else _relative(v, base))
         else:
             cells += [_fmt(r.get("cosine"), ".4f"), _fmt(r.get("retrieval_agreement"), ".3f")]
-        cells += [format_perplexity((r.get("perplexity_extra") or {}).get(name)) for name in extras]
+        fmt = format_perplexity if metric == "perplexity" else (lambda v: _fmt(v, ".4f"))
+        cells += [fmt((r.get(extra_key) or {}).get(name)) for name in extras]
         if with_seconds:
             cells.append(_fmt(r.get("seconds"), ".1f"))
         lines.append("| " + " | ".join(cells) + " |")
@@ -164,7 +166,9 @@ def render_markdown(report: Mapping[str, Any], pictures: Iterable[str | os.PathL
             line += (f"; of the training tokens {data['train_tokens_generated']:,} were written by the dense model "
                      "from the training documents' first tokens")
         if data.get("eval_extra"):
-            line += "; also scored whole: " + ", ".join(map(str, data["eval_extra"]))
+            counts = data.get("eval_extra_tokens") or {}
+            line += ("; also scored " + ("whole" if kind != "encoder" else "on its sentences") + ": "
+                     + ", ".join(f"{p} ({counts[p]:,} {unit})" if p in counts else str(p) for p in data["eval_extra"]))
         facts.append(line)
     for key, label in (("device", "device"), ("date", "date")):
         if report.get(key):
