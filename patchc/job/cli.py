@@ -162,7 +162,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     extra = report["data"].get("eval_extra_tokens") or {}
     unit = "tokens" if report["kind"] == "causal" else "sentences"
     print(f"\n{report['model']}: {report['metric']} on held-out text ({report['data']['eval_tokens']} {unit})"
-          + "".join(f"; {Path(k).name} scored whole ({v} {unit})" for k, v in extra.items()))
+          + "".join(f"; {Path(k).name} scored " + (f"whole ({v} tokens)" if unit == "tokens" else f"on {v} of its sentences")
+                    for k, v in extra.items()))
     print(format_results(report))
     out = Path(report["files"]["plan"]).parent.resolve()
     print(f"\nplan density {report['plan']['density']:.4f} (target {1 - args.sparsity:.4f}); files in {out}:")
