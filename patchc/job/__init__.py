@@ -18,6 +18,7 @@ Example:
 """
 
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
-from patchc.job.prune import format_results, run_prune
+from patchc.job.prune import run_prune
+from patchc.job.report import format_results
 
 __all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "PruneOptions", "format_results", "run_prune"]

@@ -154,7 +154,8 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from patchc.job.prune import format_results, run_prune
+    from patchc.job.prune import run_prune
+    from patchc.job.report import format_results
 
     report = run_prune(prune_options(args), command=" ".join(["patchc", *map(shlex.quote, sys.argv[1:])]))
     if not report:  # a torchrun rank other than 0

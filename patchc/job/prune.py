@@ -394,17 +394,4 @@ def protocol(bundle, opts: PruneOptions) -> str:
             "up to 512 of its sentences")
 
 
-def format_results(report: dict) -> str:
-    lines = []
-    for r in report["results"]:
-        if report["metric"] == "perplexity":
-            extra = "".join(f"   {Path(k).stem} {v:9.3f}" for k, v in (r.get("perplexity_extra") or {}).items())
-            lines.append(f"  {r['name']:<22} sparsity {r['sparsity']:6.1%}   perplexity {r['perplexity']:9.3f}{extra}")
-        else:
-            extra = "".join(f"   {Path(k).stem} {v:.4f}" for k, v in (r.get("cosine_extra") or {}).items())
-            lines.append(f"  {r['name']:<22} sparsity {r['sparsity']:6.1%}   cosine {r['cosine']:.4f}   "
-                         f"retrieval agreement {r['retrieval_agreement']:.3f}{extra}")
-    return "\n".join(lines)
-
-
-__all__ = ["PruneOptions", "run_prune", "format_results"]
+__all__ = ["PruneOptions", "dense_reference", "evaluate", "run_prune"]

@@ -2,7 +2,7 @@
 
     stats.py      projection types from weight names; sparsity per block, per projection, per cell
     plots.py      the PNGs: sparsity per block / per projection, the block x projection heatmap, tile maps
-    markdown.py   report.md from the report dict
+    markdown.py   report.md from the report dict, and the table `patchc prune` prints
     write.py      report.json + report.md written atomically; `redraw` (the `patchc report` command)
 
 The report dict is built by the prune job (`patchc.job.prune`).
@@ -12,7 +12,7 @@ Example:
     >>> write_report(report, "runs/x")
 """
 
-from patchc.job.report.markdown import format_perplexity, render_markdown
+from patchc.job.report.markdown import format_perplexity, format_results, render_markdown
 from patchc.job.report.plots import pick_tile_map_layers, plot_plan
 from patchc.job.report.stats import PROJECTION_ORDER, plan_stats, projection_type, short_name
 from patchc.job.report.write import redraw, write_report
@@ -22,6 +22,7 @@ __all__ = [
     "PROJECTION_ORDER",
     "block_index",
     "format_perplexity",
+    "format_results",
     "pick_tile_map_layers",
     "plan_stats",
     "plot_plan",

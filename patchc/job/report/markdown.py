@@ -258,3 +258,22 @@ def render_markdown(report: Mapping[str, Any], pictures: Iterable[str | os.PathL
     if others:
         out += ["## Files", ""] + [f"- {k}: `{v}`" for k, v in others.items()] + [""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def format_results(report: dict) -> str:
+    """The results as `patchc prune` prints them: a line per row, extra texts by file name.
+
+    Example:
+        >>> print(format_results({"metric": "perplexity", "results": [{"name": "dense", "sparsity": 0.0, "perplexity": 5.257}]}))
+          dense                  sparsity   0.0%   perplexity     5.257
+    """
+    lines = []
+    for r in report["results"]:
+        if report["metric"] == "perplexity":
+            extra = "".join(f"   {Path(k).stem} {v:9.3f}" for k, v in (r.get("perplexity_extra") or {}).items())
+            lines.append(f"  {r['name']:<22} sparsity {r['sparsity']:6.1%}   perplexity {r['perplexity']:9.3f}{extra}")
+        else:
+            extra = "".join(f"   {Path(k).stem} {v:.4f}" for k, v in (r.get("cosine_extra") or {}).items())
+            lines.append(f"  {r['name']:<22} sparsity {r['sparsity']:6.1%}   cosine {r['cosine']:.4f}   "
+                         f"retrieval agreement {r['retrieval_agreement']:.3f}{extra}")
+    return "\n".join(lines)
