@@ -87,6 +87,7 @@ def _quality_table(report: Mapping[str, Any]) -> list[str]:
         head = ["method", "pattern", "sparsity", "cosine to dense (higher is better)",
                 "retrieval agreement (higher is better)"]
     extra_key = "perplexity_extra" if metric == "perplexity" else "cosine_extra"
+    extra_fmt = format_perplexity if metric == "perplexity" else (lambda v: _fmt(v, ".4f"))
     extras = list(dict.fromkeys(k for r in rows for k in (r.get(extra_key) or {})))
     head += [f"{name} ({'whole file' if metric == 'perplexity' else 'cosine'})" for name in extras]
     if with_seconds:
@@ -102,8 +103,7 @@ def _quality_table(report: Mapping[str, Any]) -> list[str]:
                 cells.append("–" if v is None or r is dense else _relative(v, base))
         else:
             cells += [_fmt(r.get("cosine"), ".4f"), _fmt(r.get("retrieval_agreement"), ".3f")]
-        fmt = format_perplexity if metric == "perplexity" else (lambda v: _fmt(v, ".4f"))
-        cells += [fmt((r.get(extra_key) or {}).get(name)) for name in extras]
+        cells += [extra_fmt((r.get(extra_key) or {}).get(name)) for name in extras]
         if with_seconds:
             cells.append(_fmt(r.get("seconds"), ".1f"))
         lines.append("| " + " | ".join(cells) + " |")
