@@ -1,0 +1,42 @@
+"""The README's quality table is printed by benchmarks/quality_table.py --summary: its arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def quality_table():
+    path = Path(__file__).parents[1] / "benchmarks" / "quality_table.py"
+    spec = importlib.util.spec_from_file_location("quality_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(seed: int, ppl: dict[str, float], trained: dict[str, float] | None, recipe: dict) -> dict:
+    rows = [{"name": n, "perplexity": v, **({} if trained is None else {"ppl training documents": trained[n]})}
+            for n, v in ppl.items()]
+    return {"seed": seed, "recipe": recipe, "rows": rows}
+
+
+def test_summary_means_the_newest_run_of_each_seed_and_closes_the_gap_per_column(quality_table, tmp_path):
+    old, new = {"steps": 100}, {"steps": 300}
+    names = ("dense", "learned 2:4", "PATCH joint 35%")
+    records = [
+        _record(0, dict(zip(names, (5.0, 9.0, 1.0))), None, old),             # another recipe: ignored
+        _record(0, dict(zip(names, (5.0, 9.0, 8.0))), None, new),             # superseded by the next seed-0 run
+        _record(0, dict(zip(names, (5.0, 9.0, 7.0))), dict(zip(names, (6.0, 10.0, 9.0))), new),
+        _record(1, dict(zip(names, (5.0, 11.0, 7.0))), dict(zip(names, (6.0, 10.0, 7.0))), new),
+    ]
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = quality_table.summary(path)
+    assert "seeds [0, 1]" in text
+    assert "| PATCH joint 35% | 7.00 ± 0.00 | 8.00 ± 1.00 | ×1.40 |" in text
+    # held out: learned 2:4 10, PATCH 7, dense 5 -> 60%; training documents: 10, 8, 6 -> 50%
+    assert "- PATCH joint 35%: closes 60% held out, 50% on training documents of the dense → learned 2:4 gap" in text
