@@ -112,16 +112,17 @@ def summary(path: Path = RESULTS) -> str:
     for n in names:  # a recovered row is measured against the recovered learned 2:4 baseline
         base = "learned 2:4 + recovery" if n.endswith("+ recovery") else "learned 2:4"
         if n.startswith("PATCH") and (base, "perplexity") in mean:
-            closed = [f"{closes(mean, n, base, k):.0%} {'held out' if k == 'perplexity' else 'on ' + k[4:]}"
-                      for k in metrics if k in ("perplexity", TRAINED)]
+            closed = [f"{share} {'held out' if k == 'perplexity' else 'on ' + k[4:]}"
+                      for k in metrics if k in ("perplexity", TRAINED) and (share := closes(mean, n, base, k))]
             lines.append(f"- {n}: closes {', '.join(closed)} of the dense → {base} gap")
     return "\n".join(lines)
 
 
-def closes(mean: dict, name: str, base: str, metric: str) -> float:
-    """Share of the dense -> `base` gap in `metric` that row `name` closes (1 = as good as dense)."""
+def closes(mean: dict, name: str, base: str, metric: str) -> str | None:
+    """Share of the dense -> `base` gap in `metric` that row `name` closes (100% = as good as dense);
+    None where `base` is within 1% of dense (recovered weights fit their training text that well)."""
     d, b = mean["dense", metric], mean[base, metric]
-    return (b - mean[name, metric]) / (b - d)
+    return f"{(b - mean[name, metric]) / (b - d):.0%}" if b - d > 0.01 * d else None
 
 
 def main() -> None:

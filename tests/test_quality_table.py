@@ -40,3 +40,13 @@ def test_summary_means_the_newest_run_of_each_seed_and_closes_the_gap_per_column
     assert "| PATCH joint 35% | 7.00 ± 0.00 | 8.00 ± 1.00 | ×1.40 |" in text
     # held out: learned 2:4 10, PATCH 7, dense 5 -> 60%; training documents: 10, 8, 6 -> 50%
     assert "- PATCH joint 35%: closes 60% held out, 50% on training documents of the dense → learned 2:4 gap" in text
+
+
+def test_summary_leaves_out_a_gap_the_baseline_does_not_open(quality_table, tmp_path):
+    # Recovered weights fit their training text about as well as dense: no share of a ~0 gap is printed.
+    names = ("dense", "learned 2:4 + recovery", "PATCH joint 35% + recovery")
+    record = _record(0, dict(zip(names, (5.0, 7.0, 6.0))), dict(zip(names, (6.0, 6.02, 5.5))), {"steps": 300})
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    assert "- PATCH joint 35% + recovery: closes 50% held out of the dense → learned 2:4 + recovery gap" in \
+        quality_table.summary(path)
