@@ -11,6 +11,9 @@ every group and its number of dense tiles per layer, and changes only which tile
   e H e^T with e the weights the 2:4 pattern drops and H = X^T X from calibration (SparseGPT's
   statistic); and the reverse of that ranking.
 
+Then the other way round: the learned choice of dense tiles over the 2:4 patterns of a learned 2:4
+run (same recipe), which were learned without any dense tile.
+
 Each is scored on the job's held-out TinyStories documents. If the learned choice is no better than
 random, tile training is not doing its job.
 """
@@ -18,12 +21,14 @@ random, tile training is not doing its job.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+
 import torch
 
 from patchc.ir.tiles import expand_tiles, to_tiles
 from patchc.job.corpus import load_data
 from patchc.job.options import PruneOptions
-from patchc.job.prune import cache_dir, calibrate, choose_threads, evaluate, train_program
+from patchc.job.prune import cache_dir, calibrate, choose_threads, evaluate, train, train_program
 from patchc.models import load_model
 from patchc.pruning import apply_masks
 
@@ -64,8 +69,8 @@ def main() -> None:
               for f, m in layers.items()}
     counts = {f: int(t.sum()) for f, t in learned.items()}
 
-    def score(tiles: dict[str, torch.Tensor]) -> float:
-        masks = {f: kept24[f] | expand_tiles(tiles[f].float(), m.tile, m.shape).bool() for f, m in layers.items()}
+    def score(tiles: dict[str, torch.Tensor], patterns: dict[str, torch.Tensor] = kept24) -> float:
+        masks = {f: patterns[f] | expand_tiles(tiles[f].float(), m.tile, m.shape).bool() for f, m in layers.items()}
         return evaluate(bundle, apply_masks(bundle.reload(), masks), data, opts)["perplexity"]
 
     print(f"seed {opts.seed}, tile lr {opts.tile_lr}, lambda2 {opts.lambda_norm}: "
@@ -79,6 +84,13 @@ def main() -> None:
              for f, m in layers.items()}
     print(f"  Hessian 2:4 error, top  {score({f: top(e, counts[f]) for f, e in error.items()}):8.3f}")
     print(f"  Hessian 2:4 error, last {score({f: top(-e, counts[f]) for f, e in error.items()}):8.3f}")
+
+    nm_opts = dataclasses.replace(opts, variant="nm", sparsity=0.5)
+    nm_plan, _ = train(bundle, nm_opts.patch_config(), data, nm_opts, calib, None, False)
+    nm_kept = {f: layer.mask().bool() for f, layer in nm_plan.layers.items()}
+    none = {f: torch.zeros_like(t) for f, t in learned.items()}
+    print(f"learned 2:4 run's patterns, no dense tile {score(none, nm_kept):8.3f}")
+    print(f"  + the learned dense tiles                {score(learned, nm_kept):8.3f}")
 
 
 if __name__ == "__main__":
