@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import patchc
 from patchc.ir import TILE_DENSE, TILE_SPARSE24, TilePlan
 from patchc.ir.tiles import expand_tiles, to_tiles
+from patchc.job.options import PruneOptions
 from patchc.masking.recover import RecoverConfig, rebuild
 from patchc.pruning.patterns import mask_24, merge_tiles
 from tests.conftest import TINYSTORIES, needs_shared
@@ -186,11 +187,16 @@ def test_run_recover_on_a_real_run_folder(tmp_path):
     ppl = [r["perplexity"] for r in saved["results"]]
     assert 1 < ppl[0] < ppl[1] and ppl[2] != ppl[1], ppl
     assert saved["recovery"]["steps"] == 4 and saved["train_tokens"] > 0 and saved["eval_tokens"] > 0
+    assert saved["recovery"]["loss"] == "kd" and saved["recovery"]["lr"] == 1e-3  # the default, and the lr given
     applied = rec.apply(bundle.reload())  # the original dense model is the recovered plan's source too
     for fqn, layer in rec.layers.items():
         assert torch.equal(applied.get_parameter(fqn).detach(), layer.to_dense())
     with pytest.raises(ValueError, match="not the held-out split"):
         run_recover(out, steps=2, recipe={"eval_fraction": 0.5})
+    # --loss lm: the recipe's loss is the one recovery trains with, and the run's --recover-lr its lr
+    lm = run_recover(out, steps=4, batch_size=2, progress=False, recipe={"recover_loss": "lm"})
+    assert lm["recovery"]["loss"] == "lm" and lm["recovery"]["lr"] == PruneOptions().recover_lr
+    assert lm["results"][2]["perplexity"] != result["results"][2]["perplexity"]
     settings = json.loads((out / "run.json").read_text())
     settings["settings"]["eval_fraction"] = 0.3  # another split than the plan was trained on
     (out / "run.json").write_text(json.dumps(settings))
@@ -210,3 +216,7 @@ def test_the_recover_summary_names_what_was_scored():
             "run": "r"}
     assert "(123 sentences)" in format_recover({**base, "metric": "cosine", "eval_tokens": 123})
     assert "(4096 tokens)" in format_recover({**base, "metric": "perplexity", "eval_tokens": 4096})
+    extra = [{"name": n, "perplexity": p, "perplexity_extra": {"wiki.txt": w}}
+             for n, p, w in (("dense", 5.0, 100.0), ("hardened", 7.5, 150.0), ("recovered", 6.5, 140.25))]
+    text = format_recover({**base, "results": extra, "metric": "perplexity", "eval_tokens": 10})
+    assert "wiki.txt: dense 100.000  hardened 150.000  recovered 140.250" in text

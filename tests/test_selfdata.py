@@ -110,6 +110,9 @@ def test_spec_validation_names_the_flag():
         PruneOptions(train_data="web")
     with pytest.raises(ValueError, match="--loss"):
         PruneOptions(loss="mse")
+    with pytest.raises(ValueError, match="--recover-loss"):
+        PruneOptions(recover_loss="mse")
+    assert PruneOptions(loss="lm", recover_loss="kd").for_recovery().loss_spec().kind == "kd"
 
 
 def test_mixed_training_text_never_touches_held_out_documents(bundle, tmp_path, monkeypatch):

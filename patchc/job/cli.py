@@ -109,6 +109,8 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recover", type=int, default=d.recover, metavar="STEPS",
                    help="then fine-tune the kept weights this many steps with the masks fixed (0: no); writes "
                         "plan-recovered.patch and scores it beside the masks-only plan")
+    p.add_argument("--recover-loss", default=d.recover_loss, choices=("lm", "kd", "lm+kd"),
+                   help="loss of --recover (kd: stay close to the dense model beyond the training text's domain)")
     p.add_argument("--recover-lr", type=float, default=d.recover_lr, help="Adam learning rate of --recover")
     p.add_argument("--recover-scope", choices=("all", "values"), default=d.recover_scope,
                    help="what --recover trains: every kept weight, or only the 2:4 tiles' values")
@@ -147,7 +149,7 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
         train_data=args.train_data, self_tokens=args.self_tokens, self_temperature=args.self_temperature,
         self_top_p=args.self_top_p, loss=args.loss, kd_temperature=args.kd_temperature,
         eval_data=tuple(args.eval_data), eval_tokens=args.eval_tokens, split_seed=args.split_seed,
-        recover=args.recover, recover_lr=args.recover_lr, recover_scope=args.recover_scope, fsdp=args.fsdp,
+        recover=args.recover, recover_loss=args.recover_loss, recover_lr=args.recover_lr, recover_scope=args.recover_scope, fsdp=args.fsdp,
         baselines=args.baselines, seed=args.seed, device=args.device, dtype=args.dtype, threads=args.threads,
         resume=args.resume, overwrite=args.overwrite, encoding=args.encoding, bos=args.bos, progress=args.progress,
     )
@@ -198,7 +200,7 @@ def format_metrics(metrics: dict) -> str:
 def cmd_recover(args: argparse.Namespace) -> int:
     from patchc.job.recover import format_recover, run_recover
 
-    recipe = {k: v for k, v in (("loss", args.loss), ("train_data", args.train_data)) if v}
+    recipe = {k: v for k, v in (("recover_loss", args.loss), ("train_data", args.train_data)) if v}
     result = run_recover(args.run, steps=args.steps, lr=args.lr, scope=args.scope, method=args.method,
                          batch_size=args.batch_size, eval_context=args.eval_context, device=args.device,
                          threads=args.threads, progress=args.progress, recipe=recipe,
@@ -303,13 +305,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "and RUN/recover.json")
     p.add_argument("run", help="run folder of a finished `patchc prune` (holds plan.patch and run.json)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate of the weights")
+    p.add_argument("--lr", type=float, default=None, help="Adam learning rate of the weights (default: the run's "
+                                                           "--recover-lr)")
     p.add_argument("--scope", choices=("all", "values"), default="all",
                    help="train every kept weight, or only the 2:4 tiles' values (dense tiles frozen)")
     p.add_argument("--method", choices=("adam", "sparsegpt"), default="adam",
                    help="Adam fine-tuning, or one SparseGPT OBS update per layer")
     p.add_argument("--batch-size", type=int, default=None, help="default: the run's")
-    p.add_argument("--loss", choices=("lm", "kd", "lm+kd"), default=None, help="default: the run's")
+    p.add_argument("--loss", choices=("lm", "kd", "lm+kd"), default=None, help="default: the run's --recover-loss")
     p.add_argument("--train-data", choices=("real", "self", "mix"), default=None, help="default: the run's")
     p.add_argument("--eval-context", type=int, default=256, help="perplexity window")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")

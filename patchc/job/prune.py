@@ -351,8 +351,9 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
 
 
 def recover_plan(bundle, plan, data: dict, opts: PruneOptions, steps: int | None = None):
-    """`plan` with its kept weights fine-tuned on the run's training text and loss (masks fixed)."""
-    return patchc.recover(plan, bundle.reload(), global_batches(bundle, data, opts), make_loss(bundle, bundle.model, opts),
+    """`plan` with its kept weights fine-tuned on the run's training text with --recover-loss (masks fixed)."""
+    loss_fn = make_loss(bundle, bundle.model, opts.for_recovery())
+    return patchc.recover(plan, bundle.reload(), global_batches(bundle, data, opts), loss_fn,
                           steps=steps or opts.recover, lr=opts.recover_lr, scope=opts.recover_scope,
                           progress=opts.progress)
 

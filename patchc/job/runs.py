@@ -32,7 +32,7 @@ SETTINGS = "run.json"
 CHECKPOINT = "masks.ckpt"
 # PruneOptions fields that do not change the plan or its training: free to differ on --resume.
 FREE = ("out", "eval_context", "baselines", "device", "threads", "resume", "overwrite", "progress", "steps",
-        "eval_data", "eval_tokens", "recover", "recover_lr", "recover_scope")  # none changes the mask checkpoint
+        "eval_data", "eval_tokens", "recover", "recover_loss", "recover_lr", "recover_scope")  # mask checkpoint unchanged
 
 
 class RunError(ValueError):
