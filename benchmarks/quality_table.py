@@ -90,7 +90,7 @@ def recipe(opts: PruneOptions, recover_steps: int) -> dict:
     return {"steps": opts.steps, "batch_size": opts.batch_size, "loss": opts.loss, "train_data": opts.train_data,
             "lr": opts.lr, "tile_lr": opts.tile_lr, "lambda_norm": opts.lambda_norm,
             "self_tokens": opts.self_tokens, "tile": list(opts.tile), "split_seed": opts.split_seed,
-            "recover_steps": recover_steps, "recover_loss": opts.recover_loss, "recover_lr": opts.recover_lr}
+            "recover_steps": recover_steps, "recover_loss": opts.recover_loss, "recover_lr": opts.recovery_lr("causal")}
 
 
 def summary(path: Path = RESULTS) -> str:

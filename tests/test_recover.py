@@ -195,7 +195,7 @@ def test_run_recover_on_a_real_run_folder(tmp_path):
         run_recover(out, steps=2, recipe={"eval_fraction": 0.5})
     # --loss lm: the recipe's loss is the one recovery trains with, and the run's --recover-lr its lr
     lm = run_recover(out, steps=4, batch_size=2, progress=False, recipe={"recover_loss": "lm"})
-    assert lm["recovery"]["loss"] == "lm" and lm["recovery"]["lr"] == PruneOptions().recover_lr
+    assert lm["recovery"]["loss"] == "lm" and lm["recovery"]["lr"] == PruneOptions().recovery_lr("causal")
     assert lm["results"][2]["perplexity"] != result["results"][2]["perplexity"]
     settings = json.loads((out / "run.json").read_text())
     settings["settings"]["eval_fraction"] = 0.3  # another split than the plan was trained on

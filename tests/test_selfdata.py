@@ -113,6 +113,11 @@ def test_spec_validation_names_the_flag():
     with pytest.raises(ValueError, match="--recover-loss"):
         PruneOptions(recover_loss="mse")
     assert PruneOptions(loss="lm", recover_loss="kd").for_recovery().loss_spec().kind == "kd"
+    # recovery's lr follows the model kind unless given: encoders diverge at the causal LMs' 3e-3
+    assert PruneOptions().recovery_lr("causal") == 3e-3 and PruneOptions().recovery_lr("encoder") == 1e-4
+    assert PruneOptions(recover_lr=5e-4).recovery_lr("encoder") == 5e-4
+    with pytest.raises(ValueError, match="--recover-lr"):
+        PruneOptions(recover_lr=-1.0)
 
 
 def test_mixed_training_text_never_touches_held_out_documents(bundle, tmp_path, monkeypatch):

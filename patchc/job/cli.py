@@ -111,7 +111,8 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
                         "plan-recovered.patch and scores it beside the masks-only plan")
     p.add_argument("--recover-loss", default=d.recover_loss, choices=("lm", "kd", "lm+kd"),
                    help="loss of --recover (kd: stay close to the dense model beyond the training text's domain)")
-    p.add_argument("--recover-lr", type=float, default=d.recover_lr, help="Adam learning rate of --recover")
+    p.add_argument("--recover-lr", type=float, default=d.recover_lr,
+                   help="Adam learning rate of --recover (default: 3e-3 for causal LMs, 1e-4 for encoders)")
     p.add_argument("--recover-scope", choices=("all", "values"), default=d.recover_scope,
                    help="what --recover trains: every kept weight, or only the 2:4 tiles' values")
     p.add_argument("--no-baselines", dest="baselines", action="store_false",
@@ -149,7 +150,8 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
         train_data=args.train_data, self_tokens=args.self_tokens, self_temperature=args.self_temperature,
         self_top_p=args.self_top_p, loss=args.loss, kd_temperature=args.kd_temperature,
         eval_data=tuple(args.eval_data), eval_tokens=args.eval_tokens, split_seed=args.split_seed,
-        recover=args.recover, recover_loss=args.recover_loss, recover_lr=args.recover_lr, recover_scope=args.recover_scope, fsdp=args.fsdp,
+        recover=args.recover, recover_loss=args.recover_loss, recover_lr=args.recover_lr,
+        recover_scope=args.recover_scope, fsdp=args.fsdp,
         baselines=args.baselines, seed=args.seed, device=args.device, dtype=args.dtype, threads=args.threads,
         resume=args.resume, overwrite=args.overwrite, encoding=args.encoding, bos=args.bos, progress=args.progress,
     )
@@ -305,8 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "and RUN/recover.json")
     p.add_argument("run", help="run folder of a finished `patchc prune` (holds plan.patch and run.json)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=None, help="Adam learning rate of the weights (default: the run's "
-                                                           "--recover-lr)")
+    p.add_argument("--lr", type=float, default=None, help="Adam learning rate of the weights (default: "
+                                                           "the run's --recover-lr)")
     p.add_argument("--scope", choices=("all", "values"), default="all",
                    help="train every kept weight, or only the 2:4 tiles' values (dense tiles frozen)")
     p.add_argument("--method", choices=("adam", "sparsegpt"), default="adam",

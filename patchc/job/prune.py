@@ -318,7 +318,8 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
         "kind": bundle.kind,
         "data": data_summary(bundle, data, opts),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_dict().items()},
-        "recover": {"steps": opts.recover, "lr": opts.recover_lr, "scope": opts.recover_scope} if opts.recover else None,
+        "recover": {"steps": opts.recover, "lr": opts.recovery_lr(bundle.kind), "loss": opts.recover_loss,
+                    "scope": opts.recover_scope} if opts.recover else None,
         "train": {"steps": opts.steps, "schedule_steps": cfg.steps, "batch_size": opts.batch_size, "lr": opts.lr,
                   "loss": opts.loss if bundle.kind == "causal" else "distil embeddings", "kd_temperature": opts.kd_temperature,
                   "seed": opts.seed,
@@ -354,7 +355,7 @@ def recover_plan(bundle, plan, data: dict, opts: PruneOptions, steps: int | None
     """`plan` with its kept weights fine-tuned on the run's training text with --recover-loss (masks fixed)."""
     loss_fn = make_loss(bundle, bundle.model, opts.for_recovery())
     return patchc.recover(plan, bundle.reload(), global_batches(bundle, data, opts), loss_fn,
-                          steps=steps or opts.recover, lr=opts.recover_lr, scope=opts.recover_scope,
+                          steps=steps or opts.recover, lr=opts.recovery_lr(bundle.kind), scope=opts.recover_scope,
                           progress=opts.progress)
 
 

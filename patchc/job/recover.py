@@ -144,7 +144,7 @@ def run_recover(
     calib = job.calibrate(bundle, data, opts) if method == "sparsegpt" else None
     loss_fn = job.make_loss(bundle, bundle.model, opts.for_recovery())
     recovered = patchc.recover(plan, model, job.global_batches(bundle, data, opts), loss_fn,
-                               steps=steps, lr=opts.recover_lr if lr is None else lr, scope=scope, method=method,
+                               steps=steps, lr=opts.recovery_lr(bundle.kind) if lr is None else lr, scope=scope, method=method,
                                calib=calib, schedule=schedule,
                                progress=progress)
     recovered.meta["command"] = command or ""
