@@ -134,7 +134,8 @@ def run_recover(
     job.check_model(bundle, opts)
     job.choose_threads(opts, bundle.model)
     data = job.load_data(bundle, opts, cache_dir=job.cache_dir(opts))  # generated text: the run's cache
-    check_split(plan, job.data_record(data, opts), run / PLAN, changed=tuple(recipe) + ("self_tokens",) * bool(recipe))
+    other_text = ("self_tokens",) * ("train_data" in recipe)  # another --train-data may generate another amount
+    check_split(plan, job.data_record(data, opts), run / PLAN, changed=tuple(recipe) + other_text)
     dense_ref = job.dense_reference(bundle, data)
     scores = {"dense": job.evaluate(bundle, bundle.model, data, opts, dense_ref)}
     hardened = plan.apply(bundle.reload())
@@ -143,10 +144,9 @@ def run_recover(
     model = bundle.reload()  # the dense model stays the teacher of a KD loss
     calib = job.calibrate(bundle, data, opts) if method == "sparsegpt" else None
     loss_fn = job.make_loss(bundle, bundle.model, opts.for_recovery())
-    recovered = patchc.recover(plan, model, job.global_batches(bundle, data, opts), loss_fn,
-                               steps=steps, lr=opts.recovery_lr(bundle.kind) if lr is None else lr, scope=scope, method=method,
-                               calib=calib, schedule=schedule,
-                               progress=progress)
+    lr = opts.recovery_lr(bundle.kind) if lr is None else lr
+    recovered = patchc.recover(plan, model, job.global_batches(bundle, data, opts), loss_fn, steps=steps, lr=lr,
+                               scope=scope, method=method, calib=calib, schedule=schedule, progress=progress)
     recovered.meta["command"] = command or ""
     recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe, "loss": opts.recover_loss}
     recovered.save(run / RECOVERED)
