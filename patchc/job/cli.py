@@ -21,6 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from patchc.job.losses import LOSSES
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
 
 # Errors that mean "the input is wrong", shown as one line; anything else is a bug and keeps its traceback.
@@ -98,7 +99,7 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens the dense model generates for --train-data self/mix (cached under runs/.cache)")
     p.add_argument("--self-temperature", type=float, default=d.self_temperature, help="sampling temperature")
     p.add_argument("--self-top-p", type=float, default=d.self_top_p, help="nucleus sampling cut-off")
-    p.add_argument("--loss", default=d.loss, choices=("lm", "kd", "lm+kd"),
+    p.add_argument("--loss", default=d.loss, choices=LOSSES,
                    help="task loss of causal LMs: next-token cross-entropy, KL to the dense model's "
                         "next-token distribution (distillation), or their sum")
     p.add_argument("--kd-temperature", type=float, default=d.kd_temperature, help="distillation temperature")
@@ -109,7 +110,7 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recover", type=int, default=d.recover, metavar="STEPS",
                    help="then fine-tune the kept weights this many steps with the masks fixed (0: no); writes "
                         "plan-recovered.patch and scores it beside the masks-only plan")
-    p.add_argument("--recover-loss", default=d.recover_loss, choices=("lm", "kd", "lm+kd"),
+    p.add_argument("--recover-loss", default=d.recover_loss, choices=LOSSES,
                    help="loss of --recover (kd: stay close to the dense model beyond the training text's domain)")
     p.add_argument("--recover-lr", type=float, default=d.recover_lr,
                    help="Adam learning rate of --recover (default: 3e-3 for causal LMs, 1e-4 for encoders)")
@@ -314,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=("adam", "sparsegpt"), default="adam",
                    help="Adam fine-tuning, or one SparseGPT OBS update per layer")
     p.add_argument("--batch-size", type=int, default=None, help="default: the run's")
-    p.add_argument("--loss", choices=("lm", "kd", "lm+kd"), default=None, help="default: the run's --recover-loss")
+    p.add_argument("--loss", choices=LOSSES, default=None, help="default: the run's --recover-loss")
     p.add_argument("--train-data", choices=("real", "self", "mix"), default=None, help="default: the run's")
     p.add_argument("--eval-context", type=int, default=256, help="perplexity window")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
