@@ -92,6 +92,24 @@ def test_adam_recovery_lowers_loss_and_keeps_every_mask(setup, tmp_path):
     assert torch.equal(applied.up.bias, dense.up.bias)  # only weights train
 
 
+def test_adam_recovery_runs_without_dropout_and_restores_the_mode(setup):
+    """The student matches a dropout-free teacher: with dropout on it would be another, noisier function."""
+    plan, model, dense, batches = setup
+    model.up.register_forward_hook(lambda mod, _inp, out: F.dropout(out, 0.5, mod.training))
+    modes = []
+
+    def loss(m, batch):
+        modes.append(m.training)
+        return mse(m, batch)
+
+    model.train()
+    rec = patchc.recover(plan, model, batches, loss, steps=20, lr=3e-3, progress=False)
+    assert modes and not any(modes)
+    assert model.training  # handed back in the mode it came in
+    # with dropout on, the scores before and after would be noisy; in eval mode they are the plain losses
+    assert rec.meta["recovery"]["loss_after"] < rec.meta["recovery"]["loss_before"]
+
+
 def test_values_scope_freezes_dense_tiles_bit_for_bit(setup):
     plan, model, _, batches = setup
     rec = patchc.recover(plan, model, batches, mse, steps=20, lr=3e-3, scope="values", progress=False)

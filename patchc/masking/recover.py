@@ -4,8 +4,8 @@ Hardening leaves the kept weights as they were in the dense model; recovery lets
 what the pruned ones did. Two ways:
 
   * ``method="adam"`` (default): Adam on `batches` with the task loss, gradient clipping and a cosine
-    or linear decay. Only the plan's layers train; their gradients are masked to the trainable
-    positions (``scope="all"``: every kept weight; ``scope="values"``: only the kept values of the
+    or linear decay, in eval mode (no dropout). Only the plan's layers train; their gradients are masked
+    to the trainable positions (``scope="all"``: every kept weight; ``scope="values"``: only the kept values of the
     2:4 tiles, dense tiles frozen bit for bit) and pruned positions are set back to exactly 0 after
     each step. Nothing but the model (trained in place), its gradients and Adam's two moments is held.
   * ``method="sparsegpt"``: one OBS update per layer with the plan's mask fixed (`patchc.pruning`'s
@@ -235,7 +235,9 @@ def train_kept(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], ge
         w.requires_grad_(True)
     optimizer = torch.optim.Adam(weights, lr=cfg.lr)
     history: list[dict[str, float]] = []
-    model.train()
+    # Dropout off: the kept weights learn to reproduce a dropout-free teacher, so the student should be
+    # the same function. With BERT's dropout on, MiniLM 35% recovered to 0.939 cosine instead of 0.949.
+    model.eval()
     try:
         bar = progress_bar(range(cfg.steps), desc=f"weight recovery ({cfg.scope})", disable=not progress)
         for t in bar:
