@@ -21,6 +21,7 @@ from patchc.job.encoder_eval import (
     distillation_loss,
     embedding_agreement,
     encode_batches,
+    layerwise_distillation_loss,
     make_distill_loss,
     sentences_from_docs,
 )
@@ -144,6 +145,27 @@ def test_distill_loss_trains_masks_of_transformed_encoder(minilm, minilm_ep):
     assert 0.0 < agree["cosine"] < 1.0
 
 
+@needs_minilm
+def test_layerwise_distill_loss_reads_every_layer_of_a_pruned_copy(minilm, minilm_ep):
+    import patchc
+
+    batch = encode_batches(minilm, SENTENCES, max_len=32, batch_size=4)[0]
+    states = minilm.model.layer_states(batch["input_ids"], batch["attention_mask"])
+    assert len(states) == minilm.model.config.num_hidden_layers == 6
+    with torch.no_grad():
+        torch.testing.assert_close(states[-1], minilm.model(batch["input_ids"], batch["attention_mask"]))
+    layers = make_distill_loss(minilm, minilm.model, layers=True)
+    last = make_distill_loss(minilm, minilm.model)
+    assert layers(minilm.model, batch).item() == pytest.approx(0.0, abs=1e-6)
+    pruned = minilm.reload()
+    with torch.no_grad():  # cut a middle layer only: every layer above it moves too
+        pruned.model.encoder.layer[2].output.dense.weight[:, ::2] = 0
+    assert layers(pruned, batch).item() > last(pruned, batch).item() > 0
+    prog = patchc.transform(minilm_ep, patchc.PatchConfig(tile=(32, 32), sparsity=0.3))
+    with pytest.raises(TypeError, match="layer_states"):  # an exported program gives its last layer only
+        layers(prog, batch)
+
+
 # ----------------------------------------------------------------------------------------------- encoder eval
 
 
@@ -195,6 +217,25 @@ def test_distillation_loss_properties():
     assert distillation_loss(garbage, t, mask).item() == pytest.approx(loss.item(), rel=1e-6)
     only_embed = distillation_loss(s, t, mask, token_weight=0.0)
     assert 0 < only_embed.item() < loss.item()
+
+
+
+def test_layerwise_distillation_loss_adds_each_earlier_layer():
+    g = torch.Generator().manual_seed(0)
+    teacher = [torch.randn(2, 5, 8, generator=g) for _ in range(3)]
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    assert layerwise_distillation_loss(teacher, teacher, mask).item() == pytest.approx(0.0, abs=1e-6)
+    last_only = [*teacher[:2], teacher[2] + 0.5 * torch.randn(2, 5, 8, generator=g)]
+    assert layerwise_distillation_loss(last_only, teacher, mask).item() == pytest.approx(
+        distillation_loss(last_only[2], teacher[2], mask).item(), rel=1e-6)  # one layer: the plain loss
+    middle = [teacher[0], (teacher[1] + 0.5 * torch.randn(2, 5, 8, generator=g)).requires_grad_(), teacher[2]]
+    loss = layerwise_distillation_loss(middle, teacher, mask)
+    token_sq = (F.normalize(middle[1], dim=-1) - F.normalize(teacher[1], dim=-1)).pow(2).sum(-1)
+    assert loss.item() == pytest.approx((token_sq * mask).sum().item() / mask.sum().item(), rel=1e-5)
+    loss.backward()
+    assert middle[1].grad[0, 3:].abs().sum() == 0 and middle[1].grad[0, :3].abs().sum() > 0
+    with pytest.raises(ValueError, match="same number"):
+        layerwise_distillation_loss(teacher[:2], teacher, mask)
 
 
 # ----------------------------------------------------------------------------------------------- load_model

@@ -161,11 +161,41 @@ def distillation_loss(
     return embed_term.mean() + token_weight * token_term
 
 
-def make_distill_loss(bundle: Any, teacher_model: nn.Module, token_weight: float = 1.0) -> Callable[[Any, dict], torch.Tensor]:
-    """A ``loss_fn(prog, batch)`` for `patchc.train_masks`: distil `teacher_model` into the masked `prog`.
+def layerwise_distillation_loss(
+    student_states: Sequence[torch.Tensor],
+    teacher_states: Sequence[torch.Tensor],
+    attention_mask: torch.Tensor,
+    token_weight: float = 1.0,
+) -> torch.Tensor:
+    """`distillation_loss` on the last layer, plus its token-state term on every earlier layer.
+
+    Why: a layer that drifts from the dense one is told so where it happens, instead of through every
+    layer above it. All terms are distances of unit vectors, so no layer needs its own weight.
+
+    Example:
+        >>> h = [torch.randn(2, 5, 8) for _ in range(3)]; m = torch.ones(2, 5)
+        >>> layerwise_distillation_loss(h, h, m).item()
+        0.0
+    """
+    if len(student_states) != len(teacher_states) or not student_states:
+        raise ValueError(f"layerwise_distillation_loss: {len(student_states)} student and {len(teacher_states)} "
+                         "teacher layers; need the same number, at least one")
+    loss = distillation_loss(student_states[-1], teacher_states[-1], attention_mask, token_weight)
+    m = attention_mask.to(student_states[-1].device, torch.float32)
+    for s, t in zip(student_states[:-1], teacher_states[:-1]):
+        token_sq = (F.normalize(s.float(), dim=-1) - F.normalize(t.float(), dim=-1)).pow(2).sum(-1)
+        loss = loss + token_weight * (token_sq * m).sum() / m.sum().clamp(min=1.0)
+    return loss
+
+
+def make_distill_loss(bundle: Any, teacher_model: nn.Module, token_weight: float = 1.0,
+                      layers: bool = False) -> Callable[[Any, dict], torch.Tensor]:
+    """A ``loss_fn(model, batch)``: distil `teacher_model` into `model` (a masked program, or a pruned copy).
 
     `batch` is a dict ``{"input_ids", "attention_mask"}`` (see `encode_batches`); it is moved to the
-    teacher's device. The teacher runs under ``no_grad`` (its weights are frozen; only mask logits train).
+    teacher's device. The teacher runs under ``no_grad``. ``layers=True`` distils every layer's token
+    states (`layerwise_distillation_loss`); both models must then have ``layer_states(ids, mask)``, as
+    `EncoderWrapper` has (weight recovery trains one) and an exported program has not (mask training).
 
     Example:
         >>> loss_fn = make_distill_loss(bundle, bundle.model)
@@ -175,14 +205,21 @@ def make_distill_loss(bundle: Any, teacher_model: nn.Module, token_weight: float
         raise TypeError(f"make_distill_loss: {getattr(bundle, 'name', 'model')} is a {bundle.kind} model, not an encoder")
     fallback = getattr(bundle, "device", "cpu")
 
-    def loss_fn(prog: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def states(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> Sequence[torch.Tensor]:
+        if not layers:
+            return [hidden_of(model(ids, mask))]
+        if not callable(getattr(model, "layer_states", None)):
+            raise TypeError(f"make_distill_loss(layers=True): {type(model).__name__} has no layer_states(ids, mask) "
+                            "(an exported program returns only its last layer); use layers=False")
+        return model.layer_states(ids, mask)
+
+    def loss_fn(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         dev = device_of(teacher_model, fallback)
         ids = batch["input_ids"].to(dev)
         mask = batch["attention_mask"].to(dev)
         with torch.no_grad():
-            teacher = hidden_of(teacher_model(ids, mask))
-        student = hidden_of(prog(ids, mask))
-        return distillation_loss(student, teacher, mask, token_weight=token_weight)
+            teacher = states(teacher_model, ids, mask)
+        return layerwise_distillation_loss(states(model, ids, mask), teacher, mask, token_weight=token_weight)
 
     return loss_fn
 
@@ -214,5 +251,5 @@ def encode_batches(bundle: Any, sentences: Sequence[str], max_len: int, batch_si
     return out
 
 
-__all__ = ["dense_embeddings", "distillation_loss", "embedding_agreement", "encode_batches", "make_distill_loss",
-           "score_embeddings", "sentences_from_docs"]
+__all__ = ["dense_embeddings", "distillation_loss", "embedding_agreement", "encode_batches", "layerwise_distillation_loss",
+           "make_distill_loss", "score_embeddings", "sentences_from_docs"]

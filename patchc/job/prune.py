@@ -62,13 +62,14 @@ def choose_threads(opts: PruneOptions, model: torch.nn.Module) -> None:
         torch.set_num_threads(1)
 
 
-def make_loss(bundle, dense_model, opts: PruneOptions) -> Callable:
-    """Encoders distil the dense embeddings; causal LMs use --loss (LM, KD to the dense model, or both)."""
+def make_loss(bundle, dense_model, opts: PruneOptions, recovery: bool = False) -> Callable:
+    """Causal LMs: --loss (LM, KD to the dense model, or both), --recover-loss in weight recovery. Encoders
+    distil the dense model's last layer in mask training, every layer in recovery (an HF model, not a graph)."""
     if bundle.kind == "encoder":
         from patchc.job.encoder_eval import make_distill_loss
 
-        return make_distill_loss(bundle, dense_model)
-    return make_lm_loss(bundle, dense_model, opts.loss_spec())
+        return make_distill_loss(bundle, dense_model, layers=recovery)
+    return make_lm_loss(bundle, dense_model, (opts.for_recovery() if recovery else opts).loss_spec())
 
 
 def global_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]:
@@ -353,7 +354,7 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
 
 def recover_plan(bundle, plan, data: dict, opts: PruneOptions, steps: int | None = None):
     """`plan` with its kept weights fine-tuned on the run's training text with --recover-loss (masks fixed)."""
-    loss_fn = make_loss(bundle, bundle.model, opts.for_recovery())
+    loss_fn = make_loss(bundle, bundle.model, opts, recovery=True)
     return patchc.recover(plan, bundle.reload(), global_batches(bundle, data, opts), loss_fn,
                           steps=steps or opts.recover, lr=opts.recovery_lr(bundle.kind), scope=opts.recover_scope,
                           progress=opts.progress)

@@ -143,7 +143,7 @@ def run_recover(
     del hardened
     model = bundle.reload()  # the dense model stays the teacher of a KD loss
     calib = job.calibrate(bundle, data, opts) if method == "sparsegpt" else None
-    loss_fn = job.make_loss(bundle, bundle.model, opts.for_recovery())
+    loss_fn = job.make_loss(bundle, bundle.model, opts, recovery=True)
     lr = opts.recovery_lr(bundle.kind) if lr is None else lr
     recovered = patchc.recover(plan, model, job.global_batches(bundle, data, opts), loss_fn, steps=steps, lr=lr,
                                scope=scope, method=method, calib=calib, schedule=schedule, progress=progress)

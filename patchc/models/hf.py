@@ -196,6 +196,16 @@ class EncoderWrapper(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
+    def layer_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every transformer layer's output (B, T, H), first to last; the last is what `forward` returns.
+
+        Example:
+            >>> [h.shape for h in w.layer_states(ids, mask)]    # all-MiniLM-L6-v2: 6 layers
+            [torch.Size([2, 9, 384]), ..., torch.Size([2, 9, 384])]
+        """
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        return tuple(out.hidden_states[1:])  # [0] is the embeddings' output, which pruning never changes
+
 
 def load_hf_encoder(
     spec: str | os.PathLike, device: str | torch.device = "cpu", drop_pooler: bool = True
