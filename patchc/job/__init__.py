@@ -7,7 +7,8 @@
     distributed.py    torchrun: ranks, batch shares
     prune.py          `run_prune`: load -> calibrate -> transform -> train -> harden -> evaluate -> report
     report/           statistics, pictures, report.json / report.md
-    cli.py            `patchc prune | eval | report | generate | tune`
+    cli.py            `patchc prune | eval | recover | export | report | generate | tune | bench`
+    prune_args.py     `patchc prune`'s flags -> `PruneOptions`
 
 It drives every stage before it (`patchc.passes`, `patchc.masking`, `patchc.ir`, `patchc.pruning`) and
 writes what users read.

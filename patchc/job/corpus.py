@@ -3,6 +3,7 @@
     --data files ─ split by document (--split-seed) ─┬─ training documents ──> real training blocks ─┐
                                                       │        └─ first tokens = prompts ─> dense model writes --self-tokens ─┤─> train
                                                       └─ held-out documents ──> eval ids (never trained on, never prompts)
+    --train-extra files ──> whole, training only (a file holding a held-out document is refused) ───────┘
     --eval-data files ──> scored whole (capped at --eval-tokens), a second view of generalisation
 
 Example:
@@ -35,17 +36,21 @@ def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None) ->
 
     check_files(opts.data, "--data")
     check_files(opts.eval_data, "--eval-data")
+    check_files(opts.train_extra, "--train-extra")
     docs_train, docs_eval = split_files(opts.data, opts.eval_fraction, opts.split_seed, encoding=opts.encoding)
     if not docs_eval:
         raise ValueError(f"--data {', '.join(opts.data)}: too few documents to hold any out for evaluation")
     source = ", ".join(opts.data)
+    docs_extra = extra_training_documents(opts, docs_eval)
+    common = {"docs_train": len(docs_train), "docs_eval": len(docs_eval), "train_hashes": doc_hashes(docs_train),
+              "extra_hashes": doc_hashes([d for docs in docs_extra.values() for d in docs])}
     if bundle.kind == "encoder":
         from patchc.job.encoder_eval import sentences_from_docs
 
-        return {"train": sentences_from_docs(docs_train, max_sentences=4096),
+        extra = [s for docs in docs_extra.values() for s in sentences_from_docs(docs, max_sentences=4096)]
+        return {"train": sentences_from_docs(docs_train, max_sentences=4096) + extra,
                 "eval": sentences_from_docs(docs_eval, max_sentences=512), "extra": extra_sentences(opts),
-                "docs_train": len(docs_train), "docs_eval": len(docs_eval), "train_hashes": doc_hashes(docs_train),
-                "real_tokens": 0, "self_tokens": 0, "self_cached": False}
+                **common, "real_tokens": 0, "extra_tokens": len(extra), "self_tokens": 0, "self_cached": False}
     tokenizer = bundle.require_tokenizer()
     eval_ids = tokenize_documents(docs_eval, tokenizer, bos=opts.bos)
     if eval_ids.numel() < 2:
@@ -55,15 +60,33 @@ def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None) ->
         real = pack_documents(docs_train, tokenizer, opts.block_len + 1, source=source, bos=opts.bos)
         parts.append(real)
         real_tokens = real.numel()
+    parts += [pack_documents(docs, tokenizer, opts.block_len + 1, source=path, bos=opts.bos)
+              for path, docs in docs_extra.items()]
+    extra_tokens = sum(p.numel() for p in parts) - real_tokens
     if opts.train_data in ("self", "mix"):
         generated, cached = self_generated(bundle, opts, docs_train, tokenizer, cache_dir)
         parts.append(generated)
         self_tokens = generated.numel()
-    return {"train": torch.cat(parts), "eval": eval_ids, "extra": extra_texts(opts, tokenizer),
-            "docs_train": len(docs_train), "docs_eval": len(docs_eval),
-            # self-only runs still saw the training documents' first tokens as prompts
-            "train_hashes": doc_hashes(docs_train),
-            "real_tokens": real_tokens, "self_tokens": self_tokens, "self_cached": cached}
+    # self-only runs still saw the training documents' first tokens as prompts: their hashes stay recorded
+    return {"train": torch.cat(parts), "eval": eval_ids, "extra": extra_texts(opts, tokenizer), **common,
+            "real_tokens": real_tokens, "extra_tokens": extra_tokens, "self_tokens": self_tokens, "self_cached": cached}
+
+
+def extra_training_documents(opts: PruneOptions, docs_eval: list[str]) -> dict[str, list[str]]:
+    """--train-extra files, each whole ({path: documents}); refuses a file holding a held-out document."""
+    from patchc.job.data import doc_hashes, load_documents
+
+    held_out = set(doc_hashes(docs_eval))
+    out = {}
+    for path in opts.train_extra:
+        docs = load_documents(path, encoding=opts.encoding)
+        if not docs:
+            raise ValueError(f"--train-extra {path}: no text in it")
+        if held_out & set(doc_hashes(docs)):
+            raise ValueError(f"--train-extra {path} holds documents of --data's held-out split: the run would be "
+                             "scored on text it trained on; remove them from the file")
+        out[path] = docs
+    return out
 
 
 def self_generated(bundle: Any, opts: PruneOptions, docs_train: list[str], tokenizer: Any,
@@ -109,7 +132,9 @@ def data_record(data: dict, opts: PruneOptions) -> dict:
     """The split a plan was trained on: files, split seed, fraction, encoding and its training documents' ids."""
     return {"files": [str(Path(p).resolve()) for p in opts.data], "seed": opts.split_seed,
             "eval_fraction": opts.eval_fraction, "encoding": opts.encoding, "bos": opts.bos,
-            "train_data": opts.train_data, "self_tokens": data["self_tokens"], "train_documents": data["train_hashes"]}
+            "train_data": opts.train_data, "self_tokens": data["self_tokens"], "train_documents": data["train_hashes"],
+            "train_extra": [str(Path(p).resolve()) for p in opts.train_extra],
+            "train_extra_documents": data["extra_hashes"]}
 
 
 def data_summary(bundle: Any, data: dict, opts: PruneOptions) -> dict:
@@ -117,11 +142,13 @@ def data_summary(bundle: Any, data: dict, opts: PruneOptions) -> dict:
     causal = bundle.kind == "causal"
     train = {"real": list(opts.data), "self": ["generated by the dense model"],
              "mix": [*opts.data, "generated by the dense model"]}[opts.train_data if causal else "real"]
+    train += list(opts.train_extra)
     return {"train": train, "eval": list(opts.data), "eval_extra": list(opts.eval_data),
             "train_data": opts.train_data if causal else "real", "split_seed": opts.split_seed,
             "train_documents": data["docs_train"], "eval_documents": data["docs_eval"],
             "train_tokens": int(data["train"].numel()) if causal else len(data["train"]),
             "train_tokens_real": data["real_tokens"], "train_tokens_generated": data["self_tokens"],
+            "train_tokens_extra": data["extra_tokens"],  # an encoder's: sentences
             "generated_from_cache": data["self_cached"],
             "eval_tokens": int(data["eval"].numel()) if causal else len(data["eval"]),
             # an encoder's texts are lists of sentences: counts are sentences, as for "eval_tokens"

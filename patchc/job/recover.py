@@ -32,14 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from patchc.job.options import PruneOptions
-from patchc.job.runs import SETTINGS
+from patchc.job.runs import OLDER_RUNS, SETTINGS
 from patchc.utils.files import write_bytes_atomic
 
 PLAN = "plan.patch"
 RECOVERED = "plan-recovered.patch"
 RESULT = "recover.json"
-# What a run did before these options existed: a run.json without them was trained that way.
-OLDER_RUNS = {"train_data": "real", "loss": "lm"}
 
 
 def find_plan(run_dir: str | os.PathLike) -> Path:
@@ -108,7 +106,7 @@ def run_recover(
 
     Recovery trains on the run's own training text with the run's --recover-loss (and, when `lr` is
     None, its --recover-lr); `recipe` changes those PruneOptions for recovery only (e.g.
-    {"recover_loss": "lm+kd", "train_data": "mix", "self_tokens": 65536}), never the held-out documents
+    {"recover_loss": "lm+kd", "train_data": "mix", "train_extra": ("more.txt",)}), never the held-out documents
     it is scored on.
 
     Example:
@@ -134,7 +132,8 @@ def run_recover(
     job.check_model(bundle, opts)
     job.choose_threads(opts, bundle.model)
     data = job.load_data(bundle, opts, cache_dir=job.cache_dir(opts))  # generated text: the run's cache
-    other_text = ("self_tokens",) * ("train_data" in recipe)  # another --train-data may generate another amount
+    other_text = (("self_tokens",) * ("train_data" in recipe)  # another --train-data may generate another amount
+                  + ("train_extra_documents",) * ("train_extra" in recipe))
     check_split(plan, job.data_record(data, opts), run / PLAN, changed=tuple(recipe) + other_text)
     dense_ref = job.dense_reference(bundle, data)
     scores = {"dense": job.evaluate(bundle, bundle.model, data, opts, dense_ref)}

@@ -50,7 +50,8 @@ def check_overlap(plan: Any, eval_docs: list[str], allow_overlap: bool) -> int:
     """How many evaluation documents the plan was trained on; raises unless `allow_overlap`."""
     from patchc.job.data import doc_hashes
 
-    trained = set(recorded_split(plan).get("train_documents") or ())
+    split = recorded_split(plan)
+    trained = set(split.get("train_documents") or ()) | set(split.get("train_extra_documents") or ())
     seen = sum(h in trained for h in doc_hashes(eval_docs))
     if seen and not allow_overlap:
         raise ValueError(f"{seen} of the {len(eval_docs)} evaluation documents were used to train this plan, so "

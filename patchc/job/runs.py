@@ -35,6 +35,10 @@ FREE = ("out", "eval_context", "baselines", "device", "threads", "resume", "over
         "eval_data", "eval_tokens", "recover", "recover_loss", "recover_lr", "recover_scope")  # mask checkpoint unchanged
 
 
+# What a run did before these options existed: a run.json without them was trained that way.
+OLDER_RUNS = {"train_data": "real", "loss": "lm", "train_extra": []}
+
+
 class RunError(ValueError):
     """A run folder cannot be used as asked (busy, finished, settings differ); the message says what to do."""
 
@@ -154,8 +158,8 @@ def check_settings(folder: Path, opts: PruneOptions, resume: bool, overwrite: bo
         raise RunError(f"--resume: {folder} has no {SETTINGS} (a run from an older patchc); its settings cannot be "
                        "checked, so start a new run")
     saved = json.loads(path.read_text())
-    diffs = [f"{_flag(k)} {json.dumps(saved['settings'].get(k))} (now {json.dumps(v)})"
-             for k, v in now.items() if saved["settings"].get(k) != v]
+    was = OLDER_RUNS | saved["settings"]
+    diffs = [f"{_flag(k)} {json.dumps(was.get(k))} (now {json.dumps(v)})" for k, v in now.items() if was.get(k) != v]
     if diffs:
         raise RunError(f"--resume: {folder} was started with other settings: {'; '.join(diffs)}; rerun with the "
                        "original values, or start a new run in another --out")
