@@ -267,7 +267,8 @@ def test_render_markdown_encoder() -> None:
     report = {
         "model": "all-MiniLM-L6-v2", "kind": "encoder", "metric": "cosine",
         "data": {"train": ["a.txt"], "eval": ["b.txt"], "train_tokens": 2000, "eval_tokens": 500,
-                 "train_tokens_generated": 1500, "eval_extra": ["c.txt"], "eval_extra_tokens": {"c.txt": 512}},
+                 "train_tokens_generated": 1500, "train_tokens_extra": 300, "eval_extra": ["c.txt"],
+                 "eval_extra_tokens": {"c.txt": 512}},
         "results": [
             {"name": "dense", "method": "dense", "pattern": "-", "sparsity": 0.0, "perplexity": None,
              "cosine": 1.0, "retrieval_agreement": 1.0, "seconds": None, "cosine_extra": {"c.txt": 1.0}},
@@ -283,6 +284,7 @@ def test_render_markdown_encoder() -> None:
     assert "| PATCH joint | hybrid | 25.0% | 0.9877 | 0.951 | 0.9123 |" in md
     assert "2,000 sentences" in md and "1,500 were written by the dense model" in md
     assert "also scored on its sentences: c.txt (512 sentences)" in md
+    assert "300 training sentences from --train-extra files" in md
     assert "perplexity" not in md
 
 

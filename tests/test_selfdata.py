@@ -174,7 +174,7 @@ def test_extra_training_text_is_trained_on_whole_and_never_held_out(bundle, tmp_
     data = load_data(bundle, opts)
     blocks = pack_documents(docs, bundle.tokenizer, opts.block_len + 1)
     assert torch.equal(data["train"], torch.cat([real["train"], blocks]))  # the --data part is unchanged
-    assert data["extra_tokens"] == blocks.numel() and data["real_tokens"] == real["real_tokens"]
+    assert data["train_extra_tokens"] == blocks.numel() and data["real_tokens"] == real["real_tokens"]
     assert torch.equal(data["eval"], real["eval"])  # held-out text is --data's alone
     record = data_record(data, opts)
     assert record["train_extra"] == [str(text.resolve())] and len(record["train_extra_documents"]) == 2
@@ -197,7 +197,7 @@ def test_extra_training_text_for_an_encoder_adds_its_sentences(tmp_path):
     real = load_data(encoder, PruneOptions(model="minilm"))
     data = load_data(encoder, PruneOptions(model="minilm", train_extra=(str(text),)))
     more = ["A bird sang on the roof.", "The old man fed the ducks by the pond.", "It sang all day long."]
-    assert data["train"] == real["train"] + more and data["extra_tokens"] == 3
+    assert data["train"] == real["train"] + more and data["train_extra_tokens"] == 3
     assert data["eval"] == real["eval"]
 
 

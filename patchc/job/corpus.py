@@ -43,14 +43,14 @@ def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None) ->
     source = ", ".join(opts.data)
     docs_extra = extra_training_documents(opts, docs_eval)
     common = {"docs_train": len(docs_train), "docs_eval": len(docs_eval), "train_hashes": doc_hashes(docs_train),
-              "extra_hashes": doc_hashes([d for docs in docs_extra.values() for d in docs])}
+              "train_extra_hashes": doc_hashes([d for docs in docs_extra.values() for d in docs])}
     if bundle.kind == "encoder":
         from patchc.job.encoder_eval import sentences_from_docs
 
         extra = [s for docs in docs_extra.values() for s in sentences_from_docs(docs, max_sentences=4096)]
         return {"train": sentences_from_docs(docs_train, max_sentences=4096) + extra,
                 "eval": sentences_from_docs(docs_eval, max_sentences=512), "extra": extra_sentences(opts),
-                **common, "real_tokens": 0, "extra_tokens": len(extra), "self_tokens": 0, "self_cached": False}
+                **common, "real_tokens": 0, "train_extra_tokens": len(extra), "self_tokens": 0, "self_cached": False}
     tokenizer = bundle.require_tokenizer()
     eval_ids = tokenize_documents(docs_eval, tokenizer, bos=opts.bos)
     if eval_ids.numel() < 2:
@@ -69,7 +69,7 @@ def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None) ->
         self_tokens = generated.numel()
     # self-only runs still saw the training documents' first tokens as prompts: their hashes stay recorded
     return {"train": torch.cat(parts), "eval": eval_ids, "extra": extra_texts(opts, tokenizer), **common,
-            "real_tokens": real_tokens, "extra_tokens": extra_tokens, "self_tokens": self_tokens, "self_cached": cached}
+            "real_tokens": real_tokens, "train_extra_tokens": extra_tokens, "self_tokens": self_tokens, "self_cached": cached}
 
 
 def extra_training_documents(opts: PruneOptions, docs_eval: list[str]) -> dict[str, list[str]]:
@@ -80,8 +80,6 @@ def extra_training_documents(opts: PruneOptions, docs_eval: list[str]) -> dict[s
     out = {}
     for path in opts.train_extra:
         docs = load_documents(path, encoding=opts.encoding)
-        if not docs:
-            raise ValueError(f"--train-extra {path}: no text in it")
         if held_out & set(doc_hashes(docs)):
             raise ValueError(f"--train-extra {path} holds documents of --data's held-out split: the run would be "
                              "scored on text it trained on; remove them from the file")
@@ -134,7 +132,7 @@ def data_record(data: dict, opts: PruneOptions) -> dict:
             "eval_fraction": opts.eval_fraction, "encoding": opts.encoding, "bos": opts.bos,
             "train_data": opts.train_data, "self_tokens": data["self_tokens"], "train_documents": data["train_hashes"],
             "train_extra": [str(Path(p).resolve()) for p in opts.train_extra],
-            "train_extra_documents": data["extra_hashes"]}
+            "train_extra_documents": data["train_extra_hashes"]}
 
 
 def data_summary(bundle: Any, data: dict, opts: PruneOptions) -> dict:
@@ -148,7 +146,7 @@ def data_summary(bundle: Any, data: dict, opts: PruneOptions) -> dict:
             "train_documents": data["docs_train"], "eval_documents": data["docs_eval"],
             "train_tokens": int(data["train"].numel()) if causal else len(data["train"]),
             "train_tokens_real": data["real_tokens"], "train_tokens_generated": data["self_tokens"],
-            "train_tokens_extra": data["extra_tokens"],  # an encoder's: sentences
+            "train_tokens_extra": data["train_extra_tokens"],  # an encoder's: sentences
             "generated_from_cache": data["self_cached"],
             "eval_tokens": int(data["eval"].numel()) if causal else len(data["eval"]),
             # an encoder's texts are lists of sentences: counts are sentences, as for "eval_tokens"

@@ -165,6 +165,8 @@ def render_markdown(report: Mapping[str, Any], pictures: Iterable[str | os.PathL
         if data.get("train_tokens_generated"):
             line += (f"; of the training tokens {data['train_tokens_generated']:,} were written by the dense model "
                      "from the training documents' first tokens")
+        if data.get("train_tokens_extra"):
+            line += f"; {data['train_tokens_extra']:,} training {unit} from --train-extra files"
         if data.get("eval_extra"):
             counts = data.get("eval_extra_tokens") or {}
             line += ("; also scored " + ("whole" if kind != "encoder" else "on its sentences") + ": "
