@@ -5,9 +5,9 @@ what the pruned ones did. Two ways:
 
   * ``method="adam"`` (default): Adam on `batches` with the task loss, gradient clipping and a cosine
     or linear decay, in eval mode (no dropout). Only the plan's layers train; their gradients are masked
-    to the trainable positions (``scope="all"``: every kept weight; ``scope="values"``: only the kept values of the
-    2:4 tiles, dense tiles frozen bit for bit) and pruned positions are set back to exactly 0 after
-    each step. Nothing but the model (trained in place), its gradients and Adam's two moments is held.
+    to the trainable positions (``scope="all"``: every kept weight; ``scope="values"``: only the kept
+    values of the 2:4 tiles, dense tiles frozen bit for bit) and pruned positions are set back to
+    exactly 0 after each step. Nothing but the model (trained in place), its gradients and Adam's two moments is held.
   * ``method="sparsegpt"``: one OBS update per layer with the plan's mask fixed (`patchc.pruning`'s
     SparseGPT), from calibration Hessians (`patchc.calibrate`); seconds instead of minutes.
 
