@@ -150,6 +150,24 @@ def test_backend_tiny_llama_plan_and_inferred(llama):
     torch.testing.assert_close(out, ref, **TOL)
 
 
+@pytest.mark.parametrize("source, fqn", [
+    ("L['self']._modules['layers']._modules['0']._parameters['weight']", "layers.0.weight"),
+    ("L['fn'].lm_head.weight", "lm_head.weight"),
+    # transformers >= 5.2x wraps forward in a (*args, **kwargs) decorator: the module is args[0]
+    ("L['args'][0]._modules['model']._modules['norm']._parameters['weight']", "model.norm.weight"),
+    ("L['args'][1]", None),  # an input, not a parameter
+    ("L['args'][0]", None),
+    ("G['table']", None),
+])
+def test_source_fqn_reads_every_spelling_of_the_compiled_module(source, fqn):
+    from types import SimpleNamespace
+
+    from patchc.runtime.backend import source_fqn
+
+    node = SimpleNamespace(meta={"grapharg": SimpleNamespace(source=SimpleNamespace(name=lambda: source))})
+    assert source_fqn(node) == fqn
+
+
 def test_backend_entry_point_name():
     """backend="patch" resolves through the torch_dynamo_backends entry point once installed."""
     from importlib.metadata import entry_points

@@ -93,8 +93,9 @@ def source_fqn(node: fx.Node) -> str | None:
     name = source.name() if callable(getattr(source, "name", None)) else getattr(source, "name", None)
     if not isinstance(name, str):
         return None
-    # the compiled callable is "self" for a module's forward, "fn" / "mod" when dynamo wraps it (nn.Sequential)
-    name = re.sub(r"^L\['(?:self|fn|mod|model|module)'\](?=\.|\[|$)", "", name)
+    # the compiled callable is "self" for a module's forward, "fn" / "mod" when dynamo wraps it (nn.Sequential),
+    # and args[0] when the forward is wrapped by a decorator taking (*args, **kwargs) (transformers >= 5.2x)
+    name = re.sub(r"^L\['(?:self|fn|mod|model|module)'\](?=\.|\[|$)|^L\['args'\]\[0\](?=\.|$)", "", name)
     if name == "" or name.startswith("L[") or name.startswith("G["):
         return None  # a plain input or a global, not a parameter of the compiled module
     parts = [next(g for g in m.groups() if g is not None) for m in _KEY.finditer(name)]
