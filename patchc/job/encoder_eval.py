@@ -155,10 +155,14 @@ def distillation_loss(
     s, t = student_hidden.float(), teacher_hidden.float()
     mask = attention_mask.to(s.device)
     embed_term = 1.0 - F.cosine_similarity(mean_pool(s, mask), mean_pool(t, mask), dim=-1)
-    token_sq = (F.normalize(s, dim=-1) - F.normalize(t, dim=-1)).pow(2).sum(-1)  # (B, T)
-    m = mask.to(s.dtype)
-    token_term = (token_sq * m).sum() / m.sum().clamp(min=1.0)
-    return embed_term.mean() + token_weight * token_term
+    return embed_term.mean() + token_weight * _token_distance(s, t, mask)
+
+
+def _token_distance(student: torch.Tensor, teacher: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over valid tokens of ||Ŝ - T̂||² (unit vectors over the hidden size), in fp32."""
+    token_sq = (F.normalize(student.float(), dim=-1) - F.normalize(teacher.float(), dim=-1)).pow(2).sum(-1)
+    m = attention_mask.to(token_sq.device, torch.float32)
+    return (token_sq * m).sum() / m.sum().clamp(min=1.0)
 
 
 def layerwise_distillation_loss(
@@ -181,10 +185,8 @@ def layerwise_distillation_loss(
         raise ValueError(f"layerwise_distillation_loss: {len(student_states)} student and {len(teacher_states)} "
                          "teacher layers; need the same number, at least one")
     loss = distillation_loss(student_states[-1], teacher_states[-1], attention_mask, token_weight)
-    m = attention_mask.to(student_states[-1].device, torch.float32)
     for s, t in zip(student_states[:-1], teacher_states[:-1]):
-        token_sq = (F.normalize(s.float(), dim=-1) - F.normalize(t.float(), dim=-1)).pow(2).sum(-1)
-        loss = loss + token_weight * (token_sq * m).sum() / m.sum().clamp(min=1.0)
+        loss = loss + token_weight * _token_distance(s, t, attention_mask)
     return loss
 
 
