@@ -53,9 +53,12 @@ def test_prune_writes_every_output_and_consistent_numbers(tmp_path, capsys):
     assert report["files"]["plan_recovered"] == str(out / "plan-recovered.patch")
     md = (out / "report.md").read_text()
     assert "sparsegpt 2:4" in md and "sparsity_per_block.png" in md
-    # A finished run is never overwritten.
+    # A finished run is never overwritten, nor is its recovered plan by a later `patchc recover`.
     assert main(["prune", "--out", str(out), *QUICK]) == 2
     assert "already holds a finished run" in capsys.readouterr().err
+    assert main(["recover", str(out), "--steps", "1"]) == 2
+    assert "earlier recovery wrote plan-recovered.patch; pass --overwrite" in capsys.readouterr().err
+    assert TilePlan.load(out / "plan-recovered.patch").layers.keys() == recovered.layers.keys()
 
 
 def test_eval_and_report_commands_read_a_saved_plan(tmp_path, capsys):

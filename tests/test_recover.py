@@ -209,23 +209,30 @@ def test_run_recover_on_a_real_run_folder(tmp_path):
     applied = rec.apply(bundle.reload())  # the original dense model is the recovered plan's source too
     for fqn, layer in rec.layers.items():
         assert torch.equal(applied.get_parameter(fqn).detach(), layer.to_dense())
+    # a second recovery keeps the first one's files unless told to replace them, and says so before any work
+    kept = (out / "plan-recovered.patch").read_bytes(), (out / "recover.json").read_bytes()
+    with pytest.raises(FileExistsError, match="earlier recovery wrote plan-recovered.patch and recover.json; pass --overwrite") as err:
+        run_recover(out, steps=2, recipe={"eval_fraction": 0.5})  # refused before the recipe is even read
+    assert "\n" not in str(err.value)
+    assert ((out / "plan-recovered.patch").read_bytes(), (out / "recover.json").read_bytes()) == kept
     with pytest.raises(ValueError, match="not the held-out split"):
-        run_recover(out, steps=2, recipe={"eval_fraction": 0.5})
+        run_recover(out, steps=2, recipe={"eval_fraction": 0.5}, overwrite=True)
     # --loss lm: the recipe's loss is the one recovery trains with, and the run's --recover-lr its lr
-    lm = run_recover(out, steps=4, batch_size=2, progress=False, recipe={"recover_loss": "lm"})
+    lm = run_recover(out, steps=4, batch_size=2, progress=False, recipe={"recover_loss": "lm"}, overwrite=True)
     assert lm["recovery"]["loss"] == "lm" and lm["recovery"]["lr"] == PruneOptions().recovery_lr("causal")
     assert lm["results"][2]["perplexity"] != result["results"][2]["perplexity"]
     # --train-extra: recovery may train on more text than the run did, and is still scored on its held-out split
     more = tmp_path / "more.txt"
     more.write_text(" ".join(["A bird sang on the old red roof all day long."] * 30))
-    extra = run_recover(out, steps=2, batch_size=2, progress=False, recipe={"train_extra": (str(more),)})
+    extra = run_recover(out, steps=2, batch_size=2, progress=False, recipe={"train_extra": (str(more),)},
+                        overwrite=True)
     assert extra["train_tokens"] > lm["train_tokens"] and extra["eval_tokens"] == lm["eval_tokens"]
     assert extra["recovery"]["recipe"] == {"train_extra": (str(more),)}
     settings = json.loads((out / "run.json").read_text())
     settings["settings"]["eval_fraction"] = 0.3  # another split than the plan was trained on
     (out / "run.json").write_text(json.dumps(settings))
     with pytest.raises(ValueError, match="differs from the plan's in .*eval_fraction"):
-        run_recover(out, steps=2, progress=False)
+        run_recover(out, steps=2, progress=False, overwrite=True)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="no plan.patch") as err:

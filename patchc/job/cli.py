@@ -87,7 +87,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     recipe = {k: tuple(v) if isinstance(v, list) else v for k, v in given if v is not None}
     result = run_recover(args.run, steps=args.steps, lr=args.lr, scope=args.scope, method=args.method,
                          batch_size=args.batch_size, eval_context=args.eval_context, device=args.device,
-                         threads=args.threads, progress=args.progress, recipe=recipe,
+                         threads=args.threads, progress=args.progress, recipe=recipe, overwrite=args.overwrite,
                          command=" ".join(["patchc", *map(shlex.quote, sys.argv[1:])]))
     print(format_recover(result))
     return 0
@@ -204,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: automatic)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier recovery's plan-recovered.patch "
+                                                            "and recover.json (refused without it)")
     p.set_defaults(handler=cmd_recover)
 
     p = command("export", "write a run's pruned model as an HF-style folder (planned weights compressed)")

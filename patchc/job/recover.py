@@ -73,6 +73,14 @@ def recover_options(plan: Any, run: Path, **changes: Any) -> PruneOptions:
     return dataclasses.replace(opts, **fixed, **changes)
 
 
+def check_free(run: Path, overwrite: bool) -> None:
+    """FileExistsError, before any work, if an earlier recovery (or `prune --recover`) left its files in `run`."""
+    earlier = [name for name in (RECOVERED, RESULT) if (run / name).exists()]
+    if earlier and not overwrite:
+        raise FileExistsError(f"{run}: an earlier recovery wrote {' and '.join(earlier)}; pass --overwrite to "
+                              "replace it, or recover a copy of the run folder to keep both")
+
+
 def check_split(plan: Any, rebuilt: dict, where: Path, changed: tuple[str, ...] = ()) -> None:
     """The rebuilt training text is the one the plan records (files, seeds, documents...), or ValueError.
 
@@ -101,13 +109,14 @@ def run_recover(
     progress: bool = True,
     command: str | None = None,
     recipe: dict[str, Any] | None = None,
+    overwrite: bool = False,
 ) -> dict:
     """Recover the run's plan; writes `<run>/plan-recovered.patch` and `<run>/recover.json`, returns the latter.
 
     Recovery trains on the run's own training text with the run's --recover-loss (and, when `lr` is
     None, its --recover-lr); `recipe` changes those PruneOptions for recovery only (e.g.
     {"recover_loss": "lm+kd", "train_data": "mix", "train_extra": ("more.txt",)}), never the held-out documents
-    it is scored on.
+    it is scored on. An earlier recovery's plan and record are kept unless `overwrite` (refused up front).
 
     Example:
         >>> run_recover("runs/x", steps=100, scope="values")["results"][-1]["perplexity"]
@@ -120,6 +129,7 @@ def run_recover(
 
     run = Path(run_dir)
     plan = TilePlan.load(find_plan(run))
+    check_free(run, overwrite)
     recipe = dict(recipe or {})
     if {"data", "split_seed", "eval_fraction", "encoding"} & set(recipe):
         raise ValueError("recover: the recipe may change the training text and loss, not the held-out split "
