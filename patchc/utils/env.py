@@ -4,7 +4,7 @@ Example:
     >>> versions()["torch"] == torch.__version__
     True
     >>> device_name("cpu")  # doctest: +SKIP
-    'cpu (x86_64, 1 threads)'
+    'cpu (AMD EPYC, AVX512, 1 threads)'
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def versions() -> dict[str, str]:
 
 
 def device_name(device: str | torch.device) -> str:
-    """The GPU's name for a CUDA device, else the CPU with the thread count torch uses.
+    """The GPU's name for a CUDA device, else the CPU's model, the vector ISA torch's kernels use and
+    torch's thread count (float results move with the ISA: AVX2 and AVX-512 kernels sum in other orders).
 
     Example:
         >>> device_name("cuda:0")  # doctest: +SKIP
@@ -43,7 +44,20 @@ def device_name(device: str | torch.device) -> str:
     device = str(device)
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return f"cpu ({cpu_model()}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads)"
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else what `platform` knows (e.g. "arm64")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 __all__ = ["device_name", "versions"]

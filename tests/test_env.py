@@ -1,0 +1,31 @@
+"""What results are stamped with (`patchc.utils.env`): the CPU's name and vector ISA, not just "x86_64"."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from patchc.utils import env
+
+
+def test_cpu_device_name_says_model_isa_and_threads():
+    name = env.device_name("cpu")
+    assert name.startswith("cpu (") and name.endswith(f", {torch.get_num_threads()} threads)")
+    assert f", {torch.backends.cpu.get_cpu_capability()}, " in name  # AVX2 and AVX512 runs differ in the last digits
+    assert env.cpu_model() in name and env.cpu_model()
+
+
+def test_cpu_model_reads_cpuinfo_and_falls_back(monkeypatch, tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9654 96-Core Processor\n")
+    real_open = open
+    monkeypatch.setattr(env, "open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k),
+                        raising=False)
+    assert env.cpu_model() == "AMD EPYC 9654 96-Core Processor"
+
+    def missing(path, *a, **k):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(env, "open", missing, raising=False)
+    assert env.cpu_model() == (platform.processor() or platform.machine())
