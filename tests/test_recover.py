@@ -205,6 +205,7 @@ def test_run_recover_on_a_real_run_folder(tmp_path):
     ppl = [r["perplexity"] for r in saved["results"]]
     assert 1 < ppl[0] < ppl[1] and ppl[2] != ppl[1], ppl
     assert saved["recovery"]["steps"] == 4 and saved["train_tokens"] > 0 and saved["eval_tokens"] > 0
+    assert saved["device"].startswith("cpu (") and saved["versions"]["torch"] == torch.__version__  # what it ran on
     assert saved["recovery"]["loss"] == "kd" and saved["recovery"]["lr"] == 1e-3  # the default, and the lr given
     applied = rec.apply(bundle.reload())  # the original dense model is the recovered plan's source too
     for fqn, layer in rec.layers.items():

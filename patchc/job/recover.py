@@ -33,6 +33,7 @@ from typing import Any
 
 from patchc.job.options import PruneOptions
 from patchc.job.runs import OLDER_RUNS, SETTINGS
+from patchc.utils.env import device_name, versions
 from patchc.utils.files import write_bytes_atomic
 
 PLAN = "plan.patch"
@@ -181,6 +182,7 @@ def report(bundle, plan, recovered, scores: dict, data: dict, opts: PruneOptions
         "train_tokens": int(data["train"].numel()) if bundle.kind == "causal" else len(data["train"]),
         "eval_tokens": int(data["eval"].numel()) if bundle.kind == "causal" else len(data["eval"]),
         "protocol": protocol, "seconds": round(seconds, 2),
+        "versions": versions(), "device": device_name(opts.device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     if metric == "perplexity":
