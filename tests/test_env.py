@@ -20,8 +20,10 @@ def test_cpu_model_reads_cpuinfo_and_falls_back(monkeypatch, tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9654 96-Core Processor\n")
     real_open = open
-    monkeypatch.setattr(env, "open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k),
-                        raising=False)
+    def fake(path, *a, **k):
+        return real_open(info if path == "/proc/cpuinfo" else path, *a, **k)
+
+    monkeypatch.setattr(env, "open", fake, raising=False)
     assert env.cpu_model() == "AMD EPYC 9654 96-Core Processor"
 
     def missing(path, *a, **k):

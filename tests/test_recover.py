@@ -212,7 +212,8 @@ def test_run_recover_on_a_real_run_folder(tmp_path):
         assert torch.equal(applied.get_parameter(fqn).detach(), layer.to_dense())
     # a second recovery keeps the first one's files unless told to replace them, and says so before any work
     kept = (out / "plan-recovered.patch").read_bytes(), (out / "recover.json").read_bytes()
-    with pytest.raises(FileExistsError, match="earlier recovery wrote plan-recovered.patch and recover.json; pass --overwrite") as err:
+    refused = "earlier recovery wrote plan-recovered.patch and recover.json; pass --overwrite"
+    with pytest.raises(FileExistsError, match=refused) as err:
         run_recover(out, steps=2, recipe={"eval_fraction": 0.5})  # refused before the recipe is even read
     assert "\n" not in str(err.value)
     assert ((out / "plan-recovered.patch").read_bytes(), (out / "recover.json").read_bytes()) == kept

@@ -60,4 +60,4 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-__all__ = ["device_name", "versions"]
+__all__ = ["cpu_model", "device_name", "versions"]
