@@ -1,8 +1,10 @@
-"""Command line: `patchc prune | eval | report | generate | tune | bench` (`python -m patchc ...` is the same).
+"""Command line: `patchc prune | eval | recover | sample | export | report | generate | tune | bench`
+(`python -m patchc ...` is the same).
 
     patchc prune                                   # the embedded default: stories260K, TinyStories, 35%
     patchc prune --model M --data a.txt --sparsity 0.45 --tile 32 32 --out runs/x
     patchc eval runs/x/plan.patch                  # dense vs pruned on the plan's own held-out text
+    patchc sample --tokens 65536 --out gen.txt     # the dense model's own text, for another run's --train-extra
     patchc export runs/x --out pruned/             # HF-style folder, planned weights compressed
     patchc report runs/x/plan.patch                # redraw the plots (and report.md) from a plan
     patchc generate runs/x/plan.patch --target sm_90 --out kernels/
@@ -22,6 +24,7 @@ import sys
 from pathlib import Path
 
 from patchc.job.losses import LOSSES
+from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
 from patchc.job.prune_args import add_prune_arguments, prune_options
 
 # Errors that mean "the input is wrong", shown as one line; anything else is a bug and keeps its traceback.
@@ -90,6 +93,20 @@ def cmd_recover(args: argparse.Namespace) -> int:
                          threads=args.threads, progress=args.progress, recipe=recipe, overwrite=args.overwrite,
                          command=" ".join(["patchc", *map(shlex.quote, sys.argv[1:])]))
     print(format_recover(result))
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from patchc.job.sample import write_samples
+
+    opts = PruneOptions(model=args.model, data=tuple(args.data), split_seed=args.split_seed,
+                        eval_fraction=args.eval_fraction, train_data="self", self_tokens=args.tokens,
+                        self_temperature=args.temperature, self_top_p=args.top_p, block_len=args.block_len,
+                        encoding=args.encoding, bos=args.bos, device=args.device, threads=args.threads,
+                        progress=args.progress)
+    info = write_samples(opts, args.out, overwrite=args.overwrite)
+    print(f"wrote {info['documents']} samples ({info['tokens']:,} tokens, {info['characters']:,} characters) of "
+          f"{args.model} to {Path(info['out']).resolve()} in {info['seconds']:.0f} s")
     return 0
 
 
@@ -207,6 +224,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an earlier recovery's plan-recovered.patch "
                                                             "and recover.json (refused without it)")
     p.set_defaults(handler=cmd_recover)
+
+    d = PruneOptions()
+    p = command("sample", "write the dense model's own text (what --train-data self trains on) to a file",
+                description="Sample text from a causal LM, prompted by the first tokens of the training documents "
+                            "of --data (never its held-out ones, split as `patchc prune` splits them), and write "
+                            "it to --out, one sample per paragraph: training text for another run's --train-extra, "
+                            "e.g. an encoder's, which cannot write its own.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="causal LM (default: stories260K)")
+    p.add_argument("--data", nargs="+", default=list(DEFAULT_DATA), help="text files whose training documents "
+                                                                         "give the prompts")
+    p.add_argument("--out", required=True, help="text file to write")
+    p.add_argument("--tokens", type=int, default=d.self_tokens, help="tokens to generate (whole samples of "
+                                                                      "--block-len + 1)")
+    p.add_argument("--block-len", type=int, default=d.block_len, help="tokens per sample, less one")
+    p.add_argument("--temperature", type=float, default=d.self_temperature, help="sampling temperature")
+    p.add_argument("--top-p", type=float, default=d.self_top_p, help="nucleus sampling cut-off")
+    p.add_argument("--split-seed", "--seed", dest="split_seed", type=int, default=d.split_seed,
+                   help="held-out documents and sampling noise (a `patchc prune --split-seed` run's)")
+    p.add_argument("--eval-fraction", type=float, default=d.eval_fraction, help="share of documents held out")
+    p.add_argument("--encoding", default=d.encoding, help="text encoding of the --data files")
+    p.add_argument("--no-bos", dest="bos", action="store_false", help="prompts without BOS (tokenizers without one)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: automatic)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.set_defaults(handler=cmd_sample)
 
     p = command("export", "write a run's pruned model as an HF-style folder (planned weights compressed)")
     p.add_argument("run", help="run folder of `patchc prune` (holds plan.patch and report.json)")
