@@ -59,6 +59,11 @@ def test_prune_writes_every_output_and_consistent_numbers(tmp_path, capsys):
     assert main(["recover", str(out), "--steps", "1"]) == 2
     assert "earlier recovery wrote plan-recovered.patch; pass --overwrite" in capsys.readouterr().err
     assert TilePlan.load(out / "plan-recovered.patch").layers.keys() == recovered.layers.keys()
+    # --overwrite replaces it, and the report says its recovered plan is no longer the one it scored
+    assert main(["recover", str(out), "--steps", "1", "--overwrite", "--no-progress"]) == 0
+    replaced = json.loads((out / "report.json").read_text())["recovery_replaced"]
+    assert replaced["command"].startswith("patchc recover") and replaced["record"] == str(out / "recover.json")
+    assert "**recovered plan replaced** on" in (out / "report.md").read_text()
 
 
 def test_eval_and_report_commands_read_a_saved_plan(tmp_path, capsys):

@@ -45,7 +45,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     from patchc.job.prune import run_prune
     from patchc.job.report import format_results
 
-    report = run_prune(prune_options(args), command=" ".join(["patchc", *map(shlex.quote, sys.argv[1:])]))
+    report = run_prune(prune_options(args), command=args.command_line)
     if not report:  # a torchrun rank other than 0
         return 0
     extra = report["data"].get("eval_extra_tokens") or {}
@@ -91,7 +91,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     result = run_recover(args.run, steps=args.steps, lr=args.lr, scope=args.scope, method=args.method,
                          batch_size=args.batch_size, eval_context=args.eval_context, device=args.device,
                          threads=args.threads, progress=args.progress, recipe=recipe, overwrite=args.overwrite,
-                         command=" ".join(["patchc", *map(shlex.quote, sys.argv[1:])]))
+                         command=args.command_line)
     print(format_recover(result))
     return 0
 
@@ -303,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # recorded in report.json / recover.json: the words given, not the host program's (e.g. pytest's)
+    args.command_line = " ".join(["patchc", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     try:
         return args.handler(args)
     except KeyboardInterrupt:

@@ -164,7 +164,23 @@ def run_recover(
     result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started,
                     job.protocol(bundle, opts), job.row)
     write_bytes_atomic(run / RESULT, (json.dumps(result, indent=1) + "\n").encode())
+    note_replaced(run, result)
     return result
+
+
+def note_replaced(run: Path, result: dict) -> None:
+    """A `prune --recover` run's report.json / report.md list the recovered plan this recovery just replaced:
+    say so there (when, by which command, where the new scores are) instead of leaving them to mislead."""
+    from patchc.job.report import write_report
+
+    path = run / "report.json"
+    if not path.is_file():
+        return
+    report = json.loads(path.read_text())
+    if "plan_recovered" not in (report.get("files") or {}):
+        return
+    report["recovery_replaced"] = {"command": result["command"], "date": result["date"], "record": str(run / RESULT)}
+    write_report(report, run)
 
 
 def report(bundle, plan, recovered, scores: dict, data: dict, opts: PruneOptions, run: Path, command: str | None,

@@ -172,6 +172,11 @@ def render_markdown(report: Mapping[str, Any], pictures: Iterable[str | os.PathL
             line += ("; also scored " + ("whole" if kind != "encoder" else "on its sentences") + ": "
                      + ", ".join(f"{p} ({counts[p]:,} {unit})" if p in counts else str(p) for p in data["eval_extra"]))
         facts.append(line)
+    replaced = report.get("recovery_replaced")
+    if replaced:
+        facts.append(f"- **recovered plan replaced** on {replaced.get('date')} by `{replaced.get('command') or 'patchc recover'}`: "
+                     f"its scores are in {Path(str(replaced.get('record'))).name}; PATCH's `+ recovery` row "
+                     "here describes the plan it replaced")
     for key, label in (("device", "device"), ("date", "date")):
         if report.get(key):
             facts.append(f"- **{label}**: {report[key]}")
