@@ -30,7 +30,11 @@ def test_cli_writes_one_document_per_sample_and_is_deterministic(tmp_path, capsy
 def test_prompts_come_from_training_documents_only(monkeypatch, tmp_path):
     seen = []
     real = selfdata.generate_blocks
-    monkeypatch.setattr(selfdata, "generate_blocks", lambda b, spec, prompts, **kw: seen.append(prompts) or real(b, spec, prompts, **kw))
+    def spy(bundle, spec, prompts, **kw):
+        seen.append(prompts)
+        return real(bundle, spec, prompts, **kw)
+
+    monkeypatch.setattr(selfdata, "generate_blocks", spy)
     write_samples(PruneOptions(self_tokens=40, block_len=19, threads=1, progress=False), tmp_path / "s.txt")
     tokenizer = load_model(PruneOptions().model).tokenizer
     docs_train, docs_eval = split_files(DEFAULT_DATA, 0.2, 0)

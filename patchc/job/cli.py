@@ -36,7 +36,8 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, True, argparse.SUPPRESS) or not action.option_strings:
+        switch = any(action.default is x for x in (None, False, True)) or action.default == argparse.SUPPRESS
+        if "default" in text or switch or not action.option_strings:  # `is`: 0 and 1.0 are defaults, not switches
             return text
         return f"{text} (default: %(default)s)"
 
@@ -235,11 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="+", default=list(DEFAULT_DATA), help="text files whose training documents "
                                                                          "give the prompts")
     p.add_argument("--out", required=True, help="text file to write")
-    p.add_argument("--tokens", type=int, default=d.self_tokens, help="tokens to generate (whole samples of "
-                                                                      "--block-len + 1)")
+    p.add_argument("--tokens", "--self-tokens", dest="tokens", type=int, default=d.self_tokens,
+                   help="tokens to generate (whole samples of --block-len + 1)")
     p.add_argument("--block-len", type=int, default=d.block_len, help="tokens per sample, less one")
-    p.add_argument("--temperature", type=float, default=d.self_temperature, help="sampling temperature")
-    p.add_argument("--top-p", type=float, default=d.self_top_p, help="nucleus sampling cut-off")
+    p.add_argument("--temperature", "--self-temperature", dest="temperature", type=float, default=d.self_temperature,
+                   help="sampling temperature")
+    p.add_argument("--top-p", "--self-top-p", dest="top_p", type=float, default=d.self_top_p,
+                   help="nucleus sampling cut-off")
     p.add_argument("--split-seed", "--seed", dest="split_seed", type=int, default=d.split_seed,
                    help="held-out documents and sampling noise (a `patchc prune --split-seed` run's)")
     p.add_argument("--eval-fraction", type=float, default=d.eval_fraction, help="share of documents held out")

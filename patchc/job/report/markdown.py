@@ -174,7 +174,8 @@ def render_markdown(report: Mapping[str, Any], pictures: Iterable[str | os.PathL
         facts.append(line)
     replaced = report.get("recovery_replaced")
     if replaced:
-        facts.append(f"- **recovered plan replaced** on {replaced.get('date')} by `{replaced.get('command') or 'patchc recover'}`: "
+        by = replaced.get("command") or "patchc recover"
+        facts.append(f"- **recovered plan replaced** on {replaced.get('date')} by `{by}`: "
                      f"its scores are in {Path(str(replaced.get('record'))).name}; PATCH's `+ recovery` row "
                      "here describes the plan it replaced")
     for key, label in (("device", "device"), ("date", "date")):
