@@ -253,3 +253,22 @@ def test_the_recover_summary_names_what_was_scored():
              for n, p, w in (("dense", 5.0, 100.0), ("hardened", 7.5, 150.0), ("recovered", 6.5, 140.25))]
     text = format_recover({**base, "results": extra, "metric": "perplexity", "eval_tokens": 10})
     assert "wiki.txt: dense 100.000  hardened 150.000  recovered 140.250" in text
+
+
+def test_a_replaced_recovery_is_noted_in_the_report_and_a_bad_report_only_warns(tmp_path):
+    from patchc.job.recover import note_replaced
+
+    result = {"command": "patchc recover r --overwrite", "date": "2026-11-25T16:00:00+00:00"}
+    plain = {"model": "m", "files": {"plan": "p"}}
+    (tmp_path / "report.json").write_text(json.dumps(plain))
+    note_replaced(tmp_path, result)  # no recovered plan listed: nothing was replaced, nothing written
+    assert json.loads((tmp_path / "report.json").read_text()) == plain and not (tmp_path / "report.md").exists()
+    (tmp_path / "report.json").write_text(json.dumps({**plain, "files": {"plan_recovered": "x"}}))
+    note_replaced(tmp_path, result)
+    note = json.loads((tmp_path / "report.json").read_text())["recovery_replaced"]
+    assert note == {**result, "record": str(tmp_path / "recover.json")}
+    assert "by `patchc recover r --overwrite`: its scores are in recover.json" in (tmp_path / "report.md").read_text()
+    (tmp_path / "report.json").write_text("{broken")
+    with pytest.warns(UserWarning, match="not updated to say its recovered plan was replaced"):
+        note_replaced(tmp_path, result)
+    assert (tmp_path / "report.json").read_text() == "{broken"

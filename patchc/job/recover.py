@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -174,13 +175,14 @@ def note_replaced(run: Path, result: dict) -> None:
     from patchc.job.report import write_report
 
     path = run / "report.json"
-    if not path.is_file():
-        return
-    report = json.loads(path.read_text())
-    if "plan_recovered" not in (report.get("files") or {}):
-        return
-    report["recovery_replaced"] = {"command": result["command"], "date": result["date"], "record": str(run / RESULT)}
-    write_report(report, run)
+    try:
+        report = json.loads(path.read_text()) if path.is_file() else {}
+        if "plan_recovered" in (report.get("files") or {}):
+            report["recovery_replaced"] = {"command": result["command"], "date": result["date"],
+                                           "record": str(run / RESULT)}
+            write_report(report, run)
+    except (OSError, ValueError, AttributeError) as exc:  # the recovery itself is saved: only the note is lost
+        warnings.warn(f"{path}: not updated to say its recovered plan was replaced: {exc}", stacklevel=2)
 
 
 def report(bundle, plan, recovered, scores: dict, data: dict, opts: PruneOptions, run: Path, command: str | None,
