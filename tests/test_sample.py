@@ -30,6 +30,7 @@ def test_cli_writes_one_document_per_sample_and_is_deterministic(tmp_path, capsy
 def test_prompts_come_from_training_documents_only(monkeypatch, tmp_path):
     seen = []
     real = selfdata.generate_blocks
+
     def spy(bundle, spec, prompts, **kw):
         seen.append(prompts)
         return real(bundle, spec, prompts, **kw)
