@@ -41,10 +41,11 @@ def prepare(opts):
     """Model, text, calibration and the SparseGPT prior: shared by every row and seed."""
     from patchc.job import prune
     from patchc.job.corpus import load_data
+    from patchc.job.model import choose_threads
     from patchc.models import load_model
 
     bundle = load_model(opts.model, device=opts.device)
-    prune.choose_threads(opts, bundle.model)
+    choose_threads(opts, bundle.model)
     data = load_data(bundle, opts, cache_dir=ROOT / "runs" / ".cache")
     calib = prune.calibrate(bundle, data, opts)
     prior = prune.oneshot_masks(bundle, opts.prior, calib)

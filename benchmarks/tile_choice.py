@@ -28,7 +28,8 @@ import torch
 from patchc.ir.tiles import expand_tiles, to_tiles
 from patchc.job.corpus import load_data
 from patchc.job.options import PruneOptions
-from patchc.job.prune import cache_dir, calibrate, choose_threads, evaluate, train, train_program
+from patchc.job.model import choose_threads
+from patchc.job.prune import cache_dir, calibrate, evaluate, train, train_program
 from patchc.models import load_model
 from patchc.pruning import apply_masks
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from patchc.job.options import PruneOptions
-from patchc.job.prune import calibrate, choose_threads, evaluate, load_data, oneshot_baseline, train
+from patchc.job.model import choose_threads
+from patchc.job.prune import calibrate, evaluate, load_data, oneshot_baseline, train
 from tests.conftest import needs_shared
 
 pytestmark = [needs_shared, pytest.mark.slow]

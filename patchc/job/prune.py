@@ -29,7 +29,8 @@ from patchc.config import PatchConfig
 from patchc.job.corpus import data_record, data_summary, load_data
 from patchc.job.distributed import init_distributed, prepare_training, rank_slice, say, world
 from patchc.job.losses import make_lm_loss
-from patchc.job.options import ONESHOT_METHODS, PruneOptions, check_device, weight_dtype
+from patchc.job.model import load_bundle
+from patchc.job.options import ONESHOT_METHODS, PruneOptions, check_device
 from patchc.job.runs import CHECKPOINT, check_settings, claim_run_dir, release
 from patchc.masking.optim import MaskOptimConfig
 from patchc.pruning import apply_masks
@@ -44,22 +45,6 @@ def timed(timings: dict[str, float], stage: str):
         yield
     finally:
         timings[stage] = round(timings.get(stage, 0.0) + time.perf_counter() - start, 3)
-
-
-def cast_bundle(bundle, dtype: torch.dtype):
-    """The bundle with its model, and every fresh copy it hands out, in `dtype`."""
-    if dtype == torch.float32:
-        return bundle
-    reload = bundle.reload
-    return dataclasses.replace(bundle, model=bundle.model.to(dtype), reload=lambda: reload().to(dtype))
-
-
-def choose_threads(opts: PruneOptions, model: torch.nn.Module) -> None:
-    """Tiny models on CPU run faster on one thread: their ops are too small to split."""
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    elif opts.device == "cpu" and sum(p.numel() for p in model.parameters()) < 10_000_000:
-        torch.set_num_threads(1)
 
 
 def make_loss(bundle, dense_model, opts: PruneOptions, recovery: bool = False) -> Callable:
@@ -195,15 +180,11 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
     Every input is checked before a folder is made; the folder is claimed for this process (`runs.py`)
     and released however the run ends.
     """
-    from patchc.models import load_model
-
     check_device(opts.device)
     init_distributed(opts.device)
     timings: dict[str, float] = {}
     with timed(timings, "load"):
-        bundle = cast_bundle(load_model(opts.model, device=opts.device), weight_dtype(opts))
-        check_model(bundle, opts)
-        choose_threads(opts, bundle.model)
+        bundle = load_bundle(opts)
         data = load_data(bundle, opts, cache_dir=cache_dir(opts))
     out, schedule_steps = claim_folder(bundle, opts)
     failed = True
@@ -237,20 +218,6 @@ def claim_folder(bundle, opts: PruneOptions) -> tuple[Path, int]:
     if size > 1:
         dist.broadcast_object_list(shared, src=0)
     return Path(shared[0]), int(shared[1])  # T < --steps when a resumed run is extended
-
-
-def check_model(bundle, opts: PruneOptions) -> None:
-    """Weights that are all finite, and sequence lengths the model's positions allow, before any work."""
-    for name, param in bundle.model.named_parameters():
-        bad = int((~torch.isfinite(param.detach())).sum())
-        if bad:
-            raise ValueError(f"--model {opts.model}: parameter {name} holds {bad:,} NaN/inf values; the checkpoint "
-                             "is damaged or was saved from a diverged run")
-    limit = bundle.block_len_limit
-    for flag, value in (("--block-len", opts.block_len), ("--eval-context", opts.eval_context)):
-        if bundle.kind == "causal" and value > limit:
-            raise ValueError(f"{flag} {value} is longer than the {limit} positions {bundle.name} was built for; "
-                             f"use {flag} {limit} or less")
 
 
 def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, command: str | None,

@@ -125,9 +125,8 @@ def run_recover(
     """
     import patchc
     from patchc.ir import TilePlan
-    from patchc.job.options import check_device, weight_dtype
     from patchc.job import prune as job
-    from patchc.models import load_model
+    from patchc.job.model import load_bundle
 
     run = Path(run_dir)
     plan = TilePlan.load(find_plan(run))
@@ -138,11 +137,8 @@ def run_recover(
                          f"(got {sorted(recipe)}); recovery is scored on the run's own held-out documents")
     changes = {"device": device, "eval_context": eval_context, "threads": threads, "progress": progress, **recipe}
     opts = recover_options(plan, run, **changes, **({"batch_size": batch_size} if batch_size else {}))
-    check_device(opts.device)
     started = time.perf_counter()
-    bundle = job.cast_bundle(load_model(opts.model, device=opts.device), weight_dtype(opts))
-    job.check_model(bundle, opts)
-    job.choose_threads(opts, bundle.model)
+    bundle = load_bundle(opts)
     data = job.load_data(bundle, opts, cache_dir=job.cache_dir(opts))  # generated text: the run's cache
     other_text = (("self_tokens",) * ("train_data" in recipe)  # another --train-data may generate another amount
                   + ("train_extra_documents",) * ("train_extra" in recipe))

@@ -66,8 +66,8 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     from patchc.ir import TilePlan
     from patchc.job.corpus import load_data
     from patchc.job.data import load_documents, split_files
-    from patchc.job.prune import check_model, dense_reference, evaluate
-    from patchc.models import load_model
+    from patchc.job.model import load_bundle
+    from patchc.job.prune import dense_reference, evaluate
 
     plan = TilePlan.load(plan_path)
     opts = eval_options(plan, **options)
@@ -80,8 +80,7 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
         if not Path(path).is_file():
             raise FileNotFoundError(f"--text {path}: no such file")
         overlap += check_overlap(plan, load_documents(path, encoding=opts.encoding), allow_overlap)
-    bundle = load_model(opts.model, device=opts.device)
-    check_model(bundle, opts)
+    bundle = load_bundle(opts)
     data = load_data(bundle, opts)
     dense_ref = dense_reference(bundle, data)
     dense = evaluate(bundle, bundle.model, data, opts, dense_ref)

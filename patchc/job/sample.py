@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from patchc.job.options import PruneOptions, check_device, weight_dtype
+from patchc.job.options import PruneOptions
 from patchc.utils.files import atomic_path
 
 
@@ -52,15 +52,12 @@ def sample_texts(bundle: Any, opts: PruneOptions) -> list[str]:
 
 def write_samples(opts: PruneOptions, out: str | os.PathLike, overwrite: bool = False) -> dict[str, Any]:
     """Generate with `opts.model` and write the samples to `out` atomically; returns what was written."""
-    from patchc.job.prune import cast_bundle, choose_threads
-    from patchc.models import load_model
+    from patchc.job.model import load_bundle
 
     out = Path(out)
     check_out(opts, out, overwrite)
-    check_device(opts.device)
     start = time.perf_counter()
-    bundle = cast_bundle(load_model(opts.model, device=opts.device), weight_dtype(opts))
-    choose_threads(opts, bundle.model)
+    bundle = load_bundle(opts)
     texts = sample_texts(bundle, opts)
     text = "\n\n".join(texts)
     with atomic_path(out) as tmp:

@@ -1,0 +1,62 @@
+"""Opening the model a command works on: one sequence for `prune`, `recover`, `eval` and `sample`.
+
+    check the device -> load the bundle onto it -> cast to the weight dtype -> check the weights and
+    sequence lengths -> choose the CPU thread count
+
+Example:
+    >>> bundle = load_bundle(PruneOptions())      # stories260K, fp32, one thread on a CPU
+    >>> bundle.kind
+    'causal'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from patchc.job.options import PruneOptions, check_device, weight_dtype
+
+
+def load_bundle(opts: PruneOptions):
+    """`opts.model` loaded onto `opts.device` in its weight dtype, checked, with the thread count set."""
+    from patchc.models import load_model
+
+    check_device(opts.device)
+    bundle = cast_bundle(load_model(opts.model, device=opts.device), weight_dtype(opts))
+    check_model(bundle, opts)
+    choose_threads(opts, bundle.model)
+    return bundle
+
+
+def cast_bundle(bundle, dtype: torch.dtype):
+    """The bundle with its model, and every fresh copy it hands out, in `dtype`."""
+    if dtype == torch.float32:
+        return bundle
+    reload = bundle.reload
+    return dataclasses.replace(bundle, model=bundle.model.to(dtype), reload=lambda: reload().to(dtype))
+
+
+def check_model(bundle, opts: PruneOptions) -> None:
+    """Weights that are all finite, and sequence lengths the model's positions allow, before any work."""
+    for name, param in bundle.model.named_parameters():
+        bad = int((~torch.isfinite(param.detach())).sum())
+        if bad:
+            raise ValueError(f"--model {opts.model}: parameter {name} holds {bad:,} NaN/inf values; the checkpoint "
+                             "is damaged or was saved from a diverged run")
+    limit = bundle.block_len_limit
+    for flag, value in (("--block-len", opts.block_len), ("--eval-context", opts.eval_context)):
+        if bundle.kind == "causal" and value > limit:
+            raise ValueError(f"{flag} {value} is longer than the {limit} positions {bundle.name} was built for; "
+                             f"use {flag} {limit} or less")
+
+
+def choose_threads(opts: PruneOptions, model: torch.nn.Module) -> None:
+    """Tiny models on CPU run faster on one thread: their ops are too small to split."""
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    elif opts.device == "cpu" and sum(p.numel() for p in model.parameters()) < 10_000_000:
+        torch.set_num_threads(1)
+
+
+__all__ = ["load_bundle", "cast_bundle", "check_model", "choose_threads"]
