@@ -1,6 +1,7 @@
 """The main job and its command line: a real model and real text in, a plan and a quality report out.
 
     options.py        `PruneOptions`: every `patchc prune` setting, validated
+    model.py          opening the model: device, dtype, weight and length checks, CPU threads
     data.py           text files -> documents -> train / held-out split by document -> token blocks, batches
     evaluate.py       perplexity on held-out text (causal LMs)
     encoder_eval.py   sentence-embedding agreement and distillation (encoders such as all-MiniLM-L6-v2)
