@@ -2,6 +2,8 @@
 
     python benchmarks/quality_table.py --seeds 0 1 2            # appends one record per seed
     python benchmarks/quality_table.py --summary                # mean +- std per row of the latest recipe
+    python benchmarks/quality_table.py --block-len 256 --batch-size 4 \
+        --results benchmarks/results/quality_stories260K_experiments.jsonl   # another recipe, its own file
 
 Rows: dense; magnitude / Wanda / SparseGPT one-shot 2:4; learned 2:4; PATCH joint 25 / 35 / 45%; PATCH
 tile-only 35% (optionally each learned row again after `--recover STEPS` of weight recovery). Every row is
@@ -88,7 +90,7 @@ def run_seed(opts: PruneOptions, recover_steps: int) -> list[dict]:
 
 
 def recipe(opts: PruneOptions, recover_steps: int) -> dict:
-    return {"steps": opts.steps, "batch_size": opts.batch_size, "loss": opts.loss, "train_data": opts.train_data,
+    return {"steps": opts.steps, "batch_size": opts.batch_size, "block_len": opts.block_len, "loss": opts.loss, "train_data": opts.train_data,
             "lr": opts.lr, "tile_lr": opts.tile_lr, "lambda_norm": opts.lambda_norm,
             "self_tokens": opts.self_tokens, "tile": list(opts.tile), "split_seed": opts.split_seed,
             "recover_steps": recover_steps, "recover_loss": opts.recover_loss, "recover_lr": opts.recovery_lr("causal")}
@@ -130,24 +132,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=PruneOptions.steps)
+    parser.add_argument("--batch-size", type=int, default=PruneOptions.batch_size)
+    parser.add_argument("--block-len", type=int, default=PruneOptions.block_len)
     parser.add_argument("--loss", default=PruneOptions.loss)
     parser.add_argument("--train-data", default=PruneOptions.train_data)
     parser.add_argument("--recover", type=int, default=0, metavar="STEPS", help="weight recovery after each learned row")
     parser.add_argument("--summary", action="store_true", help="only print the summary of the results file")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="JSON-lines file the records are appended to")
     args = parser.parse_args()
     if args.summary:
-        print(summary())
+        print(summary(args.results))
         return
     for seed in args.seeds:
         opts = PruneOptions(steps=args.steps, seed=seed, loss=args.loss, train_data=args.train_data, progress=False,
-                            out="runs/quality")
+                            batch_size=args.batch_size, block_len=args.block_len, out="runs/quality")
         rows = run_seed(opts, args.recover)
         record = {"date": datetime.date.today().isoformat(), "device": device_name("cpu"), "versions": versions(),
                   "seed": seed, "recipe": recipe(opts, args.recover), "rows": rows}
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with RESULTS.open("a") as f:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        with args.results.open("a") as f:
             f.write(json.dumps(record) + "\n")
-    print(summary())
+    print(summary(args.results))
 
 
 if __name__ == "__main__":
