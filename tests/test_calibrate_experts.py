@@ -21,7 +21,7 @@ from tests.test_families import TILE, VOCAB, _build, exported
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "gpt2"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "gpt2", "llama4", "gpt_oss", "deepseek_v3"])
 def test_plain_calibration_equals_the_programs_and_oneshot_covers_the_plan(name):
     case, ep = exported(name)
     prog = patchc.transform(ep, PatchConfig(tile=TILE))
@@ -32,7 +32,9 @@ def test_plain_calibration_equals_the_programs_and_oneshot_covers_the_plan(name)
         assert plain[layer].n_samples == via_prog[layer].n_samples, layer
         torch.testing.assert_close(plain[layer].hessian, via_prog[layer].hessian, atol=1e-5, rtol=1e-4)
     experts = [n for n in prog.layers if ".experts." in n and ".gate_up_proj." in n]
-    if experts:  # only the routed tokens count: every token k times over the experts of a layer
+    if experts and name == "llama4":  # every token reaches every expert, scaled by its router score (0: not routed)
+        assert {plain[n].n_samples for n in experts} == {case.ids.numel()}
+    elif experts:  # only the routed tokens count: every token k times over the experts of a layer
         assert sum(plain[n].n_samples for n in experts) == case.ids.numel() * case.model.config.num_experts_per_tok
         assert len({plain[n].n_samples for n in experts}) > 1  # experts see different numbers of tokens
     for method in ("wanda", "sparsegpt"):
@@ -92,10 +94,10 @@ def test_apply_masks_writes_expert_slices_and_conv1d_transposes():
             apply_masks(model, {layer: masks[layer][:, 4:]})
 
 
-def _moe_dir(tmp_path):
+def _moe_dir(tmp_path, family: str = "mixtral"):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    model = _build("mixtral")
+    model = _build(family)
     model.save_pretrained(tmp_path / "moe")
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)]
     tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
@@ -117,10 +119,11 @@ def _job_applies_plan_names() -> bool:
 @pytest.mark.xfail(not _job_applies_plan_names(), strict=True, raises=AttributeError,
                    reason="patchc/job/prune.py oneshot_baseline still masks by model.get_parameter(name): expert "
                           "slices have no parameter of their own (use patchc.pruning.apply_masks; lead's file)")
-def test_prune_command_on_a_moe_directory_with_baselines(tmp_path):
+@pytest.mark.parametrize("family, mlp", [("mixtral", "mlp"), ("llama4", "feed_forward")])
+def test_prune_command_on_a_moe_directory_with_baselines(tmp_path, family, mlp):
     from patchc.job.cli import main
 
-    model_dir, text = _moe_dir(tmp_path)
+    model_dir, text = _moe_dir(tmp_path, family)
     args = ["prune", "--model", str(model_dir), "--data", str(text), "--tile", "16", "16", "--steps", "3",
             "--batch-size", "2", "--calib-blocks", "2", "--eval-context", "32", "--block-len", "32",
             "--no-progress", "--out", str(tmp_path / "run"), "--self-tokens", "330", "--eval-data"]
@@ -128,8 +131,9 @@ def test_prune_command_on_a_moe_directory_with_baselines(tmp_path):
         warnings.filterwarnings("error", message=".*magnitude prior.*")  # every expert is calibrated now
         assert main(args) == 0
     plan = patchc.TilePlan.load(tmp_path / "run" / "plan.patch")
-    assert "model.layers.0.mlp.experts.gate_up_proj.3" in plan.layers
-    assert "router" in plan.skipped["model.layers.0.mlp.gate.weight"]
+    assert f"model.layers.0.{mlp}.experts.gate_up_proj.3" in plan.layers
+    router = {"mixtral": "mlp.gate", "llama4": "feed_forward.router"}[family]
+    assert "router" in plan.skipped[f"model.layers.0.{router}.weight"]
     import json
 
     report = json.loads((tmp_path / "run" / "report.json").read_text())

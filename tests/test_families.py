@@ -25,6 +25,7 @@ from torch import nn
 
 import patchc
 from patchc.config import PatchConfig
+from patchc.runtime.dispatch import TileExperts, TileLinear
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,8 +96,8 @@ def _build(name: str) -> nn.Module:
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gemma3", "mistral", "phi3",
             "opt", "gpt_neox", "gpt2", "falcon", "bert", "t5", "gemma2", "glm4", "granite", "olmo2", "smollm3", "cohere",
-            "stablelm", "phi", "ernie4_5", "gpt_oss", "deepseek_v3"]
-FUSED_EXPERTS = {"qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3"}  # 3-D expert weights: a layer per slice
+            "stablelm", "phi", "ernie4_5", "gpt_oss", "deepseek_v3", "llama4"]
+FUSED_EXPERTS = {"qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "llama4"}  # 3-D expert weights: a layer per slice
 
 
 class Case:
@@ -208,7 +209,7 @@ def test_plan_apply_equals_eval_program_and_runtime_equals_plan(family):
     torch.testing.assert_close(applied, evald, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(applied, case.run(case.model), atol=1e-4)  # the plan really prunes
     fast = patchc.compile(case.model, plan, tune=False, strict=True)
-    replaced = [m for m in fast.modules() if type(m).__name__ in ("TileLinear", "TileExperts")]
+    replaced = [m for m in fast.modules() if isinstance(m, (TileLinear, TileExperts))]  # TileBmmExperts too
     with_24 = {n.rsplit(".", 2)[0] if n.rsplit(".", 1)[-1].isdigit() else n
                for n, lp in plan.layers.items() if bool((lp.kinds == 1).any())}
     assert len(replaced) >= len(with_24) > 0
@@ -260,20 +261,40 @@ def test_router_exclusion_can_be_overridden_and_is_explained():
     assert PatchConfig(exclude=()).selects("model.layers.0.mlp.gate.weight", (4, 64)) is None
 
 
-def test_llama4_bmm_experts_are_listed_as_skipped_and_the_rest_runs_the_whole_path():
-    """Llama 4 multiplies every expert at once (`torch.bmm` over an (E, K, N) weight): not masked yet,
-    and said so per weight; attention, the shared expert and everything else go through the pipeline."""
+def test_llama4_bmm_experts_are_masked_per_expert_as_stored_k_by_n():
+    """Llama 4 multiplies every expert at once, `torch.bmm(x (E, T, K), W (E, K, N))`: one (N, K) layer per
+    expert slice, recorded as transposed, and calibration sees expert e's rows x[e]."""
+    from patchc.ir.targets import META_KEY
+
     case, ep = exported("llama4")
-    cfg = PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5)
-    prog = patchc.transform(ep, cfg)
-    experts = {f"model.layers.0.feed_forward.experts.{p}" for p in ("gate_up_proj", "down_proj")}
-    assert all("3-D weight" in prog.skipped[w] and "bmm" in prog.skipped[w] for w in experts)
-    assert "router" in prog.skipped["model.layers.0.feed_forward.router.weight"]
-    expected, _ = expected_layers(case.model, cfg)
-    assert set(prog.layers) == {n for n in expected if n.rsplit(".", 1)[0] not in experts}
-    assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.feed_forward.shared_expert.down_proj.weight"} <= set(prog.layers)
-    test_ones_mask_is_the_original_model((case, cfg, prog))
-    test_plan_apply_equals_eval_program_and_runtime_equals_plan((case, cfg, prog))
+    prog = patchc.transform(ep, PatchConfig(tile=TILE, init_std=0.5))
+    gate_up = "model.layers.0.feed_forward.experts.gate_up_proj"
+    assert prog.layers[f"{gate_up}.3"].shape == (64, 64) and prog.layers[f"{gate_up.replace('gate_up', 'down')}.0"].shape == (64, 32)
+    targets = patchc.harden(prog).meta[META_KEY]
+    assert targets[f"{gate_up}.1"] == {"param": gate_up, "expert": 1, "transposed": True}
+    seen: dict[str, int] = {}
+    with prog.observe_inputs(lambda fqn, x: seen.__setitem__(fqn, seen.get(fqn, 0) + x.shape[0])):
+        case.run(prog)
+    # every token visits every expert (unselected ones with score 0): T rows of K each
+    assert {n: seen.get(n) for n in prog.layers if n.startswith(gate_up)} == {f"{gate_up}.{e}": case.ids.numel() for e in range(4)}
+
+
+def test_a_3d_weight_broadcast_by_bmm_is_skipped_not_taken_for_experts():
+    class Shared(nn.Module):  # one (K, N) matrix for every batch entry: its dim 0 is not an expert axis
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(1, 32, 16))
+
+        def forward(self, x):
+            return torch.bmm(x, self.w.expand(x.shape[0], -1, -1))
+
+    ep = torch.export.export(Shared(), (torch.randn(3, 5, 32),))
+    with pytest.raises(ValueError, match="no maskable"):
+        patchc.transform(ep, PatchConfig(tile=TILE))
+    from patchc.passes.find_linears import find_linear_sites
+
+    sites, skipped = find_linear_sites(ep.module(), PatchConfig(tile=TILE))
+    assert not sites and "broadcast to another batch by bmm" in skipped["w"]
 
 
 def test_transform_twice_is_a_clear_error():
@@ -331,62 +352,3 @@ def test_calibrating_the_program_sees_each_expert_on_its_own_tokens():
 
 
 # `patchc prune` on a MoE directory (with baselines): tests/test_calibrate_experts.py
-
-
-def _tiny_experts(device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """A Mixtral fused-experts module (2 experts, hidden 32, intermediate 16) holding a random hybrid plan's
-    weights, the plan, and a routing of 6 tokens (top-2)."""
-    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-
-    from patchc.codegen.reference import random_layer_plan
-
-    cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=16, num_local_experts=2, num_experts_per_tok=2)
-    experts = MixtralExperts(cfg).eval()
-    path, layers = "mlp.experts", {}
-    for proj in ("gate_up_proj", "down_proj"):
-        param = getattr(experts, proj)
-        for e in range(param.shape[0]):
-            name = f"{path}.{proj}.{e}"
-            layers[name] = random_layer_plan(*param.shape[1:], kinds="mixed", seed=len(layers), name=name)
-            with torch.no_grad():
-                param[e] = layers[name].to_dense()
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(6, 32, generator=gen)
-    index = torch.stack([torch.randperm(2, generator=gen) for _ in range(6)])
-    weights = torch.rand(6, 2, generator=gen).softmax(-1)
-    to = dict(device=device, dtype=dtype)
-    return experts.to(**to), patchc.TilePlan(layers=layers), path, (x.to(**to), index.to(device), weights.to(**to))
-
-
-def test_tile_experts_kernel_path_in_the_triton_interpreter(monkeypatch):
-    """TileExperts' GPU path (one hybrid TileLinear per expert) run by the Triton interpreter on CPU."""
-    from patchc.runtime import op as rt_op
-    from patchc.runtime.dispatch import TileExperts, TileLinear
-
-    if not rt_op.kernels_interpreted():
-        pytest.skip("patchc's Triton kernels were not decorated under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
-    monkeypatch.setenv("PATCHC_CPU_IMPL", "triton")
-    experts, plan, path, (x, index, weights) = _tiny_experts()
-    fast = TileExperts(experts, plan, path)
-    assert not fast.kernels  # CPU: the dense fallback; build the per-expert kernels as the CUDA path does
-    fast.kernels = nn.ModuleDict({proj: nn.ModuleList(
-        [TileLinear.from_plan(plan.layers[f"{path}.{proj}.{e}"], dtype=torch.float32) for e in range(2)])
-        for proj in fast.names})
-    launched = []
-    real = rt_op.launch
-    monkeypatch.setattr(rt_op, "launch", lambda *a, **k: launched.append(k.get("name")) or real(*a, **k))
-    with torch.no_grad():
-        got, want = fast(x, index, weights), experts(x, index, weights)
-    assert sorted(set(launched)) == sorted(plan.layers)  # every expert's projections ran a kernel
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: TileExperts builds its kernels on CUDA only")
-def test_tile_experts_on_gpu_matches_the_dense_experts():
-    from patchc.runtime.dispatch import TileExperts, TileLinear
-
-    experts, plan, path, (x, index, weights) = _tiny_experts("cuda", torch.float16)
-    fast = TileExperts(experts, plan, path)
-    assert all(isinstance(k, TileLinear) for mods in fast.kernels.values() for k in mods)
-    with torch.no_grad():
-        torch.testing.assert_close(fast(x, index, weights), experts(x, index, weights), atol=2e-2, rtol=2e-2)

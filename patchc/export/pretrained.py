@@ -4,7 +4,9 @@ The folder (written atomically: built in a temporary sibling, then renamed into 
 
     config.json               the model's config (transformers), or patchc's llama2.c config (`arch.py`)
     generation_config.json    causal transformers models that have one
-    model.safetensors         plain tensors as-is + planned weights as tile-plan buffers (`format.py`)
+    model.safetensors         plain tensors as-is + plan layers as tile-plan buffers (`format.py`): a weight,
+                              a Conv1D weight as (N, K), or an expert slice "<3-D param>.<e>"; a 3-D
+                              expert weight with an unplanned slice is also stored whole
     patchc_config.json        format + version, how to rebuild the model, tied names, the model dtype,
                               per planned layer shape / tile / dtype / tiles / density, plan skipped + meta
     tokenizer files           copied (HF tokenizer files; llama2.c's tok*.bin)
@@ -36,7 +38,7 @@ from torch import nn
 
 from patchc.export.arch import ModelSpec, copy_tokenizer, describe, rebuild, save_config
 from patchc.export.format import CONFIG, FORMAT, VERSION, WEIGHTS, ExportError, check_header, read_weights, write_weights
-from patchc.ir import TilePlan
+from patchc.ir import PlanError, TilePlan, targets
 from patchc.ir.file_format import FLOAT_DTYPES, dtype_name
 from patchc.ir.provenance import check_weights
 
@@ -58,17 +60,11 @@ def export_pretrained(plan: TilePlan, model: nn.Module, out_dir: Run, *, tokeniz
     out = Path(out_dir)
     spec = describe(model)
     plan.verify()
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for fqn, layer in plan.layers.items():
-        if fqn not in params:
-            raise ExportError(f"layer {fqn}: the {type(model).__name__} has no parameter {fqn!r}; "
-                              "export the model the plan was made for")
-        if tuple(params[fqn].shape) != layer.shape:
-            raise ExportError(f"layer {fqn}: the model's weight has shape {tuple(params[fqn].shape)}, the plan {layer.shape}")
+    where = layer_targets(plan, model, f"the {type(model).__name__}", "export the model the plan was made for")
     check_weights(plan, model)  # the plan's kept weights must be this model's, or the export mixes two models
-    plain, tied = split_state(model, set(plan.layers), spec.prefix)
+    plain, tied = split_state(model, planned_params(model, where), spec.prefix)
     layers = {fqn.removeprefix(spec.prefix): layer for fqn, layer in plan.layers.items()}
-    weight = next(iter(params.values()))
+    weight = next(model.parameters())
     with atomic_dir(out, overwrite) as tmp:
         save_config(spec, model, tmp, config)
         tokenizer = copy_tokenizer(tokenizer_from, tmp, spec)
@@ -84,6 +80,38 @@ def export_pretrained(plan: TilePlan, model: nn.Module, out_dir: Run, *, tokeniz
             "source": dict(info or {}),
         }
         (tmp / CONFIG).write_text(json.dumps(body, indent=2) + "\n")
+    return out
+
+
+def layer_targets(plan: TilePlan, model: nn.Module, what: str, todo: str) -> dict[str, targets.Target]:
+    """{layer: where it lives in `model`} (a parameter, its transpose or an expert slice: `patchc.ir.targets`),
+    or ExportError naming the layer when `model` lacks it or holds it in another shape."""
+    recorded = plan.meta.get(targets.META_KEY)
+    out = {}
+    for fqn, layer in plan.layers.items():
+        try:
+            target = targets.resolve(model, fqn, recorded)
+        except PlanError as e:
+            raise ExportError(f"{what}: {e}; {todo}") from None  # e names the layer and what is missing
+        shape = tuple(targets.read(model, target).shape)
+        if shape != layer.shape:
+            raise ExportError(f"layer {fqn}: {what}'s weight is {shape} as (out, in) features, the plan's "
+                              f"{layer.shape}; {todo}")
+        out[fqn] = target
+    return out
+
+
+def planned_params(model: nn.Module, where: dict[str, targets.Target]) -> set[str]:
+    """Parameters the plan's buffers hold whole: 2-D planned weights, and 3-D expert weights whose every
+    slice is planned (one with an unplanned slice is stored as-is; its planned slices are overwritten)."""
+    slices: dict[str, set[int]] = {}
+    out = set()
+    for t in where.values():
+        if t.expert is None:
+            out.add(t.param)
+        else:
+            slices.setdefault(t.param, set()).add(t.expert)
+    out |= {p for p, seen in slices.items() if len(seen) == model.get_parameter(p).shape[0]}
     return out
 
 
@@ -239,22 +267,19 @@ def load_plain(folder: Path, model: nn.Module, plan: TilePlan, plain: dict[str, 
                tied: dict[str, str]) -> None:
     """Load the plain tensors into `model` and W * M into its planned weights; refuse any name mismatch."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    for fqn, layer in plan.layers.items():
-        if fqn not in params or tuple(params[fqn].shape) != layer.shape:
-            got = "no such parameter" if fqn not in params else f"shape {tuple(params[fqn].shape)}"
-            raise ExportError(f"{folder}: layer {fqn}: the model built from config.json has {got} "
-                              f"(the plan needs {layer.shape}); config.json and {WEIGHTS} do not match")
+    where = layer_targets(plan, model, f"{folder}: the model built from config.json",
+                          f"config.json and {WEIGHTS} do not match")
     result = model.load_state_dict(plain, strict=False)
     if result.unexpected_keys:
         raise ExportError(f"{folder}: tensor {result.unexpected_keys[0]!r} in {WEIGHTS} is not in the model "
                           "built from config.json")
-    missing = sorted(set(result.missing_keys) - set(plan.layers) - set(tied))
+    missing = sorted(set(result.missing_keys) - planned_params(model, where) - set(tied))
     if missing:
         raise ExportError(f"{folder}: tensor {missing[0]!r} of the model is missing from {WEIGHTS}")
     with torch.no_grad():
         # W * M now, so that the model holds the pruned values even where the runtime keeps a weight
         for fqn, layer in plan.layers.items():
-            params[fqn].copy_(layer.to_dense())
+            targets.read(model, where[fqn]).copy_(layer.to_dense())  # a view: the slice / transpose in place
         for alias, target in tied.items():
             src = model.get_parameter(target) if target in params else model.get_buffer(target)
             dst = params.get(alias)

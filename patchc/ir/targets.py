@@ -11,7 +11,8 @@ Hardening records each non-plain layer in `plan.meta["targets"]` ({name: {"param
 "transposed"}}), so `TilePlan.apply` and the fingerprint check read and write the right slice in the
 right orientation. A plan without that record (an older file, `from_weights`) is resolved from the
 model: a parameter of that name, or "<3-D parameter>.<int>" for an expert, transposed when the owning
-module is a `Conv1D` or an experts module with `is_transposed`.
+module is a `Conv1D`, an experts module with `is_transposed`, or one that multiplies every expert's rows
+at once (`bmm_experts`: Llama 4).
 
 Example:
     >>> t = resolve(model, "model.layers.0.mlp.experts.down_proj.2")
@@ -21,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -86,8 +88,20 @@ def _guess(model: nn.Module, name: str) -> Target | None:
         return None
     if int(index) >= weight.shape[0]:
         raise PlanError(f"layer {name}: expert {index} is out of range for {param} with {weight.shape[0]} experts")
-    transposed = bool(getattr(_owner(model, param), "is_transposed", False))
+    owner = _owner(model, param)
+    transposed = bool(getattr(owner, "is_transposed", False)) or bmm_experts(owner)
     return Target(name, param, int(index), transposed)
+
+
+def bmm_experts(module: nn.Module | None) -> bool:
+    """An experts module whose forward takes the rows alone, grouped by expert, and multiplies them all
+    at once (`torch.bmm(x (E, T, K), W (E, K, N))`, Llama 4's): its 3-D weights are stored (E, K, N).
+    Routed experts take (hidden_states, top_k_index, top_k_weights)."""
+    forward = getattr(module, "forward", None)
+    try:
+        return forward is not None and len(inspect.signature(forward).parameters) == 1
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
 
 
 def resolve(model: nn.Module, name: str, recorded: Mapping | None = None) -> Target:
@@ -120,4 +134,4 @@ def recorded_targets(targets: Mapping[str, Target]) -> dict[str, dict]:
     return {name: t.to_json() for name, t in targets.items() if t.expert is not None or t.transposed}
 
 
-__all__ = ["META_KEY", "Target", "layer_name", "matrix", "read", "recorded_targets", "resolve"]
+__all__ = ["META_KEY", "Target", "bmm_experts", "layer_name", "matrix", "read", "recorded_targets", "resolve"]

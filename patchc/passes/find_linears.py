@@ -7,6 +7,7 @@ Matched forms (the weight W has shape (N, K) = (out_features, in_features)):
     aten.matmul.default(x, T(W))
 
     aten._grouped_mm(x, T(W), offs) / transformers.grouped_mm_fallback(x, T(W), offs)   fused experts
+    aten.bmm(x, W) with W (E, K, N), x (E, T, K)                 every expert at once (Llama 4)
     aten.einsum.default(eq, [x, W])   a (batched) matmul: W's subscripts are one contracted letter k
                                       and one output letter n ("bsk,nk->bsn", "...k,kn->...n"), or an
                                       expert letter first that x and the output share ("ebk,enk->ebn")
@@ -15,8 +16,8 @@ T(W) is one `aten.t` / `aten.permute(W, [1, 0])` / `aten.transpose(W, -2, -1)` o
 `get_attr` node reads (the exported program's `module()` form). Casts and detaches on the way are
 looked through. A weight read without that transpose is stored (K, N) (GPT-2's Conv1D, experts with
 `is_transposed`): it is masked as its transpose, so 2:4 groups still run along in_features. A 3-D
-weight (E, N, K) read by a grouped matmul is E experts: one (N, K) mask per expert, named
-"<fqn>.<expert>" (`patchc.ir.targets`).
+weight (E, N, K) read by a grouped matmul, or by a bmm whose batch is the experts, is E experts: one
+(N, K) mask per expert, named "<fqn>.<expert>" (`patchc.ir.targets`).
 
 Which weights are masked: `PatchConfig.selects` (include / exclude globs over the weight's fully
 qualified name, 2-D, min_features) and two structural rules: a weight that an embedding lookup also
@@ -88,7 +89,7 @@ class LinearSite:
     form: str
     experts: int | None = None
     transposed: bool = False
-    x_axes: tuple[int, int | None] | None = None  # einsum: (K axis, expert axis) of the activation
+    x_axes: tuple[int, int | None] | None = None  # einsum / bmm: (K axis, expert axis) of the activation
 
     @property
     def names(self) -> list[str]:
@@ -253,7 +254,11 @@ class AnnotateLinears(PassBase):
         if weight is None or not weight.is_floating_point():
             return None
         fqn = w_node.target
-        grouped = form == "grouped_mm" or (einsum is not None and einsum.expert_axis is not None)
+        grouped = (form == "grouped_mm" or (einsum is not None and einsum.expert_axis is not None)
+                   or (form == "bmm" and weight.dim() == 3))  # bmm over a 3-D weight: batch = experts
+        if form == "bmm" and grouped and _batch(w_arg) != weight.shape[0]:
+            self._skip(fqn, f"a 3-D weight {tuple(weight.shape)} broadcast to another batch by bmm")
+            return None
         if weight.dim() != (3 if grouped else 2):
             self._skip(fqn, f"a {weight.dim()}-D weight {tuple(weight.shape)} read by {form}")
             return None
@@ -277,6 +282,8 @@ class AnnotateLinears(PassBase):
                 bias = traced_b[0].target
         experts = int(weight.shape[0]) if grouped else None
         x_axes = (einsum.k_axis, einsum.expert_axis) if einsum is not None else None
+        if form == "bmm" and grouped:
+            x_axes = (2, 0)  # x (E, T, K): expert e's rows are x[e]
         return LinearSite(fqn, (int(n), int(k)), node, w_node, consumer or node, x, bias, form, experts, transposed,
                           x_axes)
 
@@ -292,6 +299,12 @@ class AnnotateLinears(PassBase):
             op = _matmul_reader(node)
             if op is not None:
                 self._skip(node.target, f"read by {op} in a form patchc does not mask (not x @ W^T)")
+
+
+def _batch(node: fx.Node) -> int | None:
+    """Dim 0 of a node's traced value (None when the export recorded none)."""
+    val = node.meta.get("val")
+    return int(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() == 3 else None
 
 
 def _matmul_reader(node: fx.Node, depth: int = 6) -> str | None:

@@ -5,8 +5,9 @@ They are the layers `patchc.transform` masks, under the same plan layer names (`
     nn.Linear            "<module>.weight"             forward pre-hook: x (..., K)
     GPT-2 Conv1D         "<module>.weight"  (K, N)     forward pre-hook: x (..., K)
     fused MoE experts    "<3-D parameter>.<expert>"    a TorchFunctionMode sees the grouped matmul
-                                                       (x sorted by expert, `offs` = row ends) or the
-                                                       eager loop's F.linear on one expert's slice
+                                                       (x sorted by expert, `offs` = row ends), the
+                                                       eager loop's F.linear on one expert's slice, or
+                                                       a bmm over every expert (Llama 4: x[e])
 
 so an expert's statistics hold only the tokens routed to it. Embeddings, tied LM heads and anything
 matched by `exclude` (routers among them) are left out.
@@ -118,6 +119,9 @@ class _ExpertReads(TorchFunctionMode):
                 fqn, p = found
                 e = (w.storage_offset() - p.storage_offset()) // p.stride(0)
                 self.callback(targets.layer_name(fqn, int(e)), args[0].detach())
+            elif found is not None and w.dim() == 3 and w.shape == found[1].shape and args[0].dim() == 3:
+                for e, rows in enumerate(args[0].detach()):  # bmm over every expert: x (E, T, K)
+                    self.callback(targets.layer_name(found[0], e), rows)
         return func(*args, **kwargs)
 
 

@@ -3,7 +3,8 @@
 Steps: copy the model (unless `inplace`), write the plan's pruned weights into it (`plan.apply`, so tied
 weights and all-dense layers match the pruned dense model exactly), tune (see `tune`), then replace each
 nn.Linear / Conv1D whose weight is planned (every user of a tied weight) with a `TileLinear`, and each
-fused-experts module with planned expert slices with a `TileExperts`. Layers without a 2:4 tile stay
+fused-experts module with planned expert slices with a `TileExperts` (`TileBmmExperts` for Llama 4's,
+which multiply every expert's rows at once). Layers without a 2:4 tile stay
 nn.Linear (cuBLAS); other planned weights only get the pruned values, and a warning lists them.
 
 `tune`: True -> tune here on a CUDA model (cache-backed: a tuned setup is read, not re-timed); on a CPU
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchc.runtime.dispatch import TileExperts, TileLinear, report_unreplaced
+from patchc.runtime.dispatch import TileExperts, TileLinear, experts_module, report_unreplaced
 from patchc.runtime.timing import TimeFn
 from patchc.runtime.tuner import LayerTuning, tune_plan
 
@@ -51,7 +52,8 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
 
     `plan`: a TilePlan or a path to a saved plan. `cache` / `time_fn`: passed to `tune_plan`.
     Replaced: nn.Linear (and subclasses, e.g. Falcon's `x @ W.T`), transformers' `Conv1D` (K x N
-    storage), every module sharing a tied planned weight, and fused MoE experts (`TileExperts`).
+    storage), every module sharing a tied planned weight, and fused MoE experts (`TileExperts`,
+    `TileBmmExperts`).
     Planned layers with a 2:4 tile that could not be replaced are listed in a warning
     (`strict=True`: a ValueError); they keep the plan's pruned values in place either way.
     A model whose weights are not the plan's source is refused (`plan.apply`); `force=True` writes anyway.
@@ -88,7 +90,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     for path in experts:
         parent_path, _, attr = path.rpartition(".")
         parent = target.get_submodule(parent_path) if parent_path else target
-        setattr(parent, attr, TileExperts(target.get_submodule(path), plan, path))
+        setattr(parent, attr, experts_module(target.get_submodule(path), plan, path))
     return target
 
 

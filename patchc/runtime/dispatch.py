@@ -20,9 +20,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Iterable
-
 import warnings
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -179,6 +178,8 @@ class TileExperts(nn.Module):
 
     PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
 
+    STORED_KN = False  # weights stored (E, K, N) only where the module says so (`is_transposed`)
+
     def __init__(self, experts: nn.Module, plan: Any, path: str, dtype: torch.dtype | None = None,
                  device: Any = None) -> None:
         super().__init__()
@@ -187,7 +188,7 @@ class TileExperts(nn.Module):
             if not key.startswith("_") and not isinstance(value, (torch.Tensor, nn.Module)):
                 setattr(self, key, value)
         self.act_fn = getattr(experts, "act_fn", None)
-        self.is_transposed = bool(getattr(experts, "is_transposed", False))
+        self.is_transposed = self.STORED_KN or bool(getattr(experts, "is_transposed", False))
         gate = getattr(type(experts), "_apply_gate", None)
         self._gate = (lambda h: gate(self, h)) if gate is not None else None
         self.names = [p for p in self.PROJECTIONS if isinstance(getattr(experts, p, None), torch.Tensor)]
@@ -234,6 +235,37 @@ class TileExperts(nn.Module):
             y = self._project("down_proj", e, h) * weights[rows, None]
             out.index_add_(0, tokens[rows], y.float())
         return out.to(hidden_states.dtype)
+
+
+class TileBmmExperts(TileExperts):
+    """Drop-in for experts that multiply every expert's rows at once, `torch.bmm(x, W)` with W stored
+    (E, K, N) (Llama 4's `Llama4TextExperts`): forward(hidden_states (E * T, H)) -> (E * T, H), the rows
+    already grouped by expert (T per expert); gate_up_proj's output is (gate, up), down_proj reads
+    up * act(gate). Each expert runs its own kernel, as in `TileExperts`.
+    """
+
+    STORED_KN = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        rows = hidden_states.view(self.num_experts, -1, hidden_states.shape[-1])
+        out = []
+        for e in range(self.num_experts):
+            h = self._project(self.names[0], e, rows[e])
+            if self.names[0] == "gate_up_proj":
+                gate, up = h.chunk(2, dim=-1)
+                h = up * self.act_fn(gate)
+            else:
+                h = self.act_fn(h)
+            out.append(self._project("down_proj", e, h))
+        return torch.stack(out).view(-1, out[0].shape[-1])
+
+
+def experts_module(experts: nn.Module, plan: Any, path: str) -> TileExperts:
+    """The drop-in for a fused-experts module: `TileBmmExperts` when its forward takes the rows alone
+    (every expert at once), else `TileExperts` (forward(hidden_states, top_k_index, top_k_weights))."""
+    from patchc.ir.targets import bmm_experts
+
+    return (TileBmmExperts if bmm_experts(experts) else TileExperts)(experts, plan, path)
 
 
 def warmup(model: nn.Module, ms: Iterable[int]) -> int:
