@@ -139,6 +139,15 @@ def test_prune_command_on_a_moe_directory_with_baselines(tmp_path, family, mlp):
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     methods = {r["method"] for r in report["results"]}
     assert {"wanda", "sparsegpt", "magnitude"} <= methods, methods
+    # the other commands on the run: the model has 64 positions, under the default --block-len 128 and
+    # --eval-context 256; eval trains nothing, recover scores at the run's own window (32)
+    run = str(tmp_path / "run")
+    assert main(["eval", f"{run}/plan.patch", "--eval-context", "32", "--data", str(text)]) == 0
+    assert main(["recover", run, "--steps", "2", "--batch-size", "2", "--no-progress"]) == 0
+    assert json.loads((tmp_path / "run" / "recover.json").read_text())["results"][0]["perplexity"] == pytest.approx(
+        next(r["perplexity"] for r in report["results"] if r["method"] == "dense"), rel=1e-5)
+    assert main(["export", run, "--out", str(tmp_path / "exported")]) == 0
+    assert main(["report", run]) == 0 and (tmp_path / "run" / "report.md").is_file()
 
 
 def test_sparsegpt_leaves_a_transposed_conv1d_weight_untouched():

@@ -272,3 +272,15 @@ def test_a_replaced_recovery_is_noted_in_the_report_and_a_bad_report_only_warns(
     with pytest.warns(UserWarning, match="not updated to say its recovered plan was replaced"):
         note_replaced(tmp_path, result)
     assert (tmp_path / "report.json").read_text() == "{broken"
+
+
+def test_recovery_scores_at_the_window_the_run_was_scored_with(tmp_path):
+    from patchc.job.recover import run_eval_context
+
+    assert run_eval_context(tmp_path) == PruneOptions.eval_context  # no report.json
+    (tmp_path / "report.json").write_text(json.dumps({"evaluation": {"protocol": "..."}}))
+    assert run_eval_context(tmp_path) == 256  # a report from before the window was recorded
+    (tmp_path / "report.json").write_text(json.dumps({"evaluation": {"protocol": "...", "context": 32}}))
+    assert run_eval_context(tmp_path) == 32
+    (tmp_path / "report.json").write_text("{not json")
+    assert run_eval_context(tmp_path) == 256

@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-data", choices=("real", "self", "mix"), default=None, help="default: the run's")
     p.add_argument("--train-extra", nargs="*", default=None, metavar="FILE",
                    help="more text files to train on, whole (default: the run's; the flag alone: none)")
-    p.add_argument("--eval-context", type=int, default=256, help="perplexity window")
+    p.add_argument("--eval-context", type=int, default=None, help="perplexity window (default: the run's, "
+                   "else 256)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: automatic)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
@@ -262,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_export)
 
     p = command("report", "redraw a plan's plots (and report.md if report.json is beside it)")
-    p.add_argument("plan", help="plan file")
+    p.add_argument("plan", help="plan file, or a run folder (its plan.patch)")
     p.add_argument("--out", default=None, help="folder for the PNGs (default: the plan's folder)")
     p.set_defaults(handler=cmd_report)
 

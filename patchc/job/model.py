@@ -18,13 +18,14 @@ import torch
 from patchc.job.options import PruneOptions, check_device, weight_dtype
 
 
-def load_bundle(opts: PruneOptions):
-    """`opts.model` loaded onto `opts.device` in its weight dtype, checked, with the thread count set."""
+def load_bundle(opts: PruneOptions, training: bool = True):
+    """`opts.model` loaded onto `opts.device` in its weight dtype, checked, with the thread count set.
+    `training=False` (`patchc eval`): --block-len is not checked, since nothing is trained."""
     from patchc.models import load_model
 
     check_device(opts.device)
     bundle = cast_bundle(load_model(opts.model, device=opts.device), weight_dtype(opts))
-    check_model(bundle, opts)
+    check_model(bundle, opts, training)
     choose_threads(opts, bundle.model)
     return bundle
 
@@ -37,15 +38,17 @@ def cast_bundle(bundle, dtype: torch.dtype):
     return dataclasses.replace(bundle, model=bundle.model.to(dtype), reload=lambda: reload().to(dtype))
 
 
-def check_model(bundle, opts: PruneOptions) -> None:
-    """Weights that are all finite, and sequence lengths the model's positions allow, before any work."""
+def check_model(bundle, opts: PruneOptions, training: bool = True) -> None:
+    """Weights that are all finite, and sequence lengths the model's positions allow, before any work
+    (--block-len only when `training`)."""
     for name, param in bundle.model.named_parameters():
         bad = int((~torch.isfinite(param.detach())).sum())
         if bad:
             raise ValueError(f"--model {opts.model}: parameter {name} holds {bad:,} NaN/inf values; the checkpoint "
                              "is damaged or was saved from a diverged run")
     limit = bundle.block_len_limit
-    for flag, value in (("--block-len", opts.block_len), ("--eval-context", opts.eval_context)):
+    lengths = (("--block-len", opts.block_len),) * training + (("--eval-context", opts.eval_context),)
+    for flag, value in lengths:
         if bundle.kind == "causal" and value > limit:
             raise ValueError(f"{flag} {value} is longer than the {limit} positions {bundle.name} was built for; "
                              f"use {flag} {limit} or less")

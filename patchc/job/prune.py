@@ -296,7 +296,7 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
         "plan": {"path": str(out / "plan.patch"), "density": plan.density, "sparsity": plan.sparsity,
                  "n_layers": len(plan.layers), "skipped": plan.skipped},
         "metric": "perplexity" if bundle.kind == "causal" else "cosine",
-        "evaluation": {"protocol": protocol(bundle, opts)},
+        "evaluation": {"protocol": protocol(bundle, opts), "context": opts.eval_context},
         "results": results,
         "speed": {"skipped": "no CUDA device" if not torch.cuda.is_available()
                   else "not measured by prune: run `make gpu` (patchc bench) on a CUDA GPU"},

@@ -75,6 +75,15 @@ def recover_options(plan: Any, run: Path, **changes: Any) -> PruneOptions:
     return dataclasses.replace(opts, **fixed, **changes)
 
 
+def run_eval_context(run: Path) -> int:
+    """The perplexity window `patchc prune` scored the run with (report.json), else the default 256."""
+    try:
+        context = json.loads((run / "report.json").read_text())["evaluation"]["context"]
+    except (OSError, ValueError, KeyError, TypeError):  # no report, an older one, or not JSON
+        return PruneOptions.eval_context
+    return int(context)
+
+
 def check_free(run: Path, overwrite: bool) -> None:
     """FileExistsError, before any work, if an earlier recovery (or `prune --recover`) left its files in `run`."""
     earlier = [name for name in (RECOVERED, RESULT) if (run / name).exists()]
@@ -105,7 +114,7 @@ def run_recover(
     method: str = "adam",
     batch_size: int | None = None,
     schedule: str = "cosine",
-    eval_context: int = 256,
+    eval_context: int | None = None,
     device: str = "cpu",
     threads: int = 0,
     progress: bool = True,
@@ -119,6 +128,7 @@ def run_recover(
     None, its --recover-lr); `recipe` changes those PruneOptions for recovery only (e.g.
     {"recover_loss": "lm+kd", "train_data": "mix", "train_extra": ("more.txt",)}), never the held-out documents
     it is scored on. An earlier recovery's plan and record are kept unless `overwrite` (refused up front).
+    `eval_context` None: the perplexity window the run was scored with (its report.json), else 256.
 
     Example:
         >>> run_recover("runs/x", steps=100, scope="values")["results"][-1]["perplexity"]
@@ -135,6 +145,7 @@ def run_recover(
     if {"data", "split_seed", "eval_fraction", "encoding"} & set(recipe):
         raise ValueError("recover: the recipe may change the training text and loss, not the held-out split "
                          f"(got {sorted(recipe)}); recovery is scored on the run's own held-out documents")
+    eval_context = eval_context or run_eval_context(run)
     changes = {"device": device, "eval_context": eval_context, "threads": threads, "progress": progress, **recipe}
     opts = recover_options(plan, run, **changes, **({"batch_size": batch_size} if batch_size else {}))
     started = time.perf_counter()

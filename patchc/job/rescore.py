@@ -80,7 +80,7 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
         if not Path(path).is_file():
             raise FileNotFoundError(f"--text {path}: no such file")
         overlap += check_overlap(plan, load_documents(path, encoding=opts.encoding), allow_overlap)
-    bundle = load_bundle(opts)
+    bundle = load_bundle(opts, training=False)
     data = load_data(bundle, opts)
     dense_ref = dense_reference(bundle, data)
     dense = evaluate(bundle, bundle.model, data, opts, dense_ref)

@@ -65,7 +65,8 @@ def write_report(report: Mapping[str, Any], out_dir: str | os.PathLike,
 def redraw(plan_path: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[Path]:
     """`patchc report PLAN`: redraw a saved plan's pictures, and report.md if report.json is beside it.
 
-    `out_dir` defaults to the plan's folder. report.md is written into `out_dir` (next to the
+    `plan_path` may be the run folder (its plan.patch). `out_dir` defaults to the plan's folder.
+    report.md is written into `out_dir` (next to the
     pictures it links); report.json is read, never rewritten. Returns the written paths.
 
     Example:
@@ -75,6 +76,8 @@ def redraw(plan_path: str | os.PathLike, out_dir: str | os.PathLike | None = Non
     from patchc.ir import TilePlan
 
     plan_path = Path(plan_path)
+    if plan_path.is_dir():
+        plan_path = plan_path / "plan.patch"
     plan = TilePlan.load(plan_path)
     out = Path(out_dir) if out_dir is not None else plan_path.parent
     report: dict | None = None
