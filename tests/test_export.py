@@ -391,4 +391,10 @@ def test_export_names_a_layer_the_model_lacks(tmp_path):
     other, _ = exported("llama")
     with pytest.raises(ExportError, match=r"LlamaForCausalLM: layer model\.layers\.0\.mlp\.experts\..*export the model the plan was made for"):
         export_pretrained(plan, other.model, tmp_path / "x")
+    resized = copy.deepcopy(case.model)
+    experts = resized.model.layers[0].mlp.experts
+    experts.down_proj = nn.Parameter(torch.zeros(*experts.down_proj.shape[:2], 2 * experts.down_proj.shape[2]))
+    with pytest.raises(ExportError, match=r"layer model\.layers\.0\.mlp\.experts\.down_proj\.0 is \(64, 128\) there "
+                                          r"as \(out, in\) features, the plan's \(64, 64\)"):
+        export_pretrained(plan, resized, tmp_path / "x")
     assert not (tmp_path / "x").exists()

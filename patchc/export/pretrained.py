@@ -95,7 +95,7 @@ def layer_targets(plan: TilePlan, model: nn.Module, what: str, todo: str) -> dic
             raise ExportError(f"{what}: {e}; {todo}") from None  # e names the layer and what is missing
         shape = tuple(targets.read(model, target).shape)
         if shape != layer.shape:
-            raise ExportError(f"layer {fqn}: {what}'s weight is {shape} as (out, in) features, the plan's "
+            raise ExportError(f"{what}: layer {fqn} is {shape} there as (out, in) features, the plan's "
                               f"{layer.shape}; {todo}")
         out[fqn] = target
     return out

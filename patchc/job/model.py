@@ -47,7 +47,9 @@ def check_model(bundle, opts: PruneOptions, training: bool = True) -> None:
             raise ValueError(f"--model {opts.model}: parameter {name} holds {bad:,} NaN/inf values; the checkpoint "
                              "is damaged or was saved from a diverged run")
     limit = bundle.block_len_limit
-    lengths = (("--block-len", opts.block_len),) * training + (("--eval-context", opts.eval_context),)
+    lengths = [("--eval-context", opts.eval_context)]
+    if training:
+        lengths.insert(0, ("--block-len", opts.block_len))
     for flag, value in lengths:
         if bundle.kind == "causal" and value > limit:
             raise ValueError(f"{flag} {value} is longer than the {limit} positions {bundle.name} was built for; "
