@@ -256,7 +256,7 @@ class AnnotateLinears(PassBase):
         fqn = w_node.target
         grouped = (form == "grouped_mm" or (einsum is not None and einsum.expert_axis is not None)
                    or (form == "bmm" and weight.dim() == 3))  # bmm over a 3-D weight: batch = experts
-        if form == "bmm" and grouped and _batch(w_arg) != weight.shape[0]:
+        if form == "bmm" and grouped and _batch(w_arg) not in (None, weight.shape[0]):
             self._skip(fqn, f"a 3-D weight {tuple(weight.shape)} broadcast to another batch by bmm")
             return None
         if weight.dim() != (3 if grouped else 2):
