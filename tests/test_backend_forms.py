@@ -113,3 +113,27 @@ def test_backend_refuses_a_plan_in_the_other_orientation():
     with pytest.raises(Exception, match="a.weight.*other orientation"):
         cm(torch.randn(2, 3, 32))
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "llama4"])
+def test_planned_fused_experts_are_named_as_left_dense(family):
+    """Expert slices of a 3-D weight cannot become `tile_linear` calls, whatever op reads them (grouped_mm,
+    Llama 4's bmm): the backend says so (strict: an error) and the model keeps the plan's values."""
+    import warnings
+
+    import patchc
+    from patchc.config import PatchConfig
+    from tests.test_families import TILE, exported
+
+    case, ep = exported(family)
+    plan = patchc.harden(patchc.transform(ep, PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5)))
+    model = plan.apply(copy.deepcopy(case.model))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"experts\.gate_up_proj\.\* \(fused expert slices"):
+        case.run(torch.compile(model, backend="patch", options={"plan": plan, "strict": True}))
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = case.run(torch.compile(model, backend="patch", options={"plan": plan}))
+    assert any("experts.down_proj.* (fused expert slices" in str(w.message) for w in seen)
+    torch.testing.assert_close(got, case.run(model), atol=1e-5, rtol=1e-5)

@@ -122,6 +122,7 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any],
     if plan is None:
         plan = _infer_plan(reads, names, examples, options.get("tile", DEFAULT_TILE))
     served, left = _servable(plan, reads, names, examples)
+    left.update(_unserved_experts(plan, examples))
     report_unreplaced("patch backend", "left dense in this graph", left, bool(options.get("strict", False)))
     modules = _modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options)
     if not modules:
@@ -174,9 +175,6 @@ def _servable(plan: Any, reads: list[Read], names: dict[fx.Node, str],
     why: dict[str, str] = {}
     for read in reads:
         fqn = names[read.weight]
-        experts = [f for f in plan.layers if f.rpartition(".")[0] == fqn and f.rpartition(".")[2].isdigit()]
-        if experts and any(_planned(plan, f) for f in experts):
-            why.setdefault(f"{fqn}.*", "fused expert slices (3-D weight): patchc.compile serves them (TileExperts)")
         if not _planned(plan, fqn):
             continue
         entry = recorded.get(fqn)
@@ -193,6 +191,18 @@ def _servable(plan: Any, reads: list[Read], names: dict[fx.Node, str],
             raise ValueError(f"patch backend: layer {names[read.weight]!r} is read as a {expect} (N, K) matrix by "
                              f"{read.form} but the plan has {plan.layers[names[read.weight]].shape}")
     return served, why
+
+
+def _unserved_experts(plan: Any, examples: dict[fx.Node, Any]) -> dict[str, str]:
+    """{"<3-D weight>.*": why} for every fused-experts weight this graph takes whose expert slices are planned,
+    whatever op reads it (grouped_mm, bmm, an eager loop): `tile_linear` serves 2-D weights only."""
+    out = {}
+    for node, value in examples.items():
+        if isinstance(value, torch.nn.Parameter) and value.dim() == 3:
+            fqn = source_fqn(node)
+            if fqn and any(_planned(plan, f"{fqn}.{e}") for e in range(value.shape[0])):
+                out[f"{fqn}.*"] = "fused expert slices (3-D weight): patchc.compile serves them (TileExperts)"
+    return out
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
