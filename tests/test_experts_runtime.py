@@ -105,3 +105,25 @@ def test_experts_on_gpu_match_the_original_module(build, kind):
     assert type(fast) is kind and all(isinstance(k, TileLinear) for mods in fast.kernels.values() for k in mods)
     with torch.no_grad():
         torch.testing.assert_close(fast(*args), experts(*args), atol=2e-2, rtol=2e-2)
+
+
+def test_an_experts_module_called_another_way_is_listed_not_replaced():
+    """A fused-experts module whose forward is neither form is left with the plan's values and named."""
+    from patchc.runtime.compile import plan_swaps
+
+    experts, plan, path, (x, index, weights) = _tiny_experts()
+
+    class Gated(nn.Module):  # same weights, another call: forward(hidden_states, gammas)
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.gate_up_proj, self.down_proj = inner.gate_up_proj, inner.down_proj
+
+        def forward(self, hidden_states, gammas):
+            return hidden_states
+
+    holder = nn.Module()
+    holder.mlp = nn.Module()
+    holder.mlp.experts = Gated(experts)
+    swaps, fused, missed = plan_swaps(holder, plan)
+    assert not fused and set(missed) == set(plan.layers)
+    assert all("neither the routed" in why and "gammas" in why for why in missed.values())

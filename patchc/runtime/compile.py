@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchc.runtime.dispatch import TileExperts, TileLinear, experts_module, report_unreplaced
+from patchc.runtime.dispatch import TileExperts, TileLinear, experts_module, report_unreplaced, served_call
 from patchc.runtime.timing import TimeFn
 from patchc.runtime.tuner import LayerTuning, tune_plan
 
@@ -139,10 +140,15 @@ def plan_swaps(model: nn.Module, plan: Any) -> tuple[dict[str, Users], list[str]
     for path, layers in list(experts.items()):
         module = model.get_submodule(path)
         names = [p for p in TileExperts.PROJECTIONS if isinstance(getattr(module, p, None), torch.Tensor)]
+        why = None
         if "down_proj" not in names or len(names) != 2:
-            del experts[path]
             why = (f"3-D weight of a {type(module).__name__}, not a fused-experts module with gate_up_proj/up_proj "
                    f"+ down_proj (has {names})")
+        elif not served_call(module):
+            why = (f"{type(module).__name__}.forward{inspect.signature(module.forward)} is neither the routed "
+                   "(hidden_states, top_k_index, top_k_weights) nor Llama 4's (hidden_states) form")
+        if why is not None:
+            del experts[path]
             missed.update({f: why for f in layers})
     return swaps, list(experts), missed
 

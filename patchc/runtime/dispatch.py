@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Iterable
 
@@ -258,6 +259,18 @@ class TileBmmExperts(TileExperts):
                 h = self.act_fn(h)
             out.append(self._project("down_proj", e, h))
         return torch.stack(out).view(-1, out[0].shape[-1])
+
+
+def served_call(experts: nn.Module) -> bool:
+    """Whether the experts module is called in a form `experts_module` replaces: Llama 4's forward(rows), or
+    the routed forward(hidden_states, top_k_index, top_k_weights) under any parameter names."""
+    from patchc.ir.targets import bmm_experts
+
+    try:
+        routed = len(inspect.signature(experts.forward).parameters) == 3
+    except (TypeError, ValueError):
+        return False
+    return routed or bmm_experts(experts)
 
 
 def experts_module(experts: nn.Module, plan: Any, path: str) -> TileExperts:
