@@ -9,7 +9,8 @@ They are the layers `patchc.transform` masks, under the same plan layer names (`
                                                        eager loop's F.linear on one expert's slice, or
                                                        a bmm over every expert (Llama 4: x[e])
 
-so an expert's statistics hold only the tokens routed to it. Embeddings, tied LM heads and anything
+so an expert's statistics hold only the tokens routed to it (Llama 4 hands every expert every token,
+scaled by its router score: 0 where not routed). Embeddings, tied LM heads and anything
 matched by `exclude` (routers among them) are left out.
 
 Example:
