@@ -353,7 +353,7 @@ def test_patchc_from_pretrained_is_the_export_function():
 
 
 # --- weights stored otherwise: fused MoE experts (3-D), Llama 4's (E, K, N) experts, GPT-2's Conv1D (K, N) ---
-@pytest.mark.parametrize("family", ["mixtral", "llama4", "gpt2"])
+@pytest.mark.parametrize("family", ["mixtral", "llama4", "gpt_oss", "gpt2"])  # gpt-oss: expert biases
 def test_expert_and_transposed_layers_round_trip_exactly(family, tmp_path):
     """Every plan layer is stored by its layer name ("<3-D param>.<expert>", a Conv1D weight as (N, K)); a
     parameter the plan covers whole is not stored again, one with an unplanned expert slice is."""
