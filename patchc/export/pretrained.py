@@ -86,19 +86,10 @@ def export_pretrained(plan: TilePlan, model: nn.Module, out_dir: Run, *, tokeniz
 def layer_targets(plan: TilePlan, model: nn.Module, what: str, todo: str) -> dict[str, targets.Target]:
     """{layer: where it lives in `model`} (a parameter, its transpose or an expert slice: `patchc.ir.targets`),
     or ExportError naming the layer when `model` lacks it or holds it in another shape."""
-    recorded = plan.meta.get(targets.META_KEY)
-    out = {}
-    for fqn, layer in plan.layers.items():
-        try:
-            target = targets.resolve(model, fqn, recorded)
-        except PlanError as e:
-            raise ExportError(f"{what}: {e}; {todo}") from None  # e names the layer and what is missing
-        shape = tuple(targets.read(model, target).shape)
-        if shape != layer.shape:
-            raise ExportError(f"{what}: layer {fqn} is {shape} there as (out, in) features, the plan's "
-                              f"{layer.shape}; {todo}")
-        out[fqn] = target
-    return out
+    try:
+        return targets.resolve_layers(plan, model)
+    except PlanError as e:
+        raise ExportError(f"{what}: {e}; {todo}") from None  # e names the layer and what is wrong
 
 
 def planned_params(model: nn.Module, where: dict[str, targets.Target]) -> set[str]:

@@ -124,6 +124,20 @@ def resolve(model: nn.Module, name: str, recorded: Mapping | None = None) -> Tar
     return target
 
 
+def resolve_layers(plan, model: nn.Module) -> dict[str, Target]:
+    """{layer: Target} for every layer of `plan` in `model`, each checked to read as the layer's (N, K);
+    `PlanError` naming the first layer the model lacks or holds in another shape."""
+    recorded = plan.meta.get(META_KEY)
+    out = {}
+    for fqn, layer in plan.layers.items():
+        target = resolve(model, fqn, recorded)  # a parameter, its transpose or an expert slice
+        shape = tuple(read(model, target).shape)
+        if shape != layer.shape:
+            raise PlanError(f"layer {fqn}: the model's parameter has shape {shape}, the plan {layer.shape}")
+        out[fqn] = target
+    return out
+
+
 def read(model: nn.Module, target: Target) -> torch.Tensor:
     """The (N, K) matrix of `target` in `model` (a view: writing to it writes the model)."""
     return matrix(model.get_parameter(target.param), target)
@@ -134,4 +148,5 @@ def recorded_targets(targets: Mapping[str, Target]) -> dict[str, dict]:
     return {name: t.to_json() for name, t in targets.items() if t.expert is not None or t.transposed}
 
 
-__all__ = ["META_KEY", "Target", "bmm_experts", "layer_name", "matrix", "read", "recorded_targets", "resolve"]
+__all__ = ["META_KEY", "Target", "bmm_experts", "layer_name", "matrix", "read", "recorded_targets", "resolve",
+           "resolve_layers"]

@@ -130,13 +130,9 @@ class TilePlan:
         source (`patchc.ir.provenance`; `force=True` skips that). Example: `plan.apply(copy.deepcopy(model))`.
         """
         writes: list[tuple[torch.Tensor, torch.Tensor]] = []
-        recorded = self.meta.get(targets.META_KEY)
-        for fqn, layer in self.layers.items():
-            target = targets.resolve(model, fqn, recorded)  # a parameter, its transpose or an expert slice
-            view = targets.read(model, target)
-            if tuple(view.shape) != layer.shape:
-                raise PlanError(f"layer {fqn}: the model's parameter has shape {tuple(view.shape)}, the plan {layer.shape}")
-            writes.append((view, layer.to_dense()))
+        for fqn, target in targets.resolve_layers(self, model).items():
+            layer = self.layers[fqn]
+            writes.append((targets.read(model, target), layer.to_dense()))
             bias = _bias_of(model, target, layer)
             if bias is not None:
                 writes.append((bias, layer.bias))
