@@ -145,7 +145,7 @@ def run_recover(
     if {"data", "split_seed", "eval_fraction", "encoding"} & set(recipe):
         raise ValueError("recover: the recipe may change the training text and loss, not the held-out split "
                          f"(got {sorted(recipe)}); recovery is scored on the run's own held-out documents")
-    eval_context = eval_context or run_eval_context(run)
+    eval_context = run_eval_context(run) if eval_context is None else eval_context
     changes = {"device": device, "eval_context": eval_context, "threads": threads, "progress": progress, **recipe}
     opts = recover_options(plan, run, **changes, **({"batch_size": batch_size} if batch_size else {}))
     started = time.perf_counter()
