@@ -30,6 +30,7 @@ from torch import nn
 
 from patchc.codegen.configs import arch_of, choose_block
 from patchc.codegen.layout import pack
+from patchc.ir.targets import bmm_experts
 from patchc.runtime import op as _op  # noqa: F401  (registers torch.ops.patchc.tile_linear)
 from patchc.runtime.op import encode_buckets, encode_config
 from patchc.runtime.timing import packed_buffers
@@ -264,8 +265,6 @@ class TileBmmExperts(TileExperts):
 def served_call(experts: nn.Module) -> bool:
     """Whether the experts module is called in a form `experts_module` replaces: Llama 4's forward(rows), or
     the routed forward(hidden_states, top_k_index, top_k_weights) under any parameter names."""
-    from patchc.ir.targets import bmm_experts
-
     try:
         routed = len(inspect.signature(experts.forward).parameters) == 3
     except (TypeError, ValueError):
@@ -276,8 +275,6 @@ def served_call(experts: nn.Module) -> bool:
 def experts_module(experts: nn.Module, plan: Any, path: str) -> TileExperts:
     """The drop-in for a fused-experts module: `TileBmmExperts` when its forward takes the rows alone
     (every expert at once), else `TileExperts` (forward(hidden_states, top_k_index, top_k_weights))."""
-    from patchc.ir.targets import bmm_experts
-
     return (TileBmmExperts if bmm_experts(experts) else TileExperts)(experts, plan, path)
 
 
