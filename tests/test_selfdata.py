@@ -139,6 +139,17 @@ def test_mixed_training_text_never_touches_held_out_documents(bundle, tmp_path, 
     assert not torch.equal(load_data(bundle, PruneOptions(train_data="real", split_seed=3))["eval"], real["eval"])
 
 
+def test_scoring_alone_packs_and_generates_nothing(bundle, monkeypatch):
+    import patchc.job.data as data_mod
+    import patchc.job.selfdata as selfdata
+
+    real = load_data(bundle, PruneOptions(train_data="real"))
+    monkeypatch.setattr(selfdata, "generate_blocks", lambda *a, **k: pytest.fail("generated text to score a plan"))
+    monkeypatch.setattr(data_mod, "pack_documents", lambda *a, **k: pytest.fail("packed training blocks to score a plan"))
+    scored = load_data(bundle, PruneOptions(train_data="mix"), training=False)
+    assert set(scored) == {"eval", "extra"} and torch.equal(scored["eval"], real["eval"])
+
+
 def test_extra_eval_text_is_scored_whole_and_capped(bundle, tmp_path):
     text = tmp_path / "other.txt"
     text.write_text("Tom had a red ball.\n\nThe sun was hot and the sky was blue.\n")

@@ -27,12 +27,13 @@ def check_files(paths: tuple[str, ...], flag: str) -> None:
             raise FileNotFoundError(f"{flag} {path}: no such file")
 
 
-def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None) -> dict[str, Any]:
+def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None, training: bool = True) -> dict[str, Any]:
     """Held-out evaluation text always comes from --data; training text from it, from the dense model, or both.
 
-    `cache_dir`: where self-generated text is cached (None: generate without caching).
+    `cache_dir`: where self-generated text is cached (None: generate without caching). `training=False`
+    (`patchc eval`): only the scored texts, {"eval", "extra"}; nothing is packed or generated for training.
     """
-    from patchc.job.data import doc_hashes, pack_documents, split_files, tokenize_documents
+    from patchc.job.data import doc_hashes, pack_documents, split_files
 
     check_files(opts.data, "--data")
     check_files(opts.eval_data, "--eval-data")
@@ -41,6 +42,8 @@ def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None) ->
     if not docs_eval:
         raise ValueError(f"--data {', '.join(opts.data)}: too few documents to hold any out for evaluation")
     source = ", ".join(opts.data)
+    if not training:
+        return scored_texts(bundle, opts, docs_eval, source)
     docs_extra = extra_training_documents(opts, docs_eval)
     common = {"docs_train": len(docs_train), "docs_eval": len(docs_eval), "train_hashes": doc_hashes(docs_train),
               "train_extra_hashes": doc_hashes([d for docs in docs_extra.values() for d in docs])}
@@ -49,12 +52,10 @@ def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None) ->
 
         extra = [s for docs in docs_extra.values() for s in sentences_from_docs(docs, max_sentences=4096)]
         return {"train": sentences_from_docs(docs_train, max_sentences=4096) + extra,
-                "eval": sentences_from_docs(docs_eval, max_sentences=512), "extra": extra_sentences(opts),
-                **common, "real_tokens": 0, "train_extra_tokens": len(extra), "self_tokens": 0, "self_cached": False}
+                **scored_texts(bundle, opts, docs_eval, source), **common,
+                "real_tokens": 0, "train_extra_tokens": len(extra), "self_tokens": 0, "self_cached": False}
     tokenizer = bundle.require_tokenizer()
-    eval_ids = tokenize_documents(docs_eval, tokenizer, bos=opts.bos)
-    if eval_ids.numel() < 2:
-        raise ValueError(f"--data {source}: the held-out part is too short to evaluate")
+    scored = scored_texts(bundle, opts, docs_eval, source)
     parts, real_tokens, self_tokens, cached = [], 0, 0, False
     if opts.train_data in ("real", "mix"):
         real = pack_documents(docs_train, tokenizer, opts.block_len + 1, source=source, bos=opts.bos)
@@ -68,8 +69,22 @@ def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None) ->
         parts.append(generated)
         self_tokens = generated.numel()
     # self-only runs still saw the training documents' first tokens as prompts: their hashes stay recorded
-    return {"train": torch.cat(parts), "eval": eval_ids, "extra": extra_texts(opts, tokenizer), **common,
+    return {"train": torch.cat(parts), **scored, **common,
             "real_tokens": real_tokens, "train_extra_tokens": extra_tokens, "self_tokens": self_tokens, "self_cached": cached}
+
+
+def scored_texts(bundle: Any, opts: PruneOptions, docs_eval: list[str], source: str) -> dict[str, Any]:
+    """{"eval", "extra"}: the held-out documents and the --eval-data files, as `evaluate` reads them."""
+    if bundle.kind == "encoder":
+        from patchc.job.encoder_eval import sentences_from_docs
+
+        return {"eval": sentences_from_docs(docs_eval, max_sentences=512), "extra": extra_sentences(opts)}
+    from patchc.job.data import tokenize_documents
+
+    eval_ids = tokenize_documents(docs_eval, bundle.require_tokenizer(), bos=opts.bos)
+    if eval_ids.numel() < 2:
+        raise ValueError(f"--data {source}: the held-out part is too short to evaluate")
+    return {"eval": eval_ids, "extra": extra_texts(opts, bundle.require_tokenizer())}
 
 
 def extra_training_documents(opts: PruneOptions, docs_eval: list[str]) -> dict[str, list[str]]:

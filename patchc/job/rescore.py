@@ -81,7 +81,7 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
             raise FileNotFoundError(f"--text {path}: no such file")
         overlap += check_overlap(plan, load_documents(path, encoding=opts.encoding), allow_overlap)
     bundle = load_bundle(opts, training=False)
-    data = load_data(bundle, opts)
+    data = load_data(bundle, opts, training=False)
     dense_ref = dense_reference(bundle, data)
     dense = evaluate(bundle, bundle.model, data, opts, dense_ref)
     pruned = evaluate(bundle, plan.apply(bundle.reload(), force=force), data, opts, dense_ref)
