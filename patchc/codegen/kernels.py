@@ -146,6 +146,19 @@ def load_sparse_block(vals_ptr, meta_ptr, t, BLOCK_N: tl.constexpr, BLOCK_K: tl.
 
 
 @triton.jit
+def opaque(w):
+    """`w` unchanged, behind an inline-PTX move that ptxas deletes (no SASS cost). Triton 3.6's sm_90
+    OptimizeDotOperands pushes a dot operand's shared-memory store back through `load_sparse_block`'s
+    reshape to its 4-D join, then aborts ("Illegal shared layout"): the move stops it at the 2-D block."""
+    if INTERPRETED:
+        return w
+    elif w.dtype.primitive_bitwidth == 16:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [w], dtype=w.dtype, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [w], dtype=w.dtype, is_pure=True, pack=1)
+
+
+@triton.jit
 def load_dense_block(dense_ptr, t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Load dense block number `t`: (BN, BK)."""
     rn = tl.arange(0, BLOCK_N)
@@ -284,7 +297,7 @@ def prefill_kernel(
         for i in range(lo, hi):
             col = tl.load(sparse_cols_ptr + i)
             x = load_x(x_ptr, offs_m, col * BLOCK_K + rk, M, K, EVEN_K)
-            w = load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K)
+            w = opaque(load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K))
             acc = mma(x, tl.trans(w), acc, DOT_PRECISION)
     store_out(acc, offs_m, offs_n, offs_m < M, y_ptr, part_ptr, bias_ptr, split, M, N, HAS_BIAS, SPLIT_K)
 
