@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.patchc-installed
 
-.PHONY: demo test gpu setup clean
+.PHONY: demo test gpu compat setup clean
 
 demo: $(STAMP)
 	$(PY) -m patchc prune
@@ -20,6 +20,18 @@ test: $(STAMP)
 # installs nothing (GPU machines may have no network). BENCH_ARGS="--parts check" etc. narrows it.
 gpu:
 	PYTHONPATH=. PYTHONUNBUFFERED=1 $(PYTHON) -m patchc bench $(BENCH_ARGS)
+
+# The kernels under the older Tritons a GPU machine may have (torch 2.11 comes with 3.6): compiles every
+# variant for sm_80 and sm_90 on this CPU and prints each weight loop's static cost (records appended to
+# benchmarks/results/static_profile.jsonl). Installs only those triton wheels, inside the venv.
+TRITONS ?= 3.6.0 3.7.0 3.8.0
+compat: $(STAMP)
+	@for v in $(TRITONS); do \
+	  test -d $(VENV)/triton-$$v || $(PY) -m pip install -q --no-deps --target $(VENV)/triton-$$v "triton==$$v" || exit 1; \
+	  echo "== triton $$v"; \
+	  PYTHONPATH=$(VENV)/triton-$$v:. $(PY) benchmarks/static_profile.py --shape 4096x4096 --sparsity 0.45 0.5 \
+	    --dtype fp16 bf16 --tile 128 64 || exit 1; \
+	done
 
 setup: $(STAMP)
 

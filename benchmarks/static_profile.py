@@ -3,6 +3,7 @@
     python benchmarks/static_profile.py                       # sm_80 and sm_90, 25/35/45/50%, fp16
     python benchmarks/static_profile.py --target sm_90 --sparsity 0.45
     python benchmarks/static_profile.py --issue-matrix        # the decode issue's grid: its static targets
+    python benchmarks/static_profile.py --by-triton           # table of the records by Triton version (`make compat`)
 
 For each shape, sparsity (random tile map, as in `patchc bench`) and target, compiles the layer's kernels
 with `patchc.codegen.generate` and prints, per variant, what a profiler would show first: registers per
@@ -59,6 +60,36 @@ def profile_layer(layer, target: str, work: Path) -> tuple[list[dict], dict]:
     ], man
 
 
+VARIANT_CLASS = {"decode_m1": "decode, M <= 4", "decode_m4": "decode, M <= 4", "decode": "decode, M 5-16",
+                 "prefill": "prefill"}
+
+
+def by_triton(path: Path) -> str:
+    """Markdown: per (Triton, groups per load, target), the range of the 2:4 loops' warp-instructions per weight
+    byte and barriers over the newest record of each, per variant class."""
+    from patchc.codegen.configs import groups_per_load
+
+    newest: dict[tuple, dict] = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        groups = rec.get("groups_per_load") or groups_per_load(rec["triton"])
+        for target in {r["target"] for r in rec["results"]}:
+            newest[(rec["triton"], groups, target)] = rec  # later lines win
+    classes = list(dict.fromkeys(VARIANT_CLASS.values()))
+    lines = ["| Triton | groups per load | target | " + " | ".join(f"{c}: w-instr/B, barriers" for c in classes) + " |",
+             "|---|---:|---|" + "---|" * len(classes)]
+    for (triton, groups, target), rec in sorted(newest.items()):
+        cells = []
+        for c in classes:
+            loops = [r["loops"]["2:4"] for r in rec["results"] if r["target"] == target and "2:4" in r.get("loops", {})
+                     and VARIANT_CLASS.get(r["variant"]) == c]
+            w = [lp["warp_instr_per_byte"] for lp in loops]
+            b = [lp["barriers"] for lp in loops]
+            cells.append(f"{min(w):.3f}–{max(w):.3f}, {min(b)}–{max(b)}" if loops else "-")
+        lines.append(f"| {triton} | {groups} | {target} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", nargs="+", default=["sm_80", "sm_90"])
@@ -70,11 +101,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="the decode issue's grid: 4096x4096 and 4096x11008, mixed 45%% and all-2:4, fp16 and bf16, "
                          "tiles 128 and 64, sm_80 and sm_90; exits 1 when a static target is missed")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "static_profile.jsonl")
+    ap.add_argument("--by-triton", action="store_true",
+                    help="print a markdown table of the 2:4 loops in --out's records, by Triton version and target")
     args = ap.parse_args(argv)
+    if args.by_triton:
+        print(by_triton(args.out))
+        return 0
     if args.issue_matrix:
         args.shape, args.sparsity, args.dtype, args.tile = ["4096x4096", "4096x11008"], [0.45, 0.5], ["fp16", "bf16"], [128, 64]
     shapes = SHAPES if args.shape is None else [tuple(int(v) for v in s.lower().split("x")) for s in args.shape]
     os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real Triton, not the interpreter
+    from patchc.codegen import kernels
     from patchc.codegen.reference import random_layer_plan
     from patchc.utils.env import versions
 
@@ -107,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": "none (static: cubins compiled on CPU)",
         **versions(),
+        "groups_per_load": kernels.GROUPS_PER_LOAD.value,
         "dtype": args.dtype,
         "tile": args.tile,
         "results": rows,

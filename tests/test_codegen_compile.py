@@ -165,6 +165,30 @@ def test_decode_loops_meet_the_static_targets(generated, target, variant):
             or entry["m_min"] > 4
 
 
+def test_two_groups_per_load_compiles_under_this_triton_too(tmp_path):
+    """The kept-value load Triton 3.6 is given (`configs.GROUPS_PER_LOAD`), forced here with
+    PATCHC_GROUPS_PER_LOAD=2: it compiles for both targets and its 2:4 decode loops stay under the static
+    ceiling (its layout conversion costs up to 6 barriers on sm_80; `make compat` runs it under 3.6 itself)."""
+    from patchc.codegen.sass import LOOP_TARGETS, cuobjdump
+
+    script = SCRIPT.split("plan = ")[0] + (
+        'plan = random_tile_plan({"wide24.weight": dict(n=4096, k=4096, tile=(128, 128), kinds="sparse", '
+        'dtype=torch.bfloat16)})\n'
+        'for target in ("sm_80", "sm_90"):\n    generate(plan, sys.argv[1] + "/" + target, target=target)\n')
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PATCHC_GROUPS_PER_LOAD": "2"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"generate failed:\n{proc.stderr[-4000:]}"
+    if cuobjdump() is None:
+        pytest.skip("this Triton ships no cuobjdump: no SASS to read")
+    for target in ("sm_80", "sm_90"):
+        for name in DECODE_VARIANTS:
+            loops = _variant(tmp_path, "wide24.weight", name, target)["loops"]
+            assert [lp["loop"] for lp in loops] == ["2:4"], f"{target} {name}: {loops}"
+            assert loops[0]["warp_instr_per_byte"] <= LOOP_TARGETS["2:4"] and loops[0]["barriers"] <= 6, (target, name, loops)
+
+
 def test_generate_summary_reports_each_variants_worst_loop(generated):
     from patchc.codegen.generate import summary
 

@@ -150,6 +150,24 @@ def test_gemv_decode_every_token_count(preset, block, dtype):
         _check(y, reference_tile_linear(x, layer), dtype)
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("block,dtype", [((16, 16), torch.float16), ((32, 64), torch.bfloat16), ((64, 128), torch.float16)])
+def test_both_kept_value_loads_expand_the_same_blocks(groups, block, dtype, monkeypatch):
+    """`expand_groups` and `expand_group_pairs` (the one Triton 3.6 compiles to; `configs.GROUPS_PER_LOAD`) against
+    float64: every column of every group lands in place, for a (16, 16) block's single pair of groups per row too."""
+    import triton.language as tl
+
+    from patchc.codegen import kernels
+
+    monkeypatch.setattr(kernels, "GROUPS_PER_LOAD", tl.constexpr(groups))
+    n, k = 2 * block[0] + 3, 2 * block[1]
+    layer = random_layer_plan(n, k, tile=block, kinds="sparse", bias=False, seed=groups + block[1], dtype=dtype)
+    packed = pack(layer, block=block)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for kernel in ("decode", "prefill"):
+        _check(tile_linear(x, packed, config=KernelConfig(kernel=kernel, split_k=1)), reference_tile_linear(x, layer), dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_programs_store_only_their_own_tokens(dtype):
     """block_m 2 / 8 with the tokens padded to 8 inside each program: M = 11 needs 6 / 2 programs, the last

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from patchc.codegen import PackError, pack, packed_to_dense
-from patchc.codegen.configs import ARCH_TABLE, KernelConfig, choose_block, normalize_target, resolve_config
+from patchc.codegen.configs import ARCH_TABLE, KernelConfig, choose_block, groups_per_load, normalize_target, resolve_config
 from patchc.codegen.reference import layerplan_to_dense, random_layer_plan, random_tile_plan
 
 
@@ -122,6 +122,15 @@ def test_pack_from_tile_plan_and_errors():
     odd = random_layer_plan(24, 24, tile=(12, 12), seed=0)
     with pytest.raises(PackError, match="powers of two"):
         pack(odd)
+
+
+def test_groups_per_load_by_triton_version():
+    assert groups_per_load("3.6.0") == 2 and groups_per_load("3.6.1+gitabc") == 2
+    assert groups_per_load("3.7.0") == groups_per_load("3.9.0") == groups_per_load("3.10.0") == 1
+    assert groups_per_load("3.9.0", override="2") == 2 and groups_per_load("3.6.0", override="1") == 1
+    assert groups_per_load("3.6.0", override="") == 2  # an empty variable is no override
+    with pytest.raises(ValueError, match="PATCHC_GROUPS_PER_LOAD must be 1 or 2"):
+        groups_per_load("3.9.0", override="4")
 
 
 def test_config_table_and_resolution():

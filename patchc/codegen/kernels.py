@@ -33,10 +33,16 @@ import os
 import triton
 import triton.language as tl
 
+from patchc.codegen.configs import groups_per_load
+
 # Triton's interpreter multiplies bf16 tl.dot operands as their raw uint16 bits (it converts only fp8), so
 # there `mma` widens them to fp32 first; compiled kernels never see this branch. Tests reload this module
 # when they switch the interpreter on or off, so the flag follows the environment.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# How `load_sparse_block` loads 16-bit kept values: one 2:4 group per 32-bit element, or two per 64-bit
+# element on Triton versions that lay the former out badly (`configs.GROUPS_PER_LOAD`; $PATCHC_GROUPS_PER_LOAD
+# overrides it, e.g. to time both on a GPU).
+GROUPS_PER_LOAD = tl.constexpr(groups_per_load(triton.__version__, os.environ.get("PATCHC_GROUPS_PER_LOAD")))
 
 
 @triton.jit
@@ -122,27 +128,54 @@ def halves(w, dtype: tl.constexpr):
 
 @triton.jit
 def load_sparse_block(vals_ptr, meta_ptr, t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Load 2:4 block number `t` compressed and expand it: (BN, BK). 16-bit values: one 32-bit load per group
-    and two PRMTs (`expand_words`); fp32 values (not bandwidth critical): `expand_24`."""
+    """Load 2:4 block number `t` compressed and expand it: (BN, BK). 16-bit values: two PRMTs per group
+    (`expand_words`), its kept pair loaded alone (`expand_groups`) or beside the next group's
+    (`expand_group_pairs`, `GROUPS_PER_LOAD`); fp32 values (not bandwidth critical): `expand_24`."""
     rn = tl.arange(0, BLOCK_N)
     t64 = tl.cast(t, tl.int64)
     vbase = vals_ptr + t64 * (BLOCK_N * BLOCK_K // 2)
     mbase = meta_ptr + t64 * (BLOCK_N * BLOCK_K // 8)
     if vals_ptr.dtype.element_ty.primitive_bitwidth == 16:
-        G: tl.constexpr = BLOCK_K // 4
-        rg = tl.arange(0, G)[None, :]
-        pair = tl.load(vbase.to(tl.pointer_type(tl.int32)) + rn[:, None] * G + rg)  # (BN, G) kept pairs
-        byte = tl.load(mbase + rn[:, None] * (BLOCK_K // 8) + rg // 2).to(tl.int32)  # the group's metadata byte
-        sh = (rg & 1) * 4
-        lo, hi = expand_words(pair, byte, (sh + 29) & 31, (sh + 31) & 31)
-        dense = halves(tl.join(lo, hi), vals_ptr.dtype.element_ty)  # (BN, G, word, half): column 4g + 2 word + half
-        return tl.reshape(dense, (BLOCK_N, BLOCK_K))
+        if GROUPS_PER_LOAD == 2:
+            return expand_group_pairs(vbase, mbase, rn, BLOCK_N, BLOCK_K)
+        else:
+            return expand_groups(vbase, mbase, rn, BLOCK_N, BLOCK_K)
     else:
         rv = tl.arange(0, BLOCK_K // 2)
         rm = tl.arange(0, BLOCK_K // 8)
         vals = tl.load(vbase + rn[:, None] * (BLOCK_K // 2) + rv[None, :])
         meta = tl.load(mbase + rn[:, None] * (BLOCK_K // 8) + rm[None, :])
         return expand_24(vals, meta, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def expand_groups(vbase, mbase, rn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """16-bit 2:4 block -> (BN, BK): each group's kept pair one 32-bit element, beside its metadata byte."""
+    G: tl.constexpr = BLOCK_K // 4
+    rg = tl.arange(0, G)[None, :]
+    pair = tl.load(vbase.to(tl.pointer_type(tl.int32)) + rn[:, None] * G + rg)  # (BN, G) kept pairs
+    byte = tl.load(mbase + rn[:, None] * (BLOCK_K // 8) + rg // 2).to(tl.int32)  # the group's metadata byte
+    sh = (rg & 1) * 4
+    lo, hi = expand_words(pair, byte, (sh + 29) & 31, (sh + 31) & 31)
+    dense = halves(tl.join(lo, hi), vbase.dtype.element_ty)  # (BN, G, word, half): column 4g + 2 word + half
+    return tl.reshape(dense, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def expand_group_pairs(vbase, mbase, rn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`expand_groups` two groups at a time: groups 2b and 2b+1 are one 64-bit element beside their shared
+    metadata byte b, in a (BN, BK/16, 2) shape contiguous along its last axis only, so that Triton 3.6 gives
+    both loads one row-major layout."""
+    B: tl.constexpr = BLOCK_K // 8
+    rb = (tl.arange(0, B // 2) * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
+    off = rn[:, None, None] * B + rb
+    pairs = tl.load(vbase.to(tl.pointer_type(tl.int64)) + off)
+    byte = tl.load(mbase + off).to(tl.int32)
+    lo0, hi0 = expand_words((pairs & 0xFFFFFFFF).to(tl.int32), byte, 29, 31)  # group 2b: the low nibble
+    lo1, hi1 = expand_words((pairs >> 32).to(tl.int32), byte, 1, 3)  # group 2b + 1: the high nibble
+    words = tl.join(tl.join(lo0, lo1), tl.join(hi0, hi1))  # (BN, B/2, 2, group, word)
+    dense = halves(words, vbase.dtype.element_ty)  # column 8b + 4 group + 2 word + half
+    return tl.reshape(dense, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
