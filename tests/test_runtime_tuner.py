@@ -169,8 +169,12 @@ def test_candidates_respect_tile_and_block():
     assert pre and {(c.block_n, c.block_k) for c in pre} == {(64, 64)} and {c.block_m for c in pre} == {64, 128}
 
 
-def test_cache_key_parts():
+def test_cache_key_parts(monkeypatch):
+    monkeypatch.delenv("PATCHC_GROUPS_PER_LOAD", raising=False)
     k1 = cache_key("dev", (8, 16), "h", F16, "decode", 16)
+    monkeypatch.setenv("PATCHC_GROUPS_PER_LOAD", "2" if "groups=1" in k1 else "1")  # the other 2:4 load
+    assert k1 != cache_key("dev", (8, 16), "h", F16, "decode", 16)
+    monkeypatch.delenv("PATCHC_GROUPS_PER_LOAD")
     assert k1 != cache_key("dev", (8, 16), "h", torch.bfloat16, "decode", 16)
     assert k1 != cache_key("dev", (8, 16), "h", F16, "prefill", 16)
     assert k1 != cache_key("dev2", (8, 16), "h", F16, "decode", 16)

@@ -101,11 +101,12 @@ ARCH_TABLE: dict[str, ArchDefaults] = {
 # 0.17 warp-instructions per weight byte); two groups per 64-bit load cost 6 and 0.12 there. From 3.7 on,
 # one group per 32-bit load is best (2 barriers, 0.10), and two groups would add barriers on sm_80.
 GROUPS_PER_LOAD: dict[tuple[int, int], int] = {(3, 6): 2}
+GROUPS_ENV = "PATCHC_GROUPS_PER_LOAD"
 
 
 def groups_per_load(triton_version: str, override: str | None = None) -> int:
     """`GROUPS_PER_LOAD` for a Triton version string ("3.6.0", "3.9.0+git..."): 1 unless listed.
-    `override` ("1" or "2", the kernels pass $PATCHC_GROUPS_PER_LOAD) wins: to measure both on a GPU."""
+    `override` ("1" or "2", the kernels pass `$PATCHC_GROUPS_PER_LOAD`) wins: to measure both on a GPU."""
     if override:
         if override.strip() not in ("1", "2"):
             raise ValueError(f"PATCHC_GROUPS_PER_LOAD must be 1 or 2 (2:4 groups per kept-value load), got {override!r}")

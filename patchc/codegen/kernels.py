@@ -15,7 +15,8 @@ In both, a block row's dense blocks and 2:4 blocks are walked by two separate lo
 branch on the block kind). A 2:4 block is loaded compressed (values (BN, BK/2) + metadata (BN, BK/8) bytes)
 and expanded to the dense (BN, BK) operand in registers: for fp16 / bf16 each group's kept pair is one
 32-bit load and two PRMT byte permutes whose selectors come from the group's nibble (`expand_words`, ~10
-instructions per group of 4 weights, no layout conversion); fp32 uses the generic `expand_24`.
+instructions per group of 4 weights, no layout conversion; under Triton 3.6 two groups per 64-bit load,
+`GROUPS_PER_LOAD`); fp32 uses the generic `expand_24`.
 Accumulation is fp32. With SPLIT_K > 1 each split writes fp32 partial sums to a (SPLIT_K, M, N) workspace
 and `splitk_reduce_kernel` adds them in split order: the result is deterministic (bitwise reproducible run
 to run), unlike fp32 atomics whose summation order depends on scheduling; the cost is one extra small pass
@@ -33,7 +34,7 @@ import os
 import triton
 import triton.language as tl
 
-from patchc.codegen.configs import groups_per_load
+from patchc.codegen.configs import GROUPS_ENV, groups_per_load
 
 # Triton's interpreter multiplies bf16 tl.dot operands as their raw uint16 bits (it converts only fp8), so
 # there `mma` widens them to fp32 first; compiled kernels never see this branch. Tests reload this module
@@ -42,7 +43,7 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 # How `load_sparse_block` loads 16-bit kept values: one 2:4 group per 32-bit element, or two per 64-bit
 # element on Triton versions that lay the former out badly (`configs.GROUPS_PER_LOAD`; $PATCHC_GROUPS_PER_LOAD
 # overrides it, e.g. to time both on a GPU).
-GROUPS_PER_LOAD = tl.constexpr(groups_per_load(triton.__version__, os.environ.get("PATCHC_GROUPS_PER_LOAD")))
+GROUPS_PER_LOAD = tl.constexpr(groups_per_load(triton.__version__, os.environ.get(GROUPS_ENV)))
 
 
 @triton.jit

@@ -4,8 +4,9 @@ One file, ``$PATCHC_CACHE_DIR/tune.json`` (default ``~/.cache/patchc/tune.json``
 
     {"format": "patchc-tune-cache", "version": 1, "entries": {KEY: RECORD, ...}}
 
-KEY (see `cache_key`) joins the device name, torch and triton versions, the layer shape, the plan hash
-(tile kinds + tile + block), dtype, regime and M, so a result is reused only on the same setup. A file
+KEY (see `cache_key`) joins the device name, torch and triton versions, the kernels' 2:4 load
+(`configs.GROUPS_PER_LOAD`), the layer shape, the plan hash (tile kinds + tile + block), dtype, regime
+and M, so a result is reused only on the same setup. A file
 that cannot be read or is not valid JSON is ignored with a warning and rewritten (atomically: temp
 file + os.replace) on the next write; a file of another cache version is ignored and left as it is
 (results stay in memory: another patchc's cache is not wiped). Write errors only warn. The cache never
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from patchc.codegen.configs import GROUPS_ENV, groups_per_load
 from patchc.utils.env import versions
 from patchc.utils.files import cache_root, write_bytes_atomic
 
@@ -75,8 +77,9 @@ def cache_key(
         ['decode', 'M=16', '']
     """
     v = versions()
-    return "|".join([device_name, f"torch={v['torch']}", f"triton={v['triton']}", f"{shape[0]}x{shape[1]}", f"plan={phash}",
-                     str(dtype).replace("torch.", ""), regime, f"M={m}", extra])
+    groups = groups_per_load(v["triton"], os.environ.get(GROUPS_ENV))  # the kernels' 2:4 load: timed separately
+    return "|".join([device_name, f"torch={v['torch']}", f"triton={v['triton']}", f"groups={groups}",
+                     f"{shape[0]}x{shape[1]}", f"plan={phash}", str(dtype).replace("torch.", ""), regime, f"M={m}", extra])
 
 
 class TuneCache:
