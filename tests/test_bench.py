@@ -54,7 +54,7 @@ def test_dry_run_checks_every_variant_and_passes(dry_run):
     # every case ran every M it asked for, bf16 included (M <= 4: the interpreter's tl.dot is wrong in bf16)
     for case in check_cases(BenchOptions(dry_run=True)):
         assert {r["M"] for r in rows if r["case"] == case.label} == set(case.ms), case.label
-    assert record["env"]["dry_run"] and record["env"]["git_sha"]
+    assert record["env"]["dry_run"] and record["env"]["git_sha"] and record["env"]["groups_per_load"] in (1, 2)
 
 
 @needs_cpu

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from patchc.codegen.configs import GROUPS_ENV, groups_per_load
 from patchc.utils.env import device_name, versions
 from patchc.utils.files import write_bytes_atomic
 
@@ -37,7 +39,8 @@ def environment(device: str, dry_run: bool) -> dict[str, Any]:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(device),
         "dry_run": dry_run,
-        **versions(),
+        **(v := versions()),
+        "groups_per_load": groups_per_load(v["triton"], os.environ.get(GROUPS_ENV)),  # which 2:4 load was timed
         "cuda": torch.version.cuda,
         "git_sha": _run(["git", "-C", str(ROOT), "rev-parse", "HEAD"]),
         "git_dirty": bool(_run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])),
