@@ -61,7 +61,7 @@ def do_bench(fn: Callable[[], Any]) -> float:
     """Default GPU timing: median ms of `triton.testing.do_bench` (warm-up compiles the kernel)."""
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=10, rep=40))
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
 @dataclass
