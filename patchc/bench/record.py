@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import torch
 
-from patchc.codegen.configs import GROUPS_ENV, groups_per_load
+from patchc.codegen.configs import groups_in_use
 from patchc.utils.env import device_name, versions
 from patchc.utils.files import write_bytes_atomic
 
@@ -35,12 +34,13 @@ def slug(name: str) -> str:
 
 def environment(device: str, dry_run: bool) -> dict[str, Any]:
     """Device, driver, CUDA, library versions, date and the git commit of the working tree."""
+    libs = versions()
     env: dict[str, Any] = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(device),
         "dry_run": dry_run,
-        **(v := versions()),
-        "groups_per_load": groups_per_load(v["triton"], os.environ.get(GROUPS_ENV)),  # which 2:4 load was timed
+        **libs,
+        "groups_per_load": groups_in_use(libs["triton"]),  # which 2:4 load was timed
         "cuda": torch.version.cuda,
         "git_sha": _run(["git", "-C", str(ROOT), "rev-parse", "HEAD"]),
         "git_dirty": bool(_run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])),

@@ -97,9 +97,10 @@ ARCH_TABLE: dict[str, ArchDefaults] = {
 
 # 2:4 groups per element of the kernels' kept-value loads, by Triton (major, minor); read from the SASS of
 # LLaMA-2-7B layers under each Triton (`make compat`). Triton 3.6 lays the one-group-per-element
-# metadata load out column-major and moves the kept pairs through shared memory (sm_90 decode: 10 barriers,
-# 0.17 warp-instructions per weight byte); two groups per 64-bit load cost 6 and 0.12 there. From 3.7 on,
-# one group per 32-bit load is best (2 barriers, 0.10), and two groups would add barriers on sm_80.
+# metadata load out column-major and moves the kept pairs through shared memory (sm_90 decode: 6-10
+# barriers per iteration, 0.15-0.20 warp-instructions per weight byte); two groups per 64-bit load cost
+# 6 and 0.11-0.13 there (M <= 4). From 3.7 on, one group per 32-bit load is best (2 barriers, 0.10-0.13),
+# and two groups would add barriers on sm_80.
 GROUPS_PER_LOAD: dict[tuple[int, int], int] = {(3, 6): 2}
 GROUPS_ENV = "PATCHC_GROUPS_PER_LOAD"
 
@@ -113,6 +114,13 @@ def groups_per_load(triton_version: str, override: str | None = None) -> int:
         return int(override)
     major, minor = (int("".join(ch for ch in part if ch.isdigit()) or 0) for part in triton_version.split(".")[:2])
     return GROUPS_PER_LOAD.get((major, minor), 1)
+
+
+def groups_in_use(triton_version: str) -> int:
+    """What the kernels compile with under this Triton: `groups_per_load` with `$PATCHC_GROUPS_PER_LOAD`."""
+    import os
+
+    return groups_per_load(triton_version, os.environ.get(GROUPS_ENV))
 
 
 def arch_of(device: Any = None) -> str:

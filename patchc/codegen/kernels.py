@@ -34,7 +34,7 @@ import os
 import triton
 import triton.language as tl
 
-from patchc.codegen.configs import GROUPS_ENV, groups_per_load
+from patchc.codegen.configs import groups_in_use
 
 # Triton's interpreter multiplies bf16 tl.dot operands as their raw uint16 bits (it converts only fp8), so
 # there `mma` widens them to fp32 first; compiled kernels never see this branch. Tests reload this module
@@ -43,7 +43,7 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 # How `load_sparse_block` loads 16-bit kept values: one 2:4 group per 32-bit element, or two per 64-bit
 # element on Triton versions that lay the former out badly (`configs.GROUPS_PER_LOAD`; $PATCHC_GROUPS_PER_LOAD
 # overrides it, e.g. to time both on a GPU).
-GROUPS_PER_LOAD = tl.constexpr(groups_per_load(triton.__version__, os.environ.get(GROUPS_ENV)))
+GROUPS_PER_LOAD = tl.constexpr(groups_in_use(triton.__version__))
 
 
 @triton.jit

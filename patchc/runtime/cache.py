@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from patchc.codegen.configs import GROUPS_ENV, groups_per_load
+from patchc.codegen.configs import groups_in_use
 from patchc.utils.env import versions
 from patchc.utils.files import cache_root, write_bytes_atomic
 
@@ -77,7 +77,7 @@ def cache_key(
         ['decode', 'M=16', '']
     """
     v = versions()
-    groups = groups_per_load(v["triton"], os.environ.get(GROUPS_ENV))  # the kernels' 2:4 load: timed separately
+    groups = groups_in_use(v["triton"])  # the kernels' 2:4 load: timed separately
     return "|".join([device_name, f"torch={v['torch']}", f"triton={v['triton']}", f"groups={groups}",
                      f"{shape[0]}x{shape[1]}", f"plan={phash}", str(dtype).replace("torch.", ""), regime, f"M={m}", extra])
 
