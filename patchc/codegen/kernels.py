@@ -186,10 +186,9 @@ def opaque(w):
     reshape to its 4-D join, then aborts ("Illegal shared layout"): the move stops it at the 2-D block."""
     if INTERPRETED:
         return w
-    elif w.dtype.primitive_bitwidth == 16:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [w], dtype=w.dtype, is_pure=True, pack=2)
     else:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [w], dtype=w.dtype, is_pure=True, pack=1)
+        PER_WORD: tl.constexpr = 32 // w.dtype.primitive_bitwidth  # values moved per 32-bit register
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [w], dtype=w.dtype, is_pure=True, pack=PER_WORD)
 
 
 @triton.jit

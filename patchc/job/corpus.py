@@ -81,10 +81,11 @@ def scored_texts(bundle: Any, opts: PruneOptions, docs_eval: list[str], source: 
         return {"eval": sentences_from_docs(docs_eval, max_sentences=512), "extra": extra_sentences(opts)}
     from patchc.job.data import tokenize_documents
 
-    eval_ids = tokenize_documents(docs_eval, bundle.require_tokenizer(), bos=opts.bos)
+    tokenizer = bundle.require_tokenizer()
+    eval_ids = tokenize_documents(docs_eval, tokenizer, bos=opts.bos)
     if eval_ids.numel() < 2:
         raise ValueError(f"--data {source}: the held-out part is too short to evaluate")
-    return {"eval": eval_ids, "extra": extra_texts(opts, bundle.require_tokenizer())}
+    return {"eval": eval_ids, "extra": extra_texts(opts, tokenizer)}
 
 
 def extra_training_documents(opts: PruneOptions, docs_eval: list[str]) -> dict[str, list[str]]:
