@@ -154,7 +154,8 @@ def test_gemv_decode_every_token_count(preset, block, dtype):
 @pytest.mark.parametrize("block,dtype", [((16, 16), torch.float16), ((32, 64), torch.bfloat16), ((64, 128), torch.float16)])
 def test_both_kept_value_loads_expand_the_same_blocks(groups, block, dtype, monkeypatch):
     """`expand_groups` and `expand_group_pairs` (the one Triton 3.6 compiles to; `configs.GROUPS_PER_LOAD`) against
-    float64: every column of every group lands in place, for a (16, 16) block's single pair of groups per row too."""
+    float64: every column of every group lands in place, for a (16, 16) block's single pair of groups per row too,
+    and x is read in the reordered columns of the latter (`sparse_columns`; in order it fails for BK >= 32)."""
     import triton.language as tl
 
     from patchc.codegen import kernels

@@ -98,9 +98,10 @@ ARCH_TABLE: dict[str, ArchDefaults] = {
 # 2:4 groups per element of the kernels' kept-value loads, by Triton (major, minor); read from the SASS of
 # LLaMA-2-7B layers under each Triton (`make compat`). Triton 3.6 lays the one-group-per-element
 # metadata load out column-major and moves the kept pairs through shared memory (sm_90 decode: 6-10
-# barriers per iteration, 0.15-0.20 warp-instructions per weight byte); two groups per 64-bit load cost
-# 6 and 0.11-0.13 there (M <= 4). From 3.7 on, one group per 32-bit load is best (2 barriers, 0.10-0.13),
-# and two groups would add barriers on sm_80.
+# barriers per iteration, 0.15-0.20 warp-instructions per weight byte). Two groups per 64-bit element,
+# loaded in the mma operand's own layout (`kernels.expand_group_pairs`), cost 2 barriers and 0.10-0.11
+# there, with 128-bit loads. From 3.7 on, one group per 32-bit load is best (2 barriers, 0.10-0.13);
+# Triton 3.9 orders the two-group load's axes differently (6 barriers on sm_80, 0.14-0.16 on sm_90).
 GROUPS_PER_LOAD: dict[tuple[int, int], int] = {(3, 6): 2}
 GROUPS_ENV = "PATCHC_GROUPS_PER_LOAD"
 

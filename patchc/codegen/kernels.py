@@ -15,8 +15,9 @@ In both, a block row's dense blocks and 2:4 blocks are walked by two separate lo
 branch on the block kind). A 2:4 block is loaded compressed (values (BN, BK/2) + metadata (BN, BK/8) bytes)
 and expanded to the dense (BN, BK) operand in registers: for fp16 / bf16 each group's kept pair is one
 32-bit load and two PRMT byte permutes whose selectors come from the group's nibble (`expand_words`, ~10
-instructions per group of 4 weights, no layout conversion; under Triton 3.6 two groups per 64-bit load,
-`GROUPS_PER_LOAD`); fp32 uses the generic `expand_24`.
+instructions per group of 4 weights, no layout conversion; under Triton 3.6 two groups per 64-bit element,
+loaded straight into the mma operand's registers with the block's columns reordered, `GROUPS_PER_LOAD`);
+fp32 uses the generic `expand_24`.
 Accumulation is fp32. With SPLIT_K > 1 each split writes fp32 partial sums to a (SPLIT_K, M, N) workspace
 and `splitk_reduce_kernel` adds them in split order: the result is deterministic (bitwise reproducible run
 to run), unlike fp32 atomics whose summation order depends on scheduling; the cost is one extra small pass
@@ -41,8 +42,8 @@ from patchc.codegen.configs import groups_in_use
 # when they switch the interpreter on or off, so the flag follows the environment.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 # How `load_sparse_block` loads 16-bit kept values: one 2:4 group per 32-bit element, or two per 64-bit
-# element on Triton versions that lay the former out badly (`configs.GROUPS_PER_LOAD`; $PATCHC_GROUPS_PER_LOAD
-# overrides it, e.g. to time both on a GPU).
+# element in the mma operand's layout on Triton versions that lay the former out badly
+# (`configs.GROUPS_PER_LOAD`; $PATCHC_GROUPS_PER_LOAD overrides it, e.g. to time both on a GPU).
 GROUPS_PER_LOAD = tl.constexpr(groups_in_use(triton.__version__))
 
 
@@ -131,14 +132,15 @@ def halves(w, dtype: tl.constexpr):
 def load_sparse_block(vals_ptr, meta_ptr, t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Load 2:4 block number `t` compressed and expand it: (BN, BK). 16-bit values: two PRMTs per group
     (`expand_words`), its kept pair loaded alone (`expand_groups`) or beside the next group's
-    (`expand_group_pairs`, `GROUPS_PER_LOAD`); fp32 values (not bandwidth critical): `expand_24`."""
+    (`expand_group_pairs`, `GROUPS_PER_LOAD`; its columns come in `sparse_columns` order); fp32 values (not
+    bandwidth critical): `expand_24`."""
     rn = tl.arange(0, BLOCK_N)
     t64 = tl.cast(t, tl.int64)
     vbase = vals_ptr + t64 * (BLOCK_N * BLOCK_K // 2)
     mbase = meta_ptr + t64 * (BLOCK_N * BLOCK_K // 8)
     if vals_ptr.dtype.element_ty.primitive_bitwidth == 16:
         if GROUPS_PER_LOAD == 2:
-            return expand_group_pairs(vbase, mbase, rn, BLOCK_N, BLOCK_K)
+            return expand_group_pairs(vbase, mbase, BLOCK_N, BLOCK_K)
         else:
             return expand_groups(vbase, mbase, rn, BLOCK_N, BLOCK_K)
     else:
@@ -163,20 +165,47 @@ def expand_groups(vbase, mbase, rn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
 
 
 @triton.jit
-def expand_group_pairs(vbase, mbase, rn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`expand_groups` two groups at a time: groups 2b and 2b+1 are one 64-bit element beside their shared
-    metadata byte b, in a (BN, BK/16, 2) shape contiguous along its last axis only, so that Triton 3.6 gives
-    both loads one row-major layout."""
-    B: tl.constexpr = BLOCK_K // 8
-    rb = (tl.arange(0, B // 2) * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
-    off = rn[:, None, None] * B + rb
+def expand_group_pairs(vbase, mbase, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """16-bit 2:4 block -> (BN, BK) with its columns in `sparse_columns` order, loaded straight into the
+    registers of the tl.dot operand (mma.sync A, m16n8k16): Triton 3.6 would move a load in its own
+    coalesced layout there through shared memory (4 more barriers per iteration).
+
+    Element b of a row is groups 2b and 2b+1 (8 columns): one 64-bit kept-value load and metadata byte b.
+    A row's elements are split as b = lane * REGS + r (lane: one of an mma quad's 4 lanes, r: a register),
+    so each lane's REGS elements are adjacent in memory (a 128-bit load for REGS = 2) and the operand's
+    column order is (r, lane, 8 columns). The load's shape (lane, row % 8, row // 16, row // 8 % 2, r) is
+    the mma operand's lane / warp / register split of rows, which Triton's coalescing reproduces."""
+    LANES: tl.constexpr = 4 if BLOCK_K >= 32 else BLOCK_K // 8  # of a row's BK/8 elements: lanes x registers
+    REGS: tl.constexpr = BLOCK_K // 8 // LANES
+    lane = tl.arange(0, LANES)[:, None, None, None, None]
+    row_lo = tl.arange(0, 8)[None, :, None, None, None]
+    row_hi = tl.arange(0, BLOCK_N // 16)[None, None, :, None, None]
+    row_mid = tl.arange(0, 2)[None, None, None, :, None]
+    reg = tl.arange(0, REGS)[None, None, None, None, :]
+    off = (row_hi * 16 + row_mid * 8 + row_lo) * (BLOCK_K // 8) + lane * REGS + reg
+    off = tl.max_contiguous(off, [1, 1, 1, 1, REGS])  # vectorise along r only, never across lanes
     pairs = tl.load(vbase.to(tl.pointer_type(tl.int64)) + off)
     byte = tl.load(mbase + off).to(tl.int32)
     lo0, hi0 = expand_words((pairs & 0xFFFFFFFF).to(tl.int32), byte, 29, 31)  # group 2b: the low nibble
     lo1, hi1 = expand_words((pairs >> 32).to(tl.int32), byte, 1, 3)  # group 2b + 1: the high nibble
-    words = tl.join(tl.join(lo0, lo1), tl.join(hi0, hi1))  # (BN, B/2, 2, group, word)
+    words = tl.join(tl.join(lo0, lo1), tl.join(hi0, hi1))  # (..., group, word)
     dense = halves(words, vbase.dtype.element_ty)  # column 8b + 4 group + 2 word + half
+    dense = tl.permute(dense, (2, 3, 1, 4, 0, 5, 6, 7))  # (row // 16, row // 8 % 2, row % 8, r, lane, 8 columns)
     return tl.reshape(dense, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def sparse_columns(vals_ptr, BLOCK_K: tl.constexpr):
+    """The x columns (0..BK-1 within the block) that match `load_sparse_block`'s columns, in its order:
+    in order, except for `expand_group_pairs`, whose column r * 8 * LANES + 8 * lane + c is 8b + c."""
+    if (vals_ptr.dtype.element_ty.primitive_bitwidth == 16) and (GROUPS_PER_LOAD == 2):
+        LANES: tl.constexpr = 4 if BLOCK_K >= 32 else BLOCK_K // 8  # as in expand_group_pairs
+        REGS: tl.constexpr = BLOCK_K // 8 // LANES
+        b = tl.arange(0, LANES)[None, :, None] * REGS + tl.arange(0, REGS)[:, None, None]  # (r, lane, 1)
+        cols = tl.reshape(b * 8 + tl.arange(0, 8)[None, None, :], (BLOCK_K,))
+        return tl.max_contiguous(tl.multiple_of(cols, 8), 8)  # runs of 8 columns: x still loads 128-bit
+    else:
+        return tl.arange(0, BLOCK_K)
 
 
 @triton.jit
@@ -226,14 +255,14 @@ def load_x(x_ptr, offs_m, offs_k, M, K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def decode_mac(acc, w, x_ptr, m0, col, M, K: tl.constexpr,
+def decode_mac(acc, w, x_ptr, m0, col, cols, M, K: tl.constexpr,
                TOK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc[BN, TOK] += w[BN, BK] @ x[m0 : m0+TOK, col*BK : col*BK+BK]^T (tl.dot; rows from M on are zeros).
+    """acc[BN, TOK] += w[BN, BK] @ x[m0 : m0+TOK, col*BK + cols]^T (tl.dot; rows from M on are zeros; `cols`
+    are the block's columns in w's order).
 
     x is loaded token-major and transposed in registers: on sm_80 that feeds the mma with fewer register
     moves than a (BK, TOK) load."""
-    offs_k = col * BLOCK_K + tl.arange(0, BLOCK_K)
-    x = load_x(x_ptr, m0 + tl.arange(0, TOK), offs_k, M, K, EVEN_K)
+    x = load_x(x_ptr, m0 + tl.arange(0, TOK), col * BLOCK_K + cols, M, K, EVEN_K)
     return mma(w, tl.trans(x), acc, DOT_PRECISION)
 
 
@@ -278,13 +307,15 @@ def decode_kernel(
         for i in range(lo, hi):
             col = tl.load(dense_cols_ptr + i)
             w = load_dense_block(dense_ptr, i, BLOCK_N, BLOCK_K)
-            acc = decode_mac(acc, w, x_ptr, m0, col, m_end, K, TOK, BLOCK_K, EVEN_K, DOT_PRECISION)
+            acc = decode_mac(acc, w, x_ptr, m0, col, tl.arange(0, BLOCK_K), m_end, K, TOK, BLOCK_K, EVEN_K,
+                             DOT_PRECISION)
     if HAS_SPARSE:
         lo, hi = row_share(sparse_rowptr_ptr, row, split, SPARSE_PER_ROW, SPLIT_K)
+        cols = sparse_columns(vals_ptr, BLOCK_K)
         for i in range(lo, hi):
             col = tl.load(sparse_cols_ptr + i)
             w = load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K)
-            acc = decode_mac(acc, w, x_ptr, m0, col, m_end, K, TOK, BLOCK_K, EVEN_K, DOT_PRECISION)
+            acc = decode_mac(acc, w, x_ptr, m0, col, cols, m_end, K, TOK, BLOCK_K, EVEN_K, DOT_PRECISION)
     store_out(tl.trans(acc), offs_m, offs_n, offs_m < m_end, y_ptr, part_ptr, bias_ptr, split, M, N, HAS_BIAS,
               SPLIT_K)
 
@@ -327,9 +358,10 @@ def prefill_kernel(
             acc = mma(x, wt, acc, DOT_PRECISION)
     if HAS_SPARSE:
         lo, hi = row_share(sparse_rowptr_ptr, row, split, SPARSE_PER_ROW, SPLIT_K)
+        cols = sparse_columns(vals_ptr, BLOCK_K)
         for i in range(lo, hi):
             col = tl.load(sparse_cols_ptr + i)
-            x = load_x(x_ptr, offs_m, col * BLOCK_K + rk, M, K, EVEN_K)
+            x = load_x(x_ptr, offs_m, col * BLOCK_K + cols, M, K, EVEN_K)
             w = opaque(load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K))
             acc = mma(x, tl.trans(w), acc, DOT_PRECISION)
     store_out(acc, offs_m, offs_n, offs_m < M, y_ptr, part_ptr, bias_ptr, split, M, N, HAS_BIAS, SPLIT_K)

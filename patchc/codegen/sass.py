@@ -168,6 +168,7 @@ def weight_loops(sass: str | None, has_dense: bool, has_sparse: bool, block: tup
 # per weight byte of each weight loop, barriers per iteration where the variant serves M <= 4, no spills,
 # 128-bit weight loads. Above ~0.28 w-instr/B an H100 cannot be memory bound; these leave room for the rest.
 LOOP_TARGETS = {"dense": 0.08, "2:4": 0.14}
+ISSUE_CEILING = 0.93e12 / 3.35e12  # H100 warp-instructions per HBM byte: a loop above it cannot be memory bound
 TARGET_M = 16  # variants serving M up to this are held to LOOP_TARGETS
 SMALL_M_BARRIERS = (4, 2)  # variants serving M <= 4: at most 2 barriers per loop iteration
 
