@@ -164,6 +164,13 @@ def expand_groups(vbase, mbase, rn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
     return tl.reshape(dense, (BLOCK_N, BLOCK_K))
 
 
+@triton.constexpr_function
+def pair_lanes(block_k):
+    """`expand_group_pairs` splits a row's BK/8 64-bit elements over this many lanes of an mma quad (the rest
+    are each lane's registers); `sparse_columns` reads x in the order that split gives."""
+    return 4 if block_k >= 32 else block_k // 8
+
+
 @triton.jit
 def expand_group_pairs(vbase, mbase, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """16-bit 2:4 block -> (BN, BK) with its columns in `sparse_columns` order, loaded straight into the
@@ -175,7 +182,7 @@ def expand_group_pairs(vbase, mbase, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
     so each lane's REGS elements are adjacent in memory (a 128-bit load for REGS = 2) and the operand's
     column order is (r, lane, 8 columns). The load's shape (lane, row % 8, row // 16, row // 8 % 2, r) is
     the mma operand's lane / warp / register split of rows, which Triton's coalescing reproduces."""
-    LANES: tl.constexpr = 4 if BLOCK_K >= 32 else BLOCK_K // 8  # of a row's BK/8 elements: lanes x registers
+    LANES: tl.constexpr = pair_lanes(BLOCK_K)
     REGS: tl.constexpr = BLOCK_K // 8 // LANES
     lane = tl.arange(0, LANES)[:, None, None, None, None]
     row_lo = tl.arange(0, 8)[None, :, None, None, None]
@@ -199,7 +206,7 @@ def sparse_columns(vals_ptr, BLOCK_K: tl.constexpr):
     """The x columns (0..BK-1 within the block) that match `load_sparse_block`'s columns, in its order:
     in order, except for `expand_group_pairs`, whose column r * 8 * LANES + 8 * lane + c is 8b + c."""
     if (vals_ptr.dtype.element_ty.primitive_bitwidth == 16) and (GROUPS_PER_LOAD == 2):
-        LANES: tl.constexpr = 4 if BLOCK_K >= 32 else BLOCK_K // 8  # as in expand_group_pairs
+        LANES: tl.constexpr = pair_lanes(BLOCK_K)
         REGS: tl.constexpr = BLOCK_K // 8 // LANES
         b = tl.arange(0, LANES)[None, :, None] * REGS + tl.arange(0, REGS)[:, None, None]  # (r, lane, 1)
         cols = tl.reshape(b * 8 + tl.arange(0, 8)[None, None, :], (BLOCK_K,))
