@@ -79,7 +79,8 @@ class PatchConfig:
         eval_mask: mask used in eval mode: "hard" (exactly what `harden` produces) or "soft"
             (noise-free softmax at the current tau / kappa).
         include / exclude: fnmatch globs over weight FQNs; exclude wins.
-        min_features: skip weights with fewer rows or columns than this.
+        min_features: skip weights with fewer rows or columns than this (weights smaller than the
+            tile in either dimension are skipped too).
         seed: seeds the logit init and the Gumbel noise stream.
     """
 
@@ -182,6 +183,9 @@ class PatchConfig:
             return f"not a 2-D weight (shape {tuple(shape)})"
         if min(shape) < self.min_features:
             return f"shape {tuple(shape)} has a dim < min_features={self.min_features}"
+        if shape[0] < self.tile[0] or shape[1] < self.tile[1]:
+            # e.g. Qwen3.5's (heads, hidden) gate projections under 128 x 128 tiles: a sliver, left dense
+            return f"shape {tuple(shape)} is smaller than the tile {tuple(self.tile)}"
         return None
 
     def replace(self, **changes) -> "PatchConfig":

@@ -82,7 +82,7 @@ def test_eval_and_report_commands_read_a_saved_plan(tmp_path, capsys):
     [
         (["--model", "/nonexistent/model.bin"], "/nonexistent/model.bin"),
         (["--sparsity", "0.7"], "outside [0, 0.5]"),
-        (["--tile", "64", "64"], "does not fit"),
+        (["--tile", "512", "512"], "is larger than 35 of them: choose a smaller tile"),
         (["--block-len", "100000"], "longer than the 512 positions"),
         (["--eval-context", "4096"], "--eval-context 4096 is longer than the 512 positions"),
         (["--lr", "-1"], "--lr must be a positive number"),

@@ -83,6 +83,15 @@ def _build(name: str) -> nn.Module:
             intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0,
             n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=16, **{**MOE, "num_key_value_heads": HEADS}, **BASE)),
+        # Gated DeltaNet (chunked linear attention): one graph per sequence length
+        "qwen3_5": lambda: t.Qwen3_5ForCausalLM(t.Qwen3_5TextConfig(
+            intermediate_size=64, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention"], **BASE)),
+        # Mamba-2 + attention + fused experts; its forward takes use_cache only through **kwargs
+        "granitemoehybrid": lambda: t.GraniteMoeHybridForCausalLM(t.GraniteMoeHybridConfig(
+            intermediate_size=32, shared_intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+            num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
+            layer_types=["mamba", "attention"], **{**BASE, "num_hidden_layers": 2})),
         "llama4": lambda: t.Llama4ForCausalLM(t.Llama4TextConfig(intermediate_size=32, intermediate_size_mlp=64,
                                                                  num_local_experts=4, num_experts_per_tok=1,
                                                                  num_key_value_heads=2, head_dim=16, **BASE)),
@@ -96,9 +105,9 @@ def _build(name: str) -> nn.Module:
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gemma3", "mistral", "phi3",
             "opt", "gpt_neox", "gpt2", "falcon", "bert", "t5", "gemma2", "glm4", "granite", "olmo2", "smollm3", "cohere",
-            "stablelm", "phi", "ernie4_5", "gpt_oss", "deepseek_v3", "llama4"]
+            "stablelm", "phi", "ernie4_5", "gpt_oss", "deepseek_v3", "llama4", "qwen3_5", "granitemoehybrid"]
 # 3-D expert weights: one plan layer per expert slice
-FUSED_EXPERTS = {"qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "llama4"}
+FUSED_EXPERTS = {"qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "llama4", "granitemoehybrid"}
 
 
 class Case:
@@ -155,7 +164,7 @@ def expected_layers(model: nn.Module, cfg: PatchConfig) -> tuple[set[str], set[s
         elif isinstance(weight, nn.Parameter) and weight.dim() == 2 and path.endswith((".gate", ".router")):
             routers.add(f"{path}.weight")  # HF 5 routers are plain modules holding a weight
         for pname, p in module.named_parameters(recurse=False):
-            if p.dim() == 3:  # fused experts: one layer per expert slice
+            if p.dim() == 3 and not isinstance(module, nn.Conv1d):  # fused experts: one layer per expert slice
                 names.update(f"{path}.{pname}.{e}" for e in range(p.shape[0]))
     return names, routers
 
@@ -259,7 +268,7 @@ def test_router_exclusion_can_be_overridden_and_is_explained():
     cfg = PatchConfig(tile=TILE)
     assert "router" in cfg.selects("model.layers.0.mlp.gate.weight", (4, 64))
     assert cfg.selects("model.layers.0.mlp.gate_proj.weight", (64, 64)) is None  # not a router
-    assert PatchConfig(exclude=()).selects("model.layers.0.mlp.gate.weight", (4, 64)) is None
+    assert PatchConfig(tile=(4, 16), exclude=()).selects("model.layers.0.mlp.gate.weight", (4, 64)) is None
 
 
 def test_llama4_bmm_experts_are_masked_per_expert_as_stored_k_by_n():
@@ -356,3 +365,14 @@ def test_calibrating_the_program_sees_each_expert_on_its_own_tokens():
 
 # `patchc prune` on a MoE directory (with baselines): tests/test_calibrate_experts.py
 # TileExperts / TileBmmExperts against the transformers modules: tests/test_experts_runtime.py
+
+
+def test_chunked_mixers_export_per_length_and_kwargs_only_use_cache_exports_without_it():
+    from patchc.models.per_length import PerLengthExport
+
+    case, ep = exported("qwen3_5")  # Gated DeltaNet loops over 64-token chunks: one graph per length
+    assert isinstance(ep, PerLengthExport) and "GatedDeltaNet" in ep.reason
+    case, ep = exported("granitemoehybrid")
+    assert isinstance(ep, PerLengthExport) and case.model.config.use_cache is True  # restored after the export
+    out = ep.first.module()(torch.randint(3, VOCAB, (2, ep.length)))  # called without use_cache
+    assert out.logits.shape == (2, ep.length, VOCAB)

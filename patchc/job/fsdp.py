@@ -203,6 +203,9 @@ def shard_program(prog: MaskedProgram, mesh=None, *, reshard_after_forward: bool
     """
     from torch.distributed.fsdp import fully_shard
 
+    if prog.seq_graphs is not None:
+        raise ValueError("--fsdp: this model exports one graph per sequence length (its sequence length cannot be "
+                         f"symbolic: {prog.seq_graphs.source.reason}); train it without --fsdp")
     gm = prog.graph_module
     mesh = mesh if mesh is not None else default_mesh(next(gm.parameters()).device)
     shards = group_blocks(prog)

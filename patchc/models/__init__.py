@@ -9,6 +9,7 @@ it for `patchc.transform` and how to read its logits or embeddings.
     hf.py                 transformers loaders (causal LMs, encoders, all-MiniLM-L6-v2), offline
     bundle.py             `load_model`: one loader for all of them
     outputs.py            logits of any model call, a model's device
+    per_length.py         `PerLengthExport`: a model torch.export traces only at fixed sequence lengths
 
 Example:
     >>> from patchc.models import load_llama2c, load_tokenizer, STORIES260K_DIR

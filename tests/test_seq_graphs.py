@@ -1,0 +1,132 @@
+"""Models that export only at a fixed sequence length: one graph per length, one set of masks.
+
+A toy LM whose forward loops in Python over chunks of its sequence stands in for Gated DeltaNet /
+Mamba-2 (the real ones are in tests/test_families.py: qwen3_5, granitemoehybrid), so the dynamic
+export really fails and `export_causal_lm` falls back on its own, not through its table of known layers.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import patchc
+from patchc.config import PatchConfig
+from patchc.models.hf import export_causal_lm
+from patchc.models.per_length import PerLengthExport
+
+TILE = (8, 8)
+
+
+class ChunkedLM(nn.Module):
+    """Embedding -> per chunk of 4 tokens: a causal running sum carried across chunks -> MLP -> head."""
+
+    CHUNK = 4
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(max_position_embeddings=64)
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> torch.Tensor:
+        h = self.embed(input_ids)
+        t = h.shape[1]
+        pad = (-t) % self.CHUNK
+        h = nn.functional.pad(h, (0, 0, 0, pad))
+        state = h.new_zeros(h.shape[0], h.shape[2])
+        outs = []
+        for i in range(h.shape[1] // self.CHUNK):  # a Python loop over the chunks: export fixes T
+            chunk = self.mix(h[:, i * self.CHUNK:(i + 1) * self.CHUNK])
+            running = state[:, None] + chunk.cumsum(1)
+            state = running[:, -1]
+            outs.append(running)
+        y = torch.cat(outs, 1)[:, :t]
+        return self.head(y + self.down(torch.relu(self.up(y))))
+
+
+@pytest.fixture
+def chunked():
+    torch.manual_seed(0)
+    model = ChunkedLM().eval()
+    exported = export_causal_lm(model, seq=8)
+    return model, exported
+
+
+def test_dynamic_export_failure_falls_back_to_one_graph_per_length(chunked):
+    model, exported = chunked
+    assert isinstance(exported, PerLengthExport) and exported.length == 8
+    assert exported.reason  # the dynamic export's error, first line
+    ids = torch.randint(0, 32, (3, 8))
+    torch.testing.assert_close(exported.first.module()(ids, use_cache=False), model(ids), rtol=0, atol=0)
+    with pytest.raises(Exception):  # the graph holds at its own length only
+        exported.first.module()(torch.randint(0, 32, (3, 12)), use_cache=False)
+
+
+def test_every_length_shares_the_weights_and_the_masks(chunked):
+    model, exported = chunked
+    prog = patchc.transform(exported, PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5))
+    assert set(prog.layers) == {"mix.weight", "up.weight", "down.weight", "head.weight"}
+    short, long = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 13))
+    with prog.mask_mode("ones"):
+        for ids in (short, long):  # the ones mask is the model at every length
+            torch.testing.assert_close(prog(ids), model(ids), rtol=0, atol=0)
+    assert sorted(prog.seq_graphs.graphs) == [8, 13]
+    first, second = (prog.seq_graphs.graphs[n][0] for n in (8, 13))
+    assert second.get_parameter("up.weight") is first.get_parameter("up.weight")
+    assert second.patchc_masks.up_weight is first.patchc_masks.up_weight is prog.masks["up_weight"]
+    assert not any(p.requires_grad for p in second.parameters() if p.dim() and p.shape == model.up.weight.shape)
+
+    prog.train()
+    prog(short).sum().backward()
+    grad_short = prog.masks["up_weight"].nm_logits.grad.clone()
+    prog(long).sum().backward()  # accumulates into the same logits
+    assert not torch.equal(prog.masks["up_weight"].nm_logits.grad, grad_short)
+
+    prog.eval()
+    plan = patchc.harden(prog)
+    pruned = plan.apply(copy.deepcopy(model))
+    with torch.no_grad():
+        for ids in (short, long):
+            torch.testing.assert_close(pruned(ids), prog(ids), rtol=1e-6, atol=1e-6)
+
+
+def test_observers_reach_graphs_built_while_observing_and_leave_none_behind(chunked):
+    _, exported = chunked
+    prog = patchc.transform(exported, PatchConfig(tile=TILE))
+    seen: list[tuple[str, int]] = []
+    with torch.no_grad(), prog.observe_inputs(lambda fqn, x: seen.append((fqn, x.shape[-2]))):
+        prog(torch.randint(0, 32, (2, 8)))
+        prog(torch.randint(0, 32, (2, 6)))  # a new graph, exported inside the block
+    assert ("up.weight", 8) in seen and ("up.weight", 6) in seen
+    for gm, _ in prog.seq_graphs.graphs.values():
+        assert not any("observers" in str(n.target) for n in gm.graph.nodes)
+    with pytest.raises(ValueError, match="token ids"):
+        prog(input_ids=None)
+
+
+def test_fsdp_refuses_a_per_length_program(chunked):
+    from patchc.job.fsdp import shard_program
+
+    prog = patchc.transform(chunked[1], PatchConfig(tile=TILE))
+    with pytest.raises(ValueError, match="--fsdp: this model exports one graph per sequence length"):
+        shard_program(prog)
+
+
+def test_weights_smaller_than_the_tile_stay_dense_with_a_reason():
+    cfg = PatchConfig(tile=(16, 16))
+    assert cfg.selects("layers.0.linear_attn.in_proj_b.weight", (4, 64)) == "shape (4, 64) is smaller than the tile (16, 16)"
+    assert cfg.selects("layers.0.mlp.up_proj.weight", (16, 64)) is None
+    model = ChunkedLM()
+    prog = patchc.transform(export_causal_lm(model, seq=8), PatchConfig(tile=(32, 16)))
+    assert set(prog.layers) == {"up.weight", "head.weight"}  # (32, 16) and (32, 16); mix / down have 16 rows
+    assert "smaller than the tile" in prog.skipped["mix.weight"]
+    with pytest.raises(ValueError, match=r"the tile \(64, 64\) is larger than 4 of them: choose a smaller tile"):
+        patchc.transform(export_causal_lm(model, seq=8), PatchConfig(tile=(64, 64)))
