@@ -29,6 +29,11 @@ NM_PARAMS = ("pattern", "weight")
 # Mixture-of-experts routers (Qwen-MoE / Mixtral / OLMoE `mlp.gate`, Qwen2-MoE's `shared_expert_gate`,
 # `*.router.*`): tiny (experts x hidden), and sparsifying them changes which experts each token visits.
 ROUTER_EXCLUDE: tuple[str, ...] = ("*.gate.weight", "*shared_expert_gate.weight", "*router*")
+# The vision / audio side of a multimodal checkpoint (Gemma 3, Qwen3-VL / Qwen3.5, Mistral 3, Llama 4,
+# SmolVLM): patchc prunes the text decoder on text, where these never run, so they would get no
+# calibration and one-shot baselines would prune them blind.
+ENCODER_EXCLUDE: tuple[str, ...] = ("*vision_tower.*", "*vision_model.*", "*.visual.*", "*multi_modal_projector*",
+                                    "*audio_tower.*", "model.connector.*")
 
 DEFAULT_EXCLUDE: tuple[str, ...] = (
     "*embed*",
@@ -38,6 +43,7 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     "output.weight",
     "*classifier*",
     *ROUTER_EXCLUDE,
+    *ENCODER_EXCLUDE,
 )
 
 
@@ -177,7 +183,9 @@ class PatchConfig:
             return f"not matched by include={self.include}"
         for g in self.exclude:
             if fnmatch.fnmatchcase(fqn, g):
-                why = " (a MoE router: sparsifying it changes routing)" if g in ROUTER_EXCLUDE else ""
+                why = (" (a MoE router: sparsifying it changes routing)" if g in ROUTER_EXCLUDE else
+                       " (a multimodal model's vision / audio side: patchc prunes the text decoder)"
+                       if g in ENCODER_EXCLUDE else "")
                 return f"excluded by {g!r}{why}"
         if len(shape) != 2:
             return f"not a 2-D weight (shape {tuple(shape)})"
@@ -196,4 +204,4 @@ class PatchConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-__all__ = ["PatchConfig", "DEFAULT_EXCLUDE", "ROUTER_EXCLUDE"]
+__all__ = ["PatchConfig", "DEFAULT_EXCLUDE", "ENCODER_EXCLUDE", "ROUTER_EXCLUDE"]

@@ -92,6 +92,12 @@ def _build(name: str) -> nn.Module:
             intermediate_size=32, shared_intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
             num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
             layer_types=["mamba", "attention"], **{**BASE, "num_hidden_layers": 2})),
+        # a vision-language checkpoint: the text decoder is pruned, the vision tower never runs on text
+        "gemma3_vlm": lambda: t.Gemma3ForConditionalGeneration(t.Gemma3Config(
+            text_config=dict(intermediate_size=64, num_key_value_heads=2, head_dim=16, **BASE),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=28, patch_size=14),
+            mm_tokens_per_image=4, image_token_index=VOCAB - 1, boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3)),
         "llama4": lambda: t.Llama4ForCausalLM(t.Llama4TextConfig(intermediate_size=32, intermediate_size_mlp=64,
                                                                  num_local_experts=4, num_experts_per_tok=1,
                                                                  num_key_value_heads=2, head_dim=16, **BASE)),
@@ -105,7 +111,7 @@ def _build(name: str) -> nn.Module:
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gemma3", "mistral", "phi3",
             "opt", "gpt_neox", "gpt2", "falcon", "bert", "t5", "gemma2", "glm4", "granite", "olmo2", "smollm3", "cohere",
-            "stablelm", "phi", "ernie4_5", "gpt_oss", "deepseek_v3", "llama4", "qwen3_5", "granitemoehybrid"]
+            "stablelm", "phi", "ernie4_5", "gpt_oss", "deepseek_v3", "llama4", "qwen3_5", "granitemoehybrid", "gemma3_vlm"]
 # 3-D expert weights: one plan layer per expert slice
 FUSED_EXPERTS = {"qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "llama4", "granitemoehybrid"}
 
@@ -164,7 +170,8 @@ def expected_layers(model: nn.Module, cfg: PatchConfig) -> tuple[set[str], set[s
         elif isinstance(weight, nn.Parameter) and weight.dim() == 2 and path.endswith((".gate", ".router")):
             routers.add(f"{path}.weight")  # HF 5 routers are plain modules holding a weight
         for pname, p in module.named_parameters(recurse=False):
-            if p.dim() == 3 and not isinstance(module, nn.Conv1d):  # fused experts: one layer per expert slice
+            fused = p.dim() == 3 and not isinstance(module, nn.Conv1d)
+            if fused and cfg.selects(f"{path}.{pname}", tuple(p.shape[1:])) is None:  # one layer per expert slice
                 names.update(f"{path}.{pname}.{e}" for e in range(p.shape[0]))
     return names, routers
 
@@ -376,3 +383,17 @@ def test_chunked_mixers_export_per_length_and_kwargs_only_use_cache_exports_with
     assert isinstance(ep, PerLengthExport) and case.model.config.use_cache is True  # restored after the export
     out = ep.first.module()(torch.randint(3, VOCAB, (2, ep.length)))  # called without use_cache
     assert out.logits.shape == (2, ep.length, VOCAB)
+
+
+def test_a_vision_language_checkpoint_loads_whole_and_prunes_its_text_decoder(tmp_path):
+    from patchc.models.hf import hf_config, hf_kind, load_hf_causal
+    from patchc.pruning.calibrate import default_layers
+
+    case, _ = exported("gemma3_vlm")
+    case.model.save_pretrained(tmp_path / "vlm")
+    assert hf_kind(hf_config(tmp_path / "vlm")) == "causal"  # was refused as seq2seq (*ForConditionalGeneration)
+    model, _ = load_hf_causal(tmp_path / "vlm")
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"  # whole: a pruned model still takes images
+    layers = default_layers(model)  # what calibration and the one-shot baselines prune
+    assert layers and all(name.startswith("model.language_model.") for name in layers), sorted(layers)[:4]
+    assert "vision / audio side" in PatchConfig().selects("model.vision_tower.encoder.layers.0.mlp.fc1.weight", (64, 32))

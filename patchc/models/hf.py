@@ -113,6 +113,8 @@ def hf_kind(config: Any) -> str:
     """
     if getattr(config, "is_encoder_decoder", False):
         raise HFLoadError(f"{getattr(config, '_name_or_path', '?')}: encoder-decoder models are not supported")
+    if is_multimodal(config):
+        return "causal"
     archs = list(getattr(config, "architectures", None) or [])
     if any(a.endswith(_SEQ2SEQ_SUFFIXES) for a in archs):
         raise HFLoadError(f"{getattr(config, '_name_or_path', '?')}: {archs[0]} is a seq2seq model; not supported")
@@ -127,6 +129,20 @@ def hf_kind(config: Any) -> str:
     if mt in ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and mt not in ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         return "causal"
     return "encoder"
+
+
+def is_multimodal(config: Any) -> bool:
+    """A vision-language checkpoint (Gemma 3, Qwen3-VL, Qwen3.5, Mistral 3, Llama 4, ...): patchc prunes its
+    text decoder, on text; the vision tower never runs there, so it is never masked and stays as it is.
+
+    Example:
+        >>> is_multimodal(hf_config("/models/gemma-3-4b-it"))
+        True
+    """
+    from transformers.models.auto import modeling_auto as ma
+
+    return (getattr(config, "vision_config", None) is not None
+            and getattr(config, "model_type", "") in ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
 def max_positions(config: Any, default: int = 2048) -> int:
@@ -165,14 +181,17 @@ def load_hf_tokenizer(spec: str | os.PathLike) -> Any | None:
 
 
 def load_hf_causal(spec: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[nn.Module, Any | None]:
-    """(AutoModelForCausalLM in fp32 eval mode, its HF tokenizer or None), offline.
+    """(AutoModelForCausalLM in fp32 eval mode, its HF tokenizer or None), offline. A vision-language
+    checkpoint loads whole (AutoModelForImageTextToText), so its plan and export keep the model's own
+    names and a pruned model still takes images.
 
     Example:
         >>> model, tok = load_hf_causal("/path/to/saved_llama")
         >>> model(torch.tensor([[1, 2, 3]]), use_cache=False).logits.shape
     """
     transformers = _transformers()
-    return _from_pretrained(transformers.AutoModelForCausalLM, str(spec), device), load_hf_tokenizer(spec)
+    auto = transformers.AutoModelForImageTextToText if is_multimodal(hf_config(spec)) else transformers.AutoModelForCausalLM
+    return _from_pretrained(auto, str(spec), device), load_hf_tokenizer(spec)
 
 
 class EncoderWrapper(nn.Module):
@@ -265,7 +284,7 @@ def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH,
         try:
             return _export_ids(model, ids, {**batch_dim, 1: torch.export.Dim("seq", min=1, max=limit)})
         except Exception as dynamic_error:  # noqa: BLE001 - any failure: try the fixed-length export below
-            reason = _first_line(dynamic_error)
+            reason = f"{type(dynamic_error).__name__}: {_first_line(dynamic_error)}"[:200]
             try:
                 first = at_length(seq)
             except Exception:  # noqa: BLE001 - the fixed length fails too: the dynamic export's error is the one to show
@@ -287,19 +306,15 @@ def _export_ids(model: nn.Module, ids: torch.Tensor, dims: dict) -> torch.export
         return torch.export.export(model, (ids,), kwargs={"use_cache": False},
                                    dynamic_shapes={next(iter(params)): dims, "use_cache": None})
     config = getattr(model, "config", None)
-    was = getattr(config, "use_cache", None)
+    configs = {id(c): c for c in (config, getattr(config, "get_text_config", lambda: None)()) if c is not None}
+    was = {key: getattr(c, "use_cache", None) for key, c in configs.items()}
     try:
-        if config is not None:
-            config.use_cache = False
+        for c in configs.values():  # a multimodal model reads its text config's flag
+            c.use_cache = False
         return torch.export.export(model, (ids,), dynamic_shapes=(dims,))
     finally:
-        if config is not None:
-            config.use_cache = was
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
+        for key, c in configs.items():
+            c.use_cache = was[key]
 
 
 def export_encoder(wrapper: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _EXAMPLE_SEQ) -> torch.export.ExportedProgram:
