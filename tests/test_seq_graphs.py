@@ -97,6 +97,12 @@ def test_every_length_shares_the_weights_and_the_masks(chunked):
         for ids in (short, long):
             torch.testing.assert_close(pruned(ids), prog(ids), rtol=1e-6, atol=1e-6)
 
+    prog.double()  # every graph follows, and the weights stay shared
+    assert second.get_parameter("up.weight") is first.get_parameter("up.weight")
+    assert first.get_parameter("up.weight").dtype == torch.float64
+    with torch.no_grad():
+        assert prog(long).dtype == torch.float64
+
 
 def test_observers_reach_graphs_built_while_observing_and_leave_none_behind(chunked):
     _, exported = chunked

@@ -87,9 +87,11 @@ class SeqGraphs:
                 InsertObservers(sites, callback)(gm)
 
     def apply(self, fn: Callable, recurse: bool = True) -> None:
-        """`nn.Module._apply` on every graph (the first one's parameters are shared, so moved in place)."""
-        for gm, _ in self.graphs.values():
-            gm._apply(fn, recurse)
+        """`nn.Module._apply` on the graphs built after the first (the program applies it to the first,
+        whose parameters they share)."""
+        for length, (gm, _) in self.graphs.items():
+            if length != self.source.length:
+                gm._apply(fn, recurse)
 
 
 def share_parameters(gm: fx.GraphModule, source: fx.GraphModule) -> None:
