@@ -282,14 +282,14 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBund
     kind = _hf.hf_kind(config)
     limit = _hf.max_positions(config, default=512 if kind == "encoder" else 2048)
     if kind == "causal":
-        model, hf_tok = _hf.load_hf_causal(source, device)
+        model, hf_tok = _hf.load_hf_causal(source, device, config)
         tokenizer = HFTokenizer(hf_tok, "causal") if hf_tok is not None else None
         return ModelBundle(
             name=name,
             kind="causal",
             model=model,
             tokenizer=tokenizer,
-            reload=lambda: _hf.load_hf_causal(source, device)[0],
+            reload=lambda: _hf.load_hf_causal(source, device, config)[0],
             export=_hf.export_causal_lm,
             logits=_hf_causal_logits,
             embed=_not_for(name, "causal", "sentence embeddings (embed)"),

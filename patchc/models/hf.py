@@ -180,17 +180,19 @@ def load_hf_tokenizer(spec: str | os.PathLike) -> Any | None:
         return None
 
 
-def load_hf_causal(spec: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[nn.Module, Any | None]:
+def load_hf_causal(spec: str | os.PathLike, device: str | torch.device = "cpu",
+                   config: Any = None) -> tuple[nn.Module, Any | None]:
     """(AutoModelForCausalLM in fp32 eval mode, its HF tokenizer or None), offline. A vision-language
     checkpoint loads whole (AutoModelForImageTextToText), so its plan and export keep the model's own
-    names and a pruned model still takes images.
+    names and a pruned model still takes images. `config`: its `hf_config`, when already read.
 
     Example:
         >>> model, tok = load_hf_causal("/path/to/saved_llama")
         >>> model(torch.tensor([[1, 2, 3]]), use_cache=False).logits.shape
     """
     transformers = _transformers()
-    auto = transformers.AutoModelForImageTextToText if is_multimodal(hf_config(spec)) else transformers.AutoModelForCausalLM
+    multimodal = is_multimodal(config if config is not None else hf_config(spec))
+    auto = transformers.AutoModelForImageTextToText if multimodal else transformers.AutoModelForCausalLM
     return _from_pretrained(auto, str(spec), device), load_hf_tokenizer(spec)
 
 
@@ -272,17 +274,19 @@ def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH,
     device = device_of(model)
     batch_dim = {0: torch.export.Dim("batch", min=1, max=_MAX_BATCH)}
 
+    def example(length: int) -> torch.Tensor:
+        return torch.zeros(batch, length, dtype=torch.long, device=device)
+
     def at_length(length: int) -> torch.export.ExportedProgram:
-        return _export_ids(model, torch.zeros(batch, length, dtype=torch.long, device=device), batch_dim)
+        return _export_ids(model, example(length), batch_dim)
 
     chunked = next((type(m).__name__ for m in model.modules() if type(m).__name__.endswith(_CHUNKED_MIXERS)), None)
     if chunked is not None:
         reason = f"{chunked} loops over sequence chunks"
         first = at_length(seq)
     else:
-        ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
         try:
-            return _export_ids(model, ids, {**batch_dim, 1: torch.export.Dim("seq", min=1, max=limit)})
+            return _export_ids(model, example(seq), {**batch_dim, 1: torch.export.Dim("seq", min=1, max=limit)})
         except Exception as dynamic_error:  # noqa: BLE001 - any failure: try the fixed-length export below
             reason = f"{type(dynamic_error).__name__}: {_first_line(dynamic_error)}"[:200]
             try:

@@ -155,19 +155,18 @@ class MaskedProgram(nn.Module):
     @contextlib.contextmanager
     def observe_inputs(self, callback: Callable[[str, torch.Tensor], None]) -> Iterator["MaskedProgram"]:
         """Call `callback(weight_fqn, x)` with each masked matmul's activation input (calibration)."""
-        if self.seq_graphs is not None:
-            self.seq_graphs.observe(callback)
-            try:
-                yield self
-            finally:
-                self.seq_graphs.observe(None)
-            return
-        gm = self.graph_module
-        InsertObservers(self.sites, callback)(gm)
+        graphs = self.seq_graphs
+        if graphs is not None:
+            graphs.observe(callback)  # every length's graph, and those built inside the block
+        else:
+            InsertObservers(self.sites, callback)(self.graph_module)
         try:
             yield self
         finally:
-            RemoveObservers()(gm)
+            if graphs is not None:
+                graphs.observe(None)
+            else:
+                RemoveObservers()(self.graph_module)
 
     # -- schedules -----------------------------------------------------------------------
     def schedule(self) -> dict[str, float]:

@@ -51,7 +51,6 @@ class SeqGraphs:
         self.source, self.cfg, self.masks = source, cfg, dict(masks)
         self.graphs: dict[int, tuple[fx.GraphModule, list[LinearSite]]] = {source.length: (gm, sites)}
         self.observer: Callable[[str, torch.Tensor], None] | None = None
-        self._fqns = [s.fqn for s in sites]
 
     def graph(self, length: int) -> tuple[fx.GraphModule, list[LinearSite]]:
         if length not in self.graphs:
@@ -62,12 +61,12 @@ class SeqGraphs:
         log.info("patchc: exporting the model again for sequence length %d (it exports one graph per length: %s)",
                  length, self.source.reason)
         gm = self.source.export(length).module()
-        first = self.graphs[self.source.length][0]
+        first, first_sites = self.graphs[self.source.length]
         share_parameters(gm, first)
         sites, _ = find_linear_sites(gm, self.cfg)
-        fqns = [s.fqn for s in sites]
-        if sorted(set(fqns)) != sorted(set(self._fqns)):
-            missing, extra = sorted(set(self._fqns) - set(fqns)), sorted(set(fqns) - set(self._fqns))
+        fqns, expected = {s.fqn for s in sites}, {s.fqn for s in first_sites}
+        if fqns != expected:
+            missing, extra = sorted(expected - fqns), sorted(fqns - expected)
             raise RuntimeError(f"patchc: the graph exported for sequence length {length} masks other weights than the "
                                f"length-{self.source.length} graph (missing {missing[:3]}, new {extra[:3]}); "
                                "train at one sequence length")
