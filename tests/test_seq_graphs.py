@@ -70,6 +70,16 @@ def test_dynamic_export_failure_falls_back_to_one_graph_per_length(chunked):
         exported.first.module()(torch.randint(0, 32, (3, 12)), use_cache=False)
 
 
+def test_the_first_graph_is_at_the_training_length_not_the_example():
+    model = ChunkedLM().eval()
+    exported = export_causal_lm(model, seq=8, fixed_len=12)
+    assert exported.length == 12
+    prog = patchc.transform(exported, PatchConfig(tile=TILE, sparsity=0.35))
+    prog(torch.randint(0, 32, (2, 12)))
+    assert sorted(prog.seq_graphs.graphs) == [12]  # the job's block length builds no second graph
+    assert export_causal_lm(model, seq=8, fixed_len=1000).length == 64  # clamped to the model's positions
+
+
 def test_every_length_shares_the_weights_and_the_masks(chunked):
     model, exported = chunked
     prog = patchc.transform(exported, PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5))

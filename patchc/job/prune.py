@@ -106,7 +106,8 @@ def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, check
 def train_program(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, checkpoint: Path | None,
                   resume: bool, prior_masks: dict[str, torch.Tensor] | None = None, steps: int | None = None):
     """`train` up to the trained program (whole on every rank), before hardening; returns (program, result)."""
-    prog = patchc.transform(bundle.export(bundle.model), cfg, calib=calib, prior_masks=prior_masks)
+    prog = patchc.transform(bundle.export(bundle.model, fixed_len=opts.block_len), cfg, calib=calib,
+                            prior_masks=prior_masks)
     for mask in prog.layers.values():
         mask.impl = opts.mask_impl
     setup = prepare_training(prog, checkpoint, fsdp=opts.fsdp)  # alone, DDP, or FSDP2 shards

@@ -7,7 +7,8 @@ patchc never branches on where a model came from:
     tokenizer, or `HFTokenizer` around a Hugging Face one; ``tokenizer.hf`` is the HF object, for
     batching sentences);
   * ``reload()``: a fresh dense copy (baselines and ``plan.apply`` start from it);
-  * ``export(model)``: ``torch.export`` with dynamic batch and sequence dimensions;
+  * ``export(model, fixed_len=None)``: ``torch.export`` with dynamic batch and sequence dimensions
+    (`fixed_len`: where a causal LM can only be exported per length, the length of its first graph);
   * ``logits(model_or_program, ids)`` (causal) / ``embed(model_or_program, sentences)`` (encoder);
   * ``block_len_limit``: the longest sequence the model's positions allow.
 
@@ -139,7 +140,7 @@ class ModelBundle:
     model: nn.Module
     tokenizer: Any
     reload: Callable[[], nn.Module]
-    export: Callable[[nn.Module], torch.export.ExportedProgram]
+    export: Callable[..., torch.export.ExportedProgram]
     logits: Callable[[Any, torch.Tensor], torch.Tensor]
     embed: Callable[[Any, Sequence[str]], torch.Tensor]
     block_len_limit: int
@@ -257,7 +258,7 @@ def _load_llama2c_bundle(spec: str, path: Path, device: str) -> ModelBundle:
         model=model,
         tokenizer=tokenizer,
         reload=load,
-        export=lambda m: export_llama(m),
+        export=lambda m, fixed_len=None: export_llama(m),  # always dynamic in the sequence
         logits=_plain_logits,
         embed=_not_for(path.stem, "causal", "sentence embeddings (embed)"),
         block_len_limit=model.config.max_seq_len,
@@ -290,7 +291,7 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBund
             model=model,
             tokenizer=tokenizer,
             reload=lambda: _hf.load_hf_causal(source, device, config)[0],
-            export=_hf.export_causal_lm,
+            export=lambda m, fixed_len=None: _hf.export_causal_lm(m, fixed_len=fixed_len),
             logits=_hf_causal_logits,
             embed=_not_for(name, "causal", "sentence embeddings (embed)"),
             block_len_limit=limit,
@@ -309,7 +310,7 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBund
         model=model,
         tokenizer=HFTokenizer(hf_tok, "encoder"),
         reload=lambda: _hf.load_hf_encoder(source, device)[0],
-        export=_hf.export_encoder,
+        export=lambda m, fixed_len=None: _hf.export_encoder(m),  # always dynamic in the sequence
         logits=_not_for(name, "encoder", "LM head (logits)"),
         embed=_make_embed(hf_tok, embed_len, device),
         block_len_limit=limit,

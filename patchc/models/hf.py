@@ -255,22 +255,23 @@ def load_hf_encoder(
 # ----------------------------------------------------------------------------------------------- export
 
 
-def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH,
-                     seq: int = _EXAMPLE_SEQ) -> torch.export.ExportedProgram | PerLengthExport:
+def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _EXAMPLE_SEQ,
+                     fixed_len: int | None = None) -> torch.export.ExportedProgram | PerLengthExport:
     """torch.export an HF causal LM with dynamic batch and sequence, ``kwargs={"use_cache": False}``.
 
     The exported module must then be called as ``m(ids, use_cache=False)`` (the kwarg is part of its
     signature); `patchc.models.bundle.ModelBundle.logits` does that. A model whose sequence length
     cannot be symbolic (chunked linear attention or state-space layers loop over the chunks in
-    Python: Qwen3.5, Qwen3-Next, Mamba-2 hybrids) is exported at length `seq` with a dynamic batch
-    and returned as a `PerLengthExport`, which `patchc.transform` turns into one graph per length.
+    Python: Qwen3.5, Qwen3-Next, Mamba-2 hybrids) is exported at length `fixed_len` (default `seq`; pass
+    the length it will train at, so no graph is built for the example alone) with a dynamic batch and
+    returned as a `PerLengthExport`, which `patchc.transform` turns into one graph per length.
 
     Example:
         >>> ep = export_causal_lm(model)
         >>> ep.module()(torch.zeros(3, 5, dtype=torch.long), use_cache=False).logits.shape
     """
     limit = max_positions(model.config)
-    seq = min(seq, limit)
+    seq, fixed_len = min(seq, limit), min(fixed_len or seq, limit)
     device = device_of(model)
     batch_dim = {0: torch.export.Dim("batch", min=1, max=_MAX_BATCH)}
 
@@ -283,19 +284,19 @@ def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH,
     chunked = next((type(m).__name__ for m in model.modules() if type(m).__name__.endswith(_CHUNKED_MIXERS)), None)
     if chunked is not None:
         reason = f"{chunked} loops over sequence chunks"
-        first = at_length(seq)
+        first = at_length(fixed_len)
     else:
         try:
             return _export_ids(model, example(seq), {**batch_dim, 1: torch.export.Dim("seq", min=1, max=limit)})
         except Exception as dynamic_error:  # noqa: BLE001 - any failure: try the fixed-length export below
             reason = f"{type(dynamic_error).__name__}: {_first_line(dynamic_error)}"[:200]
             try:
-                first = at_length(seq)
+                first = at_length(fixed_len)
             except Exception:  # noqa: BLE001 - the fixed length fails too: the dynamic export's error is the one to show
                 raise dynamic_error from None
     log.info("%s: torch.export cannot keep the sequence length symbolic (%s); one graph per length",
              type(model).__name__, reason)
-    return PerLengthExport(first, at_length, seq, reason)
+    return PerLengthExport(first, at_length, fixed_len, reason)
 
 
 def _export_ids(model: nn.Module, ids: torch.Tensor, dims: dict) -> torch.export.ExportedProgram:
