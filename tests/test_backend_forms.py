@@ -115,21 +115,21 @@ def test_backend_refuses_a_plan_in_the_other_orientation():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "llama4"])
-def test_planned_fused_experts_are_named_as_left_dense(family):
-    """Expert slices of a 3-D weight cannot become `tile_linear` calls, whatever op reads them (grouped_mm,
-    Llama 4's bmm): the backend says so (strict: an error) and the model keeps the plan's values."""
+def test_experts_read_by_bmm_are_named_as_left_dense():
+    """Llama 4 multiplies every expert at once with `torch.bmm` over its (E, K, N) weight: no grouped mm for
+    `tile_grouped_mm` to replace (tests/test_backend_experts.py), so the backend says so (strict: an error)
+    and the model keeps the plan's values."""
     import warnings
 
     import patchc
     from patchc.config import PatchConfig
     from tests.test_families import TILE, exported
 
-    case, ep = exported(family)
+    case, ep = exported("llama4")
     plan = patchc.harden(patchc.transform(ep, PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5)))
     model = plan.apply(copy.deepcopy(case.model))
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"experts\.gate_up_proj\.\* \(fused expert slices"):
+    with pytest.raises(Exception, match=r"experts\.gate_up_proj\.\* \(fused expert slices \(3-D weight\) read other"):
         case.run(torch.compile(model, backend="patch", options={"plan": plan, "strict": True}))
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as seen:

@@ -247,6 +247,22 @@ for kinds in ("mixed", "sparse"):
         torch.testing.assert_close(mod(x), F.linear(x, w, layer.bias), atol=1e-4, rtol=1e-5)
 assert seen == [(2, "decode"), (20, "prefill")] * 2, seen
 torch.library.opcheck(torch.ops.patchc.tile_linear.default, (torch.randn(3, 64), *mod.op_args()))
+# fused experts (the backend's tile_grouped_mm): experts 0 and 2 through their kernels, expert 1 dense
+from patchc.runtime.dispatch import BUFFER_NAMES
+from patchc.runtime.grouped import GroupedRead, grouped_args
+layers = {e: random_layer_plan(48, 64, tile=(16, 32), kinds="mixed", seed=e, name=f"w.{e}") for e in (0, 2)}
+mods = [(e, rt.TileLinear.from_plan(lp, dtype=torch.float32, batch_size=2, prefill_len=8)) for e, lp in layers.items()]
+stored = torch.randn(3, 48, 64)
+for e, lp in layers.items():
+    stored[e] = lp.to_dense()
+x, offs = torch.randn(6, 64), torch.tensor([2, 3, 6], dtype=torch.int32)
+bufs = [getattr(m, b) for _, m in mods for b in BUFFER_NAMES]
+seen.clear()
+y = torch.ops.patchc.tile_grouped_mm(*grouped_args(GroupedRead(None, x, stored.transpose(1, 2), offs, None, False),
+                                                   "experts.w", mods, bufs))
+want = torch.cat([x[:2] @ stored[0].T, x[2:3] @ stored[1].T, x[3:] @ stored[2].T])
+torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-5)
+assert [m for m, _ in seen] == [2, 3], seen
 print("INTERP-OK")
 """
 

@@ -11,7 +11,8 @@ Modules: `op` (custom op + fake implementation), `candidates` (the candidate con
 `timing` (timing a layer's configs), `tuner` (decode, prefill and per-M-bucket tuning), `cache` (on-disk
 JSON cache), `dispatch` (TileLinear; `warmup` before CUDA-graph capture), `compile` (patchc.compile),
 `backend` (the dynamo backend `patch_backend`), `matmul_reads` (the matmul forms the backend recognises
-on a weight: linear, x @ W.T, matmul / mm, Conv1D addmm, einsum).
+on a weight: linear, x @ W.T, matmul / mm, Conv1D addmm, einsum), `grouped` (fused MoE experts under the
+backend: the grouped mm it recognises and the `patchc::tile_grouped_mm` op that replaces it).
 """
 
 from __future__ import annotations

@@ -10,9 +10,12 @@ those placeholders are the real parameters. Each placeholder's source
 matmul that reads a planned weight (a plan layer with at least one 2:4 tile) becomes a call of
 ``torch.ops.patchc.tile_linear`` on packed tensors: ``F.linear``, ``x @ W.T`` / matmul / mm, GPT-2
 Conv1D's ``addmm(b, x, W)`` (W stored (K, N), planned as its (N, K) transpose) and linear-layout einsums
-(`patchc.runtime.matmul_reads`). A planned weight read in a form the op cannot serve (fused experts,
-``W @ x``, an einsum with another output layout) is left dense and listed in a warning; with
-``options={"strict": True}`` that is a ValueError. The rest of the graph goes to inductor (CUDA) or
+(`patchc.runtime.matmul_reads`). Fused MoE experts (a 3-D weight read by one grouped mm: transformers 5's
+``F.grouped_mm`` / ``torch._grouped_mm`` / ``transformers::grouped_mm_fallback``) become
+``torch.ops.patchc.tile_grouped_mm``, each planned expert slice on its own packed buffers
+(`patchc.runtime.grouped`). A planned weight read in a form neither op can serve (Llama 4's ``bmm`` over
+every expert, ``W @ x``, an einsum with another output layout) is left dense and listed in a warning;
+with ``options={"strict": True}`` that is a ValueError. The rest of the graph goes to inductor (CUDA) or
 aot_eager (CPU, or when inductor cannot be imported).
 
 Without a plan, one is inferred from the zero pattern of the weights (`TilePlan.from_weights`, tile from
@@ -40,6 +43,7 @@ import torch
 from torch import fx
 
 from patchc.runtime.dispatch import BUFFER_NAMES, TileLinear, report_unreplaced
+from patchc.runtime.grouped import GroupedRead, expert_modules, find_grouped_reads, grouped_args, servable_grouped
 from patchc.runtime.matmul_reads import LINEAR, Read, find_reads
 from patchc.runtime.op import tile_linear as _op  # noqa: F401  (registers the op)
 
@@ -116,26 +120,33 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any],
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     examples = dict(zip(placeholders, example_inputs))
-    reads = find_reads(gm, examples)
-    names = {r.weight: source_fqn(r.weight) or f"patchc_weight_{i}" for i, r in enumerate(reads)}
+    reads, grouped = find_reads(gm, examples), find_grouped_reads(gm, examples)
+    names = {r.weight: source_fqn(r.weight) or f"patchc_weight_{i}" for i, r in enumerate([*reads, *grouped])}
     plan = options.get("plan")
     if plan is None:
         plan = _infer_plan(reads, names, examples, options.get("tile", DEFAULT_TILE))
     served, left = _servable(plan, reads, names, examples)
-    left.update(_unserved_experts(plan, examples))
+    served_grouped, left_grouped = servable_grouped(plan, grouped, names, examples)
+    left.update(_unserved_experts(plan, examples, {names[r.weight] for r in served_grouped}))
+    left.update(left_grouped)
     report_unreplaced("patch backend", "left dense in this graph", left, bool(options.get("strict", False)))
     modules = _modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options)
-    if not modules:
+    experts = _experts(plan, served_grouped, names, examples, options)
+    if not modules and not experts:
         return gm, []
     gm, node_map = _copy_graph_module(gm)
     placeholders = [node_map[n] for n in placeholders]
     modules = {node_map[n]: v for n, v in modules.items()}
-    extra, attrs = _attach(gm, modules, placeholders)
+    slices = [(f"{name}_{e}", mod) for name, mods in experts.values() for e, mod in mods]
+    extra, attrs = _attach(gm, [*modules.values(), *slices], placeholders)
     for read in served:
         _replace(gm, read, node_map, *modules[node_map[read.weight]], attrs)
+    for read in served_grouped:
+        _replace_grouped(gm, read, node_map, names[read.weight], *experts[read.weight], attrs)
     gm.graph.lint()
     gm.recompile()
-    log.info("patch backend: %d matmul call(s) -> patchc::tile_linear", len(served))
+    log.info("patch backend: %d matmul call(s) -> patchc::tile_linear, %d grouped -> patchc::tile_grouped_mm",
+             len(served), len(served_grouped))
     return gm, extra
 
 
@@ -158,6 +169,21 @@ def _replace(gm: fx.GraphModule, read: Read, node_map: dict[fx.Node, fx.Node], n
         new = gm.graph.call_function(torch.ops.patchc.tile_linear.default, (x, *args))
         if add_after is not None:
             new = gm.graph.call_function(torch.add, (new, add_after))
+    new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "example_value", "stack_trace")})
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
+def _replace_grouped(gm: fx.GraphModule, read: GroupedRead, node_map: dict[fx.Node, fx.Node], fqn: str, name: str,
+                     mods: list[tuple[int, TileLinear]], attrs: dict[str, fx.Node]) -> None:
+    """Swap one grouped matmul (in the copied graph) for tile_grouped_mm over its planned experts."""
+    node = node_map[read.node]
+    remap = lambda a: node_map.get(a, a) if isinstance(a, fx.Node) else a  # noqa: E731
+    buffers = [attrs[f"{name}_{e}_{b}"] for e, _ in mods for b in BUFFER_NAMES]
+    args = grouped_args(GroupedRead(node, remap(read.x), remap(read.operand), remap(read.offs), read.weight,
+                                    read.transposed), fqn, mods, buffers)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(torch.ops.patchc.tile_grouped_mm.default, args)
     new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "example_value", "stack_trace")})
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
@@ -193,15 +219,16 @@ def _servable(plan: Any, reads: list[Read], names: dict[fx.Node, str],
     return served, why
 
 
-def _unserved_experts(plan: Any, examples: dict[fx.Node, Any]) -> dict[str, str]:
-    """{"<3-D weight>.*": why} for every fused-experts weight this graph takes whose expert slices are planned,
-    whatever op reads it (grouped_mm, bmm, an eager loop): `tile_linear` serves 2-D weights only."""
+def _unserved_experts(plan: Any, examples: dict[fx.Node, Any], served: set[str]) -> dict[str, str]:
+    """{"<3-D weight>.*": why} for every fused-experts weight this graph takes whose expert slices are planned
+    and that no grouped matmul of `served` reads (bmm over every expert, an eager loop over the experts)."""
     out = {}
     for node, value in examples.items():
         if isinstance(value, torch.nn.Parameter) and value.dim() == 3:
             fqn = source_fqn(node)
-            if fqn and any(_planned(plan, f"{fqn}.{e}") for e in range(value.shape[0])):
-                out[f"{fqn}.*"] = "fused expert slices (3-D weight): patchc.compile serves them (TileExperts)"
+            if fqn and fqn not in served and any(_planned(plan, f"{fqn}.{e}") for e in range(value.shape[0])):
+                out[f"{fqn}.*"] = ("fused expert slices (3-D weight) read other than by a grouped mm: "
+                                   "patchc.compile serves them (TileExperts)")
     return out
 
 
@@ -262,13 +289,31 @@ def _modules(plan: Any, weights: dict[fx.Node, tuple[str, torch.Tensor]],
     return out
 
 
-def _attach(gm: fx.GraphModule, modules: dict[fx.Node, tuple[str, TileLinear]],
+def _experts(plan: Any, reads: list[GroupedRead], names: dict[fx.Node, str], examples: dict[fx.Node, Any],
+             options: dict[str, Any]) -> dict[fx.Node, tuple[str, list[tuple[int, TileLinear]]]]:
+    """One TileLinear per planned expert slice of each served 3-D weight, on that weight's one tuning (the
+    tuner runs on its first planned slice only: every slice has the same shape)."""
+    from patchc.runtime.compile import _tunings
+    from patchc.runtime.grouped import planned_experts
+
+    bs, pl = int(options.get("batch_size", 16)), int(options.get("prefill_len", 128))
+    out = {}
+    for i, weight in enumerate(dict.fromkeys(r.weight for r in reads)):
+        fqn, value = names[weight], examples[weight]
+        first = f"{fqn}.{planned_experts(plan, fqn, value.shape[0])[0]}"
+        tuning = _tunings(plan, [first], bs, pl, options.get("tune", True), value, options.get("cache"),
+                          options.get("time_fn"), False).get(first)
+        out[weight] = (f"_patchc_x{i}", expert_modules(plan, fqn, value, tuning, bs, pl))
+    return out
+
+
+def _attach(gm: fx.GraphModule, modules: list[tuple[str, TileLinear]],
             placeholders: list[fx.Node]) -> tuple[list[torch.Tensor], dict[str, fx.Node]]:
     """New trailing placeholders for the packed tensors: (tensors, {name: placeholder})."""
     tensors: list[torch.Tensor] = []
     nodes: dict[str, fx.Node] = {}
     last = placeholders[-1] if placeholders else None
-    for name, mod in modules.values():
+    for name, mod in modules:
         for bname in (*BUFFER_NAMES, "bias"):
             t = getattr(mod, bname)
             if t is None:

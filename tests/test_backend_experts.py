@@ -1,0 +1,138 @@
+"""torch.compile(backend="patch") on fused MoE experts: grouped matmuls become `patchc::tile_grouped_mm`.
+
+transformers 5 multiplies fused experts as one grouped mm (F.grouped_mm in bf16, its own
+`transformers::grouped_mm_fallback` op otherwise). The op is checked against an independent fp64 loop
+over the experts; the backend on real MoE families compiles the *dense* model with a plan, so only a
+served plan can give the plan-applied model's outputs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import patchc
+from patchc.codegen.reference import random_layer_plan
+from patchc.config import PatchConfig
+from patchc.runtime.dispatch import TileLinear
+from patchc.runtime.grouped import GroupedRead, grouped_args
+
+GROUPED = torch.ops.patchc.tile_grouped_mm.default
+E, N, K = 4, 48, 64
+
+
+@pytest.fixture(autouse=True)
+def reference_on_cpu(monkeypatch):
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
+
+
+def _experts(dtype=torch.float32):
+    """Weight (E, K, N) as grouped mm reads it, and TileLinears for experts 0, 2, 3 (expert 1: no plan)."""
+    layers = {e: random_layer_plan(N, K, tile=(16, 16), kinds="mixed", seed=e, name=f"w.{e}") for e in (0, 2, 3)}
+    stored = torch.randn(E, N, K, generator=torch.Generator().manual_seed(9))
+    for e, layer in layers.items():
+        stored[e] = layer.to_dense()
+    mods = [(e, TileLinear.from_plan(layer, dtype=dtype)) for e, layer in layers.items()]
+    return stored.transpose(1, 2).to(dtype), mods
+
+
+def _args(x, weight, offs, mods):
+    buffers = [getattr(mod, b) for _, mod in mods for b in ("dense", "values", "meta", "dense_rowptr", "dense_cols",
+                                                           "sparse_rowptr", "sparse_cols")]
+    return grouped_args(GroupedRead(None, x, weight, offs, None, False), "experts.w", mods, buffers)
+
+
+@pytest.mark.parametrize("counts", [(3, 0, 5, 1), (0, 7, 0, 0), (1, 1, 1, 1)])
+def test_grouped_op_equals_a_float64_loop_over_the_experts(counts):
+    weight, mods = _experts()
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = torch.randn(int(offs[-1]), K, generator=torch.Generator().manual_seed(1))
+    got = GROUPED(*_args(x, weight, offs, mods))
+    want, start = torch.zeros(x.shape[0], N, dtype=torch.float64), 0
+    for e, end in enumerate(offs.tolist()):
+        want[start:end] = x[start:end].double() @ weight[e].double()
+        start = end
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)  # fp32 accumulation over K = 64
+    assert got.shape == (x.shape[0], N)
+
+
+def test_grouped_op_passes_opcheck_and_names_bad_shapes():
+    weight, mods = _experts()
+    offs = torch.tensor([2, 2, 4, 5], dtype=torch.int32)
+    x = torch.randn(5, K)
+    torch.library.opcheck(GROUPED, _args(x, weight, offs, mods))
+    with pytest.raises(ValueError, match=r"experts\.w.*offs 3 experts"):
+        GROUPED(*_args(x, weight, offs[:3], mods))
+    with pytest.raises(ValueError, match=r"experts\.w.*K=64"):
+        GROUPED(*_args(torch.randn(5, K - 1), weight, offs, mods))
+
+
+def _family_plan(name: str):
+    from tests.test_families import TILE, exported
+
+    case, ep = exported(name)
+    return case, patchc.harden(patchc.transform(ep, PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5)))
+
+
+@pytest.mark.parametrize("family,dtype", [("qwen3_moe", torch.float32), ("qwen3_moe", torch.bfloat16),
+                                          ("gpt_oss", torch.float32)])
+def test_backend_serves_every_planned_expert_slice(family, dtype):
+    """fp32: transformers' own grouped op; bf16: torch._grouped_mm (dynamo's form of F.grouped_mm); gpt-oss:
+    experts stored (E, K, N), with biases. The dense model is compiled with the plan: only served slices give the plan-applied outputs."""
+    case, plan = _family_plan(family)
+    dense = copy.deepcopy(case.model).to(dtype)
+    pruned = plan.apply(copy.deepcopy(case.model)).to(dtype)
+    graphs = []
+    torch._dynamo.reset()
+    cm = torch.compile(dense, backend="patch", options={"plan": plan, "strict": True, "tune": False,
+                                                        "graph_callback": lambda gm, n: graphs.append(gm)})
+    with torch.no_grad():
+        got, want, before = case.run(cm), case.run(pruned), case.run(dense)
+    torch._dynamo.reset()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    assert not torch.allclose(before.float(), want.float(), **tol)  # the plan changes the outputs
+    nodes = [n for gm in graphs for n in gm.graph.nodes]
+    assert sum(n.target is GROUPED for n in nodes) == 2  # gate_up_proj and down_proj of the one block
+    assert not any("grouped_mm" in str(n.target) and n.target is not GROUPED for n in nodes)
+    served = {n.args[5]: n.args[4] for n in nodes if n.target is GROUPED}
+    for fqn, experts in served.items():  # every planned slice with a 2:4 tile, and only those
+        assert experts == [e for e in range(64) if (layer := plan.layers.get(f"{fqn}.{e}")) is not None
+                           and bool((layer.kinds == 1).any())]
+
+
+def test_a_plan_in_the_other_orientation_is_left_dense_with_the_reason():
+    case, plan = _family_plan("qwen3_moe")
+    for name, target in plan.meta["targets"].items():
+        if target.get("expert") is not None:
+            target["transposed"] = not target.get("transposed")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"gate_up_proj\.\* \(read as \(E, N, K\) transposed.*other orientation"):
+        with torch.no_grad():
+            case.run(torch.compile(copy.deepcopy(case.model), backend="patch", options={"plan": plan, "strict": True}))
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the experts' kernels and inductor run there")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_backend_experts_on_gpu_match_an_independent_dense_model(mode):
+    """bf16 on CUDA: transformers takes torch._grouped_mm; every planned slice runs its Triton kernel, and
+    reduce-overhead leaves the op (it reads the offsets on the host) out of the captured graphs."""
+    case, plan = _family_plan("qwen3_moe")
+    reference = plan.apply(copy.deepcopy(case.model)).to("cuda", torch.bfloat16)  # dense F.linear / grouped_mm
+    dense = copy.deepcopy(case.model).to("cuda", torch.bfloat16)
+    graphs = []
+    torch._dynamo.reset()
+    cm = torch.compile(dense, backend="patch", mode=mode, options={"plan": plan, "strict": True, "tune": False,
+                                                                   "graph_callback": lambda gm, n: graphs.append(gm)})
+    ids = case.ids.to("cuda")
+    with torch.no_grad():
+        for _ in range(3):  # reduce-overhead records on the second call and replays after
+            got = cm(ids, use_cache=False).logits.clone()
+        want = reference(ids, use_cache=False).logits
+    torch._dynamo.reset()
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    assert sum(n.target is GROUPED for gm in graphs for n in gm.graph.nodes) == 2
