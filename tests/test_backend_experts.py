@@ -136,3 +136,21 @@ def test_backend_experts_on_gpu_match_an_independent_dense_model(mode):
     torch._dynamo.reset()
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
     assert sum(n.target is GROUPED for gm in graphs for n in gm.graph.nodes) == 2
+
+
+def test_without_a_plan_the_zeros_of_the_pruned_experts_are_the_plan():
+    """A pruned model compiled without a plan: each expert slice is planned from its zeros, so the slices the
+    plan made 2:4 are served again, and the outputs stay the pruned model's."""
+    case, plan = _family_plan("qwen3_moe")
+    pruned = plan.apply(copy.deepcopy(case.model))
+    graphs = []
+    torch._dynamo.reset()
+    cm = torch.compile(pruned, backend="patch", options={"tune": False, "graph_callback": lambda gm, n: graphs.append(gm)})
+    with torch.no_grad():
+        torch.testing.assert_close(case.run(cm), case.run(pruned), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    served = {n.args[5]: n.args[4] for gm in graphs for n in gm.graph.nodes if n.target is GROUPED}
+    assert len(served) == 2
+    for fqn, experts in served.items():
+        assert experts == [e for e in range(64) if (layer := plan.layers.get(f"{fqn}.{e}")) is not None
+                           and bool((layer.kinds == 1).any())]

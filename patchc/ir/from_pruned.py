@@ -42,10 +42,23 @@ def layers_from_weights(
         if why:
             skipped[fqn] = why
             continue
-        w = w.detach()
-        kinds, mask = _infer_from_weight(w, tile)
-        layers[fqn] = LayerPlan.from_mask(fqn, w, kinds, mask, bias=_find_bias(sd, fqn, w), tile=tile)
+        layers[fqn] = layer_from_weight(fqn, w, tile, bias=_find_bias(sd, fqn, w))
     return layers, skipped, tile
+
+
+def layer_from_weight(name: str, w: torch.Tensor, tile: tuple[int, int], bias: torch.Tensor | None = None) -> LayerPlan:
+    """The LayerPlan of one already-pruned (N, K) matrix under any name (an expert slice "experts.up_proj.3"
+    too): a tile is 2:4 iff every group of 4 holds at most 2 nonzeros.
+
+    Example:
+        >>> layer_from_weight("experts.down_proj.0", pruned_experts.down_proj[0], (16, 16)).n_sparse
+    """
+    why = _why_skip(name, w, None)
+    if why:
+        raise PlanError(f"layer {name!r}: cannot plan it from its weights: {why}")
+    w = w.detach()
+    kinds, mask = _infer_from_weight(w, tile)
+    return LayerPlan.from_mask(name, w, kinds, mask, bias=bias, tile=tile)
 
 
 def layers_from_masks(

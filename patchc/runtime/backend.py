@@ -19,8 +19,8 @@ with ``options={"strict": True}`` that is a ValueError. The rest of the graph go
 aot_eager (CPU, or when inductor cannot be imported).
 
 Without a plan, one is inferred from the zero pattern of the weights (`TilePlan.from_weights`, tile from
-``options["tile"]``, default (16, 16)): tiles with <= 2 nonzeros per group of 4 are 2:4, the rest dense;
-layers with no 2:4 tile are left to F.linear.
+``options["tile"]``, default (16, 16)), each expert slice of a grouped read on its own: tiles with <= 2
+nonzeros per group of 4 are 2:4, the rest dense; layers with no 2:4 tile are left to F.linear.
 
 Options (all optional): plan, tile, batch_size (16), prefill_len (128), tune (True: tune on CUDA,
 cache-backed; "cached"; False), cache, inner ("inductor" / "aot_eager" / "eager" / any backend name),
@@ -124,7 +124,7 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any],
     names = {r.weight: source_fqn(r.weight) or f"patchc_weight_{i}" for i, r in enumerate([*reads, *grouped])}
     plan = options.get("plan")
     if plan is None:
-        plan = _infer_plan(reads, names, examples, options.get("tile", DEFAULT_TILE))
+        plan = _infer_plan(reads, grouped, names, examples, options.get("tile", DEFAULT_TILE))
     served, left = _servable(plan, reads, names, examples)
     served_grouped, left_grouped = servable_grouped(plan, grouped, names, examples)
     left.update(_unserved_experts(plan, examples, {names[r.weight] for r in served_grouped}))
@@ -249,20 +249,31 @@ def _copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node
     return new_gm, node_map
 
 
-def _infer_plan(reads: list[Read], names: dict[fx.Node, str], examples: dict[fx.Node, Any], tile: Any) -> Any:
-    """A plan from the zero pattern of the weights the graph reads as (N, K) (layers with a 2:4 tile only);
-    a weight read as stored (K, N) is planned as its transpose and recorded so."""
+def _infer_plan(reads: list[Read], grouped: list[GroupedRead], names: dict[fx.Node, str],
+                examples: dict[fx.Node, Any], tile: Any) -> Any:
+    """A plan from the zero pattern of the weights the graph reads as (N, K) (layers with a 2:4 tile only),
+    one layer per expert slice of a grouped read's 3-D weight; a weight read as stored (K, N) is planned as
+    its transpose and recorded so."""
     from patchc.ir import TilePlan
+    from patchc.ir.from_pruned import layer_from_weight
 
+    tile = tuple(tile) if not isinstance(tile, int) else (tile, tile)
     state, targets = {}, {}
     for read in reads:
-        if read.reason is None and read.weight not in state:
+        if read.reason is None and names[read.weight] not in state:
             w = examples[read.weight].detach()
-            state[read.weight] = w.t() if read.transposed else w
+            state[names[read.weight]] = w.t() if read.transposed else w
             if read.transposed:
                 targets[names[read.weight]] = {"param": names[read.weight], "expert": None, "transposed": True}
-    plan = TilePlan.from_weights({names[n]: w for n, w in state.items()},
-                                 tile=tuple(tile) if not isinstance(tile, int) else (tile, tile))
+    plan = TilePlan.from_weights(state, tile=tile)
+    for read in grouped:  # expert slices: named "<3-D weight>.<expert>", not "*.weight"
+        fqn, w = names[read.weight], examples[read.weight].detach()
+        slices = w.transpose(1, 2) if read.transposed else w  # (E, N, K)
+        if read.reason is not None or slices.shape[2] % 4:
+            continue
+        for e, matrix in enumerate(slices):
+            plan.layers[f"{fqn}.{e}"] = layer_from_weight(f"{fqn}.{e}", matrix, tile)
+            targets[f"{fqn}.{e}"] = {"param": fqn, "expert": e, "transposed": read.transposed}
     for fqn in [f for f, layer in plan.layers.items() if int((layer.kinds == 1).sum()) == 0]:
         del plan.layers[fqn]
     plan.meta["targets"] = {f: t for f, t in targets.items() if f in plan.layers}
