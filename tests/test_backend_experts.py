@@ -58,6 +58,41 @@ def test_grouped_op_equals_a_float64_loop_over_the_experts(counts):
     assert got.shape == (x.shape[0], N)
 
 
+def test_gradients_reach_the_tokens_of_every_expert():
+    weight, mods = _experts()
+    offs = torch.tensor([3, 5, 5, 9], dtype=torch.int32)
+    x = torch.randn(9, K, requires_grad=True)
+    y = GROUPED(*_args(x, weight, offs, mods))
+    g = torch.randn_like(y)
+    y.backward(g)
+    want, start = torch.zeros(9, K, dtype=torch.float64), 0
+    for e, end in enumerate(offs.tolist()):
+        want[start:end] = g[start:end].double() @ weight[e].double().T
+        start = end
+    torch.testing.assert_close(x.grad.double(), want, atol=1e-4, rtol=1e-5)
+    torch.library.opcheck(GROUPED, _args(x.detach().requires_grad_(), weight, offs, mods))
+
+
+def test_a_compiled_moe_called_with_gradients_on_backpropagates_like_the_pruned_model():
+    """Without torch.no_grad, aot_autograd traces the backward too: it must go through both ops and give
+    the embedding the pruned eager model's gradient (every other weight frozen in both)."""
+    case, plan = _family_plan("qwen3_moe")
+    served, pruned = copy.deepcopy(case.model), plan.apply(copy.deepcopy(case.model))
+    for model in (served, pruned):
+        for name, p in model.named_parameters():
+            p.requires_grad_("embed_tokens" in name)
+    torch._dynamo.reset()
+    graphs = []
+    cm = torch.compile(served, backend="patch", options={"plan": plan, "strict": True, "tune": False,
+                                                         "graph_callback": lambda gm, n: graphs.append(gm)})
+    for model in (cm, pruned):
+        (model(case.ids, use_cache=False).logits ** 2).mean().backward()
+    torch._dynamo.reset()
+    got, want = served.model.embed_tokens.weight.grad, pruned.model.embed_tokens.weight.grad
+    assert want.abs().sum() > 0 and sum(n.target is GROUPED for gm in graphs for n in gm.graph.nodes) == 2
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
 def test_grouped_op_passes_opcheck_and_names_bad_shapes():
     weight, mods = _experts()
     offs = torch.tensor([2, 2, 4, 5], dtype=torch.int32)

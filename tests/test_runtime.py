@@ -223,6 +223,20 @@ def test_op_reference_and_fake_shapes():
         mod(torch.randn(2, 60))
 
 
+def test_gradients_reach_the_input_and_a_model_bias_not_the_packed_weights():
+    """A compiled model called with gradients on backpropagates through the op (aot_autograd needs the
+    formula): dL/dx = dL/dy @ W_hat, a bias read from the model gets its sum; the packed weights are frozen."""
+    layer, mod = small_module(bias=False)
+    x, bias = torch.randn(2, 3, 64, requires_grad=True), torch.randn(48, requires_grad=True)
+    y = OP(x, *mod.op_args(bias=bias))
+    g = torch.randn_like(y)
+    y.backward(g)
+    torch.testing.assert_close(x.grad, g @ layer.to_dense(), **TOL)
+    torch.testing.assert_close(bias.grad, g.sum((0, 1)), **TOL)
+    assert not any(t.requires_grad for t in mod.buffers())
+    torch.library.opcheck(OP, (x.detach().requires_grad_(), *mod.op_args(bias=bias)))
+
+
 # Triton's own @jit helpers (tl.sum, tl.cdiv, ...) are decorated when triton is first imported, so the
 # interpreter only works in a process that had TRITON_INTERPRET=1 before importing triton: run there.
 INTERP_SCRIPT = r"""

@@ -146,3 +146,27 @@ def test_weights_smaller_than_the_tile_stay_dense_with_a_reason():
     assert "smaller than the tile" in prog.skipped["mix.weight"]
     with pytest.raises(ValueError, match=r"the tile \(64, 64\) is larger than 4 of them: choose a smaller tile"):
         patchc.transform(export_causal_lm(model, seq=8), PatchConfig(tile=(64, 64)))
+
+
+def test_a_model_exported_per_length_compiles_at_every_length(monkeypatch):
+    """Qwen3.5's Gated DeltaNet loops over 64-token chunks (the export needs a graph per length): dynamo
+    recompiles across the chunk count on its own, and each graph still serves every planned linear.
+    (Here, after tests/test_families.py, the suite's one export of the model is reused.)"""
+    from tests.test_families import TILE, exported
+
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
+    case, ep = exported("qwen3_5")
+    plan = patchc.harden(patchc.transform(ep, PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5)))
+    model = plan.apply(copy.deepcopy(case.model))
+    served = [name for name, layer in plan.layers.items() if layer.n_sparse]
+    torch._dynamo.reset()
+    replaced: list[int] = []
+    cm = torch.compile(model, backend="patch", options={"plan": plan, "strict": True, "tune": False,
+                                                        "graph_callback": lambda gm, n: replaced.append(n)})
+    with torch.no_grad():
+        for length in (8, 70):  # one chunk, then two
+            ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(length))
+            torch.testing.assert_close(cm(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
+                                       atol=1e-5, rtol=1e-5)
+    assert len(replaced) == 2 and all(n == len(served) for n in replaced), (replaced, served)
+    torch._dynamo.reset()

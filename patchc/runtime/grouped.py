@@ -87,6 +87,47 @@ def _(x, weight, offs, buffers, experts, name, block, per_row, decode_cfg, prefi
     return x.new_empty((x.shape[0], n))
 
 
+@torch.library.custom_op("patchc::tile_grouped_mm_grad_x", mutates_args=(), tags=_TAGS)
+def tile_grouped_mm_grad_x(grad: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, buffers: list[torch.Tensor],
+                           experts: list[int], block: list[int]) -> torch.Tensor:
+    """dL/dx (S, K): each expert's rows of dL/dy times its W_hat (served) or ``weight[e]^T`` (the others)."""
+    from patchc.codegen.layout import dense_from_buffers
+
+    _, k, n = weight.shape
+    out = grad.new_zeros((grad.shape[0], k))
+    served = {e: j for j, e in enumerate(experts)}
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            j = served.get(e)
+            w = (weight[e].t() if j is None else
+                 dense_from_buffers(tuple(buffers[N_BUFFERS * j : N_BUFFERS * (j + 1)]), (n, k), (block[0], block[1])))
+            out[start:end] = grad[start:end] @ w.to(grad.dtype)
+        start = max(start, end)
+    return out
+
+
+@tile_grouped_mm_grad_x.register_fake
+def _(grad, weight, offs, buffers, experts, block):
+    return grad.new_empty((grad.shape[0], weight.shape[1]))
+
+
+def _save(ctx, inputs, output) -> None:
+    x, weight, offs, buffers, experts, name, block = inputs[:7]
+    ctx.save_for_backward(weight, offs, *buffers)
+    ctx.experts, ctx.block = experts, block
+
+
+def _backward(ctx, grad: torch.Tensor):
+    """Gradients reach x; the experts' weights are frozen (served slices are packed copies)."""
+    weight, offs, *buffers = ctx.saved_tensors
+    grad_x = torch.ops.patchc.tile_grouped_mm_grad_x(grad.contiguous(), weight, offs, buffers, ctx.experts, ctx.block)
+    return (grad_x, None, None, [None] * len(buffers), *(None,) * 7)  # the list of buffers: one None each
+
+
+tile_grouped_mm.register_autograd(_backward, setup_context=_save)  # compiled calls with gradients on
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, buffers: list[torch.Tensor],
            experts: list[int], per_row: list[int], name: str) -> tuple[int, int]:
     """Shape checks that need no tensor values (also run by the fake kernel); returns (N, K)."""

@@ -10,6 +10,10 @@ The op receives the packed layout (see `patchc.codegen.layout`) as real tensors 
   captured in a CUDA graph;
 * on CPU otherwise it runs a plain-PyTorch reference: W_hat rebuilt from the packed buffers, F.linear.
 
+The op has a backward to x (and to a bias read from the model): dL/dx = dL/dy @ W_hat through the opaque
+`patchc::tile_linear_grad_x` (the reference path); the packed weights are frozen. Without it, a compiled
+model called with gradients on fails in aot_autograd.
+
 A launch config travels as 6 ints (see `encode_config`): kernel (0 decode, 1 prefill), block_m, split_k,
 num_warps, num_stages, group_m. The decode side may be bucketed by M (`encode_buckets`): records of
 7 ints, the bucket's largest M then its config, in increasing M; the first bucket that holds M serves it
@@ -178,6 +182,37 @@ def _(x, dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_co
       per_row, decode_cfg, prefill_cfg, threshold):
     n, _ = _check(x, dense, values, bias, name, shape)
     return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.custom_op("patchc::tile_linear_grad_x", mutates_args=())
+def tile_linear_grad_x(grad: torch.Tensor, dense: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
+                       dense_rowptr: torch.Tensor, dense_cols: torch.Tensor, sparse_rowptr: torch.Tensor,
+                       sparse_cols: torch.Tensor, shape: list[int], block: list[int]) -> torch.Tensor:
+    """dL/dx (..., K) = dL/dy (..., N) @ W_hat: W_hat rebuilt from the packed buffers (a reference path)."""
+    buffers = (dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols)
+    w = dense_from_buffers(buffers, (int(shape[0]), int(shape[1])), (block[0], block[1]))
+    return grad @ w.to(grad.dtype)
+
+
+@tile_linear_grad_x.register_fake
+def _(grad, dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols, shape, block):
+    return grad.new_empty((*grad.shape[:-1], int(shape[1])))
+
+
+def _save(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[1:8])
+    ctx.shape, ctx.block, ctx.bias = inputs[10], inputs[11], inputs[8] is not None
+
+
+def _backward(ctx, grad: torch.Tensor):
+    """Gradients reach x (and a bias read from the model); the packed weights are frozen."""
+    grad_x = torch.ops.patchc.tile_linear_grad_x(grad.contiguous(), *ctx.saved_tensors, ctx.shape, ctx.block)
+    grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias else None
+    return (grad_x, *(None,) * 7, grad_bias, *(None,) * 7)
+
+
+# Without it, calling a compiled model with gradients on (no torch.no_grad) fails in aot_autograd.
+tile_linear.register_autograd(_backward, setup_context=_save)
 
 
 def _check(x: torch.Tensor, dense: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, name: str,
