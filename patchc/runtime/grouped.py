@@ -66,19 +66,24 @@ def tile_grouped_mm(
     n, k = _check(x, weight, offs, buffers, experts, per_row, name)
     out = x.new_zeros((x.shape[0], n))
     served = {e: j for j, e in enumerate(experts)}
-    start = 0
-    for e, end in enumerate(offs.tolist()):  # the one host read of the offsets
-        if end > start:
-            rows = x[start:end]
-            j = served.get(e)
-            if j is None:
-                out[start:end] = rows @ weight[e].to(x.dtype)
-            else:
-                out[start:end] = torch.ops.patchc.tile_linear(
-                    rows, *buffers[N_BUFFERS * j : N_BUFFERS * (j + 1)], None, f"{name}.{e}", [n, k], block,
-                    per_row[2 * j : 2 * j + 2], decode_cfg, prefill_cfg, threshold)
-        start = max(start, end)
+    for e, start, end in _segments(offs):
+        j = served.get(e)
+        if j is None:
+            out[start:end] = x[start:end] @ weight[e].to(x.dtype)
+        else:
+            out[start:end] = torch.ops.patchc.tile_linear(
+                x[start:end], *buffers[N_BUFFERS * j : N_BUFFERS * (j + 1)], None, f"{name}.{e}", [n, k], block,
+                per_row[2 * j : 2 * j + 2], decode_cfg, prefill_cfg, threshold)
     return out
+
+
+def _segments(offs: torch.Tensor):
+    """(expert, start, end) of every expert with rows: the op's one host read of the offsets."""
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            yield e, start, end
+        start = max(start, end)
 
 
 @tile_grouped_mm.register_fake
@@ -96,14 +101,11 @@ def tile_grouped_mm_grad_x(grad: torch.Tensor, weight: torch.Tensor, offs: torch
     _, k, n = weight.shape
     out = grad.new_zeros((grad.shape[0], k))
     served = {e: j for j, e in enumerate(experts)}
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            j = served.get(e)
-            w = (weight[e].t() if j is None else
-                 dense_from_buffers(tuple(buffers[N_BUFFERS * j : N_BUFFERS * (j + 1)]), (n, k), (block[0], block[1])))
-            out[start:end] = grad[start:end] @ w.to(grad.dtype)
-        start = max(start, end)
+    for e, start, end in _segments(offs):
+        j = served.get(e)
+        w = (weight[e].t() if j is None else
+             dense_from_buffers(tuple(buffers[N_BUFFERS * j : N_BUFFERS * (j + 1)]), (n, k), (block[0], block[1])))
+        out[start:end] = grad[start:end] @ w.to(grad.dtype)
     return out
 
 
@@ -113,7 +115,7 @@ def _(grad, weight, offs, buffers, experts, block):
 
 
 def _save(ctx, inputs, output) -> None:
-    x, weight, offs, buffers, experts, name, block = inputs[:7]
+    _, weight, offs, buffers, experts, _, block = inputs[:7]
     ctx.save_for_backward(weight, offs, *buffers)
     ctx.experts, ctx.block = experts, block
 
