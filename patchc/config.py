@@ -32,6 +32,9 @@ ROUTER_EXCLUDE: tuple[str, ...] = ("*.gate.weight", "*shared_expert_gate.weight"
 # The vision / audio side of a multimodal checkpoint (Gemma 3, Qwen3-VL / Qwen3.5, Mistral 3, Llama 4,
 # SmolVLM): patchc prunes the text decoder on text, where these never run, so they would get no
 # calibration and one-shot baselines would prune them blind.
+# How `PatchConfig.selects` says a weight is smaller than the tile (`transform` counts these to explain
+# a run with nothing left to mask).
+SMALLER_THAN_TILE = "is smaller than the tile"
 ENCODER_EXCLUDE: tuple[str, ...] = ("*vision_tower.*", "*vision_model.*", "*.visual.*", "*multi_modal_projector*",
                                     "*audio_tower.*", "model.connector.*")
 
@@ -193,7 +196,7 @@ class PatchConfig:
             return f"shape {tuple(shape)} has a dim < min_features={self.min_features}"
         if shape[0] < self.tile[0] or shape[1] < self.tile[1]:
             # e.g. Qwen3.5's (heads, hidden) gate projections under 128 x 128 tiles: a sliver, left dense
-            return f"shape {tuple(shape)} is smaller than the tile {tuple(self.tile)}"
+            return f"shape {tuple(shape)} {SMALLER_THAN_TILE} {tuple(self.tile)}"
         return None
 
     def replace(self, **changes) -> "PatchConfig":

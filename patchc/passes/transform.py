@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 from torch import fx, nn
 
-from patchc.config import PatchConfig
+from patchc.config import SMALLER_THAN_TILE, PatchConfig
 from patchc.ir.targets import Target, matrix
 from patchc.masking.hybrid_mask import HybridMask
 from patchc.masking.param_mask import ParamMask
@@ -64,7 +64,7 @@ def _export(module: nn.Module, example_inputs: tuple, example_kwargs: dict | Non
 
 def no_sites_error(skipped: dict[str, str], tile: tuple[int, int]) -> ValueError:
     """Nothing to mask: say why, leading with the tile when it is larger than the weights."""
-    small = sum("smaller than the tile" in why for why in skipped.values())
+    small = sum(SMALLER_THAN_TILE in why for why in skipped.values())
     hint = f"; the tile {tuple(tile)} is larger than {small} of them: choose a smaller tile" if small else ""
     shown = dict(list(skipped.items())[:3])
     more = f" (+{len(skipped) - len(shown)} more)" if len(skipped) > len(shown) else ""

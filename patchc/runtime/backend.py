@@ -311,10 +311,11 @@ def _experts(plan: Any, reads: list[GroupedRead], names: dict[fx.Node, str], exa
     out = {}
     for i, weight in enumerate(dict.fromkeys(r.weight for r in reads)):
         fqn, value = names[weight], examples[weight]
-        first = f"{fqn}.{planned_experts(plan, fqn, value.shape[0])[0]}"
+        experts = planned_experts(plan, fqn, value.shape[0])
+        first = f"{fqn}.{experts[0]}"
         tuning = _tunings(plan, [first], bs, pl, options.get("tune", True), value, options.get("cache"),
                           options.get("time_fn"), False).get(first)
-        out[weight] = (f"_patchc_x{i}", expert_modules(plan, fqn, value, tuning, bs, pl))
+        out[weight] = (f"_patchc_x{i}", expert_modules(plan, fqn, experts, value, tuning, bs, pl))
     return out
 
 

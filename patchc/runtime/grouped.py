@@ -249,14 +249,14 @@ def planned_experts(plan: Any, fqn: str, num_experts: int) -> list[int]:
     return [e for e, layer in enumerate(layers) if layer is not None and bool((layer.kinds == 1).any())]
 
 
-def expert_modules(plan: Any, fqn: str, weight: torch.Tensor, tuning: Any, batch_size: int,
+def expert_modules(plan: Any, fqn: str, experts: list[int], weight: torch.Tensor, tuning: Any, batch_size: int,
                    prefill_len: int) -> list[tuple[int, Any]]:
-    """[(expert, TileLinear)] for the planned experts of `fqn`, all on one launch config: `tuning` (the
-    tuner's, for the first planned expert) or the first expert's default."""
+    """[(expert, TileLinear)] for `experts` (`planned_experts` of `fqn`), all on one launch config: `tuning`
+    (the tuner's, for the first of them) or the first one's default."""
     from patchc.runtime.dispatch import TileLinear
 
     out = []
-    for e in planned_experts(plan, fqn, weight.shape[0]):
+    for e in experts:
         mod = TileLinear.from_plan(plan.layers[f"{fqn}.{e}"], tuning, dtype=weight.dtype, device=weight.device,
                                    batch_size=batch_size, prefill_len=prefill_len)
         tuning = mod.tuning
