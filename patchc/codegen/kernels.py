@@ -23,6 +23,10 @@ and `splitk_reduce_kernel` adds them in split order: the result is deterministic
 to run), unlike fp32 atomics whose summation order depends on scheduling; the cost is one extra small pass
 over M*N*SPLIT_K fp32, negligible at decode sizes.
 
+Why this file is long: `generate()` ships this module's source beside every compiled kernel as its
+self-contained, recompilable source, so every helper the kernels call lives here (the grouped MoE kernels
+in `grouped_kernels` reuse `decode_tile` / `prefill_tile`, the bodies of the two kernels).
+
 Per-layer specialisation: N, K, the block sizes, the per-row block counts when uniform (DENSE_PER_ROW /
 SPARSE_PER_ROW, -1 when they vary), HAS_DENSE / HAS_SPARSE (an all-2:4 layer has no dense loop), HAS_BIAS,
 SPLIT_K and EVEN_K are `tl.constexpr`. x and y are contiguous, so their strides are K and N.
@@ -288,6 +292,42 @@ def store_out(acc, offs_m, offs_n, keep_m, y_ptr, part_ptr, bias_ptr, split, M, 
 
 
 @triton.jit
+def decode_tile(
+    x_ptr, y_ptr, part_ptr, bias_ptr,
+    dense_ptr, vals_ptr, meta_ptr,
+    dense_rowptr_ptr, dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr,
+    M, row, block_row, split, m0, m_end,
+    N: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_DENSE: tl.constexpr, HAS_SPARSE: tl.constexpr,
+    DENSE_PER_ROW: tl.constexpr, SPARSE_PER_ROW: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One decode program's work: output columns of block row `row`, tokens [m0, m_end) (at most BLOCK_M),
+    weights from CSR row `block_row` (== row for one layer; expert e's row e * RB + row in a grouped layer)."""
+    TOK: tl.constexpr = BLOCK_M if BLOCK_M >= 8 else 8  # an mma's N side is 8 tokens
+    offs_m = m0 + tl.arange(0, TOK)
+    offs_n = row * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, TOK), dtype=tl.float32)
+    if HAS_DENSE:
+        lo, hi = row_share(dense_rowptr_ptr, block_row, split, DENSE_PER_ROW, SPLIT_K)
+        for i in range(lo, hi):
+            col = tl.load(dense_cols_ptr + i)
+            w = load_dense_block(dense_ptr, i, BLOCK_N, BLOCK_K)
+            acc = decode_mac(acc, w, x_ptr, m0, col, tl.arange(0, BLOCK_K), m_end, K, TOK, BLOCK_K, EVEN_K,
+                             DOT_PRECISION)
+    if HAS_SPARSE:
+        lo, hi = row_share(sparse_rowptr_ptr, block_row, split, SPARSE_PER_ROW, SPLIT_K)
+        cols = sparse_columns(vals_ptr, BLOCK_K)
+        for i in range(lo, hi):
+            col = tl.load(sparse_cols_ptr + i)
+            w = load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K)
+            acc = decode_mac(acc, w, x_ptr, m0, col, cols, m_end, K, TOK, BLOCK_K, EVEN_K, DOT_PRECISION)
+    store_out(tl.trans(acc), offs_m, offs_n, offs_m < m_end, y_ptr, part_ptr, bias_ptr, split, M, N, HAS_BIAS,
+              SPLIT_K)
+
+
+@triton.jit
 def decode_kernel(
     x_ptr, y_ptr, part_ptr, bias_ptr,
     dense_ptr, vals_ptr, meta_ptr,
@@ -302,29 +342,60 @@ def decode_kernel(
     """Small-M kernel. grid = (ceil(N/BN), SPLIT_K, ceil(M/BM)): acc[BN, TOK] += W @ x^T with the weights
     on the tl.dot M side, BLOCK_M tokens padded to TOK >= 8 (an mma's N side); one weight pass per program."""
     row = tl.program_id(0)
-    split = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
-    TOK: tl.constexpr = BLOCK_M if BLOCK_M >= 8 else 8  # an mma's N side is 8 tokens
-    offs_m = m0 + tl.arange(0, TOK)
-    offs_n = row * BLOCK_N + tl.arange(0, BLOCK_N)
     m_end = tl.minimum(M, m0 + BLOCK_M)  # padding rows and the next program's tokens read as zeros
-    acc = tl.zeros((BLOCK_N, TOK), dtype=tl.float32)
+    decode_tile(x_ptr, y_ptr, part_ptr, bias_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr, dense_cols_ptr,
+                sparse_rowptr_ptr, sparse_cols_ptr, M, row, row, tl.program_id(1), m0, m_end, N, K, BLOCK_M,
+                BLOCK_N, BLOCK_K, SPLIT_K, HAS_DENSE, HAS_SPARSE, DENSE_PER_ROW, SPARSE_PER_ROW, HAS_BIAS, EVEN_K,
+                DOT_PRECISION)
+
+
+@triton.jit
+def prefill_tile(
+    x_ptr, y_ptr, part_ptr, bias_ptr,
+    dense_ptr, vals_ptr, meta_ptr,
+    dense_rowptr_ptr, dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr,
+    M, row, block_row, split, m0, m_end,
+    N: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_DENSE: tl.constexpr, HAS_SPARSE: tl.constexpr,
+    DENSE_PER_ROW: tl.constexpr, SPARSE_PER_ROW: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One prefill program's (BM, BN) output tile: rows [m0, m_end), columns of block row `row`, weights from
+    CSR row `block_row` (see `decode_tile`)."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = row * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rn = tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_DENSE:
-        lo, hi = row_share(dense_rowptr_ptr, row, split, DENSE_PER_ROW, SPLIT_K)
+        lo, hi = row_share(dense_rowptr_ptr, block_row, split, DENSE_PER_ROW, SPLIT_K)
         for i in range(lo, hi):
             col = tl.load(dense_cols_ptr + i)
-            w = load_dense_block(dense_ptr, i, BLOCK_N, BLOCK_K)
-            acc = decode_mac(acc, w, x_ptr, m0, col, tl.arange(0, BLOCK_K), m_end, K, TOK, BLOCK_K, EVEN_K,
-                             DOT_PRECISION)
+            x = load_x(x_ptr, offs_m, col * BLOCK_K + rk, m_end, K, EVEN_K)
+            # W^T block (BK, BN) read straight from the row-major (BN, BK) block
+            wt = tl.load(dense_ptr + tl.cast(i, tl.int64) * (BLOCK_N * BLOCK_K) + rk[:, None] + rn[None, :] * BLOCK_K)
+            acc = mma(x, wt, acc, DOT_PRECISION)
     if HAS_SPARSE:
-        lo, hi = row_share(sparse_rowptr_ptr, row, split, SPARSE_PER_ROW, SPLIT_K)
+        lo, hi = row_share(sparse_rowptr_ptr, block_row, split, SPARSE_PER_ROW, SPLIT_K)
         cols = sparse_columns(vals_ptr, BLOCK_K)
         for i in range(lo, hi):
             col = tl.load(sparse_cols_ptr + i)
-            w = load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K)
-            acc = decode_mac(acc, w, x_ptr, m0, col, cols, m_end, K, TOK, BLOCK_K, EVEN_K, DOT_PRECISION)
-    store_out(tl.trans(acc), offs_m, offs_n, offs_m < m_end, y_ptr, part_ptr, bias_ptr, split, M, N, HAS_BIAS,
-              SPLIT_K)
+            x = load_x(x_ptr, offs_m, col * BLOCK_K + cols, m_end, K, EVEN_K)
+            w = opaque(load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K))
+            acc = mma(x, tl.trans(w), acc, DOT_PRECISION)
+    store_out(acc, offs_m, offs_n, offs_m < m_end, y_ptr, part_ptr, bias_ptr, split, M, N, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def swizzle(pid, num_pid_m, num_pid_n: tl.constexpr, GROUP_M: tl.constexpr):
+    """(m tile, block row) of program `pid` in grouped order: GROUP_M m tiles share one sweep over the weight
+    block rows (L2 reuse of x)."""
+    group_size: tl.constexpr = GROUP_M * num_pid_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % group_size) % rows_in_group, (pid % group_size) // rows_in_group
 
 
 @triton.jit
@@ -340,38 +411,11 @@ def prefill_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Large-M tiled GEMM. grid = (ceil(M/BM) * ceil(N/BN), SPLIT_K), grouped program order."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    # GROUP_M block rows of the output share one sweep over the weight block rows (L2 reuse)
-    group_size: tl.constexpr = GROUP_M * num_pid_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    row = (pid % group_size) // rows_in_group
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = row * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    rn = tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if HAS_DENSE:
-        lo, hi = row_share(dense_rowptr_ptr, row, split, DENSE_PER_ROW, SPLIT_K)
-        for i in range(lo, hi):
-            col = tl.load(dense_cols_ptr + i)
-            x = load_x(x_ptr, offs_m, col * BLOCK_K + rk, M, K, EVEN_K)
-            # W^T block (BK, BN) read straight from the row-major (BN, BK) block
-            wt = tl.load(dense_ptr + tl.cast(i, tl.int64) * (BLOCK_N * BLOCK_K) + rk[:, None] + rn[None, :] * BLOCK_K)
-            acc = mma(x, wt, acc, DOT_PRECISION)
-    if HAS_SPARSE:
-        lo, hi = row_share(sparse_rowptr_ptr, row, split, SPARSE_PER_ROW, SPLIT_K)
-        cols = sparse_columns(vals_ptr, BLOCK_K)
-        for i in range(lo, hi):
-            col = tl.load(sparse_cols_ptr + i)
-            x = load_x(x_ptr, offs_m, col * BLOCK_K + cols, M, K, EVEN_K)
-            w = opaque(load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K))
-            acc = mma(x, tl.trans(w), acc, DOT_PRECISION)
-    store_out(acc, offs_m, offs_n, offs_m < M, y_ptr, part_ptr, bias_ptr, split, M, N, HAS_BIAS, SPLIT_K)
+    pid_m, row = swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
+    prefill_tile(x_ptr, y_ptr, part_ptr, bias_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr, dense_cols_ptr,
+                 sparse_rowptr_ptr, sparse_cols_ptr, M, row, row, tl.program_id(1), pid_m * BLOCK_M, M, N, K,
+                 BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, HAS_DENSE, HAS_SPARSE, DENSE_PER_ROW, SPARSE_PER_ROW, HAS_BIAS,
+                 EVEN_K, DOT_PRECISION)
 
 
 @triton.jit
