@@ -7,7 +7,8 @@ the launcher (and offline cubins) to the runtime (`patchc.runtime`).
     y = patchc.codegen.tile_linear(x, packed)                       # x (M, K) -> (M, N)
     files = patchc.codegen.generate(plan, "out/", target="sm_90")  # Triton source + PTX + cubin + manifest
 
-Modules: `layout` (pack, PackedLayer), `kernels` (@triton.jit), `launch` (tile_linear), `configs`
+Modules: `layout` (pack, PackedLayer), `kernels` (@triton.jit), `launch` (tile_linear, launch_grouped),
+`grouped_layout` / `grouped_kernels` (fused MoE experts stacked into one layout, one launch), `configs`
 (KernelConfig, per-architecture tables), `generate` (offline compile), `offline` (what an offline cubin
 assumes: check_launch), `sass` (static profile of a cubin), `reference` (plain PyTorch).
 """

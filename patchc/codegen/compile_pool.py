@@ -34,7 +34,7 @@ from typing import Any
 
 from patchc.utils.progress import progress
 
-KERNEL_NAMES = ("decode", "prefill", "splitk_reduce")
+KERNEL_NAMES = ("decode", "prefill", "splitk_reduce", "grouped_decode", "grouped_prefill")
 _ALIGN_HINT = ["tt.divisibility", 16]
 _ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 _ERROR_CHARS = 3000  # Triton's compiler errors quote whole kernels: keep the end, where the cause is
@@ -102,9 +102,11 @@ class CompiledKernel:
 
 
 def kernel_function(name: str) -> Any:
-    """The @triton.jit function of a kernel name ("decode", "prefill", "splitk_reduce")."""
-    from patchc.codegen import kernels
+    """The @triton.jit function of a kernel name (`KERNEL_NAMES`; "grouped_*": fused MoE experts)."""
+    from patchc.codegen import grouped_kernels, kernels
 
+    if name.startswith("grouped_"):
+        return grouped_kernels.GROUPED_KERNELS[name.removeprefix("grouped_")]
     return kernels.splitk_reduce_kernel if name == "splitk_reduce" else kernels.KERNELS[name]
 
 

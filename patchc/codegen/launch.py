@@ -165,37 +165,93 @@ def launch(
         >>> y = launch(x2, kernel_buffers(packed), None, packed.shape, packed.block,
         ...            per_row_counts(packed), KernelConfig(kernel="decode"))   # doctest: +SKIP
     """
+    n, m = shape[0], x2.shape[0]
+    cfg, y, part, consts, args = _prepare(x2, buffers, bias, shape, block, per_row, cfg, zeros=False)
+    grid = grid_of(cfg, math.ceil(n / block[0]), m)
+    where = f"layer {name!r}" if name else f"layer of shape (N={n}, K={shape[1]})"
+    _check_grid(grid, cfg, m)
+    _run(cfg.kernel, kernels.KERNELS[cfg.kernel], grid, [*args, m], consts, where,
+         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _reduce(part, y, bias, cfg, where)
+    return y
+
+
+def launch_grouped(
+    x2: torch.Tensor,
+    offs: torch.Tensor,
+    buffers: tuple[torch.Tensor, ...],
+    shape: tuple[int, int],
+    num_experts: int,
+    block: tuple[int, int],
+    per_row: tuple[int, int],
+    cfg: KernelConfig,
+    *,
+    name: str | None = None,
+) -> torch.Tensor:
+    """`launch` for fused experts: rows ``offs[e-1]:offs[e]`` of the contiguous (S, K) x times expert e's
+    (N, K) slice of the stacked buffers (`grouped_layout.stack_experts`); rows past ``offs[-1]`` are zeros.
+
+    The kernels read `offs` on the device: nothing here reads a tensor value on the host (CUDA-graph safe).
+
+    Example:
+        >>> y = launch_grouped(x2, offs, kernel_buffers(stacked), (n, k), 8, stacked.block, stacked.per_row,
+        ...                    KernelConfig("decode", 16, 64, 64, 1, 4, 1, 8))   # doctest: +SKIP
+    """
+    from patchc.codegen import grouped_kernels
+
+    n, s = shape[0], x2.shape[0]
+    # zeros: rows no expert owns stay zero, in the output and in every split's partial sums
+    cfg, y, part, consts, args = _prepare(x2, buffers, None, shape, block, per_row, cfg, zeros=True)
+    consts.update(NUM_EXPERTS=num_experts, EXPERTS_P2=grouped_kernels.experts_pow2(num_experts))
+    tiles = math.ceil(s / cfg.block_m) + num_experts  # token tiles: an upper bound for any routing
+    rows = math.ceil(n / block[0])
+    grid = (rows, cfg.split_k, tiles) if cfg.kernel == "decode" else (tiles * rows, cfg.split_k)
+    where = f"experts {name!r}" if name else f"experts of shape (N={n}, K={shape[1]})"
+    _check_grid(grid, cfg, s)
+    _run(f"grouped_{cfg.kernel}", grouped_kernels.GROUPED_KERNELS[cfg.kernel], grid, [*args, offs, s], consts,
+         where, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _reduce(part, y, None, cfg, where)
+    return y
+
+
+def _prepare(x2: torch.Tensor, buffers: tuple[torch.Tensor, ...], bias: torch.Tensor | None, shape: tuple[int, int],
+             block: tuple[int, int], per_row: tuple[int, int], cfg: KernelConfig, zeros: bool):
+    """(config with split_k fitted to the workspace bound, y, split-K workspace or None, constexprs, the
+    kernel's pointer arguments): what both launchers allocate and pass."""
     dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols = buffers
-    n, _ = shape
-    m = x2.shape[0]
+    n, m = shape[0], x2.shape[0]
     if cfg.kernel == "prefill" and cfg.block_m < 16:
         raise ValueError(f"prefill config needs block_m >= 16 (tl.dot), got {cfg.block_m}")
     split_k = workspace_split_k(cfg.split_k, m, n)
     if split_k != cfg.split_k:
         cfg = replace(cfg, split_k=split_k)
-    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    alloc = torch.zeros if zeros else torch.empty
+    y = alloc((m, n), dtype=x2.dtype, device=x2.device)
+    part = alloc((cfg.split_k, m, n), dtype=torch.float32, device=x2.device) if cfg.split_k > 1 else None
     consts = constexprs(shape, block, per_row, dense_cols.shape[0] > 0, sparse_cols.shape[0] > 0, cfg, x2.dtype,
                         bias is not None)
-    part = None
-    if cfg.split_k > 1:
-        part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x2.device)
     args = [
         x2, y, _or_dummy(part, x2, torch.float32), _or_dummy(bias, x2), _or_dummy(dense, x2),
         _or_dummy(values, x2), _or_dummy(meta, x2, torch.uint8), dense_rowptr,
         _or_dummy(dense_cols, x2, torch.int32), sparse_rowptr, _or_dummy(sparse_cols, x2, torch.int32),
     ]
-    grid = grid_of(cfg, math.ceil(n / block[0]), m)
+    return cfg, y, part, consts, args
+
+
+def _check_grid(grid: tuple[int, ...], cfg: KernelConfig, m: int) -> None:
     if max(grid[1:]) > MAX_GRID_YZ:
         raise ValueError(f"launch grid {grid} exceeds the GPU's {MAX_GRID_YZ} programs on axes 1-2 "
                          f"(split_k={cfg.split_k}, M={m}, block_m={cfg.block_m}); use a smaller split_k or a larger block_m")
-    where = f"layer {name!r}" if name else f"layer of shape (N={n}, K={shape[1]})"
-    _run(cfg.kernel, kernels.KERNELS[cfg.kernel], grid, [*args, m], consts, where,
-         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if part is not None:
-        _run("splitk_reduce", kernels.splitk_reduce_kernel, (triton.cdiv(m * n, REDUCE_BLOCK),),
-             [part, y, _or_dummy(bias, y), m], {"N": n, "SPLIT_K": cfg.split_k, "HAS_BIAS": bias is not None,
-                                                 "BLOCK": REDUCE_BLOCK}, where)
-    return y
+
+
+def _reduce(part: torch.Tensor | None, y: torch.Tensor, bias: torch.Tensor | None, cfg: KernelConfig, where: str) -> None:
+    """y = the splits' partial sums (+ bias), in split order, when the kernel ran with split-K."""
+    if part is None:
+        return
+    m, n = y.shape
+    _run("splitk_reduce", kernels.splitk_reduce_kernel, (triton.cdiv(m * n, REDUCE_BLOCK),),
+         [part, y, _or_dummy(bias, y), m], {"N": n, "SPLIT_K": cfg.split_k, "HAS_BIAS": bias is not None,
+                                             "BLOCK": REDUCE_BLOCK}, where)
 
 
 # Keys of the kernels launched so far in this process: Triton has compiled and loaded those, so they can

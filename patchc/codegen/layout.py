@@ -251,8 +251,12 @@ def pack(
     )
 
 
+# The seven tensors the kernels read, in kernel-argument order (the runtime's buffer names).
+BUFFER_NAMES = ("dense", "values", "meta", "dense_rowptr", "dense_cols", "sparse_rowptr", "sparse_cols")
+
+
 def kernel_buffers(packed: PackedLayer) -> tuple[torch.Tensor, ...]:
-    """The seven tensors the kernels read, in kernel-argument order."""
+    """The seven tensors the kernels read, in kernel-argument order (`BUFFER_NAMES`)."""
     return (packed.dense, packed.values, packed.meta, packed.dense_rowptr, packed.dense_cols,
             packed.sparse_rowptr, packed.sparse_cols)
 
