@@ -16,8 +16,7 @@ import torch
 import patchc
 from patchc.codegen.reference import random_layer_plan
 from patchc.config import PatchConfig
-from patchc.runtime.dispatch import TileLinear
-from patchc.runtime.grouped import GroupedRead, grouped_args
+from patchc.runtime.grouped_op import TileGroupedLinear
 
 GROUPED = torch.ops.patchc.tile_grouped_mm.default
 E, N, K = 4, 48, 64
@@ -29,48 +28,44 @@ def reference_on_cpu(monkeypatch):
 
 
 def _experts(dtype=torch.float32):
-    """Weight (E, K, N) as grouped mm reads it, and TileLinears for experts 0, 2, 3 (expert 1: no plan)."""
+    """Slices (E, N, K) and their TileGroupedLinear: experts 0, 2, 3 planned, expert 1 not (its weight dense)."""
     layers = {e: random_layer_plan(N, K, tile=(16, 16), kinds="mixed", seed=e, name=f"w.{e}") for e in (0, 2, 3)}
-    stored = torch.randn(E, N, K, generator=torch.Generator().manual_seed(9))
+    slices = torch.randn(E, N, K, generator=torch.Generator().manual_seed(9))
     for e, layer in layers.items():
-        stored[e] = layer.to_dense()
-    mods = [(e, TileLinear.from_plan(layer, dtype=dtype)) for e, layer in layers.items()]
-    return stored.transpose(1, 2).to(dtype), mods
+        slices[e] = layer.to_dense()
+    plan = patchc.TilePlan(layers={layer.name: layer for layer in layers.values()})
+    return slices.to(dtype), TileGroupedLinear.from_plan(plan, "w", slices.to(dtype), dtype=dtype)
 
 
-def _args(x, weight, offs, mods):
-    buffers = [getattr(mod, b) for _, mod in mods for b in ("dense", "values", "meta", "dense_rowptr", "dense_cols",
-                                                           "sparse_rowptr", "sparse_cols")]
-    return grouped_args(GroupedRead(None, x, weight, offs, None, False), "experts.w", mods, buffers)
+def _loop(rows: torch.Tensor, slices: torch.Tensor, offs: torch.Tensor, transpose: bool = True) -> torch.Tensor:
+    """fp64: each expert's rows times its slice (transposed for the forward, as is for the input gradient)."""
+    out, start = torch.zeros(rows.shape[0], slices.shape[1 if transpose else 2], dtype=torch.float64), 0
+    for e, end in enumerate(offs.tolist()):
+        w = slices[e].double()
+        out[start:end] = rows[start:end].double() @ (w.T if transpose else w)
+        start = end
+    return out
 
 
 @pytest.mark.parametrize("counts", [(3, 0, 5, 1), (0, 7, 0, 0), (1, 1, 1, 1)])
 def test_grouped_op_equals_a_float64_loop_over_the_experts(counts):
-    weight, mods = _experts()
+    slices, mod = _experts()
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     x = torch.randn(int(offs[-1]), K, generator=torch.Generator().manual_seed(1))
-    got = GROUPED(*_args(x, weight, offs, mods))
-    want, start = torch.zeros(x.shape[0], N, dtype=torch.float64), 0
-    for e, end in enumerate(offs.tolist()):
-        want[start:end] = x[start:end].double() @ weight[e].double()
-        start = end
-    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)  # fp32 accumulation over K = 64
+    got = GROUPED(x, offs, *mod.op_args())
+    torch.testing.assert_close(got.double(), _loop(x, slices, offs), atol=1e-4, rtol=1e-5)  # fp32 over K = 64
     assert got.shape == (x.shape[0], N)
 
 
 def test_gradients_reach_the_tokens_of_every_expert():
-    weight, mods = _experts()
+    slices, mod = _experts()
     offs = torch.tensor([3, 5, 5, 9], dtype=torch.int32)
     x = torch.randn(9, K, requires_grad=True)
-    y = GROUPED(*_args(x, weight, offs, mods))
+    y = GROUPED(x, offs, *mod.op_args())
     g = torch.randn_like(y)
     y.backward(g)
-    want, start = torch.zeros(9, K, dtype=torch.float64), 0
-    for e, end in enumerate(offs.tolist()):
-        want[start:end] = g[start:end].double() @ weight[e].double().T
-        start = end
-    torch.testing.assert_close(x.grad.double(), want, atol=1e-4, rtol=1e-5)
-    torch.library.opcheck(GROUPED, _args(x.detach().requires_grad_(), weight, offs, mods))
+    torch.testing.assert_close(x.grad.double(), _loop(g, slices, offs, transpose=False), atol=1e-4, rtol=1e-5)
+    torch.library.opcheck(GROUPED, (x.detach().requires_grad_(), offs, *mod.op_args()))
 
 
 def test_a_compiled_moe_called_with_gradients_on_backpropagates_like_the_pruned_model():
@@ -94,14 +89,24 @@ def test_a_compiled_moe_called_with_gradients_on_backpropagates_like_the_pruned_
 
 
 def test_grouped_op_passes_opcheck_and_names_bad_shapes():
-    weight, mods = _experts()
+    _, mod = _experts()
     offs = torch.tensor([2, 2, 4, 5], dtype=torch.int32)
     x = torch.randn(5, K)
-    torch.library.opcheck(GROUPED, _args(x, weight, offs, mods))
-    with pytest.raises(ValueError, match=r"experts\.w.*offs 3 experts"):
-        GROUPED(*_args(x, weight, offs[:3], mods))
-    with pytest.raises(ValueError, match=r"experts\.w.*K=64"):
-        GROUPED(*_args(torch.randn(5, K - 1), weight, offs, mods))
+    torch.library.opcheck(GROUPED, (x, offs, *mod.op_args()))
+    with pytest.raises(ValueError, match=r"'w'.*offs must be the \(4,\) integer row ends.*\(3,\)"):
+        GROUPED(x, offs[:3], *mod.op_args())
+    with pytest.raises(ValueError, match=r"'w'.*x must be \(S, K=64\), got \(5, 63\)"):
+        GROUPED(torch.randn(5, K - 1), offs, *mod.op_args())
+    with pytest.raises(ValueError, match=r"w\.2: planned as \(48, 64\) \(N, K\) but the weight's slices are \(64, 48\)"):
+        TileGroupedLinear.from_plan(patchc.TilePlan(layers={"w.2": random_layer_plan(N, K, name="w.2")}), "w",
+                                    torch.zeros(E, K, N))
+
+
+def _sparse_experts(node) -> list[int]:
+    """The experts with 2:4 blocks in a tile_grouped_mm node's stacked buffers (read from the graph)."""
+    rowptr = node.args[7].meta["val"]  # sparse_rowptr of E * RB block rows
+    rows = (rowptr.numel() - 1) // node.args[11]
+    return [e for e in range(node.args[11]) if int(rowptr[(e + 1) * rows] - rowptr[e * rows]) > 0]
 
 
 def _family_plan(name: str):
@@ -132,7 +137,7 @@ def test_backend_serves_every_planned_expert_slice(family, dtype):
     nodes = [n for gm in graphs for n in gm.graph.nodes]
     assert sum(n.target is GROUPED for n in nodes) == 2  # gate_up_proj and down_proj of the one block
     assert not any("grouped_mm" in str(n.target) and n.target is not GROUPED for n in nodes)
-    served = {n.args[5]: n.args[4] for n in nodes if n.target is GROUPED}
+    served = {n.args[9]: _sparse_experts(n) for n in nodes if n.target is GROUPED}
     for fqn, experts in served.items():  # every planned slice with a 2:4 tile, and only those
         assert experts == [e for e in range(64) if (layer := plan.layers.get(f"{fqn}.{e}")) is not None
                            and bool((layer.kinds == 1).any())]
@@ -154,8 +159,8 @@ def test_a_plan_in_the_other_orientation_is_left_dense_with_the_reason():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the experts' kernels and inductor run there")
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_backend_experts_on_gpu_match_an_independent_dense_model(mode):
-    """bf16 on CUDA: transformers takes torch._grouped_mm; every planned slice runs its Triton kernel, and
-    reduce-overhead leaves the op (it reads the offsets on the host) out of the captured graphs."""
+    """bf16 on CUDA: transformers takes torch._grouped_mm; every expert runs in one grouped Triton launch, and
+    reduce-overhead captures it in its CUDA graphs (the kernels read the offsets on the device)."""
     case, plan = _family_plan("qwen3_moe")
     reference = plan.apply(copy.deepcopy(case.model)).to("cuda", torch.bfloat16)  # dense F.linear / grouped_mm
     dense = copy.deepcopy(case.model).to("cuda", torch.bfloat16)
@@ -184,7 +189,7 @@ def test_without_a_plan_the_zeros_of_the_pruned_experts_are_the_plan():
     with torch.no_grad():
         torch.testing.assert_close(case.run(cm), case.run(pruned), atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
-    served = {n.args[5]: n.args[4] for gm in graphs for n in gm.graph.nodes if n.target is GROUPED}
+    served = {n.args[9]: _sparse_experts(n) for gm in graphs for n in gm.graph.nodes if n.target is GROUPED}
     assert len(served) == 2
     for fqn, experts in served.items():
         assert experts == [e for e in range(64) if (layer := plan.layers.get(f"{fqn}.{e}")) is not None

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import patchc
-from patchc.runtime.dispatch import TileBmmExperts, TileExperts, TileLinear, experts_module
+from patchc.runtime.dispatch import TileBmmExperts, TileExperts, experts_module
+from patchc.runtime.grouped_op import TileGroupedLinear
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,48 +64,54 @@ def _tiny_bmm_experts(device: str = "cpu", dtype: torch.dtype = torch.float32):
     return experts.to(**to), plan, "feed_forward.experts", (x.to(**to),)
 
 
-def _interpreted_kernels(fast: TileExperts, plan: patchc.TilePlan, monkeypatch) -> list[str]:
-    """Give `fast` the per-expert TileLinears its CUDA path builds, run by the Triton interpreter; returns
-    the list that each kernel launch appends its layer name to."""
+def _spy_grouped(monkeypatch) -> list[str]:
+    """Run the grouped kernels in the Triton interpreter; returns the list each launch appends its name to."""
+    from patchc.runtime import grouped_op
     from patchc.runtime import op as rt_op
 
     if not rt_op.kernels_interpreted():
         pytest.skip("patchc's Triton kernels were not decorated under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
     monkeypatch.setenv("PATCHC_CPU_IMPL", "triton")
-    assert not fast.kernels  # CPU: the dense fallback until given kernels
-    fast.kernels = nn.ModuleDict({proj: nn.ModuleList(
-        [TileLinear.from_plan(plan.layers[f"{fast.path}.{proj}.{e}"], dtype=torch.float32)
-         for e in range(fast.num_experts)]) for proj in fast.names})
     launched: list[str] = []
-    real = rt_op.launch
-    monkeypatch.setattr(rt_op, "launch", lambda *a, **k: launched.append(k.get("name")) or real(*a, **k))
+    real = grouped_op.launch_grouped
+    monkeypatch.setattr(grouped_op, "launch_grouped", lambda *a, **k: launched.append(k.get("name")) or real(*a, **k))
     return launched
 
 
 @pytest.mark.parametrize("build, kind", [(_tiny_experts, TileExperts), (_tiny_bmm_experts, TileBmmExperts)])
 def test_experts_dense_fallback_and_kernel_path_in_the_triton_interpreter(build, kind, monkeypatch):
-    """`experts_module` picks the drop-in by the forward's signature; its CPU fallback and its per-expert
-    hybrid kernels (the GPU path, here interpreted) both equal the original module."""
+    """`experts_module` picks the drop-in by the forward's signature; its CPU fallback and its grouped hybrid
+    kernels (the GPU path, here interpreted: one launch per projection for every expert) equal the original."""
     experts, plan, path, args = build()
     fast = experts_module(experts, plan, path)
-    assert type(fast) is kind
+    assert type(fast) is kind and all(isinstance(k, TileGroupedLinear) for k in fast.kernels.values())
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
     with torch.no_grad():
         torch.testing.assert_close(fast(*args), experts(*args), atol=1e-5, rtol=1e-5)
-    launched = _interpreted_kernels(fast, plan, monkeypatch)
+    launched = _spy_grouped(monkeypatch)
     with torch.no_grad():
         got, want = fast(*args), experts(*args)
-    assert sorted(set(launched)) == sorted(plan.layers)  # every expert's projections ran a kernel
+    assert launched == [f"{path}.gate_up_proj", f"{path}.down_proj"]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
 
 
 @CUDA
 @pytest.mark.parametrize("build, kind", [(_tiny_experts, TileExperts), (_tiny_bmm_experts, TileBmmExperts)])
 def test_experts_on_gpu_match_the_original_module(build, kind):
+    """fp16 on CUDA, eagerly and replayed from a CUDA graph (the routing is sorted and read on the device);
+    no dense copy of the experts is kept."""
     experts, plan, path, args = build("cuda", torch.float16)
     fast = experts_module(experts, plan, path)
-    assert type(fast) is kind and all(isinstance(k, TileLinear) for mods in fast.kernels.values() for k in mods)
+    assert type(fast) is kind and all(isinstance(k, TileGroupedLinear) for k in fast.kernels.values())
+    assert all(getattr(fast, f"{p}_dense") is None for p in fast.names)
     with torch.no_grad():
-        torch.testing.assert_close(fast(*args), experts(*args), atol=2e-2, rtol=2e-2)
+        want = experts(*args)
+        torch.testing.assert_close(fast(*args), want, atol=2e-2, rtol=2e-2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fast(*args)
+        graph.replay()
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
 
 
 def test_an_experts_module_called_another_way_is_listed_not_replaced():

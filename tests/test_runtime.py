@@ -261,22 +261,26 @@ for kinds in ("mixed", "sparse"):
         torch.testing.assert_close(mod(x), F.linear(x, w, layer.bias), atol=1e-4, rtol=1e-5)
 assert seen == [(2, "decode"), (20, "prefill")] * 2, seen
 torch.library.opcheck(torch.ops.patchc.tile_linear.default, (torch.randn(3, 64), *mod.op_args()))
-# fused experts (the backend's tile_grouped_mm): experts 0 and 2 through their kernels, expert 1 dense
-from patchc.runtime.dispatch import BUFFER_NAMES
-from patchc.runtime.grouped import GroupedRead, grouped_args
-layers = {e: random_layer_plan(48, 64, tile=(16, 32), kinds="mixed", seed=e, name=f"w.{e}") for e in (0, 2)}
-mods = [(e, rt.TileLinear.from_plan(lp, dtype=torch.float32, batch_size=2, prefill_len=8)) for e, lp in layers.items()]
-stored = torch.randn(3, 48, 64)
-for e, lp in layers.items():
-    stored[e] = lp.to_dense()
-x, offs = torch.randn(6, 64), torch.tensor([2, 3, 6], dtype=torch.int32)
-bufs = [getattr(m, b) for _, m in mods for b in BUFFER_NAMES]
+# fused experts (tile_grouped_mm): experts 0 and 2 planned, expert 1 a dense weight, all in one launch per call
+from patchc.runtime import grouped_op
+from patchc.ir import TilePlan
+layers = {f"w.{e}": random_layer_plan(48, 64, tile=(16, 32), kinds="mixed", seed=e, name=f"w.{e}") for e in (0, 2)}
+slices = torch.randn(3, 48, 64)
+for e in (0, 2):
+    slices[e] = layers[f"w.{e}"].to_dense()
+mod = grouped_op.TileGroupedLinear.from_plan(TilePlan(layers=layers), "w", slices, batch_size=2, prefill_len=8)
+mod.threshold = 4
+grouped = []
 seen.clear()
-y = torch.ops.patchc.tile_grouped_mm(*grouped_args(GroupedRead(None, x, stored.transpose(1, 2), offs, None, False),
-                                                   "experts.w", mods, bufs))
-want = torch.cat([x[:2] @ stored[0].T, x[2:3] @ stored[1].T, x[3:] @ stored[2].T])
-torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-5)
-assert [m for m, _ in seen] == [2, 3], seen
+real_grouped = grouped_op.launch_grouped
+grouped_op.launch_grouped = lambda x2, offs, *a, **k: grouped.append((x2.shape[0], a[-1].kernel)) or real_grouped(x2, offs, *a, **k)
+for x, offs in ((torch.randn(3, 64), torch.tensor([2, 2, 3], dtype=torch.int32)),
+                (torch.randn(9, 64), torch.tensor([2, 3, 9], dtype=torch.int32))):
+    bounds = [0, *offs.tolist()]
+    want = torch.cat([x[bounds[e]:bounds[e + 1]] @ slices[e].T for e in range(3)])
+    torch.testing.assert_close(mod(x, offs), want, atol=1e-4, rtol=1e-5)
+assert grouped == [(3, "decode"), (9, "prefill")] and not seen, (grouped, seen)  # no per-expert launches
+torch.library.opcheck(torch.ops.patchc.tile_grouped_mm.default, (x, offs, *mod.op_args()))
 print("INTERP-OK")
 """
 

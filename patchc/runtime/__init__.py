@@ -12,7 +12,8 @@ Modules: `op` (custom op + fake implementation), `candidates` (the candidate con
 JSON cache), `dispatch` (TileLinear; `warmup` before CUDA-graph capture), `compile` (patchc.compile),
 `backend` (the dynamo backend `patch_backend`), `matmul_reads` (the matmul forms the backend recognises
 on a weight: linear, x @ W.T, matmul / mm, Conv1D addmm, einsum), `grouped` (fused MoE experts under the
-backend: the grouped mm it recognises and the `patchc::tile_grouped_mm` op that replaces it).
+backend: the grouped mm it recognises), `grouped_op` (`patchc::tile_grouped_mm` and `TileGroupedLinear`:
+every expert of a 3-D weight in one launch).
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from patchc.runtime.cache import TuneCache, default_cache_path
 from patchc.runtime.candidates import candidate_space, candidates
 from patchc.runtime.compile import compile  # noqa: A004
 from patchc.runtime.dispatch import TileLinear, warmup
+from patchc.runtime.grouped_op import TileGroupedLinear
 from patchc.runtime.tuner import LayerTuning, TuneError, tune_plan
 
 __all__ = [
     "compile",
     "TileLinear",
+    "TileGroupedLinear",
     "warmup",
     "tune_plan",
     "LayerTuning",

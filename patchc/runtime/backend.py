@@ -12,8 +12,8 @@ matmul that reads a planned weight (a plan layer with at least one 2:4 tile) bec
 Conv1D's ``addmm(b, x, W)`` (W stored (K, N), planned as its (N, K) transpose) and linear-layout einsums
 (`patchc.runtime.matmul_reads`). Fused MoE experts (a 3-D weight read by one grouped mm: transformers 5's
 ``F.grouped_mm`` / ``torch._grouped_mm`` / ``transformers::grouped_mm_fallback``) become
-``torch.ops.patchc.tile_grouped_mm``, each planned expert slice on its own packed buffers
-(`patchc.runtime.grouped`). A planned weight read in a form neither op can serve (Llama 4's ``bmm`` over
+``torch.ops.patchc.tile_grouped_mm``: every expert slice of the weight stacked into one packed layout,
+one launch for all experts, the routing offsets read on the device (`patchc.runtime.grouped`). A planned weight read in a form neither op can serve (Llama 4's ``bmm`` over
 every expert, ``W @ x``, an einsum with another output layout) is left dense and listed in a warning;
 with ``options={"strict": True}`` that is a ValueError. The rest of the graph goes to inductor (CUDA) or
 aot_eager (CPU, or when inductor cannot be imported).
@@ -43,7 +43,7 @@ import torch
 from torch import fx
 
 from patchc.runtime.dispatch import BUFFER_NAMES, TileLinear, report_unreplaced
-from patchc.runtime.grouped import GroupedRead, expert_modules, find_grouped_reads, grouped_args, servable_grouped
+from patchc.runtime.grouped import GroupedRead, find_grouped_reads, grouped_args, grouped_module, servable_grouped
 from patchc.runtime.matmul_reads import LINEAR, Read, find_reads
 from patchc.runtime.op import tile_linear as _op  # noqa: F401  (registers the op)
 
@@ -137,12 +137,11 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any],
     gm, node_map = _copy_graph_module(gm)
     placeholders = [node_map[n] for n in placeholders]
     modules = {node_map[n]: v for n, v in modules.items()}
-    slices = [(f"{name}_{e}", mod) for name, mods in experts.values() for e, mod in mods]
-    extra, attrs = _attach(gm, [*modules.values(), *slices], placeholders)
+    extra, attrs = _attach(gm, [*modules.values(), *experts.values()], placeholders)
     for read in served:
         _replace(gm, read, node_map, *modules[node_map[read.weight]], attrs)
     for read in served_grouped:
-        _replace_grouped(gm, read, node_map, names[read.weight], *experts[read.weight], attrs)
+        _replace_grouped(gm, read, node_map, *experts[read.weight], attrs)
     gm.graph.lint()
     gm.recompile()
     log.info("patch backend: %d matmul call(s) -> patchc::tile_linear, %d grouped -> patchc::tile_grouped_mm",
@@ -174,14 +173,14 @@ def _replace(gm: fx.GraphModule, read: Read, node_map: dict[fx.Node, fx.Node], n
     gm.graph.erase_node(node)
 
 
-def _replace_grouped(gm: fx.GraphModule, read: GroupedRead, node_map: dict[fx.Node, fx.Node], fqn: str, name: str,
-                     mods: list[tuple[int, TileLinear]], attrs: dict[str, fx.Node]) -> None:
-    """Swap one grouped matmul (in the copied graph) for tile_grouped_mm over its planned experts."""
+def _replace_grouped(gm: fx.GraphModule, read: GroupedRead, node_map: dict[fx.Node, fx.Node], name: str,
+                     mod: Any, attrs: dict[str, fx.Node]) -> None:
+    """Swap one grouped matmul (in the copied graph) for tile_grouped_mm over every expert of its weight."""
     node = node_map[read.node]
     remap = lambda a: node_map.get(a, a) if isinstance(a, fx.Node) else a  # noqa: E731
-    buffers = [attrs[f"{name}_{e}_{b}"] for e, _ in mods for b in BUFFER_NAMES]
+    buffers = [attrs[f"{name}_{b}"] for b in BUFFER_NAMES]
     args = grouped_args(GroupedRead(node, remap(read.x), remap(read.operand), remap(read.offs), read.weight,
-                                    read.transposed), fqn, mods, buffers)
+                                    read.transposed), mod, buffers)
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(torch.ops.patchc.tile_grouped_mm.default, args)
     new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "example_value", "stack_trace")})
@@ -301,21 +300,20 @@ def _modules(plan: Any, weights: dict[fx.Node, tuple[str, torch.Tensor]],
 
 
 def _experts(plan: Any, reads: list[GroupedRead], names: dict[fx.Node, str], examples: dict[fx.Node, Any],
-             options: dict[str, Any]) -> dict[fx.Node, tuple[str, list[tuple[int, TileLinear]]]]:
-    """One TileLinear per planned expert slice of each served 3-D weight, on that weight's one tuning (the
-    tuner runs on its first planned slice only: every slice has the same shape)."""
+             options: dict[str, Any]) -> dict[fx.Node, tuple[str, Any]]:
+    """One `TileGroupedLinear` per served 3-D weight (every expert slice stacked), on one tuning: the tuner
+    runs on its first planned slice only, since every slice has the same shape."""
     from patchc.runtime.compile import _tunings
     from patchc.runtime.grouped import planned_experts
 
     bs, pl = int(options.get("batch_size", 16)), int(options.get("prefill_len", 128))
     out = {}
-    for i, weight in enumerate(dict.fromkeys(r.weight for r in reads)):
-        fqn, value = names[weight], examples[weight]
-        experts = planned_experts(plan, fqn, value.shape[0])
-        first = f"{fqn}.{experts[0]}"
+    for i, read in enumerate({r.weight: r for r in reads}.values()):
+        fqn, value = names[read.weight], examples[read.weight]
+        first = f"{fqn}.{planned_experts(plan, fqn, value.shape[0])[0]}"
         tuning = _tunings(plan, [first], bs, pl, options.get("tune", True), value, options.get("cache"),
                           options.get("time_fn"), False).get(first)
-        out[weight] = (f"_patchc_x{i}", expert_modules(plan, fqn, experts, value, tuning, bs, pl))
+        out[read.weight] = (f"_patchc_x{i}", grouped_module(plan, fqn, read, value, tuning, bs, pl))
     return out
 
 

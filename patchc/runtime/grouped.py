@@ -1,16 +1,12 @@
-"""Fused MoE experts under the dynamo backend: `patchc::tile_grouped_mm` and the grouped reads it replaces.
+"""Fused MoE experts under the dynamo backend: the grouped reads `patchc::tile_grouped_mm` replaces.
 
 transformers 5 runs fused experts (`gate_up_proj` / `down_proj`, 3-D) as one grouped matmul over the
 tokens sorted by expert: ``grouped_mm(x (S, K), W (E, K, N), offs=ends)``, where W is the stored
 (E, N, K) weight transposed (or the weight itself for experts stored (E, K, N)) and ``ends`` the
 cumulative row count of each expert. Dynamo shows that call as ``torch.nn.functional.grouped_mm``,
 ``torch._grouped_mm`` or transformers' own ``transformers::grouped_mm_fallback``. The backend swaps it
-for ``patchc::tile_grouped_mm``, which runs each expert's rows through that expert's hybrid kernel
-(`patchc::tile_linear` on its packed slice) and the experts without a 2:4 tile through a dense mm.
-
-The op reads the offsets once on the host (one synchronisation per call, as transformers' fallback
-does), so it cannot run inside a CUDA graph: it carries torch's ``cudagraph_unsafe`` tag, and inductor
-keeps it out of the graphs it captures. `patchc.compile` (TileExperts) reads the routing on the host too.
+for ``patchc::tile_grouped_mm`` (`patchc.runtime.grouped_op`): every expert's rows in one launch of the
+hybrid kernels, the offsets read on the device, so the call can be captured in a CUDA graph.
 
 Example:
     >>> reads = find_grouped_reads(gm, examples)          # doctest: +SKIP
@@ -26,127 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from patchc.runtime import op as _op  # noqa: F401  (registers torch.ops.patchc.tile_linear)
+from patchc.runtime import grouped_op as _grouped_op  # noqa: F401  (registers torch.ops.patchc.tile_grouped_mm)
 
-N_BUFFERS = 7  # dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols
 _GROUPED_FUNCTIONS = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f)
 _GROUPED_OPS = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
 _CASTS = ("to", "type_as", "detach", "contiguous", "float", "half", "bfloat16")
-
-
-# The host read of the offsets cannot be captured: tagged, inductor leaves this op out of its CUDA graphs
-# (mode="reduce-overhead") instead of failing in capture. The tag is missing from older torch builds.
-_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
-
-
-@torch.library.custom_op("patchc::tile_grouped_mm", mutates_args=(), tags=_TAGS)
-def tile_grouped_mm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    offs: torch.Tensor,
-    buffers: list[torch.Tensor],
-    experts: list[int],
-    name: str,
-    block: list[int],
-    per_row: list[int],
-    decode_cfg: list[int],
-    prefill_cfg: list[int],
-    threshold: int,
-) -> torch.Tensor:
-    """y (S, N): rows ``offs[e-1]:offs[e]`` of x (S, K) times expert e's weight, ``weight[e]`` (K, N).
-
-    Expert ``experts[j]`` is served by `patchc::tile_linear` on ``buffers[7j:7j+7]`` (``per_row[2j:2j+2]``);
-    the others by ``x_e @ weight[e]``. One launch config (`block`, `decode_cfg`, `prefill_cfg`,
-    `threshold`) serves every expert of the weight: the slices share their shape.
-
-    Example:
-        >>> y = torch.ops.patchc.tile_grouped_mm(x, w_t, offs, bufs, [0, 2], "experts.down_proj", [16, 16],
-        ...                                      per_row, decode_cfg, prefill_cfg, 64)     # doctest: +SKIP
-    """
-    n, k = _check(x, weight, offs, buffers, experts, per_row, name)
-    out = x.new_zeros((x.shape[0], n))
-    served = {e: j for j, e in enumerate(experts)}
-    for e, start, end in _segments(offs):
-        j = served.get(e)
-        if j is None:
-            out[start:end] = x[start:end] @ weight[e].to(x.dtype)
-        else:
-            out[start:end] = torch.ops.patchc.tile_linear(
-                x[start:end], *buffers[N_BUFFERS * j : N_BUFFERS * (j + 1)], None, f"{name}.{e}", [n, k], block,
-                per_row[2 * j : 2 * j + 2], decode_cfg, prefill_cfg, threshold)
-    return out
-
-
-def _segments(offs: torch.Tensor):
-    """(expert, start, end) of every expert with rows: the op's one host read of the offsets."""
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            yield e, start, end
-        start = max(start, end)
-
-
-@tile_grouped_mm.register_fake
-def _(x, weight, offs, buffers, experts, name, block, per_row, decode_cfg, prefill_cfg, threshold):
-    n, _ = _check(x, weight, offs, buffers, experts, per_row, name)
-    return x.new_empty((x.shape[0], n))
-
-
-@torch.library.custom_op("patchc::tile_grouped_mm_grad_x", mutates_args=(), tags=_TAGS)
-def tile_grouped_mm_grad_x(grad: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, buffers: list[torch.Tensor],
-                           experts: list[int], block: list[int]) -> torch.Tensor:
-    """dL/dx (S, K): each expert's rows of dL/dy times its W_hat (served) or ``weight[e]^T`` (the others)."""
-    from patchc.codegen.layout import dense_from_buffers
-
-    _, k, n = weight.shape
-    out = grad.new_zeros((grad.shape[0], k))
-    served = {e: j for j, e in enumerate(experts)}
-    for e, start, end in _segments(offs):
-        j = served.get(e)
-        w = (weight[e].t() if j is None else
-             dense_from_buffers(tuple(buffers[N_BUFFERS * j : N_BUFFERS * (j + 1)]), (n, k), (block[0], block[1])))
-        out[start:end] = grad[start:end] @ w.to(grad.dtype)
-    return out
-
-
-@tile_grouped_mm_grad_x.register_fake
-def _(grad, weight, offs, buffers, experts, block):
-    return grad.new_empty((grad.shape[0], weight.shape[1]))
-
-
-def _save(ctx, inputs, output) -> None:
-    _, weight, offs, buffers, experts, _, block = inputs[:7]
-    ctx.save_for_backward(weight, offs, *buffers)
-    ctx.experts, ctx.block = experts, block
-
-
-def _backward(ctx, grad: torch.Tensor):
-    """Gradients reach x; the experts' weights are frozen (served slices are packed copies)."""
-    weight, offs, *buffers = ctx.saved_tensors
-    grad_x = torch.ops.patchc.tile_grouped_mm_grad_x(grad.contiguous(), weight, offs, buffers, ctx.experts, ctx.block)
-    return (grad_x, None, None, [None] * len(buffers), *(None,) * 7)  # the list of buffers: one None each
-
-
-tile_grouped_mm.register_autograd(_backward, setup_context=_save)  # compiled calls with gradients on
-
-
-def _check(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, buffers: list[torch.Tensor],
-           experts: list[int], per_row: list[int], name: str) -> tuple[int, int]:
-    """Shape checks that need no tensor values (also run by the fake kernel); returns (N, K)."""
-    where = f"patchc::tile_grouped_mm({name!r})"
-    if x.dim() != 2 or weight.dim() != 3 or offs.dim() != 1:
-        raise ValueError(f"{where}: needs x (S, K), weight (E, K, N) and offs (E,); got {tuple(x.shape)}, "
-                         f"{tuple(weight.shape)}, {tuple(offs.shape)}")
-    e, k, n = weight.shape
-    if x.shape[1] != k or offs.shape[0] != e:
-        raise ValueError(f"{where}: x has {x.shape[1]} features and offs {offs.shape[0]} experts; the weight "
-                         f"{tuple(weight.shape)} expects K={k} and E={e}")
-    if len(buffers) != N_BUFFERS * len(experts) or len(per_row) != 2 * len(experts):
-        raise ValueError(f"{where}: {len(experts)} served experts need {N_BUFFERS * len(experts)} buffers and "
-                         f"{2 * len(experts)} per-row counts, got {len(buffers)} and {len(per_row)}")
-    if any(not 0 <= j < e for j in experts):
-        raise ValueError(f"{where}: served experts {experts} must lie in [0, {e})")
-    return n, k
 
 
 @dataclass
@@ -249,28 +129,21 @@ def planned_experts(plan: Any, fqn: str, num_experts: int) -> list[int]:
     return [e for e, layer in enumerate(layers) if layer is not None and bool((layer.kinds == 1).any())]
 
 
-def expert_modules(plan: Any, fqn: str, experts: list[int], weight: torch.Tensor, tuning: Any, batch_size: int,
-                   prefill_len: int) -> list[tuple[int, Any]]:
-    """[(expert, TileLinear)] for `experts` (`planned_experts` of `fqn`), all on one launch config: `tuning`
-    (the tuner's, for the first of them) or the first one's default."""
-    from patchc.runtime.dispatch import TileLinear
+def grouped_module(plan: Any, fqn: str, read: GroupedRead, weight: torch.Tensor, tuning: Any, batch_size: int,
+                   prefill_len: int) -> Any:
+    """The `TileGroupedLinear` of every expert slice of `weight` (the 3-D parameter `read` multiplies by), its
+    slices (N, K) as the read multiplies them, on `tuning` (the tuner's, for its first planned slice)."""
+    from patchc.runtime.grouped_op import TileGroupedLinear
 
-    out = []
-    for e in experts:
-        mod = TileLinear.from_plan(plan.layers[f"{fqn}.{e}"], tuning, dtype=weight.dtype, device=weight.device,
-                                   batch_size=batch_size, prefill_len=prefill_len)
-        tuning = mod.tuning
-        out.append((e, mod))
-    return out
+    slices = weight.detach().transpose(1, 2) if read.transposed else weight.detach()
+    return TileGroupedLinear.from_plan(plan, fqn, slices, tuning, dtype=weight.dtype, device=weight.device,
+                                       batch_size=batch_size, prefill_len=prefill_len)
 
 
-def grouped_args(read: GroupedRead, fqn: str, mods: list[tuple[int, Any]], buffers: list[Any]) -> tuple[Any, ...]:
-    """The `tile_grouped_mm` arguments replacing `read` (`buffers`: the experts' packed tensors, in order)."""
-    first = mods[0][1]
-    per_row = [v for _, mod in mods for v in mod.per_row]
-    return (read.x, read.operand, read.offs, buffers, [e for e, _ in mods], fqn, list(first.block), per_row,
-            list(first.decode_buckets), list(first.prefill_cfg), first.threshold)
+def grouped_args(read: GroupedRead, mod: Any, buffers: list[Any]) -> tuple[Any, ...]:
+    """The `tile_grouped_mm` arguments replacing `read` (`buffers`: the module's packed tensors, in order)."""
+    return (read.x, read.offs, *buffers, *mod.op_args()[len(buffers):])
 
 
-__all__ = ["GroupedRead", "N_BUFFERS", "expert_modules", "find_grouped_reads", "grouped_args", "is_grouped_mm",
-           "planned_experts", "servable_grouped", "tile_grouped_mm"]
+__all__ = ["GroupedRead", "find_grouped_reads", "grouped_args", "grouped_module", "is_grouped_mm", "planned_experts",
+           "servable_grouped"]

@@ -1,0 +1,247 @@
+"""`patchc::tile_grouped_mm` and `TileGroupedLinear`: every expert of a fused MoE weight in one launch.
+
+The experts' packed slices are stacked into one layout (`patchc.codegen.grouped_layout`): planned slices
+with their dense and 2:4 tiles, the others as dense blocks of their weight. The op multiplies rows
+``offs[e-1]:offs[e]`` of x (sorted by expert, as ``torch._grouped_mm`` takes them) by expert e's slice:
+
+* on CUDA (or on CPU with the kernels in the interpreter) one grouped Triton launch
+  (`patchc.codegen.grouped_kernels`); the kernels read the offsets on the device, and the launch config
+  depends only on S = x.shape[0] and E (`grouped_config`), so nothing reads a tensor back to the host and
+  the op can be captured in a CUDA graph;
+* on CPU otherwise a plain-PyTorch reference (W_hat of every expert rebuilt, one matmul per expert).
+
+The backward to x (`tile_grouped_mm_grad_x`) is a reference path that reads the offsets on the host; it
+carries torch's ``cudagraph_unsafe`` tag.
+
+Example:
+    >>> mod = TileGroupedLinear.from_plan(plan, "mlp.experts.down_proj", w_nk)     # doctest: +SKIP
+    >>> y = mod(x_sorted, offs)                                                     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from patchc.codegen.configs import KernelConfig, arch_of, choose_block
+from patchc.codegen.grouped_layout import experts_from_buffers, pack_dense, stack_experts
+from patchc.codegen.launch import launch_grouped
+from patchc.codegen.layout import BUFFER_NAMES, pack
+from patchc.runtime.op import decode_config, encode_buckets, encode_config, pick_decode, use_triton
+from patchc.runtime.timing import packed_buffers
+from patchc.runtime.tuner import LayerTuning, default_tuning
+
+# The backward's host read of the offsets cannot be captured; the tag is missing from older torch builds.
+_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@torch.library.custom_op("patchc::tile_grouped_mm", mutates_args=())
+def tile_grouped_mm(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    dense: torch.Tensor,
+    values: torch.Tensor,
+    meta: torch.Tensor,
+    dense_rowptr: torch.Tensor,
+    dense_cols: torch.Tensor,
+    sparse_rowptr: torch.Tensor,
+    sparse_cols: torch.Tensor,
+    name: str,
+    shape: list[int],
+    num_experts: int,
+    block: list[int],
+    per_row: list[int],
+    decode_cfg: list[int],
+    prefill_cfg: list[int],
+    threshold: int,
+) -> torch.Tensor:
+    """y (S, N): rows ``offs[e-1]:offs[e]`` of x (S, K) times expert e's W_hat (N, K)^T; other rows zero.
+
+    Example:
+        >>> y = torch.ops.patchc.tile_grouped_mm(x, offs, *bufs, "experts.down_proj", [N, K], 8, [16, 16],
+        ...                                      [-1, -1], decode_cfg, prefill_cfg, 64)   # doctest: +SKIP
+    """
+    n, k = _check(x, offs, values, name, shape, num_experts)
+    buffers = (dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols)
+    s = x.shape[0]
+    if s == 0:
+        return x.new_zeros((0, n))
+    if not use_triton(x):
+        w = experts_from_buffers(buffers, num_experts, (n, k), (block[0], block[1])).to(x.dtype)
+        out = x.new_zeros((s, n))
+        for e, start, end in _segments(offs, s):
+            out[start:end] = x[start:end] @ w[e].t()
+        return out
+    return launch_grouped(x.contiguous(), offs, buffers, (n, k), num_experts, (block[0], block[1]),
+                          (per_row[0], per_row[1]), grouped_config(decode_cfg, prefill_cfg, threshold, s, num_experts),
+                          name=name)
+
+
+def grouped_config(decode_cfg: list[int], prefill_cfg: list[int], threshold: int, rows: int,
+                   num_experts: int) -> KernelConfig:
+    """The launch config for `rows` routed rows, from shapes alone (no host synchronisation): a slice's config
+    for M = rows (its decode bucket up to the threshold, else prefill), its split-K divided among the up to
+    min(E, rows) experts that receive rows, since they fill the GPU together where the slice's split-K was
+    chosen for one layer alone.
+
+    Example:
+        >>> grouped_config([0, 16, 8, 4, 1, 8], [1, 64, 1, 8, 3, 8], 64, 4, 128).split_k
+        2
+    """
+    cfg = decode_config(pick_decode(decode_cfg, rows) if rows <= threshold else prefill_cfg)
+    return replace(cfg, split_k=max(1, cfg.split_k // max(1, min(num_experts, rows))))
+
+
+@tile_grouped_mm.register_fake
+def _(x, offs, dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols, name, shape, num_experts,
+      block, per_row, decode_cfg, prefill_cfg, threshold):
+    n, _ = _check(x, offs, values, name, shape, num_experts)
+    return x.new_empty((x.shape[0], n))
+
+
+def _segments(offs: torch.Tensor, rows: int):
+    """(expert, start, end) of every expert with rows (a host read of the offsets: reference paths only)."""
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        end = min(int(end), rows)
+        if end > start:
+            yield e, start, end
+        start = max(start, end)
+
+
+@torch.library.custom_op("patchc::tile_grouped_mm_grad_x", mutates_args=(), tags=_TAGS)
+def tile_grouped_mm_grad_x(grad: torch.Tensor, offs: torch.Tensor, dense: torch.Tensor, values: torch.Tensor,
+                           meta: torch.Tensor, dense_rowptr: torch.Tensor, dense_cols: torch.Tensor,
+                           sparse_rowptr: torch.Tensor, sparse_cols: torch.Tensor, shape: list[int], num_experts: int,
+                           block: list[int]) -> torch.Tensor:
+    """dL/dx (S, K): each expert's rows of dL/dy (S, N) times its W_hat (N, K)."""
+    n, k = int(shape[0]), int(shape[1])
+    buffers = (dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols)
+    w = experts_from_buffers(buffers, num_experts, (n, k), (block[0], block[1])).to(grad.dtype)
+    out = grad.new_zeros((grad.shape[0], k))
+    for e, start, end in _segments(offs, grad.shape[0]):
+        out[start:end] = grad[start:end] @ w[e]
+    return out
+
+
+@tile_grouped_mm_grad_x.register_fake
+def _(grad, offs, dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols, shape, num_experts,
+      block):
+    return grad.new_empty((grad.shape[0], int(shape[1])))
+
+
+def _save(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[1:9])
+    ctx.shape, ctx.num_experts, ctx.block = inputs[10], inputs[11], inputs[12]
+
+
+def _backward(ctx, grad: torch.Tensor):
+    """Gradients reach x; the experts' weights are frozen (packed copies)."""
+    grad_x = torch.ops.patchc.tile_grouped_mm_grad_x(grad.contiguous(), *ctx.saved_tensors, ctx.shape,
+                                                     ctx.num_experts, ctx.block)
+    return (grad_x, *(None,) * 16)
+
+
+tile_grouped_mm.register_autograd(_backward, setup_context=_save)  # compiled calls with gradients on
+
+
+def _check(x: torch.Tensor, offs: torch.Tensor, values: torch.Tensor, name: str, shape: list[int],
+           num_experts: int) -> tuple[int, int]:
+    """Checks that need no tensor values (also run by the fake kernel); returns (N, K)."""
+    n, k = int(shape[0]), int(shape[1])
+    where = f"patchc::tile_grouped_mm({name!r})"
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{where}: x must be (S, K={k}), got {tuple(x.shape)}")
+    if offs.dim() != 1 or offs.shape[0] != num_experts or offs.is_floating_point():
+        raise ValueError(f"{where}: offs must be the ({num_experts},) integer row ends of the experts, got "
+                         f"{offs.dtype} {tuple(offs.shape)}")
+    if x.dtype != values.dtype:
+        raise TypeError(f"{where}: x is {x.dtype} but the packed experts are {values.dtype}; cast the model or x")
+    if x.device != values.device or offs.device != x.device:
+        raise ValueError(f"{where}: x is on {x.device}, offs on {offs.device}, the packed experts on "
+                         f"{values.device}; move them to one device")
+    return n, k
+
+
+class TileGroupedLinear(nn.Module):
+    """Every expert slice of one fused MoE weight, stacked: forward(x (S, K) sorted by expert, offs (E,)) ->
+    (S, N) through `patchc::tile_grouped_mm`. Experts without a plan keep their weight as dense blocks.
+
+    Example:
+        >>> mod = TileGroupedLinear.from_plan(plan, "model.layers.0.mlp.experts.down_proj", w_enk)  # doctest: +SKIP
+    """
+
+    bias = None  # experts' biases are added by the caller (per row's expert)
+
+    def __init__(self, stacked: Any, num_experts: int, shape: tuple[int, int], tuning: LayerTuning,
+                 dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        bufs, per_row = packed_buffers(stacked, dtype, device)
+        for bname, buf in zip(BUFFER_NAMES, bufs):
+            self.register_buffer(bname, buf)
+        self.name, self.num_experts = stacked.name, int(num_experts)
+        self.out_features, self.in_features = shape
+        self.block, self.per_row = tuple(stacked.block), tuple(per_row)
+        self.decode_buckets = encode_buckets(list(tuning.buckets)) if tuning.buckets else encode_config(tuning.decode)
+        self.prefill_cfg = encode_config(tuning.prefill)
+        self.threshold = int(tuning.threshold)
+        self.tuning = tuning
+
+    @classmethod
+    def from_plan(cls, plan: Any, fqn: str, weight: torch.Tensor, tuning: LayerTuning | None = None, *,
+                  dtype: torch.dtype | None = None, device: Any = None, batch_size: int = 16,
+                  prefill_len: int = 128) -> TileGroupedLinear:
+        """Pack expert slices ``plan.layers[f"{fqn}.{e}"]`` (the others from `weight` (E, N, K), as the
+        slices are multiplied) at `tuning`'s block, or the architecture's block for the first plan tile."""
+        num_experts, n, k = weight.shape
+        layers = [plan.layers.get(f"{fqn}.{e}") for e in range(num_experts)]
+        planned = [lp for lp in layers if lp is not None]
+        if not planned:
+            raise ValueError(f"{fqn}: no expert slice of this weight is planned ({fqn}.0 ... {fqn}.{num_experts - 1})")
+        for e, lp in enumerate(layers):
+            if lp is not None and tuple(lp.shape) != (n, k):
+                raise ValueError(f"{fqn}.{e}: planned as {tuple(lp.shape)} (N, K) but the weight's slices are {(n, k)}")
+        device = torch.device(device) if device is not None else weight.device
+        dtype = dtype or weight.dtype
+        arch = arch_of(device)
+        block = tuple(tuning.block) if tuning is not None else choose_block(tuple(planned[0].tile), arch)
+        packed = [pack(lp, block=block, allow_all_dense=True) if lp is not None
+                  else pack_dense(weight[e].detach().cpu().to(dtype), block, f"{fqn}.{e}")
+                  for e, lp in enumerate(layers)]
+        first = next(p for p, lp in zip(packed, layers) if lp is not None)
+        tuning = tuning or default_tuning(planned[0], first, batch_size, prefill_len, arch)
+        stacked = stack_experts([p if p.dtype == dtype else _cast(p, dtype) for p in packed], name=fqn)
+        return cls(stacked, num_experts, (n, k), tuning, dtype, device)
+
+    def op_args(self) -> tuple[Any, ...]:
+        """Everything the op takes after x and offs."""
+        return (*(getattr(self, b) for b in BUFFER_NAMES), self.name, [self.out_features, self.in_features],
+                self.num_experts, list(self.block), list(self.per_row), list(self.decode_buckets),
+                list(self.prefill_cfg), self.threshold)
+
+    def warmup(self, rows: Iterable[int]) -> TileGroupedLinear:
+        """Run once per row count S (all rows to expert 0), compiling every kernel those S dispatch to: do
+        it before capturing a CUDA graph."""
+        for s in rows:
+            x = torch.zeros(int(s), self.in_features, dtype=self.values.dtype, device=self.values.device)
+            offs = torch.full((self.num_experts,), int(s), dtype=torch.int32, device=x.device)
+            with torch.no_grad():
+                self(x, offs)
+        return self
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return torch.ops.patchc.tile_grouped_mm(x, offs, *self.op_args())
+
+    def extra_repr(self) -> str:
+        return (f"{self.name!r}, experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, block={self.block}, threshold={self.threshold}")
+
+
+def _cast(packed: Any, dtype: torch.dtype) -> Any:
+    return replace(packed, dtype=dtype, dense=packed.dense.to(dtype), values=packed.values.to(dtype))
+
+
+__all__ = ["TileGroupedLinear", "tile_grouped_mm"]
