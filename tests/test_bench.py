@@ -27,6 +27,7 @@ from patchc.bench.layers import make_layer, peak_bandwidth, tile_kinds, weight_b
 from patchc.bench.options import LayerCase, check_cases
 from patchc.bench.record import append_jsonl, slug
 from patchc.job.cli import main
+from tests.conftest import in_fresh_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU form of the harness")
@@ -35,7 +36,7 @@ needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    status = main(["bench", "--dry-run", "--out", str(out), "--no-progress"])
+    status = in_fresh_thread(main, ["bench", "--dry-run", "--out", str(out), "--no-progress"])
     (jsonl,) = out.glob("*.jsonl")
     return status, json.loads(jsonl.read_text().splitlines()[-1]), out
 
@@ -68,7 +69,33 @@ def test_dry_run_times_against_dense_and_runs_the_model(dry_run):
     e2e = record["e2e"]["rows"]
     assert {r["batch"] for r in e2e} == {1, 16} and all(r["logits_ok"] for r in e2e)
     md = next(out.glob("*.md")).read_text()
-    assert "DRY RUN" in md and "| gemv |" in md and "End to end" in md
+    assert "DRY RUN" in md and "| gemv |" in md and "End to end" in md and "Fused MoE experts" in md
+
+
+@needs_cpu
+@pytest.mark.slow
+@pytest.mark.interpreter
+def test_dry_run_checks_and_times_the_grouped_experts(dry_run):
+    """Every token count of the experts case is checked against fp64 and timed against the dense loop (on CPU
+    torch._grouped_mm is not tried); decode rows carry the routed experts' bytes ceiling."""
+    _, record, _ = dry_run
+    rows = record["experts"]["rows"]
+    assert [r["tokens"] for r in rows] == [1, 5] and not record["experts"]["failed"]
+    assert all(r["ok"] and r["err"] <= r["bound"] and r["baseline"] == "F.linear loop" for r in rows)
+    assert rows[0]["rows"] == 2 and rows[1]["rows"] == 10  # top-2 of 4 experts
+    assert all(r["ceiling"] > 1.2 and r["dense_ms"] > 0 and r["tile_ms"] > 0 for r in rows)
+
+
+def _flipping_first_nibble(pack):
+    """`pack` whose layers come out with one metadata bit flipped: i1 of the first group, another position."""
+
+    def broken_pack(*args, **kwargs):
+        packed = pack(*args, **kwargs)
+        meta = packed.meta.clone()
+        meta.view(-1)[0] ^= 0b0100
+        return dataclasses.replace(packed, meta=meta)
+
+    return broken_pack
 
 
 @needs_cpu
@@ -77,18 +104,26 @@ def test_check_catches_a_misplaced_24_value(monkeypatch):
     """Flip one metadata nibble of the packed layer: one kept value moves in its group; the check must fail."""
     import patchc.codegen as codegen
 
-    real_pack = codegen.pack
-
-    def broken_pack(*args, **kwargs):
-        packed = real_pack(*args, **kwargs)
-        meta = packed.meta.clone()
-        meta.view(-1)[0] ^= 0b0100  # i1 of the first group: another position
-        return dataclasses.replace(packed, meta=meta)
-
-    monkeypatch.setattr(codegen, "pack", broken_pack)
+    monkeypatch.setattr(codegen, "pack", _flipping_first_nibble(codegen.pack))
     case = LayerCase((64, 96), "2:4", (32, 32), "fp16", (1, 17), explicit=False)
     rows = [r for r in check_case(case, "cpu", seed=0) if r["variant"] == "auto"]
     assert rows and not any(r["ok"] for r in rows), rows
+
+
+@needs_cpu
+@pytest.mark.interpreter
+def test_experts_check_catches_a_misplaced_24_value(monkeypatch):
+    """The same flipped nibble in one packed expert: the experts part marks its rows failed, and the run exits 1."""
+    from patchc.bench import experts
+    from patchc.bench.layers import Deadline, cpu_timer
+
+    import patchc.codegen.layout as layout
+
+    monkeypatch.setattr(layout, "pack", _flipping_first_nibble(layout.pack))
+    case = experts.ExpertCase("tiny", 4, (32, 32), 4, "2:4", "fp16", (2,), (2,), (16, 16))  # every expert routed
+    result = experts.run_experts([case], "cpu", cpu_timer(reps=1), 0, Deadline(60), show=False)
+    assert result["failed"] and not result["rows"][0]["ok"]
+    assert exit_status({"experts": result}) == 1
 
 
 @needs_cpu

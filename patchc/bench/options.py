@@ -7,7 +7,7 @@ the harness runs on CPU under the Triton interpreter (CI runs it).
 Example:
     >>> opts = BenchOptions(dry_run=True)
     >>> len(check_cases(opts)) > 0, opts.parts
-    (True, ('check', 'speed', 'e2e'))
+    (True, ('check', 'speed', 'e2e', 'experts'))
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-PARTS = ("check", "speed", "e2e")
+PARTS = ("check", "speed", "e2e", "experts")
 LLAMA7B_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))
 ODD_SHAPES = ((1000, 3000), (4160, 4104))  # N, K not multiples of the 64/128 block
 FULL_MS = (1, 2, 4, 8, 16, 17, 64, 128, 2048)
@@ -36,7 +36,8 @@ class BenchOptions:
     """Options of one `patchc bench` run.
 
     parts: any of "check" (correctness), "speed" (do_bench against cuBLAS / cuSPARSELt), "e2e" (a
-    7B-shaped Llama decoding through `patchc.compile`). budget_s: wall-clock seconds for the whole run;
+    7B-shaped Llama decoding through `patchc.compile`), "experts" (fused MoE experts in one grouped launch
+    against torch's grouped mm). budget_s: wall-clock seconds for the whole run;
     each part gets its share and reports the cases it had no time for. out_dir: where
     `<device>.jsonl` and `<device>.md` go. tune: tune the layers of the speed and e2e parts (GPU only).
 
@@ -69,7 +70,7 @@ class BenchOptions:
 
     def share(self, part: str) -> float:
         """Seconds of the budget for one part (check and speed compile many kernels; e2e tunes 3 shapes)."""
-        weights = {"check": 0.4, "speed": 0.3, "e2e": 0.3}
+        weights = {"check": 0.35, "speed": 0.25, "e2e": 0.25, "experts": 0.15}
         total = sum(weights[p] for p in self.parts)
         return self.budget_s * weights[part] / total
 

@@ -88,6 +88,8 @@ def markdown(record: dict[str, Any]) -> str:
         lines += _speed_md(record["speed"])
     if "e2e" in record:
         lines += _e2e_md(record["e2e"])
+    if "experts" in record:
+        lines += _experts_md(record["experts"])
     return "\n".join(lines) + "\n"
 
 
@@ -133,4 +135,19 @@ def _e2e_md(e: dict[str, Any]) -> list[str]:
                    f"{'' if r['logits_ok'] else ' FAILED'} |")
     if e["skipped"]:
         out.append(f"\nNot run (time budget): {', '.join(e['skipped'])}")
+    return out + [""]
+
+
+def _experts_md(x: dict[str, Any]) -> list[str]:
+    out = ["## Fused MoE experts (one grouped launch vs dense, same run; err against fp64, bound as above)", "",
+           "| experts | tokens | routed experts | dense us (baseline) | patchc us | speedup | bytes ceiling "
+           "| of ceiling | GB/s | err / bound |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in x["rows"]:
+        check = "-" if r.get("err") is None else f"{r['err'] / r['bound']:.2f}{'' if r['ok'] else ' FAILED'}"
+        out.append(f"| {r['case']} | {r['tokens']} | {r['active_experts']} | {1e3 * r['dense_ms']:.1f} ({r['baseline']}) "
+                   f"| {1e3 * r['tile_ms']:.1f} | {r['speedup']:.2f}x | {_fmt(r.get('ceiling'), '.2f')} "
+                   f"| {_fmt(r.get('of_ceiling'), '.0%')} | {r['tile_GBps']:.0f} | {check} |")
+    if x["skipped"]:
+        out.append(f"\nNot run (time budget): {', '.join(x['skipped'])}")
     return out + [""]

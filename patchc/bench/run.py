@@ -4,6 +4,7 @@
         -> check  (every kernel variant and the runtime vs fp64 and cuBLAS)
         -> speed  (TileLinear vs cuBLAS dense / cuSPARSELt, do_bench with CUDA graphs)
         -> e2e    (LLaMA-shaped model, patchc.compile vs dense, CUDA-graphed decode)
+        -> experts (fused MoE experts: one grouped launch vs torch's grouped mm, checked against fp64)
         -> record (append benchmarks/results/<device>.jsonl, write <device>.md, print the tables)
 
 Each part has a share of the time budget (default 510 s, under the 9 minutes asked of `make gpu`) and
@@ -28,6 +29,7 @@ import torch
 
 from patchc.bench.check import run_checks
 from patchc.bench.e2e import run_e2e
+from patchc.bench.experts import expert_cases, run_experts
 from patchc.bench.layers import Deadline, cpu_timer, gpu_timer, peak_bandwidth
 from patchc.bench.options import BenchOptions, check_cases, speed_cases
 from patchc.bench.record import append_jsonl, environment, markdown, slug
@@ -47,11 +49,10 @@ def pick_device(dry_run: bool) -> str:
     if not torch.cuda.is_available():
         raise BenchError("patchc bench needs a CUDA GPU (torch.cuda.is_available() is False); "
                          "use --dry-run to run the same harness on CPU under the Triton interpreter")
-    from patchc.codegen import kernels
     from patchc.runtime.op import kernels_interpreted
 
     if os.environ.pop("TRITON_INTERPRET", None) is not None or kernels_interpreted():
-        importlib.reload(kernels)
+        _reload_kernels()
     return "cuda"
 
 
@@ -67,11 +68,19 @@ def _use_interpreter() -> None:
             raise BenchError("--dry-run: triton was imported before TRITON_INTERPRET=1 was set, so its kernels "
                              "cannot run on CPU in this process; run `TRITON_INTERPRET=1 patchc bench --dry-run` "
                              "or set the variable before importing triton")
-    from patchc.codegen import kernels
     from patchc.runtime.op import kernels_interpreted
 
     if not kernels_interpreted():
-        importlib.reload(kernels)  # decorated again, now as interpreted functions
+        _reload_kernels()  # decorated again, now as interpreted functions
+
+
+def _reload_kernels() -> None:
+    """Decorate patchc's kernels again (under the current TRITON_INTERPRET): the grouped kernels after the
+    single-layer ones whose helpers they import."""
+    from patchc.codegen import grouped_kernels, kernels
+
+    importlib.reload(kernels)
+    importlib.reload(grouped_kernels)
 
 
 def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
@@ -88,6 +97,9 @@ def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
                                     Deadline(opts.share("speed")), peak_bandwidth(env["device"]), progress)
     if "e2e" in opts.parts:
         record["e2e"] = run_e2e(dataclasses.replace(opts, tune=tune), device, Deadline(opts.share("e2e")), progress)
+    if "experts" in opts.parts:
+        record["experts"] = run_experts(expert_cases(opts), device, timer, opts.seed, Deadline(opts.share("experts")),
+                                        peak_bandwidth(env["device"]), progress)
     name = slug(env["device"]) + ("-dry-run" if opts.dry_run else "")
     text = markdown(record)
     append_jsonl(opts.out_dir / f"{name}.jsonl", record)
@@ -98,8 +110,8 @@ def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
 
 
 def exit_status(record: dict[str, Any]) -> int:
-    """1 when a correctness check or the end-to-end logits comparison failed, else 0."""
-    failed = bool(record.get("check", {}).get("failed"))
+    """1 when a correctness check (layers or experts) or the end-to-end logits comparison failed, else 0."""
+    failed = bool(record.get("check", {}).get("failed")) or bool(record.get("experts", {}).get("failed"))
     failed |= any(not r["logits_ok"] for r in record.get("e2e", {}).get("rows", []))
     return int(failed)
 

@@ -23,6 +23,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from patchc.bench.options import PARTS
 from patchc.job.losses import LOSSES
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
 from patchc.job.prune_args import add_prune_arguments, prune_options
@@ -286,12 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("bench", "GPU proof: kernels and runtime vs cuBLAS / fp64, layer speed, end-to-end decode",
                        description="Correctness of every kernel variant and the runtime (vs fp64 and cuBLAS), layer "
-                                   "speed (vs cuBLAS dense and cuSPARSELt) and end-to-end decode of a LLaMA-shaped "
-                                   "model, on this CUDA GPU; appends to <out>/<device>.jsonl and writes <device>.md. "
+                                   "speed (vs cuBLAS dense and cuSPARSELt), end-to-end decode of a LLaMA-shaped "
+                                   "model and fused MoE experts (vs torch's grouped mm), on this CUDA GPU; appends to <out>/<device>.jsonl and writes <device>.md. "
                                    "Exit status 1 when a correctness check fails.")
     p.add_argument("--dry-run", action="store_true",
                    help="run the same harness on CPU under the Triton interpreter with tiny shapes (timings mean nothing)")
-    p.add_argument("--parts", nargs="+", default=["check", "speed", "e2e"], choices=("check", "speed", "e2e"),
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
                    help="which parts to run")
     p.add_argument("--budget", type=float, default=510.0, help="seconds for the whole run, shared by the parts")
     p.add_argument("--out", default=None, help="results folder (default: benchmarks/results; dry run: runs/bench-dry-run)")
