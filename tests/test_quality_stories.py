@@ -21,9 +21,9 @@ def job():
     from patchc.models import load_model
 
     threads = torch.get_num_threads()
-    # The job's defaults (joint, 16x16, 35%, SparseGPT prior, real + generated text, LM + KD) without the second
-    # evaluation text, which this test does not score (five WikiText-2 evaluations saved).
-    opts = PruneOptions(steps=300, eval_data=(), progress=False)
+    # The job's defaults (joint, 16x16, 35%, SparseGPT prior, real + generated text, LM + KD) at half the mask
+    # steps (the suite's time), without the second evaluation text, which this test does not score.
+    opts = PruneOptions(steps=150, eval_data=(), progress=False)
     bundle = load_model(opts.model)
     choose_threads(opts, bundle.model)
     data = load_data(bundle, opts)
@@ -54,5 +54,5 @@ def test_patch_35_beats_one_shot_24(job):
     print(f"dense {ppl_dense:.2f}  PATCH 35% global {ppl_global:.2f} (density {plan.density:.4f})  "
           f"SparseGPT 2:4 {ppl_sparsegpt:.2f}  magnitude 2:4 {ppl_magnitude:.2f}")
     assert abs(plan.density - 0.65) <= 0.02
-    assert ppl_dense < ppl_global < 2.0 * ppl_dense  # held-out: 1.51x dense over 3 seeds
+    assert ppl_dense < ppl_global < 2.0 * ppl_dense  # held out: 1.62x dense here, 1.51x at 300 steps (3 seeds)
     assert ppl_global < 0.5 * ppl_sparsegpt < ppl_magnitude
