@@ -160,3 +160,27 @@ def test_grouped_decode_loops_cost_what_the_single_layer_ones_do():
         for a, b in zip(plain["loops"], grouped["loops"]):
             assert a["loop"] == b["loop"] and b["barriers"] == a["barriers"]
             assert b["warp_instr_per_byte"] <= 1.05 * a["warp_instr_per_byte"], (cc, a, b)
+
+
+@pytest.mark.interpreter
+def test_warmup_compiles_what_a_captured_graph_will_launch(launch_grouped, monkeypatch):
+    """TileGroupedLinear.warmup(rows) launches the variants those row counts dispatch to (the launcher then
+    allows them under CUDA-graph capture): the decode bucket of S = 3 and, above the threshold, prefill."""
+    from patchc.codegen import launch
+    from patchc.ir import TilePlan
+    from patchc.runtime.grouped_op import TileGroupedLinear
+
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "triton")
+    layers = {f"w.{e}": random_layer_plan(32, 32, tile=(16, 16), kinds="mixed", seed=e, name=f"w.{e}") for e in range(3)}
+    mod = TileGroupedLinear.from_plan(TilePlan(layers=layers), "w", torch.zeros(3, 32, 32), batch_size=2)
+    mod.threshold = 4
+    monkeypatch.setattr(launch, "_LAUNCHED", set())
+    monkeypatch.setattr(launch, "_capturing", lambda: True)
+    offs = torch.tensor([1, 2, 3], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"experts 'w'.*TileGroupedLinear\.warmup\(rows\)"):
+        mod(torch.zeros(3, 32), offs)
+    monkeypatch.setattr(launch, "_capturing", lambda: False)
+    assert mod.warmup([3, 20]) is mod
+    assert {key[0] for key in launch._LAUNCHED} == {"grouped_decode", "grouped_prefill"}
+    monkeypatch.setattr(launch, "_capturing", lambda: True)
+    torch.testing.assert_close(mod(torch.zeros(3, 32), offs), torch.zeros(3, 32))  # warmed: runs under capture

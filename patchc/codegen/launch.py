@@ -272,6 +272,10 @@ def _spec(arg: Any) -> tuple[Any, ...]:
     return (arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
 
 
+_WARMUP_HINT = {"grouped": "TileGroupedLinear.warmup(rows) (rows: tokens x experts per token)",
+                "*": "TileLinear.warmup(ms) / patchc.runtime.warmup(model, ms)"}
+
+
 def _run(kind: str, kernel: Any, grid: tuple[int, ...], args: list[Any], consts: dict[str, Any], where: str,
          **options: Any) -> None:
     """Launch `kernel`, refusing under CUDA-graph capture when this compiled variant never ran here."""
@@ -283,7 +287,7 @@ def _run(kind: str, kernel: Any, grid: tuple[int, ...], args: list[Any], consts:
             f"{where}: M={m} needs a {kind} kernel variant that has not run in this process, and the current "
             f"CUDA stream is capturing a graph (compiling and loading a kernel during capture fails with an "
             f"opaque CUDA error). Run the model once with the same M outside capture (warm-up) before "
-            f"capturing, or call TileLinear.warmup(ms) / patchc.runtime.warmup(model, ms) for every M you capture."
+            f"capturing, or call {_WARMUP_HINT.get(kind.split('_')[0], _WARMUP_HINT['*'])} for every M you capture."
         )
     kernel[grid](*args, **consts, **options)
     _LAUNCHED.add(key)
