@@ -134,3 +134,41 @@ def test_an_experts_module_called_another_way_is_listed_not_replaced():
     swaps, fused, missed = plan_swaps(holder, plan)
     assert not fused and set(missed) == set(plan.layers)
     assert all("neither the routed" in why and "gammas" in why for why in missed.values())
+
+
+def test_compile_tunes_one_slice_per_fused_weight_and_every_expert_shares_it(monkeypatch):
+    """patchc.compile asks the tuner for the first planned slice of each projection only (the slices share a
+    shape) and hands that tuning to the projection's TileGroupedLinear."""
+    import dataclasses
+    import importlib
+
+    from patchc.runtime.op import kernels_interpreted
+
+    compile_mod = importlib.import_module("patchc.runtime.compile")  # the package's `compile` is the function
+
+    if not kernels_interpreted():
+        pytest.skip("TileExperts builds its grouped kernels on CPU only under the Triton interpreter")
+    experts, plan, path, args = _tiny_experts()
+    holder = nn.Module()
+    holder.mlp = nn.Module()
+    holder.mlp.experts = experts
+    asked = []
+
+    def fake_tunings(plan, names, *rest):
+        asked.extend(names)
+        from patchc.codegen.layout import pack
+        from patchc.runtime.tuner import default_tuning
+
+        out = {}
+        for fqn in names:
+            t = default_tuning(plan.layers[fqn], pack(plan.layers[fqn]), 16, 128, "sm_80")
+            out[fqn] = dataclasses.replace(t, threshold=7)
+        return out
+
+    monkeypatch.setattr(compile_mod, "_tunings", fake_tunings)
+    fast = patchc.compile(holder, plan, tune=True)
+    assert asked == [f"{path}.gate_up_proj.0", f"{path}.down_proj.0"]
+    assert all(k.threshold == 7 and k.tuning.fqn == f"{path}.{p}.0" for p, k in fast.mlp.experts.kernels.items())
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
+    with torch.no_grad():
+        torch.testing.assert_close(fast.mlp.experts(*args), experts(*args), atol=1e-5, rtol=1e-5)

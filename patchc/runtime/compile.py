@@ -7,6 +7,8 @@ fused-experts module with planned expert slices with a `TileExperts` (`TileBmmEx
 which multiply every expert's rows at once). Layers without a 2:4 tile stay
 nn.Linear (cuBLAS); other planned weights only get the pruned values, and a warning lists them.
 
+Fused experts get one tuning per projection, that of its first planned slice (the slices share a shape).
+
 `tune`: True -> tune here on a CUDA model (cache-backed: a tuned setup is read, not re-timed); on a CPU
 model nothing can be timed and the architecture-table defaults are used. "cached" -> only read the cache
 (misses use the defaults). False -> the defaults.
@@ -78,7 +80,8 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
                     "plan's pruned weights")
         return target
     w = (next(iter(swaps.values()))[0][2].weight if swaps else next(target.parameters()))
-    tunings = _tunings(plan, list(swaps), batch_size, prefill_len, tune, w, cache, time_fn, progress)
+    firsts = _first_expert_slices(experts)  # one tuning per fused weight: its slices share the shape
+    tunings = _tunings(plan, [*swaps, *firsts.values()], batch_size, prefill_len, tune, w, cache, time_fn, progress)
     for fqn, users in swaps.items():
         for parent, attr, module in users:
             weight, bias = module.weight, getattr(module, "bias", None)
@@ -91,8 +94,19 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     for path in experts:
         parent_path, _, attr = path.rpartition(".")
         parent = target.get_submodule(parent_path) if parent_path else target
-        setattr(parent, attr, experts_module(target.get_submodule(path), plan, path))
+        mine = {weight.rpartition(".")[2]: tunings.get(fqn) for weight, fqn in firsts.items()
+                if weight.rpartition(".")[0] == path}
+        setattr(parent, attr, experts_module(target.get_submodule(path), plan, path, mine))
     return target
+
+
+def _first_expert_slices(experts: dict[str, list[str]]) -> dict[str, str]:
+    """{"<experts module>.<projection>": its first planned expert slice with a 2:4 tile}."""
+    firsts: dict[str, str] = {}
+    for layers in experts.values():
+        for fqn in sorted(layers, key=lambda f: int(f.rpartition(".")[2])):
+            firsts.setdefault(fqn.rpartition(".")[0], fqn)
+    return firsts
 
 
 Users = list[tuple[nn.Module, str, nn.Module]]
@@ -113,8 +127,9 @@ def _users(model: nn.Module, param: torch.Tensor) -> Users:
     return out
 
 
-def plan_swaps(model: nn.Module, plan: Any) -> tuple[dict[str, Users], list[str], dict[str, str]]:
-    """({layer: modules to replace}, [fused-experts module paths], {layer: why it is not replaced}).
+def plan_swaps(model: nn.Module, plan: Any) -> tuple[dict[str, Users], dict[str, list[str]], dict[str, str]]:
+    """({layer: modules to replace}, {fused-experts module path: its planned expert slices with a 2:4 tile},
+    {layer: why it is not replaced}).
 
     Layers without a 2:4 tile are left out on purpose (F.linear / cuBLAS is the fastest kernel for them).
     """
@@ -150,7 +165,7 @@ def plan_swaps(model: nn.Module, plan: Any) -> tuple[dict[str, Users], list[str]
         if why is not None:
             del experts[path]
             missed.update({f: why for f in layers})
-    return swaps, list(experts), missed
+    return swaps, experts, missed
 
 
 def _tunings(plan: Any, names: list[str], batch_size: int, prefill_len: int, tune: bool | str,

@@ -182,8 +182,8 @@ class TileExperts(nn.Module):
 
     STORED_KN = False  # weights stored (E, K, N) only where the module says so (`is_transposed`)
 
-    def __init__(self, experts: nn.Module, plan: Any, path: str, dtype: torch.dtype | None = None,
-                 device: Any = None) -> None:
+    def __init__(self, experts: nn.Module, plan: Any, path: str, tunings: dict[str, LayerTuning | None] | None = None,
+                 dtype: torch.dtype | None = None, device: Any = None) -> None:
         super().__init__()
         from patchc.runtime.grouped_op import TileGroupedLinear
 
@@ -209,8 +209,8 @@ class TileExperts(nn.Module):
             bias = getattr(experts, f"{proj}_bias", None)
             self.register_buffer(f"{proj}_bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
             if on_gpu or _op.kernels_interpreted():  # every expert in one launch
-                self.kernels[proj] = TileGroupedLinear.from_plan(plan, f"{path}.{proj}", stored, dtype=dtype,
-                                                                 device=device)
+                self.kernels[proj] = TileGroupedLinear.from_plan(plan, f"{path}.{proj}", stored,
+                                                                 (tunings or {}).get(proj), dtype=dtype, device=device)
             dense = None
             if not on_gpu:  # the CPU fallback's W * M; on a GPU the stacked packed experts are all there is
                 layers = [plan.layers.get(f"{path}.{proj}.{e}") for e in range(self.num_experts)]
@@ -308,10 +308,12 @@ def served_call(experts: nn.Module) -> bool:
     return routed or bmm_experts(experts)
 
 
-def experts_module(experts: nn.Module, plan: Any, path: str) -> TileExperts:
+def experts_module(experts: nn.Module, plan: Any, path: str,
+                   tunings: dict[str, LayerTuning | None] | None = None) -> TileExperts:
     """The drop-in for a fused-experts module: `TileBmmExperts` when its forward takes the rows alone
-    (every expert at once), else `TileExperts` (forward(hidden_states, top_k_index, top_k_weights))."""
-    return (TileBmmExperts if bmm_experts(experts) else TileExperts)(experts, plan, path)
+    (every expert at once), else `TileExperts` (forward(hidden_states, top_k_index, top_k_weights)).
+    `tunings`: {projection: the tuning of its first planned slice}, shared by all its experts."""
+    return (TileBmmExperts if bmm_experts(experts) else TileExperts)(experts, plan, path, tunings)
 
 
 def warmup(model: nn.Module, ms: Iterable[int]) -> int:
