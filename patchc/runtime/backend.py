@@ -13,8 +13,9 @@ Conv1D's ``addmm(b, x, W)`` (W stored (K, N), planned as its (N, K) transpose) a
 (`patchc.runtime.matmul_reads`). Fused MoE experts (a 3-D weight read by one grouped mm: transformers 5's
 ``F.grouped_mm`` / ``torch._grouped_mm`` / ``transformers::grouped_mm_fallback``) become
 ``torch.ops.patchc.tile_grouped_mm``: every expert slice of the weight stacked into one packed layout,
-one launch for all experts, the routing offsets read on the device (`patchc.runtime.grouped`). A planned weight read in a form neither op can serve (Llama 4's ``bmm`` over
-every expert, ``W @ x``, an einsum with another output layout) is left dense and listed in a warning;
+one launch for all experts, the routing offsets read on the device (`patchc.runtime.grouped`). A planned
+weight read in a form neither op can serve (Llama 4's ``bmm`` over every expert, ``W @ x``, an einsum
+with another output layout) is left dense and listed in a warning;
 with ``options={"strict": True}`` that is a ValueError. The rest of the graph goes to inductor (CUDA) or
 aot_eager (CPU, or when inductor cannot be imported).
 
@@ -178,9 +179,7 @@ def _replace_grouped(gm: fx.GraphModule, read: GroupedRead, node_map: dict[fx.No
     """Swap one grouped matmul (in the copied graph) for tile_grouped_mm over every expert of its weight."""
     node = node_map[read.node]
     remap = lambda a: node_map.get(a, a) if isinstance(a, fx.Node) else a  # noqa: E731
-    buffers = [attrs[f"{name}_{b}"] for b in BUFFER_NAMES]
-    args = grouped_args(GroupedRead(node, remap(read.x), remap(read.operand), remap(read.offs), read.weight,
-                                    read.transposed), mod, buffers)
+    args = grouped_args(remap(read.x), remap(read.offs), mod, [attrs[f"{name}_{b}"] for b in BUFFER_NAMES])
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(torch.ops.patchc.tile_grouped_mm.default, args)
     new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "example_value", "stack_trace")})

@@ -140,9 +140,10 @@ def grouped_module(plan: Any, fqn: str, read: GroupedRead, weight: torch.Tensor,
                                        batch_size=batch_size, prefill_len=prefill_len)
 
 
-def grouped_args(read: GroupedRead, mod: Any, buffers: list[Any]) -> tuple[Any, ...]:
-    """The `tile_grouped_mm` arguments replacing `read` (`buffers`: the module's packed tensors, in order)."""
-    return (read.x, read.offs, *buffers, *mod.op_args()[len(buffers):])
+def grouped_args(x: Any, offs: Any, mod: Any, buffers: list[Any]) -> tuple[Any, ...]:
+    """The `tile_grouped_mm` arguments of a grouped read's x and offsets (graph nodes) on `mod`'s experts
+    (`buffers`: the graph's placeholders for its packed tensors, in order)."""
+    return (x, offs, *buffers, *mod.op_args()[len(buffers):])
 
 
 __all__ = ["GroupedRead", "find_grouped_reads", "grouped_args", "grouped_module", "is_grouped_mm", "planned_experts",
