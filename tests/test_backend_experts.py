@@ -16,6 +16,7 @@ import torch
 import patchc
 from patchc.codegen.reference import random_layer_plan
 from patchc.config import PatchConfig
+from patchc.runtime.grouped import planned_experts
 from patchc.runtime.grouped_op import TileGroupedLinear
 
 GROUPED = torch.ops.patchc.tile_grouped_mm.default
@@ -194,3 +195,23 @@ def test_without_a_plan_the_zeros_of_the_pruned_experts_are_the_plan():
     for fqn, experts in served.items():
         assert experts == [e for e in range(64) if (layer := plan.layers.get(f"{fqn}.{e}")) is not None
                            and bool((layer.kinds == 1).any())]
+
+
+def test_the_backend_tunes_every_fused_weight_in_one_tuner_call(monkeypatch):
+    """One tuner call (one cache read) covers the first planned slice of every served 3-D weight."""
+    import importlib
+
+    compile_mod = importlib.import_module("patchc.runtime.compile")  # the package's `compile` is the function
+    case, plan = _family_plan("qwen3_moe")
+    calls, real = [], compile_mod._tunings
+    monkeypatch.setattr(compile_mod, "_tunings", lambda p, names, *a: calls.append(list(names)) or real(p, names, *a))
+    torch._dynamo.reset()
+    cm = torch.compile(copy.deepcopy(case.model), backend="patch", options={"plan": plan, "strict": True, "tune": False})
+    with torch.no_grad():
+        case.run(cm)
+    torch._dynamo.reset()
+    expert_calls = [names for names in calls if any(n.rpartition(".")[2].isdigit() for n in names)]
+    assert len(expert_calls) == 1 and len(expert_calls[0]) == 2  # gate_up_proj and down_proj of the one block
+    for name in expert_calls[0]:  # each weight's first expert slice with a 2:4 tile
+        fqn, _, expert = name.rpartition(".")
+        assert int(expert) == planned_experts(plan, fqn, 64)[0]

@@ -305,15 +305,17 @@ def _experts(plan: Any, reads: list[GroupedRead], names: dict[fx.Node, str], exa
     from patchc.runtime.compile import _tunings
     from patchc.runtime.grouped import planned_experts
 
+    reads = list({r.weight: r for r in reads}.values())
+    if not reads:
+        return {}
     bs, pl = int(options.get("batch_size", 16)), int(options.get("prefill_len", 128))
-    out = {}
-    for i, read in enumerate({r.weight: r for r in reads}.values()):
-        fqn, value = names[read.weight], examples[read.weight]
-        first = f"{fqn}.{planned_experts(plan, fqn, value.shape[0])[0]}"
-        tuning = _tunings(plan, [first], bs, pl, options.get("tune", True), value, options.get("cache"),
-                          options.get("time_fn"), False).get(first)
-        out[read.weight] = (f"_patchc_x{i}", grouped_module(plan, fqn, read, value, tuning, bs, pl))
-    return out
+    firsts = {r.weight: f"{names[r.weight]}.{planned_experts(plan, names[r.weight], examples[r.weight].shape[0])[0]}"
+              for r in reads}
+    tunings = _tunings(plan, list(firsts.values()), bs, pl, options.get("tune", True), examples[reads[0].weight],
+                       options.get("cache"), options.get("time_fn"), False)  # one tuner call (one cache read)
+    return {r.weight: (f"_patchc_x{i}", grouped_module(plan, names[r.weight], r, examples[r.weight],
+                                                       tunings.get(firsts[r.weight]), bs, pl))
+            for i, r in enumerate(reads)}
 
 
 def _attach(gm: fx.GraphModule, modules: list[tuple[str, TileLinear]],
