@@ -288,8 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("bench", "GPU proof: kernels and runtime vs cuBLAS / fp64, layer speed, end-to-end decode",
                        description="Correctness of every kernel variant and the runtime (vs fp64 and cuBLAS), layer "
                                    "speed (vs cuBLAS dense and cuSPARSELt), end-to-end decode of a LLaMA-shaped "
-                                   "model and fused MoE experts (vs torch's grouped mm), on this CUDA GPU; appends to <out>/<device>.jsonl and writes <device>.md. "
-                                   "Exit status 1 when a correctness check fails.")
+                                   "model and fused MoE experts (vs torch's grouped mm), on this CUDA GPU; appends to "
+                                   "<out>/<device>.jsonl and writes <device>.md. Exit status 1 when a correctness "
+                                   "check fails.")
     p.add_argument("--dry-run", action="store_true",
                    help="run the same harness on CPU under the Triton interpreter with tiny shapes (timings mean nothing)")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
