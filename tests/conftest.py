@@ -30,6 +30,16 @@ def in_fresh_thread(fn, *args, **kwargs):
         return pool.submit(fn, *args, **kwargs).result()
 
 
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """The job's stages pick torch's thread count for their model (one thread for a tiny one); a test that
+    calls them directly must not hand that count on to every test after it (the MiniLM quality test ran
+    1.6x slower for it)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 needs_shared = pytest.mark.skipif(not (STORIES / "stories260K.bin").exists(), reason=f"real model not found under {SHARED}")
 
 

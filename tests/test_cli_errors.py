@@ -19,13 +19,6 @@ QUICK = ["--steps", "2", "--batch-size", "2", "--calib-blocks", "2", "--no-progr
          "--train-data", "real", "--eval-data"]
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def one_line_error(capsys, argv: list[str], *expected: str) -> str:
     capsys.readouterr()
     assert cli.main(argv) == 2

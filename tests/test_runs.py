@@ -24,13 +24,6 @@ QUICK = ["--steps", "6", "--batch-size", "4", "--calib-blocks", "4", "--no-progr
          "--prior", "magnitude", "--self-tokens", "258", "--eval-data"]
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 # -- claims ---------------------------------------------------------------------------------------------
 
 

@@ -23,6 +23,8 @@ import shlex
 import sys
 from pathlib import Path
 
+import torch
+
 from patchc.bench.options import PARTS
 from patchc.job.losses import LOSSES
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
@@ -311,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # recorded in report.json / recover.json: the words given, not the host program's (e.g. pytest's)
     args.command_line = " ".join(["patchc", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    threads = torch.get_num_threads()  # the job picks its own; a caller's (e.g. a notebook's) comes back after
     try:
         return args.handler(args)
     except KeyboardInterrupt:
@@ -321,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"patchc {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def one_line(exc: BaseException) -> str:
