@@ -1,0 +1,34 @@
+"""The job on a GPU: `patchc prune --device cuda` trains, hardens and scores as the same run does on the CPU
+(float rounding apart). Skipped without CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from patchc.ir import TilePlan
+from patchc.job.cli import main
+from tests.conftest import needs_shared
+
+pytestmark = [needs_shared, pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+QUICK = ["--steps", "20", "--batch-size", "4", "--calib-blocks", "4", "--no-progress", "--self-tokens", "516",
+         "--eval-tokens", "256", "--dtype", "float32"]
+
+
+def test_prune_on_cuda_scores_like_the_same_run_on_the_cpu(tmp_path):
+    reports, plans = {}, {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / device
+        assert main(["prune", "--device", device, "--out", str(out), "--recover", "5", *QUICK]) == 0
+        reports[device] = {r["name"]: r["perplexity"] for r in json.loads((out / "report.json").read_text())["results"]}
+        plans[device] = TilePlan.load(out / "plan.patch")
+    assert reports["cpu"].keys() == reports["cuda"].keys()
+    for name, ppl in reports["cpu"].items():
+        assert reports["cuda"][name] == pytest.approx(ppl, rel=0.05), name
+    tiles = sum(lp.kinds.numel() for lp in plans["cpu"].layers.values())
+    flipped = sum(int((plans["cpu"].layers[n].kinds != lp.kinds).sum()) for n, lp in plans["cuda"].layers.items())
+    assert flipped <= 0.05 * tiles, f"{flipped} of {tiles} tiles chose another kind on CUDA"
+    plans["cuda"].verify()
