@@ -90,6 +90,7 @@ def test_eval_and_report_commands_read_a_saved_plan(tmp_path, capsys):
         (["--device", "cuda:7"], "--device cuda:7"),
         (["--encoding", "klingon"], "--encoding 'klingon'"),
         (["--data", "/nonexistent/text.txt"], "/nonexistent/text.txt"),
+        (["--recover-splice", "0.5"], "stories260K is a causal LM"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, message):

@@ -24,6 +24,7 @@ from patchc.job.encoder_eval import (
     layerwise_distillation_loss,
     make_distill_loss,
     sentences_from_docs,
+    splice_sentences,
 )
 from patchc.models.shared import STORIES260K_DIR
 
@@ -391,3 +392,46 @@ def test_encoder_training_batches_are_shuffled_per_epoch_and_reproducible(minilm
     assert epoch0 != epoch1  # a new order each epoch, not the list order repeated
     assert texts(global_batches(minilm, data, opts)(3)) == texts(batches(3))  # a resumed run sees the same batch
     assert texts(global_batches(minilm, data, PruneOptions(model="minilm", batch_size=4, seed=1))(0)) != texts(batches(0))
+
+
+def test_splices_are_reproducible_made_of_pool_words_and_leave_a_fraction_whole():
+    pool = [f"sentence {i} tells of a cat named Tom{i} and a dog." for i in range(40)]
+    words = {w for s in pool for w in s.split()}
+    chosen = pool[:20]
+    spliced = splice_sentences(chosen, 1.0, seed="0:5", pool=pool)
+    assert spliced == splice_sentences(chosen, 1.0, seed="0:5", pool=pool)  # a resumed recovery sees the same
+    assert spliced != splice_sentences(chosen, 1.0, seed="0:6", pool=pool)
+    assert all(set(s.split()) <= words for s in spliced)  # no word from outside the training text
+    assert sum(s != c for s, c in zip(spliced, chosen)) >= 15
+    assert all(s.split()[0] == c.split()[0] or s.split()[0] in words for s, c in zip(spliced, chosen))
+    assert splice_sentences(chosen, 0.0, seed=1, pool=pool) == chosen
+    half = splice_sentences(pool * 5, 0.5, seed=2)
+    assert 60 <= sum(s == c for s, c in zip(half, pool * 5)) <= 140
+    with pytest.raises(ValueError, match="fraction and swap"):
+        splice_sentences(chosen, 1.5, seed=0)
+
+
+@needs_minilm
+def test_encoder_recovery_trains_on_spliced_sentences_and_causal_lms_refuse_the_option(minilm):
+    from patchc.job.options import PruneOptions
+    from patchc.job.prune import global_batches, recovery_batches
+
+    data = {"train": SENTENCES}
+    opts = PruneOptions(model="minilm", batch_size=4, block_len=32, progress=False)
+    plain, spliced = global_batches(minilm, data, opts)(0), recovery_batches(minilm, data, opts)(0)
+    tok = minilm.hf_tokenizer
+
+    def texts(batch):
+        return [tok.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
+
+    assert sum(a != b for a, b in zip(texts(plain), texts(spliced))) >= 3
+    words = {w.strip(".,").lower() for s in SENTENCES for w in s.split()}
+    assert all(w.strip(".,") in words for s in texts(spliced) for w in s.split())
+    assert torch.equal(recovery_batches(minilm, data, opts)(0)["input_ids"], spliced["input_ids"])
+    off = PruneOptions(model="minilm", batch_size=4, block_len=32, recover_splice=0.0)
+    assert torch.equal(recovery_batches(minilm, data, off)(0)["input_ids"], plain["input_ids"])
+    assert opts.recovery_splice("encoder") == 1.0 and PruneOptions().recovery_splice("causal") == 0.0
+    with pytest.raises(ValueError, match="stories260K is a causal LM"):
+        PruneOptions(recover_splice=0.5).recovery_splice("causal", "stories260K")
+    with pytest.raises(ValueError, match="--recover-splice is a fraction"):
+        PruneOptions(recover_splice=2.0)

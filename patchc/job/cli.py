@@ -90,7 +90,8 @@ def format_metrics(metrics: dict) -> str:
 def cmd_recover(args: argparse.Namespace) -> int:
     from patchc.job.recover import format_recover, run_recover
 
-    given = (("recover_loss", args.loss), ("train_data", args.train_data), ("train_extra", args.train_extra))
+    given = (("recover_loss", args.loss), ("train_data", args.train_data), ("train_extra", args.train_extra),
+             ("recover_splice", args.splice))
     recipe = {k: tuple(v) if isinstance(v, list) else v for k, v in given if v is not None}
     result = run_recover(args.run, steps=args.steps, lr=args.lr, scope=args.scope, method=args.method,
                          batch_size=args.batch_size, eval_context=args.eval_context, device=args.device,
@@ -221,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-data", choices=("real", "self", "mix"), default=None, help="default: the run's")
     p.add_argument("--train-extra", nargs="*", default=None, metavar="FILE",
                    help="more text files to train on, whole (default: the run's; the flag alone: none)")
+    p.add_argument("--splice", type=float, default=None, metavar="FRACTION",
+                   help="encoders: the fraction of each batch's sentences spliced from two training sentences "
+                        "(default: the run's --recover-splice, else 1)")
     p.add_argument("--eval-context", type=int, default=None, help="perplexity window (default: the run's, "
                    "else 256)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")

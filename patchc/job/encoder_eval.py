@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -253,5 +254,33 @@ def encode_batches(bundle: Any, sentences: Sequence[str], max_len: int, batch_si
     return out
 
 
+def splice_sentences(sentences: Sequence[str], fraction: float, seed: int | str, pool: Sequence[str] | None = None,
+                     swap: float = 0.15) -> list[str]:
+    """`sentences` with about `fraction` of them replaced by new inputs: the head of the sentence, the tail of
+    a sentence of `pool` (default: `sentences`), and `swap` of the words exchanged for words of `pool` (the
+    TinyBERT idea: a distilled student learns from any input the teacher labels, so fresh inputs keep it
+    from fitting the few real ones). Deterministic in `seed`; uses no word beyond `sentences`' and `pool`'s.
+
+    Example:
+        >>> splice_sentences(["A cat sat on the mat.", "The dog ran off home."], fraction=1.0, seed=0)
+        ['A ran off home.', 'sat dog home.']
+    """
+    if not 0.0 <= fraction <= 1.0 or not 0.0 <= swap <= 1.0:
+        raise ValueError(f"splice_sentences: fraction and swap must be in [0, 1], got {fraction} and {swap}")
+    rng = random.Random(seed)
+    split = [s.split() for s in sentences]
+    tails = [ws for ws in (split if pool is None else [s.split() for s in pool]) if ws]
+    words = [w for ws in tails for w in ws]
+    out = []
+    for head in split:
+        if rng.random() >= fraction or len(head) < 2:
+            out.append(" ".join(head))
+            continue
+        tail = tails[rng.randrange(len(tails))]
+        mixed = head[: rng.randint(1, len(head) - 1)] + tail[rng.randrange(len(tail)):]
+        out.append(" ".join(rng.choice(words) if rng.random() < swap else w for w in mixed))
+    return out
+
+
 __all__ = ["dense_embeddings", "distillation_loss", "embedding_agreement", "encode_batches", "layerwise_distillation_loss",
-           "make_distill_loss", "score_embeddings", "sentences_from_docs"]
+           "make_distill_loss", "score_embeddings", "sentences_from_docs", "splice_sentences"]

@@ -39,8 +39,9 @@ def cast_bundle(bundle, dtype: torch.dtype):
 
 
 def check_model(bundle, opts: PruneOptions, training: bool = True) -> None:
-    """Weights that are all finite, and sequence lengths the model's positions allow, before any work
-    (--block-len only when `training`)."""
+    """Weights that are all finite, sequence lengths the model's positions allow (--block-len only when
+    `training`) and recovery settings the model's kind takes, before any work."""
+    opts.recovery_splice(bundle.kind, bundle.name)
     for name, param in bundle.model.named_parameters():
         bad = int((~torch.isfinite(param.detach())).sum())
         if bad:

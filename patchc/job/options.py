@@ -110,6 +110,11 @@ class PruneOptions:
     recover_loss: str = "kd"
     recover_lr: float | None = None  # None: RECOVER_LR for the model's kind
     recover_scope: str = "all"  # "all" kept weights, or "values" (2:4 tiles' values only)
+    # Encoders: the fraction of each recovery batch's sentences replaced by splices of training sentences
+    # (`splice_sentences`); None: 1 for encoders (causal LMs recover on generated text and take none).
+    # MiniLM 35%, 1,000 steps, seeds 0-2 (held-out / WikiText-2 cosine): 0.960 / 0.884 -> 0.963 / 0.891;
+    # splicing in mask training too cost the masks (seed 0: 0.939 -> 0.937), so it stays in recovery.
+    recover_splice: float | None = None
     baselines: bool = True
     seed: int = 0  # mask init, Gumbel noise and batch order
     split_seed: int = 0  # which documents are held out (and the self-generated text): fixed across --seed
@@ -149,6 +154,8 @@ class PruneOptions:
             raise ValueError(f"--recover must be >= 0 steps and --recover-lr positive, got {self.recover} and {lr}")
         if self.recover_scope not in ("all", "values"):
             raise ValueError(f"--recover-scope must be all or values, got {self.recover_scope!r}")
+        if self.recover_splice is not None and not 0.0 <= self.recover_splice <= 1.0:
+            raise ValueError(f"--recover-splice is a fraction of each batch's sentences, in [0, 1]; got {self.recover_splice}")
         for name in ("seed", "split_seed"):
             if not 0 <= getattr(self, name) < 2**63:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 2**63), got {getattr(self, name)}")
@@ -187,6 +194,15 @@ class PruneOptions:
     def recovery_lr(self, kind: str) -> float:
         """--recover-lr, or the default for a model of `kind` ("causal" or "encoder")."""
         return RECOVER_LR[kind] if self.recover_lr is None else self.recover_lr
+
+    def recovery_splice(self, kind: str, name: str = "the model") -> float:
+        """--recover-splice, or the default for a model of `kind`; ValueError for a causal LM given one."""
+        if kind == "encoder":
+            return 1.0 if self.recover_splice is None else self.recover_splice
+        if self.recover_splice:
+            raise ValueError(f"--recover-splice splices sentences for an encoder's distillation; {name} is a causal "
+                             "LM, which recovers on its training text (--train-data mix adds generated text)")
+        return 0.0
 
     def for_recovery(self) -> PruneOptions:
         """These options with --recover-loss as the loss: what weight recovery trains with."""

@@ -72,6 +72,25 @@ def global_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], An
     return lambda step: get_batch(data["train"], opts.batch_size, step, opts.seed)
 
 
+def recovery_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]:
+    """step -> the batch weight recovery trains on: `global_batches`', with an encoder's sentences spliced
+    (--recover-splice) so that the distilled weights do not fit the few real ones."""
+    splice = opts.recovery_splice(bundle.kind, bundle.name)
+    if not splice:
+        return global_batches(bundle, data, opts)
+    from patchc.job.data import batch_indices
+    from patchc.job.encoder_eval import encode_batches, splice_sentences
+
+    sentences = data["train"]
+
+    def batch(step: int):
+        chosen = [sentences[i] for i in batch_indices(len(sentences), opts.batch_size, step, opts.seed)]
+        mixed = splice_sentences(chosen, splice, seed=f"{opts.seed}:{step}", pool=sentences)
+        return encode_batches(bundle, mixed, max_len=opts.block_len, batch_size=opts.batch_size)[0]
+
+    return batch
+
+
 def make_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]:
     """step -> this rank's share of the global batch (the whole batch outside torchrun)."""
     rank, size = world()
@@ -288,7 +307,8 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
         "data": data_summary(bundle, data, opts),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_dict().items()},
         "recover": {"steps": opts.recover, "lr": opts.recovery_lr(bundle.kind), "loss": opts.recover_loss,
-                    "scope": opts.recover_scope} if opts.recover else None,
+                    "scope": opts.recover_scope, "splice": opts.recovery_splice(bundle.kind, bundle.name)}
+        if opts.recover else None,
         "train": {"steps": opts.steps, "schedule_steps": cfg.steps, "batch_size": opts.batch_size, "lr": opts.lr,
                   "loss": opts.loss if bundle.kind == "causal" else "distil embeddings", "kd_temperature": opts.kd_temperature,
                   "seed": opts.seed,
@@ -323,7 +343,7 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
 def recover_plan(bundle, plan, data: dict, opts: PruneOptions, steps: int | None = None):
     """`plan` with its kept weights fine-tuned on the run's training text with --recover-loss (masks fixed)."""
     loss_fn = make_loss(bundle, bundle.model, opts, recovery=True)
-    return patchc.recover(plan, bundle.reload(), global_batches(bundle, data, opts), loss_fn,
+    return patchc.recover(plan, bundle.reload(), recovery_batches(bundle, data, opts), loss_fn,
                           steps=steps or opts.recover, lr=opts.recovery_lr(bundle.kind), scope=opts.recover_scope,
                           progress=opts.progress)
 

@@ -95,6 +95,9 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
                    help="Adam learning rate of --recover (default: 3e-3 for causal LMs, 1e-4 for encoders)")
     p.add_argument("--recover-scope", choices=("all", "values"), default=d.recover_scope,
                    help="what --recover trains: every kept weight, or only the 2:4 tiles' values")
+    p.add_argument("--recover-splice", type=float, default=d.recover_splice, metavar="FRACTION",
+                   help="encoders: this fraction of each --recover batch's sentences are splices of two training "
+                        "sentences with some words swapped, labelled by the dense model (default: 1)")
     p.add_argument("--no-baselines", dest="baselines", action="store_false",
                    help="skip the one-shot 2:4 and learned 2:4 baselines")
     p.add_argument("--seed", type=int, default=d.seed, help="mask init, Gumbel noise and batch order")
@@ -132,7 +135,7 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
         self_top_p=args.self_top_p, loss=args.loss, kd_temperature=args.kd_temperature,
         eval_data=tuple(args.eval_data), eval_tokens=args.eval_tokens, split_seed=args.split_seed,
         recover=args.recover, recover_loss=args.recover_loss, recover_lr=args.recover_lr,
-        recover_scope=args.recover_scope, fsdp=args.fsdp,
+        recover_scope=args.recover_scope, recover_splice=args.recover_splice, fsdp=args.fsdp,
         baselines=args.baselines, seed=args.seed, device=args.device, dtype=args.dtype, threads=args.threads,
         resume=args.resume, overwrite=args.overwrite, encoding=args.encoding, bos=args.bos, progress=args.progress,
     )

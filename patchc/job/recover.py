@@ -163,7 +163,7 @@ def run_recover(
     calib = job.calibrate(bundle, data, opts) if method == "sparsegpt" else None
     loss_fn = job.make_loss(bundle, bundle.model, opts, recovery=True)
     lr = opts.recovery_lr(bundle.kind) if lr is None else lr
-    recovered = patchc.recover(plan, model, job.global_batches(bundle, data, opts), loss_fn, steps=steps, lr=lr,
+    recovered = patchc.recover(plan, model, job.recovery_batches(bundle, data, opts), loss_fn, steps=steps, lr=lr,
                                scope=scope, method=method, calib=calib, schedule=schedule, progress=progress)
     recovered.meta["command"] = command or ""
     recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe, "loss": opts.recover_loss}
