@@ -47,6 +47,7 @@ def test_prune_writes_every_output_and_consistent_numbers(tmp_path, capsys):
     assert {"PATCH joint + recovery", "learned 2:4 (nm) + recovery"} <= set(names)
     recovered = TilePlan.load(out / "plan-recovered.patch")
     recovered.verify()
+    assert recovered.meta["recovery"]["splice"] == 0.0 and report["recover"]["splice"] == 0.0  # a causal LM's text
     for name, lp in plan.layers.items():
         assert torch.equal(recovered.layers[name].kinds, lp.kinds) and torch.equal(recovered.layers[name].meta, lp.meta), name
     assert report["files"]["plan_recovered"] == str(out / "plan-recovered.patch")

@@ -343,9 +343,11 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
 def recover_plan(bundle, plan, data: dict, opts: PruneOptions, steps: int | None = None):
     """`plan` with its kept weights fine-tuned on the run's training text with --recover-loss (masks fixed)."""
     loss_fn = make_loss(bundle, bundle.model, opts, recovery=True)
-    return patchc.recover(plan, bundle.reload(), recovery_batches(bundle, data, opts), loss_fn,
-                          steps=steps or opts.recover, lr=opts.recovery_lr(bundle.kind), scope=opts.recover_scope,
-                          progress=opts.progress)
+    recovered = patchc.recover(plan, bundle.reload(), recovery_batches(bundle, data, opts), loss_fn,
+                               steps=steps or opts.recover, lr=opts.recovery_lr(bundle.kind),
+                               scope=opts.recover_scope, progress=opts.progress)
+    recovered.meta["recovery"]["splice"] = opts.recovery_splice(bundle.kind, bundle.name)
+    return recovered
 
 
 def recover_row(bundle, plan, data: dict, opts: PruneOptions, results: list[dict], timings: dict[str, float],

@@ -166,7 +166,8 @@ def run_recover(
     recovered = patchc.recover(plan, model, job.recovery_batches(bundle, data, opts), loss_fn, steps=steps, lr=lr,
                                scope=scope, method=method, calib=calib, schedule=schedule, progress=progress)
     recovered.meta["command"] = command or ""
-    recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe, "loss": opts.recover_loss}
+    recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe, "loss": opts.recover_loss,
+                                   "splice": opts.recovery_splice(bundle.kind, bundle.name)}
     recovered.save(run / RECOVERED)
     scores["recovered"] = job.evaluate(bundle, recovered.apply(model), data, opts, dense_ref)
     result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started,
