@@ -1,5 +1,5 @@
 """The job on a GPU: `patchc prune --device cuda` trains, hardens and scores as the same run does on the CPU
-(float rounding apart). Skipped without CUDA."""
+(the same seed draws the same noise on both; float rounding apart). Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from patchc.ir import TilePlan
 from patchc.job.cli import main
+from patchc.masking import fused
 from tests.conftest import needs_shared
 
 pytestmark = [needs_shared, pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -32,3 +33,10 @@ def test_prune_on_cuda_scores_like_the_same_run_on_the_cpu(tmp_path):
     flipped = sum(int((plans["cpu"].layers[n].kinds != lp.kinds).sum()) for n, lp in plans["cuda"].layers.items())
     assert flipped <= 0.05 * tiles, f"{flipped} of {tiles} tiles chose another kind on CUDA"
     plans["cuda"].verify()
+
+
+def test_a_seed_draws_the_same_noise_on_cuda_as_on_the_cpu():
+    length = fused.bank_length(5000)
+    on_gpu = fused.gumbel_bank(7, length, "cuda")
+    assert on_gpu.device.type == "cuda"
+    assert torch.equal(on_gpu.cpu(), fused.gumbel_bank(7, length, "cpu"))

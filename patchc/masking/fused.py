@@ -87,6 +87,8 @@ def bank_length(numel: int) -> int:
 def gumbel_bank(seed: int, length: int, device) -> torch.Tensor:
     """fp32 Gumbel(0, 1) noise, `length` values drawn once per (run seed, length, device) and kept.
 
+    Drawn by the CPU generator on every device, then copied: a seed gives the same noise, so the same
+    plan up to rounding, on a CPU and a GPU (CUDA's generator draws other numbers; this costs one copy).
     The values lie strictly inside (-3.0, 17.4): U is lifted off 0 and never reaches 1, so both logs
     are finite (an exact 1.0 once made the job's loss NaN within ~15 steps).
     """
@@ -96,10 +98,10 @@ def gumbel_bank(seed: int, length: int, device) -> torch.Tensor:
     if bank is None:
         if len(_BANKS) >= _MAX_BANKS:
             _BANKS.pop(next(iter(_BANKS)))
-        gen = torch.Generator(device=device)
+        gen = torch.Generator()
         gen.manual_seed(_stream_seed(seed & _M32, (seed >> 32) & _M32, length))
-        u = torch.rand(length, generator=gen, device=device, dtype=torch.float32).clamp_(min=2.0**-24)
-        bank = _BANKS[slot] = u.log_().neg_().log_().neg_()
+        u = torch.rand(length, generator=gen, dtype=torch.float32).clamp_(min=2.0**-24)
+        bank = _BANKS[slot] = u.log_().neg_().log_().neg_().to(device)
     return bank
 
 
