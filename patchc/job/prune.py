@@ -57,38 +57,31 @@ def make_loss(bundle, dense_model, opts: PruneOptions, recovery: bool = False) -
     return make_lm_loss(bundle, dense_model, (opts.for_recovery() if recovery else opts).loss_spec())
 
 
-def global_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]:
-    """step -> the whole batch of that step (every rank computes the same one)."""
+def global_batches(bundle, data: dict, opts: PruneOptions, splice: float = 0.0) -> Callable[[int], Any]:
+    """step -> the whole batch of that step (every rank computes the same one). `splice`: an encoder's
+    sentences are this fraction spliced (`splice_sentences`, seeded by the step), as recovery trains."""
     if bundle.kind == "encoder":  # sentences in a fresh seeded order every epoch, as blocks are below
         from patchc.job.data import batch_indices
-        from patchc.job.encoder_eval import encode_batches
+        from patchc.job.encoder_eval import encode_batches, splice_sentences
 
         sentences = data["train"]
-        return lambda step: encode_batches(
-            bundle, [sentences[i] for i in batch_indices(len(sentences), opts.batch_size, step, opts.seed)],
-            max_len=opts.block_len, batch_size=opts.batch_size)[0]
+
+        def batch(step: int):
+            chosen = [sentences[i] for i in batch_indices(len(sentences), opts.batch_size, step, opts.seed)]
+            if splice:
+                chosen = splice_sentences(chosen, splice, seed=f"{opts.seed}:{step}", pool=sentences)
+            return encode_batches(bundle, chosen, max_len=opts.block_len, batch_size=opts.batch_size)[0]
+
+        return batch
     from patchc.job.data import get_batch
 
     return lambda step: get_batch(data["train"], opts.batch_size, step, opts.seed)
 
 
 def recovery_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]:
-    """step -> the batch weight recovery trains on: `global_batches`', with an encoder's sentences spliced
-    (--recover-splice) so that the distilled weights do not fit the few real ones."""
-    splice = opts.recovery_splice(bundle.kind, bundle.name)
-    if not splice:
-        return global_batches(bundle, data, opts)
-    from patchc.job.data import batch_indices
-    from patchc.job.encoder_eval import encode_batches, splice_sentences
-
-    sentences = data["train"]
-
-    def batch(step: int):
-        chosen = [sentences[i] for i in batch_indices(len(sentences), opts.batch_size, step, opts.seed)]
-        mixed = splice_sentences(chosen, splice, seed=f"{opts.seed}:{step}", pool=sentences)
-        return encode_batches(bundle, mixed, max_len=opts.block_len, batch_size=opts.batch_size)[0]
-
-    return batch
+    """step -> the batch weight recovery trains on: an encoder's sentences spliced (--recover-splice) so that
+    the distilled weights do not fit the few real ones; a causal LM's blocks as in mask training."""
+    return global_batches(bundle, data, opts, splice=opts.recovery_splice(bundle.kind, bundle.name))
 
 
 def make_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]:
