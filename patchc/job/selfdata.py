@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import warnings
@@ -97,9 +98,13 @@ def stepper(bundle: Any) -> Callable[[torch.Tensor, Any], tuple[torch.Tensor, An
             return model(ids, cache=cache)[:, -1], cache
         return step_llama
     if hasattr(model, "generate"):  # an HF causal LM (encoders never generate: corpus trains them on real text)
+        # transformers renamed the KV cache argument and output `past_key_values` -> `cache` (the old name
+        # warns from 5.2x and goes in 5.40); take whichever this model's forward has.
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
         def step_hf(ids: torch.Tensor, past: Any) -> tuple[torch.Tensor, Any]:
-            out = model(input_ids=ids, past_key_values=past, use_cache=True)
-            return out.logits[:, -1], out.past_key_values
+            out = model(input_ids=ids, use_cache=True, **{name: past})
+            return out.logits[:, -1], out[name]
         return step_hf
 
     def step_full(ids: torch.Tensor, seen: Any) -> tuple[torch.Tensor, Any]:
