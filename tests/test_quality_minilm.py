@@ -4,7 +4,6 @@ TinyStories sentences and on WikiText-2 sentences (CPU, ~1 min)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from patchc.job.options import PruneOptions
 from patchc.job.prune import calibrate, dense_reference, evaluate, load_data, oneshot_baseline, train
@@ -17,19 +16,15 @@ pytestmark = [needs_shared, pytest.mark.slow]
 def test_patch_35_keeps_embeddings_closer_than_sparsegpt_24():
     from patchc.models import load_model
 
-    threads = torch.get_num_threads()
-    try:
-        opts = PruneOptions(model="minilm", data=(str(TINYSTORIES),), tile=(128, 128), sparsity=0.35, steps=30,
-                            batch_size=8, block_len=64, calib_blocks=16, progress=False)
-        bundle = load_model(opts.model)
-        data = load_data(bundle, opts)
-        dense = dense_reference(bundle, data)
-        calib = calibrate(bundle, data, opts)
-        plan, _ = train(bundle, opts.patch_config(), data, opts, calib, None, False)
-        patch = evaluate(bundle, plan.apply(bundle.reload()), data, opts, dense)
-        sparsegpt = evaluate(bundle, oneshot_baseline(bundle, "sparsegpt", calib), data, opts, dense)
-    finally:
-        torch.set_num_threads(threads)
+    opts = PruneOptions(model="minilm", data=(str(TINYSTORIES),), tile=(128, 128), sparsity=0.35, steps=30,
+                        batch_size=8, block_len=64, calib_blocks=16, progress=False)
+    bundle = load_model(opts.model)
+    data = load_data(bundle, opts)
+    dense = dense_reference(bundle, data)
+    calib = calibrate(bundle, data, opts)
+    plan, _ = train(bundle, opts.patch_config(), data, opts, calib, None, False)
+    patch = evaluate(bundle, plan.apply(bundle.reload()), data, opts, dense)
+    sparsegpt = evaluate(bundle, oneshot_baseline(bundle, "sparsegpt", calib), data, opts, dense)
     print(f"PATCH 35% {patch}  SparseGPT 2:4 {sparsegpt}  density {plan.density:.4f}")
     assert len(plan.layers) == 36
     assert abs(plan.density - 0.65) < 0.02

@@ -101,11 +101,12 @@ def gpu_timer(cuda_graph: bool = True) -> Callable[[Callable[[], Any]], float]:
     return timer
 
 
-def cpu_timer(reps: int = 3) -> Callable[[Callable[[], Any]], float]:
-    """ms of fn on CPU: the median of `reps` calls after one warm-up (dry runs: the numbers mean nothing)."""
+def cpu_timer(reps: int = 3, warmup: int = 1) -> Callable[[Callable[[], Any]], float]:
+    """ms of fn on CPU: the median of `reps` calls after `warmup` (dry runs: the numbers mean nothing)."""
 
     def timer(fn: Callable[[], Any]) -> float:
-        fn()
+        for _ in range(warmup):
+            fn()
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
