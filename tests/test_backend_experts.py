@@ -69,10 +69,12 @@ def test_gradients_reach_the_tokens_of_every_expert():
     torch.library.opcheck(GROUPED, (x.detach().requires_grad_(), offs, *mod.op_args()))
 
 
-def test_a_compiled_moe_called_with_gradients_on_backpropagates_like_the_pruned_model():
-    """Without torch.no_grad, aot_autograd traces the backward too: it must go through both ops and give
-    the embedding the pruned eager model's gradient (every other weight frozen in both)."""
-    case, plan = _family_plan("qwen3_moe")
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])
+def test_a_compiled_moe_called_with_gradients_on_backpropagates_like_the_pruned_model(family):
+    """Without torch.no_grad, aot_autograd traces the backward too: it must go through both ops (Llama 4: and
+    the bmm's flatten / view) and give the embedding the pruned eager model's gradient (every other weight
+    frozen in both)."""
+    case, plan = _family_plan(family)
     served, pruned = copy.deepcopy(case.model), plan.apply(copy.deepcopy(case.model))
     for model in (served, pruned):
         for name, p in model.named_parameters():
@@ -118,10 +120,12 @@ def _family_plan(name: str):
 
 
 @pytest.mark.parametrize("family,dtype", [("qwen3_moe", torch.float32), ("qwen3_moe", torch.bfloat16),
-                                          ("gpt_oss", torch.float32)])
+                                          ("gpt_oss", torch.float32), ("llama4", torch.float32),
+                                          ("llama4", torch.bfloat16)])
 def test_backend_serves_every_planned_expert_slice(family, dtype):
     """fp32: transformers' own grouped op; bf16: torch._grouped_mm (dynamo's form of F.grouped_mm); gpt-oss:
-    experts stored (E, K, N), with biases. The dense model is compiled with the plan: only served slices give the plan-applied outputs."""
+    experts stored (E, K, N), with biases; Llama 4: one bmm over every expert, weights stored (E, K, N). The
+    dense model is compiled with the plan: only served slices give the plan-applied outputs."""
     case, plan = _family_plan(family)
     dense = copy.deepcopy(case.model).to(dtype)
     pruned = plan.apply(copy.deepcopy(case.model)).to(dtype)
@@ -138,10 +142,33 @@ def test_backend_serves_every_planned_expert_slice(family, dtype):
     nodes = [n for gm in graphs for n in gm.graph.nodes]
     assert sum(n.target is GROUPED for n in nodes) == 2  # gate_up_proj and down_proj of the one block
     assert not any("grouped_mm" in str(n.target) and n.target is not GROUPED for n in nodes)
+    assert not any(n.target in (torch.bmm, "bmm") for n in nodes)
     served = {n.args[9]: _sparse_experts(n) for n in nodes if n.target is GROUPED}
     for fqn, experts in served.items():  # every planned slice with a 2:4 tile, and only those
         assert experts == [e for e in range(64) if (layer := plan.layers.get(f"{fqn}.{e}")) is not None
                            and bool((layer.kinds == 1).any())]
+
+
+def test_llama4_bmm_serves_every_length_from_one_graph():
+    """The bmm's row ends (T, 2T, ...) are built from x's size in the graph: the dynamic graphs dynamo makes
+    after the first shapes serve new batch sizes and lengths, and stay the plan-applied model's."""
+    case, plan = _family_plan("llama4")
+    dense, pruned = copy.deepcopy(case.model), plan.apply(copy.deepcopy(case.model))
+    graphs = []
+    torch._dynamo.reset()
+    cm = torch.compile(dense, backend="patch", options={"plan": plan, "strict": True, "tune": False,
+                                                        "graph_callback": lambda gm, n: graphs.append(gm)})
+    shapes = [(2, 9), (1, 5), (3, 7), (2, 1), (2, 4), (3, 3)]
+    compiled = []
+    with torch.no_grad():
+        for batch, length in shapes:
+            ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(length))
+            got, want = cm(ids, use_cache=False).logits, pruned(ids, use_cache=False).logits
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"batch {batch}, length {length}")
+            compiled.append(len(graphs))
+    torch._dynamo.reset()
+    assert compiled[-1] == compiled[-3]  # the last two shapes ran on an earlier (dynamic) graph
+    assert all(sum(n.target is GROUPED for n in gm.graph.nodes) == 2 for gm in graphs)
 
 
 def test_a_plan_in_the_other_orientation_is_left_dense_with_the_reason():
@@ -158,11 +185,13 @@ def test_a_plan_in_the_other_orientation_is_left_dense_with_the_reason():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the experts' kernels and inductor run there")
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_backend_experts_on_gpu_match_an_independent_dense_model(mode):
-    """bf16 on CUDA: transformers takes torch._grouped_mm; every expert runs in one grouped Triton launch, and
-    reduce-overhead captures it in its CUDA graphs (the kernels read the offsets on the device)."""
-    case, plan = _family_plan("qwen3_moe")
+def test_backend_experts_on_gpu_match_an_independent_dense_model(mode, family):
+    """bf16 on CUDA: transformers takes torch._grouped_mm (Llama 4: bmm); every expert runs in one grouped
+    Triton launch, and reduce-overhead captures it in its CUDA graphs (the kernels read the offsets on the
+    device)."""
+    case, plan = _family_plan(family)
     reference = plan.apply(copy.deepcopy(case.model)).to("cuda", torch.bfloat16)  # dense F.linear / grouped_mm
     dense = copy.deepcopy(case.model).to("cuda", torch.bfloat16)
     graphs = []
@@ -179,10 +208,12 @@ def test_backend_experts_on_gpu_match_an_independent_dense_model(mode):
     assert sum(n.target is GROUPED for gm in graphs for n in gm.graph.nodes) == 2
 
 
-def test_without_a_plan_the_zeros_of_the_pruned_experts_are_the_plan():
-    """A pruned model compiled without a plan: each expert slice is planned from its zeros, so the slices the
-    plan made 2:4 are served again, and the outputs stay the pruned model's."""
-    case, plan = _family_plan("qwen3_moe")
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])
+def test_without_a_plan_the_zeros_of_the_pruned_experts_are_the_plan(family):
+    """A pruned model compiled without a plan: each expert slice is planned from its zeros (Llama 4's as the
+    transposes its bmm multiplies by), so the slices the plan made 2:4 are served again, and the outputs stay
+    the pruned model's."""
+    case, plan = _family_plan(family)
     pruned = plan.apply(copy.deepcopy(case.model))
     graphs = []
     torch._dynamo.reset()

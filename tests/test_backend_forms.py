@@ -115,26 +115,36 @@ def test_backend_refuses_a_plan_in_the_other_orientation():
     torch._dynamo.reset()
 
 
-def test_experts_read_by_bmm_are_named_as_left_dense():
-    """Llama 4 multiplies every expert at once with `torch.bmm` over its (E, K, N) weight: no grouped mm for
-    `tile_grouped_mm` to replace (tests/test_backend_experts.py), so the backend says so (strict: an error)
-    and the model keeps the plan's values."""
+class Broadcast(nn.Module):
+    """A 3-D weight (E, K, N) multiplied by a 2-D x: matmul broadcasts x to every expert, which is not one
+    expert's rows each (the bmm that Llama 4 runs is served: tests/test_backend_experts.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 32, 16, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+def test_a_3d_weight_read_by_a_broadcasting_matmul_is_named_as_left_dense():
     import warnings
 
-    import patchc
-    from patchc.config import PatchConfig
-    from tests.test_families import TILE, exported
+    from patchc.codegen.reference import random_layer_plan
 
-    case, ep = exported("llama4")
-    plan = patchc.harden(patchc.transform(ep, PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5)))
-    model = plan.apply(copy.deepcopy(case.model))
+    model = Broadcast()
+    layers = {f"w.{e}": random_layer_plan(16, 32, tile=(16, 16), kinds="sparse", seed=e, name=f"w.{e}") for e in (0, 1)}
+    plan = TilePlan(layers=layers, meta={"targets": {n: {"param": "w", "expert": e, "transposed": True}
+                                                     for e, n in enumerate(layers)}})
+    x = torch.randn(5, 32)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"experts\.gate_up_proj\.\* \(fused expert slices \(3-D weight\) read other"):
-        case.run(torch.compile(model, backend="patch", options={"plan": plan, "strict": True}))
+    with pytest.raises(Exception, match=r"w\.\* \(batched matmul whose input is not \(E=2, T, K\) \(got \(5, 32\)\)"):
+        torch.compile(model, backend="patch", options={"plan": plan, "strict": True})(x)
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        got = case.run(torch.compile(model, backend="patch", options={"plan": plan}))
-    assert any("experts.down_proj.* (fused expert slices" in str(w.message) for w in seen)
-    torch.testing.assert_close(got, case.run(model), atol=1e-5, rtol=1e-5)
+        got = torch.compile(model, backend="patch", options={"plan": plan})(x)
+    torch._dynamo.reset()
+    assert any("w.* (batched matmul" in str(w.message) for w in seen)
+    torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-5)
 

@@ -13,9 +13,9 @@ Conv1D's ``addmm(b, x, W)`` (W stored (K, N), planned as its (N, K) transpose) a
 (`patchc.runtime.matmul_reads`). Fused MoE experts (a 3-D weight read by one grouped mm: transformers 5's
 ``F.grouped_mm`` / ``torch._grouped_mm`` / ``transformers::grouped_mm_fallback``) become
 ``torch.ops.patchc.tile_grouped_mm``: every expert slice of the weight stacked into one packed layout,
-one launch for all experts, the routing offsets read on the device (`patchc.runtime.grouped`). A planned
-weight read in a form neither op can serve (Llama 4's ``bmm`` over every expert, ``W @ x``, an einsum
-with another output layout) is left dense and listed in a warning;
+one launch for all experts, the routing offsets read on the device (`patchc.runtime.grouped`); so does
+Llama 4's ``bmm`` over every expert (x (E, T, K): row ends T, 2T, ...). A planned weight read in a form
+neither op can serve (``W @ x``, an einsum with another output layout) is left dense and listed in a warning;
 with ``options={"strict": True}`` that is a ValueError. The rest of the graph goes to inductor (CUDA) or
 aot_eager (CPU, or when inductor cannot be imported).
 
@@ -44,7 +44,8 @@ import torch
 from torch import fx
 
 from patchc.runtime.dispatch import BUFFER_NAMES, TileLinear, report_unreplaced
-from patchc.runtime.grouped import GroupedRead, find_grouped_reads, grouped_args, grouped_module, servable_grouped
+from patchc.runtime.grouped import (GroupedRead, bmm_operands, bmm_result, find_grouped_reads, grouped_args,
+                                    grouped_module, servable_grouped)
 from patchc.runtime.matmul_reads import LINEAR, Read, find_reads
 from patchc.runtime.op import tile_linear as _op  # noqa: F401  (registers the op)
 
@@ -179,9 +180,13 @@ def _replace_grouped(gm: fx.GraphModule, read: GroupedRead, node_map: dict[fx.No
     """Swap one grouped matmul (in the copied graph) for tile_grouped_mm over every expert of its weight."""
     node = node_map[read.node]
     remap = lambda a: node_map.get(a, a) if isinstance(a, fx.Node) else a  # noqa: E731
-    args = grouped_args(remap(read.x), remap(read.offs), mod, [attrs[f"{name}_{b}"] for b in BUFFER_NAMES])
+    x, offs, buffers = remap(read.x), remap(read.offs), [attrs[f"{name}_{b}"] for b in BUFFER_NAMES]
     with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(torch.ops.patchc.tile_grouped_mm.default, args)
+        if read.form == "bmm":  # x (E, T, K): every expert over T rows
+            x, offs = bmm_operands(gm.graph, x, mod.num_experts, mod.in_features, mod.values.device)
+        new = gm.graph.call_function(torch.ops.patchc.tile_grouped_mm.default, grouped_args(x, offs, mod, buffers))
+        if read.form == "bmm":
+            new = bmm_result(gm.graph, new, mod.num_experts, mod.out_features)
     new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "example_value", "stack_trace")})
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
@@ -219,7 +224,7 @@ def _servable(plan: Any, reads: list[Read], names: dict[fx.Node, str],
 
 def _unserved_experts(plan: Any, examples: dict[fx.Node, Any], served: set[str]) -> dict[str, str]:
     """{"<3-D weight>.*": why} for every fused-experts weight this graph takes whose expert slices are planned
-    and that no grouped matmul of `served` reads (bmm over every expert, an eager loop over the experts)."""
+    and that no grouped matmul or bmm of `served` reads (e.g. an eager loop over the experts)."""
     out = {}
     for node, value in examples.items():
         if isinstance(value, torch.nn.Parameter) and value.dim() == 3:

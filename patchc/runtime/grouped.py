@@ -8,6 +8,11 @@ cumulative row count of each expert. Dynamo shows that call as ``torch.nn.functi
 for ``patchc::tile_grouped_mm`` (`patchc.runtime.grouped_op`): every expert's rows in one launch of the
 hybrid kernels, the offsets read on the device, so the call can be captured in a CUDA graph.
 
+Llama 4 multiplies every expert at once instead: ``bmm(x (E, T, K), W (E, K, N))``, each expert over the
+same T rows (every token, scaled by its router score). That is a grouped mm whose row ends are T, 2T, ...:
+the backend flattens x to (E * T, K), builds those offsets on the device from x's size, and views the
+result back to (E, T, N) (`bmm_operands` / `bmm_result`).
+
 Example:
     >>> reads = find_grouped_reads(gm, examples)          # doctest: +SKIP
     >>> [(r.fqn, r.transposed, r.reason) for r in reads]  # doctest: +SKIP
@@ -15,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,13 +33,14 @@ from patchc.runtime import grouped_op as _grouped_op  # noqa: F401  (registers t
 _GROUPED_FUNCTIONS = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f)
 _GROUPED_OPS = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
 _CASTS = ("to", "type_as", "detach", "contiguous", "float", "half", "bfloat16")
+_BMM_FUNCTIONS = (torch.bmm, torch.matmul, operator.matmul)
 
 
 @dataclass
 class GroupedRead:
     """One grouped matmul over the experts of 3-D weight placeholder `weight`: `transposed` when the
     weight is stored (E, K, N) (its slices are planned as their transposes); `reason` is None when
-    `tile_grouped_mm` can serve it."""
+    `tile_grouped_mm` can serve it. `form` "bmm": x is (E, T, K), every expert over its own T rows, no offs."""
 
     node: fx.Node
     x: Any
@@ -42,6 +49,7 @@ class GroupedRead:
     weight: fx.Node
     transposed: bool
     reason: str | None = None
+    form: str = "grouped_mm"
 
 
 def _target_name(target: Any) -> str | None:
@@ -53,6 +61,17 @@ def _target_name(target: Any) -> str | None:
 def is_grouped_mm(node: fx.Node) -> bool:
     """Whether the node is a grouped matmul call (functional, torch._grouped_mm, aten or transformers' op)."""
     return node.op == "call_function" and (node.target in _GROUPED_FUNCTIONS or _target_name(node.target) in _GROUPED_OPS)
+
+
+def is_expert_bmm(node: fx.Node) -> bool:
+    """Whether the node is a batched matmul (bmm / matmul / @) that may multiply by a 3-D expert weight."""
+    if node.op == "call_method":
+        return node.target in ("bmm", "matmul", "__matmul__")
+    return node.op == "call_function" and node.target in _BMM_FUNCTIONS
+
+
+def _example(node: Any) -> Any:
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
 
 
 def _trace_expert_weight(node: Any, examples: dict[fx.Node, Any]) -> tuple[fx.Node, int] | None:
@@ -78,6 +97,11 @@ def find_grouped_reads(gm: fx.GraphModule, examples: dict[fx.Node, Any]) -> list
     """Every grouped matmul of `gm` whose weight operand is a 3-D weight placeholder, in graph order."""
     reads = []
     for node in gm.graph.nodes:
+        if is_expert_bmm(node) and len(node.args) == 2:
+            read = _bmm_read(node, examples)
+            if read is not None:
+                reads.append(read)
+            continue
         if not is_grouped_mm(node):
             continue
         operand = node.args[1] if len(node.args) > 1 else node.kwargs.get("mat_b", node.kwargs.get("mat2"))
@@ -97,6 +121,36 @@ def find_grouped_reads(gm: fx.GraphModule, examples: dict[fx.Node, Any]) -> list
     return reads
 
 
+def _bmm_read(node: fx.Node, examples: dict[fx.Node, Any]) -> GroupedRead | None:
+    """The read of a bmm whose second operand is a 3-D weight (None for any other batched matmul)."""
+    traced = _trace_expert_weight(node.args[1], examples)
+    if traced is None:
+        return None
+    weight, swaps = traced
+    x, experts = _example(node.args[0]), examples[weight].shape[0]
+    reason = None
+    if x is None or x.dim() != 3 or x.shape[0] != experts:
+        got = "unknown" if x is None else tuple(x.shape)
+        reason = f"batched matmul whose input is not (E={experts}, T, K) (got {got})"
+    return GroupedRead(node, node.args[0], node.args[1], None, weight, transposed=swaps % 2 == 0, reason=reason,
+                       form="bmm")
+
+
+def bmm_operands(graph: fx.Graph, x: fx.Node, num_experts: int, in_features: int,
+                 device: torch.device) -> tuple[fx.Node, fx.Node]:
+    """Nodes (x (E * T, K), row ends T, 2T, ..., E * T (int32, on `device`)) for a bmm's x (E, T, K); call
+    inside `graph.inserting_before(...)`."""
+    rows = graph.call_method("size", (x, 1))
+    flat = graph.call_method("reshape", (x, -1, in_features))
+    ends = graph.call_function(torch.arange, (1, num_experts + 1), {"dtype": torch.int32, "device": device})
+    return flat, graph.call_function(operator.mul, (ends, rows))
+
+
+def bmm_result(graph: fx.Graph, y: fx.Node, num_experts: int, out_features: int) -> fx.Node:
+    """The node viewing tile_grouped_mm's (E * T, N) back to the bmm's (E, T, N)."""
+    return graph.call_method("view", (y, num_experts, -1, out_features))
+
+
 def servable_grouped(plan: Any, reads: list[GroupedRead], names: dict[fx.Node, str],
                      examples: dict[fx.Node, Any]) -> tuple[list[GroupedRead], dict[str, str]]:
     """(grouped reads to rewrite, {"<3-D weight>.*": why} for planned ones left dense); a read is served when
@@ -114,7 +168,7 @@ def servable_grouped(plan: Any, reads: list[GroupedRead], names: dict[fx.Node, s
             why[f"{fqn}.*"] = read.reason
         elif bool(entry.get("transposed")) != read.transposed:
             why[f"{fqn}.*"] = (f"read {'as stored (E, K, N)' if read.transposed else 'as (E, N, K) transposed'} by "
-                               "a grouped mm, but the plan records the other orientation")
+                               f"{'a bmm' if read.form == 'bmm' else 'a grouped mm'}, but the plan records the other orientation")
         elif tuple(plan.layers[f"{fqn}.{planned[0]}"].shape) != expect:
             raise ValueError(f"patch backend: expert slices of {fqn!r} are read as {expect} (N, K) matrices but the "
                              f"plan has {tuple(plan.layers[f'{fqn}.{planned[0]}'].shape)}")
@@ -146,5 +200,5 @@ def grouped_args(x: Any, offs: Any, mod: Any, buffers: list[Any]) -> tuple[Any, 
     return (x, offs, *buffers, *mod.op_args()[len(buffers):])
 
 
-__all__ = ["GroupedRead", "find_grouped_reads", "grouped_args", "grouped_module", "is_grouped_mm", "planned_experts",
-           "servable_grouped"]
+__all__ = ["GroupedRead", "bmm_operands", "bmm_result", "find_grouped_reads", "grouped_args", "grouped_module",
+           "is_expert_bmm", "is_grouped_mm", "planned_experts", "servable_grouped"]
