@@ -171,6 +171,28 @@ def test_llama4_bmm_serves_every_length_from_one_graph():
     assert all(sum(n.target is GROUPED for n in gm.graph.nodes) == 2 for gm in graphs)
 
 
+def test_batched_mm_experts_are_named_with_the_fix_and_the_fix_serves_them():
+    """transformers' `batched_mm` experts gather each token's weight (W[expert_ids]): no grouped mm to
+    replace. The backend says how to get one (strict: an error), and following it serves every slice."""
+    case, plan = _family_plan("qwen3_moe")
+    model, pruned = copy.deepcopy(case.model), plan.apply(copy.deepcopy(case.model))
+    model.set_experts_implementation("batched_mm")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"gate_up_proj\.\* \(fused expert slices \(3-D weight\) gathered per token "
+                                        r"\(transformers' batched_mm experts\): call model\.set_experts_implementation"):
+        with torch.no_grad():
+            case.run(torch.compile(model, backend="patch", options={"plan": plan, "strict": True, "tune": False}))
+    model.set_experts_implementation("grouped_mm")
+    graphs = []
+    torch._dynamo.reset()
+    cm = torch.compile(model, backend="patch", options={"plan": plan, "strict": True, "tune": False,
+                                                        "graph_callback": lambda gm, n: graphs.append(gm)})
+    with torch.no_grad():
+        torch.testing.assert_close(case.run(cm), case.run(pruned), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    assert sum(n.target is GROUPED for gm in graphs for n in gm.graph.nodes) == 2
+
+
 def test_a_plan_in_the_other_orientation_is_left_dense_with_the_reason():
     case, plan = _family_plan("qwen3_moe")
     for name, target in plan.meta["targets"].items():

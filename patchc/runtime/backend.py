@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import operator
 import re
 from typing import Any, Callable
 
@@ -230,9 +231,19 @@ def _unserved_experts(plan: Any, examples: dict[fx.Node, Any], served: set[str])
         if isinstance(value, torch.nn.Parameter) and value.dim() == 3:
             fqn = source_fqn(node)
             if fqn and fqn not in served and any(_planned(plan, f"{fqn}.{e}") for e in range(value.shape[0])):
-                out[f"{fqn}.*"] = ("fused expert slices (3-D weight) read other than by a grouped mm: "
-                                   "patchc.compile serves them (TileExperts)")
+                out[f"{fqn}.*"] = _why_unserved(node)
     return out
+
+
+def _why_unserved(weight: fx.Node) -> str:
+    """Why a planned 3-D weight is not served; a weight indexed by a tensor is gathered per token, which is
+    transformers' `batched_mm` experts path, and switching the model to `grouped_mm` makes it servable."""
+    gathered = any(u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], fx.Node)
+                   for u in weight.users)
+    if gathered:
+        return ("fused expert slices (3-D weight) gathered per token (transformers' batched_mm experts): call "
+                "model.set_experts_implementation(\"grouped_mm\") before torch.compile, or use patchc.compile")
+    return "fused expert slices (3-D weight) read other than by a grouped mm: patchc.compile serves them (TileExperts)"
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
