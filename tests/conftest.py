@@ -15,9 +15,9 @@ from torch import nn
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Under pytest-xdist the workers share the machine's cores: one thread pool each, not one per core each.
+# Under pytest-xdist the workers share the cores torch would use: a share each, not all of them each.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 SHARED = Path(os.environ.get("PATCHC_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
 STORIES = SHARED / "models" / "stories260K"
