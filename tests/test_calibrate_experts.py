@@ -120,7 +120,9 @@ def _job_applies_plan_names() -> bool:
                    reason="patchc/job/prune.py oneshot_baseline still masks by model.get_parameter(name): expert "
                           "slices have no parameter of their own (use patchc.pruning.apply_masks; lead's file)")
 @pytest.mark.parametrize("family, mlp", [("mixtral", "mlp"), ("llama4", "feed_forward")])
-def test_prune_command_on_a_moe_directory_with_baselines(tmp_path, family, mlp):
+def test_prune_command_on_a_moe_directory_with_baselines(tmp_path, family, mlp, capfd):
+    from transformers.utils import logging as hf_logging
+
     from patchc.job.cli import main
 
     model_dir, text = _moe_dir(tmp_path, family)
@@ -130,6 +132,9 @@ def test_prune_command_on_a_moe_directory_with_baselines(tmp_path, family, mlp):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*magnitude prior.*")  # every expert is calibrated now
         assert main(args) == 0
+    # --no-progress: not one of transformers' bars either (the job loads the model once per baseline), and
+    # transformers' own setting is left as it was
+    assert "Loading weights" not in capfd.readouterr().err and hf_logging.is_progress_bar_enabled()
     plan = patchc.TilePlan.load(tmp_path / "run" / "plan.patch")
     assert f"model.layers.0.{mlp}.experts.gate_up_proj.3" in plan.layers
     router = {"mixtral": "mlp.gate", "llama4": "feed_forward.router"}[family]

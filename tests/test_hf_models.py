@@ -86,6 +86,24 @@ def test_minilm_loads_offline_with_37_linears(minilm):
 
 
 @needs_minilm
+@pytest.mark.parametrize("enabled", [True, False])
+def test_reloads_show_no_loading_bar_and_keep_the_setting(minilm, capfd, enabled):
+    """The job reloads the dense model once per baseline: no transformers bar for those, and transformers'
+    own progress-bar setting is what it was, on or off."""
+    from transformers.utils import logging as hf_logging
+
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        capfd.readouterr()
+        fresh = minilm.reload()
+        assert "Loading weights" not in capfd.readouterr().err
+        assert hf_logging.is_progress_bar_enabled() is enabled
+        assert fresh is not minilm.model
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+@needs_minilm
 def test_minilm_embeddings_rank_similar_sentences_higher(minilm):
     e = minilm.embed(minilm.model, [*SIMILAR, DISSIMILAR])
     assert e.shape == (3, 384)

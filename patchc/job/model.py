@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -22,9 +23,11 @@ def load_bundle(opts: PruneOptions, training: bool = True):
     """`opts.model` loaded onto `opts.device` in its weight dtype, checked, with the thread count set.
     `training=False` (`patchc eval`): --block-len is not checked, since nothing is trained."""
     from patchc.models import load_model
+    from patchc.models.hf import quiet_loading
 
     check_device(opts.device)
-    bundle = cast_bundle(load_model(opts.model, device=opts.device), weight_dtype(opts))
+    with contextlib.nullcontext() if opts.progress else quiet_loading():
+        bundle = cast_bundle(load_model(opts.model, device=opts.device), weight_dtype(opts))
     check_model(bundle, opts, training)
     choose_threads(opts, bundle.model)
     return bundle

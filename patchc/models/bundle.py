@@ -278,6 +278,14 @@ def _sentence_bert_max_len(folder: Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+def _quietly(load: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """`load` without transformers' progress bars: a job reloads the dense model once per baseline."""
+    def reload() -> nn.Module:
+        with _hf.quiet_loading():
+            return load()
+    return reload
+
+
 def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBundle:
     config = _hf.hf_config(source)
     kind = _hf.hf_kind(config)
@@ -290,7 +298,7 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBund
             kind="causal",
             model=model,
             tokenizer=tokenizer,
-            reload=lambda: _hf.load_hf_causal(source, device, config)[0],
+            reload=_quietly(lambda: _hf.load_hf_causal(source, device, config)[0]),
             export=lambda m, fixed_len=None: _hf.export_causal_lm(m, fixed_len=fixed_len),
             logits=_hf_causal_logits,
             embed=_not_for(name, "causal", "sentence embeddings (embed)"),
@@ -309,7 +317,7 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBund
         kind="encoder",
         model=model,
         tokenizer=HFTokenizer(hf_tok, "encoder"),
-        reload=lambda: _hf.load_hf_encoder(source, device)[0],
+        reload=_quietly(lambda: _hf.load_hf_encoder(source, device)[0]),
         export=lambda m, fixed_len=None: _hf.export_encoder(m),  # always dynamic in the sequence
         logits=_not_for(name, "encoder", "LM head (logits)"),
         embed=_make_embed(hf_tok, embed_len, device),
