@@ -149,7 +149,7 @@ def test_backend_serves_every_planned_expert_slice(family, dtype):
                            and bool((layer.kinds == 1).any())]
 
 
-def test_llama4_bmm_serves_every_length_from_one_graph():
+def test_llama4_bmm_serves_new_lengths_from_the_dynamic_graph():
     """The bmm's row ends (T, 2T, ...) are built from x's size in the graph: the dynamic graphs dynamo makes
     after the first shapes serve new batch sizes and lengths, and stay the plan-applied model's."""
     case, plan = _family_plan("llama4")

@@ -23,7 +23,7 @@ def load_bundle(opts: PruneOptions, training: bool = True):
     """`opts.model` loaded onto `opts.device` in its weight dtype, checked, with the thread count set.
     `training=False` (`patchc eval`): --block-len is not checked, since nothing is trained."""
     from patchc.models import load_model
-    from patchc.models.hf import quiet_loading
+    from patchc.utils.progress import quiet_loading
 
     check_device(opts.device)
     with contextlib.nullcontext() if opts.progress else quiet_loading():

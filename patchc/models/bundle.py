@@ -50,6 +50,7 @@ from patchc.models import hf as _hf
 from patchc.models.llama2c import export_llama, load_llama2c
 from patchc.models.llama2c_tokenizer import load_tokenizer
 from patchc.models.outputs import device_of, logits_of
+from patchc.utils.progress import quiet_loading
 
 Kind = Literal["causal", "encoder"]
 _TOKENIZER_NAMES = ("tokenizer.bin",)
@@ -278,14 +279,6 @@ def _sentence_bert_max_len(folder: Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def _quietly(load: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    """`load` without transformers' progress bars: a job reloads the dense model once per baseline."""
-    def reload() -> nn.Module:
-        with _hf.quiet_loading():
-            return load()
-    return reload
-
-
 def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBundle:
     config = _hf.hf_config(source)
     kind = _hf.hf_kind(config)
@@ -298,7 +291,7 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBund
             kind="causal",
             model=model,
             tokenizer=tokenizer,
-            reload=_quietly(lambda: _hf.load_hf_causal(source, device, config)[0]),
+            reload=quiet_loading()(lambda: _hf.load_hf_causal(source, device, config)[0]),  # a bar per reload: noise
             export=lambda m, fixed_len=None: _hf.export_causal_lm(m, fixed_len=fixed_len),
             logits=_hf_causal_logits,
             embed=_not_for(name, "causal", "sentence embeddings (embed)"),
@@ -317,7 +310,7 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBund
         kind="encoder",
         model=model,
         tokenizer=HFTokenizer(hf_tok, "encoder"),
-        reload=_quietly(lambda: _hf.load_hf_encoder(source, device)[0]),
+        reload=quiet_loading()(lambda: _hf.load_hf_encoder(source, device)[0]),
         export=lambda m, fixed_len=None: _hf.export_encoder(m),  # always dynamic in the sequence
         logits=_not_for(name, "encoder", "LM head (logits)"),
         embed=_make_embed(hf_tok, embed_len, device),

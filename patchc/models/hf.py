@@ -17,11 +17,9 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -157,31 +155,6 @@ def max_positions(config: Any, default: int = 2048) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- loaders
-
-
-@contextlib.contextmanager
-def quiet_loading() -> Iterator[None]:
-    """transformers' own progress bars (loading weights) off for the duration, as they were after.
-
-    A job reloads the dense model for every baseline: one bar per reload is noise, and `--no-progress`
-    asks for none. Without transformers installed there is nothing to silence.
-
-    Example:
-        >>> with quiet_loading():
-        ...     model, tok = load_hf_causal("/path/to/saved_llama")  # doctest: +SKIP
-    """
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        yield
-        return
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
 
 
 def _from_pretrained(cls: Any, spec: str, device: str | torch.device) -> nn.Module:

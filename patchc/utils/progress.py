@@ -1,5 +1,5 @@
 """Progress bars: tqdm where it is installed, the plain iterable where not (`make gpu` runs on a bare
-GPU image with only torch, triton and numpy guaranteed).
+GPU image with only torch, triton and numpy guaranteed); transformers' own bars off where unwanted.
 
 Example:
     >>> list(progress(range(3), desc="steps", disable=True))
@@ -8,7 +8,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -21,3 +22,28 @@ def progress(iterable: Iterable[T], **kwargs: Any) -> Iterable[T]:
     except ImportError:
         return iterable
     return tqdm(iterable, **kwargs)
+
+
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """transformers' own progress bars (loading weights) off for the duration, as they were after.
+
+    A job reloads the dense model for every baseline: one bar per reload is noise, and `--no-progress`
+    asks for none. Without transformers installed there is nothing to silence.
+
+    Example:
+        >>> with quiet_loading():
+        ...     model = transformers.AutoModel.from_pretrained("/path/to/model")  # doctest: +SKIP
+    """
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
