@@ -107,6 +107,14 @@ def test_python_dash_m_is_the_same_command():
     assert "--sparsity" in done.stdout and "--resume" in done.stdout
 
 
+def test_cli_start_leaves_dynamo_unimported():
+    # torch._dynamo takes ~1.2 s to import: `import patchc` and `patchc --help` do without it
+    code = ("import runpy, sys\nsys.argv = ['patchc', '--help']\ntry:\n    runpy.run_module('patchc', run_name='__main__')\n"
+            "except SystemExit:\n    pass\nprint('dynamo' if 'torch._dynamo' in sys.modules else 'none')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "prune" in done.stdout and done.stdout.split()[-1] == "none", done.stdout[-300:]
+
+
 def test_self_generated_text_trains_and_real_text_evaluates(tmp_path):
     out = tmp_path / "free"
     args = ["prune", "--out", str(out), "--data-free", "--no-baselines", "--prior", "magnitude",

@@ -63,6 +63,7 @@ class MaskSpec:
 BANK_CHUNK = 1 << 20  # bank lengths are whole chunks, with at least one spare chunk of offsets
 _BANKS: dict[tuple, torch.Tensor] = {}
 _MAX_BANKS = 8
+_eager = getattr(torch, "_disable_dynamo", torch.compiler.disable)  # private; the public one if it goes
 
 
 def split_key(seed63: int) -> tuple[int, int]:
@@ -110,7 +111,9 @@ def clear_banks() -> None:
     _BANKS.clear()
 
 
-@torch.compiler.disable  # eager under torch.compile too: a Python-int offset in a graph would recompile per draw
+# Eager under torch.compile too: a Python-int offset in a graph would recompile per draw. torch's own
+# lazy form imports torch._dynamo on the first draw, not at `import patchc` (1.2 s of every CLI start).
+@_eager
 def gumbel(key: torch.Tensor, shape: tuple[int, ...], stream: int, device) -> torch.Tensor:
     """Gumbel(0, 1) noise of `stream` keyed by `key` (3,) int64 = (`split_key` halves, run seed), kept on
     the CPU: a read-only fp32 view into the run's bank at an offset hashed from (key, stream). The same
