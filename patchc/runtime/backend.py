@@ -171,9 +171,7 @@ def _replace(gm: fx.GraphModule, read: Read, node_map: dict[fx.Node, fx.Node], n
         new = gm.graph.call_function(torch.ops.patchc.tile_linear.default, (x, *args))
         if add_after is not None:
             new = gm.graph.call_function(torch.add, (new, add_after))
-    new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "example_value", "stack_trace")})
-    node.replace_all_uses_with(new)
-    gm.graph.erase_node(node)
+    _swap(gm, node, new)
 
 
 def _replace_grouped(gm: fx.GraphModule, read: GroupedRead, node_map: dict[fx.Node, fx.Node], name: str,
@@ -188,6 +186,11 @@ def _replace_grouped(gm: fx.GraphModule, read: GroupedRead, node_map: dict[fx.No
         new = gm.graph.call_function(torch.ops.patchc.tile_grouped_mm.default, grouped_args(x, offs, mod, buffers))
         if read.form == "bmm":
             new = bmm_result(gm.graph, new, mod.num_experts, mod.out_features)
+    _swap(gm, node, new)
+
+
+def _swap(gm: fx.GraphModule, node: fx.Node, new: fx.Node) -> None:
+    """`new` takes `node`'s uses, its value and its source line (what later passes and errors read)."""
     new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "example_value", "stack_trace")})
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
