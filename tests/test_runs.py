@@ -48,11 +48,39 @@ def test_a_stale_claim_is_taken_over(tmp_path):
     assert json.loads((folder / runs.CLAIM).read_text())["pid"] == os.getpid()
 
 
-def test_out_under_a_file_is_a_one_line_error(tmp_path, capsys):
-    (tmp_path / "file").write_text("x")
-    assert main(["prune", "--out", str(tmp_path / "file" / "run"), *QUICK]) == 2
+def _finished(folder):
+    folder.mkdir()
+    (folder / "report.json").write_text("{}")
+
+
+def _crashed(folder, **changes):
+    folder.mkdir()
+    runs.check_settings(folder, dataclasses.replace(PruneOptions(out=str(folder)), **changes), resume=False)
+    (folder / runs.CHECKPOINT).write_bytes(b"")
+
+
+@pytest.mark.parametrize("make, args, message", [
+    (lambda d: (d.parent / "file").write_text("x"), ["--out", "{file}/run"], "is a file, not a folder"),
+    (_finished, ["--out", "{d}"], "already holds a finished run"),
+    (_crashed, ["--out", "{d}"], "holds a training checkpoint"),
+    (lambda d: None, ["--resume"], "--resume needs --out"),
+    (lambda d: None, ["--out", "{d}", "--resume"], "has no checkpoint"),
+    (lambda d: _crashed(d, lr=0.01), ["--out", "{d}", "--resume"], "--lr 0.01 (now 0.001)"),
+], ids=["out-under-a-file", "finished", "checkpoint", "resume-without-out", "resume-nothing", "resume-changed"])
+def test_a_wrong_out_fails_before_the_model_loads(tmp_path, capsys, monkeypatch, make, args, message):
+    """Loading a model and generating its text take minutes on a real model: --out is checked first."""
+    def load(*_):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr("patchc.job.prune.load_bundle", load)
+    folder = tmp_path / "run"
+    make(folder)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    args = [a.format(d=folder, file=tmp_path / "file") for a in args]
+    assert main(["prune", *args, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "is a file, not a folder" in err
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written
 
 
 @needs_shared

@@ -31,7 +31,7 @@ from patchc.job.distributed import init_distributed, prepare_training, rank_slic
 from patchc.job.losses import make_lm_loss
 from patchc.job.model import load_bundle
 from patchc.job.options import ONESHOT_METHODS, PruneOptions, check_device
-from patchc.job.runs import CHECKPOINT, check_settings, claim_run_dir, release
+from patchc.job.runs import CHECKPOINT, check_out, check_settings, claim_run_dir, release
 from patchc.masking.optim import MaskOptimConfig
 from patchc.pruning import apply_masks
 from patchc.utils.env import device_name, versions
@@ -194,6 +194,7 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
     and released however the run ends.
     """
     check_device(opts.device)
+    check_out(opts)  # before the model loads and text is generated
     init_distributed(opts.device)
     timings: dict[str, float] = {}
     with timed(timings, "load"):

@@ -10,6 +10,7 @@ Two `patchc prune` runs started together never share a folder: the O_EXCL claim 
 have it (the other takes the next free name, or fails with a clear error for an explicit --out).
 
 Example:
+    >>> check_out(opts)                                                         # before any work: read-only
     >>> out = claim_run_dir(None, Path("runs"), "stories260K", resume=False)   # runs/stories260K[-N]
     >>> settings = check_settings(out, opts, resume=False)                      # writes run.json
     >>> release(out)
@@ -89,10 +90,9 @@ def claim_run_dir(out: str | os.PathLike | None, root: Path, name: str, resume: 
     """The run folder, claimed for this process: `out`, or the first free `root/<name>[-N]`."""
     if out is not None:
         folder = Path(out)
+        _check_parents(folder)
+        _check_finished(folder, resume, overwrite)
         _make_dir(folder)
-        if _finished(folder) and not (resume or overwrite):
-            raise RunError(f"--out {folder} already holds a finished run (report.json); choose another --out, "
-                           "or pass --overwrite to replace it")
         busy = _try_claim(folder)
         if busy:
             raise RunError(f"--out {folder}: {busy}; wait for it or choose another --out")
@@ -108,10 +108,35 @@ def claim_run_dir(out: str | os.PathLike | None, root: Path, name: str, resume: 
     raise RunError(f"{root}: no free run folder for {safe}; clean up old runs or pass --out")
 
 
-def _make_dir(folder: Path) -> None:
+def check_out(opts: PruneOptions) -> None:
+    """Read-only: raise the RunError that claiming `opts.out` and checking its settings would raise, so a
+    wrong --out fails before the model loads and training text is generated. Writes nothing (the claim
+    checks again: another process may change the folder in between)."""
+    if opts.out is None:
+        if opts.resume:  # a new folder would be picked, with nothing in it to continue
+            raise RunError("--resume needs --out: the folder of the run to continue")
+        return
+    folder = Path(opts.out)
+    _check_parents(folder)
+    _check_finished(folder, opts.resume, opts.overwrite)
+    if folder.is_dir() or opts.resume:
+        _settings_schedule(folder, opts, opts.resume, opts.overwrite)
+
+
+def _check_parents(folder: Path) -> None:
     for parent in [folder, *folder.parents]:
         if parent.exists() and not parent.is_dir():
             raise RunError(f"--out {folder}: {parent} is a file, not a folder")
+
+
+def _check_finished(folder: Path, resume: bool, overwrite: bool) -> None:
+    if _finished(folder) and not (resume or overwrite):
+        raise RunError(f"--out {folder} already holds a finished run (report.json); choose another --out, "
+                       "or pass --overwrite to replace it")
+
+
+def _make_dir(folder: Path) -> None:
+    _check_parents(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -144,14 +169,21 @@ def check_settings(folder: Path, opts: PruneOptions, resume: bool, overwrite: bo
 
     A resumed run may ask for more --steps than it started with: it goes on at the schedules' final values.
     """
+    schedule = _settings_schedule(folder, opts, resume, overwrite)
+    if not resume:
+        (folder / CHECKPOINT).unlink(missing_ok=True)
+    _write(folder / SETTINGS, settings_of(opts), opts.steps, schedule)
+    return schedule
+
+
+def _settings_schedule(folder: Path, opts: PruneOptions, resume: bool, overwrite: bool) -> int:
+    """Read-only part of `check_settings`: the schedule length, or the RunError that says why not."""
     path, ckpt = folder / SETTINGS, folder / CHECKPOINT
     now = settings_of(opts)
     if not resume:
         if ckpt.exists() and not overwrite:
             raise RunError(f"--out {folder} holds a training checkpoint ({CHECKPOINT}); pass --resume to continue "
                            "it or --overwrite to start again")
-        ckpt.unlink(missing_ok=True)
-        _write(path, now, opts.steps, opts.steps)
         return opts.steps
     if not ckpt.exists():
         raise RunError(f"--resume: {folder} has no checkpoint ({CHECKPOINT}) to continue; drop --resume to start")
@@ -164,12 +196,10 @@ def check_settings(folder: Path, opts: PruneOptions, resume: bool, overwrite: bo
     if diffs:
         raise RunError(f"--resume: {folder} was started with other settings: {'; '.join(diffs)}; rerun with the "
                        "original values, or start a new run in another --out")
-    schedule = int(saved["schedule_steps"])
     if opts.steps < int(saved["steps"]):
         raise RunError(f"--resume: --steps {opts.steps} is fewer than the {saved['steps']} the run was started with; "
                        "a run can be extended, not shortened")
-    _write(path, now, opts.steps, schedule)
-    return schedule
+    return int(saved["schedule_steps"])
 
 
 def _write(path: Path, settings: dict, steps: int, schedule: int) -> None:
