@@ -73,8 +73,16 @@ def test_eval_and_report_commands_read_a_saved_plan(tmp_path, capsys):
     capsys.readouterr()
     assert main(["report", str(out / "plan.patch")]) == 0
     assert (out / "sparsity_per_block.png").is_file()
-    assert main(["eval", str(out / "plan.patch")]) == 0
+    assert main(["eval", str(out)]) == 0  # the run folder stands for its plan.patch
     assert "pruned" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["eval"], ["report"], ["generate", "--out", "k"], ["tune"]])
+def test_plan_commands_name_a_folder_without_a_plan(tmp_path, capsys, command):
+    assert main([command[0], str(tmp_path), *command[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{tmp_path}: a folder without plan.patch" in err, err
+    assert not (tmp_path / "k").exists()
 
 
 @pytest.mark.parametrize(

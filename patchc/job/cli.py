@@ -3,7 +3,7 @@
 
     patchc prune                                   # the embedded default: stories260K, TinyStories, 35%
     patchc prune --model M --data a.txt --sparsity 0.45 --tile 32 32 --out runs/x
-    patchc eval runs/x/plan.patch                  # dense vs pruned on the plan's own held-out text
+    patchc eval runs/x                             # dense vs pruned on the plan's own held-out text
     patchc sample --tokens 65536 --out gen.txt     # the dense model's own text, for another run's --train-extra
     patchc export runs/x --out pruned/             # HF-style folder, planned weights compressed
     patchc report runs/x/plan.patch                # redraw the plots (and report.md) from a plan
@@ -45,6 +45,17 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def plan_file(arg: str) -> str:
+    """A plan file as given, or a run folder's plan.patch (what `patchc prune` wrote there)."""
+    path = Path(arg)
+    if not path.is_dir():
+        return arg
+    if not (path / "plan.patch").is_file():
+        raise FileNotFoundError(f"{arg}: a folder without plan.patch; give a plan file or the folder of a "
+                                "`patchc prune` run (its --out)")
+    return str(path / "plan.patch")
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
     from patchc.job.prune import run_prune
     from patchc.job.report import format_results
@@ -68,7 +79,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from patchc.job.rescore import rescore
 
-    r = rescore(args.plan, allow_overlap=args.allow_overlap, force=args.force, model=args.model, data=args.data,
+    r = rescore(plan_file(args.plan), allow_overlap=args.allow_overlap, force=args.force, model=args.model, data=args.data,
                 seed=args.split_seed, eval_fraction=args.eval_fraction, eval_context=args.eval_context,
                 device=args.device, encoding=args.encoding, texts=args.text)
     opts, plan = r["options"], r["plan"]
@@ -126,7 +137,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from patchc.job.report import redraw
 
-    for path in redraw(args.plan, args.out):
+    for path in redraw(plan_file(args.plan), args.out):
         print(path)
     return 0
 
@@ -135,7 +146,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from patchc.codegen.generate import generate, summary
     from patchc.ir import TilePlan
 
-    files = generate(TilePlan.load(args.plan), args.out, target=args.target, workers=args.workers,
+    files = generate(TilePlan.load(plan_file(args.plan)), args.out, target=args.target, workers=args.workers,
                      show_progress=args.progress, fp_fusion=args.fp_fusion)
     count = len(files) if hasattr(files, "__len__") else 0
     print(f"wrote {count} files for {args.target} to {Path(args.out).resolve()}")
@@ -152,7 +163,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from patchc.runtime import tune_plan
 
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    tunings = tune_plan(TilePlan.load(args.plan), batch_size=args.batch_size, prefill_len=args.prefill_len, dtype=dtype)
+    tunings = tune_plan(TilePlan.load(plan_file(args.plan)), batch_size=args.batch_size, prefill_len=args.prefill_len, dtype=dtype)
     for fqn, tuning in tunings.items():
         print(f"{fqn}: {json.dumps(tuning.to_dict()) if tuning is not None else 'all dense: F.linear'}")
     print(f"tuned {len(tunings)} layers; the choices are cached for the next run")
@@ -192,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                 description="Score a saved plan against the dense model. By default on the plan's own split "
                             "(model, files, seed and fraction recorded by `patchc prune`); refuses documents "
                             "the plan was trained on unless --allow-overlap.")
-    p.add_argument("plan", help="plan file (plan.patch of a run)")
+    p.add_argument("plan", help="plan file, or a run folder (its plan.patch)")
     p.add_argument("--model", default=None, help="model spec (default: the one the plan records, else stories260K)")
     p.add_argument("--data", nargs="+", default=None, help="text files (default: the plan's)")
     p.add_argument("--split-seed", "--seed", dest="split_seed", type=int, default=None,
@@ -275,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_report)
 
     p = command("generate", "compile per-layer Triton kernels for a GPU target, offline")
-    p.add_argument("plan", help="plan file")
+    p.add_argument("plan", help="plan file, or a run folder (its plan.patch)")
     p.add_argument("--target", default="sm_90", choices=("sm_80", "sm_90"), help="GPU architecture (A100: sm_80, H100: sm_90)")
     p.add_argument("--out", required=True, help="folder for the kernels and manifests")
     p.add_argument("--workers", type=int, default=None, help="compile processes (default: the CPUs this process may use)")
@@ -285,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_generate)
 
     p = command("tune", "autotune decode and prefill kernel configs on this GPU; fills the cache")
-    p.add_argument("plan", help="plan file")
+    p.add_argument("plan", help="plan file, or a run folder (its plan.patch)")
     p.add_argument("--batch-size", type=int, default=16, help="decode batch: the largest M tuned as decode")
     p.add_argument("--prefill-len", type=int, default=128, help="prompt length: M = batch x prefill tuned as prefill")
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "fp16", "bf16"), help="activation dtype")
