@@ -79,8 +79,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from patchc.job.rescore import rescore
 
-    r = rescore(plan_file(args.plan), allow_overlap=args.allow_overlap, force=args.force, model=args.model, data=args.data,
-                seed=args.split_seed, eval_fraction=args.eval_fraction, eval_context=args.eval_context,
+    r = rescore(plan_file(args.plan), allow_overlap=args.allow_overlap, force=args.force, model=args.model,
+                data=args.data, seed=args.split_seed, eval_fraction=args.eval_fraction, eval_context=args.eval_context,
                 device=args.device, encoding=args.encoding, texts=args.text)
     opts, plan = r["options"], r["plan"]
     print(f"{args.plan}: density {plan.density:.4f}, {len(plan.layers)} layers; held-out {opts.eval_fraction:.0%} "
@@ -163,7 +163,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from patchc.runtime import tune_plan
 
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    tunings = tune_plan(TilePlan.load(plan_file(args.plan)), batch_size=args.batch_size, prefill_len=args.prefill_len, dtype=dtype)
+    tunings = tune_plan(TilePlan.load(plan_file(args.plan)), batch_size=args.batch_size,
+                        prefill_len=args.prefill_len, dtype=dtype)
     for fqn, tuning in tunings.items():
         print(f"{fqn}: {json.dumps(tuning.to_dict()) if tuning is not None else 'all dense: F.linear'}")
     print(f"tuned {len(tunings)} layers; the choices are cached for the next run")
