@@ -81,7 +81,7 @@ def test_eval_and_report_commands_read_a_saved_plan(tmp_path, capsys):
 def test_plan_commands_name_a_folder_without_a_plan(tmp_path, capsys, command):
     assert main([command[0], str(tmp_path), *command[1:]]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"{tmp_path}: a folder without plan.patch" in err, err
+    assert len(err.splitlines()) == 1 and f"{tmp_path}: no plan.patch in it" in err, err
     assert not (tmp_path / "k").exists()
 
 

@@ -46,14 +46,10 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 def plan_file(arg: str) -> str:
-    """A plan file as given, or a run folder's plan.patch (what `patchc prune` wrote there)."""
-    path = Path(arg)
-    if not path.is_dir():
-        return arg
-    if not (path / "plan.patch").is_file():
-        raise FileNotFoundError(f"{arg}: a folder without plan.patch; give a plan file or the folder of a "
-                                "`patchc prune` run (its --out)")
-    return str(path / "plan.patch")
+    """A plan file as given, or a run folder's plan.patch (`recover.find_plan`, as `patchc recover` reads it)."""
+    from patchc.job.recover import find_plan
+
+    return str(find_plan(arg)) if Path(arg).is_dir() else arg
 
 
 def cmd_prune(args: argparse.Namespace) -> int:

@@ -90,9 +90,8 @@ def claim_run_dir(out: str | os.PathLike | None, root: Path, name: str, resume: 
     """The run folder, claimed for this process: `out`, or the first free `root/<name>[-N]`."""
     if out is not None:
         folder = Path(out)
-        _check_parents(folder)
-        _check_finished(folder, resume, overwrite)
         _make_dir(folder)
+        _check_finished(folder, resume, overwrite)
         busy = _try_claim(folder)
         if busy:
             raise RunError(f"--out {folder}: {busy}; wait for it or choose another --out")
