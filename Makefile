@@ -16,6 +16,9 @@ demo: $(STAMP)
 # Two pytest workers, each file on one of them (its module fixtures built once): ~25% off the suite on
 # 2 cores. TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
+# The suite also compiles and interprets the kernels under the Triton that GPU machines with torch 2.11
+# have (tests/test_triton_compat.py), so the rare GPU session does not find them broken; empty: not installed.
+COMPAT_TRITON ?= 3.6.0
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
@@ -24,13 +27,19 @@ test: $(STAMP)
 gpu:
 	PYTHONPATH=. PYTHONUNBUFFERED=1 $(PYTHON) -m patchc bench $(BENCH_ARGS)
 
+# An older Triton beside the venv's own, in $(VENV)/triton-<version> (with the numpy < 2.4 that 3.6's
+# interpreter needs), put on PYTHONPATH where wanted; installed whole or not at all.
+install_triton = test -d $(VENV)/triton-$(1) || { rm -rf $(VENV)/triton-$(1).part && \
+	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-$(1).part "triton==$(1)" "numpy<2.4" && \
+	mv $(VENV)/triton-$(1).part $(VENV)/triton-$(1); }
+
 # The kernels under the older Tritons a GPU machine may have (torch 2.11 comes with 3.6): compiles every
 # variant for sm_80 and sm_90 on this CPU and prints each weight loop's static cost (records appended to
 # benchmarks/results/static_profile.jsonl). Installs only those triton wheels, inside the venv.
 TRITONS ?= 3.6.0 3.7.0 3.8.0
 compat: $(STAMP)
 	@for v in $(TRITONS); do \
-	  test -d $(VENV)/triton-$$v || $(PY) -m pip install -q --no-deps --target $(VENV)/triton-$$v "triton==$$v" || exit 1; \
+	  $(call install_triton,$$v) || exit 1; \
 	  echo "== triton $$v"; \
 	  PYTHONPATH=$(VENV)/triton-$$v:. $(PY) benchmarks/static_profile.py --shape 4096x4096 --sparsity 0.45 0.5 \
 	    --dtype fp16 bf16 --tile 128 64 || exit 1; \
@@ -43,6 +52,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(strip $(TORCH)),$(PY) -m pip install -q "$(TORCH)")
 	$(PY) -m pip install -q -e ".[test,hf,minilm]"
+	$(if $(strip $(COMPAT_TRITON)),$(call install_triton,$(COMPAT_TRITON)))
 	touch $(STAMP)
 
 clean:

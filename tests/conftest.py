@@ -44,6 +44,36 @@ def _restore_threads():
     torch.set_num_threads(threads)
 
 
+def _older_tritons() -> list[Path]:
+    import sys
+
+    return sorted(p.parent.parent for p in Path(sys.prefix).glob("triton-*/triton/__init__.py"))
+
+
+# Older Tritons installed beside the venv's own, each a folder for PYTHONPATH: `make setup` puts 3.6 (the
+# one GPU machines with torch 2.11 have) in `.venv/triton-3.6.0`, so the suite checks the kernels under it.
+OLDER_TRITONS = _older_tritons()
+
+
+def older_triton_params() -> list:
+    """One pytest param per `OLDER_TRITONS` folder; without one, a single param that skips and says why."""
+    if not OLDER_TRITONS:
+        import sys
+
+        return [pytest.param(None, marks=pytest.mark.skip(
+            reason=f"no older Triton beside this one in {sys.prefix} (make setup installs COMPAT_TRITON)"))]
+    return [pytest.param(p, id=p.name) for p in OLDER_TRITONS]
+
+
+def older_triton_env(folder: Path | None, **extra: str) -> dict[str, str]:
+    """A subprocess's environment that imports patchc from here and Triton (with numpy) from `folder`
+    (None: the venv's own)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join([str(p) for p in (folder, root) if p] + [env.get("PYTHONPATH", "")])
+    return env
+
+
 needs_shared = pytest.mark.skipif(not (STORIES / "stories260K.bin").exists(), reason=f"real model not found under {SHARED}")
 
 

@@ -27,7 +27,7 @@ from patchc.bench.layers import make_layer, peak_bandwidth, tile_kinds, weight_b
 from patchc.bench.options import LayerCase, check_cases
 from patchc.bench.record import append_jsonl, slug
 from patchc.job.cli import main
-from tests.conftest import in_fresh_thread
+from tests.conftest import in_fresh_thread, older_triton_env, older_triton_params
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU form of the harness")
@@ -84,6 +84,29 @@ def test_dry_run_checks_and_times_the_grouped_experts(dry_run):
     assert all(r["ok"] and r["err"] <= r["bound"] and r["baseline"] == "F.linear loop" for r in rows)
     assert rows[0]["rows"] == 2 and rows[1]["rows"] == 10  # top-2 of 4 experts
     assert all(r["ceiling"] > 1.2 and r["dense_ms"] > 0 and r["tile_ms"] > 0 for r in rows)
+
+
+@needs_cpu
+@pytest.mark.slow
+@pytest.mark.interpreter
+@pytest.mark.parametrize("triton_dir", older_triton_params())
+def test_dry_run_checks_pass_under_an_older_triton(triton_dir, tmp_path):
+    """The correctness part under the Triton a GPU machine with torch 2.11 has (3.6), whose kernels take
+    their own 2:4 load (`configs.GROUPS_PER_LOAD`): a kernel that only this Triton runs right fails here,
+    not in the rare GPU session."""
+    from patchc.codegen.configs import groups_per_load
+
+    version = triton_dir.name.removeprefix("triton-")
+    proc = subprocess.run([sys.executable, "-m", "patchc", "bench", "--dry-run", "--parts", "check", "--out",
+                           str(tmp_path), "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=older_triton_env(triton_dir, TRITON_INTERPRET="1"))
+    (jsonl,) = tmp_path.glob("*.jsonl")
+    record = json.loads(jsonl.read_text().splitlines()[-1])
+    assert proc.returncode == 0, f"{record['check']['failed']}\n{proc.stderr[-3000:]}"
+    assert record["env"]["triton"] == version and record["env"]["groups_per_load"] == groups_per_load(version)
+    rows = record["check"]["rows"]
+    assert {r["variant"] for r in rows} == {"auto", "runtime", "gemv", "gemv_splitk", "dot", "prefill", "prefill_splitk"}
+    assert all(r["ok"] and r["err"] <= r["bound"] for r in rows) and not record["check"]["skipped"]
 
 
 def _flipping_first_nibble(pack):
