@@ -334,13 +334,19 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
     return report
 
 
-def recover_plan(bundle, plan, data: dict, opts: PruneOptions, steps: int | None = None):
-    """`plan` with its kept weights fine-tuned on the run's training text with --recover-loss (masks fixed)."""
+def recover_plan(bundle, plan, data: dict, opts: PruneOptions, model=None, steps: int | None = None,
+                 lr: float | None = None, **knobs):
+    """`plan` with its kept weights fine-tuned on the run's training text with --recover-loss (masks fixed).
+
+    `model`: the dense weights to fine-tune (default: a fresh `bundle.reload()`); `steps`, `lr`: default
+    --recover and the kind's recovery lr; `knobs`: more of `patchc.recover`'s (scope, method, calib, ...).
+    """
     loss_fn = make_loss(bundle, bundle.model, opts, recovery=True)
-    recovered = patchc.recover(plan, bundle.reload(), recovery_batches(bundle, data, opts), loss_fn,
-                               steps=steps or opts.recover, lr=opts.recovery_lr(bundle.kind),
-                               scope=opts.recover_scope, progress=opts.progress)
-    recovered.meta["recovery"]["splice"] = opts.recovery_splice(bundle.kind, bundle.name)
+    recovered = patchc.recover(plan, bundle.reload() if model is None else model, recovery_batches(bundle, data, opts),
+                               loss_fn, steps=opts.recover if steps is None else steps,
+                               lr=opts.recovery_lr(bundle.kind) if lr is None else lr,
+                               **{"scope": opts.recover_scope, "progress": opts.progress, **knobs})
+    recovered.meta["recovery"] |= {"loss": opts.recover_loss, "splice": opts.recovery_splice(bundle.kind, bundle.name)}
     return recovered
 
 

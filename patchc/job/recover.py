@@ -133,7 +133,6 @@ def run_recover(
     Example:
         >>> run_recover("runs/x", steps=100, scope="values")["results"][-1]["perplexity"]
     """
-    import patchc
     from patchc.ir import TilePlan
     from patchc.job import prune as job
     from patchc.job.model import load_bundle
@@ -161,13 +160,10 @@ def run_recover(
     del hardened
     model = bundle.reload()  # the dense model stays the teacher of a KD loss
     calib = job.calibrate(bundle, data, opts) if method == "sparsegpt" else None
-    loss_fn = job.make_loss(bundle, bundle.model, opts, recovery=True)
-    lr = opts.recovery_lr(bundle.kind) if lr is None else lr
-    recovered = patchc.recover(plan, model, job.recovery_batches(bundle, data, opts), loss_fn, steps=steps, lr=lr,
-                               scope=scope, method=method, calib=calib, schedule=schedule, progress=progress)
+    recovered = job.recover_plan(bundle, plan, data, opts, model=model, steps=steps, lr=lr, scope=scope, method=method,
+                                 calib=calib, schedule=schedule, progress=progress)
     recovered.meta["command"] = command or ""
-    recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe, "loss": opts.recover_loss,
-                                   "splice": opts.recovery_splice(bundle.kind, bundle.name)}
+    recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe}
     recovered.save(run / RECOVERED)
     scores["recovered"] = job.evaluate(bundle, recovered.apply(model), data, opts, dense_ref)
     result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started,
