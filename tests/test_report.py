@@ -349,6 +349,14 @@ def test_redraw_from_a_saved_plan(tmp_path: Path) -> None:
     assert not (tmp_path / "report.md").exists()  # no report.json beside the plan: pictures only
 
 
+def test_redraw_takes_a_run_folder_and_names_one_without_a_plan(tmp_path: Path) -> None:
+    synthetic_plan().save(tmp_path / "plan.patch")
+    assert all(p.parent == tmp_path for p in redraw(tmp_path))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty: no plan.patch in it; give the folder of a finished"):
+        redraw(tmp_path / "empty")
+
+
 def test_redraw_rewrites_report_md(tmp_path: Path) -> None:
     plan = synthetic_plan()
     plan.save(tmp_path / "plan.patch")
