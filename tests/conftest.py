@@ -47,7 +47,10 @@ def _restore_threads():
 def _older_tritons() -> list[Path]:
     import sys
 
-    return sorted(p.parent.parent for p in Path(sys.prefix).glob("triton-*/triton/__init__.py"))
+    import re
+
+    found = (p.parent.parent for p in Path(sys.prefix).glob("triton-*/triton/__init__.py"))
+    return sorted(p for p in found if re.fullmatch(r"triton-\d+\.\d+\.\d+", p.name))  # not a .part left by a failed install
 
 
 # Older Tritons installed beside the venv's own, each a folder for PYTHONPATH: `make setup` puts 3.6 (the
