@@ -17,7 +17,7 @@ demo: $(STAMP)
 # 2 cores. TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 # The suite also compiles and interprets the kernels under the Triton that GPU machines with torch 2.11
-# have (tests/test_triton_compat.py), so the rare GPU session does not find them broken; empty: not installed.
+# have (test_codegen_compile.py, test_bench.py), so the rare GPU session does not find them broken; empty: skip.
 COMPAT_TRITON ?= 3.6.0
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile

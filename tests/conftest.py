@@ -1,8 +1,10 @@
-"""Shared fixtures: tiny models, and the real material under ../shared when it is there."""
+"""Shared fixtures: tiny models, the real material under ../shared when it is there, older Tritons beside the venv."""
 
 from __future__ import annotations
 
 import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,10 +47,6 @@ def _restore_threads():
 
 
 def _older_tritons() -> list[Path]:
-    import sys
-
-    import re
-
     found = (p.parent.parent for p in Path(sys.prefix).glob("triton-*/triton/__init__.py"))
     return sorted(p for p in found if re.fullmatch(r"triton-\d+\.\d+\.\d+", p.name))  # not a .part left by a failed install
 
@@ -61,8 +59,6 @@ OLDER_TRITONS = _older_tritons()
 def older_triton_params() -> list:
     """One pytest param per `OLDER_TRITONS` folder; without one, a single param that skips and says why."""
     if not OLDER_TRITONS:
-        import sys
-
         return [pytest.param(None, marks=pytest.mark.skip(
             reason=f"no older Triton beside this one in {sys.prefix} (make setup installs COMPAT_TRITON)"))]
     return [pytest.param(p, id=p.name) for p in OLDER_TRITONS]
@@ -73,7 +69,7 @@ def older_triton_env(folder: Path | None, **extra: str) -> dict[str, str]:
     (None: the venv's own)."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, **extra}
-    env["PYTHONPATH"] = os.pathsep.join([str(p) for p in (folder, root) if p] + [env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (folder, root, env.get("PYTHONPATH")) if p)
     return env
 
 
