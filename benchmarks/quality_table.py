@@ -93,7 +93,10 @@ def recipe(opts: PruneOptions, recover_steps: int) -> dict:
     return {"steps": opts.steps, "batch_size": opts.batch_size, "block_len": opts.block_len, "loss": opts.loss, "train_data": opts.train_data,
             "lr": opts.lr, "tile_lr": opts.tile_lr, "lambda_norm": opts.lambda_norm,
             "self_tokens": opts.self_tokens, "tile": list(opts.tile), "split_seed": opts.split_seed,
-            "recover_steps": recover_steps, "recover_loss": opts.recover_loss, "recover_lr": opts.recovery_lr("causal")}
+            "recover_steps": recover_steps, "recover_loss": opts.recover_loss, "recover_lr": opts.recovery_lr("causal"),
+            # only when changed, so that records of the default recipe from before it was recorded still match
+            **({"self_temperature": opts.self_temperature}
+               if opts.self_temperature != PruneOptions.self_temperature else {})}
 
 
 def summary(path: Path = RESULTS) -> str:
@@ -136,6 +139,8 @@ def main() -> None:
     parser.add_argument("--block-len", type=int, default=PruneOptions.block_len)
     parser.add_argument("--loss", default=PruneOptions.loss)
     parser.add_argument("--train-data", default=PruneOptions.train_data)
+    parser.add_argument("--self-temperature", type=float, default=PruneOptions.self_temperature,
+                        help="sampling temperature of the generated training text")
     parser.add_argument("--recover", type=int, default=0, metavar="STEPS", help="weight recovery after each learned row")
     parser.add_argument("--summary", action="store_true", help="only print the summary of the results file")
     parser.add_argument("--results", type=Path, default=RESULTS, help="JSON-lines file the records are appended to")
@@ -145,7 +150,8 @@ def main() -> None:
         return
     for seed in args.seeds:
         opts = PruneOptions(steps=args.steps, seed=seed, loss=args.loss, train_data=args.train_data, progress=False,
-                            batch_size=args.batch_size, block_len=args.block_len, out="runs/quality")
+                            batch_size=args.batch_size, block_len=args.block_len, out="runs/quality",
+                            self_temperature=args.self_temperature)
         rows = run_seed(opts, args.recover)
         record = {"date": datetime.date.today().isoformat(), "device": device_name("cpu"), "versions": versions(),
                   "seed": seed, "recipe": recipe(opts, args.recover), "rows": rows}
