@@ -31,6 +31,7 @@ from tests.conftest import in_fresh_thread, older_triton_env, older_triton_param
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU form of the harness")
+CHECKED_VARIANTS = {"auto", "runtime", "gemv", "gemv_splitk", "dot", "prefill", "prefill_splitk"}  # every one
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,7 @@ def test_dry_run_checks_every_variant_and_passes(dry_run):
     status, record, out = dry_run
     assert status == 0, record["check"]["failed"]
     rows = record["check"]["rows"]
-    assert {r["variant"] for r in rows} == {"auto", "runtime", "gemv", "gemv_splitk", "dot", "prefill",
-                                           "prefill_splitk"}
+    assert {r["variant"] for r in rows} == CHECKED_VARIANTS
     assert all(r["ok"] and r["err"] <= r["bound"] for r in rows)
     assert not record["check"]["skipped"]
     # every case ran every M it asked for, bf16 included (M <= 4: the interpreter's tl.dot is wrong in bf16)
@@ -105,7 +105,7 @@ def test_dry_run_checks_pass_under_an_older_triton(triton_dir, tmp_path):
     record = json.loads(jsonl.read_text().splitlines()[-1])
     assert record["env"]["triton"] == version and record["env"]["groups_per_load"] == groups_per_load(version)
     rows = record["check"]["rows"]
-    assert {r["variant"] for r in rows} == {"auto", "runtime", "gemv", "gemv_splitk", "dot", "prefill", "prefill_splitk"}
+    assert {r["variant"] for r in rows} == CHECKED_VARIANTS
     assert all(r["ok"] and r["err"] <= r["bound"] for r in rows) and not record["check"]["skipped"]
 
 

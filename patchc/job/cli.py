@@ -29,6 +29,7 @@ from patchc.bench.options import PARTS
 from patchc.job.losses import LOSSES
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
 from patchc.job.prune_args import add_prune_arguments, prune_options
+from patchc.job.recover import resolve_plan
 
 # Errors that mean "the input is wrong", shown as one line; anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, OSError, RuntimeError, NotImplementedError, FloatingPointError, KeyError)
@@ -43,13 +44,6 @@ class HelpFormatter(argparse.HelpFormatter):
         if "default" in text or switch or not action.option_strings:  # `is`: 0 and 1.0 are defaults, not switches
             return text
         return f"{text} (default: %(default)s)"
-
-
-def plan_file(arg: str) -> str:
-    """A plan file as given, or a run folder's plan.patch (`recover.find_plan`, as `patchc recover` reads it)."""
-    from patchc.job.recover import find_plan
-
-    return str(find_plan(arg)) if Path(arg).is_dir() else arg
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -75,7 +69,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from patchc.job.rescore import rescore
 
-    r = rescore(plan_file(args.plan), allow_overlap=args.allow_overlap, force=args.force, model=args.model,
+    r = rescore(resolve_plan(args.plan), allow_overlap=args.allow_overlap, force=args.force, model=args.model,
                 data=args.data, seed=args.split_seed, eval_fraction=args.eval_fraction, eval_context=args.eval_context,
                 device=args.device, encoding=args.encoding, texts=args.text)
     opts, plan = r["options"], r["plan"]
@@ -133,7 +127,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from patchc.job.report import redraw
 
-    for path in redraw(plan_file(args.plan), args.out):
+    for path in redraw(args.plan, args.out):  # redraw reads a run folder too
         print(path)
     return 0
 
@@ -142,7 +136,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from patchc.codegen.generate import generate, summary
     from patchc.ir import TilePlan
 
-    files = generate(TilePlan.load(plan_file(args.plan)), args.out, target=args.target, workers=args.workers,
+    files = generate(TilePlan.load(resolve_plan(args.plan)), args.out, target=args.target, workers=args.workers,
                      show_progress=args.progress, fp_fusion=args.fp_fusion)
     count = len(files) if hasattr(files, "__len__") else 0
     print(f"wrote {count} files for {args.target} to {Path(args.out).resolve()}")
@@ -159,7 +153,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from patchc.runtime import tune_plan
 
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    tunings = tune_plan(TilePlan.load(plan_file(args.plan)), batch_size=args.batch_size,
+    tunings = tune_plan(TilePlan.load(resolve_plan(args.plan)), batch_size=args.batch_size,
                         prefill_len=args.prefill_len, dtype=dtype)
     for fqn, tuning in tunings.items():
         print(f"{fqn}: {json.dumps(tuning.to_dict()) if tuning is not None else 'all dense: F.linear'}")

@@ -52,6 +52,11 @@ def find_plan(run_dir: str | os.PathLike) -> Path:
     return run / PLAN
 
 
+def resolve_plan(path: str | os.PathLike) -> Path:
+    """A plan file as given, or a run folder's plan.patch (`find_plan`): what every plan command reads."""
+    return find_plan(path) if Path(path).is_dir() else Path(path)
+
+
 def recover_options(plan: Any, run: Path, **changes: Any) -> PruneOptions:
     """The run's PruneOptions with `changes` applied: its run.json (every setting that changes the result,
     training text included), else what the plan records (`patchc eval`'s `eval_options`).
@@ -228,4 +233,4 @@ def format_recover(result: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["run_recover", "recover_options", "format_recover", "find_plan", "RECOVERED", "RESULT"]
+__all__ = ["run_recover", "recover_options", "format_recover", "find_plan", "resolve_plan", "RECOVERED", "RESULT"]

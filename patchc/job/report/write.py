@@ -74,9 +74,9 @@ def redraw(plan_path: str | os.PathLike, out_dir: str | os.PathLike | None = Non
         'report.md'
     """
     from patchc.ir import TilePlan
-    from patchc.job.recover import find_plan
+    from patchc.job.recover import resolve_plan
 
-    plan_path = find_plan(plan_path) if Path(plan_path).is_dir() else Path(plan_path)
+    plan_path = resolve_plan(plan_path)
     plan = TilePlan.load(plan_path)
     out = Path(out_dir) if out_dir is not None else plan_path.parent
     report: dict | None = None
