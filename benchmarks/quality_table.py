@@ -94,14 +94,21 @@ def recipe(opts: PruneOptions, recover_steps: int) -> dict:
             "lr": opts.lr, "tile_lr": opts.tile_lr, "lambda_norm": opts.lambda_norm,
             "self_tokens": opts.self_tokens, "tile": list(opts.tile), "split_seed": opts.split_seed,
             "recover_steps": recover_steps, "recover_loss": opts.recover_loss, "recover_lr": opts.recovery_lr("causal"),
-            # only when changed, so that records of the default recipe from before it was recorded still match
-            **({"self_temperature": opts.self_temperature}
-               if opts.self_temperature != PruneOptions.self_temperature else {})}
+            "self_temperature": opts.self_temperature}
+
+
+def read_records(path: Path) -> list[dict]:
+    """The file's records; a recipe from before the temperature was recorded sampled at 1.0."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for r in records:
+        if "recipe" in r:
+            r["recipe"].setdefault("self_temperature", 1.0)
+    return records
 
 
 def summary(path: Path = RESULTS) -> str:
     """Mean +- std over the seeds of the latest recipe in the results file, with ratios to dense."""
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_records(path)
     latest = next(r["recipe"] for r in reversed(records) if "recipe" in r)
     runs = list({r["seed"]: r for r in records if r.get("recipe") == latest}.values())  # a seed's newest run
     names = list(dict.fromkeys(row["name"] for r in runs for row in r["rows"]))

@@ -1,6 +1,6 @@
 """Does the learned tile choice matter? One PATCH run, then other choices of which tiles stay dense.
 
-    python benchmarks/tile_choice.py --seed 0 --tile-lr 1e-3     # the README's numbers (about 2 min)
+    python benchmarks/tile_choice.py --seed 0     # the README's numbers (about 2 min)
 
 Trains PATCH 35% with the main job's stages and recipe, then keeps the run's learned 2:4 pattern in
 every group and its number of dense tiles per layer, and changes only which tiles are dense:

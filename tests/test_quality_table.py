@@ -50,3 +50,17 @@ def test_summary_leaves_out_a_gap_the_baseline_does_not_open(quality_table, tmp_
     path.write_text(json.dumps(record) + "\n")
     assert "- PATCH joint 35% + recovery: closes 50% held out of the dense → learned 2:4 + recovery gap" in \
         quality_table.summary(path)
+
+
+def test_a_recipe_from_before_the_temperature_was_recorded_sampled_at_one(quality_table, tmp_path):
+    names = ("dense", "learned 2:4", "PATCH joint 35%")
+    records = [
+        _record(0, dict(zip(names, (5.0, 9.0, 7.0))), None, {"steps": 300}),  # recorded before: 1.0
+        _record(1, dict(zip(names, (5.0, 11.0, 9.0))), None, {"steps": 300, "self_temperature": 1.0}),
+        _record(2, dict(zip(names, (5.0, 9.0, 1.0))), None, {"steps": 300, "self_temperature": 1.2}),
+    ]
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    assert "seeds [0, 1]" in quality_table.summary(path)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "seeds [2]" in quality_table.summary(path)  # another temperature is another recipe
