@@ -10,6 +10,7 @@ it for `patchc.transform` and how to read its logits or embeddings.
     bundle.py             `load_model`: one loader for all of them
     outputs.py            logits of any model call, a model's device
     per_length.py         `PerLengthExport`: a model torch.export traces only at fixed sequence lengths
+    dims.py               dynamic export dimensions that every supported torch keeps symbolic
 
 Example:
     >>> from patchc.models import load_llama2c, load_tokenizer, STORIES260K_DIR

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from patchc.models.dims import dynamic_dim
 from patchc.models.outputs import device_of, output_tensor
 from patchc.models.per_length import PerLengthExport
 
@@ -273,7 +274,7 @@ def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _
     limit = max_positions(model.config)
     seq, fixed_len = min(seq, limit), min(fixed_len or seq, limit)
     device = device_of(model)
-    batch_dim = {0: torch.export.Dim("batch", min=1, max=_MAX_BATCH)}
+    batch_dim = {0: dynamic_dim(_MAX_BATCH)}
 
     def example(length: int) -> torch.Tensor:
         return torch.zeros(batch, length, dtype=torch.long, device=device)
@@ -287,7 +288,7 @@ def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _
         first = at_length(fixed_len)
     else:
         try:
-            return _export_ids(model, example(seq), {**batch_dim, 1: torch.export.Dim("seq", min=1, max=limit)})
+            return _export_ids(model, example(seq), {**batch_dim, 1: dynamic_dim(limit)})
         except Exception as dynamic_error:  # noqa: BLE001 - any failure: try the fixed-length export below
             reason = f"{type(dynamic_error).__name__}: {_first_line(dynamic_error)}"[:200]
             try:
@@ -339,7 +340,7 @@ def export_encoder(wrapper: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _
     ids = torch.ones(batch, seq, dtype=torch.long, device=device)
     mask = torch.ones(batch, seq, dtype=torch.long, device=device)
     mask[-1, seq // 2 :] = 0
-    dims = {0: torch.export.Dim("batch", min=1, max=_MAX_BATCH), 1: torch.export.Dim("seq", min=1, max=limit)}
+    dims = {0: dynamic_dim(_MAX_BATCH), 1: dynamic_dim(limit)}
     return torch.export.export(wrapper, (ids, mask), dynamic_shapes={"input_ids": dims, "attention_mask": dims})
 
 

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from patchc.models.dims import dynamic_dim
+
 _HEADER = struct.Struct("<7i")
 _V1_MAGIC = 0x616B3432  # "ak42": llama2.c's newer export formats, which this loader does not read
 
@@ -126,12 +128,11 @@ class Attention(nn.Module):
                 k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
                 causal = False  # one new query attends to every cached position
             cache[:] = [k, v]
-        t = k.shape[2]
-        rep = self.n_heads // self.n_kv_heads
-        if rep > 1:
-            # Query head h reads kv head h // rep (llama2.c); expand+reshape exports cleanly.
-            k = k[:, :, None].expand(b, self.n_kv_heads, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
-            v = v[:, :, None].expand(b, self.n_kv_heads, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+        if self.n_heads != self.n_kv_heads:
+            # Query head h reads kv head h // (n_heads / n_kv_heads) (llama2.c). A gather, not an expand +
+            # reshape: torch 2.11 cannot prove that reshape's view check for every length (export failed there).
+            kv_head = torch.arange(self.n_heads, device=k.device) // (self.n_heads // self.n_kv_heads)
+            k, v = k.index_select(1, kv_head), v.index_select(1, kv_head)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return self.o_proj(y.transpose(1, 2).reshape(b, q.shape[2], self.n_heads * self.head_dim))
 
@@ -323,7 +324,7 @@ def export_llama(model: nn.Module, batch: int = 2, seq: int = 16) -> torch.expor
     """
     max_seq = model.config.max_seq_len
     ids = torch.zeros(batch, min(seq, max_seq), dtype=torch.long, device=next(model.parameters()).device)
-    dyn = {"input_ids": {0: torch.export.Dim("batch", min=1, max=1024), 1: torch.export.Dim("seq", min=1, max=max_seq)}}
+    dyn = {"input_ids": {0: dynamic_dim(1024), 1: dynamic_dim(max_seq)}}
     return torch.export.export(model, (ids,), dynamic_shapes=dyn)
 
 
