@@ -1,8 +1,10 @@
 """FSDP2 mask training on 2 gloo processes (CPU): equal to one process, half the state per rank, sharded resume.
 
-One forked pair of ranks does all the distributed work (a straight run that checkpoints at step 3
+One pair of ranks does all the distributed work (a straight run that checkpoints at step 3
 and step 6, then a fresh program resumed from the step-3 checkpoint); this process runs the
-single-process reference on the same exported tiny Llama and compares.
+single-process reference on the same exported tiny Llama and compares. The ranks are spawned and load
+the export from a file: a CUDA build of torch refuses autograd in a child forked after the parent ran
+backward (any earlier test in this worker), even with no GPU.
 """
 
 from __future__ import annotations
@@ -39,6 +41,24 @@ def exported():
     return export_causal_lm(transformers.LlamaForCausalLM(cfg).eval())
 
 
+@pytest.fixture(scope="module")
+def exported_file(exported, tmp_path_factory) -> Path:
+    """The export, saved for the spawned ranks (an ExportedProgram does not pickle)."""
+    path = tmp_path_factory.mktemp("fsdp") / "tiny_llama.pt2"
+    torch.export.save(exported, path)
+    return path
+
+
+def _start(worker, ep_file: Path, out: Path):
+    return mp.start_processes(worker, args=(ep_file, out), nprocs=WORLD, join=False, start_method="spawn")
+
+
+def _load(ep_file: Path) -> torch.export.ExportedProgram:
+    import transformers.modeling_outputs  # noqa: F401 - registers the output type the saved program returns
+
+    return torch.export.load(ep_file)
+
+
 def _config() -> patchc.PatchConfig:
     return patchc.PatchConfig(tile=(16, 16), prior="magnitude", steps=STEPS)
 
@@ -67,8 +87,9 @@ class _EveryCheckpoint(ShardedCheckpointIO):
         super().save(Path(path) / f"step{result.step}", prog, optimizer, result)
 
 
-def _worker(rank: int, ep, out: Path) -> None:
-    torch.set_num_threads(1)  # forked: keep the parent's OpenMP pool out of it
+def _worker(rank: int, ep_file: Path, out: Path) -> None:
+    torch.set_num_threads(1)  # two ranks and the reference share the cores
+    ep = _load(ep_file)
     dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=WORLD)
     try:
         prog = shard_program(patchc.transform(ep, _config()))
@@ -91,10 +112,6 @@ def _worker(rank: int, ep, out: Path) -> None:
         dist.destroy_process_group()
 
 
-def _start_ranks(ep, out: Path):
-    return mp.start_processes(_worker, args=(ep, out), nprocs=WORLD, join=False, start_method="fork")
-
-
 def _join_ranks(context, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):
@@ -104,8 +121,8 @@ def _join_ranks(context, timeout: float = 240) -> None:
             pytest.fail(f"the {WORLD} FSDP ranks did not finish within {timeout} s")
 
 
-def test_fsdp_two_ranks_equal_one_and_resume_sharded(exported, tmp_path):
-    ranks = _start_ranks(exported, tmp_path)
+def test_fsdp_two_ranks_equal_one_and_resume_sharded(exported, exported_file, tmp_path):
+    ranks = _start(_worker, exported_file, tmp_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks use the other core meanwhile
     try:
@@ -162,8 +179,9 @@ def _low_config() -> patchc.PatchConfig:
     return patchc.PatchConfig(tile=(16, 16), prior="magnitude", steps=STEPS, nm_param="weight")
 
 
-def _low_worker(rank: int, ep, out: Path) -> None:
+def _low_worker(rank: int, ep_file: Path, out: Path) -> None:
     torch.set_num_threads(1)
+    ep = _load(ep_file)
     dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=WORLD)
     try:
         prog = shard_program(patchc.transform(ep, _low_config()))
@@ -176,11 +194,11 @@ def _low_worker(rank: int, ep, out: Path) -> None:
         dist.destroy_process_group()
 
 
-def test_fsdp_low_memory_mode_equals_one_process(exported, tmp_path):
+def test_fsdp_low_memory_mode_equals_one_process(exported, exported_file, tmp_path):
     """bf16 state with stochastic rounding, one v per group, per-tensor clipping: on two shards each
     tensor is rounded and clipped as a whole, so the ranks train what one process trains (which
     steps inside backward; the ranks step after it)."""
-    ranks = mp.start_processes(_low_worker, args=(exported, tmp_path), nprocs=WORLD, join=False, start_method="fork")
+    ranks = _start(_low_worker, exported_file, tmp_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
