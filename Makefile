@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.patchc-installed
 
-.PHONY: demo test gpu compat setup clean
+.PHONY: demo test gpu compat compat-torch setup clean
 
 demo: $(STAMP)
 	$(PY) -m patchc prune
@@ -44,6 +44,17 @@ compat: $(STAMP)
 	  PYTHONPATH=$(VENV)/triton-$$v:. $(PY) benchmarks/static_profile.py --shape 4096x4096 --sparsity 0.45 0.5 \
 	    --dtype fp16 bf16 --tile 128 64 || exit 1; \
 	done
+
+# The whole suite under the torch GPU machines have (2.11, with their transformers 5.17), in a venv of its
+# own inside $(VENV) (a CUDA build of torch, ~6 GB; its Triton 3.6 needs numpy < 2.4 to interpret): what
+# CI's CPU torch 2.13 cannot show. Installs from the package index; not part of `make test`.
+COMPAT_TORCH ?= torch==2.11.0 transformers==5.17.0
+COMPAT_VENV ?= $(VENV)/torch-compat
+compat-torch: $(STAMP)
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q $(COMPAT_TORCH) "numpy<2.4"
+	$(COMPAT_VENV)/bin/python -m pip install -q -e ".[test,hf,minilm]"
+	$(COMPAT_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -p no:cacheprovider
 
 setup: $(STAMP)
 
