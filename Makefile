@@ -50,7 +50,7 @@ compat: $(STAMP)
 # CI's CPU torch 2.13 cannot show. Installs from the package index; not part of `make test`.
 COMPAT_TORCH ?= torch==2.11.0 transformers==5.17.0
 COMPAT_VENV ?= $(VENV)/torch-compat
-compat-torch: $(STAMP)
+compat-torch:
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install -q $(COMPAT_TORCH) "numpy<2.4"
 	$(COMPAT_VENV)/bin/python -m pip install -q -e ".[test,hf,minilm]"
