@@ -5,7 +5,7 @@
 Trains PATCH 35% with the main job's stages and recipe, then keeps the run's learned 2:4 pattern in
 every group and its number of dense tiles per layer, and changes only which tiles are dense:
 
-- learned: the run's own choice (what `patchc.harden` keeps, dense iff logit > 0);
+- learned: the run's own choice (what the job's plan keeps: the top tile logits within the budget);
 - random: a uniformly random choice per layer (three draws);
 - Hessian: the tiles whose 2:4 pruning costs most in the layer's output, sum over the tile's rows of
   e H e^T with e the weights the 2:4 pattern drops and H = X^T X from calibration (SparseGPT's
@@ -30,6 +30,7 @@ from patchc.job.corpus import load_data
 from patchc.job.options import PruneOptions
 from patchc.job.model import choose_threads
 from patchc.job.prune import cache_dir, calibrate, evaluate, train, train_program
+from patchc.masking.harden import budget_tiles
 from patchc.models import load_model
 from patchc.pruning import apply_masks
 
@@ -65,7 +66,8 @@ def main() -> None:
     prog, _ = train_program(bundle, opts.patch_config(), data, opts, calib, None, False)
 
     layers = prog.layers
-    learned = {f: m.hard_tiles().cpu() for f, m in layers.items()}
+    # As the job hardens (`exact_budget`): the top logits up to the density target, not logit > 0.
+    learned = budget_tiles(prog) if opts.exact_budget else {f: m.hard_tiles().cpu() for f, m in layers.items()}
     kept24 = {f: m.hard_mask(torch.zeros(m.grid, dtype=torch.bool, device=m.nm_logits.device)).cpu()
               for f, m in layers.items()}
     counts = {f: int(t.sum()) for f, t in learned.items()}
