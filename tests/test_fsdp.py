@@ -33,7 +33,7 @@ EVAL_IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_see
 @pytest.fixture(scope="module")
 def exported():
     transformers = pytest.importorskip("transformers")
-    from patchc.models.hf import export_causal_lm
+    from patchc.models.hf_export import export_causal_lm
 
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -44,8 +44,16 @@ def exported():
 @pytest.fixture(scope="module")
 def exported_file(exported, tmp_path_factory) -> Path:
     """The export, saved for the spawned ranks (an ExportedProgram does not pickle)."""
+    import transformers
+
     path = tmp_path_factory.mktemp("fsdp") / "tiny_llama.pt2"
-    torch.export.save(exported, path)
+    try:
+        torch.export.save(exported, path)
+    except Exception as e:  # noqa: BLE001 - only transformers 4's masks (a flat_apply node) cannot be written
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            raise
+        pytest.skip(f"transformers {transformers.__version__}: torch.export.save cannot write its export "
+                    f"({type(e).__name__}), which this test hands to its ranks; the job's ranks export for themselves")
     return path
 
 

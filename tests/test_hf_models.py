@@ -324,6 +324,87 @@ def test_load_model_tiny_hf_llama(tmp_path):
         b.embed(b.model, ["x"])
 
 
+class _LoopedExperts(nn.Module):
+    """An MoE block as transformers 4.x builds every family's: a ModuleList of experts, and a Python loop
+    over the experts the router picked (`expert_hit` has a data-dependent length)."""
+
+    def __init__(self, hidden: int, experts: int = 4) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(hidden, hidden, bias=False) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.gate(flat).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(flat)
+        expert_mask = F.one_hot(chosen, len(self.experts)).permute(2, 1, 0)  # (experts, top-k, tokens)
+        for expert in torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero():
+            slot, token = torch.where(expert_mask[expert[0]])
+            out.index_add_(0, token, self.experts[expert[0]](flat[token]) * weights[token, slot, None])
+        return out.view_as(x)
+
+
+class _DataDependent(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if (x > 0).sum() > 3 else x  # a branch on a value
+
+
+@needs_transformers
+def test_an_moe_block_that_loops_over_its_experts_gets_a_clear_export_error():
+    import transformers
+
+    from patchc.models.hf import HFLoadError
+    from patchc.models.hf_export import export_causal_lm
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)).eval()
+    model.model.layers[1].mlp = _LoopedExperts(32)
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        model(ids, use_cache=False)  # it runs eagerly; only the export fails
+    with pytest.raises(HFLoadError, match=r"LlamaForCausalLM: torch.export cannot trace model\.layers\.1\.mlp "
+                                          r"\(_LoopedExperts\) at test_hf_models\.py:\d+: it runs the experts") as info:
+        export_causal_lm(model)
+    assert f"transformers {transformers.__version__}" in str(info.value) and info.value.__cause__ is not None
+
+    model.model.layers[1].mlp = _DataDependent()  # not an MoE layer: named the same way, without the MoE advice
+    with pytest.raises(HFLoadError, match=r"cannot trace model\.layers\.1\.mlp \(_DataDependent\) at "
+                                          r"test_hf_models\.py:\d+: its control flow depends on tensor values"):
+        export_causal_lm(model)
+
+
+@needs_transformers
+def test_prune_names_an_untraceable_moe_block_before_calibrating_and_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    from patchc.job import cli, prune
+
+    _tiny_llama_dir(tmp_path / "model", with_tokenizer=True)
+    words = ["the", "cat", "sat", "on", "mat"]
+    (tmp_path / "text.txt").write_text("\n".join(" ".join(words[(i * j) % 5] for j in range(40)) for i in range(50)))
+    load_bundle = prune.load_bundle
+
+    def looped(opts):
+        bundle = load_bundle(opts)
+        bundle.model.model.layers[0].mlp = _LoopedExperts(32)
+        return bundle
+
+    def calibrate(*args, **kwargs):
+        raise AssertionError("calibrated before the export failed")
+
+    monkeypatch.setattr(prune, "load_bundle", looped)
+    monkeypatch.setattr(prune, "calibrate", calibrate)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert cli.main(["prune", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "text.txt"),
+                     "--train-data", "real", "--eval-data", "--block-len", "16", "--eval-context", "16",
+                     "--steps", "2", "--no-progress", "--no-baselines", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("patchc prune: error: LlamaForCausalLM: torch.export cannot trace model.layers.0.mlp "
+                          "(_LoopedExperts)") and len(err.splitlines()) == 1, err[:2000]  # no partial graph
+    assert not out.exists()
+
+
 @needs_transformers
 def test_load_model_tiny_hf_without_tokenizer(tmp_path):
     from patchc.models import load_model

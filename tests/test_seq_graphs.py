@@ -16,7 +16,7 @@ from torch import nn
 
 import patchc
 from patchc.config import PatchConfig
-from patchc.models.hf import export_causal_lm
+from patchc.models.hf_export import export_causal_lm
 from patchc.models.per_length import PerLengthExport
 
 TILE = (8, 8)

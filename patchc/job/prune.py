@@ -104,22 +104,26 @@ def calibrate(bundle, data: dict, opts: PruneOptions):
 
 
 def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, checkpoint: Path | None, resume: bool,
-          prior_masks: dict[str, torch.Tensor] | None = None, steps: int | None = None):
+          prior_masks: dict[str, torch.Tensor] | None = None, steps: int | None = None,
+          exported: torch.export.ExportedProgram | None = None):
     """transform -> train_masks -> harden for one configuration; returns (plan, train result).
 
     `prior_masks`: `oneshot_masks(bundle, cfg.prior, calib)`, when already computed for another run.
     `steps`: optimizer steps when more than the schedules' length `cfg.steps` (an extended run).
+    `exported`: `bundle.export(bundle.model, fixed_len=opts.block_len)`, when already made.
     """
-    prog, result = train_program(bundle, cfg, data, opts, calib, checkpoint, resume, prior_masks, steps)
+    prog, result = train_program(bundle, cfg, data, opts, calib, checkpoint, resume, prior_masks, steps, exported)
     plan = patchc.harden(prog, exact_budget=opts.exact_budget and cfg.variant != "nm")
     return plan, result
 
 
 def train_program(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, checkpoint: Path | None,
-                  resume: bool, prior_masks: dict[str, torch.Tensor] | None = None, steps: int | None = None):
+                  resume: bool, prior_masks: dict[str, torch.Tensor] | None = None, steps: int | None = None,
+                  exported: torch.export.ExportedProgram | None = None):
     """`train` up to the trained program (whole on every rank), before hardening; returns (program, result)."""
-    prog = patchc.transform(bundle.export(bundle.model, fixed_len=opts.block_len), cfg, calib=calib,
-                            prior_masks=prior_masks)
+    if exported is None:
+        exported = bundle.export(bundle.model, fixed_len=opts.block_len)
+    prog = patchc.transform(exported, cfg, calib=calib, prior_masks=prior_masks)
     for mask in prog.layers.values():
         mask.impl = opts.mask_impl
     setup = prepare_training(prog, checkpoint, fsdp=opts.fsdp)  # alone, DDP, or FSDP2 shards
@@ -242,6 +246,9 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
     results: list[dict] = []
     say(f"patchc prune: {bundle.name} ({bundle.kind}), sparsity {opts.sparsity:.0%}, tile {opts.tile}, "
         f"{opts.steps} steps x batch {opts.batch_size}{f' on {size} processes' if size > 1 else ''}; writing to {out}")
+    # First: a model torch.export cannot trace fails here, not after calibration. Its weights are the model's.
+    with timed(timings, "export"):
+        exported = bundle.export(bundle.model, fixed_len=opts.block_len)
     dense_ref = None
     if rank == 0:
         with timed(timings, "evaluate"):
@@ -262,7 +269,8 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
 
     with timed(timings, "train"):
         plan, trained = train(bundle, cfg, data, opts, calib, out / CHECKPOINT, opts.resume, prior_masks,
-                              steps=opts.steps)
+                              steps=opts.steps, exported=exported)
+    del exported
     plan.meta["command"] = command or ""
     plan.meta["model"] = opts.model
     plan.meta["data"] = data_record(data, opts)  # `patchc eval` scores on this split, never on training text

@@ -7,6 +7,7 @@ it for `patchc.transform` and how to read its logits or embeddings.
     llama2c.py            a plain PyTorch Llama-2 reading llama2.c checkpoints (stories260K), generate
     llama2c_tokenizer.py  llama2.c's BPE tokenizer
     hf.py                 transformers loaders (causal LMs, encoders, all-MiniLM-L6-v2), offline
+    hf_export.py          their torch.export (dynamic, else per length; untraceable layers named)
     bundle.py             `load_model`: one loader for all of them
     outputs.py            logits of any model call, a model's device
     per_length.py         `PerLengthExport`: a model torch.export traces only at fixed sequence lengths
@@ -39,7 +40,8 @@ __all__ = [
 
 # Hugging Face models and the one-stop loader (transformers is imported lazily, on first load).
 from patchc.models.bundle import HFTokenizer, ModelBundle, load_model  # noqa: E402
-from patchc.models.hf import EncoderWrapper, HFLoadError, export_causal_lm, export_encoder, minilm_dir  # noqa: E402
+from patchc.models.hf import EncoderWrapper, HFLoadError, minilm_dir  # noqa: E402
+from patchc.models.hf_export import export_causal_lm, export_encoder  # noqa: E402
 
 __all__ += [
     "EncoderWrapper",

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from patchc.models import hf as _hf
+from patchc.models.hf_export import export_causal_lm, export_encoder
 from patchc.models.llama2c import export_llama, load_llama2c
 from patchc.models.llama2c_tokenizer import load_tokenizer
 from patchc.models.outputs import device_of, logits_of
@@ -292,7 +293,7 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBund
             model=model,
             tokenizer=tokenizer,
             reload=quiet_loading()(lambda: _hf.load_hf_causal(source, device, config)[0]),  # a bar per reload: noise
-            export=lambda m, fixed_len=None: _hf.export_causal_lm(m, fixed_len=fixed_len),
+            export=lambda m, fixed_len=None: export_causal_lm(m, fixed_len=fixed_len),
             logits=_hf_causal_logits,
             embed=_not_for(name, "causal", "sentence embeddings (embed)"),
             block_len_limit=limit,
@@ -311,7 +312,7 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBund
         model=model,
         tokenizer=HFTokenizer(hf_tok, "encoder"),
         reload=quiet_loading()(lambda: _hf.load_hf_encoder(source, device)[0]),
-        export=lambda m, fixed_len=None: _hf.export_encoder(m),  # always dynamic in the sequence
+        export=lambda m, fixed_len=None: export_encoder(m),  # always dynamic in the sequence
         logits=_not_for(name, "encoder", "LM head (logits)"),
         embed=_make_embed(hf_tok, embed_len, device),
         block_len_limit=limit,

