@@ -90,6 +90,25 @@ def test_top_p_keeps_the_nucleus_only():
     assert set(sample_next(logits.expand(50, 4), 1.0, 1e-6, gen).flatten().tolist()) == {0}
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_the_nucleus_from_the_top_tokens_equals_a_whole_sort(monkeypatch, top_p):
+    import patchc.job.selfdata as selfdata
+
+    def whole_sort(probs: torch.Tensor) -> torch.Tensor:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        sorted_p = sorted_p.masked_fill((sorted_p.cumsum(-1) - sorted_p) >= top_p, 0.0)
+        return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+    monkeypatch.setattr(selfdata, "NUCLEUS_FIRST", 8)  # rows peaked enough stay in the top 8, flat ones do not
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 101, generator=gen) * torch.linspace(0.1, 8, 12)[:, None]
+    probs = torch.softmax(logits, -1)
+    kept = selfdata.nucleus(probs, top_p)
+    assert torch.equal(kept, whole_sort(probs))
+    sizes = (kept > 0).sum(-1)
+    assert sizes.min() >= 1 and (top_p < 0.5 or (sizes.max() > 8 and sizes.min() <= 8))  # both paths ran
+
+
 def test_cache_is_reused_and_a_damaged_entry_regenerated(bundle, prompts, tmp_path):
     spec = SelfDataSpec(tokens=2 * 17, block_len=16, seed=1)
     first, cached = self_generated_blocks(bundle, spec, prompts, tmp_path)

@@ -69,17 +69,37 @@ class SelfDataSpec:
         return -(-self.tokens // (self.block_len + 1))
 
 
+# Tokens looked at first for the nucleus: a sort of a whole 50K-150K vocabulary per row and step cost
+# more than the model's step; a row whose top tokens do not reach top_p is sorted whole.
+NUCLEUS_FIRST = 1024
+
+
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
     """(B, V) logits -> (B, 1) token ids, sampled at `temperature` from the smallest set of tokens whose
     probability reaches `top_p` (nucleus sampling)."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # Keep a token while the mass before it is below top_p: the most likely token always stays.
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = nucleus(probs, top_p)
     return torch.multinomial(probs, 1, generator=gen)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """(B, V) probabilities with every token outside the top-p nucleus set to 0 (the rest unnormalised).
+
+    Keeps a token while the mass of the tokens before it (most likely first) is below top_p, so the most
+    likely token always stays. Exact: the nucleus of a row whose top `NUCLEUS_FIRST` tokens reach top_p
+    lies inside them (the mass before every later token is at least theirs); other rows are sorted whole.
+    """
+    out = torch.zeros_like(probs)
+    top, order = probs.topk(min(NUCLEUS_FIRST, probs.shape[-1]), dim=-1)
+    mass = top.cumsum(-1)  # the same sums as a whole sort's first columns
+    out.scatter_(-1, order, top.masked_fill(mass - top >= top_p, 0.0))
+    short = torch.nonzero(mass[:, -1] < top_p).flatten()
+    if len(short):
+        whole, whole_order = probs[short].sort(dim=-1, descending=True)
+        kept = whole.masked_fill(whole.cumsum(-1) - whole >= top_p, 0.0)
+        out[short] = torch.zeros_like(whole).scatter_(-1, whole_order, kept)
+    return out
 
 
 def prompt_batch(prompts: torch.Tensor, start: int, size: int) -> torch.Tensor:
@@ -200,4 +220,4 @@ def self_generated_blocks(bundle: Any, spec: SelfDataSpec, prompts: torch.Tensor
     return blocks, False
 
 
-__all__ = ["SelfDataSpec", "sample_next", "generate_blocks", "prompts_from", "self_generated_blocks"]
+__all__ = ["SelfDataSpec", "sample_next", "nucleus", "generate_blocks", "prompts_from", "self_generated_blocks"]
