@@ -417,6 +417,17 @@ def test_load_model_tiny_hf_without_tokenizer(tmp_path):
         b.require_tokenizer()
 
 
+@needs_transformers
+def test_tokenizer_files_that_do_not_load_are_named_not_taken_for_no_tokenizer(tmp_path):
+    from patchc.models import load_model
+
+    _tiny_llama_dir(tmp_path, with_tokenizer=True)
+    (tmp_path / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(ValueError, match=r"its tokenizer \(tokenizer\.json, tokenizer_config\.json\) does not "
+                                          r"load with transformers \S+ \("):
+        load_model(str(tmp_path))
+
+
 @needs_minilm
 def test_load_model_tiny_bert_encoder(tmp_path):
     import transformers

@@ -36,6 +36,8 @@ MINILM_ALIASES = frozenset(
 DEFAULT_ST_MAX_SEQ = 256
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 _SEQ2SEQ_SUFFIXES = ("ForConditionalGeneration", "ForSeq2SeqLM")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                    "vocab.txt", "merges.txt")
 
 
 class HFLoadError(ValueError):
@@ -158,7 +160,8 @@ def _from_pretrained(cls: Any, spec: str, device: str | torch.device) -> nn.Modu
 
 
 def load_hf_tokenizer(spec: str | os.PathLike) -> Any | None:
-    """The HF tokenizer saved with a model (offline), or None when the folder holds no tokenizer files.
+    """The HF tokenizer saved with a model (offline), or None when the folder holds no tokenizer files;
+    tokenizer files that do not load are an HFLoadError naming them.
 
     Example:
         >>> load_hf_tokenizer(minilm_dir())("hello").input_ids
@@ -167,8 +170,15 @@ def load_hf_tokenizer(spec: str | os.PathLike) -> Any | None:
     transformers = _transformers()
     try:
         return transformers.AutoTokenizer.from_pretrained(str(spec), local_files_only=True)
-    except Exception:  # a bare save_pretrained(model) folder has no tokenizer: callers pass ids themselves
-        return None
+    except Exception as e:  # a bare save_pretrained(model) folder has no tokenizer: callers pass ids themselves
+        folder = Path(spec)
+        found = [name for name in _TOKENIZER_FILES if (folder / name).is_file()] if folder.is_dir() else []
+        if not found:
+            return None
+        hint = ("; it was saved by transformers >= 5, which this one cannot read: upgrade transformers"
+                if "TokenizersBackend" in str(e) else "")
+        raise HFLoadError(f"{spec}: its tokenizer ({', '.join(found)}) does not load with transformers "
+                          f"{transformers.__version__} ({type(e).__name__}: {_first_line(e)}){hint}") from e
 
 
 def load_hf_causal(spec: str | os.PathLike, device: str | torch.device = "cpu",
