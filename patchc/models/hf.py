@@ -41,7 +41,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 class HFLoadError(ValueError):
-    """A Hugging Face model that cannot be loaded offline; the message names the spec."""
+    """A Hugging Face model that cannot be loaded offline or exported; the message names the spec or layer."""
 
 
 def _transformers():

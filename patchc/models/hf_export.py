@@ -112,13 +112,15 @@ def _explain_export_failure(model: nn.Module, error: Exception) -> None:
 
 def _failing_layer(model: nn.Module, message: str) -> tuple[str, nn.Module, str] | None:
     """(path, module, " at file:line") of the first module whose class's method holds a line torch's message
-    points at ("File ..., line N, in forward"); without one, the first MoE layer (one holding ``experts``)."""
+    points at ("File ..., line N, in forward"); without one, the first layer that loops over a ModuleList
+    of experts (transformers 4's MoE layers; a message without frames is DeepSeek-V3's there)."""
     for filename, line, func in re.findall(r'File "([^"]+)", line (\d+), in (\w+)', message):
         for path, module in model.named_modules():
             code = getattr(getattr(type(module), func, None), "__code__", None)
             if code is not None and code.co_filename == filename and int(line) in {n for *_, n in code.co_lines()}:
                 return path, module, f" at {Path(filename).name}:{line}"
-    return next(((path, m, "") for path, m in model.named_modules() if hasattr(m, "experts")), None)
+    return next(((path, m, "") for path, m in model.named_modules()
+                 if isinstance(getattr(m, "experts", None), nn.ModuleList)), None)
 
 
 def _export_ids(model: nn.Module, ids: torch.Tensor, dims: dict) -> torch.export.ExportedProgram:
