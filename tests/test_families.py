@@ -28,11 +28,12 @@ from torch import nn
 
 import patchc
 from patchc.config import PatchConfig
+from patchc.models.hf import transformers_major
 from patchc.runtime.dispatch import TileExperts, TileLinear
 
 transformers = pytest.importorskip("transformers")
 
-TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
+TRANSFORMERS_4 = transformers_major() < 5
 TILE = (16, 16)
 VOCAB, HIDDEN, HEADS = 128, 64, 4
 BASE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=HEADS,

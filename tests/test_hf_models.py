@@ -350,16 +350,13 @@ class _DataDependent(nn.Module):
 
 
 @needs_transformers
-def test_an_moe_block_that_loops_over_its_experts_gets_a_clear_export_error():
+def test_an_moe_block_that_loops_over_its_experts_gets_a_clear_export_error(tmp_path):
     import transformers
 
     from patchc.models.hf import HFLoadError
     from patchc.models.hf_export import export_causal_lm
 
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64)).eval()
+    model = _tiny_llama_dir(tmp_path, with_tokenizer=False)
     model.model.layers[1].mlp = _LoopedExperts(32)
     ids = torch.randint(0, 128, (2, 9))
     with torch.no_grad():

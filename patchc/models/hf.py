@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,17 @@ def _transformers():
     except ImportError as e:  # optional dependency: pip install patchc[hf]
         raise HFLoadError("transformers is not installed (pip install 'patchc[hf]')") from e
     return transformers
+
+
+def transformers_major() -> int:
+    """The installed transformers' major version (4, 5, ...; 0 when it cannot be read).
+
+    Example:
+        >>> transformers_major() >= 5
+        True
+    """
+    found = re.match(r"\d+", getattr(_transformers(), "__version__", ""))
+    return int(found.group()) if found else 0
 
 
 def minilm_dir() -> Path:
@@ -284,6 +296,7 @@ __all__ = [
     "load_hf_causal",
     "load_hf_encoder",
     "load_hf_tokenizer",
+    "transformers_major",
     "max_positions",
     "mean_pool",
     "minilm_dir",

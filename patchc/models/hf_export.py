@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from patchc.models.dims import dynamic_dim
-from patchc.models.hf import HFLoadError, _first_line, _transformers, max_positions
+from patchc.models.hf import HFLoadError, _first_line, _transformers, max_positions, transformers_major
 from patchc.models.outputs import device_of
 from patchc.models.per_length import PerLengthExport
 
@@ -101,7 +101,7 @@ def _explain_export_failure(model: nn.Module, error: Exception) -> None:
     what = f"{type(model).__name__}: torch.export cannot trace {path} ({type(layer).__name__}){where}"
     if hasattr(layer, "experts") or "expert" in type(layer).__name__.lower():
         fix = ("transformers >= 5 runs MoE experts as one grouped op, which exports and which patchc prunes slice "
-               "by slice: pip install -U 'transformers>=5'" if int(re.match(r"\d*", version).group() or 0) < 5 else
+               "by slice: pip install -U 'transformers>=5'" if transformers_major() < 5 else
                "patchc exports MoE layers that run their experts as one grouped or batched op, as transformers 5's "
                "own MoE families do")
         raise HFLoadError(f"{what}: it runs the experts the router picked in a Python loop, whose length depends "
