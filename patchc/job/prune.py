@@ -246,7 +246,8 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
     results: list[dict] = []
     say(f"patchc prune: {bundle.name} ({bundle.kind}), sparsity {opts.sparsity:.0%}, tile {opts.tile}, "
         f"{opts.steps} steps x batch {opts.batch_size}{f' on {size} processes' if size > 1 else ''}; writing to {out}")
-    # First: a model torch.export cannot trace fails here, not after calibration. Its weights are the model's.
+    # First: a model torch.export cannot trace fails here, not after calibration. Its weights are the model's;
+    # both trained runs transform it (transform works on its own copy of the graph).
     with timed(timings, "export"):
         exported = bundle.export(bundle.model, fixed_len=opts.block_len)
     dense_ref = None
@@ -270,7 +271,6 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
     with timed(timings, "train"):
         plan, trained = train(bundle, cfg, data, opts, calib, out / CHECKPOINT, opts.resume, prior_masks,
                               steps=opts.steps, exported=exported)
-    del exported
     plan.meta["command"] = command or ""
     plan.meta["model"] = opts.model
     plan.meta["data"] = data_record(data, opts)  # `patchc eval` scores on this split, never on training text
@@ -291,7 +291,8 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
                     results.append(row(f"{method} 2:4", method, "2:4", 0.5, evaluate(bundle, model, data, opts, dense_ref)))
         with timed(timings, "baselines"):
             nm_cfg = cfg.replace(variant="nm", sparsity=0.5)
-            nm_plan, nm_trained = train(bundle, nm_cfg, data, opts, calib, None, False, prior_masks, steps=opts.steps)
+            nm_plan, nm_trained = train(bundle, nm_cfg, data, opts, calib, None, False, prior_masks, steps=opts.steps,
+                                        exported=exported)
         if rank == 0:
             model = nm_plan.apply(bundle.reload())
             results.append(row("learned 2:4 (nm)", "patch-nm", "2:4", nm_plan.sparsity, evaluate(bundle, model, data, opts, dense_ref), nm_trained.seconds))
