@@ -71,7 +71,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     r = rescore(resolve_plan(args.plan), allow_overlap=args.allow_overlap, force=args.force, model=args.model,
                 data=args.data, seed=args.split_seed, eval_fraction=args.eval_fraction, eval_context=args.eval_context,
-                device=args.device, encoding=args.encoding, texts=args.text)
+                device=args.device, encoding=args.encoding, text_field=args.text_field, texts=args.text)
     opts, plan = r["options"], r["plan"]
     print(f"{args.plan}: density {plan.density:.4f}, {len(plan.layers)} layers; held-out {opts.eval_fraction:.0%} "
           f"of {', '.join(opts.data)} (split seed {opts.split_seed})" + (f"; {r['overlap']} documents seen in "
@@ -108,8 +108,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     opts = PruneOptions(model=args.model, data=tuple(args.data), split_seed=args.split_seed,
                         eval_fraction=args.eval_fraction, train_data="self", self_tokens=args.tokens,
                         self_temperature=args.temperature, self_top_p=args.top_p, block_len=args.block_len,
-                        encoding=args.encoding, bos=args.bos, device=args.device, threads=args.threads,
-                        progress=args.progress)
+                        encoding=args.encoding, text_field=args.text_field, bos=args.bos, device=args.device,
+                        threads=args.threads, progress=args.progress)
     info = write_samples(opts, args.out, overwrite=args.overwrite)
     print(f"wrote {info['documents']} samples ({info['tokens']:,} tokens, {info['characters']:,} characters) of "
           f"{args.model} to {Path(info['out']).resolve()} in {info['seconds']:.0f} s")
@@ -204,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-fraction", type=float, default=None, help="share of documents held out (default: the plan's)")
     p.add_argument("--eval-context", type=int, default=256, help="perplexity window")
     p.add_argument("--encoding", default=None, help="text encoding of the --data files (default: the plan's)")
+    p.add_argument("--text-field", default=None, metavar="FIELD",
+                   help="records files (JSON Lines, Parquet): the text field (default: the plan's)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--allow-overlap", action="store_true", help="score even on documents the plan was trained on")
     p.add_argument("--force", action="store_true", help="apply the plan even if the model's weights are not its source")
@@ -257,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out documents and sampling noise (a `patchc prune --split-seed` run's)")
     p.add_argument("--eval-fraction", type=float, default=d.eval_fraction, help="share of documents held out")
     p.add_argument("--encoding", default=d.encoding, help="text encoding of the --data files")
+    p.add_argument("--text-field", default=None, metavar="FIELD",
+                   help="records files (JSON Lines, Parquet): the text field (default: 'text', else a chat)")
     p.add_argument("--no-bos", dest="bos", action="store_false", help="prompts without BOS (tokenizers without one)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: automatic)")

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from patchc.job.options import PruneOptions
+from patchc.job.records import Chat, chat_renderer
 
 
 def check_files(paths: tuple[str, ...], flag: str) -> None:
@@ -38,13 +39,15 @@ def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None, tr
     check_files(opts.data, "--data")
     check_files(opts.eval_data, "--eval-data")
     check_files(opts.train_extra, "--train-extra")
-    docs_train, docs_eval = split_files(opts.data, opts.eval_fraction, opts.split_seed, encoding=opts.encoding)
+    chat = chat_renderer(bundle.tokenizer)
+    docs_train, docs_eval = split_files(opts.data, opts.eval_fraction, opts.split_seed, encoding=opts.encoding,
+                                        field=opts.text_field, chat=chat)
     if not docs_eval:
         raise ValueError(f"--data {', '.join(opts.data)}: too few documents to hold any out for evaluation")
     source = ", ".join(opts.data)
     if not training:
         return scored_texts(bundle, opts, docs_eval, source)
-    docs_extra = extra_training_documents(opts, docs_eval)
+    docs_extra = extra_training_documents(opts, docs_eval, chat)
     common = {"docs_train": len(docs_train), "docs_eval": len(docs_eval), "train_hashes": doc_hashes(docs_train),
               "train_extra_hashes": doc_hashes([d for docs in docs_extra.values() for d in docs])}
     if bundle.kind == "encoder":
@@ -88,14 +91,22 @@ def scored_texts(bundle: Any, opts: PruneOptions, docs_eval: list[str], source: 
     return {"eval": eval_ids, "extra": extra_texts(opts, tokenizer)}
 
 
-def extra_training_documents(opts: PruneOptions, docs_eval: list[str]) -> dict[str, list[str]]:
+def read_documents(path: str, opts: PruneOptions, chat: Chat | None = None) -> list[str]:
+    """A text or records file's documents, read as the options say (encoding, records' text field)."""
+    from patchc.job.data import load_documents
+
+    return load_documents(path, encoding=opts.encoding, field=opts.text_field, chat=chat)
+
+
+def extra_training_documents(opts: PruneOptions, docs_eval: list[str],
+                             chat: Chat | None = None) -> dict[str, list[str]]:
     """--train-extra files, each whole ({path: documents}); refuses a file holding a held-out document."""
-    from patchc.job.data import doc_hashes, load_documents
+    from patchc.job.data import doc_hashes
 
     held_out = set(doc_hashes(docs_eval))
     out = {}
     for path in opts.train_extra:
-        docs = load_documents(path, encoding=opts.encoding)
+        docs = read_documents(path, opts, chat)
         if held_out & set(doc_hashes(docs)):
             raise ValueError(f"--train-extra {path} holds documents of --data's held-out split: the run would be "
                              "scored on text it trained on; remove them from the file")
@@ -116,11 +127,11 @@ def self_generated(bundle: Any, opts: PruneOptions, docs_train: list[str], token
 
 def extra_texts(opts: PruneOptions, tokenizer: Any) -> dict[str, torch.Tensor]:
     """--eval-data files, each scored whole (BOS per document), cut to the first --eval-tokens tokens."""
-    from patchc.job.data import load_documents, tokenize_documents
+    from patchc.job.data import tokenize_documents
 
     out = {}
     for path in opts.eval_data:
-        ids = tokenize_documents(load_documents(path, encoding=opts.encoding), tokenizer, bos=opts.bos)
+        ids = tokenize_documents(read_documents(path, opts, chat_renderer(tokenizer)), tokenizer, bos=opts.bos)
         if ids.numel() < 2:
             raise ValueError(f"--eval-data {path}: too short to evaluate")
         out[path] = ids[: opts.eval_tokens]
@@ -129,12 +140,11 @@ def extra_texts(opts: PruneOptions, tokenizer: Any) -> dict[str, torch.Tensor]:
 
 def extra_sentences(opts: PruneOptions, max_sentences: int = 512) -> dict[str, list[str]]:
     """--eval-data files for an encoder: up to `max_sentences` sentences of each, taken across its documents."""
-    from patchc.job.data import load_documents
     from patchc.job.encoder_eval import sentences_from_docs
 
     out = {}
     for path in opts.eval_data:
-        sentences = sentences_from_docs(load_documents(path, encoding=opts.encoding), max_sentences=max_sentences)
+        sentences = sentences_from_docs(read_documents(path, opts), max_sentences=max_sentences)
         if len(sentences) < 2:
             raise ValueError(f"--eval-data {path}: {len(sentences)} sentence(s) of 4 or more words; an encoder is "
                              "judged on at least 2 (nearest neighbours)")
@@ -145,7 +155,8 @@ def extra_sentences(opts: PruneOptions, max_sentences: int = 512) -> dict[str, l
 def data_record(data: dict, opts: PruneOptions) -> dict:
     """The split a plan was trained on: files, split seed, fraction, encoding and its training documents' ids."""
     return {"files": [str(Path(p).resolve()) for p in opts.data], "seed": opts.split_seed,
-            "eval_fraction": opts.eval_fraction, "encoding": opts.encoding, "bos": opts.bos,
+            "eval_fraction": opts.eval_fraction, "encoding": opts.encoding, "text_field": opts.text_field,
+            "bos": opts.bos,
             "train_data": opts.train_data, "self_tokens": data["self_tokens"], "train_documents": data["train_hashes"],
             "train_extra": [str(Path(p).resolve()) for p in opts.train_extra],
             "train_extra_documents": data["train_extra_hashes"]}
@@ -169,4 +180,5 @@ def data_summary(bundle: Any, data: dict, opts: PruneOptions) -> dict:
             "eval_extra_tokens": {k: int(v.numel()) if causal else len(v) for k, v in data["extra"].items()}}
 
 
-__all__ = ["load_data", "data_record", "data_summary", "self_generated", "extra_texts", "extra_sentences"]
+__all__ = ["load_data", "data_record", "data_summary", "self_generated", "extra_texts", "extra_sentences",
+           "read_documents"]

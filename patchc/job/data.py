@@ -8,8 +8,10 @@ Document rules (``load_documents(path, kind="auto")``):
     Text before the first heading, if any, is a document of its own;
   * ``"blank"``: documents separated by one or more blank lines (e.g. tinyshakespeare's speeches).
 ``"auto"`` picks ``wikitext`` if a top-level heading line exists, else ``endoftext`` if the marker occurs,
-else ``blank`` if there is a blank line, else ``lines``. Line endings are normalised to ``\\n`` and each
-document is stripped of surrounding whitespace; empty documents are dropped.
+else ``blank`` if there is a blank line, else ``lines``. JSON Lines, JSON and Parquet files are records
+instead, one document each (``patchc.job.records``: a text field or a chat); ``.gz`` files are read
+decompressed. Line endings are normalised to ``\\n`` and each document is stripped of surrounding
+whitespace; empty documents are dropped.
 
 Example:
     >>> docs = load_documents(SHARED_DIR / "data/tinystories_sample.txt")       # 19 stories
@@ -20,17 +22,20 @@ Example:
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import os
 import random
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from patchc.job.records import is_records, record_documents
 
 _WIKI_HEADING = re.compile(r"^ ?= [^=](?:.*[^=])? = ?$")
 KINDS = ("auto", "lines", "endoftext", "wikitext", "blank")
@@ -76,8 +81,14 @@ def split_text(text: str, kind: str = "auto") -> list[str]:
 
 
 def read_text(path: Path, encoding: str = "utf-8") -> str:
-    """The file's text; a decoding error names the file, line and byte, and the way out (--encoding)."""
+    """The file's text (gunzipped for .gz); a decoding error names the file, line and byte, and the way out
+    (--encoding)."""
     raw = path.read_bytes()
+    if path.name.lower().endswith(".gz"):
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as e:
+            raise ValueError(f"{path}: not a readable gzip file ({e})") from None
     try:
         return raw.decode(encoding)
     except UnicodeDecodeError as e:
@@ -86,8 +97,12 @@ def read_text(path: Path, encoding: str = "utf-8") -> str:
                          "pass the file's --encoding (e.g. latin-1)") from None
 
 
-def load_documents(path: str | os.PathLike, kind: str = "auto", encoding: str = "utf-8") -> list[str]:
+def load_documents(path: str | os.PathLike, kind: str = "auto", encoding: str = "utf-8", field: str | None = None,
+                   chat: Callable[[list[dict]], str] | None = None) -> list[str]:
     """Read a text file (UTF-8 unless told) and split it into documents (rules in the module docstring).
+
+    `field` and `chat` are for records (`patchc.job.records.record_documents`): the text field to read, and
+    how a chat becomes text (`chat_renderer(tokenizer)`; None joins its turns).
 
     Example:
         >>> len(load_documents(SHARED_DIR / "data/tinystories_sample.txt"))
@@ -96,9 +111,13 @@ def load_documents(path: str | os.PathLike, kind: str = "auto", encoding: str = 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"text file not found: {path}")
-    docs = split_text(read_text(path, encoding), kind)
+    parquet = kind == "auto" and path.suffix.lower() == ".parquet"
+    text = None if parquet else read_text(path, encoding)
+    records = parquet or (kind == "auto" and is_records(path, text))
+    docs = record_documents(path, text, field, chat) if records else split_text(text, kind)
     if not docs:
-        raise ValueError(f"{path}: no documents (the file is empty or whitespace only)")
+        what = "every record's text is empty" if records else "the file is empty or whitespace only"
+        raise ValueError(f"{path}: no documents ({what})")
     return docs
 
 
@@ -133,7 +152,7 @@ def split_documents(
 
 def split_files(
     paths: Sequence[str | os.PathLike], eval_fraction: float, seed: int = 0, kind: str = "auto",
-    encoding: str = "utf-8",
+    encoding: str = "utf-8", field: str | None = None, chat: Callable[[list[dict]], str] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Load each file's documents and split them (`split_documents`) file by file; the parts are joined in
     file order, so every file gives its own share of held-out documents.
@@ -146,7 +165,8 @@ def split_files(
     train: list[str] = []
     evals: list[str] = []
     for path in paths:
-        part_train, part_eval = split_documents(load_documents(path, kind, encoding), eval_fraction, seed)
+        docs = load_documents(path, kind, encoding, field, chat)
+        part_train, part_eval = split_documents(docs, eval_fraction, seed)
         train += part_train
         evals += part_eval
     return train, evals

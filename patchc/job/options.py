@@ -127,6 +127,7 @@ class PruneOptions:
     resume: bool = False
     overwrite: bool = False  # start again in an --out that holds a finished run or a checkpoint
     encoding: str = "utf-8"  # of the --data files
+    text_field: str | None = None  # records files (JSON Lines, Parquet): the text field; None: "text", else a chat
     bos: bool = True  # start every document with BOS (else EOS); False for tokenizers with neither
     progress: bool = True
 
@@ -179,6 +180,8 @@ class PruneOptions:
             codecs.lookup(self.encoding)
         except LookupError:
             raise ValueError(f"--encoding {self.encoding!r} is not a text encoding Python knows") from None
+        if self.text_field is not None and not (isinstance(self.text_field, str) and self.text_field.strip()):
+            raise ValueError(f"--text-field must name a field of the records, got {self.text_field!r}")
         self.patch_config()  # validates sparsity, tile, variant, prior, schedules
 
     def _check_train_extra(self) -> None:

@@ -104,6 +104,9 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-seed", type=int, default=d.split_seed,
                    help="which documents are held out, and the generated text (fixed while --seed varies)")
     p.add_argument("--encoding", default=d.encoding, help="text encoding of the --data files")
+    p.add_argument("--text-field", default=d.text_field, metavar="FIELD",
+                   help="JSON Lines / JSON / Parquet files: the field holding each record's text (default: 'text', "
+                        "else a chat under 'messages' or 'conversations', rendered with the model's chat template)")
     p.add_argument("--no-bos", dest="bos", action="store_false",
                    help="do not start each document with the tokenizer's BOS (or EOS) token")
     p.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
@@ -137,7 +140,8 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
         recover=args.recover, recover_loss=args.recover_loss, recover_lr=args.recover_lr,
         recover_scope=args.recover_scope, recover_splice=args.recover_splice, fsdp=args.fsdp,
         baselines=args.baselines, seed=args.seed, device=args.device, dtype=args.dtype, threads=args.threads,
-        resume=args.resume, overwrite=args.overwrite, encoding=args.encoding, bos=args.bos, progress=args.progress,
+        resume=args.resume, overwrite=args.overwrite, encoding=args.encoding, text_field=args.text_field, bos=args.bos,
+        progress=args.progress,
     )
 
 

@@ -146,7 +146,7 @@ def run_recover(
     plan = TilePlan.load(find_plan(run))
     check_free(run, overwrite)
     recipe = dict(recipe or {})
-    if {"data", "split_seed", "eval_fraction", "encoding"} & set(recipe):
+    if {"data", "split_seed", "eval_fraction", "encoding", "text_field"} & set(recipe):
         raise ValueError("recover: the recipe may change the training text and loss, not the held-out split "
                          f"(got {sorted(recipe)}); recovery is scored on the run's own held-out documents")
     eval_context = run_eval_context(run) if eval_context is None else eval_context

@@ -28,7 +28,8 @@ def recorded_split(plan: Any) -> dict:
 
 def eval_options(plan: Any, model: str | None = None, data: list[str] | None = None, seed: int | None = None,
                  eval_fraction: float | None = None, eval_context: int = 256, device: str = "cpu",
-                 encoding: str | None = None, texts: list[str] | None = None) -> PruneOptions:
+                 encoding: str | None = None, text_field: str | None = None,
+                 texts: list[str] | None = None) -> PruneOptions:
     """The options `patchc eval` runs with: each one given, else the plan's recorded one, else the default.
     `seed` is the data split's seed; `texts` are files scored whole (`--text`)."""
     split = recorded_split(plan)
@@ -41,7 +42,8 @@ def eval_options(plan: Any, model: str | None = None, data: list[str] | None = N
         data=tuple(data or split.get("files") or DEFAULT_DATA),
         split_seed=pick(seed, "seed", 0), eval_fraction=pick(eval_fraction, "eval_fraction", 0.2),
         train_data="real", eval_data=tuple(texts or ()),
-        encoding=pick(encoding, "encoding", "utf-8"), bos=split.get("bos", True), eval_context=eval_context,
+        encoding=pick(encoding, "encoding", "utf-8"), text_field=pick(text_field, "text_field", None),
+        bos=split.get("bos", True), eval_context=eval_context,
         device=device,
     )
 
@@ -64,9 +66,10 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
             **options: Any) -> dict[str, Any]:
     """{"options", "overlap", "dense", "pruned"}: metrics of the dense model and the plan applied to it."""
     from patchc.ir import TilePlan
-    from patchc.job.corpus import load_data
-    from patchc.job.data import load_documents, split_files
+    from patchc.job.corpus import load_data, read_documents
+    from patchc.job.data import split_files
     from patchc.job.model import load_bundle
+    from patchc.job.records import chat_renderer
     from patchc.job.prune import dense_reference, evaluate
 
     plan = TilePlan.load(plan_path)
@@ -74,13 +77,16 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     for path in opts.data:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--data {path}: no such file (the plan was trained on {', '.join(opts.data)})")
-    _, eval_docs = split_files(opts.data, opts.eval_fraction, opts.split_seed, encoding=opts.encoding)
-    overlap = check_overlap(plan, eval_docs, allow_overlap)
-    for path in opts.eval_data:  # a whole file must not hold training documents either
+    for path in opts.eval_data:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--text {path}: no such file")
-        overlap += check_overlap(plan, load_documents(path, encoding=opts.encoding), allow_overlap)
     bundle = load_bundle(opts, training=False)
+    chat = chat_renderer(bundle.tokenizer)  # a chat record's text is what the model's template makes of it
+    _, eval_docs = split_files(opts.data, opts.eval_fraction, opts.split_seed, encoding=opts.encoding,
+                               field=opts.text_field, chat=chat)
+    overlap = check_overlap(plan, eval_docs, allow_overlap)
+    for path in opts.eval_data:  # a whole file must not hold training documents either
+        overlap += check_overlap(plan, read_documents(path, opts, chat), allow_overlap)
     data = load_data(bundle, opts, training=False)
     dense_ref = dense_reference(bundle, data)
     dense = evaluate(bundle, bundle.model, data, opts, dense_ref)
