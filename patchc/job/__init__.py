@@ -3,12 +3,21 @@
     options.py        `PruneOptions`: every `patchc prune` setting, validated
     model.py          opening the model: device, dtype, weight and length checks, CPU threads
     data.py           text files -> documents -> train / held-out split by document -> token blocks, batches
+    records.py        JSON Lines / JSON / Parquet records -> documents (a text field, or a chat)
+    selfdata.py       text the dense model writes itself (seeded, cached)
+    corpus.py         the job's text: real + generated training blocks, held-out ids, extra scored files
+    losses.py         LM, distillation from the dense model, or both
     evaluate.py       perplexity on held-out text (causal LMs)
     encoder_eval.py   sentence-embedding agreement and distillation (encoders such as all-MiniLM-L6-v2)
     distributed.py    torchrun: ranks, batch shares
+    fsdp.py           FSDP2: each block's frozen weights and mask logits sharded together
+    runs.py           run folders: claimed atomically, resumed only with their own settings
     prune.py          `run_prune`: load -> calibrate -> transform -> train -> harden -> evaluate -> report
+    recover.py        `patchc recover`: fine-tune the kept weights of a finished run, masks fixed
+    rescore.py        `patchc eval`: a saved plan on its own held-out split, and on whole files
+    sample.py         `patchc sample`: the dense model's own text as a file
     report/           statistics, pictures, report.json / report.md
-    cli.py            `patchc prune | eval | recover | export | report | generate | tune | bench`
+    cli.py            `patchc prune | eval | recover | sample | export | report | generate | tune | bench`
     prune_args.py     `patchc prune`'s flags -> `PruneOptions`
 
 It drives every stage before it (`patchc.passes`, `patchc.masking`, `patchc.ir`, `patchc.pruning`) and
