@@ -41,6 +41,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "vocab.txt", "merges.txt")
 
 
+# quant_method values whose checkpoints transformers can dequantize while loading (`dequantizing`)
+DEQUANTIZABLE = ("fp8", "mxfp4", "compressed-tensors")
+
+
 class HFLoadError(ValueError):
     """A Hugging Face model that cannot be loaded offline or exported; the message names the spec or layer."""
 
@@ -162,10 +166,41 @@ def max_positions(config: Any, default: int = 2048) -> int:
 # ----------------------------------------------------------------------------------------------- loaders
 
 
-def _from_pretrained(cls: Any, spec: str, device: str | torch.device) -> nn.Module:
+def dequantizing(spec: str, config: Any) -> dict[str, Any]:
+    """from_pretrained's arguments that load a quantized checkpoint as dense fp32 weights, or {} for a dense one.
+
+    Masks are learned over dense weights. transformers dequantizes FP8 (DeepSeek / Qwen FP8 releases), MXFP4
+    (gpt-oss) and compressed-tensors (llm-compressor) checkpoints while loading when told to; left alone it
+    keeps FP8 quantized wherever a GPU is present. Other methods (GPTQ, AWQ, bitsandbytes, ...) raise
+    HFLoadError: their dense weights are not recoverable here.
+    """
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return {}
+    q = q if isinstance(q, dict) else q.to_dict()
+    method = str(q.get("quant_method", "unknown"))
+    if method not in DEQUANTIZABLE:
+        raise HFLoadError(f"{spec}: its weights are quantized ({method}); patchc learns masks over dense weights "
+                          f"and can dequantize only {', '.join(DEQUANTIZABLE)} checkpoints while loading: give it "
+                          "the unquantized checkpoint (e.g. the original bf16 release)")
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    try:
+        qconfig = AutoQuantizationConfig.from_dict(dict(q))  # the checkpoint's own, with its loading attribute set
+    except Exception as e:  # compressed-tensors needs its package; versions raise ImportError or ValueError
+        raise HFLoadError(f"{spec}: its {method} quantization config does not load ({type(e).__name__}: "
+                          f"{_first_line(e)})") from e
+    qconfig.dequantize = True
+    if hasattr(qconfig, "run_compressed"):  # compressed-tensors under transformers 4.x
+        qconfig.run_compressed = False
+    return {"quantization_config": qconfig}
+
+
+def _from_pretrained(cls: Any, spec: str, device: str | torch.device, config: Any = None) -> nn.Module:
+    extra = dequantizing(spec, config if config is not None else hf_config(spec))
     try:
         # dtype=float32: transformers 5 defaults to the checkpoint's dtype; masks and one-shot methods want fp32.
-        model = cls.from_pretrained(str(spec), local_files_only=True, dtype=torch.float32)
+        model = cls.from_pretrained(str(spec), local_files_only=True, dtype=torch.float32, **extra)
     except Exception as e:
         raise HFLoadError(f"{spec}: {cls.__name__}.from_pretrained failed offline ({type(e).__name__}: {_first_line(e)})") from e
     return model.float().to(device).eval()
@@ -204,9 +239,9 @@ def load_hf_causal(spec: str | os.PathLike, device: str | torch.device = "cpu",
         >>> model(torch.tensor([[1, 2, 3]]), use_cache=False).logits.shape
     """
     transformers = _transformers()
-    multimodal = is_multimodal(config if config is not None else hf_config(spec))
-    auto = transformers.AutoModelForImageTextToText if multimodal else transformers.AutoModelForCausalLM
-    return _from_pretrained(auto, str(spec), device), load_hf_tokenizer(spec)
+    config = config if config is not None else hf_config(spec)
+    auto = transformers.AutoModelForImageTextToText if is_multimodal(config) else transformers.AutoModelForCausalLM
+    return _from_pretrained(auto, str(spec), device, config), load_hf_tokenizer(spec)
 
 
 class EncoderWrapper(nn.Module):
