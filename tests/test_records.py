@@ -41,8 +41,9 @@ def tokenizer():
 
 def test_jsonl_text_records_are_documents_in_order(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", [{"text": "one\n\ntwo", "id": 1}, {"text": ""}, {"text": None},
-                                              {"text": " three "}])
-    assert load_documents(path) == ["one\n\ntwo", "three"]  # one record, one document: blank lines stay inside
+                                              {"text": " three "}, {"text": ["four", "five"]}])
+    # one record, one document: blank lines stay inside, a list of paragraphs is joined by them
+    assert load_documents(path) == ["one\n\ntwo", "three", "four\n\nfive"]
 
 
 def test_records_are_found_by_suffix_or_first_line(tmp_path):
@@ -126,6 +127,12 @@ def test_bad_records_name_the_file_and_place(tmp_path, tokenizer):
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
     with pytest.raises(ValueError, match=r"chat\.jsonl: line 1: the chat template refused this chat: .*alternate"):
         load_documents(chat, chat=chat_renderer(tokenizer))
+    number = write_jsonl(tmp_path / "number.jsonl", [{"text": 3}])
+    with pytest.raises(ValueError, match=r"number\.jsonl: line 1: 'text' holds '3'; a record's text is a string"):
+        load_documents(number)
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"messages": [{"role": "user", "content": "a"}, "b"]}])
+    with pytest.raises(ValueError, match=r"mixed\.jsonl: line 1: a chat is a list of turns .*holding \['str'\]"):
+        load_documents(mixed)
     empty = write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}])
     with pytest.raises(ValueError, match=r"empty\.jsonl: no documents \(every record's text is empty\)"):
         load_documents(empty)

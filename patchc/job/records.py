@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ def is_records(path: str | os.PathLike, text: str | None) -> bool:
         return True
     if text is None:
         return False
-    first = text.lstrip().split("\n", 1)[0].strip()
+    first = re.match(r"\s*([^\n]*)", text).group(1).strip()  # no copy of a large file
     if not first.startswith("{"):
         return False
     try:
@@ -95,11 +96,11 @@ def parquet_records(path: str | os.PathLike, field: str | None) -> Iterator[tupl
     yield from ((f"row {i}", r) for i, r in enumerate(rows, start=1))
 
 
-def turns(path: str | os.PathLike, where: str, chat: Any) -> list[dict[str, Any]]:
+def turns(path: str | os.PathLike, where: str, chat: list) -> list[dict[str, Any]]:
     """A chat as [{"role", "content"}, ...]; ShareGPT's {"from", "value"} turns are renamed."""
-    if not isinstance(chat, list) or not all(isinstance(t, dict) for t in chat):
-        raise ValueError(f"{path}: {where}: a chat is a list of turns ({{\"role\", \"content\"}}), "
-                         f"got {type(chat).__name__}")
+    if not all(isinstance(t, dict) for t in chat):
+        raise ValueError(f"{path}: {where}: a chat is a list of turns ({{\"role\", \"content\"}}), got a list "
+                         f"holding {sorted({type(t).__name__ for t in chat if not isinstance(t, dict)})}")
     out = []
     for turn in chat:
         if "role" in turn and "content" in turn:
@@ -144,7 +145,7 @@ def chat_renderer(tokenizer: Any) -> Chat | None:
 
 
 def record_text(path: str | os.PathLike, where: str, record: Any, field: str | None, chat: Chat | None) -> str:
-    """One record's document: its `field` (text or chat), else "text", else a chat field."""
+    """One record's document: its `field` (text, paragraphs or chat), else "text", else a chat field."""
     if not isinstance(record, dict):
         raise ValueError(f"{path}: {where}: a record is a JSON object, got {type(record).__name__}")
     keys = [field] if field else ["text", *CHAT_FIELDS]
@@ -156,6 +157,11 @@ def record_text(path: str | os.PathLike, where: str, record: Any, field: str | N
     value = record[key]
     if value is None or isinstance(value, str):
         return value or ""
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):  # paragraphs
+        return "\n\n".join(value)
+    if not isinstance(value, list):
+        raise ValueError(f"{path}: {where}: {key!r} holds {str(value)[:40]!r}; a record's text is a string, "
+                         "a list of strings, or a chat (a list of role / content turns)")
     messages = turns(path, where, value)
     if chat is None:
         return join_turns(messages)
