@@ -183,6 +183,9 @@ def dequantizing(spec: str, config: Any) -> dict[str, Any]:
         raise HFLoadError(f"{spec}: its weights are quantized ({method}); patchc learns masks over dense weights "
                           f"and can dequantize only {', '.join(DEQUANTIZABLE)} checkpoints while loading: give it "
                           "the unquantized checkpoint (e.g. the original bf16 release)")
+    if method == "fp8" and transformers_major() < 5:  # 4.x's FP8 loader ignores `dequantize` and needs a GPU
+        raise HFLoadError(f"{spec}: its weights are FP8; transformers {_transformers().__version__} cannot "
+                          "dequantize them while loading: pip install -U 'transformers>=5'")
     from transformers.quantizers.auto import AutoQuantizationConfig
 
     try:
