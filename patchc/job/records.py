@@ -32,7 +32,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 Chat = Callable[[list[dict[str, Any]]], str]
 
 
-def suffixes(path: str | os.PathLike) -> str:
+def format_suffix(path: str | os.PathLike) -> str:
     """The file's format suffix, lower case, past a trailing .gz: "x.jsonl.gz" -> ".jsonl"."""
     name = Path(path).name.lower()
     name = name[:-3] if name.endswith(".gz") else name
@@ -41,7 +41,7 @@ def suffixes(path: str | os.PathLike) -> str:
 
 def is_records(path: str | os.PathLike, text: str | None) -> bool:
     """True for a records file: by its suffix, or (`text` given) when the first non-blank line is a JSON object."""
-    if suffixes(path) in (*TEXT_SUFFIXES, ".parquet"):
+    if format_suffix(path) in (*TEXT_SUFFIXES, ".parquet"):
         return True
     if text is None:
         return False
