@@ -34,14 +34,13 @@ def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None, tr
     `cache_dir`: where self-generated text is cached (None: generate without caching). `training=False`
     (`patchc eval`): only the scored texts, {"eval", "extra"}; nothing is packed or generated for training.
     """
-    from patchc.job.data import doc_hashes, pack_documents, split_files
+    from patchc.job.data import doc_hashes, pack_documents
 
     check_files(opts.data, "--data")
     check_files(opts.eval_data, "--eval-data")
     check_files(opts.train_extra, "--train-extra")
     chat = chat_renderer(bundle.tokenizer)
-    docs_train, docs_eval = split_files(opts.data, opts.eval_fraction, opts.split_seed, encoding=opts.encoding,
-                                        field=opts.text_field, chat=chat)
+    docs_train, docs_eval = split_data(opts, chat)
     if not docs_eval:
         raise ValueError(f"--data {', '.join(opts.data)}: too few documents to hold any out for evaluation")
     source = ", ".join(opts.data)
@@ -89,6 +88,14 @@ def scored_texts(bundle: Any, opts: PruneOptions, docs_eval: list[str], source: 
     if eval_ids.numel() < 2:
         raise ValueError(f"--data {source}: the held-out part is too short to evaluate")
     return {"eval": eval_ids, "extra": extra_texts(opts, tokenizer)}
+
+
+def split_data(opts: PruneOptions, chat: Chat | None = None) -> tuple[list[str], list[str]]:
+    """(training, held-out) documents of the --data files, split as the options say (`split_files`)."""
+    from patchc.job.data import split_files
+
+    return split_files(opts.data, opts.eval_fraction, opts.split_seed, encoding=opts.encoding, field=opts.text_field,
+                       chat=chat)
 
 
 def read_documents(path: str, opts: PruneOptions, chat: Chat | None = None) -> list[str]:
@@ -181,4 +188,4 @@ def data_summary(bundle: Any, data: dict, opts: PruneOptions) -> dict:
 
 
 __all__ = ["load_data", "data_record", "data_summary", "self_generated", "extra_texts", "extra_sentences",
-           "read_documents"]
+           "read_documents", "scored_texts", "split_data"]

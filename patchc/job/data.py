@@ -27,7 +27,7 @@ import hashlib
 import os
 import random
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from patchc.job.records import is_records, record_documents
+from patchc.job.records import Chat, is_records, record_documents
 
 _WIKI_HEADING = re.compile(r"^ ?= [^=](?:.*[^=])? = ?$")
 KINDS = ("auto", "lines", "endoftext", "wikitext", "blank")
@@ -98,7 +98,7 @@ def read_text(path: Path, encoding: str = "utf-8") -> str:
 
 
 def load_documents(path: str | os.PathLike, kind: str = "auto", encoding: str = "utf-8", field: str | None = None,
-                   chat: Callable[[list[dict]], str] | None = None) -> list[str]:
+                   chat: Chat | None = None) -> list[str]:
     """Read a text file (UTF-8 unless told) and split it into documents (rules in the module docstring).
 
     `field` and `chat` are for records (`patchc.job.records.record_documents`): the text field to read, and
@@ -152,7 +152,7 @@ def split_documents(
 
 def split_files(
     paths: Sequence[str | os.PathLike], eval_fraction: float, seed: int = 0, kind: str = "auto",
-    encoding: str = "utf-8", field: str | None = None, chat: Callable[[list[dict]], str] | None = None,
+    encoding: str = "utf-8", field: str | None = None, chat: Chat | None = None,
 ) -> tuple[list[str], list[str]]:
     """Load each file's documents and split them (`split_documents`) file by file; the parts are joined in
     file order, so every file gives its own share of held-out documents.

@@ -66,8 +66,7 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
             **options: Any) -> dict[str, Any]:
     """{"options", "overlap", "dense", "pruned"}: metrics of the dense model and the plan applied to it."""
     from patchc.ir import TilePlan
-    from patchc.job.corpus import load_data, read_documents
-    from patchc.job.data import split_files
+    from patchc.job.corpus import read_documents, scored_texts, split_data
     from patchc.job.model import load_bundle
     from patchc.job.records import chat_renderer
     from patchc.job.prune import dense_reference, evaluate
@@ -82,12 +81,11 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
             raise FileNotFoundError(f"--text {path}: no such file")
     bundle = load_bundle(opts, training=False)
     chat = chat_renderer(bundle.tokenizer)  # a chat record's text is what the model's template makes of it
-    _, eval_docs = split_files(opts.data, opts.eval_fraction, opts.split_seed, encoding=opts.encoding,
-                               field=opts.text_field, chat=chat)
+    _, eval_docs = split_data(opts, chat)
     overlap = check_overlap(plan, eval_docs, allow_overlap)
     for path in opts.eval_data:  # a whole file must not hold training documents either
         overlap += check_overlap(plan, read_documents(path, opts, chat), allow_overlap)
-    data = load_data(bundle, opts, training=False)
+    data = scored_texts(bundle, opts, eval_docs, ", ".join(opts.data))  # what load_data(training=False) gives
     dense_ref = dense_reference(bundle, data)
     dense = evaluate(bundle, bundle.model, data, opts, dense_ref)
     pruned = evaluate(bundle, plan.apply(bundle.reload(), force=force), data, opts, dense_ref)

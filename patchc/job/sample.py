@@ -38,16 +38,14 @@ def check_out(opts: PruneOptions, out: Path, overwrite: bool) -> None:
 
 def sample_texts(bundle: Any, opts: PruneOptions) -> list[str]:
     """`opts.self_tokens` tokens of the dense model's text as decoded samples, one per generated block."""
-    from patchc.job.corpus import self_generated
-    from patchc.job.data import split_files
+    from patchc.job.corpus import self_generated, split_data
     from patchc.job.records import chat_renderer
 
     if bundle.kind != "causal":
         raise ValueError(f"--model {opts.model} is an {bundle.kind}: it cannot write text. Sample from a causal "
                          "LM (e.g. the default stories260K) and pass the file to this model's --train-extra")
     tokenizer = bundle.require_tokenizer()
-    docs_train, _ = split_files(opts.data, opts.eval_fraction, opts.split_seed, encoding=opts.encoding,
-                                field=opts.text_field, chat=chat_renderer(tokenizer))
+    docs_train, _ = split_data(opts, chat_renderer(tokenizer))
     blocks, _ = self_generated(bundle, opts, docs_train, tokenizer, cache_dir=None)
     return [tokenizer.decode(row.tolist()) for row in blocks]
 

@@ -300,7 +300,7 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBund
             source=source,
             device=device,
         )
-    model, hf_tok = _hf.load_hf_encoder(source, device)
+    model, hf_tok = _hf.load_hf_encoder(source, device, config=config)
     if hf_tok is None:
         raise ValueError(f"{spec}: encoder found in {source} but no tokenizer files beside it (embed needs one)")
     folder = Path(source) if Path(source).is_dir() else None
@@ -311,7 +311,7 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBund
         kind="encoder",
         model=model,
         tokenizer=HFTokenizer(hf_tok, "encoder"),
-        reload=quiet_loading()(lambda: _hf.load_hf_encoder(source, device)[0]),
+        reload=quiet_loading()(lambda: _hf.load_hf_encoder(source, device, config=config)[0]),
         export=lambda m, fixed_len=None: export_encoder(m),  # always dynamic in the sequence
         logits=_not_for(name, "encoder", "LM head (logits)"),
         embed=_make_embed(hf_tok, embed_len, device),

@@ -289,9 +289,10 @@ class EncoderWrapper(nn.Module):
 
 
 def load_hf_encoder(
-    spec: str | os.PathLike, device: str | torch.device = "cpu", drop_pooler: bool = True
+    spec: str | os.PathLike, device: str | torch.device = "cpu", drop_pooler: bool = True, config: Any = None
 ) -> tuple[EncoderWrapper, Any | None]:
-    """(EncoderWrapper around AutoModel in fp32 eval mode, its HF tokenizer or None), offline.
+    """(EncoderWrapper around AutoModel in fp32 eval mode, its HF tokenizer or None), offline. `config`: its
+    `hf_config`, when already read.
 
     Example:
         >>> wrapper, tok = load_hf_encoder(minilm_dir())
@@ -299,7 +300,7 @@ def load_hf_encoder(
         36
     """
     transformers = _transformers()
-    base = _from_pretrained(transformers.AutoModel, str(spec), device)
+    base = _from_pretrained(transformers.AutoModel, str(spec), device, config)
     return EncoderWrapper(base, drop_pooler=drop_pooler).eval(), load_hf_tokenizer(spec)
 
 
