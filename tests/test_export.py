@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
+import stat
 import struct
 
 import numpy as np
@@ -122,6 +124,20 @@ def test_stories_round_trip_is_exact(stories, tmp_path):
     assert json.loads((out / CONFIG).read_text())["tied"] == {"lm_head.weight": "embed_tokens.weight"}
     m = from_pretrained(out, dense=True)
     assert m.lm_head.weight is m.embed_tokens.weight
+
+
+@needs_shared
+def test_an_exported_folder_has_the_modes_plain_files_get(stories, tmp_path):
+    """Built in a private temporary folder (mkdtemp 0700, safetensors writes 0600), shown with the umask's modes."""
+    bundle, plan, _, _ = stories
+    old = os.umask(0o027)
+    try:
+        out = export_pretrained(plan, bundle.model, tmp_path / "shared", tokenizer_from=bundle.source)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == dict.fromkeys(
+        ["config.json", WEIGHTS, CONFIG, "tok512.bin"], 0o640)
 
 
 @needs_shared

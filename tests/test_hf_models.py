@@ -415,6 +415,37 @@ def test_load_model_tiny_hf_without_tokenizer(tmp_path):
 
 
 @needs_transformers
+def test_a_weight_the_files_lack_is_an_error_not_a_random_one(tmp_path):
+    """transformers initialises a missing weight at random and only warns: patchc would prune noise."""
+    from safetensors.torch import load_file, save_file
+
+    from patchc.models import load_model
+
+    _tiny_llama_dir(tmp_path, with_tokenizer=False)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"holds no model\.layers\.0\.mlp\.up_proj\.weight; transformers would "
+                                          r"initialise it at random"):
+        load_model(str(tmp_path))
+
+
+@needs_transformers
+def test_a_masked_lm_checkpoint_loads_as_an_encoder_without_its_pooler(tmp_path):
+    import transformers
+
+    from patchc.models.hf import load_hf_encoder
+
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=32)
+    transformers.BertForMaskedLM(cfg).save_pretrained(tmp_path)  # no pooler weights in the files
+    wrapper, _ = load_hf_encoder(tmp_path)
+    assert wrapper.model.pooler is None
+    with pytest.raises(ValueError, match="pooler"):
+        load_hf_encoder(tmp_path, drop_pooler=False)
+
+
+@needs_transformers
 def test_tokenizer_files_that_do_not_load_are_named_not_taken_for_no_tokenizer(tmp_path):
     from patchc.models import load_model
 

@@ -2,14 +2,16 @@
 
 It owns the exported checkpoint (an HF-style folder whose planned weights are stored compressed as the
 tile plan's buffers), writing it from a plan and a model or from a `patchc prune` run folder, rebuilding
-the model from it offline with the runtime's `TileLinear` layers (or plain dense ones), and reading
-compressed-tensors' legacy `sparse-24-bitmask` checkpoints into a TilePlan. It takes TilePlans (ir),
+the model from it offline with the runtime's `TileLinear` layers (or plain dense ones), and bringing in
+models that are already 2:4 (zeros in dense weights, or compressed-tensors' legacy `sparse-24-bitmask`
+checkpoints). It takes TilePlans (ir),
 models (models) and the runtime's `patchc.compile`; it hands users a folder and a model.
 
     format.py      model.safetensors: plain tensors + "<fqn>.patchc.<part>" plan buffers, versioned header
     arch.py        which model a folder holds: config.json, tokenizer files, rebuilding it
     pretrained.py  export_pretrained, export_run, from_pretrained, load_plan, load_tokenizer
-    legacy.py      plan_from_compressed_tensors (sparse-24-bitmask)
+    legacy.py      compressed-tensors' sparse-24-bitmask files: plan_from_compressed_tensors, decoded_shards
+    importing.py   import_sparse (`patchc import`): a model that is already 2:4 in, an exported folder out
 
 Example:
     >>> from patchc.export import export_pretrained, from_pretrained
@@ -18,6 +20,7 @@ Example:
 """
 
 from patchc.export.format import CONFIG, FORMAT, VERSION, WEIGHTS, ExportError
+from patchc.export.importing import ImportSummary, import_sparse
 from patchc.export.legacy import decode_24_bitmask, plan_from_compressed_tensors
 from patchc.export.pretrained import export_pretrained, export_run, from_pretrained, load_plan, load_tokenizer
 
@@ -27,10 +30,12 @@ __all__ = [
     "VERSION",
     "WEIGHTS",
     "ExportError",
+    "ImportSummary",
     "decode_24_bitmask",
     "export_pretrained",
     "export_run",
     "from_pretrained",
+    "import_sparse",
     "load_plan",
     "load_tokenizer",
     "plan_from_compressed_tensors",

@@ -12,8 +12,15 @@ as three tensors, named after the module (the ``.weight`` suffix dropped):
 Its compressor kept the 2 largest magnitudes of every group of 4 consecutive columns, so each group
 has exactly 2 bits set (a kept value may be 0). The checkpoint's config.json names the layout in
 ``quantization_config.sparsity_config.format`` (older ones: ``compression_config``). The library
-dropped its sparse compressors in 2026; this reader keeps such checkpoints usable. Quantized
-values (int8 / fp8 ``compressed`` with scales) are refused: patchc plans hold float weights.
+dropped its sparse compressors in 2026; this reader keeps such checkpoints usable.
+
+Quantized releases ("2of4-FP8-dynamic", W8A8) store FP8 / int8 values with ``<module>.weight_scale``
+(per tensor, per output channel, per group or per block; symmetric). They are dequantized to the scale's
+dtype: patchc plans hold float weights, and activations are not quantized. Packed int4 (``marlin-24``,
+``weight_packed``) is refused.
+
+    plan_from_compressed_tensors   the planned layers alone (an all-2:4 TilePlan)
+    decoded_shards                 every tensor of the checkpoint as a dense model holds it, shard by shard
 
 Example:
     >>> plan = plan_from_compressed_tensors("llama-2-7b-2of4/", tile=(128, 128))
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,6 +43,10 @@ from patchc.utils.progress import progress
 
 LAYOUT = "sparse-24-bitmask"
 SUFFIXES = (".compressed", ".bitmask", ".shape")
+QUANT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+# activation quantization parameters: the plan serves the model's float activations, so they go unused
+ACTIVATION_PARAMS = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point", ".k_scale",
+                     ".v_scale", ".input_global_scale")
 
 
 def plan_from_compressed_tensors(path_or_dir: str | os.PathLike, tile: tuple[int, int] | int = (128, 128), *,
@@ -50,33 +62,102 @@ def plan_from_compressed_tensors(path_or_dir: str | os.PathLike, tile: tuple[int
         >>> plan.apply(model)       # the decompressed 2:4 weights, written into a dense model
     """
     tile = tile_pair(tile, "plan_from_compressed_tensors")
-    files = _files(Path(path_or_dir))
-    where: dict[str, Path] = {}
-    for f in files:
-        for key in _keys(f):
-            where[key] = f
-    modules = sorted(k.removesuffix(".bitmask") for k in where if k.endswith(".bitmask"))
-    if not modules:
-        raise PlanError(f"{path_or_dir}: no '<module>.bitmask' tensors; not a {LAYOUT} checkpoint")
+    where = _index(Path(path_or_dir))
     layers = {}
-    for module in progress(modules, desc="sparse-24-bitmask layers", disable=not show_progress):
-        parts = {}
-        for suffix in SUFFIXES:
-            if module + suffix not in where:
-                raise PlanError(f"{where[module + '.bitmask']}: layer {module}.weight: tensor {module + suffix!r} missing")
-            parts[suffix[1:]] = _tensor(where[module + suffix], module + suffix)
+    for module in progress(_modules(where, path_or_dir), desc="sparse-24-bitmask layers", disable=not show_progress):
+        weight, mask = read_layer(where, module)
         bias = _tensor(where[module + ".bias"], module + ".bias") if module + ".bias" in where else None
         name = f"{module}.weight"
-        weight, mask = decode_24_bitmask(parts["compressed"], parts["bitmask"], parts["shape"], name)
         kinds = torch.full(tile_grid(tuple(weight.shape), tile), TILE_SPARSE24, dtype=torch.uint8)
         layers[name] = LayerPlan.from_mask(name, weight, kinds, mask, bias=bias, tile=tile)
     meta = {"source": f"compressed-tensors {LAYOUT}", "path": str(path_or_dir), "tile": list(tile)}
     return TilePlan(layers=layers, meta=meta)
 
 
+def decoded_shards(path_or_dir: str | os.PathLike) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """(shard file name, {name: tensor}) for each safetensors file of a sparse-24-bitmask checkpoint, as the
+    dense model holds its tensors: each layer's three tensors become ``<module>.weight`` (W * M, quantized
+    values dequantized), its quantization parameters are consumed and activation ones dropped.
+
+    One shard's tensors at a time, so a large model never sits in memory twice.
+
+    Example:
+        >>> for name, tensors in decoded_shards("Sparse-Llama-3.1-8B-2of4-FP8-dynamic/"):
+        ...     save_file(tensors, out / name)
+    """
+    where = _index(Path(path_or_dir))
+    modules = set(_modules(where, path_or_dir))
+    for f in sorted(set(where.values())):
+        out: dict[str, torch.Tensor] = {}
+        for key in (k for k, v in where.items() if v == f):
+            module, _, part = key.rpartition(".")
+            if module in modules:
+                if part == "compressed":  # the layer goes to the shard holding its values
+                    out[f"{module}.weight"] = read_layer(where, module)[0]
+            elif key.endswith(ACTIVATION_PARAMS) or part in ("weight_scale", "weight_zero_point"):
+                continue  # read with their weight
+            elif part == "weight":
+                out[key] = _dense_weight(where, module)
+            elif part in ("weight_packed", "weight_shape", "weight_global_scale"):
+                raise PlanError(f"{f}: layer {module}.weight is packed int4 / fp4 ({part}); only float, FP8 and int8 "
+                                "values can be dequantized")
+            else:
+                out[key] = _tensor(f, key)
+        yield f.name, out
+
+
+def read_layer(where: dict[str, Path], module: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W * M, keep mask M) of one module of a sparse-24-bitmask checkpoint; `where`: tensor name -> file."""
+    parts = {}
+    for suffix in SUFFIXES:
+        if module + suffix not in where:
+            raise PlanError(f"{where[module + '.bitmask']}: layer {module}.weight: tensor {module + suffix!r} missing")
+        parts[suffix[1:]] = _tensor(where[module + suffix], module + suffix)
+    scale, zero = (_tensor(where[k], k) if k in where else None
+                   for k in (module + ".weight_scale", module + ".weight_zero_point"))
+    return decode_24_bitmask(parts["compressed"], parts["bitmask"], parts["shape"], f"{module}.weight",
+                             scale=scale, zero_point=zero)
+
+
+def _dense_weight(where: dict[str, Path], module: str) -> torch.Tensor:
+    """A weight stored whole (a layer the sparsity config ignored), dequantized if it is FP8 / int8."""
+    key = module + ".weight"
+    w = _tensor(where[key], key)
+    if w.dtype not in QUANT_DTYPES:
+        return w
+    scale, zero = (_tensor(where[k], k) if k in where else None
+                   for k in (module + ".weight_scale", module + ".weight_zero_point"))
+    return dequantize(w.float(), scale, zero, key)
+
+
+def dequantize(values: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None,
+               name: str) -> torch.Tensor:
+    """values (N, K) in fp32 times `scale` broadcast to them (per tensor, channel, group or block), in the
+    scale's dtype; `PlanError` naming `name` for a missing or ill-shaped scale or an asymmetric zero point."""
+    if scale is None:
+        raise PlanError(f"layer {name}: quantized values without a weight_scale tensor; cannot dequantize")
+    if zero_point is not None and bool((zero_point != 0).any()):
+        raise PlanError(f"layer {name}: asymmetric quantization (nonzero weight_zero_point) is not supported")
+    n, k = values.shape
+    s = scale.float()
+    if s.numel() == 1:
+        s = s.reshape(1, 1)
+    elif s.dim() == 1 and s.numel() == n:
+        s = s.reshape(n, 1)
+    elif s.dim() == 2 and n % s.shape[0] == 0 and k % s.shape[1] == 0:
+        s = s.repeat_interleave(n // s.shape[0], 0).repeat_interleave(k // s.shape[1], 1)
+    else:
+        raise PlanError(f"layer {name}: weight_scale of shape {tuple(scale.shape)} does not tile a weight of "
+                        f"shape {(n, k)}")
+    return (values * s).to(scale.dtype)
+
+
 def decode_24_bitmask(compressed: torch.Tensor, bitmask: torch.Tensor, shape: torch.Tensor | list[int],
-                      name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+                      name: str = "weight", *, scale: torch.Tensor | None = None,
+                      zero_point: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(W * M of shape (N, K), keep mask M) from one layer's three tensors; `PlanError` naming `name` if bad.
+
+    FP8 / int8 values need `scale` (``<module>.weight_scale``) and come back in its dtype.
 
     Example:
         >>> w, m = decode_24_bitmask(values, bits, torch.tensor([[8], [16]]))
@@ -89,9 +170,10 @@ def decode_24_bitmask(compressed: torch.Tensor, bitmask: torch.Tensor, shape: to
     n, k = dims
     if k % 4:
         raise PlanError(f"layer {name}: K={k} is not a multiple of 4 (no 2:4 groups)")
-    if not compressed.is_floating_point() or compressed.dtype.itemsize < 2:
-        raise PlanError(f"layer {name}: compressed values are {compressed.dtype}; quantized {LAYOUT} checkpoints "
-                        "are not supported (patchc plans hold fp32 / fp16 / bf16 weights)")
+    quantized = compressed.dtype in QUANT_DTYPES
+    if not quantized and (not compressed.is_floating_point() or compressed.dtype.itemsize < 2):
+        raise PlanError(f"layer {name}: compressed values are {compressed.dtype}; only float, FP8 and int8 values "
+                        "are read (packed int4 is not)")
     if tuple(compressed.shape) != (n, k // 2) and compressed.numel() != n * k // 2:
         raise PlanError(f"layer {name}: compressed has shape {tuple(compressed.shape)}, expected {(n, k // 2)}")
     if bitmask.dtype not in (torch.uint8, torch.int8) or tuple(bitmask.shape) != (n, -(-k // 8)):
@@ -104,9 +186,22 @@ def decode_24_bitmask(compressed: torch.Tensor, bitmask: torch.Tensor, shape: to
         r, g = (int(i) for i in (per_group != 2).nonzero()[0])
         raise PlanError(f"layer {name}: row {r}, columns {4 * g}..{4 * g + 3} keep {int(per_group[r, g])} of 4 "
                         "in the bitmask; a 2:4 layout keeps exactly 2")
-    weight = torch.zeros(n, k, dtype=compressed.dtype)
-    weight[mask] = compressed.reshape(-1)  # boolean indexing is row-major: the compressor's order
-    return weight, mask
+    weight = torch.zeros(n, k, dtype=torch.float32 if quantized else compressed.dtype)
+    # boolean indexing is row-major: the compressor's order
+    weight[mask] = compressed.reshape(-1).to(weight.dtype)
+    return (dequantize(weight, scale, zero_point, name) if quantized else weight), mask
+
+
+def _index(path: Path) -> dict[str, Path]:
+    """{tensor name: safetensors file} of a checkpoint file or folder (its config.json checked first)."""
+    return {key: f for f in _files(path) for key in _keys(f)}
+
+
+def _modules(where: dict[str, Path], path: str | os.PathLike) -> list[str]:
+    modules = sorted(k.removesuffix(".bitmask") for k in where if k.endswith(".bitmask"))
+    if not modules:
+        raise PlanError(f"{path}: no '<module>.bitmask' tensors; not a {LAYOUT} checkpoint")
+    return modules
 
 
 def _files(path: Path) -> list[Path]:

@@ -41,6 +41,7 @@ from patchc.export.format import CONFIG, FORMAT, VERSION, WEIGHTS, ExportError, 
 from patchc.ir import PlanError, TilePlan, targets
 from patchc.ir.file_format import FLOAT_DTYPES, dtype_name
 from patchc.ir.provenance import check_weights
+from patchc.utils.files import publish_modes
 
 Run = str | os.PathLike
 
@@ -141,6 +142,7 @@ def atomic_dir(out: Path, overwrite: bool) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         yield tmp
+        publish_modes(tmp)
         old = None
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))

@@ -17,7 +17,7 @@
     rescore.py        `patchc eval`: a saved plan on its own held-out split, and on whole files
     sample.py         `patchc sample`: the dense model's own text as a file
     report/           statistics, pictures, report.json / report.md
-    cli.py            `patchc prune | eval | recover | sample | export | report | generate | tune | bench`
+    cli.py            `patchc prune | eval | recover | sample | export | import | report | generate | tune | bench`
     prune_args.py     `patchc prune`'s flags -> `PruneOptions`
 
 It drives every stage before it (`patchc.passes`, `patchc.masking`, `patchc.ir`, `patchc.pruning`) and

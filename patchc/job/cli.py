@@ -1,4 +1,4 @@
-"""Command line: `patchc prune | eval | recover | sample | export | report | generate | tune | bench`
+"""Command line: `patchc prune | eval | recover | sample | export | import | report | generate | tune | bench`
 (`python -m patchc ...` is the same).
 
     patchc prune                                   # the embedded default: stories260K, TinyStories, 35%
@@ -6,6 +6,7 @@
     patchc eval runs/x                             # dense vs pruned on the plan's own held-out text
     patchc sample --tokens 65536 --out gen.txt     # the dense model's own text, for another run's --train-extra
     patchc export runs/x --out pruned/             # HF-style folder, planned weights compressed
+    patchc import sparse-2of4/ --out served/       # a model already 2:4 (zeros, or sparse-24-bitmask) as one
     patchc report runs/x/plan.patch                # redraw the plots (and report.md) from a plan
     patchc generate runs/x/plan.patch --target sm_90 --out kernels/
     patchc tune runs/x/plan.patch --batch-size 16 --prefill-len 128
@@ -121,6 +122,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     out = export_run(args.run, args.out, model=args.model, overwrite=args.overwrite)
     print(f"wrote {Path(out).resolve()}; load it with patchc.from_pretrained({str(out)!r})")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from patchc.export.importing import import_sparse
+
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    print(import_sparse(args.model, args.out, tile=tuple(args.tile), dtype=dtype, overwrite=args.overwrite).format())
     return 0
 
 
@@ -274,6 +283,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model spec (default: the one the run used)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.set_defaults(handler=cmd_export)
+
+    p = command("import", "serve a model that is already 2:4: write it as a patchc folder (patchc.from_pretrained)",
+                description="Read a model whose weights are already 2:4 or hybrid (zeros in a dense checkpoint, or "
+                            "compressed-tensors' sparse-24-bitmask layout with float, FP8 or int8 values), infer "
+                            "each linear layer's tiles from its zeros and write the folder patchc.from_pretrained "
+                            "serves with the hybrid kernels.")
+    p.add_argument("model", help="a transformers folder (or a llama2.c *.bin) whose linear weights are 2:4")
+    p.add_argument("--out", required=True, help="folder to write; must not exist or be empty")
+    p.add_argument("--tile", type=int, nargs=2, default=[128, 128], metavar=("B1", "B2"),
+                   help="tile rows x columns; a tile whose every group of 4 holds at most 2 nonzeros is 2:4")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                   help="served weights' dtype (auto: the checkpoint's; FP8 / int8 values are dequantized to it)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(handler=cmd_import)
 
     p = command("report", "redraw a plan's plots (and report.md if report.json is beside it)")
     p.add_argument("plan", help="plan file, or a run folder (its plan.patch)")

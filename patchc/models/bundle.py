@@ -247,9 +247,9 @@ def _is_tokenizer_file(p: Path) -> bool:
     return p.name.startswith("tok") and p.suffix == ".bin" and (p.name == "tokenizer.bin" or p.stem[3:].isdigit())
 
 
-def _load_llama2c_bundle(spec: str, path: Path, device: str) -> ModelBundle:
+def _load_llama2c_bundle(spec: str, path: Path, device: str, dtype: torch.dtype) -> ModelBundle:
     def load() -> nn.Module:
-        return load_llama2c(path).to(device).eval()
+        return load_llama2c(path).to(device=device, dtype=dtype).eval()
 
     model = load()
     tok_path = _find_llama2c_tokenizer(path, model.config.vocab_size)
@@ -280,19 +280,19 @@ def _sentence_bert_max_len(folder: Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBundle:
+def _load_hf_bundle(spec: str, source: str, name: str, device: str, dtype: torch.dtype) -> ModelBundle:
     config = _hf.hf_config(source)
     kind = _hf.hf_kind(config)
     limit = _hf.max_positions(config, default=512 if kind == "encoder" else 2048)
     if kind == "causal":
-        model, hf_tok = _hf.load_hf_causal(source, device, config)
+        model, hf_tok = _hf.load_hf_causal(source, device, config, dtype)
         tokenizer = HFTokenizer(hf_tok, "causal") if hf_tok is not None else None
         return ModelBundle(
             name=name,
             kind="causal",
             model=model,
             tokenizer=tokenizer,
-            reload=quiet_loading()(lambda: _hf.load_hf_causal(source, device, config)[0]),  # a bar per reload: noise
+            reload=quiet_loading()(lambda: _hf.load_hf_causal(source, device, config, dtype)[0]),  # a bar per reload: noise
             export=lambda m, fixed_len=None: export_causal_lm(m, fixed_len=fixed_len),
             logits=_hf_causal_logits,
             embed=_not_for(name, "causal", "sentence embeddings (embed)"),
@@ -300,7 +300,7 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBund
             source=source,
             device=device,
         )
-    model, hf_tok = _hf.load_hf_encoder(source, device, config=config)
+    model, hf_tok = _hf.load_hf_encoder(source, device, config=config, dtype=dtype)
     if hf_tok is None:
         raise ValueError(f"{spec}: encoder found in {source} but no tokenizer files beside it (embed needs one)")
     folder = Path(source) if Path(source).is_dir() else None
@@ -311,7 +311,7 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str) -> ModelBund
         kind="encoder",
         model=model,
         tokenizer=HFTokenizer(hf_tok, "encoder"),
-        reload=quiet_loading()(lambda: _hf.load_hf_encoder(source, device, config=config)[0]),
+        reload=quiet_loading()(lambda: _hf.load_hf_encoder(source, device, config=config, dtype=dtype)[0]),
         export=lambda m, fixed_len=None: export_encoder(m),  # always dynamic in the sequence
         logits=_not_for(name, "encoder", "LM head (logits)"),
         embed=_make_embed(hf_tok, embed_len, device),
@@ -326,8 +326,9 @@ def _llama2c_in_folder(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.bin") if not _is_tokenizer_file(p))
 
 
-def load_model(spec: str | os.PathLike, device: str = "cpu") -> ModelBundle:
-    """Load a llama2.c checkpoint, a transformers folder, a cached HF name, or all-MiniLM-L6-v2 (offline).
+def load_model(spec: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32) -> ModelBundle:
+    """Load a llama2.c checkpoint, a transformers folder, a cached HF name, or all-MiniLM-L6-v2 (offline),
+    its weights in `dtype` (fp32 by default: what masks and one-shot pruning learn over).
 
     Raises ValueError with one line naming `spec` and what was tried when nothing loads.
 
@@ -340,7 +341,7 @@ def load_model(spec: str | os.PathLike, device: str = "cpu") -> ModelBundle:
     raw = str(spec)
     device = str(device)
     try:
-        return _load(raw, device)
+        return _load(raw, device, dtype)
     except ValueError as e:
         msg = _one_line(str(e))
         if raw not in msg:
@@ -350,31 +351,31 @@ def load_model(spec: str | os.PathLike, device: str = "cpu") -> ModelBundle:
         raise ValueError(f"{raw}: {type(e).__name__}: {_one_line(str(e))}") from e
 
 
-def _load(raw: str, device: str) -> ModelBundle:
+def _load(raw: str, device: str, dtype: torch.dtype) -> ModelBundle:
     if not raw.strip():
         raise ValueError(f"model spec {raw!r} is empty (give a *.bin, a transformers folder, a cached name or 'minilm')")
     if _hf.is_minilm_alias(raw):
         folder = _hf.minilm_dir()
-        return _load_hf_bundle(raw, str(folder), "sentence-transformers/all-MiniLM-L6-v2", device)
+        return _load_hf_bundle(raw, str(folder), "sentence-transformers/all-MiniLM-L6-v2", device, dtype)
 
     path = Path(raw).expanduser()
     if path.is_file():
         if path.name == "config.json":
-            return _load_hf_bundle(raw, str(path.parent), path.parent.name, device)
+            return _load_hf_bundle(raw, str(path.parent), path.parent.name, device, dtype)
         try:
-            return _load_llama2c_bundle(raw, path, device)
+            return _load_llama2c_bundle(raw, path, device, dtype)
         except ValueError as e:  # CheckpointError: header/size wrong; say what was tried
             raise ValueError(f"{raw}: tried as a llama2.c checkpoint: {_one_line(str(e))}") from e
     if path.is_dir():
         if (path / "config.json").is_file():
-            return _load_hf_bundle(raw, str(path), path.name, device)
+            return _load_hf_bundle(raw, str(path), path.name, device, dtype)
         hf_files = sorted(p.name for p in path.iterdir() if _HF_WEIGHTS.match(p.name))
         if hf_files:
             raise ValueError(f"{raw}: folder holds transformers weights ({hf_files[0]}) but no config.json; "
                              "copy the model's config.json beside them")
         ckpts = _llama2c_in_folder(path)
         if len(ckpts) == 1:
-            return _load_llama2c_bundle(raw, ckpts[0], device)
+            return _load_llama2c_bundle(raw, ckpts[0], device, dtype)
         found = f"{len(ckpts)} llama2.c checkpoints" if ckpts else "no llama2.c checkpoint"
         raise ValueError(f"{raw}: folder has no config.json (transformers) and {found} (*.bin); name the file")
 
@@ -389,7 +390,7 @@ def _load(raw: str, device: str) -> ModelBundle:
             f"{raw}: not a file, not a folder, not 'minilm', and not in the local Hugging Face cache "
             f"(offline; nothing is downloaded): {why}"
         ) from e
-    return _load_hf_bundle(raw, raw, raw, device)
+    return _load_hf_bundle(raw, raw, raw, device, dtype)
 
 
 __all__ = ["HFTokenizer", "ModelBundle", "load_model"]

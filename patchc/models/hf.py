@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,11 @@ def dequantizing(spec: str, config: Any) -> dict[str, Any]:
         return {}
     q = q if isinstance(q, dict) else q.to_dict()
     method = str(q.get("quant_method", "unknown"))
+    layout = sparse_layout(q)
+    if layout is not None:
+        raise HFLoadError(f"{spec}: a compressed-tensors {layout} checkpoint: its weights are already 2:4, in a "
+                          "layout transformers no longer reads; `patchc import` serves it (patchc import "
+                          f"{shlex.quote(str(spec))} --out DIR), and masks are learned from the dense model")
     if method not in DEQUANTIZABLE:
         raise HFLoadError(f"{spec}: its weights are quantized ({method}); patchc learns masks over dense weights "
                           f"and can dequantize only {', '.join(DEQUANTIZABLE)} checkpoints while loading: give it "
@@ -199,14 +205,33 @@ def dequantizing(spec: str, config: Any) -> dict[str, Any]:
     return {"quantization_config": qconfig}
 
 
-def _from_pretrained(cls: Any, spec: str, device: str | torch.device, config: Any = None) -> nn.Module:
+def sparse_layout(quantization_config: dict) -> str | None:
+    """The compressed-tensors layout a config names for weights stored 2:4 ("sparse-24-bitmask", or
+    "marlin-24" for int4 ones), or None (dense weights, or a layout that stores them whole)."""
+    sparsity = quantization_config.get("sparsity_config") or {}
+    if sparsity.get("format") == "sparse-24-bitmask":
+        return "sparse-24-bitmask"
+    groups = quantization_config.get("config_groups") or {}
+    formats = {quantization_config.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
+    return "marlin-24" if "marlin-24" in formats else None
+
+
+def _from_pretrained(cls: Any, spec: str, device: str | torch.device, config: Any = None,
+                     dtype: torch.dtype = torch.float32, may_lack: tuple[str, ...] = ()) -> nn.Module:
     extra = dequantizing(spec, config if config is not None else hf_config(spec))
     try:
-        # dtype=float32: transformers 5 defaults to the checkpoint's dtype; masks and one-shot methods want fp32.
-        model = cls.from_pretrained(str(spec), local_files_only=True, dtype=torch.float32, **extra)
+        # dtype given: transformers 5 defaults to the checkpoint's; masks and one-shot methods want fp32.
+        model, info = cls.from_pretrained(str(spec), local_files_only=True, dtype=dtype, output_loading_info=True,
+                                          **extra)
     except Exception as e:
         raise HFLoadError(f"{spec}: {cls.__name__}.from_pretrained failed offline ({type(e).__name__}: {_first_line(e)})") from e
-    return model.float().to(device).eval()
+    # transformers initialises a weight the files lack at random, with a warning: patchc would prune noise
+    missing = sorted(k for k in info.get("missing_keys") or () if not k.startswith(may_lack))
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise HFLoadError(f"{spec}: the checkpoint holds no {missing[0]}{more}; transformers would initialise "
+                          f"{'them' if more else 'it'} at random (incomplete download, or files of another model?)")
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def load_hf_tokenizer(spec: str | os.PathLike) -> Any | None:
@@ -231,11 +256,12 @@ def load_hf_tokenizer(spec: str | os.PathLike) -> Any | None:
                           f"{transformers.__version__} ({type(e).__name__}: {_first_line(e)}){hint}") from e
 
 
-def load_hf_causal(spec: str | os.PathLike, device: str | torch.device = "cpu",
-                   config: Any = None) -> tuple[nn.Module, Any | None]:
-    """(AutoModelForCausalLM in fp32 eval mode, its HF tokenizer or None), offline. A vision-language
+def load_hf_causal(spec: str | os.PathLike, device: str | torch.device = "cpu", config: Any = None,
+                   dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any | None]:
+    """(AutoModelForCausalLM in `dtype` eval mode, its HF tokenizer or None), offline. A vision-language
     checkpoint loads whole (AutoModelForImageTextToText), so its plan and export keep the model's own
-    names and a pruned model still takes images. `config`: its `hf_config`, when already read.
+    names and a pruned model still takes images. `config`: its `hf_config`, when already read. A weight
+    the files lack is an HFLoadError, not a random one.
 
     Example:
         >>> model, tok = load_hf_causal("/path/to/saved_llama")
@@ -244,7 +270,7 @@ def load_hf_causal(spec: str | os.PathLike, device: str | torch.device = "cpu",
     transformers = _transformers()
     config = config if config is not None else hf_config(spec)
     auto = transformers.AutoModelForImageTextToText if is_multimodal(config) else transformers.AutoModelForCausalLM
-    return _from_pretrained(auto, str(spec), device, config), load_hf_tokenizer(spec)
+    return _from_pretrained(auto, str(spec), device, config, dtype), load_hf_tokenizer(spec)
 
 
 class EncoderWrapper(nn.Module):
@@ -289,10 +315,11 @@ class EncoderWrapper(nn.Module):
 
 
 def load_hf_encoder(
-    spec: str | os.PathLike, device: str | torch.device = "cpu", drop_pooler: bool = True, config: Any = None
+    spec: str | os.PathLike, device: str | torch.device = "cpu", drop_pooler: bool = True, config: Any = None,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[EncoderWrapper, Any | None]:
-    """(EncoderWrapper around AutoModel in fp32 eval mode, its HF tokenizer or None), offline. `config`: its
-    `hf_config`, when already read.
+    """(EncoderWrapper around AutoModel in `dtype` eval mode, its HF tokenizer or None), offline. `config`:
+    its `hf_config`, when already read. A masked-LM checkpoint has no pooler, which `drop_pooler` removes.
 
     Example:
         >>> wrapper, tok = load_hf_encoder(minilm_dir())
@@ -300,7 +327,8 @@ def load_hf_encoder(
         36
     """
     transformers = _transformers()
-    base = _from_pretrained(transformers.AutoModel, str(spec), device, config)
+    base = _from_pretrained(transformers.AutoModel, str(spec), device, config, dtype,
+                            may_lack=("pooler.",) if drop_pooler else ())
     return EncoderWrapper(base, drop_pooler=drop_pooler).eval(), load_hf_tokenizer(spec)
 
 
@@ -339,4 +367,5 @@ __all__ = [
     "max_positions",
     "mean_pool",
     "minilm_dir",
+    "sparse_layout",
 ]

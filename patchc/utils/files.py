@@ -43,9 +43,24 @@ def _mode_for(path: Path) -> int:
     try:
         return path.stat().st_mode & 0o777
     except OSError:
-        umask = os.umask(0)  # reading the umask means setting it: put it straight back
-        os.umask(umask)
-        return 0o666 & ~umask
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    umask = os.umask(0)  # reading the umask means setting it: put it straight back
+    os.umask(umask)
+    return umask
+
+
+def publish_modes(folder: str | os.PathLike) -> None:
+    """Give `folder` and everything in it the modes plain mkdir / open would (0777 / 0666 less the umask),
+    not the private 0700 / 0600 of mkdtemp and of safetensors' writer: a folder built in a temporary
+    place and renamed into view stays readable to whoever may read its parent's new files."""
+    umask = _umask()
+    root = Path(folder)
+    for p in [root, *root.rglob("*")]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:

@@ -1,0 +1,214 @@
+"""`patchc import`: a model that is already 2:4 (or hybrid) in, a folder `patchc.from_pretrained` serves out.
+
+People with sparse models keep them in one of two layouts, and both come in:
+
+    dense weights        the pruned weights are zeros (most 2:4 releases, SparseGPT / Wanda output,
+                         compressed-tensors' "dense" sparsity format, a llama2.c checkpoint)
+    sparse-24-bitmask    compressed-tensors' own (`legacy.py`), which transformers and compressed-tensors
+                         no longer read: kept values + a bitmask per weight, float or FP8 / int8 with scales
+
+The stages (`import_sparse`):
+
+    decode    a sparse-24-bitmask checkpoint -> a dense-weight folder beside the output, one shard at a
+              time (deleted at the end): transformers then loads it, with its own key conversions
+    load      `patchc.models.load_model` in the checkpoint's dtype (offline; a missing weight is an error)
+    infer     `TilePlan.from_weights` over the linear layers: a tile is 2:4 iff every group of 4 holds at
+              most 2 nonzeros; layers without a 2:4 tile stay plain weights
+    export    `export_pretrained`: the folder, written atomically
+
+Example:
+    >>> summary = import_sparse("Sparse-Llama-3.1-8B-2of4/", "served/", tile=(128, 128))
+    >>> print(summary.format())
+    >>> model = patchc.from_pretrained("served/", device="cuda")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from patchc.export.format import ExportError
+from patchc.export.legacy import LAYOUT, decoded_shards
+from patchc.export.pretrained import export_pretrained
+from patchc.ir import TilePlan
+from patchc.ir.file_format import FLOAT_DTYPES
+from patchc.ir.tiles import tile_pair
+
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ImportSummary:
+    """What `import_sparse` wrote: the folder, the source layout and the plan's tile counts."""
+
+    out: Path
+    layout: str
+    dtype: str
+    tile: tuple[int, int]
+    layers: int
+    sparse_tiles: int
+    dense_tiles: int
+    plan_bytes: int
+    dense_bytes: int
+    left_dense: dict[str, str] = field(default_factory=dict)
+
+    def format(self) -> str:
+        """A few lines for the terminal: tiles, bytes, the layers left dense and how to load the folder."""
+        total = self.sparse_tiles + self.dense_tiles
+        lines = [
+            f"source layout: {self.layout}; {self.layers} layers planned at tile {self.tile[0]}x{self.tile[1]}, "
+            f"{self.dtype}: {self.sparse_tiles} of {total} tiles 2:4 ({self.sparse_tiles / max(total, 1):.1%}), "
+            f"{self.dense_tiles} dense",
+            f"planned weights: {self.plan_bytes / 2**20:.2f} MiB against {self.dense_bytes / 2**20:.2f} MiB dense "
+            f"({self.plan_bytes / max(self.dense_bytes, 1):.3f}x)",
+        ]
+        if self.left_dense:
+            reasons = Counter(self.left_dense.values())
+            lines.append(f"left as plain weights: {len(self.left_dense)} ("
+                         + "; ".join(f"{n}: {why}" for why, n in reasons.most_common()) + ")")
+        lines.append(f"wrote {self.out.resolve()}; load it with patchc.from_pretrained({str(self.out)!r})")
+        return "\n".join(lines)
+
+
+def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple[int, int] | int = (128, 128),
+                  dtype: torch.dtype | None = None, overwrite: bool = False) -> ImportSummary:
+    """Write the 2:4 / hybrid model `src` (see the module docstring) as a patchc export folder `out`.
+
+    `dtype`: the served weights' dtype (None: the checkpoint's own, fp32 when it names none). Raises
+    ExportError naming the checkpoint when no linear layer holds a 2:4 tile, or when `out` is in the way.
+
+    Example:
+        >>> import_sparse("runs/sparsegpt-2of4/", "served/", tile=64).sparse_tiles
+        4096
+    """
+    from patchc.models import load_model
+
+    tile = tile_pair(tile, "patchc import")
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and not overwrite:  # before any long stage
+        raise ExportError(f"{out}: folder exists and is not empty; pass --overwrite or choose another folder")
+    layout = checkpoint_layout(src)
+    with decoded(src, layout, out.parent) as folder:
+        bundle = load_model(folder, dtype=dtype or checkpoint_dtype(folder))
+        plan, left_dense = infer_plan(bundle.model, tile, str(src))
+        export_pretrained(plan, bundle.model, out, tokenizer_from=bundle.source if bundle.tokenizer is not None else None,
+                          overwrite=overwrite, info={"imported": str(src), "layout": layout})
+    weight = next(bundle.model.parameters())
+    return ImportSummary(
+        out=out, layout=layout, dtype=str(weight.dtype).removeprefix("torch."), tile=tile, layers=len(plan.layers),
+        sparse_tiles=sum(lp.n_sparse for lp in plan.layers.values()),
+        dense_tiles=sum(lp.n_dense for lp in plan.layers.values()), plan_bytes=plan.nbytes(),
+        dense_bytes=sum(lp.shape[0] * lp.shape[1] * weight.element_size() for lp in plan.layers.values()),
+        left_dense=left_dense)
+
+
+def checkpoint_layout(src: str | os.PathLike) -> str:
+    """`legacy.LAYOUT` for a compressed-tensors sparse-24-bitmask folder, else "dense weights"."""
+    config = Path(src) / "config.json"
+    if not config.is_file():
+        return "dense weights"
+    try:
+        body = json.loads(config.read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{config}: not valid JSON ({e})") from None
+    from patchc.models.hf import sparse_layout
+
+    for key in ("quantization_config", "compression_config"):
+        found = sparse_layout(body.get(key) or {})
+        if found == "marlin-24":
+            raise ExportError(f"{src}: its 2:4 weights are int4 in Marlin's layout (marlin-24), which cannot be "
+                              "dequantized here; import the float or FP8 release of the model")
+        if found is not None:
+            return found
+    return "dense weights"
+
+
+def checkpoint_dtype(folder: str | os.PathLike) -> torch.dtype:
+    """The float dtype a transformers config.json names ("dtype" / "torch_dtype"), else float32."""
+    config = Path(folder) / "config.json"
+    body = json.loads(config.read_text()) if config.is_file() else {}
+    name = str(body.get("dtype") or body.get("torch_dtype") or "float32").removeprefix("torch.")
+    return FLOAT_DTYPES.get(name, torch.float32)
+
+
+class decoded:  # noqa: N801 (a context manager read as a stage: `with decoded(src, layout, parent) as folder`)
+    """The checkpoint as dense weights: `src` itself, or a decoded copy in a temporary folder under
+    `parent` (deleted on exit) for a sparse-24-bitmask one."""
+
+    def __init__(self, src: str | os.PathLike, layout: str, parent: Path) -> None:
+        self.src, self.layout, self.parent, self.tmp = str(src), layout, parent, None
+
+    def __enter__(self) -> str:
+        if self.layout != LAYOUT:
+            return self.src
+        self.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=".patchc-import.", dir=self.parent))
+        write_decoded(Path(self.src), self.tmp)
+        return str(self.tmp)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def write_decoded(src: Path, dst: Path) -> None:
+    """Write the dense-weight form of a sparse-24-bitmask folder `src` into `dst`: same shard names, an
+    index whose names are the decoded ones, config.json without its quantization / sparsity config, and
+    every other file (tokenizer, generation config) copied."""
+    from safetensors.torch import save_file
+
+    from patchc.utils.progress import progress
+
+    weight_map: dict[str, str] = {}
+    shards = decoded_shards(src)
+    for name, tensors in progress(shards, desc="decoding sparse-24-bitmask shards", unit="shard"):
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    if (src / INDEX).is_file():
+        (dst / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    config = json.loads((src / "config.json").read_text())
+    for key in ("quantization_config", "compression_config"):
+        config.pop(key, None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for p in src.iterdir():
+        if p.is_dir():
+            shutil.copytree(p, dst / p.name)
+        elif p.suffix != ".safetensors" and p.name not in (INDEX, "config.json"):
+            shutil.copyfile(p, dst / p.name)
+
+
+def infer_plan(model: nn.Module, tile: tuple[int, int], src: str) -> tuple[TilePlan, dict[str, str]]:
+    """(plan of every linear weight with a 2:4 tile, {linear weight left plain: why}); ExportError when
+    no linear weight of `model` holds a 2:4 tile."""
+    linear = linear_weights(model)
+    inferred = TilePlan.from_weights(model, tile, include=linear.__contains__)
+    left = {fqn: why for fqn, why in inferred.skipped.items() if fqn in linear}
+    left.update({fqn: "no 2:4 tile" for fqn, lp in inferred.layers.items() if lp.n_sparse == 0})
+    plan = TilePlan(layers={fqn: lp for fqn, lp in inferred.layers.items() if lp.n_sparse > 0}, skipped=left,
+                    meta={**inferred.meta, "source": "patchc import"})
+    if not plan.layers:
+        raise ExportError(f"{src}: none of its {len(linear)} linear weights holds a 2:4 tile at {tile[0]}x{tile[1]} "
+                          "(a 2:4 tile keeps at most 2 of every 4 weights along a row); not a 2:4 model? "
+                          "`patchc prune` learns a hybrid one from a dense model")
+    plan.verify()
+    return plan, left
+
+
+def linear_weights(model: nn.Module) -> set[str]:
+    """FQNs of the `nn.Linear` weights of `model`, its output embedding (LM head) excluded.
+
+    (GPT-2's `Conv1D` stores its weight transposed and fused MoE experts are 3-D: neither is read from
+    zeros here; `patchc prune` plans both.)"""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+
+
+__all__ = ["ImportSummary", "checkpoint_dtype", "checkpoint_layout", "import_sparse", "infer_plan", "write_decoded"]

@@ -1,0 +1,86 @@
+"""Writes the compressed-tensors fixtures of tests/test_import_sparse.py with the library itself.
+
+compressed-tensors 0.14.0 is the last release that writes its 2:4 ``sparse-24-bitmask`` format (0.15 dropped
+it), so these files are what llm-compressor saved, not what patchc's reader expects. Run once, with that
+release beside any torch / transformers (it needs no more of them than its own imports):
+
+    pip install --no-deps --target /tmp/ct014 compressed-tensors==0.14.0 loguru
+    PYTHONPATH=/tmp/ct014 python tests/data/compressed_tensors/make_fixtures.py
+
+It writes, next to this file:
+
+    truth.safetensors   the 2:4-pruned bf16 weights of a tiny random Llama (the expected result)
+    bf16/               that model saved as sparse-24-bitmask, bf16 values
+    fp8/                the same after FP8_DYNAMIC quantization (e4m3 per-channel weight scales, as
+                        llm-compressor's "2of4-FP8-dynamic" releases), then sparse-24-bitmask
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.config import SparsityCompressionConfig
+from safetensors.torch import save_file
+
+HERE = Path(__file__).resolve().parent
+CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+              vocab_size=64, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def pruned_model() -> transformers.LlamaForCausalLM:
+    """A random bf16 Llama whose block linears keep the 2 largest magnitudes of every group of 4."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16  # config.json says "bfloat16", as released checkpoints do
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and ".layers." in name:
+            w = mod.weight.data
+            mags = w.float().abs().reshape(w.shape[0], -1, 4)
+            keep = torch.zeros_like(mags, dtype=torch.bool).scatter_(-1, mags.topk(2, -1).indices, True)
+            mod.weight.data = w * keep.reshape(w.shape)
+    return model
+
+
+def quantize_fp8(model: torch.nn.Module) -> None:
+    """FP8_DYNAMIC, with the weight scales llm-compressor's minmax observer sets (per-channel absmax / 448)."""
+    from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,
+                                                 preset_name_to_scheme)
+
+    scheme = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    for mod in model.modules():
+        if hasattr(mod, "weight_scale"):
+            mod.weight_scale.data = (mod.weight.float().abs().amax(1, keepdim=True) / 448.0).to(mod.weight_scale.dtype)
+            mod.quantization_status = QuantizationStatus.FROZEN
+
+
+def save_compressed(model: torch.nn.Module, out: Path, quantized: bool) -> None:
+    sparsity = SparsityCompressionConfig.load_from_registry("sparse-24-bitmask", sparsity_structure="2:4",
+                                                            targets=["Linear"], ignore=["lm_head"])
+    compressor = ModelCompressor.from_pretrained_model(model, sparsity_config=sparsity,
+                                                       quantization_format="float-quantized" if quantized else None)
+    shutil.rmtree(out, ignore_errors=True)
+    model.config.save_pretrained(out)
+    state = compressor.compress(model)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    compressor.update_config(out)
+    print(out, json.loads((out / "config.json").read_text())["quantization_config"]["sparsity_config"]["format"])
+
+
+def main() -> None:
+    model = pruned_model()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(HERE / "truth.safetensors"),
+              metadata={"format": "pt"})
+    save_compressed(model, HERE / "bf16", quantized=False)
+    model = pruned_model()
+    quantize_fp8(model)
+    save_compressed(model, HERE / "fp8", quantized=True)
+
+
+if __name__ == "__main__":
+    main()

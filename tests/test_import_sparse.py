@@ -1,0 +1,206 @@
+"""`patchc import`: models that are already 2:4 in, folders `patchc.from_pretrained` serves out.
+
+The compressed-tensors checkpoints under tests/data/compressed_tensors were written by compressed-tensors
+0.14.0 itself (the last release with its sparse-24-bitmask compressor; `make_fixtures.py` there), so the
+reader is checked against the library's files, not against patchc's idea of them. `truth.safetensors`
+holds the pruned bf16 weights those checkpoints were made from: every comparison is with those, through a
+plain transformers model built independently of the import.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+import patchc  # noqa: E402
+from patchc.export import ExportError, load_plan  # noqa: E402
+from patchc.export.importing import import_sparse  # noqa: E402
+from patchc.ir import TILE_DENSE, TILE_SPARSE24  # noqa: E402
+from patchc.models.hf import HFLoadError, load_hf_causal  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data" / "compressed_tensors"
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK_LINEARS = 14  # 2 layers x (q, k, v, o, gate, up, down)
+IDS = torch.tensor([[1, 5, 9, 17, 33, 2, 40, 63], [3, 7, 11, 13, 19, 23, 29, 31]])
+
+
+def truth_model(weights: dict[str, torch.Tensor]) -> nn.Module:
+    """A plain transformers Llama holding `weights` (the fixture's config, its quantization removed)."""
+    config = json.loads((DATA / "bf16" / "config.json").read_text())
+    config.pop("quantization_config")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(torch.bfloat16)
+    model.load_state_dict(weights, strict=True)
+    return model.eval()
+
+
+def fp8_expected(truth: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The bf16 weights an FP8 per-channel round trip of `truth` gives, with the checkpoint's own scales:
+    e4m3(W / s) * s, computed here from the definition (not by the reader)."""
+    stored = load_file(DATA / "fp8" / "model.safetensors")
+    out = dict(truth)
+    for key, scale in stored.items():
+        if key.endswith(".weight_scale"):
+            w = truth[key.removesuffix("_scale")].float()
+            q = (w / scale.float()).clamp(-448, 448).to(torch.float8_e4m3fn)
+            out[key.removesuffix("_scale")] = (q.float() * scale.float()).to(torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_compressed_tensors_files_import_and_serve(kind, tmp_path):
+    truth = load_file(DATA / "truth.safetensors")
+    want = truth if kind == "bf16" else fp8_expected(truth)
+    summary = import_sparse(DATA / kind, tmp_path / "out", tile=16)
+    assert (summary.layout, summary.dtype, summary.layers) == ("sparse-24-bitmask", "bfloat16", BLOCK_LINEARS)
+    assert summary.dense_tiles == 0 and summary.sparse_tiles == 72 and not summary.left_dense
+    assert not list(tmp_path.glob(".patchc-import.*")), "the decoded copy is removed"
+
+    plan = load_plan(tmp_path / "out")
+    plan.verify()
+    assert set(plan.layers) == {k for k in truth if ".layers." in k and k.endswith("proj.weight")}
+    for fqn, layer in plan.layers.items():
+        assert bool((layer.kinds == TILE_SPARSE24).all()), fqn
+        dense = layer.to_dense()
+        groups = (dense != 0).reshape(dense.shape[0], -1, 4).sum(-1)
+        assert int(groups.max()) <= 2, f"{fqn}: 2:4 broken"
+        # bf16: bit-exact; fp8: the definition's round trip (one e4m3 rounding apart at most)
+        tol = {} if kind == "bf16" else {"atol": 0, "rtol": 2 ** -3}
+        torch.testing.assert_close(dense, want[fqn], **(tol or {"atol": 0, "rtol": 0}))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in config, "the served model is not quantized"
+
+    served = patchc.from_pretrained(tmp_path / "out")
+    reference = truth_model(want)
+    with torch.no_grad():
+        got, ref = served(IDS).logits.float(), reference(IDS).logits.float()
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)  # bf16 through the same ops, kernel vs dense
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_fp8_values_are_the_dequantized_checkpoint():
+    """The FP8 fixture's weights are the truth to within e4m3's precision (so the round trip is the right one)."""
+    truth = load_file(DATA / "truth.safetensors")
+    want = fp8_expected(truth)
+    w, t = want["model.layers.0.mlp.up_proj.weight"].float(), truth["model.layers.0.mlp.up_proj.weight"].float()
+    assert 0 < (w - t).abs().max() <= 2 ** -4 * t.abs().max()
+
+
+def save_llama(folder: Path, prune: dict[str, str], dtype=torch.float32) -> nn.Module:
+    """A tiny random Llama saved with save_pretrained; `prune`: {linear name part: "24" | "half" | "none"}."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                      max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            how = next((v for k, v in prune.items() if name.endswith(k)), "24")
+            if not isinstance(mod, nn.Linear) or name == "lm_head" or how == "none":
+                continue
+            w = mod.weight
+            mags = w.abs().reshape(w.shape[0], -1, 4)
+            keep = torch.zeros_like(mags, dtype=torch.bool).scatter_(-1, mags.topk(2, -1).indices, True)
+            keep = keep.reshape(w.shape)
+            if how == "half":  # the left 16 columns of every 16-row band stay dense: a hybrid layer
+                keep[:, :16] = True
+            w.mul_(keep)
+    model.save_pretrained(folder)
+    return model
+
+
+def test_dense_stored_hybrid_model_imports_as_it_is(tmp_path):
+    model = save_llama(tmp_path / "src", {"self_attn.o_proj": "half", "mlp.down_proj": "none"})
+    summary = import_sparse(tmp_path / "src", tmp_path / "out", tile=16)
+    assert summary.layout == "dense weights" and summary.dtype == "float32"
+    assert summary.left_dense == {"model.layers.0.mlp.down_proj.weight": "no 2:4 tile"}
+    plan = load_plan(tmp_path / "out")
+    assert "lm_head.weight" not in plan.layers and "model.embed_tokens.weight" not in plan.layers
+    o_proj = plan.layers["model.layers.0.self_attn.o_proj.weight"]
+    assert (o_proj.kinds[:, 0] == TILE_DENSE).all() and (o_proj.kinds[:, 1:] == TILE_SPARSE24).all()
+    assert len(plan.layers) == 6
+    served = patchc.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(served(IDS).logits, model(IDS).logits, atol=1e-4, rtol=1e-5)
+    assert "left as plain weights: 1 (1: no 2:4 tile)" in summary.format()
+
+
+def test_dtype_is_the_checkpoints_unless_given(tmp_path):
+    save_llama(tmp_path / "src", {}, dtype=torch.bfloat16)
+    assert import_sparse(tmp_path / "src", tmp_path / "a", tile=16).dtype == "bfloat16"
+    assert import_sparse(tmp_path / "src", tmp_path / "b", tile=16, dtype=torch.float16).dtype == "float16"
+    assert load_plan(tmp_path / "b").layers["model.layers.0.mlp.up_proj.weight"].dtype == torch.float16
+
+
+def test_import_refuses_what_it_cannot_serve(tmp_path):
+    save_llama(tmp_path / "dense", {"proj": "none"})
+    with pytest.raises(ExportError, match="none of its 7 linear weights holds a 2:4 tile"):
+        import_sparse(tmp_path / "dense", tmp_path / "out", tile=16)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".patchc-import.*"))
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="not empty"):
+        import_sparse(DATA / "bf16", tmp_path / "taken", tile=16)
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+
+    marlin = tmp_path / "marlin"
+    shutil.copytree(DATA / "bf16", marlin)
+    config = json.loads((marlin / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {}}
+    (marlin / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="marlin-24"):
+        import_sparse(marlin, tmp_path / "out", tile=16)
+
+    broken = tmp_path / "broken"
+    shutil.copytree(DATA / "bf16", broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.compressed"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(Exception, match="model.layers.1.mlp.up_proj.weight"):
+        import_sparse(broken, tmp_path / "out", tile=16)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".patchc-import.*"))
+
+
+def test_fp8_without_its_scale_is_named(tmp_path):
+    src = tmp_path / "fp8"
+    shutil.copytree(DATA / "fp8", src)
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.0.self_attn.k_proj.weight_scale"]
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(Exception, match="model.layers.0.self_attn.k_proj.weight: quantized values without a weight_scale"):
+        import_sparse(src, tmp_path / "out", tile=16)
+
+
+def test_transformers_loaders_refuse_the_format_and_point_at_import():
+    with pytest.raises(HFLoadError, match="sparse-24-bitmask checkpoint.*patchc import"):
+        load_hf_causal(DATA / "bf16")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "patchc", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+
+
+def test_cli_import_and_its_errors(tmp_path):
+    proc = cli("import", str(DATA / "fp8"), "--out", str(tmp_path / "out"), "--tile", "16", "16")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "72 of 72 tiles 2:4" in proc.stdout and "patchc.from_pretrained" in proc.stdout
+
+    proc = cli("import", str(tmp_path / "nothing"), "--out", str(tmp_path / "x"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "nothing" in proc.stderr
+    assert not (tmp_path / "x").exists()
+
+    proc = cli("prune", "--model", str(DATA / "bf16"), "--steps", "1", "--no-baselines", "--out", str(tmp_path / "r"))
+    assert proc.returncode == 2 and "patchc import" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "r").exists()
