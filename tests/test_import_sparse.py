@@ -10,6 +10,7 @@ plain transformers model built independently of the import.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -96,12 +97,12 @@ def test_fp8_values_are_the_dequantized_checkpoint():
     assert 0 < (w - t).abs().max() <= 2 ** -4 * t.abs().max()
 
 
-def save_llama(folder: Path, prune: dict[str, str], dtype=torch.float32) -> nn.Module:
+def save_llama(folder: Path, prune: dict[str, str], dtype=torch.float32, tied: bool = False) -> nn.Module:
     """A tiny random Llama saved with save_pretrained; `prune`: {linear name part: "24" | "half" | "none"}."""
     torch.manual_seed(1)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                                      max_position_embeddings=64)
+                                      max_position_embeddings=64, tie_word_embeddings=tied)
     model = transformers.LlamaForCausalLM(config).to(dtype).eval()
     with torch.no_grad():
         for name, mod in model.named_modules():
@@ -143,7 +144,7 @@ def test_dtype_is_the_checkpoints_unless_given(tmp_path):
 
 
 def test_import_refuses_what_it_cannot_serve(tmp_path):
-    save_llama(tmp_path / "dense", {"proj": "none"})
+    save_llama(tmp_path / "dense", {"proj": "none"}, tied=True)  # the tied LM head is no linear layer to plan
     with pytest.raises(ExportError, match="none of its 7 linear weights holds a 2:4 tile"):
         import_sparse(tmp_path / "dense", tmp_path / "out", tile=16)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".patchc-import.*"))
@@ -204,3 +205,39 @@ def test_cli_import_and_its_errors(tmp_path):
     proc = cli("prune", "--model", str(DATA / "bf16"), "--steps", "1", "--no-baselines", "--out", str(tmp_path / "r"))
     assert proc.returncode == 2 and "patchc import" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "r").exists()
+
+
+def test_a_sharded_checkpoint_imports_the_same(tmp_path):
+    """Shards with an index, one layer's three tensors spread over both: the same plan as the single file."""
+    src = tmp_path / "sharded"
+    src.mkdir()
+    shutil.copy(DATA / "bf16" / "config.json", src / "config.json")
+    tensors = load_file(DATA / "bf16" / "model.safetensors")
+    names = sorted(tensors)
+    first = {k for k in names[: len(names) // 2]} | {"model.layers.1.mlp.up_proj.bitmask"}
+    shards = {"model-00001-of-00002.safetensors": {k: tensors[k] for k in names if k in first},
+              "model-00002-of-00002.safetensors": {k: tensors[k] for k in names if k not in first}}
+    for name, part in shards.items():
+        save_file(part, src / name, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: n for n, part in shards.items() for k in part}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    import_sparse(src, tmp_path / "a", tile=16)
+    import_sparse(DATA / "bf16", tmp_path / "b", tile=16)
+    a, b = load_plan(tmp_path / "a"), load_plan(tmp_path / "b")
+    assert set(a.layers) == set(b.layers) and len(a.layers) == BLOCK_LINEARS
+    for fqn in a.layers:
+        assert torch.equal(a.layers[fqn].to_dense(), b.layers[fqn].to_dense()), fqn
+
+
+def test_a_name_in_the_local_hugging_face_cache_imports(tmp_path):
+    """`patchc import org/name` reads the cached snapshot (offline), sparse-24-bitmask included."""
+    repo = tmp_path / "hub" / "models--acme--tiny-2of4"
+    shutil.copytree(DATA / "fp8", repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "patchc", "import", "acme/tiny-2of4", "--out", str(tmp_path / "out"),
+                           "--tile", "16", "16"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "72 of 72 tiles 2:4" in proc.stdout
+    assert len(load_plan(tmp_path / "out").layers) == BLOCK_LINEARS

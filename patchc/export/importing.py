@@ -111,15 +111,24 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
 
 
 def checkpoint_layout(src: str | os.PathLike) -> str:
-    """`legacy.LAYOUT` for a compressed-tensors sparse-24-bitmask folder, else "dense weights"."""
-    config = Path(src) / "config.json"
-    if not config.is_file():
-        return "dense weights"
-    try:
-        body = json.loads(config.read_text())
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{config}: not valid JSON ({e})") from None
-    from patchc.models.hf import sparse_layout
+    """`legacy.LAYOUT` for a compressed-tensors sparse-24-bitmask checkpoint (a folder, or a name in the
+    local Hugging Face cache), else "dense weights"."""
+    from patchc.models.hf import HFLoadError, hf_config, sparse_layout
+
+    path = Path(src)
+    config = path / "config.json"
+    if config.is_file():
+        try:
+            body = json.loads(config.read_text())
+        except json.JSONDecodeError as e:
+            raise ExportError(f"{config}: not valid JSON ({e})") from None
+    elif path.exists():
+        return "dense weights"  # a llama2.c checkpoint, or a folder `load_model` will name
+    else:
+        try:
+            body = hf_config(str(src)).to_dict()
+        except HFLoadError:
+            return "dense weights"  # `load_model` says what it tried
 
     for key in ("quantization_config", "compression_config"):
         found = sparse_layout(body.get(key) or {})
@@ -151,12 +160,21 @@ class decoded:  # noqa: N801 (a context manager read as a stage: `with decoded(s
             return self.src
         self.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=".patchc-import.", dir=self.parent))
-        write_decoded(Path(self.src), self.tmp)
+        write_decoded(local_folder(self.src), self.tmp)
         return str(self.tmp)
 
     def __exit__(self, *exc: object) -> None:
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def local_folder(src: str) -> Path:
+    """`src` itself when it is a folder, else its snapshot in the local Hugging Face cache (offline)."""
+    if Path(src).is_dir():
+        return Path(src)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(src, local_files_only=True))
 
 
 def write_decoded(src: Path, dst: Path) -> None:
@@ -208,7 +226,9 @@ def linear_weights(model: nn.Module) -> set[str]:
     (GPT-2's `Conv1D` stores its weight transposed and fused MoE experts are 3-D: neither is read from
     zeros here; `patchc prune` plans both.)"""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}  # a tied head
+    return {f"{name}.weight" for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m is not head and id(m.weight) not in embedded}
 
 
 __all__ = ["ImportSummary", "checkpoint_dtype", "checkpoint_layout", "import_sparse", "infer_plan", "write_decoded"]

@@ -289,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "compressed-tensors' sparse-24-bitmask layout with float, FP8 or int8 values), infer "
                             "each linear layer's tiles from its zeros and write the folder patchc.from_pretrained "
                             "serves with the hybrid kernels.")
-    p.add_argument("model", help="a transformers folder (or a llama2.c *.bin) whose linear weights are 2:4")
+    p.add_argument("model", help="a transformers folder, or a name in the local Hugging Face cache, whose linear "
+                                 "weights are 2:4")
     p.add_argument("--out", required=True, help="folder to write; must not exist or be empty")
     p.add_argument("--tile", type=int, nargs=2, default=[128, 128], metavar=("B1", "B2"),
                    help="tile rows x columns; a tile whose every group of 4 holds at most 2 nonzeros is 2:4")
