@@ -239,5 +239,36 @@ def test_a_name_in_the_local_hugging_face_cache_imports(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "patchc", "import", "acme/tiny-2of4", "--out", str(tmp_path / "out"),
                            "--tile", "16", "16"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "72 of 72 tiles 2:4" in proc.stdout
+    assert "bfloat16: 72 of 72 tiles 2:4" in proc.stdout  # the dtype the cached config names
     assert len(load_plan(tmp_path / "out").layers) == BLOCK_LINEARS
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "group", "block"])
+def test_int8_values_dequantize_with_every_scale_layout(granularity):
+    """W8A8-style int8 values: W = q * s, s per tensor / output channel / group of 8 columns / 8x8 block."""
+    from patchc.export.legacy import decode_24_bitmask
+
+    n, k = 16, 32
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    keep = torch.zeros(n, k // 4, 4, dtype=torch.bool)
+    keep.scatter_(-1, torch.rand(n, k // 4, 4, generator=gen).topk(2, -1).indices, True)
+    keep = keep.reshape(n, k)
+    bits = (keep.reshape(n, k // 8, 8).to(torch.uint8) << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    shape = {"tensor": (1,), "channel": (n, 1), "group": (n, k // 8), "block": (n // 8, k // 8)}[granularity]
+    scale = (torch.rand(shape, generator=gen) + 0.5).to(torch.bfloat16)
+    rows, cols = torch.arange(n)[:, None], torch.arange(k)[None, :]  # each weight's own scale, by its indices
+    per_weight = {"tensor": lambda: scale.float().reshape(1, 1).expand(n, k),
+                  "channel": lambda: scale.float()[rows.expand(n, k), 0],
+                  "group": lambda: scale.float()[rows, cols // 8],
+                  "block": lambda: scale.float()[rows // 8, cols // 8]}[granularity]()
+    want = (q.float() * keep * per_weight).to(torch.bfloat16)
+    w, mask = decode_24_bitmask(q[keep].reshape(n, k // 2), bits, torch.tensor([[n], [k]]), "fc.weight", scale=scale)
+    assert torch.equal(mask, keep) and w.dtype == torch.bfloat16
+    torch.testing.assert_close(w, want, atol=0, rtol=0)
+    with pytest.raises(Exception, match="fc.weight: asymmetric"):
+        decode_24_bitmask(q[keep].reshape(n, k // 2), bits, torch.tensor([[n], [k]]), "fc.weight", scale=scale,
+                          zero_point=torch.ones(n, 1, dtype=torch.int8))
+    with pytest.raises(Exception, match=r"fc.weight: weight_scale of shape \(3,\) does not tile"):
+        decode_24_bitmask(q[keep].reshape(n, k // 2), bits, torch.tensor([[n], [k]]), "fc.weight",
+                          scale=torch.ones(3, dtype=torch.bfloat16))

@@ -95,9 +95,10 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
     out = Path(out)
     if out.is_dir() and any(out.iterdir()) and not overwrite:  # before any long stage
         raise ExportError(f"{out}: folder exists and is not empty; pass --overwrite or choose another folder")
-    layout = checkpoint_layout(src)
+    config = checkpoint_config(src)
+    layout = checkpoint_layout(src, config)
     with decoded(src, layout, out.parent) as folder:
-        bundle = load_model(folder, dtype=dtype or checkpoint_dtype(folder))
+        bundle = load_model(folder, dtype=dtype or checkpoint_dtype(config))
         plan, left_dense = infer_plan(bundle.model, tile, str(src))
         export_pretrained(plan, bundle.model, out, tokenizer_from=bundle.source if bundle.tokenizer is not None else None,
                           overwrite=overwrite, info={"imported": str(src), "layout": layout})
@@ -110,28 +111,33 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
         left_dense=left_dense)
 
 
-def checkpoint_layout(src: str | os.PathLike) -> str:
-    """`legacy.LAYOUT` for a compressed-tensors sparse-24-bitmask checkpoint (a folder, or a name in the
-    local Hugging Face cache), else "dense weights"."""
-    from patchc.models.hf import HFLoadError, hf_config, sparse_layout
+def checkpoint_config(src: str | os.PathLike) -> dict:
+    """The transformers config.json of a folder or of a name in the local Hugging Face cache, as a dict;
+    {} for anything else (a llama2.c checkpoint; what does not load is named by `load_model` later)."""
+    from patchc.models.hf import HFLoadError, hf_config
 
     path = Path(src)
     config = path / "config.json"
     if config.is_file():
         try:
-            body = json.loads(config.read_text())
+            return json.loads(config.read_text())
         except json.JSONDecodeError as e:
             raise ExportError(f"{config}: not valid JSON ({e})") from None
-    elif path.exists():
-        return "dense weights"  # a llama2.c checkpoint, or a folder `load_model` will name
-    else:
-        try:
-            body = hf_config(str(src)).to_dict()
-        except HFLoadError:
-            return "dense weights"  # `load_model` says what it tried
+    if path.exists():
+        return {}
+    try:
+        return hf_config(str(src)).to_dict()
+    except HFLoadError:
+        return {}
+
+
+def checkpoint_layout(src: str | os.PathLike, config: dict) -> str:
+    """`legacy.LAYOUT` for a compressed-tensors sparse-24-bitmask checkpoint, else "dense weights"; its
+    int4 Marlin layout is refused."""
+    from patchc.models.hf import sparse_layout
 
     for key in ("quantization_config", "compression_config"):
-        found = sparse_layout(body.get(key) or {})
+        found = sparse_layout(config.get(key) or {})
         if found == "marlin-24":
             raise ExportError(f"{src}: its 2:4 weights are int4 in Marlin's layout (marlin-24), which cannot be "
                               "dequantized here; import the float or FP8 release of the model")
@@ -140,11 +146,9 @@ def checkpoint_layout(src: str | os.PathLike) -> str:
     return "dense weights"
 
 
-def checkpoint_dtype(folder: str | os.PathLike) -> torch.dtype:
-    """The float dtype a transformers config.json names ("dtype" / "torch_dtype"), else float32."""
-    config = Path(folder) / "config.json"
-    body = json.loads(config.read_text()) if config.is_file() else {}
-    name = str(body.get("dtype") or body.get("torch_dtype") or "float32").removeprefix("torch.")
+def checkpoint_dtype(config: dict) -> torch.dtype:
+    """The float dtype a transformers config names ("dtype" / "torch_dtype"), else float32."""
+    name = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
     return FLOAT_DTYPES.get(name, torch.float32)
 
 
@@ -231,4 +235,5 @@ def linear_weights(model: nn.Module) -> set[str]:
             if isinstance(m, nn.Linear) and m is not head and id(m.weight) not in embedded}
 
 
-__all__ = ["ImportSummary", "checkpoint_dtype", "checkpoint_layout", "import_sparse", "infer_plan", "write_decoded"]
+__all__ = ["ImportSummary", "checkpoint_config", "checkpoint_dtype", "checkpoint_layout", "import_sparse", "infer_plan",
+           "write_decoded"]
