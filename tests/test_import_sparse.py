@@ -163,22 +163,24 @@ def test_import_refuses_what_it_cannot_serve(tmp_path):
     with pytest.raises(ExportError, match="marlin-24"):
         import_sparse(marlin, tmp_path / "out", tile=16)
 
-    broken = tmp_path / "broken"
-    shutil.copytree(DATA / "bf16", broken)
-    tensors = load_file(broken / "model.safetensors")
-    del tensors["model.layers.1.mlp.up_proj.compressed"]
-    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    broken = fixture_without("bf16", "model.layers.1.mlp.up_proj.compressed", tmp_path)
     with pytest.raises(Exception, match="model.layers.1.mlp.up_proj.weight"):
         import_sparse(broken, tmp_path / "out", tile=16)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".patchc-import.*"))
 
 
-def test_fp8_without_its_scale_is_named(tmp_path):
-    src = tmp_path / "fp8"
-    shutil.copytree(DATA / "fp8", src)
+def fixture_without(kind: str, tensor: str, tmp_path: Path) -> Path:
+    """A copy of the `kind` fixture whose file lacks `tensor`."""
+    src = tmp_path / f"{kind}-without"
+    shutil.copytree(DATA / kind, src)
     tensors = load_file(src / "model.safetensors")
-    del tensors["model.layers.0.self_attn.k_proj.weight_scale"]
+    del tensors[tensor]
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    return src
+
+
+def test_fp8_without_its_scale_is_named(tmp_path):
+    src = fixture_without("fp8", "model.layers.0.self_attn.k_proj.weight_scale", tmp_path)
     with pytest.raises(Exception, match="model.layers.0.self_attn.k_proj.weight: quantized values without a weight_scale"):
         import_sparse(src, tmp_path / "out", tile=16)
 
