@@ -199,6 +199,9 @@ def test_cli_import_and_its_errors(tmp_path):
     proc = cli("import", str(DATA / "fp8"), "--out", str(tmp_path / "out"), "--tile", "16", "16")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "72 of 72 tiles 2:4" in proc.stdout and "patchc.from_pretrained" in proc.stdout
+    from patchc.job.recover import load_any_plan  # what `patchc generate` / `patchc tune` read
+
+    assert set(load_any_plan(tmp_path / "out").layers) == set(load_plan(tmp_path / "out").layers)
 
     proc = cli("import", str(tmp_path / "nothing"), "--out", str(tmp_path / "x"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "nothing" in proc.stderr

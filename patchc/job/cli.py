@@ -30,7 +30,7 @@ from patchc.bench.options import PARTS
 from patchc.job.losses import LOSSES
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
 from patchc.job.prune_args import add_prune_arguments, prune_options
-from patchc.job.recover import resolve_plan
+from patchc.job.recover import load_any_plan, resolve_plan
 
 # Errors that mean "the input is wrong", shown as one line; anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, OSError, RuntimeError, NotImplementedError, FloatingPointError, KeyError)
@@ -143,9 +143,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from patchc.codegen.generate import generate, summary
-    from patchc.ir import TilePlan
 
-    files = generate(TilePlan.load(resolve_plan(args.plan)), args.out, target=args.target, workers=args.workers,
+    files = generate(load_any_plan(args.plan), args.out, target=args.target, workers=args.workers,
                      show_progress=args.progress, fp_fusion=args.fp_fusion)
     count = len(files) if hasattr(files, "__len__") else 0
     print(f"wrote {count} files for {args.target} to {Path(args.out).resolve()}")
@@ -158,11 +157,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     import torch
 
-    from patchc.ir import TilePlan
     from patchc.runtime import tune_plan
 
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    tunings = tune_plan(TilePlan.load(resolve_plan(args.plan)), batch_size=args.batch_size,
+    tunings = tune_plan(load_any_plan(args.plan), batch_size=args.batch_size,
                         prefill_len=args.prefill_len, dtype=dtype)
     for fqn, tuning in tunings.items():
         print(f"{fqn}: {json.dumps(tuning.to_dict()) if tuning is not None else 'all dense: F.linear'}")
@@ -305,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_report)
 
     p = command("generate", "compile per-layer Triton kernels for a GPU target, offline")
-    p.add_argument("plan", help="plan file, or a run folder (its plan.patch)")
+    p.add_argument("plan", help="plan file, run folder, or a folder `patchc export` / `patchc import` wrote")
     p.add_argument("--target", default="sm_90", choices=("sm_80", "sm_90"), help="GPU architecture (A100: sm_80, H100: sm_90)")
     p.add_argument("--out", required=True, help="folder for the kernels and manifests")
     p.add_argument("--workers", type=int, default=None, help="compile processes (default: the CPUs this process may use)")
@@ -315,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_generate)
 
     p = command("tune", "autotune decode and prefill kernel configs on this GPU; fills the cache")
-    p.add_argument("plan", help="plan file, or a run folder (its plan.patch)")
+    p.add_argument("plan", help="plan file, run folder, or a folder `patchc export` / `patchc import` wrote")
     p.add_argument("--batch-size", type=int, default=16, help="decode batch: the largest M tuned as decode")
     p.add_argument("--prefill-len", type=int, default=128, help="prompt length: M = batch x prefill tuned as prefill")
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "fp16", "bf16"), help="activation dtype")

@@ -57,6 +57,21 @@ def resolve_plan(path: str | os.PathLike) -> Path:
     return find_plan(path) if Path(path).is_dir() else Path(path)
 
 
+def load_any_plan(path: str | os.PathLike) -> Any:
+    """The TilePlan of a plan file, a run folder, or a folder `patchc export` / `patchc import` wrote.
+
+    Example:
+        >>> load_any_plan("served/").summary()      # kernels for an imported model: patchc generate served/
+    """
+    from patchc.export.format import CONFIG
+    from patchc.export.pretrained import load_plan
+    from patchc.ir import TilePlan
+
+    if (Path(path) / CONFIG).is_file():
+        return load_plan(path)
+    return TilePlan.load(resolve_plan(path))
+
+
 def recover_options(plan: Any, run: Path, **changes: Any) -> PruneOptions:
     """The run's PruneOptions with `changes` applied: its run.json (every setting that changes the result,
     training text included), else what the plan records (`patchc eval`'s `eval_options`).
