@@ -529,3 +529,22 @@ def test_backend_matches_plan_names_on_a_sequential():
     torch.testing.assert_close(cm(x), seq(x))
     assert counts == [2]
     torch._dynamo.reset()
+
+
+def test_compile_without_a_plan_reads_the_models_zeros(tiny_mlp):
+    """A model pruned elsewhere (here: `up` 2:4 by magnitude) is served as it is: no plan needed."""
+    with pytest.raises(ValueError, match="no nn.Linear weight of the TinyMLP holds a 2:4 tile"):
+        compile_fn(tiny_mlp, tune=False)
+    with torch.no_grad():
+        w = tiny_mlp.up.weight
+        top2 = w.abs().reshape(w.shape[0], -1, 4).topk(2, -1).indices
+        w.mul_(torch.zeros(w.shape[0], w.shape[1] // 4, 4).scatter_(-1, top2, 1.0).reshape(w.shape))
+    fast = compile_fn(tiny_mlp, tune=False)
+    assert isinstance(fast.up, rt.TileLinear) and type(fast.down) is nn.Linear and type(fast.odd) is nn.Linear
+    assert fast.out.weight is fast.embed.weight, "the tied head is no layer to plan"
+    ids = torch.randint(0, 32, (3, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids), tiny_mlp(ids), atol=1e-5, rtol=1e-5)
+    plan = TilePlan.from_linears(tiny_mlp)
+    assert set(plan.layers) == {"up.weight"}
+    assert plan.skipped == {"down.weight": "no 2:4 tile", "odd.weight": "K=18 is not a multiple of 4 (no 2:4 groups)"}

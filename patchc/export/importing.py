@@ -12,8 +12,8 @@ The stages (`import_sparse`):
     decode    a sparse-24-bitmask checkpoint -> a dense-weight folder beside the output, one shard at a
               time (deleted at the end): transformers then loads it, with its own key conversions
     load      `patchc.models.load_model` in the checkpoint's dtype (offline; a missing weight is an error)
-    infer     `TilePlan.from_weights` over the linear layers: a tile is 2:4 iff every group of 4 holds at
-              most 2 nonzeros; layers without a 2:4 tile stay plain weights
+    infer     `TilePlan.from_linears`: a tile is 2:4 iff every group of 4 holds at most 2 nonzeros;
+              linear layers without a 2:4 tile stay plain weights
     export    `export_pretrained`: the folder, written atomically
 
 Example:
@@ -40,6 +40,7 @@ from patchc.export.legacy import LAYOUT, decoded_shards
 from patchc.export.pretrained import export_pretrained
 from patchc.ir import TilePlan
 from patchc.ir.file_format import FLOAT_DTYPES
+from patchc.ir.from_pruned import linear_weights
 from patchc.ir.tiles import tile_pair
 
 INDEX = "model.safetensors.index.json"
@@ -210,29 +211,14 @@ def write_decoded(src: Path, dst: Path) -> None:
 def infer_plan(model: nn.Module, tile: tuple[int, int], src: str) -> tuple[TilePlan, dict[str, str]]:
     """(plan of every linear weight with a 2:4 tile, {linear weight left plain: why}); ExportError when
     no linear weight of `model` holds a 2:4 tile."""
-    linear = linear_weights(model)
-    inferred = TilePlan.from_weights(model, tile, include=linear.__contains__)
-    left = {fqn: why for fqn, why in inferred.skipped.items() if fqn in linear}
-    left.update({fqn: "no 2:4 tile" for fqn, lp in inferred.layers.items() if lp.n_sparse == 0})
-    plan = TilePlan(layers={fqn: lp for fqn, lp in inferred.layers.items() if lp.n_sparse > 0}, skipped=left,
-                    meta={**inferred.meta, "source": "patchc import"})
+    plan = TilePlan.from_linears(model, tile)
     if not plan.layers:
-        raise ExportError(f"{src}: none of its {len(linear)} linear weights holds a 2:4 tile at {tile[0]}x{tile[1]} "
-                          "(a 2:4 tile keeps at most 2 of every 4 weights along a row); not a 2:4 model? "
-                          "`patchc prune` learns a hybrid one from a dense model")
+        raise ExportError(f"{src}: none of its {len(linear_weights(model))} linear weights holds a 2:4 tile at "
+                          f"{tile[0]}x{tile[1]} (a 2:4 tile keeps at most 2 of every 4 weights along a row); not a "
+                          "2:4 model? `patchc prune` learns a hybrid one from a dense model")
+    plan.meta["source"] = "patchc import"
     plan.verify()
-    return plan, left
-
-
-def linear_weights(model: nn.Module) -> set[str]:
-    """FQNs of the `nn.Linear` weights of `model`, its output embedding (LM head) excluded.
-
-    (GPT-2's `Conv1D` stores its weight transposed and fused MoE experts are 3-D: neither is read from
-    zeros here; `patchc prune` plans both.)"""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}  # a tied head
-    return {f"{name}.weight" for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and m is not head and id(m.weight) not in embedded}
+    return plan, dict(plan.skipped)
 
 
 __all__ = ["ImportSummary", "checkpoint_config", "checkpoint_dtype", "checkpoint_layout", "import_sparse", "infer_plan",

@@ -46,6 +46,27 @@ def layers_from_weights(
     return layers, skipped, tile
 
 
+def layers_from_linears(model: nn.Module, tile: tuple[int, int] | int) -> Layers:
+    """(layers, left, tile): every `nn.Linear` weight of `model` holding a 2:4 tile, planned from its zeros;
+    `left` names the linear weights that stay plain and why (see `TilePlan.from_linears`)."""
+    linear = linear_weights(model)
+    layers, skipped, tile = layers_from_weights(model, tile, include=linear.__contains__)
+    left = {fqn: why for fqn, why in skipped.items() if fqn in linear}
+    left.update({fqn: "no 2:4 tile" for fqn, lp in layers.items() if lp.n_sparse == 0})
+    return {fqn: lp for fqn, lp in layers.items() if lp.n_sparse > 0}, left, tile
+
+
+def linear_weights(model: nn.Module) -> set[str]:
+    """FQNs of the `nn.Linear` weights of `model`, its output embedding (LM head, tied or not) excluded.
+
+    (GPT-2's `Conv1D` stores its weight transposed and fused MoE experts are 3-D: neither is read from
+    zeros here; `patchc prune` plans both.)"""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}  # a tied head
+    return {f"{name}.weight" for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m is not head and id(m.weight) not in embedded}
+
+
 def layer_from_weight(name: str, w: torch.Tensor, tile: tuple[int, int], bias: torch.Tensor | None = None) -> LayerPlan:
     """The LayerPlan of one already-pruned (N, K) matrix under any name (an expert slice "experts.up_proj.3"
     too): a tile is 2:4 iff every group of 4 holds at most 2 nonzeros.

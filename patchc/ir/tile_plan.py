@@ -23,7 +23,7 @@ from torch import nn
 
 from patchc.ir import file_format, targets
 from patchc.ir.errors import PlanError
-from patchc.ir.from_pruned import layers_from_masks, layers_from_weights
+from patchc.ir.from_pruned import layers_from_linears, layers_from_masks, layers_from_weights
 from patchc.ir.layer_plan import LayerPlan
 from patchc.ir.provenance import check_weights, fingerprints
 
@@ -165,6 +165,19 @@ class TilePlan:
         """
         layers, skipped, tile = layers_from_weights(state_dict, tile, include)
         return cls(layers=layers, skipped=skipped, meta=dict(meta or {"source": "from_weights", "tile": list(tile)}))
+
+    @classmethod
+    def from_linears(cls, model: nn.Module, tile: tuple[int, int] | int = (128, 128)) -> TilePlan:
+        """Plan every `nn.Linear` weight of an already-pruned `model` that holds a 2:4 tile (its tiles read
+        off its zeros, as `from_weights`); the LM head is left out, and linear weights without a 2:4 tile
+        are listed in `skipped` ("no 2:4 tile"). What `patchc import` and `patchc.compile(model)` use.
+
+        Example::
+
+            plan = TilePlan.from_linears(wanda_pruned_model, tile=(128, 128))   # 2:4 from any tool
+        """
+        layers, left, tile = layers_from_linears(model, tile)
+        return cls(layers=layers, skipped=left, meta={"source": "from_linears", "tile": list(tile)})
 
     @classmethod
     def from_masks(

@@ -39,7 +39,7 @@ TUNE_MODES = (True, False, "cached")
 
 def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     model: nn.Module,
-    plan: Any,
+    plan: Any = None,
     batch_size: int = 16,
     prefill_len: int = 128,
     tune: bool | str = True,
@@ -53,7 +53,9 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
 ) -> nn.Module:
     """The model with its planned linears replaced by `TileLinear` (on a copy unless `inplace`).
 
-    `plan`: a TilePlan or a path to a saved plan. `cache` / `time_fn`: passed to `tune_plan`.
+    `plan`: a TilePlan or a path to a saved plan; None: the model is already 2:4 or hybrid (pruned by
+    any tool), and its `nn.Linear` weights' zeros are the plan (`TilePlan.from_linears`, 128 x 128 tiles).
+    `cache` / `time_fn`: passed to `tune_plan`.
     Replaced: nn.Linear (and subclasses, e.g. Falcon's `x @ W.T`), transformers' `Conv1D` (K x N
     storage), every module sharing a tied planned weight, and fused MoE experts (`TileExperts`,
     `TileBmmExperts`).
@@ -63,13 +65,20 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
 
     Example:
         >>> fast = patchc.compile(model, plan, tune=False)   # CPU: reference kernels, default configs
+        >>> fast = patchc.compile(wanda_2of4_model)            # the plan read off its zeros
         ... # doctest: +SKIP
     """
     from patchc.ir import TilePlan
 
     if tune not in TUNE_MODES:
         raise ValueError(f"patchc.compile: tune must be one of {TUNE_MODES}, got {tune!r}")
-    if isinstance(plan, (str, os.PathLike)):
+    if plan is None:
+        plan = TilePlan.from_linears(model)
+        if not plan.layers:
+            raise ValueError(f"patchc.compile: no nn.Linear weight of the {type(model).__name__} holds a 2:4 tile "
+                             "(128 x 128 tiles whose every group of 4 keeps at most 2 weights); pass the plan, "
+                             "or prune the model first (patchc.oneshot, patchc prune)")
+    elif isinstance(plan, (str, os.PathLike)):
         plan = TilePlan.load(plan)
     target = model if inplace else copy.deepcopy(model)
     plan.apply(target, force=force)
