@@ -168,13 +168,10 @@ class TilePlan:
 
     @classmethod
     def from_linears(cls, model: nn.Module, tile: tuple[int, int] | int = (128, 128)) -> TilePlan:
-        """Plan every `nn.Linear` weight of an already-pruned `model` that holds a 2:4 tile (its tiles read
-        off its zeros, as `from_weights`); the LM head is left out, and linear weights without a 2:4 tile
-        are listed in `skipped` ("no 2:4 tile"). What `patchc import` and `patchc.compile(model)` use.
+        """Plan the `nn.Linear` weights of a pruned `model` that hold a 2:4 tile, read off their zeros (LM
+        head left out; the others in `skipped`). Used by `patchc import` and `patchc.compile(model)`.
 
-        Example::
-
-            plan = TilePlan.from_linears(wanda_pruned_model, tile=(128, 128))   # 2:4 from any tool
+        Example: ``plan = TilePlan.from_linears(wanda_pruned_model, tile=(128, 128))``
         """
         layers, left, tile = layers_from_linears(model, tile)
         return cls(layers=layers, skipped=left, meta={"source": "from_linears", "tile": list(tile)})
