@@ -2,7 +2,7 @@
 
 People with sparse models keep them in one of two layouts, and both come in:
 
-    dense weights        the pruned weights are zeros (most 2:4 releases, SparseGPT / Wanda output,
+    dense weights        the pruned weights are zeros (what SparseGPT / Wanda scripts save,
                          compressed-tensors' "dense" sparsity format, a llama2.c checkpoint)
     sparse-24-bitmask    compressed-tensors' own (`legacy.py`), which transformers and compressed-tensors
                          no longer read: kept values + a bitmask per weight, float or FP8 / int8 with scales
@@ -17,7 +17,7 @@ The stages (`import_sparse`):
     export    `export_pretrained`: the folder, written atomically
 
 Example:
-    >>> summary = import_sparse("Sparse-Llama-3.1-8B-2of4/", "served/", tile=(128, 128))
+    >>> summary = import_sparse("my-llama-2of4/", "served/", tile=(128, 128))
     >>> print(summary.format())
     >>> model = patchc.from_pretrained("served/", device="cuda")
 """
@@ -44,6 +44,7 @@ from patchc.ir.from_pruned import linear_weights
 from patchc.ir.tiles import tile_pair
 
 INDEX = "model.safetensors.index.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".gguf", ".msgpack", ".h5")
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,8 @@ def local_folder(src: str) -> Path:
 def write_decoded(src: Path, dst: Path) -> None:
     """Write the dense-weight form of a sparse-24-bitmask folder `src` into `dst`: same shard names, an
     index whose names are the decoded ones, config.json without its quantization / sparsity config, and
-    every other file (tokenizer, generation config) copied."""
+    the other small top-level files (tokenizer, generation config) copied; other weights (an
+    ``original/`` folder of .pth files, say) are not."""
     from safetensors.torch import save_file
 
     from patchc.utils.progress import progress
@@ -202,10 +204,10 @@ def write_decoded(src: Path, dst: Path) -> None:
         config.pop(key, None)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for p in src.iterdir():
-        if p.is_dir():
-            shutil.copytree(p, dst / p.name)
-        elif p.suffix != ".safetensors" and p.name not in (INDEX, "config.json"):
+        if p.is_file() and p.suffix not in WEIGHT_SUFFIXES and p.name not in (INDEX, "config.json"):
             shutil.copyfile(p, dst / p.name)
+        elif p.is_dir() and p.name == "1_Pooling":  # a sentence-transformers encoder's pooling set-up
+            shutil.copytree(p, dst / p.name)
 
 
 def infer_plan(model: nn.Module, tile: tuple[int, int], src: str) -> tuple[TilePlan, dict[str, str]]:
