@@ -212,6 +212,17 @@ def test_cli_import_and_its_errors(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def save_tokenizer(folder: Path) -> None:
+    """A tiny word-level tokenizer in `folder` (bos <s> = 1)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<s>", "</s>", "the", "cat", "sat"]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(folder)
+
+
 def test_a_sharded_checkpoint_imports_the_same(tmp_path):
     """Shards with an index, one layer's three tensors spread over both: the same plan as the single file."""
     src = tmp_path / "sharded"
@@ -226,7 +237,18 @@ def test_a_sharded_checkpoint_imports_the_same(tmp_path):
         save_file(part, src / name, metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: n for n, part in shards.items() for k in part}}
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_tokenizer(src)
+    (src / "original").mkdir()  # Meta's own weights beside the HF ones: never copied along
+    (src / "original" / "consolidated.00.pth").write_bytes(b"\0" * 1024)
     import_sparse(src, tmp_path / "a", tile=16)
+    assert patchc.export.load_tokenizer(tmp_path / "a").encode("the cat sat") == [1, 3, 4, 5]
+    from patchc.export.importing import write_decoded
+
+    (tmp_path / "decoded").mkdir()
+    write_decoded(src, tmp_path / "decoded")
+    names = {p.name for p in (tmp_path / "decoded").iterdir()}
+    assert {*shards, "model.safetensors.index.json", "config.json", "tokenizer.json"} <= names
+    assert "original" not in names
     import_sparse(DATA / "bf16", tmp_path / "b", tile=16)
     a, b = load_plan(tmp_path / "a"), load_plan(tmp_path / "b")
     assert set(a.layers) == set(b.layers) and len(a.layers) == BLOCK_LINEARS
