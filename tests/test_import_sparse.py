@@ -314,3 +314,26 @@ def test_imported_model_on_gpu_matches_a_dense_model_of_the_same_weights(dtype, 
         for rows in (1, 4):  # decode-sized and larger batches take different kernels
             got, want = served(ids[:rows]).logits.float(), reference(ids[:rows]).logits.float()
             torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+def test_the_unstructured_sparse_bitmask_layout_imports_too(tmp_path):
+    """compressed-tensors' `sparse-bitmask` (written by 0.14 itself): the same 2:4 model, the same plan."""
+    summary = import_sparse(DATA / "bitmask", tmp_path / "out", tile=16)
+    assert (summary.layout, summary.sparse_tiles, summary.dense_tiles) == ("sparse-bitmask", 72, 0)
+    truth = load_file(DATA / "truth.safetensors")
+    for fqn, layer in load_plan(tmp_path / "out").layers.items():
+        torch.testing.assert_close(layer.to_dense(), truth[fqn], atol=0, rtol=0)
+
+
+def test_sparse_bitmask_parts_are_checked_against_each_other():
+    from patchc.export.legacy import decode_bitmask
+
+    tensors = load_file(DATA / "bitmask" / "model.safetensors")
+    parts = [tensors[f"model.layers.0.mlp.up_proj.{p}"] for p in ("compressed", "bitmask", "shape", "row_offsets")]
+    w, mask = decode_bitmask(*parts, "up.weight")
+    assert torch.equal(w, load_file(DATA / "truth.safetensors")["model.layers.0.mlp.up_proj.weight"])
+    values, bits, shape, offsets = parts
+    with pytest.raises(Exception, match="up.weight: 1023 compressed values for 1024 bits set"):
+        decode_bitmask(values[:-1], bits, shape, offsets, "up.weight")
+    with pytest.raises(Exception, match="up.weight: row_offsets do not match"):
+        decode_bitmask(values, bits, shape, offsets.flip(0), "up.weight")

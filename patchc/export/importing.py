@@ -5,11 +5,12 @@ People with sparse models keep them in one of two layouts, and both come in:
     dense weights        the pruned weights are zeros (what SparseGPT / Wanda scripts save,
                          compressed-tensors' "dense" sparsity format, a llama2.c checkpoint)
     sparse-24-bitmask    compressed-tensors' own (`legacy.py`), which transformers and compressed-tensors
-                         no longer read: kept values + a bitmask per weight, float or FP8 / int8 with scales
+                         no longer read: kept values + a bitmask per weight, float or FP8 / int8 with scales;
+                         and its unstructured "sparse-bitmask", which 2:4 checkpoints were saved in too
 
 The stages (`import_sparse`):
 
-    decode    a sparse-24-bitmask checkpoint -> a dense-weight folder beside the output, one shard at a
+    decode    a compressed checkpoint -> a dense-weight folder beside the output, one shard at a
               time (deleted at the end): transformers then loads it, with its own key conversions
     load      `patchc.models.load_model` in the checkpoint's dtype (offline; a missing weight is an error)
     infer     `TilePlan.from_linears`: a tile is 2:4 iff every group of 4 holds at most 2 nonzeros;
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 
 from patchc.export.format import ExportError
-from patchc.export.legacy import LAYOUT, decoded_shards
+from patchc.export.legacy import LAYOUTS, decoded_shards
 from patchc.export.pretrained import export_pretrained
 from patchc.ir import TilePlan
 from patchc.ir.file_format import FLOAT_DTYPES
@@ -134,8 +135,8 @@ def checkpoint_config(src: str | os.PathLike) -> dict:
 
 
 def checkpoint_layout(src: str | os.PathLike, config: dict) -> str:
-    """`legacy.LAYOUT` for a compressed-tensors sparse-24-bitmask checkpoint, else "dense weights"; its
-    int4 Marlin layout is refused."""
+    """The compressed-tensors layout of a checkpoint stored sparse (`legacy.LAYOUTS`), else "dense
+    weights"; its int4 Marlin layout is refused."""
     from patchc.models.hf import sparse_layout
 
     for key in ("quantization_config", "compression_config"):
@@ -162,11 +163,11 @@ class decoded:  # noqa: N801 (a context manager read as a stage: `with decoded(s
         self.src, self.layout, self.parent, self.tmp = str(src), layout, parent, None
 
     def __enter__(self) -> str:
-        if self.layout != LAYOUT:
+        if self.layout not in LAYOUTS:
             return self.src
         self.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=".patchc-import.", dir=self.parent))
-        write_decoded(local_folder(self.src), self.tmp)
+        write_decoded(local_folder(self.src), self.tmp, self.layout)
         return str(self.tmp)
 
     def __exit__(self, *exc: object) -> None:
@@ -183,8 +184,8 @@ def local_folder(src: str) -> Path:
     return Path(snapshot_download(src, local_files_only=True))
 
 
-def write_decoded(src: Path, dst: Path) -> None:
-    """Write the dense-weight form of a sparse-24-bitmask folder `src` into `dst`: same shard names, an
+def write_decoded(src: Path, dst: Path, layout: str = "sparse-24-bitmask") -> None:
+    """Write the dense-weight form of a `layout` (`legacy.LAYOUTS`) folder `src` into `dst`: same shard names, an
     index whose names are the decoded ones, config.json without its quantization / sparsity config, and
     the other small top-level files (tokenizer, generation config) copied; other weights (an
     ``original/`` folder of .pth files, say) are not."""
@@ -193,8 +194,8 @@ def write_decoded(src: Path, dst: Path) -> None:
     from patchc.utils.progress import progress
 
     weight_map: dict[str, str] = {}
-    shards = decoded_shards(src)
-    for name, tensors in progress(shards, desc="decoding sparse-24-bitmask shards", unit="shard"):
+    shards = decoded_shards(src, layout)
+    for name, tensors in progress(shards, desc=f"decoding {layout} shards", unit="shard"):
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
     if (src / INDEX).is_file():

@@ -1,4 +1,4 @@
-"""Reading compressed-tensors' legacy ``sparse-24-bitmask`` checkpoints into an all-2:4 `TilePlan`.
+"""Reading compressed-tensors' legacy ``sparse-24-bitmask`` (and ``sparse-bitmask``) checkpoints.
 
 compressed-tensors (neuralmagic / vLLM) stored a 2:4-sparse weight ``<module>.weight`` of shape (N, K)
 as three tensors, named after the module (the ``.weight`` suffix dropped):
@@ -10,7 +10,9 @@ as three tensors, named after the module (the ``.weight`` suffix dropped):
     <module>.shape        int (2, 1)            [N, K]
 
 Its compressor kept the 2 largest magnitudes of every group of 4 consecutive columns, so each group
-has exactly 2 bits set (a kept value may be 0). The checkpoint's config.json names the layout in
+has exactly 2 bits set (a kept value may be 0). The unstructured ``sparse-bitmask`` layout, which 2:4
+checkpoints were saved in too, holds only the nonzeros, 1-D, with the same bitmask, a 1-D shape, and
+``<module>.row_offsets`` (each row's first index into the values); any count may be kept per group. The checkpoint's config.json names the layout in
 ``quantization_config.sparsity_config.format`` (older ones: ``compression_config``). The library
 dropped its sparse compressors in 2026; this reader keeps such checkpoints usable.
 
@@ -42,7 +44,11 @@ from patchc.ir.tiles import tile_grid, tile_pair
 from patchc.utils.progress import progress
 
 LAYOUT = "sparse-24-bitmask"
-SUFFIXES = (".compressed", ".bitmask", ".shape")
+# the unstructured layout, which 2:4 checkpoints were saved in too
+UNSTRUCTURED = "sparse-bitmask"
+LAYOUTS = (LAYOUT, UNSTRUCTURED)
+SUFFIXES = {LAYOUT: (".compressed", ".bitmask", ".shape"),
+            UNSTRUCTURED: (".compressed", ".bitmask", ".shape", ".row_offsets")}
 QUANT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 # activation quantization parameters: the plan serves the model's float activations, so they go unused
 ACTIVATION_PARAMS = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point", ".k_scale",
@@ -62,7 +68,7 @@ def plan_from_compressed_tensors(path_or_dir: str | os.PathLike, tile: tuple[int
         >>> plan.apply(model)       # the decompressed 2:4 weights, written into a dense model
     """
     tile = tile_pair(tile, "plan_from_compressed_tensors")
-    where = _index(Path(path_or_dir))
+    where = _index(Path(path_or_dir), LAYOUT)
     layers = {}
     for module in progress(_modules(where, path_or_dir), desc="sparse-24-bitmask layers", disable=not show_progress):
         weight, mask = read_layer(where, module)
@@ -74,10 +80,12 @@ def plan_from_compressed_tensors(path_or_dir: str | os.PathLike, tile: tuple[int
     return TilePlan(layers=layers, meta=meta)
 
 
-def decoded_shards(path_or_dir: str | os.PathLike) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-    """(shard file name, {name: tensor}) for each safetensors file of a sparse-24-bitmask checkpoint, as the
-    dense model holds its tensors: each layer's three tensors become ``<module>.weight`` (W * M, quantized
-    values dequantized), its quantization parameters are consumed and activation ones dropped.
+def decoded_shards(path_or_dir: str | os.PathLike,
+                   layout: str = LAYOUT) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """(shard file name, {name: tensor}) for each safetensors file of a `layout` checkpoint (one of
+    `LAYOUTS`), as the dense model holds its tensors: each layer's compressed tensors become
+    ``<module>.weight`` (W * M, quantized values dequantized), its quantization parameters are consumed
+    and activation ones dropped.
 
     One shard's tensors at a time, so a large model never sits in memory twice.
 
@@ -85,7 +93,9 @@ def decoded_shards(path_or_dir: str | os.PathLike) -> Iterator[tuple[str, dict[s
         >>> for name, tensors in decoded_shards("Sparse-Llama-3.1-8B-2of4-FP8-dynamic/"):
         ...     save_file(tensors, out / name)
     """
-    where = _index(Path(path_or_dir))
+    if layout not in LAYOUTS:
+        raise PlanError(f"{path_or_dir}: layout {layout!r}; one of {LAYOUTS} is read")
+    where = _index(Path(path_or_dir), layout)
     modules = set(_modules(where, path_or_dir))
     for f in sorted(set(where.values())):
         out: dict[str, torch.Tensor] = {}
@@ -93,7 +103,7 @@ def decoded_shards(path_or_dir: str | os.PathLike) -> Iterator[tuple[str, dict[s
             module, _, part = key.rpartition(".")
             if module in modules:
                 if part == "compressed":  # the layer goes to the shard holding its values
-                    out[f"{module}.weight"] = read_layer(where, module)[0]
+                    out[f"{module}.weight"] = read_layer(where, module, layout)[0]
             elif key.endswith(ACTIVATION_PARAMS) or part in ("weight_scale", "weight_zero_point"):
                 continue  # read with their weight
             elif part == "weight":
@@ -106,17 +116,21 @@ def decoded_shards(path_or_dir: str | os.PathLike) -> Iterator[tuple[str, dict[s
         yield f.name, out
 
 
-def read_layer(where: dict[str, Path], module: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W * M, keep mask M) of one module of a sparse-24-bitmask checkpoint; `where`: tensor name -> file."""
+def read_layer(where: dict[str, Path], module: str, layout: str = LAYOUT) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W * M, keep mask M) of one module of a `layout` checkpoint; `where`: tensor name -> file."""
     parts = {}
-    for suffix in SUFFIXES:
+    for suffix in SUFFIXES[layout]:
         if module + suffix not in where:
             raise PlanError(f"{where[module + '.bitmask']}: layer {module}.weight: tensor {module + suffix!r} missing")
         parts[suffix[1:]] = _tensor(where[module + suffix], module + suffix)
     scale, zero = (_tensor(where[k], k) if k in where else None
                    for k in (module + ".weight_scale", module + ".weight_zero_point"))
-    return decode_24_bitmask(parts["compressed"], parts["bitmask"], parts["shape"], f"{module}.weight",
-                             scale=scale, zero_point=zero)
+    name = f"{module}.weight"
+    if layout == LAYOUT:
+        return decode_24_bitmask(parts["compressed"], parts["bitmask"], parts["shape"], name, scale=scale,
+                                 zero_point=zero)
+    return decode_bitmask(parts["compressed"], parts["bitmask"], parts["shape"], parts["row_offsets"], name,
+                          scale=scale, zero_point=zero)
 
 
 def _dense_weight(where: dict[str, Path], module: str) -> torch.Tensor:
@@ -170,8 +184,7 @@ def decode_24_bitmask(compressed: torch.Tensor, bitmask: torch.Tensor, shape: to
     n, k = dims
     if k % 4:
         raise PlanError(f"layer {name}: K={k} is not a multiple of 4 (no 2:4 groups)")
-    quantized = compressed.dtype in QUANT_DTYPES
-    if not quantized and (not compressed.is_floating_point() or compressed.dtype.itemsize < 2):
+    if compressed.dtype not in QUANT_DTYPES and (not compressed.is_floating_point() or compressed.dtype.itemsize < 2):
         raise PlanError(f"layer {name}: compressed values are {compressed.dtype}; only float, FP8 and int8 values "
                         "are read (packed int4 is not)")
     if tuple(compressed.shape) != (n, k // 2) and compressed.numel() != n * k // 2:
@@ -179,22 +192,62 @@ def decode_24_bitmask(compressed: torch.Tensor, bitmask: torch.Tensor, shape: to
     if bitmask.dtype not in (torch.uint8, torch.int8) or tuple(bitmask.shape) != (n, -(-k // 8)):
         raise PlanError(f"layer {name}: bitmask is a {bitmask.dtype} tensor of shape {tuple(bitmask.shape)}, "
                         f"expected uint8 {(n, -(-k // 8))}")
-    bits = torch.arange(8, dtype=torch.uint8)
-    mask = ((bitmask.view(torch.uint8)[..., None] >> bits) & 1).bool().reshape(n, -1)[:, :k]
+    mask = _unpack(bitmask, n, k)
     per_group = mask.reshape(n, k // 4, 4).sum(-1)
     if (per_group != 2).any():
         r, g = (int(i) for i in (per_group != 2).nonzero()[0])
         raise PlanError(f"layer {name}: row {r}, columns {4 * g}..{4 * g + 3} keep {int(per_group[r, g])} of 4 "
                         "in the bitmask; a 2:4 layout keeps exactly 2")
-    weight = torch.zeros(n, k, dtype=torch.float32 if quantized else compressed.dtype)
-    # boolean indexing is row-major: the compressor's order
-    weight[mask] = compressed.reshape(-1).to(weight.dtype)
-    return (dequantize(weight, scale, zero_point, name) if quantized else weight), mask
+    return _scatter(compressed, mask, name, scale, zero_point), mask
 
 
-def _index(path: Path) -> dict[str, Path]:
-    """{tensor name: safetensors file} of a checkpoint file or folder (its config.json checked first)."""
-    return {key: f for f in _files(path) for key in _keys(f)}
+def decode_bitmask(compressed: torch.Tensor, bitmask: torch.Tensor, shape: torch.Tensor | list[int],
+                   row_offsets: torch.Tensor, name: str = "weight", *, scale: torch.Tensor | None = None,
+                   zero_point: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W * M, M) of one layer of the unstructured ``sparse-bitmask`` layout: the nonzeros of each row in
+    column order (1-D), the (N, ceil(K/8)) bitmask packed as sparse-24-bitmask's, and each row's first
+    index into the values (``row_offsets``, checked against the bitmask). Any number may be kept per group.
+
+    Example:
+        >>> w, m = decode_bitmask(values, bits, torch.tensor([8, 16]), offsets, "fc.weight")
+    """
+    dims = [int(v) for v in torch.as_tensor(shape).flatten().tolist()]
+    if len(dims) != 2 or min(dims) <= 0:
+        raise PlanError(f"layer {name}: shape tensor holds {dims}, expected [N, K] with N, K > 0")
+    n, k = dims
+    if bitmask.dtype not in (torch.uint8, torch.int8) or tuple(bitmask.shape) != (n, -(-k // 8)):
+        raise PlanError(f"layer {name}: bitmask is a {bitmask.dtype} tensor of shape {tuple(bitmask.shape)}, "
+                        f"expected uint8 {(n, -(-k // 8))}")
+    mask = _unpack(bitmask, n, k)
+    counts = mask.sum(1)
+    if compressed.numel() != int(counts.sum()):
+        raise PlanError(f"layer {name}: {compressed.numel()} compressed values for {int(counts.sum())} bits set")
+    if not torch.equal(row_offsets.flatten().to(torch.int64), torch.cumsum(counts, 0) - counts):
+        raise PlanError(f"layer {name}: row_offsets do not match the bitmask's rows")
+    return _scatter(compressed, mask, name, scale, zero_point), mask
+
+
+def _unpack(bitmask: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The (N, K) bool mask of a bitmask packed with numpy.packbits(bitorder="little") per row."""
+    bits = torch.arange(8, dtype=torch.uint8)
+    return ((bitmask.view(torch.uint8)[..., None] >> bits) & 1).bool().reshape(n, -1)[:, :k]
+
+
+def _scatter(compressed: torch.Tensor, mask: torch.Tensor, name: str, scale: torch.Tensor | None,
+             zero_point: torch.Tensor | None) -> torch.Tensor:
+    """The dense (N, K) weight holding `compressed` where `mask` is set, dequantized when they are FP8 / int8."""
+    quantized = compressed.dtype in QUANT_DTYPES
+    if not quantized and (not compressed.is_floating_point() or compressed.dtype.itemsize < 2):
+        raise PlanError(f"layer {name}: compressed values are {compressed.dtype}; only float, FP8 and int8 values "
+                        "are read (packed int4 is not)")
+    weight = torch.zeros(mask.shape, dtype=torch.float32 if quantized else compressed.dtype)
+    weight[mask] = compressed.reshape(-1).to(weight.dtype)  # boolean indexing is row-major: the compressor's order
+    return dequantize(weight, scale, zero_point, name) if quantized else weight
+
+
+def _index(path: Path, layout: str) -> dict[str, Path]:
+    """{tensor name: safetensors file} of a `layout` checkpoint file or folder (its config.json checked first)."""
+    return {key: f for f in _files(path, layout) for key in _keys(f)}
 
 
 def _modules(where: dict[str, Path], path: str | os.PathLike) -> list[str]:
@@ -204,19 +257,19 @@ def _modules(where: dict[str, Path], path: str | os.PathLike) -> list[str]:
     return modules
 
 
-def _files(path: Path) -> list[Path]:
+def _files(path: Path, layout: str) -> list[Path]:
     if path.is_file():
         return [path]
     if not path.is_dir():
         raise PlanError(f"{path}: no such file or folder")
-    _check_config(path / "config.json")
+    _check_config(path / "config.json", layout)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise PlanError(f"{path}: no *.safetensors files")
     return files
 
 
-def _check_config(path: Path) -> None:
+def _check_config(path: Path, layout: str) -> None:
     """Refuse a checkpoint whose config.json names another sparsity layout (none named: try the tensors)."""
     if not path.is_file():
         return
@@ -227,8 +280,8 @@ def _check_config(path: Path) -> None:
     for key in ("quantization_config", "compression_config"):
         sparsity = (config.get(key) or {}).get("sparsity_config") or {}
         fmt = sparsity.get("format")
-        if fmt is not None and fmt != LAYOUT:
-            raise PlanError(f"{path}: sparsity format {fmt!r}; only {LAYOUT!r} is read")
+        if fmt is not None and fmt != layout:
+            raise PlanError(f"{path}: sparsity format {fmt!r}; only {layout!r} is read here")
 
 
 def _keys(path: Path) -> list[str]:

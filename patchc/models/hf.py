@@ -185,9 +185,10 @@ def dequantizing(spec: str, config: Any) -> dict[str, Any]:
         raise HFLoadError(f"{spec}: its weights are int4 2:4 in Marlin's layout (marlin-24), which patchc cannot "
                           "dequantize; give it the float or FP8 release of the model")
     if layout is not None:
-        raise HFLoadError(f"{spec}: a compressed-tensors {layout} checkpoint: its weights are already 2:4, in a "
-                          "layout transformers no longer reads; `patchc import` serves it (patchc import "
-                          f"{shlex.quote(str(spec))} --out DIR), and masks are learned from the dense model")
+        raise HFLoadError(f"{spec}: a compressed-tensors {layout} checkpoint: its weights are already sparse, in a "
+                          "layout transformers no longer reads; `patchc import` serves it when they are 2:4 "
+                          f"(patchc import {shlex.quote(str(spec))} --out DIR), and masks are learned from the "
+                          "dense model")
     if method not in DEQUANTIZABLE:
         raise HFLoadError(f"{spec}: its weights are quantized ({method}); patchc learns masks over dense weights "
                           f"and can dequantize only {', '.join(DEQUANTIZABLE)} checkpoints while loading: give it "
@@ -209,11 +210,12 @@ def dequantizing(spec: str, config: Any) -> dict[str, Any]:
 
 
 def sparse_layout(quantization_config: dict) -> str | None:
-    """The compressed-tensors layout a config names for weights stored 2:4 ("sparse-24-bitmask", or
-    "marlin-24" for int4 ones), or None (dense weights, or a layout that stores them whole)."""
+    """The compressed-tensors layout a config names for weights stored sparse ("sparse-24-bitmask",
+    "sparse-bitmask", or "marlin-24" for int4 2:4 ones), or None (dense weights, or a layout that stores
+    them whole)."""
     sparsity = quantization_config.get("sparsity_config") or {}
-    if sparsity.get("format") == "sparse-24-bitmask":
-        return "sparse-24-bitmask"
+    if sparsity.get("format") in ("sparse-24-bitmask", "sparse-bitmask"):
+        return sparsity["format"]
     groups = quantization_config.get("config_groups") or {}
     formats = {quantization_config.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
     return "marlin-24" if "marlin-24" in formats else None

@@ -11,6 +11,8 @@ It writes, next to this file:
 
     truth.safetensors   the 2:4-pruned bf16 weights of a tiny random Llama (the expected result)
     bf16/               that model saved as sparse-24-bitmask, bf16 values
+    bitmask/            the same saved as sparse-bitmask (the library's unstructured layout, which 2:4
+                        checkpoints were saved in too): nonzeros + bitmask + row offsets
     fp8/                the same after FP8_DYNAMIC quantization (e4m3 per-channel weight scales, as
                         llm-compressor's "2of4-FP8-dynamic" releases), then sparse-24-bitmask
 """
@@ -59,8 +61,8 @@ def quantize_fp8(model: torch.nn.Module) -> None:
             mod.quantization_status = QuantizationStatus.FROZEN
 
 
-def save_compressed(model: torch.nn.Module, out: Path, quantized: bool) -> None:
-    sparsity = SparsityCompressionConfig.load_from_registry("sparse-24-bitmask", sparsity_structure="2:4",
+def save_compressed(model: torch.nn.Module, out: Path, quantized: bool, layout: str = "sparse-24-bitmask") -> None:
+    sparsity = SparsityCompressionConfig.load_from_registry(layout, sparsity_structure="2:4",
                                                             targets=["Linear"], ignore=["lm_head"])
     compressor = ModelCompressor.from_pretrained_model(model, sparsity_config=sparsity,
                                                        quantization_format="float-quantized" if quantized else None)
@@ -77,6 +79,7 @@ def main() -> None:
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(HERE / "truth.safetensors"),
               metadata={"format": "pt"})
     save_compressed(model, HERE / "bf16", quantized=False)
+    save_compressed(model, HERE / "bitmask", quantized=False, layout="sparse-bitmask")
     model = pruned_model()
     quantize_fp8(model)
     save_compressed(model, HERE / "fp8", quantized=True)
