@@ -178,21 +178,12 @@ def decode_24_bitmask(compressed: torch.Tensor, bitmask: torch.Tensor, shape: to
         >>> w.shape, int(m.sum())
         (torch.Size([8, 16]), 64)
     """
-    dims = [int(v) for v in torch.as_tensor(shape).flatten().tolist()]
-    if len(dims) != 2 or min(dims) <= 0:
-        raise PlanError(f"layer {name}: shape tensor holds {dims}, expected [N, K] with N, K > 0")
-    n, k = dims
+    n, k = _dims(shape, compressed, name)
     if k % 4:
         raise PlanError(f"layer {name}: K={k} is not a multiple of 4 (no 2:4 groups)")
-    if compressed.dtype not in QUANT_DTYPES and (not compressed.is_floating_point() or compressed.dtype.itemsize < 2):
-        raise PlanError(f"layer {name}: compressed values are {compressed.dtype}; only float, FP8 and int8 values "
-                        "are read (packed int4 is not)")
     if tuple(compressed.shape) != (n, k // 2) and compressed.numel() != n * k // 2:
         raise PlanError(f"layer {name}: compressed has shape {tuple(compressed.shape)}, expected {(n, k // 2)}")
-    if bitmask.dtype not in (torch.uint8, torch.int8) or tuple(bitmask.shape) != (n, -(-k // 8)):
-        raise PlanError(f"layer {name}: bitmask is a {bitmask.dtype} tensor of shape {tuple(bitmask.shape)}, "
-                        f"expected uint8 {(n, -(-k // 8))}")
-    mask = _unpack(bitmask, n, k)
+    mask = _unpack(bitmask, n, k, name)
     per_group = mask.reshape(n, k // 4, 4).sum(-1)
     if (per_group != 2).any():
         r, g = (int(i) for i in (per_group != 2).nonzero()[0])
@@ -211,14 +202,8 @@ def decode_bitmask(compressed: torch.Tensor, bitmask: torch.Tensor, shape: torch
     Example:
         >>> w, m = decode_bitmask(values, bits, torch.tensor([8, 16]), offsets, "fc.weight")
     """
-    dims = [int(v) for v in torch.as_tensor(shape).flatten().tolist()]
-    if len(dims) != 2 or min(dims) <= 0:
-        raise PlanError(f"layer {name}: shape tensor holds {dims}, expected [N, K] with N, K > 0")
-    n, k = dims
-    if bitmask.dtype not in (torch.uint8, torch.int8) or tuple(bitmask.shape) != (n, -(-k // 8)):
-        raise PlanError(f"layer {name}: bitmask is a {bitmask.dtype} tensor of shape {tuple(bitmask.shape)}, "
-                        f"expected uint8 {(n, -(-k // 8))}")
-    mask = _unpack(bitmask, n, k)
+    n, k = _dims(shape, compressed, name)
+    mask = _unpack(bitmask, n, k, name)
     counts = mask.sum(1)
     if compressed.numel() != int(counts.sum()):
         raise PlanError(f"layer {name}: {compressed.numel()} compressed values for {int(counts.sum())} bits set")
@@ -227,8 +212,22 @@ def decode_bitmask(compressed: torch.Tensor, bitmask: torch.Tensor, shape: torch
     return _scatter(compressed, mask, name, scale, zero_point), mask
 
 
-def _unpack(bitmask: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def _dims(shape: torch.Tensor | list[int], compressed: torch.Tensor, name: str) -> tuple[int, int]:
+    """(N, K) from a layer's shape tensor, its values' dtype checked first (packed int4 is named as such)."""
+    if compressed.dtype not in QUANT_DTYPES and (not compressed.is_floating_point() or compressed.dtype.itemsize < 2):
+        raise PlanError(f"layer {name}: compressed values are {compressed.dtype}; only float, FP8 and int8 values "
+                        "are read (packed int4 is not)")
+    dims = [int(v) for v in torch.as_tensor(shape).flatten().tolist()]
+    if len(dims) != 2 or min(dims) <= 0:
+        raise PlanError(f"layer {name}: shape tensor holds {dims}, expected [N, K] with N, K > 0")
+    return dims[0], dims[1]
+
+
+def _unpack(bitmask: torch.Tensor, n: int, k: int, name: str) -> torch.Tensor:
     """The (N, K) bool mask of a bitmask packed with numpy.packbits(bitorder="little") per row."""
+    if bitmask.dtype not in (torch.uint8, torch.int8) or tuple(bitmask.shape) != (n, -(-k // 8)):
+        raise PlanError(f"layer {name}: bitmask is a {bitmask.dtype} tensor of shape {tuple(bitmask.shape)}, "
+                        f"expected uint8 {(n, -(-k // 8))}")
     bits = torch.arange(8, dtype=torch.uint8)
     return ((bitmask.view(torch.uint8)[..., None] >> bits) & 1).bool().reshape(n, -1)[:, :k]
 
@@ -237,9 +236,6 @@ def _scatter(compressed: torch.Tensor, mask: torch.Tensor, name: str, scale: tor
              zero_point: torch.Tensor | None) -> torch.Tensor:
     """The dense (N, K) weight holding `compressed` where `mask` is set, dequantized when they are FP8 / int8."""
     quantized = compressed.dtype in QUANT_DTYPES
-    if not quantized and (not compressed.is_floating_point() or compressed.dtype.itemsize < 2):
-        raise PlanError(f"layer {name}: compressed values are {compressed.dtype}; only float, FP8 and int8 values "
-                        "are read (packed int4 is not)")
     weight = torch.zeros(mask.shape, dtype=torch.float32 if quantized else compressed.dtype)
     weight[mask] = compressed.reshape(-1).to(weight.dtype)  # boolean indexing is row-major: the compressor's order
     return dequantize(weight, scale, zero_point, name) if quantized else weight
@@ -253,7 +249,7 @@ def _index(path: Path, layout: str) -> dict[str, Path]:
 def _modules(where: dict[str, Path], path: str | os.PathLike) -> list[str]:
     modules = sorted(k.removesuffix(".bitmask") for k in where if k.endswith(".bitmask"))
     if not modules:
-        raise PlanError(f"{path}: no '<module>.bitmask' tensors; not a {LAYOUT} checkpoint")
+        raise PlanError(f"{path}: no '<module>.bitmask' tensors; not a compressed-tensors bitmask checkpoint")
     return modules
 
 
