@@ -25,11 +25,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +40,7 @@ from torch import nn
 
 from patchc.export.format import ExportError
 from patchc.export.legacy import LAYOUTS, decoded_shards
-from patchc.export.pretrained import export_pretrained
+from patchc.export.pretrained import check_out, export_pretrained
 from patchc.ir import TilePlan
 from patchc.ir.file_format import FLOAT_DTYPES
 from patchc.ir.from_pruned import linear_weights
@@ -96,13 +98,12 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
 
     tile = tile_pair(tile, "patchc import")
     out = Path(out)
-    if out.is_dir() and any(out.iterdir()) and not overwrite:  # before any long stage
-        raise ExportError(f"{out}: folder exists and is not empty; pass --overwrite or choose another folder")
+    check_out(out, overwrite)  # before any long stage; the export checks it again as it writes
     config = checkpoint_config(src)
     layout = checkpoint_layout(src, config)
     with decoded(src, layout, out.parent) as folder:
         bundle = load_model(folder, dtype=dtype or checkpoint_dtype(config))
-        plan, left_dense = infer_plan(bundle.model, tile, str(src))
+        plan = infer_plan(bundle.model, tile, str(src))
         export_pretrained(plan, bundle.model, out, tokenizer_from=bundle.source if bundle.tokenizer is not None else None,
                           overwrite=overwrite, info={"imported": str(src), "layout": layout})
     weight = next(bundle.model.parameters())
@@ -111,7 +112,7 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
         sparse_tiles=sum(lp.n_sparse for lp in plan.layers.values()),
         dense_tiles=sum(lp.n_dense for lp in plan.layers.values()), plan_bytes=plan.nbytes(),
         dense_bytes=sum(lp.shape[0] * lp.shape[1] * weight.element_size() for lp in plan.layers.values()),
-        left_dense=left_dense)
+        left_dense=dict(plan.skipped))
 
 
 def checkpoint_config(src: str | os.PathLike) -> dict:
@@ -155,24 +156,20 @@ def checkpoint_dtype(config: dict) -> torch.dtype:
     return FLOAT_DTYPES.get(name, torch.float32)
 
 
-class decoded:  # noqa: N801 (a context manager read as a stage: `with decoded(src, layout, parent) as folder`)
-    """The checkpoint as dense weights: `src` itself, or a decoded copy in a temporary folder under
-    `parent` (deleted on exit) for a sparse-24-bitmask one."""
-
-    def __init__(self, src: str | os.PathLike, layout: str, parent: Path) -> None:
-        self.src, self.layout, self.parent, self.tmp = str(src), layout, parent, None
-
-    def __enter__(self) -> str:
-        if self.layout not in LAYOUTS:
-            return self.src
-        self.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=".patchc-import.", dir=self.parent))
-        write_decoded(local_folder(self.src), self.tmp, self.layout)
-        return str(self.tmp)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+@contextlib.contextmanager
+def decoded(src: str | os.PathLike, layout: str, parent: Path) -> Iterator[str]:
+    """The checkpoint as dense weights: `src` itself, or for a compressed layout (`legacy.LAYOUTS`) a decoded
+    copy in a temporary folder under `parent`, deleted when the block ends."""
+    if layout not in LAYOUTS:
+        yield str(src)
+        return
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".patchc-import.", dir=parent))
+    try:
+        write_decoded(local_folder(str(src)), tmp, layout)
+        yield str(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def local_folder(src: str) -> Path:
@@ -211,17 +208,16 @@ def write_decoded(src: Path, dst: Path, layout: str = "sparse-24-bitmask") -> No
             shutil.copytree(p, dst / p.name)
 
 
-def infer_plan(model: nn.Module, tile: tuple[int, int], src: str) -> tuple[TilePlan, dict[str, str]]:
-    """(plan of every linear weight with a 2:4 tile, {linear weight left plain: why}); ExportError when
-    no linear weight of `model` holds a 2:4 tile."""
+def infer_plan(model: nn.Module, tile: tuple[int, int], src: str) -> TilePlan:
+    """The plan of every linear weight with a 2:4 tile (its `skipped`: the linear weights left plain, and
+    why); ExportError when no linear weight of `model` holds a 2:4 tile."""
     plan = TilePlan.from_linears(model, tile)
     if not plan.layers:
         raise ExportError(f"{src}: none of its {len(linear_weights(model))} linear weights holds a 2:4 tile at "
                           f"{tile[0]}x{tile[1]} (a 2:4 tile keeps at most 2 of every 4 weights along a row); not a "
                           "2:4 model? `patchc prune` learns a hybrid one from a dense model")
     plan.meta["source"] = "patchc import"
-    plan.verify()
-    return plan, dict(plan.skipped)
+    return plan  # export_pretrained verifies it
 
 
 __all__ = ["ImportSummary", "checkpoint_config", "checkpoint_dtype", "checkpoint_layout", "import_sparse", "infer_plan",

@@ -123,8 +123,7 @@ def read_layer(where: dict[str, Path], module: str, layout: str = LAYOUT) -> tup
         if module + suffix not in where:
             raise PlanError(f"{where[module + '.bitmask']}: layer {module}.weight: tensor {module + suffix!r} missing")
         parts[suffix[1:]] = _tensor(where[module + suffix], module + suffix)
-    scale, zero = (_tensor(where[k], k) if k in where else None
-                   for k in (module + ".weight_scale", module + ".weight_zero_point"))
+    scale, zero = _scales(where, module)
     name = f"{module}.weight"
     if layout == LAYOUT:
         return decode_24_bitmask(parts["compressed"], parts["bitmask"], parts["shape"], name, scale=scale,
@@ -139,9 +138,13 @@ def _dense_weight(where: dict[str, Path], module: str) -> torch.Tensor:
     w = _tensor(where[key], key)
     if w.dtype not in QUANT_DTYPES:
         return w
-    scale, zero = (_tensor(where[k], k) if k in where else None
-                   for k in (module + ".weight_scale", module + ".weight_zero_point"))
-    return dequantize(w.float(), scale, zero, key)
+    return dequantize(w.float(), *_scales(where, module), key)
+
+
+def _scales(where: dict[str, Path], module: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(weight_scale, weight_zero_point) of a module, each None when the checkpoint holds none."""
+    return tuple(_tensor(where[k], k) if k in where else None
+                 for k in (module + ".weight_scale", module + ".weight_zero_point"))
 
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor | None, zero_point: torch.Tensor | None,

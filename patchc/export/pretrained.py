@@ -127,17 +127,22 @@ def split_state(model: nn.Module, planned: set[str], prefix: str) -> tuple[dict[
     return plain, tied
 
 
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an `out` that is a file, or a non-empty folder unless `overwrite`: ExportError naming it."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"{out}: folder exists and is not empty; pass overwrite=True (CLI: --overwrite) or "
+                          "choose another folder")
+
+
 @contextlib.contextmanager
 def atomic_dir(out: Path, overwrite: bool) -> Iterator[Path]:
     """A temporary sibling folder, renamed onto `out` if the block succeeds, removed if not.
 
     Files inside are written plainly: nobody reads the temporary folder, and the rename makes the whole
     folder appear at once. An existing `out` is moved aside first and deleted only after the rename."""
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"{out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"{out}: folder exists and is not empty; pass overwrite=True (CLI: --overwrite) or "
-                          "choose another folder")
+    check_out(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:

@@ -136,9 +136,10 @@ def extra_texts(opts: PruneOptions, tokenizer: Any) -> dict[str, torch.Tensor]:
     """--eval-data files, each scored whole (BOS per document), cut to the first --eval-tokens tokens."""
     from patchc.job.data import tokenize_documents
 
+    chat = chat_renderer(tokenizer)
     out = {}
     for path in opts.eval_data:
-        ids = tokenize_documents(read_documents(path, opts, chat_renderer(tokenizer)), tokenizer, bos=opts.bos)
+        ids = tokenize_documents(read_documents(path, opts, chat), tokenizer, bos=opts.bos)
         if ids.numel() < 2:
             raise ValueError(f"--eval-data {path}: too short to evaluate")
         out[path] = ids[: opts.eval_tokens]
