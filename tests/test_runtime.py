@@ -533,7 +533,7 @@ def test_backend_matches_plan_names_on_a_sequential():
 
 def test_compile_without_a_plan_reads_the_models_zeros(tiny_mlp):
     """A model pruned elsewhere (here: `up` 2:4 by magnitude) is served as it is: no plan needed."""
-    with pytest.raises(ValueError, match="no nn.Linear weight of the TinyMLP holds a 2:4 tile"):
+    with pytest.raises(ValueError, match="no linear weight .* of the TinyMLP holds a 2:4 tile"):
         compile_fn(tiny_mlp, tune=False)
     with torch.no_grad():
         w = tiny_mlp.up.weight

@@ -13,8 +13,9 @@ The stages (`import_sparse`):
     decode    a compressed checkpoint -> a dense-weight folder beside the output, one shard at a
               time (deleted at the end): transformers then loads it, with its own key conversions
     load      `patchc.models.load_model` in the checkpoint's dtype (offline; a missing weight is an error)
-    infer     `TilePlan.from_linears`: a tile is 2:4 iff every group of 4 holds at most 2 nonzeros;
-              linear layers without a 2:4 tile stay plain weights
+    infer     `TilePlan.from_linears` (nn.Linear, Conv1D and fused experts' weights): a tile is 2:4 iff every
+              group of 4 holds at most 2 nonzeros;
+              weights without a 2:4 tile stay plain
     export    `export_pretrained`: the folder, written atomically
 
 Example:
@@ -43,7 +44,7 @@ from patchc.export.legacy import LAYOUTS, decoded_shards
 from patchc.export.pretrained import check_out, export_pretrained
 from patchc.ir import TilePlan
 from patchc.ir.file_format import FLOAT_DTYPES
-from patchc.ir.from_pruned import linear_weights
+from patchc.ir.targets import model_matrices
 from patchc.ir.tiles import tile_pair
 
 INDEX = "model.safetensors.index.json"
@@ -213,7 +214,7 @@ def infer_plan(model: nn.Module, tile: tuple[int, int], src: str) -> TilePlan:
     why); ExportError when no linear weight of `model` holds a 2:4 tile."""
     plan = TilePlan.from_linears(model, tile)
     if not plan.layers:
-        raise ExportError(f"{src}: none of its {len(linear_weights(model))} linear weights holds a 2:4 tile at "
+        raise ExportError(f"{src}: none of its {len(model_matrices(model))} linear weights holds a 2:4 tile at "
                           f"{tile[0]}x{tile[1]} (a 2:4 tile keeps at most 2 of every 4 weights along a row); not a "
                           "2:4 model? `patchc prune` learns a hybrid one from a dense model")
     plan.meta["source"] = "patchc import"

@@ -11,12 +11,14 @@ Example:
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from patchc.ir import targets
 from patchc.ir.errors import PlanError, first_true
 from patchc.ir.layer_plan import LayerPlan
 from patchc.ir.patterns import COVER_PATTERN, EXACT_PATTERN, PATTERNS, group_codes
@@ -47,24 +49,26 @@ def layers_from_weights(
 
 
 def layers_from_linears(model: nn.Module, tile: tuple[int, int] | int) -> Layers:
-    """(layers, left, tile): every `nn.Linear` weight of `model` holding a 2:4 tile, planned from its zeros;
-    `left` names the linear weights that stay plain and why (see `TilePlan.from_linears`)."""
-    linear = linear_weights(model)
-    layers, skipped, tile = layers_from_weights(model, tile, include=linear.__contains__)
-    left = {fqn: why for fqn, why in skipped.items() if fqn in linear}
-    left.update({fqn: "no 2:4 tile" for fqn, lp in layers.items() if lp.n_sparse == 0})
-    return {fqn: lp for fqn, lp in layers.items() if lp.n_sparse > 0}, left, tile
-
-
-def linear_weights(model: nn.Module) -> set[str]:
-    """FQNs of the `nn.Linear` weights of `model`, its output embedding (LM head, tied or not) excluded.
-
-    (GPT-2's `Conv1D` stores its weight transposed and fused MoE experts are 3-D: neither is read from
-    zeros here; `patchc prune` plans both.)"""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}  # a tied head
-    return {f"{name}.weight" for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and m is not head and id(m.weight) not in embedded}
+    """(layers, left, tile): every weight matrix of `model` the runtime serves (`targets.model_matrices`:
+    nn.Linear, Conv1D, fused experts' slices) that holds a 2:4 tile, planned from its zeros; `left` names
+    the others and why (see `TilePlan.from_linears`)."""
+    tile = tile_pair(tile, "from_linears")
+    layers: dict[str, LayerPlan] = {}
+    left: dict[str, str] = {}
+    params = dict(model.named_parameters())
+    for name, target in targets.model_matrices(model).items():
+        w = targets.read(model, target).detach()
+        why = _why_skip(name, w, None) or _router(name)
+        if why:
+            left[name] = why
+            continue
+        bias = None if target.expert is not None else _find_bias(params, name, w)
+        layer = layer_from_weight(name, w, tile, bias=bias)
+        if layer.n_sparse:
+            layers[name] = layer
+        else:
+            left[name] = "no 2:4 tile"
+    return layers, left, tile
 
 
 def layer_from_weight(name: str, w: torch.Tensor, tile: tuple[int, int], bias: torch.Tensor | None = None) -> LayerPlan:
@@ -145,6 +149,14 @@ def _why_skip(fqn: str, w: Any, include: Callable[[str], bool] | None) -> str | 
     if include is not None and not include(fqn):
         return "excluded by include()"
     return None
+
+
+def _router(fqn: str) -> str | None:
+    """Why a MoE router is never planned (Llama 4's is an nn.Linear whose forward returns a tuple)."""
+    from patchc.config import ROUTER_EXCLUDE
+
+    hit = next((g for g in ROUTER_EXCLUDE if fnmatch.fnmatchcase(fqn, g)), None)
+    return None if hit is None else f"a MoE router ({hit!r}): sparsifying it changes routing"
 
 
 def _find_bias(sd: Mapping[str, Any], fqn: str, w: torch.Tensor) -> torch.Tensor | None:

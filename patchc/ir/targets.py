@@ -32,6 +32,7 @@ from torch import nn
 from patchc.ir.errors import PlanError
 
 META_KEY = "targets"
+EXPERT_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")  # as transformers names them
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,13 @@ def _guess(model: nn.Module, name: str) -> Target | None:
         return None
     if int(index) >= weight.shape[0]:
         raise PlanError(f"layer {name}: expert {index} is out of range for {param} with {weight.shape[0]} experts")
-    owner = _owner(model, param)
-    transposed = bool(getattr(owner, "is_transposed", False)) or bmm_experts(owner)
-    return Target(name, param, int(index), transposed)
+    return Target(name, param, int(index), stored_kn(_owner(model, param)))
+
+
+def stored_kn(experts: nn.Module | None) -> bool:
+    """Whether a fused-experts module stores its 3-D weights (E, K, N): it says so (`is_transposed`), or it
+    multiplies every expert's rows at once (`bmm_experts`)."""
+    return bool(getattr(experts, "is_transposed", False)) or bmm_experts(experts)
 
 
 def bmm_experts(module: nn.Module | None) -> bool:
@@ -102,6 +107,45 @@ def bmm_experts(module: nn.Module | None) -> bool:
         return forward is not None and len(inspect.signature(forward).parameters) == 1
     except (TypeError, ValueError):  # a builtin without a signature
         return False
+
+
+def expert_projections(module: nn.Module) -> list[str]:
+    """The 3-D weights of a transformers fused-experts module in the form the runtime serves (`TileExperts`:
+    gate_up_proj or up_proj, and down_proj; called routed, (hidden_states, top_k_index, top_k_weights),
+    or Llama 4's way), else []."""
+    names = [p for p in EXPERT_PROJECTIONS if isinstance(getattr(module, p, None), torch.Tensor)
+             and getattr(module, p).dim() == 3]
+    if "down_proj" not in names or len(names) != 2:
+        return []
+    try:
+        routed = len(inspect.signature(module.forward).parameters) == 3
+    except (TypeError, ValueError):
+        return []
+    return names if routed or bmm_experts(module) else []
+
+
+def model_matrices(model: nn.Module) -> dict[str, Target]:
+    """{layer name: Target} for every weight matrix of `model` the runtime serves: `nn.Linear` weights, GPT-2
+    `Conv1D` weights (stored (K, N)), and each expert's slice of fused-experts weights (`expert_projections`).
+    The output embedding (LM head, tied or not) is left out: it is never planned.
+
+    Example:
+        >>> sorted(model_matrices(qwen3_moe))[:2]
+        ['model.layers.0.mlp.experts.down_proj.0', 'model.layers.0.mlp.experts.down_proj.1']
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}  # a tied head
+    out: dict[str, Target] = {}
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        conv1d = type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+        if (isinstance(module, nn.Linear) or conv1d) and module is not head and id(module.weight) not in embedded:
+            out[f"{prefix}weight"] = Target(f"{prefix}weight", f"{prefix}weight", None, conv1d)
+        for proj in expert_projections(module):
+            param = prefix + proj
+            for e in range(getattr(module, proj).shape[0]):
+                out[layer_name(param, e)] = Target(layer_name(param, e), param, e, stored_kn(module))
+    return out
 
 
 def resolve(model: nn.Module, name: str, recorded: Mapping | None = None) -> Target:
@@ -148,5 +192,5 @@ def recorded_targets(targets: Mapping[str, Target]) -> dict[str, dict]:
     return {name: t.to_json() for name, t in targets.items() if t.expert is not None or t.transposed}
 
 
-__all__ = ["META_KEY", "Target", "bmm_experts", "layer_name", "matrix", "read", "recorded_targets", "resolve",
-           "resolve_layers"]
+__all__ = ["EXPERT_PROJECTIONS", "META_KEY", "Target", "bmm_experts", "expert_projections", "layer_name", "matrix",
+           "model_matrices", "read", "recorded_targets", "resolve", "resolve_layers", "stored_kn"]

@@ -168,8 +168,9 @@ class TilePlan:
 
     @classmethod
     def from_linears(cls, model: nn.Module, tile: tuple[int, int] | int = (128, 128)) -> TilePlan:
-        """Plan the `nn.Linear` weights of a pruned `model` that hold a 2:4 tile, read off their zeros (LM
-        head left out; the others in `skipped`). Used by `patchc import` and `patchc.compile(model)`.
+        """Plan the weight matrices of a pruned `model` that hold a 2:4 tile, read off their zeros: `nn.Linear`
+        and GPT-2 `Conv1D` weights, and each expert of fused MoE experts ("<param>.<expert>"); the LM head is
+        left out, the others in `skipped` with the reason. Used by `patchc import` and `patchc.compile(model)`.
 
         Example: ``plan = TilePlan.from_linears(wanda_pruned_model, tile=(128, 128))``
         """

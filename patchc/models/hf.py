@@ -249,7 +249,7 @@ def load_hf_tokenizer(spec: str | os.PathLike) -> Any | None:
     """
     transformers = _transformers()
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(spec), local_files_only=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(spec), local_files_only=True)
     except Exception as e:  # a bare save_pretrained(model) folder has no tokenizer: callers pass ids themselves
         folder = Path(spec)
         found = [name for name in _TOKENIZER_FILES if (folder / name).is_file()] if folder.is_dir() else []
@@ -259,6 +259,9 @@ def load_hf_tokenizer(spec: str | os.PathLike) -> Any | None:
                 if "TokenizersBackend" in str(e) else "")
         raise HFLoadError(f"{spec}: its tokenizer ({', '.join(found)}) does not load with transformers "
                           f"{transformers.__version__} ({type(e).__name__}: {_first_line(e)}){hint}") from e
+    # transformers 5 builds an empty tokenizer (its special tokens alone) for a Qwen folder without files:
+    # text would become one unknown token after another
+    return tokenizer if len(tokenizer) > len(set(tokenizer.all_special_tokens)) else None
 
 
 def load_hf_causal(spec: str | os.PathLike, device: str | torch.device = "cpu", config: Any = None,

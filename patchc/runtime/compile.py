@@ -54,7 +54,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     """The model with its planned linears replaced by `TileLinear` (on a copy unless `inplace`).
 
     `plan`: a TilePlan or a path to a saved plan; None: the model is already 2:4 or hybrid (pruned by
-    any tool), and its `nn.Linear` weights' zeros are the plan (`TilePlan.from_linears`, 128 x 128 tiles).
+    any tool), and its linear weights' zeros are the plan (`TilePlan.from_linears`, 128 x 128 tiles).
     `cache` / `time_fn`: passed to `tune_plan`.
     Replaced: nn.Linear (and subclasses, e.g. Falcon's `x @ W.T`), transformers' `Conv1D` (K x N
     storage), every module sharing a tied planned weight, and fused MoE experts (`TileExperts`,
@@ -75,7 +75,8 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     if plan is None:
         plan = TilePlan.from_linears(model)
         if not plan.layers:
-            raise ValueError(f"patchc.compile: no nn.Linear weight of the {type(model).__name__} holds a 2:4 tile "
+            raise ValueError(f"patchc.compile: no linear weight (nn.Linear, Conv1D, fused experts) of the "
+                             f"{type(model).__name__} holds a 2:4 tile "
                              "(128 x 128 tiles whose every group of 4 keeps at most 2 weights); pass the plan, "
                              "or prune the model first (patchc.oneshot, patchc prune)")
     elif isinstance(plan, (str, os.PathLike)):

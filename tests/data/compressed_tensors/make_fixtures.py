@@ -15,6 +15,10 @@ It writes, next to this file:
                         checkpoints were saved in too): nonzeros + bitmask + row offsets
     fp8/                the same after FP8_DYNAMIC quantization (e4m3 per-channel weight scales, as
                         llm-compressor's "2of4-FP8-dynamic" releases), then sparse-24-bitmask
+    moe/                a tiny random Qwen3-MoE, 2:4-pruned (router and LM head dense), as sparse-24-bitmask;
+                        written only under transformers 4, whose experts are one nn.Linear each, as in the
+                        released MoE checkpoints (transformers 5 fuses them into 3-D weights when it loads)
+    moe-truth.safetensors  its pruned bf16 weights, under those per-expert names
 """
 
 from __future__ import annotations
@@ -39,12 +43,31 @@ def pruned_model() -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(torch.bfloat16)
     model.config.dtype = torch.bfloat16  # config.json says "bfloat16", as released checkpoints do
+    prune_24(model)
+    return model
+
+
+MOE_CONFIG = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64,
+                  max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def prune_24(model: torch.nn.Module, skip: str = "lm_head") -> None:
+    """Keep the 2 largest magnitudes of every group of 4 in each nn.Linear but `skip` and MoE routers."""
     for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and ".layers." in name:
+        if isinstance(mod, torch.nn.Linear) and skip not in name and not name.endswith("mlp.gate"):
             w = mod.weight.data
             mags = w.float().abs().reshape(w.shape[0], -1, 4)
             keep = torch.zeros_like(mags, dtype=torch.bool).scatter_(-1, mags.topk(2, -1).indices, True)
             mod.weight.data = w * keep.reshape(w.shape)
+
+
+def pruned_moe() -> torch.nn.Module:
+    """A random bf16 Qwen3-MoE (transformers 4: one nn.Linear per expert projection), pruned 2:4."""
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**MOE_CONFIG)).to(torch.bfloat16)
+    model.config.torch_dtype = torch.bfloat16
+    prune_24(model)
     return model
 
 
@@ -61,9 +84,10 @@ def quantize_fp8(model: torch.nn.Module) -> None:
             mod.quantization_status = QuantizationStatus.FROZEN
 
 
-def save_compressed(model: torch.nn.Module, out: Path, quantized: bool, layout: str = "sparse-24-bitmask") -> None:
+def save_compressed(model: torch.nn.Module, out: Path, quantized: bool, layout: str = "sparse-24-bitmask",
+                    ignore: tuple[str, ...] = ("lm_head",)) -> None:
     sparsity = SparsityCompressionConfig.load_from_registry(layout, sparsity_structure="2:4",
-                                                            targets=["Linear"], ignore=["lm_head"])
+                                                            targets=["Linear"], ignore=list(ignore))
     compressor = ModelCompressor.from_pretrained_model(model, sparsity_config=sparsity,
                                                        quantization_format="float-quantized" if quantized else None)
     shutil.rmtree(out, ignore_errors=True)
@@ -83,6 +107,13 @@ def main() -> None:
     model = pruned_model()
     quantize_fp8(model)
     save_compressed(model, HERE / "fp8", quantized=True)
+    if int(transformers.__version__.split(".")[0]) < 5:
+        model = pruned_moe()
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(HERE / "moe-truth.safetensors"),
+                  metadata={"format": "pt"})
+        save_compressed(model, HERE / "moe", quantized=False, ignore=("lm_head", "re:.*mlp.gate$"))
+    else:
+        print("moe/ left as it is: it is written under transformers 4 (per-expert nn.Linear)")
 
 
 if __name__ == "__main__":
