@@ -155,14 +155,6 @@ def test_import_refuses_what_it_cannot_serve(tmp_path):
         import_sparse(DATA / "bf16", tmp_path / "taken", tile=16)
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
 
-    marlin = tmp_path / "marlin"
-    shutil.copytree(DATA / "bf16", marlin)
-    config = json.loads((marlin / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {}}
-    (marlin / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ExportError, match="marlin-24"):
-        import_sparse(marlin, tmp_path / "out", tile=16)
-
     broken = fixture_without("bf16", "model.layers.1.mlp.up_proj.compressed", tmp_path)
     with pytest.raises(Exception, match="model.layers.1.mlp.up_proj.weight"):
         import_sparse(broken, tmp_path / "out", tile=16)

@@ -1,12 +1,14 @@
 """`patchc import`: a model that is already 2:4 (or hybrid) in, a folder `patchc.from_pretrained` serves out.
 
-People with sparse models keep them in one of two layouts, and both come in:
+People with sparse models keep them in one of these layouts, and all of them come in:
 
     dense weights        the pruned weights are zeros (what SparseGPT / Wanda scripts save,
                          compressed-tensors' "dense" sparsity format, a llama2.c checkpoint)
     sparse-24-bitmask    compressed-tensors' own (`legacy.py`), which transformers and compressed-tensors
                          no longer read: kept values + a bitmask per weight, float or FP8 / int8 with scales;
                          and its unstructured "sparse-bitmask", which 2:4 checkpoints were saved in too
+    marlin-24            int4 / int8 2:4 values in Sparse-Marlin's layout (`marlin24.py`: the "w4a16"
+                         releases), dequantized: served as fp16 / bf16 2:4 tiles
 
 The stages (`import_sparse`):
 
@@ -137,15 +139,11 @@ def checkpoint_config(src: str | os.PathLike) -> dict:
 
 
 def checkpoint_layout(src: str | os.PathLike, config: dict) -> str:
-    """The compressed-tensors layout of a checkpoint stored sparse (`legacy.LAYOUTS`), else "dense
-    weights"; its int4 Marlin layout is refused."""
+    """The compressed-tensors layout of a checkpoint stored sparse (`legacy.LAYOUTS`), else "dense weights"."""
     from patchc.models.hf import sparse_layout
 
     for key in ("quantization_config", "compression_config"):
         found = sparse_layout(config.get(key) or {})
-        if found == "marlin-24":
-            raise ExportError(f"{src}: its 2:4 weights are int4 in Marlin's layout (marlin-24), which cannot be "
-                              "dequantized here; import the float or FP8 release of the model")
         if found is not None:
             return found
     return "dense weights"

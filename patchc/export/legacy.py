@@ -18,8 +18,9 @@ dropped its sparse compressors in 2026; this reader keeps such checkpoints usabl
 
 Quantized releases ("2of4-FP8-dynamic", W8A8) store FP8 / int8 values with ``<module>.weight_scale``
 (per tensor, per output channel, per group or per block; symmetric). They are dequantized to the scale's
-dtype: patchc plans hold float weights, and activations are not quantized. Packed int4 (``marlin-24``,
-``weight_packed``) is refused.
+dtype: patchc plans hold float weights, and activations are not quantized. The int4 / int8 ``marlin-24``
+layout (Sparse-Marlin's, ``weight_packed`` + ``meta`` + ``scale_packed``) is read by `marlin24.py`; other
+packed int4 (``weight_packed`` without ``meta``: dense int4) is refused.
 
     plan_from_compressed_tensors   the planned layers alone (an all-2:4 TilePlan)
     decoded_shards                 every tensor of the checkpoint as a dense model holds it, shard by shard
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from patchc.export import marlin24
 from patchc.ir import TILE_SPARSE24, LayerPlan, PlanError, TilePlan
 from patchc.ir.tiles import tile_grid, tile_pair
 from patchc.utils.progress import progress
@@ -46,9 +48,14 @@ from patchc.utils.progress import progress
 LAYOUT = "sparse-24-bitmask"
 # the unstructured layout, which 2:4 checkpoints were saved in too
 UNSTRUCTURED = "sparse-bitmask"
-LAYOUTS = (LAYOUT, UNSTRUCTURED)
+MARLIN = "marlin-24"  # int4 / int8 values in Sparse-Marlin's layout
+LAYOUTS = (LAYOUT, UNSTRUCTURED, MARLIN)
 SUFFIXES = {LAYOUT: (".compressed", ".bitmask", ".shape"),
-            UNSTRUCTURED: (".compressed", ".bitmask", ".shape", ".row_offsets")}
+            UNSTRUCTURED: (".compressed", ".bitmask", ".shape", ".row_offsets"), MARLIN: marlin24.SUFFIXES}
+# the tensor naming a layer of each layout: the one that is there whatever else is missing
+MARKER = {LAYOUT: "bitmask", UNSTRUCTURED: "bitmask", MARLIN: "meta"}
+# the tensor a layer's decoded weight is written beside (the shard holding its values)
+VALUES = {LAYOUT: "compressed", UNSTRUCTURED: "compressed", MARLIN: "weight_packed"}
 QUANT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 # activation quantization parameters: the plan serves the model's float activations, so they go unused
 ACTIVATION_PARAMS = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point", ".k_scale",
@@ -70,7 +77,7 @@ def plan_from_compressed_tensors(path_or_dir: str | os.PathLike, tile: tuple[int
     tile = tile_pair(tile, "plan_from_compressed_tensors")
     where = _index(Path(path_or_dir), LAYOUT)
     layers = {}
-    for module in progress(_modules(where, path_or_dir), desc="sparse-24-bitmask layers", disable=not show_progress):
+    for module in progress(_modules(where, path_or_dir, LAYOUT), desc="sparse-24-bitmask layers", disable=not show_progress):
         weight, mask = read_layer(where, module)
         bias = _tensor(where[module + ".bias"], module + ".bias") if module + ".bias" in where else None
         name = f"{module}.weight"
@@ -96,13 +103,13 @@ def decoded_shards(path_or_dir: str | os.PathLike,
     if layout not in LAYOUTS:
         raise PlanError(f"{path_or_dir}: layout {layout!r}; one of {LAYOUTS} is read")
     where = _index(Path(path_or_dir), layout)
-    modules = set(_modules(where, path_or_dir))
+    modules = set(_modules(where, path_or_dir, layout))
     for f in sorted(set(where.values())):
         out: dict[str, torch.Tensor] = {}
         for key in (k for k, v in where.items() if v == f):
             module, _, part = key.rpartition(".")
             if module in modules:
-                if part == "compressed":  # the layer goes to the shard holding its values
+                if part == VALUES[layout]:  # the layer goes to the shard holding its values
                     out[f"{module}.weight"] = read_layer(where, module, layout)[0]
             elif key.endswith(ACTIVATION_PARAMS) or part in ("weight_scale", "weight_zero_point"):
                 continue  # read with their weight
@@ -121,10 +128,13 @@ def read_layer(where: dict[str, Path], module: str, layout: str = LAYOUT) -> tup
     parts = {}
     for suffix in SUFFIXES[layout]:
         if module + suffix not in where:
-            raise PlanError(f"{where[module + '.bitmask']}: layer {module}.weight: tensor {module + suffix!r} missing")
+            marker = f"{module}.{MARKER[layout]}"
+            raise PlanError(f"{where[marker]}: layer {module}.weight: tensor {module + suffix!r} missing")
         parts[suffix[1:]] = _tensor(where[module + suffix], module + suffix)
-    scale, zero = _scales(where, module)
     name = f"{module}.weight"
+    if layout == MARLIN:
+        return marlin24.decode_marlin24(parts["weight_packed"], parts["scale_packed"], parts["meta"], name)
+    scale, zero = _scales(where, module)
     if layout == LAYOUT:
         return decode_24_bitmask(parts["compressed"], parts["bitmask"], parts["shape"], name, scale=scale,
                                  zero_point=zero)
@@ -249,10 +259,11 @@ def _index(path: Path, layout: str) -> dict[str, Path]:
     return {key: f for f in _files(path, layout) for key in _keys(f)}
 
 
-def _modules(where: dict[str, Path], path: str | os.PathLike) -> list[str]:
-    modules = sorted(k.removesuffix(".bitmask") for k in where if k.endswith(".bitmask"))
+def _modules(where: dict[str, Path], path: str | os.PathLike, layout: str = LAYOUT) -> list[str]:
+    marker = f".{MARKER[layout]}"
+    modules = sorted(k.removesuffix(marker) for k in where if k.endswith(marker))
     if not modules:
-        raise PlanError(f"{path}: no '<module>.bitmask' tensors; not a compressed-tensors bitmask checkpoint")
+        raise PlanError(f"{path}: no '<module>{marker}' tensors; not a compressed-tensors {layout} checkpoint")
     return modules
 
 

@@ -181,9 +181,6 @@ def dequantizing(spec: str, config: Any) -> dict[str, Any]:
     q = q if isinstance(q, dict) else q.to_dict()
     method = str(q.get("quant_method", "unknown"))
     layout = sparse_layout(q)
-    if layout == "marlin-24":
-        raise HFLoadError(f"{spec}: its weights are int4 2:4 in Marlin's layout (marlin-24), which patchc cannot "
-                          "dequantize; give it the float or FP8 release of the model")
     if layout is not None:
         raise HFLoadError(f"{spec}: a compressed-tensors {layout} checkpoint: its weights are already sparse, in a "
                           "layout transformers no longer reads; `patchc import` serves it when they are 2:4 "

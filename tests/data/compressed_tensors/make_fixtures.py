@@ -19,6 +19,11 @@ It writes, next to this file:
                         written only under transformers 4, whose experts are one nn.Linear each, as in the
                         released MoE checkpoints (transformers 5 fuses them into 3-D weights when it loads)
     moe-truth.safetensors  its pruned bf16 weights, under those per-expert names
+    marlin24/           a tiny random fp16 Llama (hidden 128, MLP 384), 2:4-pruned, quantized W4A16 (int4,
+                        symmetric, a scale per 128 input columns) and saved as marlin-24 (Sparse-Marlin's layout)
+    marlin24-truth.safetensors  the library's own int4 values q (int8) and scales of each layer: W = q * scale
+    marlin24-w8.safetensors     the MLP's down projection quantized to int8 with a scale per output channel,
+                        in marlin-24, beside its q and scale ("<module>.q", "<module>.scale")
 """
 
 from __future__ import annotations
@@ -71,6 +76,55 @@ def pruned_moe() -> torch.nn.Module:
     return model
 
 
+MARLIN_CONFIG = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, vocab_size=64, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def quantize_int(model: torch.nn.Module, preset: str) -> dict[str, torch.Tensor]:
+    """Apply the `preset` weight scheme (W4A16 / W8A16) with absmax scales; returns {module: q, module_scale}
+    where q are the library's own quantized integers (`compressed_tensors...forward.quantize`)."""
+    from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,
+                                                 preset_name_to_scheme)
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    qmax = 2 ** (scheme.weights.num_bits - 1) - 1
+    truth = {}
+    for name, mod in model.named_modules():
+        if hasattr(mod, "weight_scale"):
+            w = mod.weight.float()
+            per = scheme.weights.group_size or w.shape[1]
+            absmax = w.reshape(w.shape[0], -1, per).abs().amax(-1)
+            mod.weight_scale.data = (absmax / qmax).to(mod.weight_scale.dtype)
+            mod.quantization_status = QuantizationStatus.FROZEN
+            q = quantize(x=mod.weight.to(torch.float16), scale=mod.weight_scale.to(torch.float16), zero_point=None,
+                         args=scheme.weights)
+            truth[f"{name}.q"] = q.to(torch.int8)
+            truth[f"{name}.scale"] = mod.weight_scale.detach().to(torch.float16).clone()
+    return truth
+
+
+def save_marlin(preset: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Path]:
+    """(compressed state, truth, folder) of the tiny fp16 Llama quantized with `preset`, as marlin-24."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MARLIN_CONFIG)).to(torch.float16)
+    model.config.dtype = torch.float16
+    prune_24(model)
+    truth = quantize_int(model, preset)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="marlin-24")
+    out = HERE / "marlin24"
+    shutil.rmtree(out, ignore_errors=True)
+    model.config.save_pretrained(out)
+    state = compressor.compress(model)
+    if preset == "W4A16":
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        compressor.update_config(out)
+    else:
+        shutil.rmtree(out)
+    return state, truth, out
+
+
 def quantize_fp8(model: torch.nn.Module) -> None:
     """FP8_DYNAMIC, with the weight scales llm-compressor's minmax observer sets (per-channel absmax / 448)."""
     from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,
@@ -107,6 +161,13 @@ def main() -> None:
     model = pruned_model()
     quantize_fp8(model)
     save_compressed(model, HERE / "fp8", quantized=True)
+    state, truth, _ = save_marlin("W8A16")
+    down = "model.layers.0.mlp.down_proj"
+    save_file({**{k: v.contiguous() for k, v in state.items() if k.startswith(down + ".")},
+               **{k: v for k, v in truth.items() if k.startswith(down + ".")}},
+              str(HERE / "marlin24-w8.safetensors"), metadata={"format": "pt"})
+    state, truth, _ = save_marlin("W4A16")
+    save_file(truth, str(HERE / "marlin24-truth.safetensors"), metadata={"format": "pt"})
     if int(transformers.__version__.split(".")[0]) < 5:
         model = pruned_moe()
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(HERE / "moe-truth.safetensors"),
