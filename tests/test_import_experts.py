@@ -131,3 +131,27 @@ def test_a_folder_without_tokenizer_files_has_no_tokenizer(tmp_path):
     tokenizer files; text through it would be unknown tokens only."""
     build("qwen3_moe").save_pretrained(tmp_path)
     assert load_hf_tokenizer(tmp_path) is None
+
+
+@needs_fused
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_imported_moe_on_gpu_runs_the_grouped_kernels_and_matches_the_dense_model(tmp_path):
+    """Every expert of the compressed-tensors MoE through `TileExperts`' grouped kernels, against transformers'
+    own experts holding the same weights."""
+    truth = load_file(DATA / "moe-truth.safetensors")
+    import_sparse(DATA / "moe", tmp_path / "out", tile=16)
+    config = json.loads((DATA / "moe" / "config.json").read_text())
+    config.pop("quantization_config")
+    plain = tmp_path / "truth"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(config))
+    save_file(truth, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    reference, _ = load_hf_causal(plain, device="cuda", dtype=torch.bfloat16)
+    served = patchc.from_pretrained(tmp_path / "out", device="cuda")
+    assert any(isinstance(m, TileExperts) and m.kernels for m in served.modules())
+    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        for rows in (1, 4):
+            got, ref = served(ids[:rows]).logits.float(), reference(ids[:rows]).logits.float()
+            torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
