@@ -1,4 +1,5 @@
-"""`patchc import` / `TilePlan.from_linears` beyond nn.Linear: fused MoE experts, Llama 4's bmm experts, GPT-2's Conv1D.
+"""`patchc import` / `TilePlan.from_linears` across families: fused MoE experts, Llama 4's bmm experts, GPT-2's
+Conv1D, and a BERT encoder with its sentence-transformers pooling.
 
 A 2:4 MoE checkpoint is planned expert by expert ("<3-D param>.<expert>"), and served by `TileExperts`.
 The compressed-tensors fixture `moe/` was written by compressed-tensors 0.14.0 under transformers 4 (one
@@ -9,6 +10,7 @@ loads them. Every comparison is with a plain transformers model holding the same
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ from patchc.export import load_plan  # noqa: E402
 from patchc.export.importing import import_sparse  # noqa: E402
 from patchc.ir import TILE_SPARSE24, TilePlan  # noqa: E402
 from patchc.ir.targets import model_matrices, read  # noqa: E402
-from patchc.models.hf import load_hf_causal, load_hf_tokenizer, transformers_major  # noqa: E402
+from patchc.models.hf import load_hf_causal, load_hf_tokenizer, minilm_dir, transformers_major  # noqa: E402
 from patchc.runtime.dispatch import TileBmmExperts, TileExperts, TileLinear  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "compressed_tensors"
@@ -111,6 +113,32 @@ def test_a_compressed_tensors_moe_checkpoint_imports_every_expert(tmp_path):
     assert any(isinstance(m, TileExperts) for m in served.modules()) == fused
     with torch.no_grad():
         torch.testing.assert_close(served(IDS).logits.float(), reference(IDS).logits.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_pruned_encoder_imports_with_its_tokenizer_and_pooling(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64)).eval()  # MiniLM's vocabulary: its tokenizer files go with it
+    with torch.no_grad():
+        for name, target in model_matrices(model).items():
+            if "pooler" not in name:
+                w = read(model, target)
+                w.copy_(prune_24(w))
+    model.save_pretrained(tmp_path / "src")
+    for f in minilm_dir().iterdir():
+        if f.name.startswith(("tokenizer", "vocab", "special_tokens")):
+            shutil.copyfile(f, tmp_path / "src" / f.name)
+    shutil.copytree(minilm_dir() / "1_Pooling", tmp_path / "src" / "1_Pooling")
+    summary = import_sparse(tmp_path / "src", tmp_path / "out", tile=16)
+    assert (summary.layers, summary.dense_tiles) == (12, 0), "2 layers x (q, k, v, attention out, FFN in, FFN out)"
+    assert (tmp_path / "out" / "1_Pooling").is_dir() and (tmp_path / "out" / "vocab.txt").is_file()
+    served = patchc.from_pretrained(tmp_path / "out")
+    ids = torch.randint(0, 30522, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids, mask), model(ids, attention_mask=mask).last_hidden_state,
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_from_linears_leaves_a_pruned_router_plain_and_names_it():
