@@ -120,6 +120,17 @@ def test_marlin24_errors_name_the_layer(tmp_path):
         marlin24.decode_marlin24(st[m + ".weight_packed"], st[m + ".scale_packed"][:, :64], st[m + ".meta"], m + ".weight")
 
 
+def test_marlin24_serves_in_fp16_unless_told_otherwise(tmp_path):
+    """Its values are int4 times fp16 scales: fp16 numbers, which a bf16 config would round."""
+    src = tmp_path / "src"
+    shutil.copytree(DATA / "marlin24", src)
+    config = json.loads((src / "config.json").read_text())
+    config["dtype"] = "bfloat16"  # as the released w4a16 checkpoints' configs say
+    (src / "config.json").write_text(json.dumps(config))
+    assert import_sparse(src, tmp_path / "auto", tile=16).dtype == "float16"
+    assert import_sparse(src, tmp_path / "bf16", tile=16, dtype=torch.bfloat16).dtype == "bfloat16"
+
+
 def test_transformers_loaders_point_a_marlin24_checkpoint_at_import():
     with pytest.raises(HFLoadError, match="marlin-24 checkpoint.*patchc import"):
         load_hf_causal(DATA / "marlin24")

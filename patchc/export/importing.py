@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from patchc.export.format import ExportError
-from patchc.export.legacy import LAYOUTS, decoded_shards
+from patchc.export.legacy import LAYOUTS, MARLIN, decoded_shards
 from patchc.export.pretrained import check_out, export_pretrained
 from patchc.ir import TilePlan
 from patchc.ir.file_format import FLOAT_DTYPES
@@ -90,7 +90,8 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
                   dtype: torch.dtype | None = None, overwrite: bool = False) -> ImportSummary:
     """Write the 2:4 / hybrid model `src` (see the module docstring) as a patchc export folder `out`.
 
-    `dtype`: the served weights' dtype (None: the checkpoint's own, fp32 when it names none). Raises
+    `dtype`: the served weights' dtype (None: the checkpoint's own, fp32 when it names none; fp16 for marlin-24,
+    whose int4 values times fp16 scales are fp16 numbers, as Sparse-Marlin ran them). Raises
     ExportError naming the checkpoint when no linear layer holds a 2:4 tile, or when `out` is in the way.
 
     Example:
@@ -105,7 +106,7 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
     config = checkpoint_config(src)
     layout = checkpoint_layout(src, config)
     with decoded(src, layout, out.parent) as folder:
-        bundle = load_model(folder, dtype=dtype or checkpoint_dtype(config))
+        bundle = load_model(folder, dtype=dtype or (torch.float16 if layout == MARLIN else checkpoint_dtype(config)))
         plan = infer_plan(bundle.model, tile, str(src))
         export_pretrained(plan, bundle.model, out, tokenizer_from=bundle.source if bundle.tokenizer is not None else None,
                           overwrite=overwrite, info={"imported": str(src), "layout": layout})

@@ -99,7 +99,7 @@ def _dims(packed: torch.Tensor, scale: torch.Tensor, meta: torch.Tensor, name: s
             or (groups > 2 and (groups * n) % SCALE_ORDER.numel())):
         raise PlanError(f"layer {name}: scale_packed is a {scale.dtype} tensor of shape {tuple(scale.shape)}, "
                         f"expected float (groups, {n}) with groups dividing K={k}")
-    if n % 64 or (n * k // 16) % 2:
+    if n % 64:
         raise PlanError(f"layer {name}: N={n} is not a multiple of 64, which Sparse-Marlin's layout needs")
     return n, k, 32 // per_word
 

@@ -293,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tile", type=int, nargs=2, default=[128, 128], metavar=("B1", "B2"),
                    help="tile rows x columns; a tile whose every group of 4 holds at most 2 nonzeros is 2:4")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
-                   help="served weights' dtype (auto: the checkpoint's; FP8 / int8 values are dequantized to it)")
+                   help="served weights' dtype (auto: the checkpoint's, fp16 for marlin-24; quantized values are "
+                        "dequantized to it)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.set_defaults(handler=cmd_import)
 
