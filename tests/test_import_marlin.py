@@ -78,6 +78,7 @@ def test_a_marlin24_checkpoint_imports_and_serves(tmp_path):
     want = truth(DATA / "marlin24-truth.safetensors")
     summary = import_sparse(DATA / "marlin24", tmp_path / "out", tile=16)
     assert (summary.layout, summary.dtype, summary.layers, summary.dense_tiles) == ("marlin-24", "float16", 7, 0)
+    assert "served dequantized, as float16 2:4 tiles: larger than the checkpoint" in summary.format()
     plan = load_plan(tmp_path / "out")
     assert set(plan.layers) == set(want)
     for name, layer in plan.layers.items():

@@ -78,6 +78,9 @@ class ImportSummary:
             f"planned weights: {self.plan_bytes / 2**20:.2f} MiB against {self.dense_bytes / 2**20:.2f} MiB dense "
             f"({self.plan_bytes / max(self.dense_bytes, 1):.3f}x)",
         ]
+        if self.layout == MARLIN:
+            lines.append(f"its int4 / int8 values are served dequantized, as {self.dtype} 2:4 tiles: larger than the "
+                         "checkpoint (patchc has no int4 kernels)")
         if self.left_dense:
             reasons = Counter(self.left_dense.values())
             lines.append(f"left as plain weights: {len(self.left_dense)} ("

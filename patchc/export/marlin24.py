@@ -78,7 +78,7 @@ def decode_marlin24(packed: torch.Tensor, scale: torch.Tensor, meta: torch.Tenso
     if groups > 2:  # per-group scales of more than 2 groups a row were permuted in runs of 64
         s = s.reshape(-1, SCALE_ORDER.numel())[:, torch.argsort(SCALE_ORDER)]
     s = s.reshape(groups, n).t().float().repeat_interleave(k // groups, 1)
-    return (dense.float() * s).to(scale.dtype), mask
+    return (dense * s).to(scale.dtype), mask
 
 
 def _dims(packed: torch.Tensor, scale: torch.Tensor, meta: torch.Tensor, name: str) -> tuple[int, int, int]:
@@ -117,10 +117,10 @@ def _scatter(values: torch.Tensor, meta: torch.Tensor, n: int, k: int) -> tuple[
     nibbles = nibbles.reshape(n, k // 4)
     first, second = nibbles & 3, nibbles >> 2
     base = torch.arange(0, k, 4)[None, :]
-    dense = torch.zeros(n, k, dtype=torch.int64)
+    dense = torch.zeros(n, k)  # fp32 holds every int4 / int8 value exactly
     mask = torch.zeros(n, k, dtype=torch.bool)
     for pos, vals in ((first, values[:, 0::2]), (second, values[:, 1::2])):
-        dense.scatter_(1, base + pos, vals)
+        dense.scatter_(1, base + pos, vals.float())
         mask.scatter_(1, base + pos, True)
     return mask, dense
 
