@@ -88,6 +88,18 @@ def test_pruned_experts_and_conv1d_weights_import_and_serve(family, experts, tra
             torch.testing.assert_close(m(IDS).logits, model(IDS).logits, atol=1e-5, rtol=1e-5)
 
 
+def moe_reference(truth: dict[str, torch.Tensor], tmp_path: Path, device: str = "cpu") -> nn.Module:
+    """A plain transformers model of the `moe/` fixture's config holding `truth` (per-expert names), loaded by
+    transformers itself, which fuses the experts as it does for any released checkpoint."""
+    config = json.loads((DATA / "moe" / "config.json").read_text())
+    config.pop("quantization_config")
+    plain = tmp_path / "truth"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(config))
+    save_file(truth, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    return load_hf_causal(plain, device=device, dtype=torch.bfloat16)[0]
+
+
 def test_a_compressed_tensors_moe_checkpoint_imports_every_expert(tmp_path):
     truth = load_file(DATA / "moe-truth.safetensors")  # per-expert names, as the checkpoint stores them
     summary = import_sparse(DATA / "moe", tmp_path / "out", tile=16)
@@ -104,13 +116,7 @@ def test_a_compressed_tensors_moe_checkpoint_imports_every_expert(tmp_path):
             torch.testing.assert_close(plan.layers[name].to_dense(), w, atol=0, rtol=0)  # bit for bit
     assert "model.layers.0.mlp.gate.weight" not in plan.layers, "the router was stored dense"
 
-    config = json.loads((DATA / "moe" / "config.json").read_text())
-    config.pop("quantization_config")
-    plain = tmp_path / "truth"
-    plain.mkdir()
-    (plain / "config.json").write_text(json.dumps(config))
-    save_file(truth, str(plain / "model.safetensors"), metadata={"format": "pt"})
-    reference, _ = load_hf_causal(plain, dtype=torch.bfloat16)  # transformers fuses the experts itself
+    reference = moe_reference(truth, tmp_path)
     served = patchc.from_pretrained(tmp_path / "out")
     assert any(isinstance(m, TileExperts) for m in served.modules()) == fused
     with torch.no_grad():
@@ -171,13 +177,7 @@ def test_an_imported_moe_on_gpu_runs_the_grouped_kernels_and_matches_the_dense_m
     own experts holding the same weights."""
     truth = load_file(DATA / "moe-truth.safetensors")
     import_sparse(DATA / "moe", tmp_path / "out", tile=16)
-    config = json.loads((DATA / "moe" / "config.json").read_text())
-    config.pop("quantization_config")
-    plain = tmp_path / "truth"
-    plain.mkdir()
-    (plain / "config.json").write_text(json.dumps(config))
-    save_file(truth, str(plain / "model.safetensors"), metadata={"format": "pt"})
-    reference, _ = load_hf_causal(plain, device="cuda", dtype=torch.bfloat16)
+    reference = moe_reference(truth, tmp_path, device="cuda")
     served = patchc.from_pretrained(tmp_path / "out", device="cuda")
     assert any(isinstance(m, TileExperts) and m.kernels for m in served.modules())
     ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0)).cuda()

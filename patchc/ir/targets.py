@@ -115,13 +115,17 @@ def expert_projections(module: nn.Module) -> list[str]:
     or Llama 4's way), else []."""
     names = [p for p in EXPERT_PROJECTIONS if isinstance(getattr(module, p, None), torch.Tensor)
              and getattr(module, p).dim() == 3]
-    if "down_proj" not in names or len(names) != 2:
-        return []
+    return names if "down_proj" in names and len(names) == 2 and served_call(module) else []
+
+
+def served_call(experts: nn.Module) -> bool:
+    """Whether an experts module is called in a form the runtime's drop-ins take: Llama 4's forward(rows), or
+    the routed forward(hidden_states, top_k_index, top_k_weights) under any parameter names."""
     try:
-        routed = len(inspect.signature(module.forward).parameters) == 3
+        routed = len(inspect.signature(experts.forward).parameters) == 3
     except (TypeError, ValueError):
-        return []
-    return names if routed or bmm_experts(module) else []
+        return False
+    return routed or bmm_experts(experts)
 
 
 def model_matrices(model: nn.Module) -> dict[str, Target]:
@@ -193,4 +197,4 @@ def recorded_targets(targets: Mapping[str, Target]) -> dict[str, dict]:
 
 
 __all__ = ["EXPERT_PROJECTIONS", "META_KEY", "Target", "bmm_experts", "expert_projections", "layer_name", "matrix",
-           "model_matrices", "read", "recorded_targets", "resolve", "resolve_layers", "stored_kn"]
+           "model_matrices", "read", "recorded_targets", "resolve", "resolve_layers", "served_call", "stored_kn"]

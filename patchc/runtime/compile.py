@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchc.runtime.dispatch import TileExperts, TileLinear, experts_module, report_unreplaced, served_call
+from patchc.ir.targets import served_call
+from patchc.runtime.dispatch import TileExperts, TileLinear, experts_module, report_unreplaced
 from patchc.runtime.timing import TimeFn
 from patchc.runtime.tuner import LayerTuning, tune_plan
 

@@ -20,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from typing import Any, Iterable
 
@@ -30,7 +29,7 @@ from torch import nn
 
 from patchc.codegen.configs import arch_of, choose_block
 from patchc.codegen.layout import BUFFER_NAMES, pack
-from patchc.ir.targets import bmm_experts
+from patchc.ir.targets import EXPERT_PROJECTIONS, bmm_experts
 from patchc.runtime import op as _op  # registers torch.ops.patchc.tile_linear
 from patchc.runtime.op import encode_buckets, encode_config
 from patchc.runtime.timing import packed_buffers
@@ -178,7 +177,7 @@ class TileExperts(nn.Module):
         >>> mlp.experts = TileExperts(mlp.experts, plan, "model.layers.0.mlp.experts")   # doctest: +SKIP
     """
 
-    PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
+    PROJECTIONS = EXPERT_PROJECTIONS
 
     STORED_KN = False  # weights stored (E, K, N) only where the module says so (`is_transposed`)
 
@@ -296,16 +295,6 @@ class TileBmmExperts(TileExperts):
         else:
             h = self.act_fn(h)
         return project("down_proj", h)
-
-
-def served_call(experts: nn.Module) -> bool:
-    """Whether the experts module is called in a form `experts_module` replaces: Llama 4's forward(rows), or
-    the routed forward(hidden_states, top_k_index, top_k_weights) under any parameter names."""
-    try:
-        routed = len(inspect.signature(experts.forward).parameters) == 3
-    except (TypeError, ValueError):
-        return False
-    return routed or bmm_experts(experts)
 
 
 def experts_module(experts: nn.Module, plan: Any, path: str,
