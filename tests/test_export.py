@@ -414,3 +414,27 @@ def test_export_names_a_layer_the_model_lacks(tmp_path):
                                           r"has shape \(64, 128\), the plan \(64, 64\); export the model"):
         export_pretrained(plan, resized, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5", "gpt_oss", "deepseek_v3", "llama4", "gpt2", "bert", "t5"])
+def test_rebuilding_skips_random_init_but_keeps_every_computed_buffer(family):
+    """`from_pretrained` builds HF models under transformers' `no_init_weights` (random init was most of a
+    load's time): the buffers a folder does not store (RoPE frequencies, position ids) must still be the
+    ones a normal construction computes, and the weights must be left for the folder to fill."""
+    import transformers
+
+    from patchc.export.arch import skipped_init
+    from tests.test_families import _build
+
+    torch.manual_seed(0)
+    normal = _build(family)
+    torch.manual_seed(0)  # the same seed: had the weights been initialised, they would equal normal's
+    with skipped_init(transformers):
+        skipped = _build(family)
+    stored = set(normal.state_dict())
+    computed = [(n, a, b) for (n, a), (_, b) in zip(normal.named_buffers(), skipped.named_buffers()) if n not in stored]
+    for name, a, b in computed:
+        torch.testing.assert_close(b, a, atol=0, rtol=0, msg=f"{family}: buffer {name}")
+    weights = [n for n, p in normal.named_parameters() if p.dim() == 2 and p.numel() >= 64]
+    assert any(not torch.equal(skipped.get_parameter(n), normal.get_parameter(n)) for n in weights), \
+        "the weights were initialised anyway"

@@ -22,7 +22,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -106,7 +108,8 @@ def save_config(spec: ModelSpec, model: nn.Module, folder: Path, config: Any = N
 
 
 def rebuild(folder: Path, spec: ModelSpec) -> nn.Module:
-    """A freshly initialised model of `spec`'s class from `folder`'s config.json (offline, fp32)."""
+    """A model of `spec`'s class from `folder`'s config.json (offline, fp32). HF models are built without random
+    initialisation (`skipped_init`): their weights hold garbage until `from_pretrained` loads the folder's."""
     path = folder / "config.json"
     if not path.is_file():
         raise ExportError(f"{folder}: config.json missing; not a complete exported model")
@@ -125,11 +128,25 @@ def rebuild(folder: Path, spec: ModelSpec) -> nn.Module:
     cls = getattr(transformers, spec.cls, None)
     if cls is None or not hasattr(cls, "_from_config"):
         raise ExportError(f"{folder}: transformers {transformers.__version__} has no model class {spec.cls!r}")
-    model = cls._from_config(cfg)  # what AutoModel*.from_config does: attention implementation, dtype
+    with skipped_init(transformers):  # every weight is overwritten from the folder (a missing one is an error)
+        model = cls._from_config(cfg)  # what AutoModel*.from_config does: attention implementation, dtype
     gen_path = folder / "generation_config.json"
     if gen_path.is_file() and hasattr(model, "generation_config"):
         model.generation_config = transformers.GenerationConfig.from_pretrained(str(folder))
     return EncoderWrapper(model) if spec.wrapper else model
+
+
+def skipped_init(transformers: Any) -> contextlib.AbstractContextManager:
+    """transformers' own `no_init_weights` (its place moved in 5.0), which from_pretrained builds models under:
+    random initialisation of every weight is most of a rebuild's time."""
+    for where in ("initialization", "modeling_utils"):
+        try:
+            module = importlib.import_module(f"{transformers.__name__}.{where}")
+        except ImportError:
+            continue
+        if hasattr(module, "no_init_weights"):
+            return module.no_init_weights()
+    return contextlib.nullcontext()
 
 
 def copy_tokenizer(source: Any, folder: Path, spec: ModelSpec) -> list[str]:
