@@ -283,10 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_export)
 
     p = command("import", "serve a model that is already 2:4: write it as a patchc folder (patchc.from_pretrained)",
-                description="Read a model whose weights are already 2:4 or hybrid (zeros in a dense checkpoint, or "
-                            "compressed-tensors' sparse-24-bitmask layout with float, FP8 or int8 values), infer "
-                            "each linear layer's tiles from its zeros and write the folder patchc.from_pretrained "
-                            "serves with the hybrid kernels.")
+                description="Read a model whose weights are already 2:4 or hybrid (zeros in a dense checkpoint; "
+                            "compressed-tensors' sparse-24-bitmask / sparse-bitmask layouts with float, FP8 or int8 "
+                            "values; its int4 / int8 marlin-24 layout), infer the tiles of each linear layer "
+                            "(nn.Linear, Conv1D, every MoE expert) from its zeros and write the folder "
+                            "patchc.from_pretrained serves with the hybrid kernels.")
     p.add_argument("model", help="a transformers folder, or a name in the local Hugging Face cache, whose linear "
                                  "weights are 2:4")
     p.add_argument("--out", required=True, help="folder to write; must not exist or be empty")
