@@ -112,7 +112,10 @@ def save_marlin(preset: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.T
     model.config.dtype = torch.float16
     prune_24(model)
     truth = quantize_int(model, preset)
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="marlin-24")
+    # llm-compressor's 2:4 + W4A16 recipes record the sparsity as "dense" beside the marlin-24 quantization format
+    dense_24 = SparsityCompressionConfig.load_from_registry("dense", sparsity_structure="2:4", targets=["Linear"],
+                                                            ignore=["lm_head"])
+    compressor = ModelCompressor.from_pretrained_model(model, sparsity_config=dense_24, quantization_format="marlin-24")
     out = HERE / "marlin24"
     shutil.rmtree(out, ignore_errors=True)
     model.config.save_pretrained(out)
