@@ -438,3 +438,25 @@ def test_rebuilding_skips_random_init_but_keeps_every_computed_buffer(family):
     weights = [n for n, p in normal.named_parameters() if p.dim() == 2 and p.numel() >= 64]
     assert any(not torch.equal(skipped.get_parameter(n), normal.get_parameter(n)) for n in weights), \
         "the weights were initialised anyway"
+
+
+def test_a_tied_lm_head_stays_one_matrix_through_export_and_load(tmp_path):
+    """Rebuilding without initialisation skips transformers' tie_weights too: it must be redone, or the LM head
+    comes back as a second copy of the embeddings."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        tie_word_embeddings=True)).eval()
+    with torch.no_grad():
+        w = model.model.layers[0].mlp.up_proj.weight
+        top2 = w.abs().reshape(w.shape[0], -1, 4).topk(2, -1).indices
+        w.mul_(torch.zeros(w.shape[0], w.shape[1] // 4, 4).scatter_(-1, top2, 1.0).reshape(w.shape))
+    out = export_pretrained(TilePlan.from_linears(model, tile=16), model, tmp_path / "out")
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    for dense in (True, False):
+        loaded = from_pretrained(out, dense=dense)
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)

@@ -130,6 +130,7 @@ def rebuild(folder: Path, spec: ModelSpec) -> nn.Module:
         raise ExportError(f"{folder}: transformers {transformers.__version__} has no model class {spec.cls!r}")
     with skipped_init(transformers):  # every weight is overwritten from the folder (a missing one is an error)
         model = cls._from_config(cfg)  # what AutoModel*.from_config does: attention implementation, dtype
+    model.tie_weights()  # skipped with the initialisation: a tied LM head would be a second, separate matrix
     gen_path = folder / "generation_config.json"
     if gen_path.is_file() and hasattr(model, "generation_config"):
         model.generation_config = transformers.GenerationConfig.from_pretrained(str(folder))
