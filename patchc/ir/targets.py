@@ -92,6 +92,11 @@ def _guess(model: nn.Module, name: str) -> Target | None:
     return Target(name, param, int(index), stored_kn(_owner(model, param)))
 
 
+def is_conv1d(module: nn.Module | None) -> bool:
+    """transformers' Conv1D (GPT-2): weight stored (K, N), y = x @ W + b."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
 def stored_kn(experts: nn.Module | None) -> bool:
     """Whether a fused-experts module stores its 3-D weights (E, K, N): it says so (`is_transposed`), or it
     multiplies every expert's rows at once (`bmm_experts`)."""
@@ -142,7 +147,7 @@ def model_matrices(model: nn.Module) -> dict[str, Target]:
     out: dict[str, Target] = {}
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
-        conv1d = type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+        conv1d = is_conv1d(module)
         if (isinstance(module, nn.Linear) or conv1d) and module is not head and id(module.weight) not in embedded:
             out[f"{prefix}weight"] = Target(f"{prefix}weight", f"{prefix}weight", None, conv1d)
         for proj in expert_projections(module):
@@ -196,5 +201,5 @@ def recorded_targets(targets: Mapping[str, Target]) -> dict[str, dict]:
     return {name: t.to_json() for name, t in targets.items() if t.expert is not None or t.transposed}
 
 
-__all__ = ["EXPERT_PROJECTIONS", "META_KEY", "Target", "bmm_experts", "expert_projections", "layer_name", "matrix",
-           "model_matrices", "read", "recorded_targets", "resolve", "resolve_layers", "served_call", "stored_kn"]
+__all__ = ["EXPERT_PROJECTIONS", "META_KEY", "Target", "bmm_experts", "expert_projections", "is_conv1d", "layer_name",
+           "matrix", "model_matrices", "read", "recorded_targets", "resolve", "resolve_layers", "served_call", "stored_kn"]

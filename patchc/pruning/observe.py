@@ -32,15 +32,11 @@ from torch.overrides import TorchFunctionMode
 
 from patchc.config import DEFAULT_EXCLUDE
 from patchc.ir import targets
+from patchc.ir.targets import is_conv1d
 
 _EXPERT_PROJECTIONS = ("gate_up_proj", "up_proj", "gate_proj", "down_proj")
 _LINEAR = (F.linear, torch._C._nn.linear)
 _MATMUL = (torch.matmul, torch.mm, torch.bmm)
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """transformers' Conv1D (weight stored (K, N), y = x @ W + b)."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
 def _matmul_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

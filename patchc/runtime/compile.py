@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchc.ir.targets import served_call
+from patchc.ir.targets import is_conv1d, served_call
 from patchc.runtime.dispatch import TileExperts, TileLinear, experts_module, report_unreplaced
 from patchc.runtime.timing import TimeFn
 from patchc.runtime.tuner import LayerTuning, tune_plan
@@ -125,7 +125,7 @@ Users = list[tuple[nn.Module, str, nn.Module]]
 
 def _is_linear(module: nn.Module) -> bool:
     """nn.Linear (any subclass) or transformers' Conv1D (weight K x N, y = x @ W + b)."""
-    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def _users(model: nn.Module, param: torch.Tensor) -> Users:
