@@ -100,6 +100,12 @@ def tiny_mlp() -> TinyMLP:
     return TinyMLP()
 
 
+def prune_24(w: torch.Tensor) -> torch.Tensor:
+    """`w` (..., K) keeping the 2 largest magnitudes of every group of 4 along K (a 2:4 magnitude pruning)."""
+    mags = w.abs().reshape(*w.shape[:-1], -1, 4)
+    return w * torch.zeros_like(mags).scatter_(-1, mags.topk(2, -1).indices, 1.0).reshape(w.shape)
+
+
 def tiny_hf(kind: str):
     transformers = pytest.importorskip("transformers")
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]

@@ -36,7 +36,7 @@ from patchc.export import (
 from patchc.export.pretrained import model_spec
 from patchc.ir import PlanError, TilePlan
 from patchc.runtime import TileLinear
-from tests.conftest import STORIES, needs_shared, tiny_hf
+from tests.conftest import STORIES, needs_shared, prune_24, tiny_hf
 
 
 @pytest.fixture(autouse=True)
@@ -451,8 +451,7 @@ def test_a_tied_lm_head_stays_one_matrix_through_export_and_load(tmp_path):
         tie_word_embeddings=True)).eval()
     with torch.no_grad():
         w = model.model.layers[0].mlp.up_proj.weight
-        top2 = w.abs().reshape(w.shape[0], -1, 4).topk(2, -1).indices
-        w.mul_(torch.zeros(w.shape[0], w.shape[1] // 4, 4).scatter_(-1, top2, 1.0).reshape(w.shape))
+        w.copy_(prune_24(w))
     out = export_pretrained(TilePlan.from_linears(model, tile=16), model, tmp_path / "out")
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
     for dense in (True, False):

@@ -28,6 +28,7 @@ from patchc.ir import TILE_SPARSE24, TilePlan  # noqa: E402
 from patchc.ir.targets import model_matrices, read  # noqa: E402
 from patchc.models.hf import load_hf_causal, load_hf_tokenizer, minilm_dir, transformers_major  # noqa: E402
 from patchc.runtime.dispatch import TileBmmExperts, TileExperts, TileLinear  # noqa: E402
+from tests.conftest import prune_24  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "compressed_tensors"
 IDS = torch.tensor([[1, 5, 9, 17, 33, 2, 40, 63], [3, 7, 11, 13, 19, 23, 29, 31]])
@@ -47,12 +48,6 @@ def build(family: str) -> nn.Module:
             num_key_value_heads=1, head_dim=16, **BASE)),
         "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64)),
     }[family]().eval()
-
-
-def prune_24(w: torch.Tensor) -> torch.Tensor:
-    """`w` (..., K) keeping the 2 largest magnitudes of every group of 4 along K."""
-    mags = w.abs().reshape(*w.shape[:-1], -1, 4)
-    return w * torch.zeros_like(mags).scatter_(-1, mags.topk(2, -1).indices, 1.0).reshape(w.shape)
 
 
 @pytest.mark.parametrize("family, experts, transposed", [pytest.param("qwen3_moe", TileExperts, False, marks=needs_fused),

@@ -20,7 +20,7 @@ import patchc.runtime as rt
 from patchc.codegen.reference import random_24_mask, random_kinds, random_layer_plan
 from patchc.runtime import op as rt_op
 from patchc.ir import TilePlan
-from tests.conftest import STORIES, needs_shared, tiny_hf
+from tests.conftest import STORIES, needs_shared, prune_24, tiny_hf
 
 TOL = dict(atol=1e-6, rtol=1e-5)
 TOL_TRITON = dict(atol=1e-4, rtol=1e-5)
@@ -536,9 +536,7 @@ def test_compile_without_a_plan_reads_the_models_zeros(tiny_mlp):
     with pytest.raises(ValueError, match="no linear weight .* of the TinyMLP holds a 2:4 tile"):
         compile_fn(tiny_mlp, tune=False)
     with torch.no_grad():
-        w = tiny_mlp.up.weight
-        top2 = w.abs().reshape(w.shape[0], -1, 4).topk(2, -1).indices
-        w.mul_(torch.zeros(w.shape[0], w.shape[1] // 4, 4).scatter_(-1, top2, 1.0).reshape(w.shape))
+        tiny_mlp.up.weight.copy_(prune_24(tiny_mlp.up.weight))
     fast = compile_fn(tiny_mlp, tune=False)
     assert isinstance(fast.up, rt.TileLinear) and type(fast.down) is nn.Linear and type(fast.odd) is nn.Linear
     assert fast.out.weight is fast.embed.weight, "the tied head is no layer to plan"
