@@ -62,12 +62,12 @@ def layers_from_linears(model: nn.Module, tile: tuple[int, int] | int) -> Layers
         if why:
             left[name] = why
             continue
-        bias = None if target.expert is not None else _find_bias(params, name, w)
-        layer = layer_from_weight(name, w, tile, bias=bias)
-        if layer.n_sparse:
-            layers[name] = layer
-        else:
+        kinds, mask = _infer_from_weight(w, tile)
+        if not bool((kinds == TILE_SPARSE24).any()):  # known before packing: a dense model packs nothing
             left[name] = "no 2:4 tile"
+            continue
+        bias = None if target.expert is not None else _find_bias(params, name, w)
+        layers[name] = LayerPlan.from_mask(name, w, kinds, mask, bias=bias, tile=tile)
     return layers, left, tile
 
 
