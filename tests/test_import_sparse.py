@@ -143,6 +143,56 @@ def test_dtype_is_the_checkpoints_unless_given(tmp_path):
     assert load_plan(tmp_path / "b").layers["model.layers.0.mlp.up_proj.weight"].dtype == torch.float16
 
 
+def test_import_packs_one_layer_at_a_time_and_writes_the_plan_from_linears_gives(tmp_path, monkeypatch):
+    """The plan is never held whole: when a layer is packed, no earlier packed layer is alive (the weights file
+    took it and dropped it). The folder still holds exactly the plan `TilePlan.from_linears` makes."""
+    import weakref
+
+    from patchc.export import importing
+
+    model = save_llama(tmp_path / "src", {"self_attn.o_proj": "half", "mlp.down_proj": "none"})
+    packed: weakref.WeakSet = weakref.WeakSet()
+    alive_when_packing = []
+    real = importing.layer_from_linear
+
+    def pack(*args, **kwargs):
+        alive_when_packing.append(len(packed))
+        layer = real(*args, **kwargs)
+        packed.add(layer)
+        return layer
+
+    monkeypatch.setattr(importing, "layer_from_linear", pack)
+    import_sparse(tmp_path / "src", tmp_path / "out", tile=16)
+    assert alive_when_packing == [0] * 6
+    want = patchc.TilePlan.from_linears(model, tile=16)
+    got = load_plan(tmp_path / "out")
+    assert list(got.layers) == list(want.layers) and got.skipped == want.skipped
+    for fqn, layer in want.layers.items():
+        for part, t in layer.tensors().items():
+            assert torch.equal(got.layers[fqn].tensors()[part], t), f"{fqn}: {part}"
+    body = json.loads((tmp_path / "out" / "patchc_config.json").read_text())
+    assert body["bytes"]["plan"] == want.nbytes() and body["plan"]["density"] == pytest.approx(want.density, abs=1e-12)
+    assert body["layers"]["model.layers.0.self_attn.o_proj.weight"]["dense_tiles"] == 4
+
+
+def test_a_bf16_import_serves_what_transformers_loads_at_far_positions(tmp_path, monkeypatch):
+    """`from_pretrained` builds the model in its dtype as transformers does, so buffers computed in fp32 stay
+    fp32. Built in fp32 and cast, RoPE's inverse frequencies were rounded to bf16: at position 1000 a 128-dim
+    head's angles were off by up to 1.2 rad (theta 1e4; 1.8 at 5e5); this tiny model's logits by 2e-3."""
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")  # TileLinear's exact CPU path: the same F.linear
+    save_llama(tmp_path / "src", {}, dtype=torch.bfloat16)
+    import_sparse(tmp_path / "src", tmp_path / "out", tile=16)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.bfloat16).eval()
+    positions = torch.arange(1000, 1000 + IDS.shape[1]).expand_as(IDS)
+    with torch.no_grad():
+        want = ref(IDS, position_ids=positions).logits
+        for dense in (True, False):
+            served = patchc.from_pretrained(tmp_path / "out", dense=dense)
+            assert served.model.rotary_emb.inv_freq.dtype == ref.model.rotary_emb.inv_freq.dtype == torch.float32
+            assert served.model.embed_tokens.weight.dtype == torch.bfloat16
+            assert torch.equal(served(IDS, position_ids=positions).logits, want), f"dense={dense}"
+
+
 def test_import_refuses_what_it_cannot_serve(tmp_path):
     save_llama(tmp_path / "dense", {"proj": "none"}, tied=True)  # the tied LM head is no linear layer to plan
     with pytest.raises(ExportError, match="none of its 7 linear weights holds a 2:4 tile"):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from patchc.export.format import ExportError
@@ -107,9 +108,12 @@ def save_config(spec: ModelSpec, model: nn.Module, folder: Path, config: Any = N
         gen.save_pretrained(str(folder))
 
 
-def rebuild(folder: Path, spec: ModelSpec) -> nn.Module:
-    """A model of `spec`'s class from `folder`'s config.json (offline, fp32). HF models are built without random
-    initialisation (`skipped_init`): their weights hold garbage until `from_pretrained` loads the folder's."""
+def rebuild(folder: Path, spec: ModelSpec, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A model of `spec`'s class from `folder`'s config.json (offline), in `dtype`. HF models are built without
+    random initialisation (`skipped_init`): their weights hold garbage until `from_pretrained` loads the folder's.
+    They are built in `dtype` as transformers' from_pretrained builds them, not cast after: buffers it computes in
+    fp32 stay fp32 (RoPE's inverse frequencies: rounded to bf16 they turn positions in the thousands by
+    radians), and the model never exists in fp32 (twice a bf16 model's memory)."""
     path = folder / "config.json"
     if not path.is_file():
         raise ExportError(f"{folder}: config.json missing; not a complete exported model")
@@ -118,7 +122,7 @@ def rebuild(folder: Path, spec: ModelSpec) -> nn.Module:
         fields = {f.name for f in dataclasses.fields(LlamaConfig)}
         if body.get("model_type") != LLAMA2C_TYPE:
             raise ExportError(f"{path}: model_type {body.get('model_type')!r}, expected {LLAMA2C_TYPE!r}")
-        return Llama(LlamaConfig(**{k: v for k, v in body.items() if k in fields}))
+        return Llama(LlamaConfig(**{k: v for k, v in body.items() if k in fields})).to(dtype)
     import transformers
 
     try:
@@ -129,7 +133,7 @@ def rebuild(folder: Path, spec: ModelSpec) -> nn.Module:
     if cls is None or not hasattr(cls, "_from_config"):
         raise ExportError(f"{folder}: transformers {transformers.__version__} has no model class {spec.cls!r}")
     with skipped_init(transformers):  # every weight is overwritten from the folder (a missing one is an error)
-        model = cls._from_config(cfg)  # what AutoModel*.from_config does: attention implementation, dtype
+        model = cls._from_config(cfg, dtype=dtype)  # as AutoModel*.from_config: attention implementation, dtype
     model.tie_weights()  # skipped with the initialisation: a tied LM head would be a second, separate matrix
     gen_path = folder / "generation_config.json"
     if gen_path.is_file() and hasattr(model, "generation_config"):

@@ -20,19 +20,22 @@ A reader refuses another format or version, a header layer whose buffers are mis
 ``.patchc.`` tensor the header does not describe, naming the file and the layer.
 
 Example:
-    >>> write_weights(path, plain, plan.layers)
+    >>> write_weights(path, plain, {f: lp.slot() for f, lp in plan.layers.items()}, plan.layers.items())
     >>> plain, layers = read_weights(path)      # {name: tensor}, {fqn: LayerPlan}
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from patchc.ir import LayerPlan, PlanError
-from patchc.ir.file_format import layer_header, read_layer, read_safetensors
+from patchc.ir.file_format import read_layer, read_safetensors
+from patchc.ir.layer_slot import LayerSlot
+from patchc.utils.safetensors_stream import StreamError, write_streamed
 
 FORMAT = "patchc.pretrained"
 VERSION = 1
@@ -50,22 +53,36 @@ def part_name(fqn: str, part: str) -> str:
     return f"{fqn}{SEP}{part}"
 
 
-def write_weights(path: Path, plain: dict[str, torch.Tensor], layers: dict[str, LayerPlan]) -> None:
-    """Write `plain` tensors and the buffers of `layers` (keyed by their stored fqn) to one safetensors file.
+def write_weights(path: Path, plain: dict[str, torch.Tensor], slots: Mapping[str, LayerSlot],
+                  layers: Iterable[tuple[str, LayerPlan]]) -> int:
+    """Write `plain` tensors, then the buffers of each layer as `layers` yields it ((stored fqn, LayerPlan), in
+    `slots`' order, each matching its slot) to one safetensors file; returns its size in bytes.
 
-    Written in place: the caller's folder is a temporary one, renamed into place when complete."""
-    from safetensors.torch import save_file
-
-    tensors = {name: t.detach().cpu().contiguous() for name, t in plain.items()}
-    for fqn, layer in layers.items():
-        for part, t in layer.tensors().items():
+    The file is laid out from the slots first and each layer is written as it comes, so a generator that packs
+    layers one by one keeps one packed layer in memory, never the plan. Written in place: the caller's folder
+    is a temporary one, renamed into place when complete."""
+    layout = {name: (t.dtype, tuple(t.shape)) for name, t in plain.items()}
+    for fqn, slot in slots.items():
+        for part, spec in slot.parts().items():
             name = part_name(fqn, part)
-            if name in tensors:
+            if name in layout:
                 raise ExportError(f"{path}: tensor name {name!r} is both a model tensor and a plan buffer")
-            # the plan's bias often shares storage with the model's (from_masks); safetensors refuses aliases
-            tensors[name] = t.detach().cpu().clone() if part == "bias" else t.detach().cpu().contiguous()
-    head = {"format": FORMAT, "version": VERSION, "layers": layer_header(layers)}
-    save_file(tensors, str(path), metadata={"format": "pt", "patchc": json.dumps(head)})
+            layout[name] = spec
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from plain.items()
+        for fqn, layer in layers:
+            parts = layer.tensors()
+            del layer  # the written layer is freed before the next one is packed
+            while parts:
+                part = next(iter(parts))
+                yield part_name(fqn, part), parts.pop(part)
+
+    head = {"format": FORMAT, "version": VERSION, "layers": {fqn: slot.header() for fqn, slot in slots.items()}}
+    try:
+        return write_streamed(path, layout, tensors(), {"format": "pt", "patchc": json.dumps(head)})
+    except StreamError as e:
+        raise ExportError(f"{e} (a planned layer does not match the layout laid out for it)") from None
 
 
 def read_weights(path: Path, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, LayerPlan]]:

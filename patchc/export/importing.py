@@ -15,10 +15,11 @@ The stages (`import_sparse`):
     decode    a compressed checkpoint -> a dense-weight folder beside the output, one shard at a
               time (deleted at the end): transformers then loads it, with its own key conversions
     load      `patchc.models.load_model` in the checkpoint's dtype (offline; a missing weight is an error)
-    infer     `TilePlan.from_linears` (nn.Linear, Conv1D and fused experts' weights): a tile is 2:4 iff every
-              group of 4 holds at most 2 nonzeros;
-              weights without a 2:4 tile stay plain
-    export    `export_pretrained`: the folder, written atomically
+    survey    which weights to plan (nn.Linear, Conv1D and fused experts' slices: `survey_linears`) and
+              their tile kinds, packing nothing: a tile is 2:4 iff every group of 4 holds at most 2
+              nonzeros; weights without a 2:4 tile stay plain
+    export    `write_export`: the folder, written atomically, each layer packed as the weights file
+              reaches it and dropped once written (the plan is never held whole)
 
 Example:
     >>> summary = import_sparse("my-llama-2of4/", "served/", tile=(128, 128))
@@ -43,10 +44,11 @@ from torch import nn
 
 from patchc.export.format import ExportError
 from patchc.export.legacy import LAYOUTS, MARLIN, decoded_shards
-from patchc.export.pretrained import check_out, export_pretrained
-from patchc.ir import TilePlan
+from patchc.export.pretrained import check_out, write_export
+from patchc.ir import targets
 from patchc.ir.file_format import FLOAT_DTYPES
-from patchc.ir.targets import model_matrices
+from patchc.ir.from_pruned import layer_from_linear, survey_linears
+from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.tiles import tile_pair
 
 INDEX = "model.safetensors.index.json"
@@ -110,16 +112,19 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
     layout = checkpoint_layout(src, config)
     with decoded(src, layout, out.parent) as folder:
         bundle = load_model(folder, dtype=dtype or (torch.float16 if layout == MARLIN else checkpoint_dtype(config)))
-        plan = infer_plan(bundle.model, tile, str(src))
-        export_pretrained(plan, bundle.model, out, tokenizer_from=bundle.source if bundle.tokenizer is not None else None,
-                          overwrite=overwrite, info={"imported": str(src), "layout": layout})
-    weight = next(bundle.model.parameters())
+        model = bundle.model
+        where, slots, left = survey(model, tile, str(src))
+        # each layer is packed as the file reaches it; no provenance check: it is packed from these very weights
+        write_export(model, out, where, slots, lambda fqn: layer_from_linear(model, fqn, where[fqn], tile),
+                     skipped=left, meta={"source": "patchc import", "tile": list(tile)},
+                     tokenizer_from=bundle.source if bundle.tokenizer is not None else None, overwrite=overwrite,
+                     info={"imported": str(src), "layout": layout})
+    weight = next(model.parameters())
     return ImportSummary(
-        out=out, layout=layout, dtype=str(weight.dtype).removeprefix("torch."), tile=tile, layers=len(plan.layers),
-        sparse_tiles=sum(lp.n_sparse for lp in plan.layers.values()),
-        dense_tiles=sum(lp.n_dense for lp in plan.layers.values()), plan_bytes=plan.nbytes(),
-        dense_bytes=sum(lp.shape[0] * lp.shape[1] * weight.element_size() for lp in plan.layers.values()),
-        left_dense=dict(plan.skipped))
+        out=out, layout=layout, dtype=str(weight.dtype).removeprefix("torch."), tile=tile, layers=len(slots),
+        sparse_tiles=sum(s.n_sparse for s in slots.values()), dense_tiles=sum(s.n_dense for s in slots.values()),
+        plan_bytes=sum(s.nbytes() for s in slots.values()),
+        dense_bytes=sum(s.numel * weight.element_size() for s in slots.values()), left_dense=left)
 
 
 def checkpoint_config(src: str | os.PathLike) -> dict:
@@ -211,17 +216,17 @@ def write_decoded(src: Path, dst: Path, layout: str = "sparse-24-bitmask") -> No
             shutil.copytree(p, dst / p.name)
 
 
-def infer_plan(model: nn.Module, tile: tuple[int, int], src: str) -> TilePlan:
-    """The plan of every linear weight with a 2:4 tile (its `skipped`: the linear weights left plain, and
-    why); ExportError when no linear weight of `model` holds a 2:4 tile."""
-    plan = TilePlan.from_linears(model, tile)
-    if not plan.layers:
-        raise ExportError(f"{src}: none of its {len(model_matrices(model))} linear weights holds a 2:4 tile at "
+def survey(model: nn.Module, tile: tuple[int, int], src: str) -> tuple[dict[str, targets.Target],
+                                                                      dict[str, LayerSlot], dict[str, str]]:
+    """(where, slots, left) of every linear weight with a 2:4 tile (`survey_linears`: nothing packed yet);
+    ExportError when no linear weight of `model` holds a 2:4 tile."""
+    where, slots, left = survey_linears(model, tile)
+    if not slots:
+        raise ExportError(f"{src}: none of its {len(left)} linear weights holds a 2:4 tile at "
                           f"{tile[0]}x{tile[1]} (a 2:4 tile keeps at most 2 of every 4 weights along a row); not a "
                           "2:4 model? `patchc prune` learns a hybrid one from a dense model")
-    plan.meta["source"] = "patchc import"
-    return plan  # export_pretrained verifies it
+    return where, slots, left
 
 
-__all__ = ["ImportSummary", "checkpoint_config", "checkpoint_dtype", "checkpoint_layout", "import_sparse", "infer_plan",
+__all__ = ["ImportSummary", "checkpoint_config", "checkpoint_dtype", "checkpoint_layout", "import_sparse", "survey",
            "write_decoded"]

@@ -29,7 +29,7 @@ import os
 import shlex
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +38,12 @@ from torch import nn
 
 from patchc.export.arch import ModelSpec, copy_tokenizer, describe, rebuild, save_config
 from patchc.export.format import CONFIG, FORMAT, VERSION, WEIGHTS, ExportError, check_header, read_weights, write_weights
-from patchc.ir import PlanError, TilePlan, targets
+from patchc.ir import LayerPlan, PlanError, TilePlan, targets
 from patchc.ir.file_format import FLOAT_DTYPES, dtype_name
+from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.provenance import check_weights
 from patchc.utils.files import publish_modes
+from patchc.utils.progress import progress
 
 Run = str | os.PathLike
 
@@ -58,26 +60,42 @@ def export_pretrained(plan: TilePlan, model: nn.Module, out_dir: Run, *, tokeniz
     Example:
         >>> export_pretrained(plan, bundle.model, "out/pruned", tokenizer_from=bundle.source)
     """
-    out = Path(out_dir)
-    spec = describe(model)
     plan.verify()
     where = layer_targets(plan, model, f"the {type(model).__name__}", "export the model the plan was made for")
     check_weights(plan, model)  # the plan's kept weights must be this model's, or the export mixes two models
+    return write_export(model, out_dir, where, {fqn: layer.slot() for fqn, layer in plan.layers.items()},
+                        plan.layers.__getitem__, skipped=plan.skipped, meta=plan.meta, tokenizer_from=tokenizer_from,
+                        config=config, overwrite=overwrite, info=info)
+
+
+def write_export(model: nn.Module, out_dir: Run, where: dict[str, targets.Target], slots: dict[str, LayerSlot],
+                 pack: Callable[[str], LayerPlan], *, skipped: dict[str, str], meta: dict, tokenizer_from: Any = None,
+                 config: Any = None, overwrite: bool = False, info: dict | None = None) -> Path:
+    """The folder of `export_pretrained` for the layers `slots` names (where each lives in `model`: `where`),
+    each packed by `pack(fqn)` only as the weights file reaches it: the plan is never held whole (`patchc
+    import` plans a model larger than memory this way). `skipped` and `meta` are stored as the plan's."""
+    out = Path(out_dir)
+    spec = describe(model)
     plain, tied = split_state(model, planned_params(model, where), spec.prefix)
-    layers = {fqn.removeprefix(spec.prefix): layer for fqn, layer in plan.layers.items()}
+    stored = {fqn: fqn.removeprefix(spec.prefix) for fqn in slots}
     weight = next(model.parameters())
     with atomic_dir(out, overwrite) as tmp:
         save_config(spec, model, tmp, config)
         tokenizer = copy_tokenizer(tokenizer_from, tmp, spec)
-        write_weights(tmp / WEIGHTS, plain, layers)
+        packed = ((stored[fqn], pack(fqn)) for fqn in progress(slots, desc="writing planned layers", unit="layer",
+                                                              disable=len(slots) < 64))
+        write_weights(tmp / WEIGHTS, plain, {stored[fqn]: slot for fqn, slot in slots.items()}, packed)
+        numel = sum(slot.numel for slot in slots.values())
         body = {
             "format": FORMAT, "version": VERSION, "weights": WEIGHTS, "model": spec.to_dict(), "tied": tied,
             "dtype": dtype_name(weight.dtype), "tokenizer": tokenizer,
-            "layers": {fqn: {"shape": list(lp.shape), "tile": list(lp.tile), "dtype": dtype_name(lp.dtype),
-                             "dense_tiles": lp.n_dense, "sparse_tiles": lp.n_sparse, "density": round(lp.density, 6)}
-                       for fqn, lp in layers.items()},
-            "plan": {"density": plan.density, "skipped": plan.skipped, "meta": plan.meta},
-            "bytes": {"plan": plan.nbytes(), "plain": sum(t.numel() * t.element_size() for t in plain.values())},
+            "layers": {stored[fqn]: {"shape": list(s.shape), "tile": list(s.tile), "dtype": dtype_name(s.dtype),
+                                     "dense_tiles": s.n_dense, "sparse_tiles": s.n_sparse, "density": round(s.density, 6)}
+                       for fqn, s in slots.items()},
+            "plan": {"density": sum(s.n_kept for s in slots.values()) / numel if numel else 1.0,
+                     "skipped": dict(skipped), "meta": dict(meta)},
+            "bytes": {"plan": sum(s.nbytes() for s in slots.values()),
+                      "plain": sum(t.numel() * t.element_size() for t in plain.values())},
             "source": dict(info or {}),
         }
         (tmp / CONFIG).write_text(json.dumps(body, indent=2) + "\n")
@@ -250,21 +268,23 @@ def from_pretrained(path: Run, *, dense: bool = False, device: Any = "cpu", dtyp
     """
     folder = Path(path)
     body, spec, plan, plain = read_export(folder)
-    model = rebuild(folder, spec)
+    model = rebuild(folder, spec, dtype or FLOAT_DTYPES.get(body.get("dtype"), torch.float32))
     load_plain(folder, model, plan, plain, {spec.prefix + a: spec.prefix + t for a, t in body["tied"].items()})
-    model.to(device=device, dtype=dtype or FLOAT_DTYPES.get(body.get("dtype"), torch.float32))
+    del plain  # loaded: the model holds its own copies
+    model.to(device=device)
     if dense:
-        plan.apply(model)
+        plan.apply(model, force=True)
         return model.eval()
     from patchc.runtime import compile as compile_model
 
-    # force: load_plain wrote the plan's own W * M, so the check that the model is the plan's source cannot fail
+    # force: the planned weights are the plan's own (apply writes its W * M), so the provenance check cannot fail
     return compile_model(model, plan, tune=tune, inplace=True, force=True).eval()
 
 
 def load_plain(folder: Path, model: nn.Module, plan: TilePlan, plain: dict[str, torch.Tensor],
                tied: dict[str, str]) -> None:
-    """Load the plain tensors into `model` and W * M into its planned weights; refuse any name mismatch."""
+    """Load the plain tensors into `model`; refuse any name mismatch. The planned weights are left for
+    `plan.apply` (which `patchc.compile` runs too) to fill with W * M, except one that another name is tied to."""
     params = dict(model.named_parameters(remove_duplicate=False))
     where = layer_targets(plan, model, f"{folder}: the model built from config.json",
                           f"config.json and {WEIGHTS} do not match")
@@ -276,9 +296,9 @@ def load_plain(folder: Path, model: nn.Module, plan: TilePlan, plain: dict[str, 
     if missing:
         raise ExportError(f"{folder}: tensor {missing[0]!r} of the model is missing from {WEIGHTS}")
     with torch.no_grad():
-        # W * M now, so that the model holds the pruned values even where the runtime keeps a weight
         for fqn, layer in plan.layers.items():
-            targets.read(model, where[fqn]).copy_(layer.to_dense())  # a view: the slice / transpose in place
+            if where[fqn].param in tied.values():  # copied to its alias below: needs its values now
+                targets.read(model, where[fqn]).copy_(layer.to_dense())  # a view: the slice / transpose in place
         for alias, target in tied.items():
             src = model.get_parameter(target) if target in params else model.get_buffer(target)
             dst = params.get(alias)

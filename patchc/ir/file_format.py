@@ -56,11 +56,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def layer_header(layers: dict[str, LayerPlan]) -> dict:
     """{fqn: {shape, tile, dtype, has_bias}}: what `read_layer` needs to rebuild each LayerPlan."""
-    return {
-        fqn: {"shape": list(layer.shape), "tile": list(layer.tile), "dtype": dtype_name(layer.dtype),
-              "has_bias": layer.bias is not None}
-        for fqn, layer in layers.items()
-    }
+    return {fqn: layer.slot().header() for fqn, layer in layers.items()}
 
 
 def header(plan: TilePlan) -> dict:

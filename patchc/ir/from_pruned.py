@@ -21,6 +21,7 @@ from torch import nn
 from patchc.ir import targets
 from patchc.ir.errors import PlanError, first_true
 from patchc.ir.layer_plan import LayerPlan
+from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.patterns import COVER_PATTERN, EXACT_PATTERN, PATTERNS, group_codes
 from patchc.ir.tiles import TILE_DENSE, TILE_SPARSE24, from_tiles, tile_pair, to_tiles, valid_groups
 
@@ -52,23 +53,41 @@ def layers_from_linears(model: nn.Module, tile: tuple[int, int] | int) -> Layers
     """(layers, left, tile): every weight matrix of `model` the runtime serves (`targets.model_matrices`:
     nn.Linear, Conv1D, fused experts' slices) that holds a 2:4 tile, planned from its zeros; `left` names
     the others and why (see `TilePlan.from_linears`)."""
+    where, slots, left = survey_linears(model, tile)
+    layers = {name: layer_from_linear(model, name, where[name], slot.tile) for name, slot in slots.items()}
+    return layers, left, tile_pair(tile, "from_linears")
+
+
+def survey_linears(model: nn.Module, tile: tuple[int, int] | int) -> tuple[dict[str, targets.Target],
+                                                                           dict[str, LayerSlot], dict[str, str]]:
+    """The first half of `layers_from_linears`, which packs nothing: (where each matrix to plan lives, its
+    `LayerSlot`, the matrices left plain and why). `layer_from_linear` packs one when it is wanted, so a
+    writer can lay a file out first and then hold one packed layer at a time."""
     tile = tile_pair(tile, "from_linears")
-    layers: dict[str, LayerPlan] = {}
+    where: dict[str, targets.Target] = {}
+    slots: dict[str, LayerSlot] = {}
     left: dict[str, str] = {}
-    params = dict(model.named_parameters())
     for name, target in targets.model_matrices(model).items():
         w = targets.read(model, target).detach()
         why = _why_skip(name, w, None) or _router(name)
         if why:
             left[name] = why
             continue
-        kinds, mask = _infer_from_weight(w, tile)
+        kinds = _kinds_from_weight(w, tile)
         if not bool((kinds == TILE_SPARSE24).any()):  # known before packing: a dense model packs nothing
             left[name] = "no 2:4 tile"
             continue
-        bias = None if target.expert is not None else _find_bias(params, name, w)
-        layers[name] = LayerPlan.from_mask(name, w, kinds, mask, bias=bias, tile=tile)
-    return layers, left, tile
+        where[name] = target
+        has_bias = _linear_bias(model, name, target, w) is not None
+        slots[name] = LayerSlot.from_kinds(tuple(w.shape), tile, w.dtype, kinds, has_bias)
+    return where, slots, left
+
+
+def layer_from_linear(model: nn.Module, name: str, target: targets.Target, tile: tuple[int, int]) -> LayerPlan:
+    """The LayerPlan of one matrix `survey_linears` found (its `<module>.bias` carried, never an expert's)."""
+    w = targets.read(model, target).detach()
+    kinds, mask = _infer_from_weight(w, tile)
+    return LayerPlan.from_mask(name, w, kinds, mask, bias=_linear_bias(model, name, target, w), tile=tile)
 
 
 def layer_from_weight(name: str, w: torch.Tensor, tile: tuple[int, int], bias: torch.Tensor | None = None) -> LayerPlan:
@@ -165,6 +184,25 @@ def _find_bias(sd: Mapping[str, Any], fqn: str, w: torch.Tensor) -> torch.Tensor
     if isinstance(b, torch.Tensor) and tuple(b.shape) == (w.shape[0],) and b.is_floating_point():
         return b.detach().to(device=w.device, dtype=w.dtype)
     return None
+
+
+def _linear_bias(model: nn.Module, name: str, target: targets.Target, w: torch.Tensor) -> torch.Tensor | None:
+    if target.expert is not None or not name.endswith("weight"):
+        return None
+    bias = name[: -len("weight")] + "bias"
+    try:
+        return _find_bias({bias: model.get_parameter(bias)}, name, w)
+    except AttributeError:
+        return None
+
+
+def _kinds_from_weight(w: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """The tile kinds `_infer_from_weight` gives (2:4 iff every group of 4 holds at most 2 nonzeros), without
+    working out the patterns: a count of nonzeros per group."""
+    nz = to_tiles(w != 0, tile).view(torch.uint8)  # padding is zero: never counts
+    per_group = nz.reshape(*nz.shape[:3], tile[1] // 4, 4).sum(-1, dtype=torch.uint8)
+    sparse = (per_group <= 2).flatten(2).all(-1)
+    return torch.where(sparse, TILE_SPARSE24, TILE_DENSE).to(torch.uint8)
 
 
 def _infer_from_weight(w: torch.Tensor, tile: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from patchc.ir.compress import compress
 from patchc.ir.errors import PlanError
+from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.patterns import unpack_meta
 from patchc.ir.tiles import TILE_DENSE, TILE_SPARSE24, from_tiles, tile_grid, tile_pair, tile_sizes
 from patchc.ir.verify import verify_layer
@@ -152,6 +153,10 @@ class LayerPlan:
         """Actual bytes of the stored buffers (kinds, dense, values, meta, bias)."""
         bufs = [self.kinds, self.dense, self.values, self.meta] + ([self.bias] if self.bias is not None else [])
         return sum(t.numel() * t.element_size() for t in bufs)
+
+    def slot(self) -> LayerSlot:
+        """Its header entry and buffer shapes, as a writer lays out a file before packing (`LayerSlot`)."""
+        return LayerSlot.from_kinds(self.shape, self.tile, self.dtype, self.kinds, self.bias is not None)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stored buffers by part name ("kinds", "dense", "values", "meta" and "bias" if any)."""

@@ -129,18 +129,16 @@ class TilePlan:
         Every target is checked before anything is written, also that the model's weights are the plan's
         source (`patchc.ir.provenance`; `force=True` skips that). Example: `plan.apply(copy.deepcopy(model))`.
         """
-        writes: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for fqn, target in targets.resolve_layers(self, model).items():
-            layer = self.layers[fqn]
-            writes.append((targets.read(model, target), layer.to_dense()))
-            bias = _bias_of(model, target, layer)
-            if bias is not None:
-                writes.append((bias, layer.bias))
+        where = targets.resolve_layers(self, model)  # every target checked before anything is written
         if not force:
             check_weights(self, model)
         with torch.no_grad():
-            for param, value in writes:
-                param.copy_(value.to(device=param.device, dtype=param.dtype))
+            for fqn, target in where.items():  # one layer's W * M at a time, not a dense copy of the plan
+                layer = self.layers[fqn]
+                targets.read(model, target).copy_(layer.to_dense())
+                bias = _bias_of(model, target, layer)
+                if bias is not None:
+                    bias.copy_(layer.bias)
         return model
 
     # -- construction ----------------------------------------------------------------------------

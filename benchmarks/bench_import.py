@@ -1,0 +1,124 @@
+"""Time and memory of `patchc import` and `patchc.from_pretrained` on a Llama that is already 2:4.
+
+Builds a random Llama of the given shape, prunes every projection 2:4 by magnitude (zeros in dense
+weights, what SparseGPT / Wanda scripts save), saves it with `save_pretrained`, then runs, each in a fresh
+process sampled every 5 ms: `patchc import SRC --out OUT` and `patchc.from_pretrained(OUT)`. Reports the
+wall time and the peak anonymous memory (RssAnon: what the process itself allocated, not the weights it
+maps from disk) above a process that only imported patchc and transformers; appends a record to
+benchmarks/results/import.jsonl.
+
+    python benchmarks/bench_import.py --hidden 2048 --intermediate 5632 --layers 8   # ~540M parameters, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = "import patchc, patchc.export, transformers, transformers.models.llama.modeling_llama"
+
+
+def build(src: Path, hidden: int, intermediate: int, layers: int, vocab: int) -> int:
+    """Save a magnitude 2:4-pruned random bf16 Llama to `src`; returns its parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128, dtype="bfloat16")
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear) and name != "lm_head":
+                w = mod.weight
+                mags = w.abs().reshape(w.shape[0], -1, 4)
+                keep = torch.zeros_like(mags).scatter_(-1, mags.topk(2, -1).indices, 1.0)
+                w.mul_(keep.reshape(w.shape))
+    model.save_pretrained(src)
+    return sum(p.numel() for p in model.parameters())
+
+
+def peak_anon(cmd: list[str]) -> tuple[float, int]:
+    """(wall seconds, peak RssAnon bytes) of `cmd`, sampled from /proc every 5 ms."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    peak = 0
+
+    def sample() -> None:
+        nonlocal peak
+        status = Path(f"/proc/{proc.pid}/status")
+        while proc.poll() is None:
+            try:
+                for line in status.read_text().splitlines():
+                    if line.startswith("RssAnon:"):
+                        peak = max(peak, int(line.split()[1]) * 1024)
+            except OSError:
+                break
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    rc = proc.wait()
+    thread.join()
+    if rc:
+        raise SystemExit(f"bench_import: {' '.join(cmd)} exited with {rc}")
+    return time.perf_counter() - start, peak
+
+
+def git_sha() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=5632)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--tile", type=int, default=128)
+    ap.add_argument("--label", default="", help="a note stored with the record (e.g. the change measured)")
+    ap.add_argument("--results", type=Path, default=ROOT / "benchmarks/results/import.jsonl")
+    args = ap.parse_args()
+
+    import torch
+
+    from patchc.utils.env import device_name, versions
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "src", Path(tmp) / "out"
+        params = build(src, args.hidden, args.intermediate, args.layers, args.vocab)
+        src_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+        _, base = peak_anon([sys.executable, "-c", BASELINE])
+        imp_s, imp_peak = peak_anon([sys.executable, "-m", "patchc", "import", str(src), "--out", str(out),
+                                     "--tile", str(args.tile), str(args.tile)])
+        out_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+        load = f"{BASELINE}; m = patchc.from_pretrained({str(out)!r}); print(type(m).__name__)"
+        load_s, load_peak = peak_anon([sys.executable, "-c", load])
+    record = {
+        "bench": "import", "label": args.label, "params": params, "shape": [args.hidden, args.intermediate, args.layers],
+        "tile": args.tile, "checkpoint_bytes": src_bytes, "exported_bytes": out_bytes, "baseline_anon": base,
+        "import_s": round(imp_s, 2), "import_anon_above_baseline": imp_peak - base,
+        "load_s": round(load_s, 2), "load_anon_above_baseline": load_peak - base,
+        "device": device_name("cpu"), "date": datetime.date.today().isoformat(), "git": git_sha(), **versions(),
+    }
+    gb = 1e9
+    print(f"{params / 1e6:.0f}M parameters, checkpoint {src_bytes / gb:.2f} GB -> exported {out_bytes / gb:.2f} GB")
+    print(f"patchc import          {imp_s:6.1f} s   peak anonymous {(imp_peak - base) / gb:5.2f} GB above the baseline")
+    print(f"patchc.from_pretrained {load_s:6.1f} s   peak anonymous {(load_peak - base) / gb:5.2f} GB above the baseline "
+          f"({base / gb:.2f} GB: Python, torch, transformers)")
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.results, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
