@@ -202,6 +202,23 @@ def test_tiny_llama_round_trip_is_exact(llama, tmp_path):
     assert {n.split(".patchc.")[0] for n in names if ".patchc." in n} == set(plan.layers)
 
 
+def test_a_packed_layer_unlike_its_slot_is_refused_and_leaves_no_folder(llama, tmp_path):
+    """write_export lays the file out from the slots before packing: a layer that comes out otherwise (here
+    another layer's plan) is an error naming the tensor, and nothing is left behind."""
+    from patchc.export.pretrained import layer_targets, write_export
+
+    bundle, plan, _, _, _ = llama
+    names = sorted(plan.layers, key=lambda f: plan.layers[f].shape)
+    small, big = names[0], names[-1]
+    assert plan.layers[small].shape != plan.layers[big].shape
+    where = layer_targets(plan, bundle.model, "model", "")
+    slots = {fqn: layer.slot() for fqn, layer in plan.layers.items()}
+    with pytest.raises(ExportError, match=r"tensor '.*\.patchc\.kinds' is torch.uint8 \(\d+, \d+\); the header declared"):
+        write_export(bundle.model, tmp_path / "x", where, slots, lambda fqn: plan.layers[big if fqn == small else fqn],
+                     skipped={}, meta={})
+    assert not list(tmp_path.iterdir())
+
+
 def test_tiny_llama_fp16_load_and_dtype(llama, tmp_path):
     bundle, plan, ids, _, _ = llama
     half = copy.deepcopy(bundle.model).half()

@@ -9,8 +9,9 @@ report. Its vocabulary (2:4 pattern codes, tile geometry) is shared by every sta
     compress.py     W * M -> dense tiles + 2:4 values + metadata (LayerPlan.from_mask)
     verify.py       every check a layer's buffers must pass
     layer_plan.py   LayerPlan: one weight
+    layer_slot.py   LayerSlot: a weight's buffer shapes from its tile kinds, before it is packed
     tile_plan.py    TilePlan: a model's weights, apply, summary
-    from_pruned.py  plans from pruned weights or from masks
+    from_pruned.py  plans from pruned weights or from masks; survey_linears: slots first, packing later
     file_format.py  the safetensors file and its versioned header
 
 A `LayerPlan` describes one linear weight W of shape (N, K) = (out_features, in_features), cut into
