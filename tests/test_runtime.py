@@ -9,6 +9,7 @@ reduction order. Triton-interpreter checks use the codegen tests' fp32 bound (at
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -19,7 +20,7 @@ import patchc
 import patchc.runtime as rt
 from patchc.codegen.reference import random_24_mask, random_kinds, random_layer_plan
 from patchc.runtime import op as rt_op
-from patchc.ir import TilePlan
+from patchc.ir import LayerPlan, TilePlan
 from tests.conftest import STORIES, needs_shared, prune_24, tiny_hf
 
 TOL = dict(atol=1e-6, rtol=1e-5)
@@ -467,6 +468,12 @@ def test_tile_linear_is_a_drop_in_for_linear():
     other = small_module()[1].to(torch.float64)
     other.load_state_dict(copy.deepcopy(mod.state_dict()))
     torch.testing.assert_close(other(x.double()), mod(x.double()))
+    # .weight is rebuilt from the module's own buffers: it follows a load, and no LayerPlan is kept beside them
+    layer2 = dataclasses.replace(layer, dense=layer.dense * 2, values=layer.values * 2)
+    other.weight  # cached, then overwritten below
+    other.load_state_dict(rt.TileLinear.from_plan(layer2, dtype=torch.float64).state_dict())
+    assert torch.equal(other.weight, layer2.to_dense().double())
+    assert not any(isinstance(v, LayerPlan) for v in vars(other).values())
 
 
 def _mask24(shape, seed):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from patchc.codegen.configs import arch_of, choose_block
-from patchc.codegen.layout import BUFFER_NAMES, pack
+from patchc.codegen.layout import BUFFER_NAMES, dense_from_buffers, pack
 from patchc.ir.targets import EXPERT_PROJECTIONS, bmm_experts
 from patchc.runtime import op as _op  # registers torch.ops.patchc.tile_linear
 from patchc.runtime.op import encode_buckets, encode_config
@@ -44,10 +44,9 @@ class TileLinear(nn.Module):
     """
 
     def __init__(self, packed: Any, tuning: LayerTuning, dtype: torch.dtype | None = None, device: Any = None,
-                 semi_weight: torch.Tensor | None = None, layer: Any = None) -> None:
+                 semi_weight: torch.Tensor | None = None) -> None:
         super().__init__()
-        self._layer = layer  # the LayerPlan, for `.weight` (materialised on first read, then cached)
-        self._weight_cache: torch.Tensor | None = None
+        self._weight_cache: torch.Tensor | None = None  # `.weight`, rebuilt from the buffers on first read
         if tuple(tuning.block) != tuple(packed.block):
             raise ValueError(f"layer {packed.name!r}: tuning block {tuning.block} != packed block {packed.block}")
         dtype = dtype or packed.dtype
@@ -95,20 +94,20 @@ class TileLinear(nn.Module):
             from torch.sparse import to_sparse_semi_structured
 
             semi = to_sparse_semi_structured(layer.to_dense().to(device=device, dtype=dtype or layer.dtype))
-        return cls(packed, tuning, dtype=dtype, device=device, semi_weight=semi, layer=layer)
+        return cls(packed, tuning, dtype=dtype, device=device, semi_weight=semi)
 
     # -- drop-in for nn.Linear -----------------------------------------------------------------
     @property
     def weight(self) -> torch.Tensor:
-        """W * M (out_features, in_features) in the module's dtype and device, built from the plan on
-        first read and cached (HF code reads `.weight.dtype`; the forward never uses it)."""
-        if self._layer is None:
-            raise AttributeError(f"TileLinear {self.name!r} was built without its LayerPlan; use from_plan "
-                                 "to read .weight")
+        """W * M (out_features, in_features) in the module's dtype and device, rebuilt from its own packed
+        buffers on first read and cached (HF code reads `.weight.dtype`; the forward never uses it). The module
+        keeps no LayerPlan: on a GPU that would be a host copy of every planned weight."""
         dtype, device = self.values.dtype, self.values.device
         cached = self._weight_cache
         if cached is None or cached.dtype != dtype or cached.device != device:
-            cached = self._weight_cache = self._layer.to_dense().to(device=device, dtype=dtype)
+            buffers = tuple(getattr(self, n) for n in BUFFER_NAMES)
+            cached = self._weight_cache = dense_from_buffers(buffers, (self.out_features, self.in_features),
+                                                             self.block, dtype)
         return cached
 
     @weight.setter
@@ -119,6 +118,10 @@ class TileLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         self._weight_cache = None  # dtype / device moves: rebuild .weight on the next read
         return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._weight_cache = None  # the buffers are overwritten in place: so is W * M
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def op_args(self, bias: Any = None) -> tuple[Any, ...]:
         """Everything the op takes after x (bias: override, e.g. an FX node; default the module's own)."""
