@@ -476,3 +476,31 @@ def test_a_tied_lm_head_stays_one_matrix_through_export_and_load(tmp_path):
         assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
         with torch.no_grad():
             torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_from_pretrained_builds_no_dense_weight_of_a_layer_it_serves_packed(llama, tmp_path, monkeypatch):
+    """The weights TileLinear replaces are never written: W * M is built only for planned layers that stay
+    nn.Linear (no 2:4 tile), so a model served packed never takes the dense size of its planned weights."""
+    from patchc.ir import LayerPlan
+
+    bundle, plan, ids, ref, _ = llama
+    out = export_pretrained(plan, bundle.model, tmp_path / "llama")
+    built = []
+    real = LayerPlan.to_dense
+    monkeypatch.setattr(LayerPlan, "to_dense", lambda self: built.append(self.name) or real(self))
+    served = from_pretrained(out)
+    assert set(built) == set(plan.layers) - hybrid_layers(plan)
+    with torch.no_grad():
+        assert torch.equal(served(ids, use_cache=False).logits, ref)
+
+
+def test_compile_places_the_packed_layers_on_the_device_it_is_given(llama):
+    """`device=`: the replacements' buffers go there, the rest of the model stays where it is (meta stands in
+    for a GPU: nothing is computed)."""
+    bundle, plan, _, _, _ = llama
+    fast = patchc.compile(bundle.model, plan, tune=False, device="meta")
+    tiles = [m for m in fast.modules() if isinstance(m, TileLinear)]
+    assert tiles and all(b.device.type == "meta" for m in tiles for b in m.buffers() if b is not None)
+    others = [p for n, p in fast.named_parameters()]
+    assert others and all(p.device.type == "cpu" for p in others)
+    assert not tile_linears(bundle.model), "compile without inplace leaves the model alone"

@@ -505,6 +505,33 @@ def test_compile_swaps_sequential_tied_users_and_conv1d():
     torch.testing.assert_close(fast(x), ref(x))
 
 
+def test_compile_writes_the_plan_into_a_weight_a_kept_module_still_reads():
+    """A planned weight tied to a module compile does not replace (an embedding reading the LM head's matrix)
+    stays in the model, so it gets W * M; one only the replaced linears read leaves with them, unwritten."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mid, self.head = nn.Embedding(48, 32), nn.Linear(32, 32), nn.Linear(32, 48, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(torch.relu(self.mid(self.emb(ids))))
+
+    torch.manual_seed(0)
+    model = Tied()
+    plan = _planned(model, ["head.weight", "mid.weight"])
+    ref = plan.apply(copy.deepcopy(model), force=True)
+    mid_before = model.mid.weight.detach().clone()
+    old_mid = model.mid.weight
+    fast = compile_fn(model, plan, tune=False, inplace=True)
+    assert isinstance(fast.head, rt.TileLinear) and isinstance(fast.mid, rt.TileLinear)
+    assert torch.equal(fast.emb.weight, plan.layers["head.weight"].to_dense()), "the embedding reads W * M"
+    assert torch.equal(old_mid, mid_before), "a weight leaving with its module is never written"
+    ids = torch.randint(0, 48, (3, 5))
+    torch.testing.assert_close(fast(ids), ref(ids))
+
+
 def test_compile_warns_about_planned_layers_it_cannot_replace():
     class Raw(nn.Module):  # the weight is used in a hand-written matmul, not an nn.Linear
         def __init__(self):

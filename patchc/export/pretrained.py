@@ -271,14 +271,16 @@ def from_pretrained(path: Run, *, dense: bool = False, device: Any = "cpu", dtyp
     model = rebuild(folder, spec, dtype or FLOAT_DTYPES.get(body.get("dtype"), torch.float32))
     load_plain(folder, model, plan, plain, {spec.prefix + a: spec.prefix + t for a, t in body["tied"].items()})
     del plain  # loaded: the model holds its own copies
-    model.to(device=device)
     if dense:
-        plan.apply(model, force=True)
+        plan.apply(model.to(device=device), force=True)
         return model.eval()
     from patchc.runtime import compile as compile_model
 
-    # force: the planned weights are the plan's own (apply writes its W * M), so the provenance check cannot fail
-    return compile_model(model, plan, tune=tune, inplace=True, force=True).eval()
+    # compiled where the model was built (CPU) with the packed layers placed on `device`, then the rest moved:
+    # the weights the TileLinears replace are never written, so their dense size is never taken on the device.
+    # force: they hold no values yet (the plan is the folder's own), so there is nothing to check them against
+    model = compile_model(model, plan, tune=tune, inplace=True, force=True, device=device)
+    return model.to(device=device).eval()
 
 
 def load_plain(folder: Path, model: nn.Module, plan: TilePlan, plain: dict[str, torch.Tensor],

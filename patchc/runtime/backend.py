@@ -307,8 +307,8 @@ def _modules(plan: Any, weights: dict[fx.Node, tuple[str, torch.Tensor]],
         return {}
     bs, pl = int(options.get("batch_size", 16)), int(options.get("prefill_len", 128))
     first = next(iter(planned.values()))[1]
-    tunings = _tunings(plan, sorted({f for f, _ in planned.values()}), bs, pl, options.get("tune", True), first,
-                       options.get("cache"), options.get("time_fn"), False)
+    tunings = _tunings(plan, sorted({f for f, _ in planned.values()}), bs, pl, options.get("tune", True), first.dtype,
+                       first.device, options.get("cache"), options.get("time_fn"), False)
     out = {}
     for i, (node, (fqn, w)) in enumerate(planned.items()):
         mod = TileLinear.from_plan(plan.layers[fqn], tunings.get(fqn), dtype=w.dtype, device=w.device,
@@ -330,7 +330,8 @@ def _experts(plan: Any, reads: list[GroupedRead], names: dict[fx.Node, str], exa
     bs, pl = int(options.get("batch_size", 16)), int(options.get("prefill_len", 128))
     firsts = {r.weight: f"{names[r.weight]}.{planned_experts(plan, names[r.weight], examples[r.weight].shape[0])[0]}"
               for r in reads}
-    tunings = _tunings(plan, list(firsts.values()), bs, pl, options.get("tune", True), examples[reads[0].weight],
+    example = examples[reads[0].weight]
+    tunings = _tunings(plan, list(firsts.values()), bs, pl, options.get("tune", True), example.dtype, example.device,
                        options.get("cache"), options.get("time_fn"), False)  # one tuner call (one cache read)
     return {r.weight: (f"_patchc_x{i}", grouped_module(plan, names[r.weight], r, examples[r.weight],
                                                        tunings.get(firsts[r.weight]), bs, pl))

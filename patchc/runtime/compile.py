@@ -1,7 +1,9 @@
 """`patchc.compile(model, plan)`: swap every planned nn.Linear for a tuned `TileLinear`.
 
-Steps: copy the model (unless `inplace`), write the plan's pruned weights into it (`plan.apply`, so tied
-weights and all-dense layers match the pruned dense model exactly), tune (see `tune`), then replace each
+Steps: copy the model (unless `inplace`), check it holds the plan's source weights, write the plan's pruned
+weights into every planned weight the model keeps (`plan.apply`, so tied weights and all-dense layers match
+the pruned dense model exactly; a weight only the replaced modules read is skipped, as it leaves with
+them), tune (see `tune`), then replace each
 nn.Linear / Conv1D whose weight is planned (every user of a tied weight) with a `TileLinear`, and each
 fused-experts module with planned expert slices with a `TileExperts` (`TileBmmExperts` for Llama 4's,
 which multiply every expert's rows at once). Layers without a 2:4 tile stay
@@ -24,6 +26,7 @@ import copy
 import inspect
 import logging
 import os
+from collections import Counter
 from typing import Any
 
 import torch
@@ -51,6 +54,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     progress: bool = False,
     strict: bool = False,
     force: bool = False,
+    device: Any = None,
 ) -> nn.Module:
     """The model with its planned linears replaced by `TileLinear` (on a copy unless `inplace`).
 
@@ -63,13 +67,17 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     Planned layers with a 2:4 tile that could not be replaced are listed in a warning
     (`strict=True`: a ValueError); they keep the plan's pruned values in place either way.
     A model whose weights are not the plan's source is refused (`plan.apply`); `force=True` writes anyway.
+    `device`: where the replacements' packed buffers go and tuning runs (default: each replaced weight's
+    device); the rest of the model stays where it is. A weight only replaced modules read is never written:
+    on a CPU model with `device="cuda"`, the planned weights never take their dense size anywhere.
 
     Example:
         >>> fast = patchc.compile(model, plan, tune=False)   # CPU: reference kernels, default configs
         >>> fast = patchc.compile(wanda_2of4_model)            # the plan read off its zeros
         ... # doctest: +SKIP
     """
-    from patchc.ir import TilePlan
+    from patchc.ir import TilePlan, targets
+    from patchc.ir.provenance import check_weights
 
     if tune not in TUNE_MODES:
         raise ValueError(f"patchc.compile: tune must be one of {TUNE_MODES}, got {tune!r}")
@@ -83,23 +91,36 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     elif isinstance(plan, (str, os.PathLike)):
         plan = TilePlan.load(plan)
     target = model if inplace else copy.deepcopy(model)
-    plan.apply(target, force=force)
+    where = targets.resolve_layers(plan, target)  # every layer found, in its shape, before anything changes
+    if not force:
+        check_weights(plan, target)  # the model must hold the weights the plan was made from
     swaps, experts, missed = plan_swaps(target, plan)
+    leaving = _read_only_by(target, swaps)
+    # W * M where the model keeps a planned weight (layers left dense, unreplaced ones, fused experts); one that
+    # leaves with the replaced modules never gets it: its dense values are never built
+    kept = {fqn: layer for fqn, layer in plan.layers.items() if fqn not in leaving}
+    TilePlan(layers=kept, meta=plan.meta).apply(target, force=True)
     report_unreplaced("patchc.compile", "not replaced (kept dense with the plan's values)", missed, strict)
     if not swaps and not experts:
         log.warning("patchc.compile: no planned layer with a 2:4 tile can be replaced; the model only has the "
                     "plan's pruned weights")
         return target
     w = (next(iter(swaps.values()))[0][2].weight if swaps else next(target.parameters()))
+    device = torch.device(device) if device is not None else w.device
     firsts = _first_expert_slices(experts)  # one tuning per fused weight: its slices share the shape
-    tunings = _tunings(plan, [*swaps, *firsts.values()], batch_size, prefill_len, tune, w, cache, time_fn, progress)
+    names = [*swaps, *firsts.values()]
+    tunings = _tunings(plan, names, batch_size, prefill_len, tune, w.dtype, device, cache, time_fn, progress)
     for fqn, users in swaps.items():
+        layer, owner = plan.layers[fqn], where[fqn].param.rpartition(".")[0]
+        owner = target.get_submodule(owner) if owner else target
         for parent, attr, module in users:
-            weight, bias = module.weight, getattr(module, "bias", None)
-            mod = TileLinear.from_plan(plan.layers[fqn], tunings.get(fqn), dtype=weight.dtype, device=weight.device,
+            bias = getattr(module, "bias", None)
+            mod = TileLinear.from_plan(layer, tunings.get(fqn), dtype=module.weight.dtype, device=device,
                                        batch_size=batch_size, prefill_len=prefill_len)
-            # Each module keeps its own bias (plan.apply wrote the plan's into the owner): tied users differ.
-            own = bias.detach().clone().to(mod.values.dtype) if isinstance(bias, torch.Tensor) else None
+            # the plan's bias goes to the weight's owner (as plan.apply writes it); tied users keep their own
+            if layer.bias is not None and module is owner and _same_shape(bias, layer.bias):
+                bias = layer.bias
+            own = bias.detach().to(device=device, dtype=mod.values.dtype, copy=True) if isinstance(bias, torch.Tensor) else None
             mod.register_buffer("bias", own)
             setattr(parent, attr, mod)
     for path in experts:
@@ -107,8 +128,18 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
         parent = target.get_submodule(parent_path) if parent_path else target
         mine = {weight.rpartition(".")[2]: tunings.get(fqn) for weight, fqn in firsts.items()
                 if weight.rpartition(".")[0] == path}
-        setattr(parent, attr, experts_module(target.get_submodule(path), plan, path, mine))
+        setattr(parent, attr, experts_module(target.get_submodule(path), plan, path, mine, device=device))
     return target
+
+
+def _read_only_by(model: nn.Module, swaps: dict[str, Users]) -> set[str]:
+    """The swapped layers whose weight no module but the replaced ones registers: it leaves the model with them."""
+    registered = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return {fqn for fqn, users in swaps.items() if registered[id(users[0][2].weight)] == len(users)}
+
+
+def _same_shape(a: Any, b: torch.Tensor) -> bool:
+    return isinstance(a, torch.Tensor) and tuple(a.shape) == tuple(b.shape)
 
 
 def _first_expert_slices(experts: dict[str, list[str]]) -> dict[str, str]:
@@ -179,17 +210,16 @@ def plan_swaps(model: nn.Module, plan: Any) -> tuple[dict[str, Users], dict[str,
     return swaps, experts, missed
 
 
-def _tunings(plan: Any, names: list[str], batch_size: int, prefill_len: int, tune: bool | str,
-             weight: torch.Tensor, cache: Any, time_fn: TimeFn | None, progress: bool) -> dict[str, LayerTuning | None]:
+def _tunings(plan: Any, names: list[str], batch_size: int, prefill_len: int, tune: bool | str, dtype: torch.dtype,
+             device: torch.device, cache: Any, time_fn: TimeFn | None, progress: bool) -> dict[str, LayerTuning | None]:
     """Tuning results per layer, or {} where the defaults apply."""
     if tune is False:
         return {}
-    kw = dict(dtype=weight.dtype, device=weight.device, cache=cache, progress=progress, layers=names)
+    kw = dict(dtype=dtype, device=device, cache=cache, progress=progress, layers=names)
     if tune == "cached":
         return tune_plan(plan, batch_size, prefill_len, time_fn=time_fn or _no_timing, cached_only=True, **kw)
-    if weight.device.type != "cuda" and time_fn is None:
-        log.info("patchc.compile: the model is on %s; tuning needs a GPU, using the default configs",
-                 weight.device)
+    if device.type != "cuda" and time_fn is None:
+        log.info("patchc.compile: the model is on %s; tuning needs a GPU, using the default configs", device)
         return {}
     return tune_plan(plan, batch_size, prefill_len, time_fn=time_fn, **kw)
 

@@ -300,12 +300,13 @@ class TileBmmExperts(TileExperts):
         return project("down_proj", h)
 
 
-def experts_module(experts: nn.Module, plan: Any, path: str,
-                   tunings: dict[str, LayerTuning | None] | None = None) -> TileExperts:
+def experts_module(experts: nn.Module, plan: Any, path: str, tunings: dict[str, LayerTuning | None] | None = None,
+                   device: Any = None) -> TileExperts:
     """The drop-in for a fused-experts module: `TileBmmExperts` when its forward takes the rows alone
     (every expert at once), else `TileExperts` (forward(hidden_states, top_k_index, top_k_weights)).
-    `tunings`: {projection: the tuning of its first planned slice}, shared by all its experts."""
-    return (TileBmmExperts if bmm_experts(experts) else TileExperts)(experts, plan, path, tunings)
+    `tunings`: {projection: the tuning of its first planned slice}, shared by all its experts; `device`: where
+    its buffers go (default: the experts' weights' device)."""
+    return (TileBmmExperts if bmm_experts(experts) else TileExperts)(experts, plan, path, tunings, device=device)
 
 
 def warmup(model: nn.Module, ms: Iterable[int]) -> int:
