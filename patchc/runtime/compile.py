@@ -83,6 +83,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
         raise ValueError(f"patchc.compile: tune must be one of {TUNE_MODES}, got {tune!r}")
     if plan is None:
         plan = TilePlan.from_linears(model)
+        force = True  # packed from these very weights: there is nothing to check them against
         if not plan.layers:
             raise ValueError(f"patchc.compile: no linear weight (nn.Linear, Conv1D, fused experts) of the "
                              f"{type(model).__name__} holds a 2:4 tile "
