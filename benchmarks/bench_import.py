@@ -8,6 +8,10 @@ maps from disk) above a process that only imported patchc and transformers; appe
 benchmarks/results/import.jsonl.
 
     python benchmarks/bench_import.py --hidden 2048 --intermediate 5632 --layers 8   # ~540M parameters, bf16
+
+`--layout sparse-24-bitmask` saves the model as compressed-tensors does (kept values + bitmasks), with the
+library itself: compressed-tensors 0.14, the last release that writes it, on PYTHONPATH
+(`pip install --no-deps --target /tmp/ct014 compressed-tensors==0.14.0 loguru`).
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "import patchc, patchc.export, transformers, transformers.models.llama.modeling_llama"
 
 
-def build(src: Path, hidden: int, intermediate: int, layers: int, vocab: int) -> int:
-    """Save a magnitude 2:4-pruned random bf16 Llama to `src`; returns its parameter count."""
+def build(src: Path, hidden: int, intermediate: int, layers: int, vocab: int, layout: str = "dense") -> int:
+    """Save a magnitude 2:4-pruned random bf16 Llama to `src` in `layout`; returns its parameter count."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -43,8 +47,26 @@ def build(src: Path, hidden: int, intermediate: int, layers: int, vocab: int) ->
                 mags = w.abs().reshape(w.shape[0], -1, 4)
                 keep = torch.zeros_like(mags).scatter_(-1, mags.topk(2, -1).indices, 1.0)
                 w.mul_(keep.reshape(w.shape))
-    model.save_pretrained(src)
+    if layout == "dense":
+        model.save_pretrained(src)
+    else:
+        save_compressed(model, src, layout)
     return sum(p.numel() for p in model.parameters())
+
+
+def save_compressed(model, src: Path, layout: str) -> None:
+    """`model` as compressed-tensors 0.14 writes `layout` (as tests/data/compressed_tensors/make_fixtures.py)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.config import SparsityCompressionConfig
+    from safetensors.torch import save_file
+
+    sparsity = SparsityCompressionConfig.load_from_registry(layout, sparsity_structure="2:4", targets=["Linear"],
+                                                            ignore=["lm_head"])
+    compressor = ModelCompressor.from_pretrained_model(model, sparsity_config=sparsity)
+    model.config.save_pretrained(src)
+    state = compressor.compress(model)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    compressor.update_config(src)
 
 
 def peak_anon(cmd: list[str]) -> tuple[float, int]:
@@ -85,6 +107,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--tile", type=int, default=128)
+    ap.add_argument("--layout", choices=["dense", "sparse-24-bitmask"], default="dense",
+                    help="how the checkpoint stores its 2:4 weights (default: zeros in dense weights)")
     ap.add_argument("--label", default="", help="a note stored with the record (e.g. the change measured)")
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks/results/import.jsonl")
     args = ap.parse_args()
@@ -95,7 +119,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp) / "src", Path(tmp) / "out"
-        params = build(src, args.hidden, args.intermediate, args.layers, args.vocab)
+        params = build(src, args.hidden, args.intermediate, args.layers, args.vocab, args.layout)
         src_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
         _, base = peak_anon([sys.executable, "-c", BASELINE])
         imp_s, imp_peak = peak_anon([sys.executable, "-m", "patchc", "import", str(src), "--out", str(out),
@@ -104,14 +128,14 @@ def main() -> None:
         load = f"{BASELINE}; m = patchc.from_pretrained({str(out)!r}); print(type(m).__name__)"
         load_s, load_peak = peak_anon([sys.executable, "-c", load])
     record = {
-        "bench": "import", "label": args.label, "params": params, "shape": [args.hidden, args.intermediate, args.layers],
+        "bench": "import", "label": args.label, "layout": args.layout, "params": params, "shape": [args.hidden, args.intermediate, args.layers],
         "tile": args.tile, "checkpoint_bytes": src_bytes, "exported_bytes": out_bytes, "baseline_anon": base,
         "import_s": round(imp_s, 2), "import_anon_above_baseline": imp_peak - base,
         "load_s": round(load_s, 2), "load_anon_above_baseline": load_peak - base,
         "device": device_name("cpu"), "date": datetime.date.today().isoformat(), "git": git_sha(), **versions(),
     }
     gb = 1e9
-    print(f"{params / 1e6:.0f}M parameters, checkpoint {src_bytes / gb:.2f} GB -> exported {out_bytes / gb:.2f} GB")
+    print(f"{params / 1e6:.0f}M parameters, {args.layout}, checkpoint {src_bytes / gb:.2f} GB -> exported {out_bytes / gb:.2f} GB")
     print(f"patchc import          {imp_s:6.1f} s   peak anonymous {(imp_peak - base) / gb:5.2f} GB above the baseline")
     print(f"patchc.from_pretrained {load_s:6.1f} s   peak anonymous {(load_peak - base) / gb:5.2f} GB above the baseline "
           f"({base / gb:.2f} GB: Python, torch, transformers)")
