@@ -90,14 +90,15 @@ def fingerprint_mismatch(fqn: str, recorded: Mapping, weight: torch.Tensor) -> s
 
 
 def _rounding_apart(layer, weight: torch.Tensor, where: torch.Tensor | None = None):
-    """(plan's W * M, model's weight, mask of entries further apart than the coarser dtype's rounding),
-    in fp64, over `where` (a bool mask) or the whole weight."""
-    ours = layer.to_dense().to(weight.device, torch.float64)
-    theirs = weight.detach().to(torch.float64)
-    if where is not None:
-        ours, theirs = ours[where], theirs[where]
+    """(plan's W * M, model's weight, mask of entries further apart than the coarser dtype's rounding, within
+    `where` (a bool mask) or the whole weight). In fp32 unless either is fp64: two fp32 values within a
+    factor of 2 of each other subtract exactly, and any further apart are far beyond the tolerance."""
+    wide = torch.float64 if torch.float64 in (layer.dtype, weight.dtype) else torch.float32
+    ours = layer.to_dense().to(weight.device, wide)
+    theirs = weight.detach().to(wide)
     eps = _eps(layer.dtype, weight.dtype)
-    return ours, theirs, (ours - theirs).abs() > 2 * eps * torch.maximum(ours.abs(), theirs.abs())
+    bad = (ours - theirs).abs() > 2 * eps * torch.maximum(ours.abs(), theirs.abs())
+    return ours, theirs, bad if where is None else bad & where
 
 
 def kept_mismatch(fqn: str, layer, weight: torch.Tensor) -> str | None:
@@ -105,8 +106,9 @@ def kept_mismatch(fqn: str, layer, weight: torch.Tensor) -> str | None:
     mask = layer.mask().to(weight.device)
     ours, theirs, bad = _rounding_apart(layer, weight, mask)
     if bool(bad.any()):
+        worst = float(torch.where(mask, (ours - theirs).abs(), 0).max())
         return (f"layer {fqn}: {int(bad.sum()):,} of {int(mask.sum()):,} kept weights differ from the model's "
-                f"(max |diff| {float((ours - theirs).abs().max()):.3g})")
+                f"(max |diff| {worst:.3g})")
     return None
 
 
