@@ -97,7 +97,8 @@ def peak_anon(cmd: list[str]) -> tuple[float, int]:
 
 
 def git_sha() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip()
 
 
 def main() -> None:

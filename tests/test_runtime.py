@@ -532,6 +532,18 @@ def test_compile_writes_the_plan_into_a_weight_a_kept_module_still_reads():
     torch.testing.assert_close(fast(ids), ref(ids))
 
 
+def test_compile_keeps_each_replacement_on_its_layers_device():
+    """Without `device=`, a model split over devices stays split (meta stands in for a second GPU)."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    plan = _planned(seq, ["0.weight", "2.weight"])
+    seq[2].to("meta")
+    fast = compile_fn(seq, plan, tune=False, force=True)
+    assert isinstance(fast[0], rt.TileLinear) and isinstance(fast[2], rt.TileLinear)
+    assert fast[0].values.device.type == "cpu" and fast[0].bias.device.type == "cpu"
+    assert fast[2].values.device.type == "meta" and fast[2].bias.device.type == "meta"
+
+
 def test_compile_warns_about_planned_layers_it_cannot_replace():
     class Raw(nn.Module):  # the weight is used in a hand-written matmul, not an nn.Linear
         def __init__(self):

@@ -90,7 +90,8 @@ def write_export(model: nn.Module, out_dir: Run, where: dict[str, targets.Target
             "format": FORMAT, "version": VERSION, "weights": WEIGHTS, "model": spec.to_dict(), "tied": tied,
             "dtype": dtype_name(weight.dtype), "tokenizer": tokenizer,
             "layers": {stored[fqn]: {"shape": list(s.shape), "tile": list(s.tile), "dtype": dtype_name(s.dtype),
-                                     "dense_tiles": s.n_dense, "sparse_tiles": s.n_sparse, "density": round(s.density, 6)}
+                                     "dense_tiles": s.n_dense, "sparse_tiles": s.n_sparse,
+                                     "density": round(s.density, 6)}
                        for fqn, s in slots.items()},
             "plan": {"density": sum(s.n_kept for s in slots.values()) / numel if numel else 1.0,
                      "skipped": dict(skipped), "meta": dict(meta)},

@@ -67,9 +67,10 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     Planned layers with a 2:4 tile that could not be replaced are listed in a warning
     (`strict=True`: a ValueError); they keep the plan's pruned values in place either way.
     A model whose weights are not the plan's source is refused (`plan.apply`); `force=True` writes anyway.
-    `device`: where the replacements' packed buffers go and tuning runs (default: each replaced weight's
-    device); the rest of the model stays where it is. A weight only replaced modules read is never written:
-    on a CPU model with `device="cuda"`, the planned weights never take their dense size anywhere.
+    `device`: where the replacements' packed buffers go and tuning runs (default: each replaced weight's own
+    device, so a model split over GPUs stays split); the rest of the model stays where it is. A weight only
+    replaced modules read is never written: on a CPU model with `device="cuda"`, the planned weights never
+    take their dense size anywhere (`from_pretrained` loads so).
 
     Example:
         >>> fast = patchc.compile(model, plan, tune=False)   # CPU: reference kernels, default configs
@@ -106,22 +107,24 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
         log.warning("patchc.compile: no planned layer with a 2:4 tile can be replaced; the model only has the "
                     "plan's pruned weights")
         return target
+    device = torch.device(device) if device is not None else None
     w = (next(iter(swaps.values()))[0][2].weight if swaps else next(target.parameters()))
-    device = torch.device(device) if device is not None else w.device
     firsts = _first_expert_slices(experts)  # one tuning per fused weight: its slices share the shape
     names = [*swaps, *firsts.values()]
-    tunings = _tunings(plan, names, batch_size, prefill_len, tune, w.dtype, device, cache, time_fn, progress)
+    tunings = _tunings(plan, names, batch_size, prefill_len, tune, w.dtype, device or w.device, cache, time_fn,
+                       progress)
     for fqn, users in swaps.items():
         layer, owner = plan.layers[fqn], where[fqn].param.rpartition(".")[0]
         owner = target.get_submodule(owner) if owner else target
         for parent, attr, module in users:
-            bias = getattr(module, "bias", None)
-            mod = TileLinear.from_plan(layer, tunings.get(fqn), dtype=module.weight.dtype, device=device,
+            on = device or module.weight.device  # a model split over devices keeps each layer on its own
+            mod = TileLinear.from_plan(layer, tunings.get(fqn), dtype=module.weight.dtype, device=on,
                                        batch_size=batch_size, prefill_len=prefill_len)
             # the plan's bias goes to the weight's owner (as plan.apply writes it); tied users keep their own
+            bias = getattr(module, "bias", None)
             if layer.bias is not None and module is owner and _same_shape(bias, layer.bias):
                 bias = layer.bias
-            own = bias.detach().to(device=device, dtype=mod.values.dtype, copy=True) if isinstance(bias, torch.Tensor) else None
+            own = bias.detach().to(on, mod.values.dtype, copy=True) if isinstance(bias, torch.Tensor) else None
             mod.register_buffer("bias", own)
             setattr(parent, attr, mod)
     for path in experts:
