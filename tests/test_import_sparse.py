@@ -287,15 +287,47 @@ def test_a_sharded_checkpoint_imports_the_same(tmp_path):
     from patchc.export.importing import write_decoded
 
     (tmp_path / "decoded").mkdir()
-    write_decoded(src, tmp_path / "decoded")
+    write_decoded(src, tmp_path / "decoded", file_bytes=4096)  # a few tensors a file, whatever the shards held
     names = {p.name for p in (tmp_path / "decoded").iterdir()}
-    assert {*shards, "model.safetensors.index.json", "config.json", "tokenizer.json"} <= names
+    assert {"model.safetensors.index.json", "config.json", "tokenizer.json"} <= names
     assert "original" not in names
+    weight_map = json.loads((tmp_path / "decoded" / "model.safetensors.index.json").read_text())["weight_map"]
+    files = sorted(set(weight_map.values()))
+    assert len(files) > len(shards) and files == sorted(n for n in names if n.endswith(".safetensors"))
+    decoded = {k: t for f in files for k, t in load_file(tmp_path / "decoded" / f).items()}
+    assert set(decoded) == set(weight_map) and set(decoded) == set(load_file(DATA / "truth.safetensors"))
+    for key, t in load_file(DATA / "truth.safetensors").items():
+        assert torch.equal(decoded[key], t), key
     import_sparse(DATA / "bf16", tmp_path / "b", tile=16)
     a, b = load_plan(tmp_path / "a"), load_plan(tmp_path / "b")
     assert set(a.layers) == set(b.layers) and len(a.layers) == BLOCK_LINEARS
     for fqn in a.layers:
         assert torch.equal(a.layers[fqn].to_dense(), b.layers[fqn].to_dense()), fqn
+
+
+def test_decoding_holds_one_files_worth_of_tensors_not_a_shard(tmp_path, monkeypatch):
+    """write_decoded writes the decoded tensors away in files of `file_bytes`: with 1 byte (a file per tensor),
+    at most one earlier decoded tensor is alive when the next one is decoded (the progress bar's loop holds the
+    last it handed out), however large the checkpoint's shard: it used to hold the whole decoded shard."""
+    import weakref
+
+    from patchc.export import importing
+
+    made: list[weakref.ref] = []
+    alive_when_decoding = []
+    real = importing.decoded_tensors
+
+    def tracked(*args, **kwargs):
+        for key, t in real(*args, **kwargs):
+            alive_when_decoding.append(sum(r() is not None for r in made))
+            made.append(weakref.ref(t))
+            yield key, t
+            del t
+
+    monkeypatch.setattr(importing, "decoded_tensors", tracked)
+    (tmp_path / "d").mkdir()
+    importing.write_decoded(DATA / "bf16", tmp_path / "d", file_bytes=1)
+    assert len(made) == len(load_file(DATA / "truth.safetensors")) and max(alive_when_decoding) <= 1
 
 
 def test_a_name_in_the_local_hugging_face_cache_imports(tmp_path):

@@ -11,7 +11,7 @@ models (models) and the runtime's `patchc.compile`; it hands users a folder and 
     arch.py        which model a folder holds: config.json, tokenizer files, rebuilding it
     pretrained.py  export_pretrained, write_export (layers packed as the file is written), export_run,
                    from_pretrained, load_plan, load_tokenizer
-    legacy.py      compressed-tensors' sparse-24-bitmask files: plan_from_compressed_tensors, decoded_shards
+    legacy.py      compressed-tensors' sparse-24-bitmask files: plan_from_compressed_tensors, decoded_tensors
     marlin24.py    its int4 / int8 marlin-24 layout (Sparse-Marlin's): decode_marlin24
     importing.py   import_sparse (`patchc import`): a model that is already 2:4 in, an exported folder out
 

@@ -12,8 +12,9 @@ People with sparse models keep them in one of these layouts, and all of them com
 
 The stages (`import_sparse`):
 
-    decode    a compressed checkpoint -> a dense-weight folder beside the output, one shard at a
-              time (deleted at the end): transformers then loads it, with its own key conversions
+    decode    a compressed checkpoint -> a dense-weight folder beside the output, one decoded tensor at a
+              time into files of 256 MiB (deleted at the end): transformers then loads it, with its own
+              key conversions
     load      `patchc.models.load_model` in the checkpoint's dtype (offline; a missing weight is an error)
     survey    which weights to plan (nn.Linear, Conv1D and fused experts' slices: `survey_linears`) and
               their tile kinds, packing nothing: a tile is 2:4 iff every group of 4 holds at most 2
@@ -43,7 +44,7 @@ import torch
 from torch import nn
 
 from patchc.export.format import ExportError
-from patchc.export.legacy import LAYOUTS, MARLIN, decoded_shards
+from patchc.export.legacy import LAYOUTS, MARLIN, decoded_tensors
 from patchc.export.pretrained import check_out, write_export
 from patchc.ir import targets
 from patchc.ir.file_format import FLOAT_DTYPES
@@ -189,22 +190,26 @@ def local_folder(src: str) -> Path:
     return Path(snapshot_download(src, local_files_only=True))
 
 
-def write_decoded(src: Path, dst: Path, layout: str = "sparse-24-bitmask") -> None:
-    """Write the dense-weight form of a `layout` (`legacy.LAYOUTS`) folder `src` into `dst`: same shard names, an
-    index whose names are the decoded ones, config.json without its quantization / sparsity config, and
-    the other small top-level files (tokenizer, generation config) copied; other weights (an
-    ``original/`` folder of .pth files, say) are not."""
-    from safetensors.torch import save_file
-
+def write_decoded(src: Path, dst: Path, layout: str = "sparse-24-bitmask", file_bytes: int = 1 << 28) -> None:
+    """Write the dense-weight form of a `layout` (`legacy.LAYOUTS`) folder `src` into `dst`: the decoded tensors
+    in files of about `file_bytes` each ("decoded-00001.safetensors", ...) with an index naming them, config.json
+    without its quantization / sparsity config, and the other small top-level files (tokenizer, generation
+    config) copied; other weights (an ``original/`` folder of .pth files, say) are not. Holds one file's worth
+    of decoded tensors at a time, however large the checkpoint's own shards are."""
     from patchc.utils.progress import progress
 
     weight_map: dict[str, str] = {}
-    shards = decoded_shards(src, layout)
-    for name, tensors in progress(shards, desc=f"decoding {layout} shards", unit="shard"):
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-    if (src / INDEX).is_file():
-        (dst / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    batch: dict[str, torch.Tensor] = {}
+    files = held = 0
+    for key, tensor in progress(decoded_tensors(src, layout), desc=f"decoding {layout}", unit="tensor"):
+        batch[key] = tensor.contiguous()
+        held += tensor.numel() * tensor.element_size()
+        if held >= file_bytes:
+            files, held = _write_batch(dst, batch, weight_map, files), 0
+        del tensor  # written away or in the batch: not held here while the next one decodes
+    if batch or not weight_map:
+        _write_batch(dst, batch, weight_map, files)
+    (dst / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     config = json.loads((src / "config.json").read_text())
     for key in ("quantization_config", "compression_config"):
         config.pop(key, None)
@@ -214,6 +219,18 @@ def write_decoded(src: Path, dst: Path, layout: str = "sparse-24-bitmask") -> No
             shutil.copyfile(p, dst / p.name)
         elif p.is_dir() and p.name == "1_Pooling":  # a sentence-transformers encoder's pooling set-up
             shutil.copytree(p, dst / p.name)
+
+
+def _write_batch(dst: Path, batch: dict[str, torch.Tensor], weight_map: dict[str, str], files: int) -> int:
+    """Save `batch` as the next decoded file, record its names in `weight_map`, empty it; returns the file count."""
+    from patchc.utils.safetensors_stream import write_streamed
+
+    name = f"decoded-{files + 1:05d}.safetensors"
+    layout = {key: (t.dtype, tuple(t.shape)) for key, t in batch.items()}
+    write_streamed(dst / name, layout, batch.items(), {"format": "pt"})  # no second copy, as save_file makes
+    weight_map.update(dict.fromkeys(batch, name))
+    batch.clear()
+    return files + 1
 
 
 def survey(model: nn.Module, tile: tuple[int, int], src: str) -> tuple[dict[str, targets.Target],

@@ -23,7 +23,7 @@ layout (Sparse-Marlin's, ``weight_packed`` + ``meta`` + ``scale_packed``) is rea
 packed int4 (``weight_packed`` without ``meta``: dense int4) is refused.
 
     plan_from_compressed_tensors   the planned layers alone (an all-2:4 TilePlan)
-    decoded_shards                 every tensor of the checkpoint as a dense model holds it, shard by shard
+    decoded_tensors                every tensor of the checkpoint as a dense model holds it, one at a time
 
 Example:
     >>> plan = plan_from_compressed_tensors("llama-2-7b-2of4/", tile=(128, 128))
@@ -87,40 +87,36 @@ def plan_from_compressed_tensors(path_or_dir: str | os.PathLike, tile: tuple[int
     return TilePlan(layers=layers, meta=meta)
 
 
-def decoded_shards(path_or_dir: str | os.PathLike,
-                   layout: str = LAYOUT) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-    """(shard file name, {name: tensor}) for each safetensors file of a `layout` checkpoint (one of
-    `LAYOUTS`), as the dense model holds its tensors: each layer's compressed tensors become
-    ``<module>.weight`` (W * M, quantized values dequantized), its quantization parameters are consumed
-    and activation ones dropped.
-
-    One shard's tensors at a time, so a large model never sits in memory twice.
+def decoded_tensors(path_or_dir: str | os.PathLike,
+                    layout: str = LAYOUT) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of a `layout` checkpoint (one of `LAYOUTS`) as the dense model holds it,
+    one at a time (a consumer that writes each away holds one decoded tensor, never a shard): each layer's
+    compressed tensors become ``<module>.weight`` (W * M, quantized values dequantized), its quantization
+    parameters are consumed and activation ones dropped.
 
     Example:
-        >>> for name, tensors in decoded_shards("Sparse-Llama-3.1-8B-2of4-FP8-dynamic/"):
-        ...     save_file(tensors, out / name)
+        >>> for name, tensor in decoded_tensors("Sparse-Llama-3.1-8B-2of4-FP8-dynamic/"):
+        ...     print(name, tuple(tensor.shape))
     """
     if layout not in LAYOUTS:
         raise PlanError(f"{path_or_dir}: layout {layout!r}; one of {LAYOUTS} is read")
     where = _index(Path(path_or_dir), layout)
     modules = set(_modules(where, path_or_dir, layout))
     for f in sorted(set(where.values())):
-        out: dict[str, torch.Tensor] = {}
         for key in (k for k, v in where.items() if v == f):
             module, _, part = key.rpartition(".")
             if module in modules:
-                if part == VALUES[layout]:  # the layer goes to the shard holding its values
-                    out[f"{module}.weight"] = read_layer(where, module, layout)[0]
+                if part == VALUES[layout]:  # the layer goes with the shard holding its values
+                    yield f"{module}.weight", read_layer(where, module, layout)[0]
             elif key.endswith(ACTIVATION_PARAMS) or part in ("weight_scale", "weight_zero_point"):
                 continue  # read with their weight
             elif part == "weight":
-                out[key] = _dense_weight(where, module)
+                yield key, _dense_weight(where, module)
             elif part in ("weight_packed", "weight_shape", "weight_global_scale"):
                 raise PlanError(f"{f}: layer {module}.weight is packed int4 / fp4 ({part}); only float, FP8 and int8 "
                                 "values can be dequantized")
             else:
-                out[key] = _tensor(f, key)
-        yield f.name, out
+                yield key, _tensor(f, key)
 
 
 def read_layer(where: dict[str, Path], module: str, layout: str = LAYOUT) -> tuple[torch.Tensor, torch.Tensor]:
