@@ -143,9 +143,11 @@ def test_dtype_is_the_checkpoints_unless_given(tmp_path):
     assert load_plan(tmp_path / "b").layers["model.layers.0.mlp.up_proj.weight"].dtype == torch.float16
 
 
-def test_import_packs_one_layer_at_a_time_and_writes_the_plan_from_linears_gives(tmp_path, monkeypatch):
+@pytest.mark.parametrize("max_shard_size", ["50GB", 20_000])
+def test_import_packs_one_layer_at_a_time_and_writes_the_plan_from_linears_gives(tmp_path, monkeypatch, max_shard_size):
     """The plan is never held whole: when a layer is packed, no earlier packed layer is alive (the weights file
-    took it and dropped it). The folder still holds exactly the plan `TilePlan.from_linears` makes."""
+    took it and dropped it), in one file or in shards. The folder holds exactly the plan `TilePlan.from_linears`
+    makes."""
     import weakref
 
     from patchc.export import importing
@@ -162,8 +164,10 @@ def test_import_packs_one_layer_at_a_time_and_writes_the_plan_from_linears_gives
         return layer
 
     monkeypatch.setattr(importing, "layer_from_linear", pack)
-    import_sparse(tmp_path / "src", tmp_path / "out", tile=16)
+    import_sparse(tmp_path / "src", tmp_path / "out", tile=16, max_shard_size=max_shard_size)
     assert alive_when_packing == [0] * 6
+    files = len(list((tmp_path / "out").glob("*.safetensors")))
+    assert files == 1 if max_shard_size == "50GB" else files > 2
     want = patchc.TilePlan.from_linears(model, tile=16)
     got = load_plan(tmp_path / "out")
     assert list(got.layers) == list(want.layers) and got.skipped == want.skipped

@@ -8,6 +8,7 @@ checkpoints). It takes TilePlans (ir),
 models (models) and the runtime's `patchc.compile`; it hands users a folder and a model.
 
     format.py      model.safetensors: plain tensors + "<fqn>.patchc.<part>" plan buffers, versioned header
+    shards.py      weights above max_shard_size as shards + model.safetensors.index.json (transformers')
     arch.py        which model a folder holds: config.json, tokenizer files, rebuilding it
     pretrained.py  export_pretrained, write_export (layers packed as the file is written), export_run,
                    from_pretrained, load_plan, load_tokenizer

@@ -16,22 +16,30 @@ The file's metadata is ``{"format": "pt", "patchc": JSON}``, the JSON being::
     {"format": "patchc.pretrained", "version": 1,
      "layers": {fqn: {"shape": [N, K], "tile": [b1, b2], "dtype": "float16", "has_bias": false}, ...}}
 
+Weights above the export's `max_shard_size` go to shards instead (`patchc.export.shards`): each shard is such
+a file whose header describes the layers it holds (``"version": 2``, as in patchc_config.json, so that
+readers of version 1 alone refuse the folder by its version), and a layer's buffers never straddle two.
+
 A reader refuses another format or version, a header layer whose buffers are missing, and a
 ``.patchc.`` tensor the header does not describe, naming the file and the layer.
 
 Example:
-    >>> write_weights(path, plain, {f: lp.slot() for f, lp in plan.layers.items()}, plan.layers.items())
-    >>> plain, layers = read_weights(path)      # {name: tensor}, {fqn: LayerPlan}
+    >>> write_weights(folder, plain, {f: lp.slot() for f, lp in plan.layers.items()}, plan.layers.items())
+    'model.safetensors'
+    >>> plain, layers = read_weights(folder / "model.safetensors")      # {name: tensor}, {fqn: LayerPlan}
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
+from patchc.export import shards
 from patchc.ir import LayerPlan, PlanError
 from patchc.ir.file_format import read_layer, read_safetensors
 from patchc.ir.layer_slot import LayerSlot
@@ -39,6 +47,7 @@ from patchc.utils.safetensors_stream import StreamError, write_streamed
 
 FORMAT = "patchc.pretrained"
 VERSION = 1
+SHARDED_VERSION = 2  # a folder of shards (older readers, knowing only version 1, refuse it by its version)
 SEP = ".patchc."  # "<weight fqn>.patchc.<part>": never a real parameter name
 WEIGHTS = "model.safetensors"
 CONFIG = "patchc_config.json"
@@ -53,21 +62,27 @@ def part_name(fqn: str, part: str) -> str:
     return f"{fqn}{SEP}{part}"
 
 
-def write_weights(path: Path, plain: dict[str, torch.Tensor], slots: Mapping[str, LayerSlot],
-                  layers: Iterable[tuple[str, LayerPlan]]) -> int:
+def write_weights(folder: Path, plain: dict[str, torch.Tensor], slots: Mapping[str, LayerSlot],
+                  layers: Iterable[tuple[str, LayerPlan]], max_shard_bytes: int | None = None) -> str:
     """Write `plain` tensors, then the buffers of each layer as `layers` yields it ((stored fqn, LayerPlan), in
-    `slots`' order, each matching its slot) to one safetensors file; returns its size in bytes.
+    `slots`' order, each matching its slot) into `folder`: one ``model.safetensors``, or shards of at most
+    `max_shard_bytes` with their index (`patchc.export.shards`). Returns the name patchc_config.json's
+    "weights" gives: the file, or the index.
 
-    The file is laid out from the slots first and each layer is written as it comes, so a generator that packs
-    layers one by one keeps one packed layer in memory, never the plan. Written in place: the caller's folder
-    is a temporary one, renamed into place when complete."""
-    layout = {name: (t.dtype, tuple(t.shape)) for name, t in plain.items()}
+    The files are laid out from the slots first and each layer is written as it comes, so a generator that
+    packs layers one by one keeps one packed layer in memory, never the plan. Written in place: the caller's
+    folder is a temporary one, renamed into place when complete."""
+    units: list[dict] = [{name: (t.dtype, tuple(t.shape))} for name, t in plain.items()]
+    owners: list[str | None] = [None] * len(units)  # the layer whose buffers each unit holds
+    taken = set(plain)
     for fqn, slot in slots.items():
-        for part, spec in slot.parts().items():
-            name = part_name(fqn, part)
-            if name in layout:
-                raise ExportError(f"{path}: tensor name {name!r} is both a model tensor and a plan buffer")
-            layout[name] = spec
+        unit = {part_name(fqn, part): spec for part, spec in slot.parts().items()}
+        clash = sorted(taken & set(unit))
+        if clash:
+            raise ExportError(f"{folder}: tensor name {clash[0]!r} is both a model tensor and a plan buffer")
+        taken |= set(unit)
+        units.append(unit)
+        owners.append(fqn)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         yield from plain.items()
@@ -78,17 +93,62 @@ def write_weights(path: Path, plain: dict[str, torch.Tensor], slots: Mapping[str
                 part = next(iter(parts))
                 yield part_name(fqn, part), parts.pop(part)
 
-    head = {"format": FORMAT, "version": VERSION, "layers": {fqn: slot.header() for fqn, slot in slots.items()}}
-    try:
-        return write_streamed(path, layout, tensors(), {"format": "pt", "patchc": json.dumps(head)})
-    except StreamError as e:
-        raise ExportError(f"{e} (a planned layer does not match the layout laid out for it)") from None
+    sizes = [sum(nbytes(*spec) for spec in unit.values()) for unit in units]
+    groups = shards.split(sizes, max_shard_bytes) if max_shard_bytes else [list(range(len(units)))]
+    stream = tensors()
+    sharded = len(groups) > 1
+    weight_map: dict[str, str] = {}
+    for i, group in enumerate(groups):
+        name = shards.shard_name(i, len(groups)) if sharded else WEIGHTS
+        layout = {k: v for u in group for k, v in units[u].items()}
+        head = {"format": FORMAT, "version": SHARDED_VERSION if sharded else VERSION,
+                "layers": {owners[u]: slots[owners[u]].header() for u in group if owners[u] is not None}}
+        try:
+            write_streamed(folder / name, layout, itertools.islice(stream, len(layout)),
+                           {"format": "pt", "patchc": json.dumps(head)})
+        except StreamError as e:
+            raise ExportError(f"{e} (a planned layer does not match the layout laid out for it)") from None
+        weight_map.update(dict.fromkeys(layout, name))
+    extra = next(stream, None)
+    if extra is not None:
+        raise ExportError(f"{folder}: tensor {extra[0]!r} came after the last one laid out (more layers than slots)")
+    if not sharded:
+        return WEIGHTS
+    shards.write_index(folder, weight_map, sum(sizes), {"format": FORMAT, "version": SHARDED_VERSION})
+    return shards.INDEX
+
+
+def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of `dtype` and `shape`."""
+    return dtype.itemsize * math.prod(shape)
 
 
 def read_weights(path: Path, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, LayerPlan]]:
-    """(plain tensors by stored name, LayerPlans by `prefix` + stored fqn) of a file written by `write_weights`."""
+    """(plain tensors by stored name, LayerPlans by `prefix` + stored fqn) of what `write_weights` wrote:
+    `path` is ``model.safetensors`` or the shard index (each shard read in turn and checked against it)."""
     if not path.is_file():
-        raise ExportError(f"{path}: weights file missing (an exported folder holds {WEIGHTS})")
+        raise ExportError(f"{path}: weights file missing (an exported folder holds {WEIGHTS} or {shards.INDEX})")
+    if path.name != shards.INDEX:
+        return read_file(path, prefix)
+    plain: dict[str, torch.Tensor] = {}
+    layers: dict[str, LayerPlan] = {}
+    for file, names in shards.read_index(path, ExportError).items():
+        part_plain, part_layers = read_file(path.parent / file, prefix)
+        held = set(part_plain) | {part_name(fqn.removeprefix(prefix), p)
+                                  for fqn, lp in part_layers.items() for p in lp.tensors()}
+        if held != set(names):
+            odd = sorted(held ^ set(names))[0]
+            raise ExportError(f"{path}: tensor {odd!r} is in one of the index / {file} but not the other")
+        twice = sorted((set(plain) & set(part_plain)) | (set(layers) & set(part_layers)))
+        if twice:
+            raise ExportError(f"{path}: {twice[0]!r} is stored in two shards")
+        plain.update(part_plain)
+        layers.update(part_layers)
+    return plain, layers
+
+
+def read_file(path: Path, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, LayerPlan]]:
+    """(plain tensors, LayerPlans) of one safetensors file written by `write_weights` (whole or a shard)."""
     metadata, tensors = read_safetensors(path, ExportError, "safetensors file")
     head = check_header(path, metadata.get("patchc"), "the file's 'patchc' metadata")
     layers = {prefix + fqn: _layer(path, fqn, prefix, info, tensors) for fqn, info in head["layers"].items()}
@@ -109,9 +169,10 @@ def check_header(path: Path, raw: str | dict | None, what: str) -> dict:
     if not isinstance(head, dict) or head.get("format") != FORMAT:
         fmt = head.get("format") if isinstance(head, dict) else None
         raise ExportError(f"{path}: {what} has format {fmt!r}, expected {FORMAT!r}")
-    if head.get("version") != VERSION:
+    if head.get("version") not in (VERSION, SHARDED_VERSION):
         raise ExportError(f"{path}: {what} has format version {head.get('version')!r}; this patchc reads "
-                          f"version {VERSION} (export the model again with this patchc, or upgrade patchc)")
+                          f"versions {VERSION} and {SHARDED_VERSION} (export the model again with this patchc, "
+                          "or upgrade patchc)")
     if not isinstance(head.get("layers"), dict):
         raise ExportError(f"{path}: {what} needs a 'layers' object")
     return head

@@ -46,6 +46,7 @@ from torch import nn
 from patchc.export.format import ExportError
 from patchc.export.legacy import LAYOUTS, MARLIN, decoded_tensors
 from patchc.export.pretrained import check_out, write_export
+from patchc.export.shards import DEFAULT_MAX_SHARD, parse_size
 from patchc.ir import targets
 from patchc.ir.file_format import FLOAT_DTYPES
 from patchc.ir.from_pruned import layer_from_linear, survey_linears
@@ -93,11 +94,13 @@ class ImportSummary:
 
 
 def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple[int, int] | int = (128, 128),
-                  dtype: torch.dtype | None = None, overwrite: bool = False) -> ImportSummary:
+                  dtype: torch.dtype | None = None, overwrite: bool = False,
+                  max_shard_size: int | str = DEFAULT_MAX_SHARD) -> ImportSummary:
     """Write the 2:4 / hybrid model `src` (see the module docstring) as a patchc export folder `out`.
 
     `dtype`: the served weights' dtype (None: the checkpoint's own, fp32 when it names none; fp16 for marlin-24,
-    whose int4 values times fp16 scales are fp16 numbers, as Sparse-Marlin ran them). Raises
+    whose int4 values times fp16 scales are fp16 numbers, as Sparse-Marlin ran them); `max_shard_size`: as
+    `export_pretrained`. Raises
     ExportError naming the checkpoint when no linear layer holds a 2:4 tile, or when `out` is in the way.
 
     Example:
@@ -108,7 +111,11 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
 
     tile = tile_pair(tile, "patchc import")
     out = Path(out)
-    check_out(out, overwrite)  # before any long stage; the export checks it again as it writes
+    check_out(out, overwrite)  # before any long stage; the export checks both again as it writes
+    try:
+        parse_size(max_shard_size)
+    except ValueError as e:
+        raise ExportError(f"{out}: {e}") from None
     config = checkpoint_config(src)
     layout = checkpoint_layout(src, config)
     with decoded(src, layout, out.parent) as folder:
@@ -119,7 +126,7 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
         write_export(model, out, where, slots, lambda fqn: layer_from_linear(model, fqn, where[fqn], tile),
                      skipped=left, meta={"source": "patchc import", "tile": list(tile)},
                      tokenizer_from=bundle.source if bundle.tokenizer is not None else None, overwrite=overwrite,
-                     info={"imported": str(src), "layout": layout})
+                     info={"imported": str(src), "layout": layout}, max_shard_size=max_shard_size)
     weight = next(model.parameters())
     return ImportSummary(
         out=out, layout=layout, dtype=str(weight.dtype).removeprefix("torch."), tile=tile, layers=len(slots),

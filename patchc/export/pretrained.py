@@ -6,7 +6,9 @@ The folder (written atomically: built in a temporary sibling, then renamed into 
     generation_config.json    causal transformers models that have one
     model.safetensors         plain tensors as-is + plan layers as tile-plan buffers (`format.py`): a weight,
                               a Conv1D weight as (N, K), or an expert slice "<3-D param>.<e>"; a 3-D
-                              expert weight with an unplanned slice is also stored whole
+                              expert weight with an unplanned slice is also stored whole. Above
+                              `max_shard_size`: model-0000i-of-0000n.safetensors + model.safetensors.index.json
+                              (`shards.py`, transformers' layout; a layer's buffers stay in one shard)
     patchc_config.json        format + version, how to rebuild the model, tied names, the model dtype,
                               per planned layer shape / tile / dtype / tiles / density, plan skipped + meta
     tokenizer files           copied (HF tokenizer files; llama2.c's tok*.bin)
@@ -37,7 +39,9 @@ import torch
 from torch import nn
 
 from patchc.export.arch import ModelSpec, copy_tokenizer, describe, rebuild, save_config
-from patchc.export.format import CONFIG, FORMAT, VERSION, WEIGHTS, ExportError, check_header, read_weights, write_weights
+from patchc.export.format import (CONFIG, FORMAT, SHARDED_VERSION, VERSION, WEIGHTS, ExportError, check_header,
+                                  read_weights, write_weights)
+from patchc.export.shards import DEFAULT_MAX_SHARD, parse_size
 from patchc.ir import LayerPlan, PlanError, TilePlan, targets
 from patchc.ir.file_format import FLOAT_DTYPES, dtype_name
 from patchc.ir.layer_slot import LayerSlot
@@ -49,12 +53,14 @@ Run = str | os.PathLike
 
 
 def export_pretrained(plan: TilePlan, model: nn.Module, out_dir: Run, *, tokenizer_from: Any = None,
-                      config: Any = None, overwrite: bool = False, info: dict | None = None) -> Path:
+                      config: Any = None, overwrite: bool = False, info: dict | None = None,
+                      max_shard_size: int | str = DEFAULT_MAX_SHARD) -> Path:
     """Write `plan` applied to `model` as an HF-style folder `out_dir` (see the module docstring); returns it.
 
     `model` is the dense model the plan was made for (it is not modified); `tokenizer_from` a folder or
     checkpoint file whose tokenizer files to copy, or a tokenizer with `save_pretrained`; `config`
-    overrides the model's config; `info` is stored in patchc_config.json under "source".
+    overrides the model's config; `info` is stored in patchc_config.json under "source"; weights above
+    `max_shard_size` (bytes, or "5GB" / "2GiB" as `save_pretrained` takes it) are split into shards.
     Refuses an existing non-empty `out_dir` unless `overwrite=True`.
 
     Example:
@@ -65,16 +71,21 @@ def export_pretrained(plan: TilePlan, model: nn.Module, out_dir: Run, *, tokeniz
     check_weights(plan, model)  # the plan's kept weights must be this model's, or the export mixes two models
     return write_export(model, out_dir, where, {fqn: layer.slot() for fqn, layer in plan.layers.items()},
                         plan.layers.__getitem__, skipped=plan.skipped, meta=plan.meta, tokenizer_from=tokenizer_from,
-                        config=config, overwrite=overwrite, info=info)
+                        config=config, overwrite=overwrite, info=info, max_shard_size=max_shard_size)
 
 
 def write_export(model: nn.Module, out_dir: Run, where: dict[str, targets.Target], slots: dict[str, LayerSlot],
                  pack: Callable[[str], LayerPlan], *, skipped: dict[str, str], meta: dict, tokenizer_from: Any = None,
-                 config: Any = None, overwrite: bool = False, info: dict | None = None) -> Path:
+                 config: Any = None, overwrite: bool = False, info: dict | None = None,
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD) -> Path:
     """The folder of `export_pretrained` for the layers `slots` names (where each lives in `model`: `where`),
     each packed by `pack(fqn)` only as the weights file reaches it: the plan is never held whole (`patchc
     import` plans a model larger than memory this way). `skipped` and `meta` are stored as the plan's."""
     out = Path(out_dir)
+    try:
+        shard_bytes = parse_size(max_shard_size)
+    except ValueError as e:
+        raise ExportError(f"{out}: {e}") from None
     spec = describe(model)
     plain, tied = split_state(model, planned_params(model, where), spec.prefix)
     stored = {fqn: fqn.removeprefix(spec.prefix) for fqn in slots}
@@ -84,10 +95,11 @@ def write_export(model: nn.Module, out_dir: Run, where: dict[str, targets.Target
         tokenizer = copy_tokenizer(tokenizer_from, tmp, spec)
         packed = ((stored[fqn], pack(fqn)) for fqn in progress(slots, desc="writing planned layers", unit="layer",
                                                               disable=len(slots) < 64))
-        write_weights(tmp / WEIGHTS, plain, {stored[fqn]: slot for fqn, slot in slots.items()}, packed)
+        weights = write_weights(tmp, plain, {stored[fqn]: slot for fqn, slot in slots.items()}, packed, shard_bytes)
         numel = sum(slot.numel for slot in slots.values())
         body = {
-            "format": FORMAT, "version": VERSION, "weights": WEIGHTS, "model": spec.to_dict(), "tied": tied,
+            "format": FORMAT, "version": VERSION if weights == WEIGHTS else SHARDED_VERSION, "weights": weights,
+            "model": spec.to_dict(), "tied": tied,
             "dtype": dtype_name(weight.dtype), "tokenizer": tokenizer,
             "layers": {stored[fqn]: {"shape": list(s.shape), "tile": list(s.tile), "dtype": dtype_name(s.dtype),
                                      "dense_tiles": s.n_dense, "sparse_tiles": s.n_sparse,
@@ -179,14 +191,20 @@ def atomic_dir(out: Path, overwrite: bool) -> Iterator[Path]:
         raise
 
 
-def export_run(run_dir: Run, out_dir: Run, *, model: str | None = None, overwrite: bool = False) -> Path:
+def export_run(run_dir: Run, out_dir: Run, *, model: str | None = None, overwrite: bool = False,
+               max_shard_size: int | str = DEFAULT_MAX_SHARD) -> Path:
     """Export a `patchc prune` run folder (its plan.patch and report.json) to `out_dir`; returns it.
 
     The model is loaded with `patchc.models.load_model` from `model`, else from the spec the run's
-    report records. Example: `export_run("runs/stories260K", "out/stories260K-pruned")`.
+    report records; `max_shard_size` as `export_pretrained`.
+    Example: `export_run("runs/stories260K", "out/stories260K-pruned")`.
     """
     from patchc.models import load_model
 
+    try:
+        parse_size(max_shard_size)  # before the model loads
+    except ValueError as e:
+        raise ExportError(f"{out_dir}: {e}") from None
     run = Path(run_dir)
     for name in ("plan.patch", "report.json"):
         if not (run / name).is_file():
@@ -200,7 +218,7 @@ def export_run(run_dir: Run, out_dir: Run, *, model: str | None = None, overwrit
     plan = TilePlan.load(run / "plan.patch")
     source = bundle.source if bundle.tokenizer is not None else None
     return export_pretrained(plan, bundle.model, out_dir, tokenizer_from=source, overwrite=overwrite,
-                             info={"run": str(run), "model": spec})
+                             info={"run": str(run), "model": spec}, max_shard_size=max_shard_size)
 
 
 def model_spec(report: dict, run: Path) -> str:
@@ -245,11 +263,14 @@ def read_export(folder: Path) -> tuple[dict, ModelSpec, TilePlan, dict[str, torc
     """(patchc_config.json, model spec, plan, plain tensors by the model's names) of an exported folder."""
     body = read_config(folder)
     spec = ModelSpec(**body["model"])
-    plain, layers = read_weights(folder / body.get("weights", WEIGHTS), spec.prefix)
+    weights = body.get("weights", WEIGHTS)
+    if not isinstance(weights, str) or Path(weights).name != weights:
+        raise ExportError(f"{folder / CONFIG}: 'weights' must name a file in the folder, not {weights!r}")
+    plain, layers = read_weights(folder / weights, spec.prefix)
     expected = {spec.prefix + fqn for fqn in body["layers"]}
     if set(layers) != expected:
         odd = sorted(set(layers) ^ expected)[0]
-        raise ExportError(f"{folder}: layer {odd} is in one of {CONFIG} / {WEIGHTS} but not the other")
+        raise ExportError(f"{folder}: layer {odd} is in one of {CONFIG} / {weights} but not the other")
     # fingerprints describe the dense weights, which an export does not hold: loading checks kept values
     meta = {k: v for k, v in body["plan"].get("meta", {}).items() if k != "fingerprints"}
     plan = TilePlan(layers=layers, skipped=body["plan"].get("skipped", {}), meta=meta)
@@ -290,14 +311,14 @@ def load_plain(folder: Path, model: nn.Module, plan: TilePlan, plain: dict[str, 
     `plan.apply` (which `patchc.compile` runs too) to fill with W * M, except one that another name is tied to."""
     params = dict(model.named_parameters(remove_duplicate=False))
     where = layer_targets(plan, model, f"{folder}: the model built from config.json",
-                          f"config.json and {WEIGHTS} do not match")
+                          "config.json and the weights do not match")
     result = model.load_state_dict(plain, strict=False)
     if result.unexpected_keys:
-        raise ExportError(f"{folder}: tensor {result.unexpected_keys[0]!r} in {WEIGHTS} is not in the model "
+        raise ExportError(f"{folder}: tensor {result.unexpected_keys[0]!r} in the weights is not in the model "
                           "built from config.json")
     missing = sorted(set(result.missing_keys) - planned_params(model, where) - set(tied))
     if missing:
-        raise ExportError(f"{folder}: tensor {missing[0]!r} of the model is missing from {WEIGHTS}")
+        raise ExportError(f"{folder}: tensor {missing[0]!r} of the model is missing from the weights")
     with torch.no_grad():
         for fqn, layer in plan.layers.items():
             if where[fqn].param in tied.values():  # copied to its alias below: needs its values now

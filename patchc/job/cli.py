@@ -120,7 +120,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from patchc.export import export_run
 
-    out = export_run(args.run, args.out, model=args.model, overwrite=args.overwrite)
+    out = export_run(args.run, args.out, model=args.model, overwrite=args.overwrite, max_shard_size=args.max_shard_size)
     print(f"wrote {Path(out).resolve()}; load it with patchc.from_pretrained({str(out)!r})")
     return 0
 
@@ -129,7 +129,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     from patchc.export.importing import import_sparse
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    print(import_sparse(args.model, args.out, tile=tuple(args.tile), dtype=dtype, overwrite=args.overwrite).format())
+    summary = import_sparse(args.model, args.out, tile=tuple(args.tile), dtype=dtype, overwrite=args.overwrite,
+                            max_shard_size=args.max_shard_size)
+    print(summary.format())
     return 0
 
 
@@ -280,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder to write; must not exist or be empty")
     p.add_argument("--model", default=None, help="model spec (default: the one the run used)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    add_shard_argument(p)
     p.set_defaults(handler=cmd_export)
 
     p = command("import", "serve a model that is already 2:4: write it as a patchc folder (patchc.from_pretrained)",
@@ -297,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="served weights' dtype (auto: the checkpoint's, fp16 for marlin-24; quantized values are "
                         "dequantized to it)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    add_shard_argument(p)
     p.set_defaults(handler=cmd_import)
 
     p = command("report", "redraw a plan's plots (and report.md if report.json is beside it)")
@@ -340,6 +344,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.set_defaults(handler=cmd_bench)
     return parser
+
+
+def add_shard_argument(p: argparse.ArgumentParser) -> None:
+    """--max-shard-size, checked as the command line is read (before any long stage)."""
+    from patchc.export.shards import DEFAULT_MAX_SHARD, parse_size
+
+    def size(text: str) -> int:
+        try:
+            return parse_size(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    p.add_argument("--max-shard-size", type=size, default=DEFAULT_MAX_SHARD, metavar="SIZE",
+                   help="split the weights into shards of at most SIZE (e.g. 5GB, 2GiB; default %(default)s, "
+                        "as transformers' save_pretrained) with model.safetensors.index.json")
 
 
 def main(argv: list[str] | None = None) -> int:
