@@ -1,13 +1,18 @@
-"""Time and memory of `patchc import` and `patchc.from_pretrained` on a Llama that is already 2:4.
+"""Time and memory of `patchc import`, `patchc.from_pretrained` and `patchc.compile` on a Llama that is already 2:4.
 
 Builds a random Llama of the given shape, prunes every projection 2:4 by magnitude (zeros in dense
 weights, what SparseGPT / Wanda scripts save), saves it with `save_pretrained`, then runs, each in a fresh
 process sampled every 5 ms: `patchc import SRC --out OUT` and `patchc.from_pretrained(OUT)`. Reports the
 wall time and the peak anonymous memory (RssAnon: what the process itself allocated, not the weights it
-maps from disk) above a process that only imported patchc and transformers; appends a record to
-benchmarks/results/import.jsonl.
+maps from disk) above a process that only imported patchc and transformers; and `patchc.compile(model)`
+(the plan read off its zeros, on a copy, tune=False) above the model transformers loaded from SRC.
+Appends a record to benchmarks/results/import.jsonl.
 
     python benchmarks/bench_import.py --hidden 2048 --intermediate 5632 --layers 8   # ~540M parameters, bf16
+
+glibc keeps freed blocks under its (adaptive, up to 32 MB) mmap threshold for reuse, so the peak also holds
+memory already freed; `MALLOC_MMAP_THRESHOLD_=65536 python benchmarks/bench_import.py` returns every freed
+tensor at once and measures what is live (the record notes the setting).
 
 `--layout sparse-24-bitmask` saves the model as compressed-tensors does (kept values + bitmasks), with the
 library itself: compressed-tensors 0.14, the last release that writes it, on PYTHONPATH
@@ -96,6 +101,45 @@ def peak_anon(cmd: list[str]) -> tuple[float, int]:
     return time.perf_counter() - start, peak
 
 
+COMPILE = """
+import json, sys, threading, time
+from pathlib import Path
+import torch, patchc
+from transformers import AutoModelForCausalLM
+
+def anon():
+    return next(int(x.split()[1]) * 1024 for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("RssAnon:"))
+
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+base = peak = anon()
+running = True
+
+def sample():
+    global peak
+    while running:
+        peak = max(peak, anon())
+        time.sleep(0.005)
+
+thread = threading.Thread(target=sample)
+thread.start()
+start = time.perf_counter()
+fast = patchc.compile(model, tune=False)
+seconds = time.perf_counter() - start
+running = False
+thread.join()
+print(json.dumps({"s": seconds, "above_model": peak - base}))
+"""
+
+
+def compile_peak(src: Path) -> dict:
+    """{"s": seconds, "above_model": peak RssAnon bytes above the loaded model} of `patchc.compile(model)` on `src`."""
+    done = subprocess.run([sys.executable, "-c", COMPILE, str(src)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if done.returncode:
+        raise SystemExit(f"bench_import: patchc.compile exited with {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def git_sha() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return done.stdout.strip()
@@ -128,11 +172,14 @@ def main() -> None:
         out_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
         load = f"{BASELINE}; m = patchc.from_pretrained({str(out)!r}); print(type(m).__name__)"
         load_s, load_peak = peak_anon([sys.executable, "-c", load])
+        comp = compile_peak(src) if args.layout == "dense" else None  # transformers reads dense checkpoints only
     record = {
         "bench": "import", "label": args.label, "layout": args.layout, "params": params, "shape": [args.hidden, args.intermediate, args.layers],
         "tile": args.tile, "checkpoint_bytes": src_bytes, "exported_bytes": out_bytes, "baseline_anon": base,
         "import_s": round(imp_s, 2), "import_anon_above_baseline": imp_peak - base,
         "load_s": round(load_s, 2), "load_anon_above_baseline": load_peak - base,
+        "compile_s": comp and round(comp["s"], 2), "compile_anon_above_model": comp and comp["above_model"],
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),  # set: glibc returns each freed tensor
         "device": device_name("cpu"), "date": datetime.date.today().isoformat(), "git": git_sha(), **versions(),
     }
     gb = 1e9
@@ -140,6 +187,9 @@ def main() -> None:
     print(f"patchc import          {imp_s:6.1f} s   peak anonymous {(imp_peak - base) / gb:5.2f} GB above the baseline")
     print(f"patchc.from_pretrained {load_s:6.1f} s   peak anonymous {(load_peak - base) / gb:5.2f} GB above the baseline "
           f"({base / gb:.2f} GB: Python, torch, transformers)")
+    if comp:
+        print(f"patchc.compile(model)  {comp['s']:6.1f} s   peak anonymous {comp['above_model'] / gb:5.2f} GB above the "
+              "loaded model")
     args.results.parent.mkdir(parents=True, exist_ok=True)
     with open(args.results, "a") as f:
         f.write(json.dumps(record) + "\n")

@@ -532,6 +532,39 @@ def test_compile_writes_the_plan_into_a_weight_a_kept_module_still_reads():
     torch.testing.assert_close(fast(ids), ref(ids))
 
 
+def test_compiling_a_copy_copies_no_weight_the_swap_removes(monkeypatch):
+    """The copy `compile` works on (inplace=False) takes what stays in the model, not the weights that leave
+    with the replaced linears; the original keeps every value, and the copy serves the same outputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(48, 32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.Linear(32, 48))
+    model[4].weight = model[0].weight  # a tied head: the embedding keeps reading it
+    plan = _planned(model, ["1.weight", "3.weight", "4.weight"])
+    ref = plan.apply(copy.deepcopy(model), force=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    copied: list[tuple[int, ...]] = []
+    real = nn.Parameter.__deepcopy__
+
+    def spy(self, memo):
+        copied.append(tuple(self.shape))
+        return real(self, memo)
+
+    monkeypatch.setattr(nn.Parameter, "__deepcopy__", spy)
+    fast = compile_fn(model, plan, tune=False)
+    assert (64, 32) not in copied and (32, 64) not in copied, "a replaced linear's weight was copied"
+    assert (48, 32) in copied and (64,) in copied, "the tied head / embedding and the biases are copied"
+    assert all(isinstance(fast[i], rt.TileLinear) for i in (1, 3, 4)) and model[1].weight.shape == (64, 32)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items()), "the original changed"
+    ids = torch.randint(0, 48, (3, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids), ref(ids))
+    assert len(plan.layers) == 3, "the caller's plan is kept unless released"
+    all_dense = TilePlan.from_masks(model, {"1.weight": torch.ones(64, 32, dtype=torch.bool)}, tile=(16, 16))
+    dense_too = TilePlan(layers={**plan.layers, **all_dense.layers}, meta=plan.meta)  # 1.weight: no 2:4 tile
+    again = compile_fn(model, dense_too, tune=False, release_plan=True)
+    assert list(dense_too.layers) == ["1.weight"], "released: only the layer left dense stays in the plan"
+    assert isinstance(again[1], nn.Linear) and isinstance(again[3], rt.TileLinear)
+
+
 def test_compile_keeps_each_replacement_on_its_layers_device():
     """Without `device=`, a model split over devices stays split (meta stands in for a second GPU)."""
     torch.manual_seed(0)

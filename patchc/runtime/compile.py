@@ -1,6 +1,7 @@
 """`patchc.compile(model, plan)`: swap every planned nn.Linear for a tuned `TileLinear`.
 
-Steps: copy the model (unless `inplace`), check it holds the plan's source weights, write the plan's pruned
+Steps: check the model holds the plan's source weights, copy it (unless `inplace`; the weights the swap
+removes are not copied), write the plan's pruned
 weights into every planned weight the model keeps (`plan.apply`, so tied weights and all-dense layers match
 the pruned dense model exactly; a weight only the replaced modules read is skipped, as it leaves with
 them), tune (see `tune`), then replace each
@@ -55,6 +56,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     strict: bool = False,
     force: bool = False,
     device: Any = None,
+    release_plan: bool = False,
 ) -> nn.Module:
     """The model with its planned linears replaced by `TileLinear` (on a copy unless `inplace`).
 
@@ -70,7 +72,9 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     `device`: where the replacements' packed buffers go and tuning runs (default: each replaced weight's own
     device, so a model split over GPUs stays split); the rest of the model stays where it is. A weight only
     replaced modules read is never written: on a CPU model with `device="cuda"`, the planned weights never
-    take their dense size anywhere (`from_pretrained` loads so).
+    take their dense size anywhere (`from_pretrained` loads so). `release_plan`: drop each replaced layer from
+    `plan.layers` once it is packed, so its memory goes as the model fills (for a plan not used again; a
+    plan read off the model's zeros is always released).
 
     Example:
         >>> fast = patchc.compile(model, plan, tune=False)   # CPU: reference kernels, default configs
@@ -84,7 +88,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
         raise ValueError(f"patchc.compile: tune must be one of {TUNE_MODES}, got {tune!r}")
     if plan is None:
         plan = TilePlan.from_linears(model)
-        force = True  # packed from these very weights: there is nothing to check them against
+        force = release_plan = True  # packed from these very weights: nothing to check; nobody else holds it
         if not plan.layers:
             raise ValueError(f"patchc.compile: no linear weight (nn.Linear, Conv1D, fused experts) of the "
                              f"{type(model).__name__} holds a 2:4 tile "
@@ -92,10 +96,11 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
                              "or prune the model first (patchc.oneshot, patchc prune)")
     elif isinstance(plan, (str, os.PathLike)):
         plan = TilePlan.load(plan)
-    target = model if inplace else copy.deepcopy(model)
-    where = targets.resolve_layers(plan, target)  # every layer found, in its shape, before anything changes
+    targets.resolve_layers(plan, model)  # every layer found, in its shape, before anything changes
     if not force:
-        check_weights(plan, target)  # the model must hold the weights the plan was made from
+        check_weights(plan, model)  # the model must hold the weights the plan was made from
+    target = model if inplace else copy_keeping(model, plan)
+    where = targets.resolve_layers(plan, target)
     swaps, experts, missed = plan_swaps(target, plan)
     leaving = _read_only_by(target, swaps)
     # W * M where the model keeps a planned weight (layers left dense, unreplaced ones, fused experts); one that
@@ -127,6 +132,8 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
             own = bias.detach().to(on, mod.values.dtype, copy=True) if isinstance(bias, torch.Tensor) else None
             mod.register_buffer("bias", own)
             setattr(parent, attr, mod)
+        if release_plan:
+            del plan.layers[fqn], layer  # packed into its TileLinears: the IR copy is not needed again
     for path in experts:
         parent_path, _, attr = path.rpartition(".")
         parent = target.get_submodule(parent_path) if parent_path else target
@@ -134,6 +141,19 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
                 if weight.rpartition(".")[0] == path}
         setattr(parent, attr, experts_module(target.get_submodule(path), plan, path, mine, device=device))
     return target
+
+
+def copy_keeping(model: nn.Module, plan: Any) -> nn.Module:
+    """A deep copy of `model` without the weights that leave it with the replaced modules: each is a
+    stand-in of the same shape, dtype and device holding one element (a zero-stride view), so copying a
+    model to compile it takes the size of what stays (embeddings, norms, dense layers), not twice the model."""
+    swaps, _, _ = plan_swaps(model, plan)
+    memo: dict[int, Any] = {}
+    for fqn in _read_only_by(model, swaps):
+        w = swaps[fqn][0][2].weight
+        stand_in = torch.empty((), dtype=w.dtype, device=w.device).expand(w.shape)
+        memo[id(w)] = nn.Parameter(stand_in, requires_grad=w.requires_grad)
+    return copy.deepcopy(model, memo)
 
 
 def _read_only_by(model: nn.Module, swaps: dict[str, Users]) -> set[str]:
