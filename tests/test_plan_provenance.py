@@ -88,6 +88,22 @@ def test_hardened_plan_refuses_a_model_with_other_weights():
         plan.apply(noised(model, "0.weight", 1e-3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_fingerprint_is_the_fp64_norm_and_samples_in_any_chunking(dtype):
+    """Summed a chunk at a time (no fp64 copy of the whole weight): the norm of the fp64 weight to fp64
+    rounding, the samples exactly its values, whatever the chunk (here ragged: 7 does not divide 40 x 24)."""
+    w = (torch.randn(40, 24, dtype=torch.float64) * 3).to(dtype)
+    wide = w.to(torch.float64).flatten()
+    from patchc.ir.provenance import _positions
+
+    for chunk in (7, 960, 1 << 22):
+        got = fingerprint(w, chunk=chunk)
+        assert got["dtype"] == str(dtype).removeprefix("torch.")
+        assert got["norm"] == pytest.approx(float(wide.norm()), rel=1e-12)
+        assert got["sample"] == wide[_positions((40, 24))].tolist()
+    assert fingerprint(w.t())["norm"] == pytest.approx(float(wide.norm()), rel=1e-12), "a transposed view"
+
+
 def test_fingerprint_mismatch_tolerates_rounding_but_not_one_changed_sample():
     w = torch.randn(40, 24, dtype=torch.float64)
     rec = fingerprint(w.float())

@@ -45,14 +45,22 @@ def hash_shape(shape: tuple[int, ...]) -> int:
     return value
 
 
-def fingerprint(weight: torch.Tensor) -> dict:
-    """{"dtype", "norm", "sample"} of one dense weight (a few hundred bytes of JSON)."""
-    w = weight.detach().to("cpu", torch.float64)
-    flat = w.flatten()
+def fingerprint(weight: torch.Tensor, chunk: int = 1 << 22) -> dict:
+    """{"dtype", "norm", "sample"} of one dense weight (a few hundred bytes of JSON).
+
+    Computed where the weight lives, `chunk` elements at a time in fp64: never an fp64 copy of the whole
+    weight (4 GB for a 128K-vocabulary head) nor, for a GPU weight, a copy to the host."""
+    w = weight.detach()
+    flat = w.reshape(-1)
+    squares = torch.zeros((), dtype=torch.float64, device=w.device)
+    for part in flat.split(chunk):
+        wide = part.to(torch.float64)
+        squares += torch.dot(wide, wide)
+    sample = flat[_positions(tuple(w.shape)).to(w.device)].to("cpu", torch.float64)
     return {
         "dtype": str(weight.dtype).removeprefix("torch."),
-        "norm": float(flat.norm()),
-        "sample": [float(v) for v in flat[_positions(tuple(w.shape))]],
+        "norm": float(squares.sqrt()),
+        "sample": [float(v) for v in sample],
     }
 
 
