@@ -154,6 +154,9 @@ def main() -> None:
     ap.add_argument("--tile", type=int, default=128)
     ap.add_argument("--layout", choices=["dense", "sparse-24-bitmask"], default="dense",
                     help="how the checkpoint stores its 2:4 weights (default: zeros in dense weights)")
+    ap.add_argument("--load-device", default="cpu",
+                    help="from_pretrained(device=...): 'meta' stands in for a GPU (the host memory of a load whose "
+                         "packed layers go to the device)")
     ap.add_argument("--label", default="", help="a note stored with the record (e.g. the change measured)")
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks/results/import.jsonl")
     args = ap.parse_args()
@@ -170,14 +173,14 @@ def main() -> None:
         imp_s, imp_peak = peak_anon([sys.executable, "-m", "patchc", "import", str(src), "--out", str(out),
                                      "--tile", str(args.tile), str(args.tile)])
         out_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-        load = f"{BASELINE}; m = patchc.from_pretrained({str(out)!r}); print(type(m).__name__)"
+        load = f"{BASELINE}; m = patchc.from_pretrained({str(out)!r}, device={args.load_device!r}); print(type(m).__name__)"
         load_s, load_peak = peak_anon([sys.executable, "-c", load])
         comp = compile_peak(src) if args.layout == "dense" else None  # transformers reads dense checkpoints only
     record = {
         "bench": "import", "label": args.label, "layout": args.layout, "params": params, "shape": [args.hidden, args.intermediate, args.layers],
         "tile": args.tile, "checkpoint_bytes": src_bytes, "exported_bytes": out_bytes, "baseline_anon": base,
         "import_s": round(imp_s, 2), "import_anon_above_baseline": imp_peak - base,
-        "load_s": round(load_s, 2), "load_anon_above_baseline": load_peak - base,
+        "load_s": round(load_s, 2), "load_anon_above_baseline": load_peak - base, "load_device": args.load_device,
         "compile_s": comp and round(comp["s"], 2), "compile_anon_above_model": comp and comp["above_model"],
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),  # set: glibc returns each freed tensor
         "device": device_name("cpu"), "date": datetime.date.today().isoformat(), "git": git_sha(), **versions(),

@@ -137,3 +137,50 @@ def test_the_cli_takes_max_shard_size_and_refuses_a_bad_one(capsys):
     with pytest.raises(SystemExit) as e:
         parser.parse_args(["import", "m", "--out", "o", "--max-shard-size", "lots"])
     assert e.value.code == 2 and "max_shard_size 'lots': not a size" in capsys.readouterr().err
+
+
+def test_a_sharded_moe_with_a_planned_tied_head_round_trips(tmp_path):
+    """Shards of one layer (or less) each: an experts module's slices are spread over many files and still
+    load into one TileExperts, and a planned head tied to the embeddings keeps W * M in both."""
+    import transformers
+
+    from patchc.ir.from_pruned import layer_from_weight
+    from tests.conftest import prune_24
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                     num_experts_per_tok=2, tie_word_embeddings=True)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(prune_24(p.reshape(-1, p.shape[-1])).reshape(p.shape))
+    plan = TilePlan.from_linears(model, tile=16)  # a tied head is not among the matrices it reads: add it
+    head = layer_from_weight("lm_head.weight", model.lm_head.weight, (16, 16))
+    plan = TilePlan(layers={**plan.layers, "lm_head.weight": head}, meta=plan.meta)
+    assert sum(".experts." in n for n in plan.layers) == 16 and head.n_sparse > 0
+    out = export_pretrained(plan, model, tmp_path / "moe", max_shard_size=1)
+    assert len(shard_names(out)) > len(plan.layers)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        for dense in (True, False):
+            loaded = from_pretrained(out, dense=dense)
+            assert loaded.lm_head.weight is loaded.model.embed_tokens.weight or not dense
+            torch.testing.assert_close(loaded(ids).logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_buffer_the_header_does_not_describe_is_refused(llama, tmp_path):
+    from safetensors.torch import save_file
+
+    model, plan, *_ = llama
+    out = export_pretrained(plan, model, tmp_path / "out")
+    with safe_open(str(out / WEIGHTS), "pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    fqn = next(iter(plan.layers))
+    for extra, why in [(f"{fqn}.patchc.bias", rf"tensor '{fqn}.patchc.bias' is not described"),
+                       ("model.nowhere.weight.patchc.kinds", r"tensor 'model\.nowhere\.weight\.patchc\.kinds' is not described")]:
+        save_file({**tensors, extra: torch.zeros(4)}, str(out / WEIGHTS), metadata=metadata)
+        with pytest.raises(ExportError, match=why):
+            from_pretrained(out)
