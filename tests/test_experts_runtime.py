@@ -4,6 +4,8 @@ interpreter's kernel path and on a GPU when there is one."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -176,3 +178,36 @@ def test_compile_tunes_one_slice_per_fused_weight_and_every_expert_shares_it(mon
     monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
     with torch.no_grad():
         torch.testing.assert_close(fast.mlp.experts(*args), experts(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_compiling_a_copy_copies_no_fused_expert_weight_that_leaves(monkeypatch):
+    """A 3-D expert weight whose every slice is planned leaves with its experts module (the TileExperts is
+    built from the plan alone): the copy `compile` works on never copies it. One with an unplanned slice is
+    read while the TileExperts is built, so it is copied, with W * M written into its planned slices."""
+    from tests.conftest import prune_24
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                     num_experts_per_tok=2)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "embed" not in name:
+                p.copy_(prune_24(p.reshape(-1, p.shape[-1])).reshape(p.shape))
+    plan = patchc.TilePlan.from_linears(model, tile=16)
+    partial = "model.layers.1.mlp.experts.down_proj"  # down_proj: (E, 32, 48); its slice 2 left unplanned
+    plan = patchc.TilePlan(layers={n: lp for n, lp in plan.layers.items() if n != f"{partial}.2"}, meta=plan.meta)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = plan.apply(copy.deepcopy(model))(ids).logits
+    copied: list[tuple[int, ...]] = []
+    real = nn.Parameter.__deepcopy__
+    monkeypatch.setattr(nn.Parameter, "__deepcopy__", lambda self, memo: copied.append(tuple(self.shape)) or real(self, memo))
+    fast = patchc.compile(model, plan, tune=False)
+    monkeypatch.undo()
+    experts_3d = [s for s in copied if len(s) == 3]
+    assert experts_3d == [(4, 32, 48)], f"only the fused weight with an unplanned slice is copied, got {experts_3d}"
+    assert all(isinstance(fast.model.layers[i].mlp.experts, TileExperts) for i in (0, 1))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids).logits, want, atol=1e-5, rtol=1e-5)

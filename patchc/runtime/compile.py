@@ -102,9 +102,9 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     target = model if inplace else copy_keeping(model, plan)
     where = targets.resolve_layers(plan, target)
     swaps, experts, missed = plan_swaps(target, plan)
-    leaving = _read_only_by(target, swaps)
-    # W * M where the model keeps a planned weight (layers left dense, unreplaced ones, fused experts); one that
-    # leaves with the replaced modules never gets it: its dense values are never built
+    leaving = _read_only_by(target, swaps) | set(_leaving_experts(target, plan, experts))
+    # W * M where the model keeps a planned weight (layers left dense, unreplaced ones, fused experts with an
+    # unplanned slice); one that leaves with the replaced modules never gets it: its dense values are never built
     kept = {fqn: layer for fqn, layer in plan.layers.items() if fqn not in leaving}
     TilePlan(layers=kept, meta=plan.meta).apply(target, force=True)
     report_unreplaced("patchc.compile", "not replaced (kept dense with the plan's values)", missed, strict)
@@ -147,13 +147,29 @@ def copy_keeping(model: nn.Module, plan: Any) -> nn.Module:
     """A deep copy of `model` without the weights that leave it with the replaced modules: each is a
     stand-in of the same shape, dtype and device holding one element (a zero-stride view), so copying a
     model to compile it takes the size of what stays (embeddings, norms, dense layers), not twice the model."""
-    swaps, _, _ = plan_swaps(model, plan)
+    swaps, experts, _ = plan_swaps(model, plan)
+    leaving = [swaps[fqn][0][2].weight for fqn in _read_only_by(model, swaps)]
+    leaving += [model.get_parameter(name) for name in set(_leaving_experts(model, plan, experts).values())]
     memo: dict[int, Any] = {}
-    for fqn in _read_only_by(model, swaps):
-        w = swaps[fqn][0][2].weight
+    for w in leaving:
         stand_in = torch.empty((), dtype=w.dtype, device=w.device).expand(w.shape)
         memo[id(w)] = nn.Parameter(stand_in, requires_grad=w.requires_grad)
     return copy.deepcopy(model, memo)
+
+
+def _leaving_experts(model: nn.Module, plan: Any, experts: dict[str, list[str]]) -> dict[str, str]:
+    """{expert slice: its 3-D weight} for the fused weights that leave with their replaced experts module: every
+    slice planned (the TileExperts is built from the plan alone) and no other module registering the weight."""
+    registered = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    out = {}
+    for path in experts:
+        module = model.get_submodule(path)
+        for proj in TileExperts.PROJECTIONS:
+            w = getattr(module, proj, None)
+            slices = [f"{path}.{proj}.{e}" for e in range(w.shape[0])] if isinstance(w, nn.Parameter) else []
+            if slices and all(f in plan.layers for f in slices) and registered[id(w)] == 1:
+                out.update(dict.fromkeys(slices, f"{path}.{proj}"))
+    return out
 
 
 def _read_only_by(model: nn.Module, swaps: dict[str, Users]) -> set[str]:
