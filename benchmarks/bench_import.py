@@ -36,20 +36,25 @@ ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "import patchc, patchc.export, transformers, transformers.models.llama.modeling_llama"
 
 
-def build(src: Path, hidden: int, intermediate: int, layers: int, vocab: int, layout: str = "dense") -> int:
-    """Save a magnitude 2:4-pruned random bf16 Llama to `src` in `layout`; returns its parameter count."""
+def build(src: Path, hidden: int, intermediate: int, layers: int, vocab: int, layout: str = "dense",
+          experts: int = 0) -> int:
+    """Save a magnitude 2:4-pruned random bf16 Llama (a Mixtral with `experts` experts per layer, top-2) to `src`
+    in `layout`; returns its parameter count."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                      num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128, dtype="bfloat16")
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                 num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128)
+    if experts:
+        model = MixtralForCausalLM._from_config(MixtralConfig(num_local_experts=experts, num_experts_per_tok=2,
+                                                              **shape), dtype=torch.bfloat16)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape, dtype="bfloat16")).to(torch.bfloat16)
     with torch.no_grad():
-        for name, mod in model.named_modules():
-            if isinstance(mod, torch.nn.Linear) and name != "lm_head":
-                w = mod.weight
-                mags = w.abs().reshape(w.shape[0], -1, 4)
+        for name, w in model.named_parameters():  # every projection and expert slice; not embeddings, head, router
+            if w.dim() >= 2 and not name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")):
+                mags = w.abs().reshape(*w.shape[:-1], -1, 4)
                 keep = torch.zeros_like(mags).scatter_(-1, mags.topk(2, -1).indices, 1.0)
                 w.mul_(keep.reshape(w.shape))
     if layout == "dense":
@@ -151,6 +156,7 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=5632)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--experts", type=int, default=0, help="a Mixtral with this many experts per layer (0: a Llama)")
     ap.add_argument("--tile", type=int, default=128)
     ap.add_argument("--layout", choices=["dense", "sparse-24-bitmask"], default="dense",
                     help="how the checkpoint stores its 2:4 weights (default: zeros in dense weights)")
@@ -167,7 +173,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp) / "src", Path(tmp) / "out"
-        params = build(src, args.hidden, args.intermediate, args.layers, args.vocab, args.layout)
+        params = build(src, args.hidden, args.intermediate, args.layers, args.vocab, args.layout, args.experts)
         src_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
         _, base = peak_anon([sys.executable, "-c", BASELINE])
         imp_s, imp_peak = peak_anon([sys.executable, "-m", "patchc", "import", str(src), "--out", str(out),
@@ -178,6 +184,7 @@ def main() -> None:
         comp = compile_peak(src) if args.layout == "dense" else None  # transformers reads dense checkpoints only
     record = {
         "bench": "import", "label": args.label, "layout": args.layout, "params": params, "shape": [args.hidden, args.intermediate, args.layers],
+        "experts": args.experts,
         "tile": args.tile, "checkpoint_bytes": src_bytes, "exported_bytes": out_bytes, "baseline_anon": base,
         "import_s": round(imp_s, 2), "import_anon_above_baseline": imp_peak - base,
         "load_s": round(load_s, 2), "load_anon_above_baseline": load_peak - base, "load_device": args.load_device,
