@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -93,7 +92,7 @@ def write_weights(folder: Path, plain: dict[str, torch.Tensor], slots: Mapping[s
                 part = next(iter(parts))
                 yield part_name(fqn, part), parts.pop(part)
 
-    sizes = [sum(nbytes(*spec) for spec in unit.values()) for unit in units]
+    sizes = [t.nbytes for t in plain.values()] + [slot.nbytes() for slot in slots.values()]  # per unit
     groups = shards.split(sizes, max_shard_bytes) if max_shard_bytes else [list(range(len(units)))]
     stream = tensors()
     sharded = len(groups) > 1
@@ -118,11 +117,6 @@ def write_weights(folder: Path, plain: dict[str, torch.Tensor], slots: Mapping[s
     return shards.INDEX
 
 
-def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    """Bytes of a tensor of `dtype` and `shape`."""
-    return dtype.itemsize * math.prod(shape)
-
-
 def read_weights(path: Path, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, LayerPlan]]:
     """(plain tensors by stored name, LayerPlans by `prefix` + stored fqn) of what `write_weights` wrote:
     `path` is ``model.safetensors`` or the shard index (each shard read in turn and checked against it)."""
@@ -132,24 +126,22 @@ def read_weights(path: Path, prefix: str = "") -> tuple[dict[str, torch.Tensor],
         return read_file(path, prefix)
     plain: dict[str, torch.Tensor] = {}
     layers: dict[str, LayerPlan] = {}
+    # the index maps each name to one file, so shards that hold what it says never hold a name twice
     for file, names in shards.read_index(path, ExportError).items():
-        part_plain, part_layers = read_file(path.parent / file, prefix)
-        held = set(part_plain) | {part_name(fqn.removeprefix(prefix), p)
-                                  for fqn, lp in part_layers.items() for p in lp.tensors()}
-        if held != set(names):
-            odd = sorted(held ^ set(names))[0]
-            raise ExportError(f"{path}: tensor {odd!r} is in one of the index / {file} but not the other")
-        twice = sorted((set(plain) & set(part_plain)) | (set(layers) & set(part_layers)))
-        if twice:
-            raise ExportError(f"{path}: {twice[0]!r} is stored in two shards")
+        part_plain, part_layers = read_file(path.parent / file, prefix, (path, set(names)))
         plain.update(part_plain)
         layers.update(part_layers)
     return plain, layers
 
 
-def read_file(path: Path, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, LayerPlan]]:
-    """(plain tensors, LayerPlans) of one safetensors file written by `write_weights` (whole or a shard)."""
+def read_file(path: Path, prefix: str = "", index: tuple[Path, set[str]] | None = None) -> tuple[
+        dict[str, torch.Tensor], dict[str, LayerPlan]]:
+    """(plain tensors, LayerPlans) of one safetensors file written by `write_weights`: the whole weights, or a
+    shard whose tensors must be the ones `index` (the index file, the names it gives this shard) says."""
     metadata, tensors = read_safetensors(path, ExportError, "safetensors file")
+    if index is not None and set(tensors) != index[1]:
+        odd = sorted(set(tensors) ^ index[1])[0]
+        raise ExportError(f"{index[0]}: tensor {odd!r} is in one of the index / {path.name} but not the other")
     head = check_header(path, metadata.get("patchc"), "the file's 'patchc' metadata")
     layers = {prefix + fqn: _layer(path, fqn, prefix, info, tensors) for fqn, info in head["layers"].items()}
     stray = sorted(k for k in tensors if SEP in k)

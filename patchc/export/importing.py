@@ -45,15 +45,14 @@ from torch import nn
 
 from patchc.export.format import ExportError
 from patchc.export.legacy import LAYOUTS, MARLIN, decoded_tensors
-from patchc.export.pretrained import check_out, write_export
-from patchc.export.shards import DEFAULT_MAX_SHARD, parse_size
+from patchc.export.pretrained import check_out, shard_limit, write_export
+from patchc.export.shards import DEFAULT_MAX_SHARD, INDEX, write_index
 from patchc.ir import targets
 from patchc.ir.file_format import FLOAT_DTYPES
 from patchc.ir.from_pruned import layer_from_linear, survey_linears
 from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.tiles import tile_pair
 
-INDEX = "model.safetensors.index.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".gguf", ".msgpack", ".h5")
 
 
@@ -112,10 +111,7 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
     tile = tile_pair(tile, "patchc import")
     out = Path(out)
     check_out(out, overwrite)  # before any long stage; the export checks both again as it writes
-    try:
-        parse_size(max_shard_size)
-    except ValueError as e:
-        raise ExportError(f"{out}: {e}") from None
+    shard_limit(out, max_shard_size)
     config = checkpoint_config(src)
     layout = checkpoint_layout(src, config)
     with decoded(src, layout, out.parent) as folder:
@@ -207,16 +203,16 @@ def write_decoded(src: Path, dst: Path, layout: str = "sparse-24-bitmask", file_
 
     weight_map: dict[str, str] = {}
     batch: dict[str, torch.Tensor] = {}
-    files = held = 0
+    files = held = total = 0
     for key, tensor in progress(decoded_tensors(src, layout), desc=f"decoding {layout}", unit="tensor"):
         batch[key] = tensor.contiguous()
-        held += tensor.numel() * tensor.element_size()
+        held += tensor.nbytes
         if held >= file_bytes:
-            files, held = _write_batch(dst, batch, weight_map, files), 0
+            files, total, held = _write_batch(dst, batch, weight_map, files), total + held, 0
         del tensor  # written away or in the batch: not held here while the next one decodes
     if batch or not weight_map:
         _write_batch(dst, batch, weight_map, files)
-    (dst / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    write_index(dst, weight_map, total + held, {})
     config = json.loads((src / "config.json").read_text())
     for key in ("quantization_config", "compression_config"):
         config.pop(key, None)

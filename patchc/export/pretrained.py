@@ -82,10 +82,7 @@ def write_export(model: nn.Module, out_dir: Run, where: dict[str, targets.Target
     each packed by `pack(fqn)` only as the weights file reaches it: the plan is never held whole (`patchc
     import` plans a model larger than memory this way). `skipped` and `meta` are stored as the plan's."""
     out = Path(out_dir)
-    try:
-        shard_bytes = parse_size(max_shard_size)
-    except ValueError as e:
-        raise ExportError(f"{out}: {e}") from None
+    shard_bytes = shard_limit(out, max_shard_size)
     spec = describe(model)
     plain, tied = split_state(model, planned_params(model, where), spec.prefix)
     stored = {fqn: fqn.removeprefix(spec.prefix) for fqn in slots}
@@ -113,6 +110,14 @@ def write_export(model: nn.Module, out_dir: Run, where: dict[str, targets.Target
         }
         (tmp / CONFIG).write_text(json.dumps(body, indent=2) + "\n")
     return out
+
+
+def shard_limit(out: Path, max_shard_size: int | str) -> int:
+    """`max_shard_size` in bytes (`shards.parse_size`), or ExportError naming the output folder."""
+    try:
+        return parse_size(max_shard_size)
+    except ValueError as e:
+        raise ExportError(f"{out}: {e}") from None
 
 
 def layer_targets(plan: TilePlan, model: nn.Module, what: str, todo: str) -> dict[str, targets.Target]:
@@ -201,10 +206,7 @@ def export_run(run_dir: Run, out_dir: Run, *, model: str | None = None, overwrit
     """
     from patchc.models import load_model
 
-    try:
-        parse_size(max_shard_size)  # before the model loads
-    except ValueError as e:
-        raise ExportError(f"{out_dir}: {e}") from None
+    shard_limit(Path(out_dir), max_shard_size)  # before the model loads
     run = Path(run_dir)
     for name in ("plan.patch", "report.json"):
         if not (run / name).is_file():

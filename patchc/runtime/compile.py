@@ -96,11 +96,10 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
                              "or prune the model first (patchc.oneshot, patchc prune)")
     elif isinstance(plan, (str, os.PathLike)):
         plan = TilePlan.load(plan)
-    targets.resolve_layers(plan, model)  # every layer found, in its shape, before anything changes
+    where = targets.resolve_layers(plan, model)  # every layer found, in its shape, before anything changes
     if not force:
         check_weights(plan, model)  # the model must hold the weights the plan was made from
-    target = model if inplace else copy_keeping(model, plan)
-    where = targets.resolve_layers(plan, target)
+    target = model if inplace else copy_keeping(model, plan)  # `where` names parameters: the copy's too
     swaps, experts, missed = plan_swaps(target, plan)
     leaving = _read_only_by(target, swaps) | set(_leaving_experts(target, plan, experts))
     # W * M where the model keeps a planned weight (layers left dense, unreplaced ones, fused experts with an
