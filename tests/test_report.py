@@ -12,12 +12,14 @@ import torch
 from patchc.job.report import write as rep
 from patchc.job.report import (
     block_index,
+    expert_index,
     pick_tile_map_layers,
     plan_stats,
     plot_plan,
     projection_type,
     redraw,
     render_markdown,
+    short_name,
     write_report,
 )
 from patchc.ir import PATTERNS, TILE_DENSE, LayerPlan, TilePlan
@@ -66,6 +68,19 @@ PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
         ("model.decoder.layers.0.fc1.weight", "up", 0),
         ("blocks.7.attn.out_proj.weight", "o", 7),
         ("gpt_neox.layers.0.attention.query_key_value.weight", "qkv", 0),
+        # fused gate + up, MoE experts (a module each, or a plan's slice of a fused 3-D weight)
+        ("model.layers.0.mlp.gate_up_proj.weight", "gate_up", 0),
+        ("model.layers.2.mlp.experts.gate_up_proj.7", "gate_up", 2),
+        ("model.layers.2.mlp.experts.down_proj.0", "down", 2),
+        ("model.layers.1.block_sparse_moe.experts.3.w2.weight", "down", 1),
+        ("model.layers.1.mlp.shared_expert.up_proj.weight", "up", 1),
+        ("model.layers.0.shared_mlp.input_linear.weight", "gate_up", 0),  # Granite MoE
+        # DeepSeek's MLA, T5 (whose FFN output is also called wo)
+        ("model.layers.0.self_attn.q_b_proj.weight", "q", 0),
+        ("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "kv", 0),
+        ("encoder.block.1.layer.0.SelfAttention.o.weight", "o", 1),
+        ("encoder.block.1.layer.1.DenseReluDense.wo.weight", "down", 1),
+        ("decoder.block.0.layer.2.DenseReluDense.wi_0.weight", "gate", 0),
         ("lm_head.weight", "other", None),
         ("model.embed_tokens.weight", "other", None),
         ("pooler.dense.weight", "other", None),
@@ -75,6 +90,16 @@ PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 def test_projection_type_and_block_index(fqn: str, proj: str, block: int | None) -> None:
     assert projection_type(fqn) == proj
     assert block_index(fqn) == block
+
+
+def test_experts_get_their_index_in_short_names() -> None:
+    assert expert_index("model.layers.0.mlp.experts.12.up_proj.weight") == 12
+    assert expert_index("model.layers.0.mlp.experts.down_proj.5") == 5
+    assert expert_index("model.layers.0.mlp.down_proj.weight") is None
+    assert short_name("model.layers.1.mlp.experts.gate_up_proj.2") == "block1_gate_up_e2"
+    assert short_name("model.layers.1.block_sparse_moe.experts.0.w1.weight") == "block1_gate_e0"
+    assert short_name("model.layers.1.mlp.shared_expert.down_proj.weight") == "block1_down"
+    assert short_name("model.experts.head.3") == "model_experts_head_3"  # unknown: the whole name
 
 
 def test_block_index_takes_the_first_match_and_whole_words() -> None:
@@ -161,6 +186,28 @@ def test_plot_plan_writes_pngs(tmp_path: Path) -> None:
         assert p.parent == tmp_path / "out"
         assert_png(p)
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.endswith(".tmp")]  # no temp files left
+
+
+def test_moe_plan_gets_an_expert_picture_and_names_each_expert(tmp_path: Path) -> None:
+    """Slices of fused 3-D expert weights (transformers 5's Mixtral names): typed gate_up / down,
+    one heatmap cell per (block, expert), tile maps named by expert. A dense plan draws no expert map."""
+    tile, layers = (8, 8), {}
+    for b in range(2):
+        for e in range(3):
+            for p, shape in (("gate_up_proj", (48, 24)), ("down_proj", (24, 24))):
+                fqn = f"model.layers.{b}.mlp.experts.{p}.{e}"
+                kinds = torch.full((shape[0] // 8, 3), int(e != 1), dtype=torch.uint8)  # expert 1 dense
+                layers[fqn] = make_layer(fqn, shape, tile, kinds, seed=10 * b + e)
+    plan = TilePlan(layers=layers)
+    stats = plan_stats(plan)
+    assert list(stats["per_projection"]) == ["gate_up", "down"]
+    assert sorted(stats["experts"]) == [(b, e) for b in range(2) for e in range(3)]
+    assert stats["experts"][(0, 1)] == 0.0 and stats["experts"][(1, 2)] == pytest.approx(0.5)
+    names = [p.name for p in plot_plan(plan, tmp_path, tile_maps=len(layers))]
+    assert names[3] == "sparsity_per_expert.png"
+    assert_png(tmp_path / "sparsity_per_expert.png")
+    assert "tile_map_block1_gate_up_e2.png" in names and "tile_map_block0_down_e1.png" in names
+    assert "sparsity_per_expert.png" not in [p.name for p in plot_plan(synthetic_plan(), tmp_path / "dense")]
 
 
 @pytest.mark.parametrize("count", [0, 1, 5])

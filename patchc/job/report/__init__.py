@@ -14,13 +14,14 @@ Example:
 
 from patchc.job.report.markdown import format_perplexity, format_results, render_markdown
 from patchc.job.report.plots import pick_tile_map_layers, plot_plan
-from patchc.job.report.stats import PROJECTION_ORDER, plan_stats, projection_type, short_name
+from patchc.job.report.stats import PROJECTION_ORDER, expert_index, plan_stats, projection_type, short_name
 from patchc.job.report.write import redraw, write_report
 from patchc.utils.names import block_index
 
 __all__ = [
     "PROJECTION_ORDER",
     "block_index",
+    "expert_index",
     "format_perplexity",
     "format_results",
     "pick_tile_map_layers",

@@ -128,8 +128,9 @@ def _pictures(report: Mapping[str, Any], pictures: Iterable[str | os.PathLike] |
         files = report.get("files") or {}
         pictures = [p for p in files.values() if isinstance(p, str) and p.lower().endswith(".png")]
     names = list(dict.fromkeys(Path(p).name for p in pictures))
-    rank = {"sparsity_per_block.png": 0, "sparsity_per_projection.png": 1, "sparsity_heatmap.png": 2}
-    return sorted(names, key=lambda n: rank.get(n, 3))  # stable: tile maps keep densest..sparsest order
+    rank = {"sparsity_per_block.png": 0, "sparsity_per_projection.png": 1, "sparsity_heatmap.png": 2,
+            "sparsity_per_expert.png": 3}
+    return sorted(names, key=lambda n: rank.get(n, 4))  # stable: tile maps keep densest..sparsest order
 
 
 def render_markdown(report: Mapping[str, Any], pictures: Iterable[str | os.PathLike] | None = None) -> str:

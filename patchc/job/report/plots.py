@@ -4,6 +4,7 @@
                                   global achieved (and target) sparsity as horizontal lines
     sparsity_per_projection.png   the same per projection type (q, k, v, o, gate, up, down, ...)
     sparsity_heatmap.png          blocks x projection types: which layers stay dense
+    sparsity_per_expert.png       blocks x experts, for a plan with MoE experts: which experts stay dense
     tile_map_<layer>.png          the tile grid of a few layers (densest, middle, sparsest):
                                   dense vs 2:4 tiles
 
@@ -119,30 +120,43 @@ def _finish_bars(fig, ax, stats: Mapping[str, Any], xlabel: str, heading: str, t
 
 
 def _plot_heatmap(stats: Mapping[str, Any], title: str | None, path: Path) -> Path:
+    projs = [p for p in PROJECTION_ORDER if any(key[1] == p for key in stats["grid"])]
+    return _plot_grid(stats["grid"], list(stats["per_block"]), projs, "projection",
+                      "Sparsity (%) per block and projection", title, path)
+
+
+def _plot_experts(stats: Mapping[str, Any], title: str | None, path: Path) -> Path:
+    blocks = sorted({b for b, _ in stats["experts"]})
+    experts = sorted({e for _, e in stats["experts"]})
+    return _plot_grid(stats["experts"], blocks, experts, "expert",
+                      "Sparsity (%) of each MoE expert's weights per block", title, path)
+
+
+def _plot_grid(cells: Mapping[tuple[Any, Any], float], rows: list, cols: list, xlabel: str, heading: str,
+               title: str | None, path: Path) -> Path:
+    """Blocks (rows) x `cols` heatmap of sparsity in %, each cell annotated while they stay legible."""
+    import matplotlib
     import numpy as np
 
-    blocks = list(stats["per_block"])
-    projs = [p for p in PROJECTION_ORDER if any(key[1] == p for key in stats["grid"])]
-    grid = np.full((len(blocks), len(projs)), np.nan)
-    for (b, p), v in stats["grid"].items():
-        grid[blocks.index(b), projs.index(p)] = 100 * v
-    height = max(3.5, min(18.0, 1.8 + 0.32 * len(blocks)))
-    fig = _new_figure((max(5.5, 2.5 + 0.75 * len(projs)), height))
+    grid = np.full((len(rows), len(cols)), np.nan)
+    for (r, c), v in cells.items():
+        grid[rows.index(r), cols.index(c)] = 100 * v
+    height = max(3.5, min(18.0, 1.8 + 0.32 * len(rows)))
+    fig = _new_figure((max(5.5, min(24.0, 2.5 + 0.75 * len(cols))), height))
     ax = fig.add_subplot()
-    import matplotlib
-
-    # grey: a projection this block does not have (or that was skipped)
+    # grey: a cell this block does not have (or that was skipped)
     cmap = matplotlib.colormaps["YlGnBu"].with_extremes(bad="0.9")
     im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=50, aspect="auto", interpolation="nearest")
-    ax.set_xticks(range(len(projs)), projs)
-    step = max(1, math.ceil(len(blocks) / 40))
-    ax.set_yticks(range(0, len(blocks), step), [str(b) for b in blocks[::step]])
-    ax.set_xlabel("projection")
+    col_step = max(1, math.ceil(len(cols) / 32))
+    ax.set_xticks(range(0, len(cols), col_step), [str(c) for c in cols[::col_step]])
+    step = max(1, math.ceil(len(rows) / 40))
+    ax.set_yticks(range(0, len(rows), step), [str(b) for b in rows[::step]])
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("transformer block")
-    ax.set_title("Sparsity (%) per block and projection\n(0 = all tiles dense, 50 = all tiles 2:4)", fontsize=11)
-    if len(blocks) <= 48:
-        for i in range(len(blocks)):
-            for j in range(len(projs)):
+    ax.set_title(f"{heading}\n(0 = all tiles dense, 50 = all tiles 2:4)", fontsize=11)
+    if len(rows) <= 48 and len(cols) <= 32:
+        for i in range(len(rows)):
+            for j in range(len(cols)):
                 if not np.isnan(grid[i, j]):
                     ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", fontsize=8,
                             color="white" if grid[i, j] > 30 else "black")
@@ -211,8 +225,9 @@ def plot_plan(plan: TilePlan, out_dir: str | os.PathLike, title: str | None = No
     """Draw a plan's sparsity pictures (PNG, 120 dpi) into `out_dir`; returns their paths.
 
     Writes sparsity_per_block.png (when some layer sits in a block), sparsity_per_projection.png,
-    sparsity_heatmap.png (blocks x projection types) and tile_map_<short name>.png for `tile_maps`
-    layers spread over the density range (`pick_tile_map_layers`). An empty plan draws nothing.
+    sparsity_heatmap.png (blocks x projection types), sparsity_per_expert.png (blocks x experts, when
+    the plan has MoE experts) and tile_map_<short name>.png for `tile_maps` layers spread over the
+    density range (`pick_tile_map_layers`). An empty plan draws nothing.
 
     Example:
         >>> plot_plan(plan, "runs/x", title="stories260K: PATCH joint at 35.0% sparsity")
@@ -232,6 +247,8 @@ def plot_plan(plan: TilePlan, out_dir: str | os.PathLike, title: str | None = No
         written.append(_plot_per_projection(stats, title, out / "sparsity_per_projection.png"))
         if stats["per_block"]:
             written.append(_plot_heatmap(stats, title, out / "sparsity_heatmap.png"))
+        if stats["experts"]:
+            written.append(_plot_experts(stats, title, out / "sparsity_per_expert.png"))
         names = {fqn: short_name(fqn) for fqn in plan.layers}
         counts: dict[str, int] = {}
         for n in names.values():
