@@ -76,6 +76,17 @@ def test_non_utf8_data_is_one_line_and_encoding_flag_reads_it(tmp_path, capsys):
                      *QUICK]) == 0
 
 
+@needs_shared
+def test_a_file_of_one_document_is_named_with_the_way_out(tmp_path, capsys):
+    """One document cannot be split into train and held-out text: the file and the flags that score a
+    text whole are named, before any folder is made (the same text repeated is still one document)."""
+    (tmp_path / "one.txt").write_text("Once upon a time there was a cat.\n" * 2)
+    out = tmp_path / "run"
+    one_line_error(capsys, ["prune", "--data", str(tmp_path / "one.txt"), "--out", str(out), *QUICK],
+                   "one.txt: holds one document", "--eval-data", "--text")
+    assert not out.exists()
+
+
 def test_a_transformers_folder_without_config_is_refused(tmp_path, capsys):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "pytorch_model.bin").write_bytes(b"\0" * 64)

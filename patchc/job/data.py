@@ -166,6 +166,11 @@ def split_files(
     evals: list[str] = []
     for path in paths:
         docs = load_documents(path, kind, encoding, field, chat)
+        if eval_fraction > 0 and len(set(docs)) < 2:
+            raise ValueError(f"{path}: holds one document (documents are lines, or blocks between blank lines, "
+                             "<|endoftext|> markers or ' = Title = ' headings), so none can be held out for "
+                             "evaluation; give more documents or files (a text to score whole goes to "
+                             "`patchc prune --eval-data` or `patchc eval --text`)")
         part_train, part_eval = split_documents(docs, eval_fraction, seed)
         train += part_train
         evals += part_eval
