@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,6 +121,19 @@ def test_cache_is_reused_and_a_damaged_entry_regenerated(bundle, prompts, tmp_pa
     assert not cached3 and torch.equal(first, third)
     other, _ = self_generated_blocks(bundle, SelfDataSpec(tokens=2 * 17, block_len=16, seed=2), prompts, tmp_path)
     assert len(list(tmp_path.glob("selfdata-*.pt"))) == 2 and not torch.equal(first, other)
+
+
+def test_a_model_opened_by_a_relative_path_shares_the_cache_of_its_absolute_path(bundle, monkeypatch):
+    """`patchc prune --model tiny` records /abs/tiny, which `patchc recover` reopens: the same text."""
+    from types import SimpleNamespace
+
+    from patchc.job.selfdata import model_id
+
+    source = Path(bundle.source).resolve()
+    monkeypatch.chdir(source.parent)
+    relative = SimpleNamespace(name=bundle.name, source=source.name, model=bundle.model)
+    absolute = SimpleNamespace(name=bundle.name, source=str(source), model=bundle.model)
+    assert model_id(relative) == model_id(absolute)
 
 
 def test_spec_validation_names_the_flag():

@@ -188,7 +188,8 @@ def cache_key(model_id: str, spec: SelfDataSpec, prompts: torch.Tensor) -> str:
 def model_id(bundle: Any) -> str:
     """The model's identity for the cache: its source file's size and mtime plus a weight checksum
     (a model edited in place gets new text)."""
-    parts = [bundle.name, str(bundle.source)]
+    # the resolved path: `patchc recover` reopens the model by the absolute path its run recorded
+    parts = [bundle.name, os.path.realpath(bundle.source) if bundle.source else str(bundle.source)]
     if bundle.source and os.path.exists(bundle.source):
         st = os.stat(bundle.source)
         parts += [str(st.st_size), str(st.st_mtime_ns)]
