@@ -38,6 +38,7 @@ plan = random_tile_plan({
 generate(plan, out / "w1", workers=1, show_progress=False)
 generate(plan, out / "w2", workers=2)
 generate(plan, out / "b_alone", workers=1, layers=["b.weight"], show_progress=False)
+generate(plan, out / "c_bf16", workers=1, layers=["c.weight"], show_progress=False, dtype=torch.bfloat16)
 good = CompileJob("splitk_reduce", (("part_ptr", "*fp32"), ("y_ptr", "*fp16"), ("bias_ptr", "*fp16"),
                   ("M", "i32"), ("N", "i32")), (("SPLIT_K", 2), ("HAS_BIAS", False), ("BLOCK", 1024)), 4, 1, 90)
 bad = dataclasses.replace(good, constexprs=(("SPLIT_K", 2), ("HAS_BIAS", False), ("BLOCK", 1000)))
@@ -125,6 +126,20 @@ def test_two_workers_write_byte_identical_output(runs):
     assert w1.keys() == w2.keys() and len(w1) > 20
     assert [p for p in w1 if w1[p] != w2[p]] == []
     assert "compiling" in stderr, "generate(workers=2) showed no progress bar"
+
+
+def test_kernels_compile_for_the_dtype_asked_and_small_tiles_are_named(runs):
+    """`dtype=`: an fp16 plan's kernels for bf16 serving (the signature says so); the summary names the
+    32 x 32 tiles that cannot meet the decode targets, and the tile size from which they hold."""
+    from patchc.codegen.generate import summary
+
+    out, _ = runs
+    manifest = json.loads((out / "c_bf16" / "c.weight" / "manifest.json").read_text())
+    assert manifest["dtype"] == "bfloat16" and json.loads((out / "w1" / "c.weight" / "manifest.json").read_text())["dtype"] == "float16"
+    assert "bf16" in (out / "c_bf16" / "c.weight" / "decode_m1.ptx").read_text()
+    assert "bf16" not in (out / "w1" / "c.weight" / "decode_m1.ptx").read_text()
+    assert "bf16" in json.dumps(manifest["variants"][0]["args"]) and "fp16" not in json.dumps(manifest["variants"][0]["args"])
+    assert "targets missed with 32x32 tiles" in summary(out / "c_bf16") and "from 64x64 tiles up" in summary(out / "c_bf16")
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])

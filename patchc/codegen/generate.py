@@ -48,7 +48,7 @@ from patchc.codegen.configs import ARCH_TABLE, KernelConfig, choose_block, norma
 from patchc.codegen.launch import GRID_RULES, KERNEL_ARGS, REDUCE_BLOCK, specialisation
 from patchc.codegen.layout import PackedLayer
 from patchc.codegen.offline import assumptions
-from patchc.codegen.sass import target_misses
+from patchc.codegen.sass import SMALLEST_FAST_TILE, target_misses
 from patchc.codegen.skeleton import pack_skeleton
 from patchc.utils.files import write_bytes_atomic
 from patchc.utils.progress import progress
@@ -68,6 +68,7 @@ def generate(
     workers: int | None = None,
     show_progress: bool = True,
     fp_fusion: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> list[Path]:
     """Compile every planned layer's kernels for `target` ("sm_80" or "sm_90") into `out_dir`.
 
@@ -75,7 +76,9 @@ def generate(
     `layers` restricts generation to those FQNs. Each distinct specialisation compiles once (layers that
     share one get identical files), in `workers` processes (default: the CPU count; 1 = this process);
     the files do not depend on the worker count. `fp_fusion` is Triton's `enable_fp_fusion` (fused
-    multiply-adds; the kernels are tuned with it on), recorded in every manifest. Progress bars on
+    multiply-adds; the kernels are tuned with it on), recorded in every manifest. `dtype`: the weights'
+    dtype the kernels are compiled for (default: the plan's; a plan pruned on a CPU is fp32, which a GPU
+    serves in bf16 or fp16). Progress bars on
     stderr unless `show_progress=False`. Returns the written files (the index manifest last).
 
     Example:
@@ -101,7 +104,7 @@ def generate(
             index[fqn] = {"route": "F.linear", "reason": "all tiles dense: cuBLAS is the right kernel"}
             continue
         # generation reads the layout only: packing the weights (GBs for a 7B model) would buy nothing
-        skel = pack_skeleton(plan, fqn, block=block or choose_block(tuple(layer.tile), arch))
+        skel = pack_skeleton(plan, fqn, block=block or choose_block(tuple(layer.tile), arch), dtype=dtype)
         planned.append((skel, _layer_jobs(skel, arch, cc, fp_fusion)))
     users: dict[CompileJob, list[str]] = {}
     for skel, jobs in planned:
@@ -139,10 +142,14 @@ def summary(out_dir: str | os.PathLike) -> str:
     out = Path(out_dir)
     index = json.loads((out / "manifest.json").read_text())
     rows: dict[str, dict[str, Any]] = {}
+    missed_blocks: set[tuple[int, int]] = set()
     for entry in index["layers"].values():
         if entry.get("route") != "patchc":
             continue
-        for v in json.loads((out / entry["manifest"]).read_text())["variants"]:
+        manifest = json.loads((out / entry["manifest"]).read_text())
+        for v in manifest["variants"]:
+            if v.get("target_misses"):
+                missed_blocks.add(tuple(manifest["block"]))
             if v["kernel"] == "splitk_reduce":
                 continue
             r = rows.setdefault(v["name"], {"layers": 0, "warps": set(), "regs": 0, "spills": 0, "dense": None,
@@ -169,6 +176,12 @@ def summary(out_dir: str | os.PathLike) -> str:
         held = "-" if name == "prefill" else ("ok" if not r["misses"] else f"miss:{r['misses']}")
         lines.append(f"{name:<10} {r['layers']:>6} {warps:>6} {r['regs']:>5} {r['spills']:>7} {cost['dense']:>16} "
                      f"{cost['2:4']:>14} {r['barriers']:>9} {r['instrs']:>12} {wide:>13} {held:>8}")
+    small = sorted(b for b in missed_blocks if min(b) < SMALLEST_FAST_TILE)
+    if small:
+        sizes = ", ".join(f"{b1}x{b2}" for b1, b2 in small)
+        lines.append(f"targets missed with {sizes} tiles: a loop iteration moves one tile, too few bytes to stream "
+                     f"weights at the memory limit; they hold from {SMALLEST_FAST_TILE}x{SMALLEST_FAST_TILE} tiles up "
+                     f"(patchc prune --tile {SMALLEST_FAST_TILE} {SMALLEST_FAST_TILE}, or the paper's 128 128)")
     return "\n".join(lines)
 
 

@@ -171,6 +171,10 @@ LOOP_TARGETS = {"dense": 0.08, "2:4": 0.14}
 ISSUE_CEILING = 0.93e12 / 3.35e12  # H100 warp-instructions per HBM byte: a loop above it cannot be memory bound
 TARGET_M = 16  # variants serving M up to this are held to LOOP_TARGETS
 SMALL_M_BARRIERS = (4, 2)  # variants serving M <= 4: at most 2 barriers per loop iteration
+# The smallest square tile whose decode loops meet LOOP_TARGETS (4096-wide fp16 / bf16 layers, sm_80 and
+# sm_90): a loop iteration moves one tile, and a 32 x 32 2:4 tile's 1,152 bytes cannot pay for its loop
+# (0.29 warp-instructions per byte), nor can 16 x 16 ones (0.76). `benchmarks/static_profile.py --tile`.
+SMALLEST_FAST_TILE = 64
 
 
 def target_misses(m_min: int, loops: list[dict] | None, profile: dict | None) -> list[str]:
@@ -208,5 +212,5 @@ def static_profile(cubin: str | os.PathLike, sass: str | None = None) -> dict[st
     return resource_usage(cubin) | instruction_mix(sass if sass is not None else disassemble(cubin))
 
 
-__all__ = ["INSTRUCTIONS", "LOOP_COUNTS", "LOOP_TARGETS", "TARGET_M", "cuobjdump", "target_misses", "disassemble", "instruction_mix", "loop_cost", "loops", "resource_usage",
+__all__ = ["INSTRUCTIONS", "LOOP_COUNTS", "LOOP_TARGETS", "SMALLEST_FAST_TILE", "TARGET_M", "cuobjdump", "target_misses", "disassemble", "instruction_mix", "loop_cost", "loops", "resource_usage",
            "sass_instructions", "static_profile", "weight_loops"]

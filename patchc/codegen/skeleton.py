@@ -23,8 +23,10 @@ from patchc.codegen.layout import PackedLayer, PackError, _check_block, _per_row
 from patchc.ir import TILE_DENSE, TILE_SPARSE24, expand_tiles, tile_grid
 
 
-def pack_skeleton(plan: Any, fqn: str | None = None, block: tuple[int, int] | None = None) -> PackedLayer:
-    """`pack(plan, fqn, block)` without the weights: the same indices, weight buffers on the meta device.
+def pack_skeleton(plan: Any, fqn: str | None = None, block: tuple[int, int] | None = None,
+                  dtype: torch.dtype | None = None) -> PackedLayer:
+    """`pack(plan, fqn, block)` without the weights: the same indices, weight buffers on the meta device,
+    in `dtype` (default: the layer's).
 
     Refuses what `pack` refuses (a block that does not divide the tile, unknown kinds, an all-dense layer).
 
@@ -54,7 +56,7 @@ def pack_skeleton(plan: Any, fqn: str | None = None, block: tuple[int, int] | No
     dense_at = torch.nonzero(block_kinds == TILE_DENSE)
     sparse_at = torch.nonzero(block_kinds == TILE_SPARSE24)
     dense_rowptr, sparse_rowptr = _rowptr(dense_at[:, 0], grid[0]), _rowptr(sparse_at[:, 0], grid[0])
-    dtype = layer.dtype
+    dtype = dtype or layer.dtype
     bias = getattr(layer, "bias", None)
     return PackedLayer(
         name=name,
@@ -69,7 +71,7 @@ def pack_skeleton(plan: Any, fqn: str | None = None, block: tuple[int, int] | No
         dense_cols=dense_at[:, 1].to(torch.int32).contiguous(),
         sparse_rowptr=sparse_rowptr,
         sparse_cols=sparse_at[:, 1].to(torch.int32).contiguous(),
-        bias=None if bias is None else _shape_only(tuple(bias.shape), bias.dtype),
+        bias=None if bias is None else _shape_only(tuple(bias.shape), dtype),
         per_row=(_per_row(dense_rowptr), _per_row(sparse_rowptr)),
     )
 
