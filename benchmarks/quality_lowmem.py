@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-record", action="store_true")
     a = p.parse_args(argv)
     rows = a.rows or ["default", "low", "low-4", "low-4v"]
-    base = PruneOptions(steps=a.steps, progress=False)
+    base = PruneOptions(steps=a.steps, tile=(16, 16), progress=False)  # what the job picks for stories260K
     if a.runs_from:
         runs, dense = read_runs(a.runs_from)
         rows = [r for r in ROWS if any(x["row"] == r for x in runs)]

@@ -32,7 +32,7 @@ from patchc.job.corpus import load_data
 from patchc.job.data import split_files, tokenize_documents
 from patchc.job.evaluate import perplexity
 from patchc.job.options import PruneOptions
-from patchc.job.model import choose_threads
+from patchc.job.model import choose_threads, with_tile
 from patchc.job.prune import cache_dir, calibrate, evaluate, oneshot_baseline, recover_plan, train
 from patchc.models import load_model
 from patchc.utils.env import device_name, versions
@@ -66,6 +66,7 @@ def training_documents(bundle, opts: PruneOptions) -> torch.Tensor:
 def run_seed(opts: PruneOptions, recover_steps: int) -> list[dict]:
     bundle = load_model(opts.model)
     choose_threads(opts, bundle.model)
+    opts = with_tile(opts, bundle)
     data = load_data(bundle, opts, cache_dir=cache_dir(opts))
     data["train_docs"] = training_documents(bundle, opts)
     calib = calibrate(bundle, data, opts)

@@ -28,7 +28,7 @@ import torch
 from patchc.ir.tiles import expand_tiles, to_tiles
 from patchc.job.corpus import load_data
 from patchc.job.options import PruneOptions
-from patchc.job.model import choose_threads
+from patchc.job.model import choose_threads, with_tile
 from patchc.job.prune import cache_dir, calibrate, evaluate, train, train_program
 from patchc.masking.harden import budget_tiles
 from patchc.models import load_model
@@ -60,6 +60,7 @@ def main() -> None:
                         progress=False)
     bundle = load_model(opts.model)
     choose_threads(opts, bundle.model)
+    opts = with_tile(opts, bundle)
     data = load_data(bundle, opts, cache_dir=cache_dir(opts))
     calib = calibrate(bundle, data, opts)
     # The program, not the plan: its logits hold a 2:4 pattern for the dense tiles too.

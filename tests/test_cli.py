@@ -36,6 +36,9 @@ def test_prune_writes_every_output_and_consistent_numbers(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     plan = TilePlan.load(out / "plan.patch")
     assert report["plan"]["density"] == pytest.approx(plan.density, abs=1e-12)
+    # no --tile: the model's own (stories260K is 64 wide), recorded for --resume and `patchc recover`
+    assert {lp.tile for lp in plan.layers.values()} == {(16, 16)}
+    assert json.loads((out / "run.json").read_text())["settings"]["tile"] == [16, 16]
     assert abs(plan.density - 0.65) <= 0.5 * 16 * 16 / sum(lp.numel for lp in plan.layers.values()) + 1e-9
     names = [r["name"] for r in report["results"]]
     assert names[0] == "dense" and "magnitude 2:4" in names and "sparsegpt 2:4" in names
@@ -156,3 +159,13 @@ def test_bf16_weights_train_fp32_logits(tmp_path):
     plan.verify()
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["tau_nm"] == [3.0, 0.1]
+
+
+def test_generate_serves_a_cpu_plan_in_bf16_unless_told():
+    from patchc.codegen.reference import random_tile_plan
+    from patchc.job.cli import serving_dtype
+
+    spec = dict(n=32, k=32, tile=(16, 16), kinds="mixed")
+    fp32, fp16 = (random_tile_plan({"w.weight": dict(spec, dtype=d)}) for d in (torch.float32, torch.float16))
+    assert serving_dtype(fp32, "auto") == torch.bfloat16 and serving_dtype(fp16, "auto") is None
+    assert serving_dtype(fp32, "float32") == torch.float32 and serving_dtype(fp16, "bfloat16") == torch.bfloat16

@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub are imported
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -403,6 +404,30 @@ def test_prune_names_an_untraceable_moe_block_before_calibrating_and_leaves_no_f
 
 
 @needs_transformers
+@pytest.mark.parametrize("hidden, side", [(32, 16), (64, 16), (128, 32), (256, 64), (384, 128), (1024, 128)])
+def test_the_automatic_tile_follows_the_model_width(hidden, side):
+    """Without --tile: the paper's 128 x 128 from 384 wide, else the widest that fits 3 times, >= 16."""
+    transformers = pytest.importorskip("transformers")
+    from patchc.job.model import auto_tile, with_tile
+    from patchc.job.options import PruneOptions
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=3 * hidden,
+                                      num_hidden_layers=2, num_attention_heads=4)
+    model = transformers.LlamaForCausalLM(config)
+    assert auto_tile(model) == (side, side)
+    bundle = SimpleNamespace(model=model)
+    assert with_tile(PruneOptions(), bundle).tile == (side, side)
+    assert with_tile(PruneOptions(tile=(8, 32)), bundle).tile == (8, 32)  # a given --tile stays
+
+
+def test_options_without_a_resolved_tile_say_how_to_resolve_it():
+    from patchc.job.options import PruneOptions
+
+    with pytest.raises(ValueError, match="with_tile"):
+        PruneOptions().patch_config()
+    assert PruneOptions().patch_config(tile=(32, 32)).tile == (32, 32)
+
+
 def test_load_model_tiny_hf_without_tokenizer(tmp_path):
     from patchc.models import load_model
 

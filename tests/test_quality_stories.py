@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from patchc.job.options import PruneOptions
-from patchc.job.model import choose_threads
+from patchc.job.model import choose_threads, with_tile
 from patchc.job.prune import calibrate, evaluate, load_data, oneshot_baseline, train
 from tests.conftest import needs_shared
 
@@ -26,6 +26,7 @@ def job():
     opts = PruneOptions(steps=150, eval_data=(), progress=False)
     bundle = load_model(opts.model)
     choose_threads(opts, bundle.model)
+    opts = with_tile(opts, bundle)
     data = load_data(bundle, opts)
     calib = calibrate(bundle, data, opts)
     yield opts, bundle, data, calib

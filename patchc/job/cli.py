@@ -146,12 +146,22 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from patchc.codegen.generate import generate, summary
 
-    files = generate(load_any_plan(args.plan), args.out, target=args.target, workers=args.workers,
-                     show_progress=args.progress, fp_fusion=args.fp_fusion)
+    plan = load_any_plan(args.plan)
+    files = generate(plan, args.out, target=args.target, workers=args.workers, show_progress=args.progress,
+                     fp_fusion=args.fp_fusion, dtype=serving_dtype(plan, args.dtype))
     count = len(files) if hasattr(files, "__len__") else 0
     print(f"wrote {count} files for {args.target} to {Path(args.out).resolve()}")
     print(summary(args.out))
     return 0
+
+
+def serving_dtype(plan, name: str) -> torch.dtype | None:
+    """--dtype of `patchc generate`: "auto" serves an fp32 plan (pruned on a CPU) in bf16, any other in its
+    own dtype (None); else the named one."""
+    if name != "auto":
+        return getattr(torch, name)
+    dtypes = {layer.dtype for layer in plan.layers.values()}
+    return torch.bfloat16 if dtypes == {torch.float32} else None
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -313,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="sm_90", choices=("sm_80", "sm_90"), help="GPU architecture (A100: sm_80, H100: sm_90)")
     p.add_argument("--out", required=True, help="folder for the kernels and manifests")
     p.add_argument("--workers", type=int, default=None, help="compile processes (default: the CPUs this process may use)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="weights' dtype the kernels serve (auto: the plan's, bfloat16 for an fp32 plan from a CPU)")
     p.add_argument("--no-fp-fusion", dest="fp_fusion", action="store_false",
                    help="compile without fusing multiply-adds (Triton's enable_fp_fusion=False)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import Counter
 
 import torch
 
 from patchc.job.options import PruneOptions, check_device, weight_dtype
+
+# Square tile sides `auto_tile` picks from, widest first.
+AUTO_TILES = (128, 64, 32, 16)
 
 
 def load_bundle(opts: PruneOptions, training: bool = True):
@@ -31,6 +35,30 @@ def load_bundle(opts: PruneOptions, training: bool = True):
     check_model(bundle, opts, training)
     choose_threads(opts, bundle.model)
     return bundle
+
+
+def auto_tile(model: torch.nn.Module) -> tuple[int, int]:
+    """The tile `patchc prune` uses when --tile is not given: the paper's 128 x 128 for a model at
+    least 384 wide, else the widest square of `AUTO_TILES` that fits three times into its hidden size
+    (the input width most of its linears share), 16 x 16 at least. The decode kernels stream weights
+    at the memory limit from 64 x 64 tiles up; smaller ones only suit small models.
+
+    Example:
+        >>> auto_tile(load_model(DEFAULT_MODEL).model), auto_tile(load_model("minilm").model)
+        ((16, 16), (128, 128))
+    """
+    from patchc.ir.targets import is_conv1d
+
+    widths = Counter(m.weight.shape[0] if is_conv1d(m) else m.in_features for m in model.modules()
+                     if isinstance(m, torch.nn.Linear) or is_conv1d(m))
+    hidden = widths.most_common(1)[0][0] if widths else 0
+    side = next((t for t in AUTO_TILES if 3 * t <= hidden), AUTO_TILES[-1])
+    return side, side
+
+
+def with_tile(opts: PruneOptions, bundle) -> PruneOptions:
+    """`opts` with --tile resolved for the loaded model (`auto_tile` when it was not given)."""
+    return opts if opts.tile is not None else dataclasses.replace(opts, tile=auto_tile(bundle.model))
 
 
 def cast_bundle(bundle, dtype: torch.dtype):

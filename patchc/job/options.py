@@ -1,8 +1,8 @@
 """The prune job's options: everything `patchc prune` takes, validated, with the paper's defaults.
 
 Example:
-    >>> opts = PruneOptions(sparsity=0.45, steps=50, out="runs/quick")
-    >>> opts.patch_config().density
+    >>> opts = PruneOptions(sparsity=0.45, steps=50, out="runs/quick")   # tile None: the model's (auto_tile)
+    >>> opts.patch_config(tile=(64, 64)).density
     0.55
 """
 
@@ -58,7 +58,7 @@ class PruneOptions:
     data: tuple[str, ...] = DEFAULT_DATA
     out: str | None = None  # None: the next free runs/<model>[-N]
     sparsity: float = _PAPER.sparsity
-    tile: tuple[int, int] = (16, 16)
+    tile: tuple[int, int] | None = None  # None: `job.model.auto_tile` picks it once the model loads
     variant: str = _PAPER.variant
     prior: str = "sparsegpt"
     prior_strength: float = _PAPER.prior_strength
@@ -133,7 +133,8 @@ class PruneOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data", tuple(self.data))
-        object.__setattr__(self, "tile", tuple(self.tile))
+        if self.tile is not None:
+            object.__setattr__(self, "tile", tuple(self.tile))
         object.__setattr__(self, "eval_data", tuple(self.eval_data))
         object.__setattr__(self, "train_extra", tuple(self.train_extra))
         self._check_train_extra()
@@ -182,7 +183,8 @@ class PruneOptions:
             raise ValueError(f"--encoding {self.encoding!r} is not a text encoding Python knows") from None
         if self.text_field is not None and not (isinstance(self.text_field, str) and self.text_field.strip()):
             raise ValueError(f"--text-field must name a field of the records, got {self.text_field!r}")
-        self.patch_config()  # validates sparsity, tile, variant, prior, schedules
+        # validates sparsity, tile, variant, prior, schedules (an automatic tile is valid by construction)
+        self.patch_config(**({} if self.tile else {"tile": (16, 16)}))
 
     def _check_train_extra(self) -> None:
         """--train-extra files must not be --data (its held-out documents) or --eval-data (scored) files."""
@@ -217,6 +219,9 @@ class PruneOptions:
         fields = {f.name for f in dataclasses.fields(PatchConfig)}
         values = {k: getattr(self, k) for k in fields if hasattr(self, k)}
         values.update(changes)
+        if values["tile"] is None:
+            raise ValueError("PruneOptions.tile is None (automatic): resolve it for the loaded model first, "
+                             "opts = patchc.job.model.with_tile(opts, bundle)")
         return PatchConfig(**values)
 
 

@@ -29,7 +29,7 @@ from patchc.config import PatchConfig
 from patchc.job.corpus import data_record, data_summary, load_data
 from patchc.job.distributed import init_distributed, prepare_training, rank_slice, say, world
 from patchc.job.losses import make_lm_loss
-from patchc.job.model import load_bundle
+from patchc.job.model import load_bundle, with_tile
 from patchc.job.options import ONESHOT_METHODS, PruneOptions, check_device
 from patchc.job.runs import CHECKPOINT, check_out, check_settings, claim_run_dir, release
 from patchc.masking.optim import MaskOptimConfig
@@ -203,6 +203,7 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
     timings: dict[str, float] = {}
     with timed(timings, "load"):
         bundle = load_bundle(opts)
+        opts = with_tile(opts, bundle)  # --tile, else the model's own (`auto_tile`), before run.json records it
         data = load_data(bundle, opts, cache_dir=cache_dir(opts))
     out, schedule_steps = claim_folder(bundle, opts)
     failed = True

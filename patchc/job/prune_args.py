@@ -24,7 +24,9 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None,
                    help="run directory (plan, report.json, report.md, plots, checkpoint); default: the next free runs/<model>[-N]")
     p.add_argument("--sparsity", type=float, default=d.sparsity, help="global target sparsity in [0, 0.5]")
-    p.add_argument("--tile", type=int, nargs=2, default=list(d.tile), metavar=("B1", "B2"), help="tile rows, columns")
+    p.add_argument("--tile", type=int, nargs=2, default=None, metavar=("B1", "B2"),
+                   help="tile rows, columns (default: from the model's width, the paper's 128 128 from 384 up, "
+                        "16 16 for stories260K; the decode kernels reach the memory limit from 64 64 up)")
     p.add_argument("--variant", default=d.variant, choices=("joint", "tile", "nm"),
                    help="what is learned: tile kinds and 2:4 patterns (joint), tile kinds only, 2:4 patterns only")
     p.add_argument("--prior", default=d.prior, choices=("random", "magnitude", "wanda", "sparsegpt"),
@@ -125,7 +127,7 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
 
 def prune_options(args: argparse.Namespace) -> PruneOptions:
     return PruneOptions(
-        model=args.model, data=tuple(args.data), out=args.out, sparsity=args.sparsity, tile=tuple(args.tile),
+        model=args.model, data=tuple(args.data), out=args.out, sparsity=args.sparsity, tile=None if args.tile is None else tuple(args.tile),
         variant=args.variant, prior=args.prior, prior_strength=args.prior_strength, steps=args.steps,
         batch_size=args.batch_size, lr=args.lr, tau=tuple(args.tau),
         tau_nm=tuple(args.tau_nm) if args.tau_nm else None, kappa_tile=tuple(args.kappa_tile),
