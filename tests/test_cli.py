@@ -163,7 +163,7 @@ def test_bf16_weights_train_fp32_logits(tmp_path):
 
 def test_generate_serves_a_cpu_plan_in_bf16_unless_told():
     from patchc.codegen.reference import random_tile_plan
-    from patchc.job.cli import serving_dtype
+    from patchc.codegen.generate import serving_dtype
 
     spec = dict(n=32, k=32, tile=(16, 16), kinds="mixed")
     fp32, fp16 = (random_tile_plan({"w.weight": dict(spec, dtype=d)}) for d in (torch.float32, torch.float16))

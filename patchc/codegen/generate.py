@@ -126,6 +126,19 @@ def generate(
     return written
 
 
+def serving_dtype(plan: Any, name: str = "auto") -> torch.dtype | None:
+    """The `dtype` to generate a plan's kernels for, by name: "auto" serves an fp32 plan (pruned on a CPU)
+    in bf16 and any other in its own dtype (None); else the named torch dtype.
+
+    Example:
+        >>> serving_dtype(TilePlan.load("runs/stories260K/plan.patch"))      # doctest: +SKIP
+        torch.bfloat16
+    """
+    if name != "auto":
+        return getattr(torch, name)
+    return torch.bfloat16 if {layer.dtype for layer in plan.layers.values()} == {torch.float32} else None
+
+
 def summary(out_dir: str | os.PathLike) -> str:
     """Per variant, over every generated layer: the worst weight-loop cost and what limits it.
 

@@ -144,7 +144,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from patchc.codegen.generate import generate, summary
+    from patchc.codegen.generate import generate, serving_dtype, summary
 
     plan = load_any_plan(args.plan)
     files = generate(plan, args.out, target=args.target, workers=args.workers, show_progress=args.progress,
@@ -153,15 +153,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"wrote {count} files for {args.target} to {Path(args.out).resolve()}")
     print(summary(args.out))
     return 0
-
-
-def serving_dtype(plan, name: str) -> torch.dtype | None:
-    """--dtype of `patchc generate`: "auto" serves an fp32 plan (pruned on a CPU) in bf16, any other in its
-    own dtype (None); else the named one."""
-    if name != "auto":
-        return getattr(torch, name)
-    dtypes = {layer.dtype for layer in plan.layers.values()}
-    return torch.bfloat16 if dtypes == {torch.float32} else None
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

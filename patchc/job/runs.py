@@ -157,6 +157,8 @@ def release(folder: Path, failed: bool = False) -> None:
 def settings_of(opts: PruneOptions) -> dict:
     """The options that change the result, JSON-ready, with paths made absolute."""
     values = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts) if f.name not in FREE}
+    if opts.tile is None:  # automatic: compared once the loaded model has chosen it (`job.model.with_tile`)
+        del values["tile"]
     values["data"] = [str(Path(p).resolve()) for p in opts.data]
     if Path(opts.model).exists():
         values["model"] = str(Path(opts.model).resolve())
