@@ -298,7 +298,7 @@ def test_render_markdown_causal() -> None:
         assert row in md, row
     assert "123,456 tokens" in md and "7,890 tokens" in md
     assert "cpu (x86_64, 2 threads)" in md
-    assert "sparsity 34.97%, target 35.00%" in md
+    assert "sparsity 34.97%, target 35.00%" in md and "35 layers planned in 16 × 16 tiles" in md
     assert "`tok_embeddings.weight`: excluded by include()" in md
     assert "300 steps, batch 8, lr 0.001, 42.2 s" in md or "300 steps, batch 8, lr 0.001, 42.3 s" in md
     assert "loss 2.346" in md

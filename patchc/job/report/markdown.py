@@ -202,7 +202,8 @@ def render_markdown(report: Mapping[str, Any], pictures: Iterable[str | os.PathL
         line += f", target {target:.2%})" if target is not None else ")"
         out.append(line)
         if plan.get("n_layers") is not None:
-            out.append(f"- {plan['n_layers']} layers planned")
+            tile = cfg.get("tile")
+            out.append(f"- {plan['n_layers']} layers planned" + (f" in {tile[0]} × {tile[1]} tiles" if tile else ""))
         if plan.get("path"):
             out.append(f"- plan file: `{plan['path']}`")
         skipped = plan.get("skipped") or {}
