@@ -127,7 +127,8 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
 
 def prune_options(args: argparse.Namespace) -> PruneOptions:
     return PruneOptions(
-        model=args.model, data=tuple(args.data), out=args.out, sparsity=args.sparsity, tile=None if args.tile is None else tuple(args.tile),
+        model=args.model, data=tuple(args.data), out=args.out, sparsity=args.sparsity,
+        tile=None if args.tile is None else tuple(args.tile),
         variant=args.variant, prior=args.prior, prior_strength=args.prior_strength, steps=args.steps,
         batch_size=args.batch_size, lr=args.lr, tau=tuple(args.tau),
         tau_nm=tuple(args.tau_nm) if args.tau_nm else None, kappa_tile=tuple(args.kappa_tile),
