@@ -122,13 +122,14 @@ def load_documents(path: str | os.PathLike, kind: str = "auto", encoding: str = 
 
 
 def split_documents(
-    docs: Sequence[str], eval_fraction: float, seed: int = 0, dedupe: bool = True
+    docs: Sequence[str], eval_fraction: float, seed: int = 0, dedupe: bool = True, where: str = "the text"
 ) -> tuple[list[str], list[str]]:
     """Split documents (not tokens) into (train, eval), deterministically for a given seed.
 
     round(eval_fraction * n) documents (at least 1 when eval_fraction > 0, at most n - 1) go to eval,
     chosen by a seeded shuffle; both parts keep the original document order. With `dedupe`, exact
-    duplicate documents are dropped first (keeping the first), so no text appears in both parts.
+    duplicate documents are dropped first (keeping the first), so no text appears in both parts. `where`
+    names the documents' source in the error for fewer than 2 of them.
 
     Example:
         >>> split_documents(["a", "b", "c", "d"], eval_fraction=0.25, seed=0)
@@ -141,7 +142,10 @@ def split_documents(
     n = len(docs)
     n_eval = 0 if eval_fraction == 0 else min(max(1, round(eval_fraction * n)), n - 1)
     if eval_fraction > 0 and n < 2:
-        raise ValueError(f"need at least 2 documents to split off an eval part, got {n}")
+        raise ValueError(f"{where}: holds {'one document' if n else 'no documents'} (documents are lines, or blocks "
+                         "between blank lines, <|endoftext|> markers or ' = Title = ' headings), so none can be "
+                         "held out for evaluation; give more documents or files (a text to score whole goes to "
+                         "`patchc prune --eval-data` or `patchc eval --text`)")
     order = list(range(n))
     random.Random(seed).shuffle(order)
     eval_idx = set(order[:n_eval])
@@ -166,12 +170,7 @@ def split_files(
     evals: list[str] = []
     for path in paths:
         docs = load_documents(path, kind, encoding, field, chat)
-        if eval_fraction > 0 and len(set(docs)) < 2:
-            raise ValueError(f"{path}: holds one document (documents are lines, or blocks between blank lines, "
-                             "<|endoftext|> markers or ' = Title = ' headings), so none can be held out for "
-                             "evaluation; give more documents or files (a text to score whole goes to "
-                             "`patchc prune --eval-data` or `patchc eval --text`)")
-        part_train, part_eval = split_documents(docs, eval_fraction, seed)
+        part_train, part_eval = split_documents(docs, eval_fraction, seed, where=str(path))
         train += part_train
         evals += part_eval
     return train, evals
