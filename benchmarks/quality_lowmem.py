@@ -110,6 +110,7 @@ def read_runs(paths: list[str]) -> tuple[list[dict], float]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from patchc.job.model import with_tile
     from patchc.job.options import PruneOptions
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -124,12 +125,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-record", action="store_true")
     a = p.parse_args(argv)
     rows = a.rows or ["default", "low", "low-4", "low-4v"]
-    base = PruneOptions(steps=a.steps, tile=(16, 16), progress=False)  # what the job picks for stories260K
+    base = PruneOptions(steps=a.steps, progress=False)
     if a.runs_from:
         runs, dense = read_runs(a.runs_from)
         rows = [r for r in ROWS if any(x["row"] == r for x in runs)]
     else:
         bundle, data, calib, prior, dense = prepare(base)
+        base = with_tile(base, bundle)  # the job's tile for the model (16 x 16 for stories260K)
         print(f"dense perplexity {dense:.3f}", flush=True)
         runs = []
         for seed in a.seeds:
