@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import patchc
-from patchc.job import cli, prune
+from patchc.job import cli, prune, selfdata
 from patchc.job.data import load_documents
 from tests.conftest import STORIES, TINYSTORIES, needs_shared
 
@@ -153,7 +153,11 @@ def test_random_argument_mutations_never_end_in_a_traceback(tmp_path, capsys, mo
     def stop(*args, **kwargs):
         raise ReachedWork
 
+    def quick_text(bundle, spec, prompts, progress=False):  # sampling 65K tokens is work, not input handling
+        return torch.zeros(spec.n_blocks, spec.block_len + 1, dtype=torch.long)
+
     monkeypatch.setattr(prune, "_run", stop)
+    monkeypatch.setattr(selfdata, "generate_blocks", quick_text)
     monkeypatch.chdir(tmp_path)
     for argv in mutations(random.Random(0), 150):
         if argv[0] == "prune":

@@ -108,6 +108,24 @@ def test_tokenize_with_hf_style_tokenizer():
     assert tokenize_documents(["ab", "c"], HFLike()).tolist() == [0, 97, 98, 0, 99]
 
 
+def test_max_tokens_is_the_whole_stream_cut_and_stops_encoding_early():
+    encoded = []
+
+    class Counting:
+        bos_id = 1
+
+        def encode(self, text, bos=True, eos=False):
+            encoded.append(text)
+            return [1] * bos + [ord(c) for c in text]
+
+    docs = ["abc", "de", "fghij", "k"]
+    whole = tokenize_documents(docs, Counting())
+    for cap in (1, 4, 5, 6, 12, 13, 50):
+        encoded.clear()
+        assert torch.equal(tokenize_documents(docs, Counting(), max_tokens=cap), whole[:cap]), cap
+        assert len(encoded) == min(len(docs), 1 + (cap > 4) + (cap > 7) + (cap > 13)), (cap, encoded)
+
+
 # ------------------------------------------------------------------------------------------------ blocks
 
 

@@ -139,10 +139,10 @@ def extra_texts(opts: PruneOptions, tokenizer: Any) -> dict[str, torch.Tensor]:
     chat = chat_renderer(tokenizer)
     out = {}
     for path in opts.eval_data:
-        ids = tokenize_documents(read_documents(path, opts, chat), tokenizer, bos=opts.bos)
+        ids = tokenize_documents(read_documents(path, opts, chat), tokenizer, bos=opts.bos, max_tokens=opts.eval_tokens)
         if ids.numel() < 2:
             raise ValueError(f"--eval-data {path}: too short to evaluate")
-        out[path] = ids[: opts.eval_tokens]
+        out[path] = ids
     return out
 
 

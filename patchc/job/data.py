@@ -188,11 +188,13 @@ def _as_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def tokenize_documents(docs: Sequence[str], tokenizer: Any, bos: bool = True) -> torch.Tensor:
+def tokenize_documents(docs: Sequence[str], tokenizer: Any, bos: bool = True,
+                       max_tokens: int | None = None) -> torch.Tensor:
     """Concatenate the token ids of all documents (each starting with BOS) into one 1-D LongTensor.
 
     `tokenizer` is a `patchc.models.llama2c.Tokenizer` or a Hugging Face tokenizer (its BOS, else EOS,
-    token marks document starts).
+    token marks document starts). `max_tokens` keeps the first that many ids and stops encoding once it
+    has them (a 1 MB file scored on its first 16K tokens is not tokenized whole).
 
     Example:
         >>> tokenize_documents(["Hello", "World"], tok)[:3]
@@ -201,8 +203,10 @@ def tokenize_documents(docs: Sequence[str], tokenizer: Any, bos: bool = True) ->
     tokenizer = _as_tokenizer(tokenizer)
     out: list[int] = []
     for doc in docs:
+        if max_tokens is not None and len(out) >= max_tokens:
+            break
         out.extend(tokenizer.encode(doc, bos=bos, eos=False))
-    return torch.tensor(out, dtype=torch.long)
+    return torch.tensor(out[:max_tokens], dtype=torch.long)
 
 
 def pack_blocks(ids: torch.Tensor, block_len: int, source: str | os.PathLike | None = None) -> torch.Tensor:
