@@ -144,8 +144,9 @@ def weight_loops(sass: str | None, has_dense: bool, has_sparse: bool, block: tup
 
     patchc's kernels walk a block row's dense blocks, then its 2:4 blocks; an iteration reads one block:
     BLOCK_N * BLOCK_K elements dense, half of them plus 1/8 byte per element of metadata 2:4. `sass` is
-    `disassemble(cubin)`. None without SASS (no cuobjdump) or when the code does not have exactly the
-    expected loops (then nothing is claimed).
+    `disassemble(cubin)`. [] when the code has no loop at all: a program reads a fixed tile or two
+    (a small layer cut by split-K) and the compiler unrolled them. None without SASS (no cuobjdump) or
+    when the code does not have exactly the expected loops (then nothing is claimed).
 
     Example:
         >>> [(lp["loop"], round(lp["warp_instr_per_byte"], 3)) for lp in weight_loops(
@@ -158,7 +159,7 @@ def weight_loops(sass: str | None, has_dense: bool, has_sparse: bool, block: tup
     kinds = [("dense", bn * bk * elem_bytes)] * has_dense + [("2:4", bn * bk // 2 * elem_bytes + bn * bk // 8)] * has_sparse
     found = loops(sass)
     if len(found) != len(kinds):
-        return None
+        return None if found else []
     return [{"loop": kind, "weight_bytes": nbytes, **lp,
              "warp_instr_per_byte": round(loop_cost(lp, num_warps, nbytes), 4)}
             for (kind, nbytes), lp in zip(kinds, found)]
@@ -179,17 +180,21 @@ SMALLEST_FAST_TILE = 64
 
 def target_misses(m_min: int, loops: list[dict] | None, profile: dict | None) -> list[str]:
     """The static targets a decode variant serving M >= `m_min` misses ([] = all hold; `loops` as
-    `weight_loops` returns them, `profile` as `static_profile`). Variants from M > 16 on have no targets.
+    `weight_loops` returns them, `profile` as `static_profile`). Variants from M > 16 on have no targets,
+    nor has unrolled code (`loops == []`): a program reading a fixed tile or two has no loop whose cost
+    grows with the layer.
 
     Example:
         >>> target_misses(1, [{"loop": "2:4", "warp_instr_per_byte": 0.2, "barriers": 2, "ldg128": 2}],
         ...               {"spill_bytes": 0})
         ['2:4 loop 0.200 w-instr/B > 0.14']
     """
-    if m_min > TARGET_M:
+    if m_min > TARGET_M or loops == []:
         return []
-    if loops is None or profile is None:
-        return ["no SASS profile (no cuobjdump, or the loops were not found)"]
+    if profile is None:
+        return ["no SASS profile (this Triton ships no cuobjdump)"]
+    if loops is None:
+        return ["the SASS does not have the dense / 2:4 loops expected: its cost is unknown"]
     misses = []
     for lp in loops:
         kind = lp["loop"]
