@@ -11,10 +11,11 @@ import torch
 
 from patchc.job.cli import main
 from patchc.ir import TilePlan
-from tests.conftest import TINYSTORIES, needs_shared
+from tests.conftest import SHARED, TINYSTORIES, needs_shared
 
 pytestmark = needs_shared
 
+WIKI = SHARED / "data" / "wikitext2_raw_test.txt"
 QUICK = ["--steps", "6", "--batch-size", "4", "--calib-blocks", "4", "--no-progress", "--self-tokens", "516",
          "--eval-tokens", "256"]
 
@@ -78,6 +79,11 @@ def test_eval_and_report_commands_read_a_saved_plan(tmp_path, capsys):
     assert (out / "sparsity_per_block.png").is_file()
     assert main(["eval", str(out)]) == 0  # the run folder stands for its plan.patch
     assert "pruned" in capsys.readouterr().out
+    short = tmp_path / "short.txt"  # 2 lines no run trained on; each --text is scored up to --eval-tokens
+    short.write_text("The cat sat on the mat.\n\nThe dog ran to the park and back.\n")
+    assert main(["eval", str(out), "--text", str(short), str(WIKI), "--eval-tokens", "100"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "; short.txt scored whole (" in head and "; wikitext2_raw_test.txt scored on its first 100 tokens" in head
 
 
 @pytest.mark.parametrize("command", [["eval"], ["report"], ["generate", "--out", "k"], ["tune"]])
@@ -138,7 +144,7 @@ def test_self_generated_text_trains_and_real_text_evaluates(tmp_path):
     assert data["eval"] == [str(TINYSTORIES)] and data["eval_extra_tokens"] == {str(TINYSTORIES): 256}
     patch_row = next(r for r in report["results"] if r["name"].startswith("PATCH"))
     assert 1 < patch_row["perplexity"] < 1000 and 1 < patch_row["perplexity_extra"][TINYSTORIES.name] < 1000
-    assert "tinystories_sample.txt (whole file)" in (out / "report.md").read_text()
+    assert "tinystories_sample.txt (unsplit)" in (out / "report.md").read_text()
     assert list((tmp_path / ".cache").glob("selfdata-*.pt"))  # generated text is cached beside the run
 
 

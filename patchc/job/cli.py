@@ -54,11 +54,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
     report = run_prune(prune_options(args), command=args.command_line)
     if not report:  # a torchrun rank other than 0
         return 0
-    extra = report["data"].get("eval_extra_tokens") or {}
     unit = "tokens" if report["kind"] == "causal" else "sentences"
     print(f"\n{report['model']}: {report['metric']} on held-out text ({report['data']['eval_tokens']} {unit})"
-          + "".join(f"; {Path(k).name} scored " + (f"whole ({v} tokens)" if unit == "tokens" else f"on {v} of its sentences")
-                    for k, v in extra.items()))
+          + scored_files(report["data"].get("eval_extra_tokens") or {}, report["kind"], args.eval_tokens))
     print(format_results(report))
     out = Path(report["files"]["plan"]).parent.resolve()
     print(f"\nplan density {report['plan']['density']:.4f} (target {1 - args.sparsity:.4f}); files in {out}:")
@@ -72,14 +70,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     r = rescore(resolve_plan(args.plan), allow_overlap=args.allow_overlap, force=args.force, model=args.model,
                 data=args.data, seed=args.split_seed, eval_fraction=args.eval_fraction, eval_context=args.eval_context,
-                device=args.device, encoding=args.encoding, text_field=args.text_field, texts=args.text)
+                device=args.device, encoding=args.encoding, text_field=args.text_field, texts=args.text,
+                eval_tokens=args.eval_tokens)
     opts, plan = r["options"], r["plan"]
     print(f"{args.plan}: density {plan.density:.4f}, {len(plan.layers)} layers; held-out {opts.eval_fraction:.0%} "
           f"of {', '.join(opts.data)} (split seed {opts.split_seed})" + (f"; {r['overlap']} documents seen in "
-                                                                          "training" if r["overlap"] else ""))
+                                                                          "training" if r["overlap"] else "")
+          + scored_files(r["scored"], r["kind"], opts.eval_tokens))
     for name in ("dense", "pruned"):
         print(f"  {name:<8} " + format_metrics(r[name]))
     return 0
+
+
+def scored_files(scored: dict[str, int], kind: str, cap: int) -> str:
+    """How much of each --eval-data / --text file was scored, e.g. "; wiki.txt scored on its first 16384
+    tokens" (cut at --eval-tokens), "; story.txt scored whole (812 tokens)", "; a.txt scored on 512 of its
+    sentences" (an encoder's)."""
+    def span(n: int) -> str:
+        if kind != "causal":
+            return f"on {n} of its sentences"
+        return f"on its first {n} tokens" if n >= cap else f"whole ({n} tokens)"
+
+    return "".join(f"; {Path(path).name} scored {span(n)}" for path, n in scored.items())
 
 
 def format_metrics(metrics: dict) -> str:
@@ -210,7 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-seed", "--seed", dest="split_seed", type=int, default=None,
                    help="which documents are held out (default: the plan's)")
     p.add_argument("--text", nargs="+", default=None, metavar="FILE",
-                   help="more text files, each scored whole (no split; refused if it holds training documents)")
+                   help="more text files, each scored unsplit from its start, up to --eval-tokens tokens (refused "
+                        "if it holds training documents)")
+    p.add_argument("--eval-tokens", type=int, default=PruneOptions.eval_tokens,
+                   help="tokens scored per --text file (a causal LM's)")
     p.add_argument("--eval-fraction", type=float, default=None, help="share of documents held out (default: the plan's)")
     p.add_argument("--eval-context", type=int, default=256, help="perplexity window")
     p.add_argument("--encoding", default=None, help="text encoding of the --data files (default: the plan's)")

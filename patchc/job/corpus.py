@@ -4,7 +4,7 @@
                                                       │        └─ first tokens = prompts ─> dense model writes --self-tokens ─┤─> train
                                                       └─ held-out documents ──> eval ids (never trained on, never prompts)
     --train-extra files ──> whole, training only (a file holding a held-out document is refused) ───────┘
-    --eval-data files ──> scored whole (capped at --eval-tokens), a second view of generalisation
+    --eval-data files ──> scored unsplit on their first --eval-tokens tokens, a second view of generalisation
 
 Example:
     >>> data = load_data(bundle, PruneOptions(), cache_dir=Path("runs/.cache"))
@@ -133,7 +133,7 @@ def self_generated(bundle: Any, opts: PruneOptions, docs_train: list[str], token
 
 
 def extra_texts(opts: PruneOptions, tokenizer: Any) -> dict[str, torch.Tensor]:
-    """--eval-data files, each scored whole (BOS per document), cut to the first --eval-tokens tokens."""
+    """--eval-data files, each scored unsplit (BOS per document) on its first --eval-tokens tokens."""
     from patchc.job.data import tokenize_documents
 
     chat = chat_renderer(tokenizer)

@@ -24,8 +24,8 @@ from patchc.models.shared import SHARED_DIR
 
 DEFAULT_MODEL = str(SHARED_DIR / "models" / "stories260K" / "stories260K.bin")
 DEFAULT_DATA = (str(SHARED_DIR / "data" / "tinystories_sample.txt"),)
-# A second real text, scored whole: out of the default model's domain, so it shows what pruning costs
-# beyond the text the masks were fitted to (the standard WikiText-2 test split).
+# A second real text, scored unsplit (its first --eval-tokens tokens): out of the default model's domain, so
+# it shows what pruning costs beyond the text the masks were fitted to (the standard WikiText-2 test split).
 DEFAULT_EVAL_DATA = (str(SHARED_DIR / "data" / "wikitext2_raw_test.txt"),)
 ONESHOT_METHODS = ("magnitude", "wanda", "sparsegpt")
 TRAIN_DATA = ("real", "self", "mix")
@@ -103,7 +103,7 @@ class PruneOptions:
     # held-out: lm 8.91, kd 8.76, lm+kd 8.34 (real + generated text, seed 0; lm on real text only: 10.06)
     loss: str = "lm+kd"
     kd_temperature: float = 1.0
-    eval_data: tuple[str, ...] = DEFAULT_EVAL_DATA  # more real text, scored whole: beyond --data's domain
+    eval_data: tuple[str, ...] = DEFAULT_EVAL_DATA  # more real text, scored unsplit: beyond --data's domain
     eval_tokens: int = 16384  # cap per --eval-data file
     recover: int = 0  # steps of weight recovery after hardening (masks fixed), 0 = none
     # Recovery distils the dense model by default: the LM term fits the training text past what dense does

@@ -85,9 +85,10 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
                         "next-token distribution (distillation), or their sum")
     p.add_argument("--kd-temperature", type=float, default=d.kd_temperature, help="distillation temperature")
     p.add_argument("--eval-data", nargs="*", default=list(d.eval_data), metavar="FILE",
-                   help="more real text files, each scored whole (no split): generalisation beyond --data "
-                        "(give the flag alone for none)")
-    p.add_argument("--eval-tokens", type=int, default=d.eval_tokens, help="tokens scored per --eval-data file")
+                   help="more real text files, each scored unsplit from its start, up to --eval-tokens tokens: "
+                        "generalisation beyond --data (give the flag alone for none)")
+    p.add_argument("--eval-tokens", type=int, default=d.eval_tokens,
+                   help="tokens scored per --eval-data file (its first ones)")
     p.add_argument("--recover", type=int, default=d.recover, metavar="STEPS",
                    help="then fine-tune the kept weights this many steps with the masks fixed (0: no); writes "
                         "plan-recovered.patch and scores it beside the masks-only plan")

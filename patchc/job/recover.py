@@ -241,7 +241,7 @@ def format_recover(result: dict) -> str:
     for r in result["results"]:
         ratio = result.get("vs_dense", {}).get(r["name"])
         lines.append(f"  {r['name']:<10} {metric} {r[metric]:9.3f}" + (f"   ({ratio:.2f}x dense)" if ratio else ""))
-    for name in result["results"][0].get(f"{metric}_extra") or {}:  # text beyond the run's domain, scored whole
+    for name in result["results"][0].get(f"{metric}_extra") or {}:  # text beyond the run's domain, scored unsplit
         scores = "  ".join(f"{r['name']} {r[f'{metric}_extra'][name]:.3f}" for r in result["results"])
         lines.append(f"  {name}: {scores}")
     lines.append(f"wrote {result['recovered_plan']} and {Path(result['run']) / RESULT}")

@@ -17,6 +17,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
 
 
@@ -29,9 +31,10 @@ def recorded_split(plan: Any) -> dict:
 def eval_options(plan: Any, model: str | None = None, data: list[str] | None = None, seed: int | None = None,
                  eval_fraction: float | None = None, eval_context: int = 256, device: str = "cpu",
                  encoding: str | None = None, text_field: str | None = None,
-                 texts: list[str] | None = None) -> PruneOptions:
+                 texts: list[str] | None = None, eval_tokens: int = PruneOptions.eval_tokens) -> PruneOptions:
     """The options `patchc eval` runs with: each one given, else the plan's recorded one, else the default.
-    `seed` is the data split's seed; `texts` are files scored whole (`--text`)."""
+    `seed` is the data split's seed; `texts` are files scored unsplit, on their first `eval_tokens` tokens
+    (`--text`)."""
     split = recorded_split(plan)
     if not split and (data is None or seed is None or eval_fraction is None):
         warnings.warn("the plan records no data split (made outside `patchc prune` or by an older patchc): "
@@ -41,7 +44,7 @@ def eval_options(plan: Any, model: str | None = None, data: list[str] | None = N
         model=model or plan.meta.get("model") or DEFAULT_MODEL,
         data=tuple(data or split.get("files") or DEFAULT_DATA),
         split_seed=pick(seed, "seed", 0), eval_fraction=pick(eval_fraction, "eval_fraction", 0.2),
-        train_data="real", eval_data=tuple(texts or ()),
+        train_data="real", eval_data=tuple(texts or ()), eval_tokens=eval_tokens,
         encoding=pick(encoding, "encoding", "utf-8"), text_field=pick(text_field, "text_field", None),
         bos=split.get("bos", True), eval_context=eval_context,
         device=device,
@@ -64,7 +67,8 @@ def check_overlap(plan: Any, eval_docs: list[str], allow_overlap: bool) -> int:
 
 def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bool = False,
             **options: Any) -> dict[str, Any]:
-    """{"options", "overlap", "dense", "pruned"}: metrics of the dense model and the plan applied to it."""
+    """{"options", "overlap", "dense", "pruned", "kind", "scored"}: metrics of the dense model and the plan
+    applied to it; "scored" is {--text file: tokens (a causal LM's) or sentences (an encoder's) scored}."""
     from patchc.ir import TilePlan
     from patchc.job.corpus import read_documents, scored_texts, split_data
     from patchc.job.model import load_bundle
@@ -89,4 +93,6 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     dense_ref = dense_reference(bundle, data)
     dense = evaluate(bundle, bundle.model, data, opts, dense_ref)
     pruned = evaluate(bundle, plan.apply(bundle.reload(), force=force), data, opts, dense_ref)
-    return {"plan": plan, "options": opts, "overlap": overlap, "dense": dense, "pruned": pruned}
+    scored = {path: int(v.numel()) if isinstance(v, torch.Tensor) else len(v) for path, v in data["extra"].items()}
+    return {"plan": plan, "options": opts, "overlap": overlap, "dense": dense, "pruned": pruned, "kind": bundle.kind,
+            "scored": scored}

@@ -89,7 +89,7 @@ def _quality_table(report: Mapping[str, Any]) -> list[str]:
     extra_key = "perplexity_extra" if metric == "perplexity" else "cosine_extra"
     extra_fmt = format_perplexity if metric == "perplexity" else (lambda v: _fmt(v, ".4f"))
     extras = list(dict.fromkeys(k for r in rows for k in (r.get(extra_key) or {})))
-    head += [f"{name} ({'whole file' if metric == 'perplexity' else 'cosine'})" for name in extras]
+    head += [f"{name} ({'unsplit' if metric == 'perplexity' else 'cosine'})" for name in extras]
     if with_seconds:
         head.append("mask training (s)")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|"]
@@ -170,7 +170,7 @@ def render_markdown(report: Mapping[str, Any], pictures: Iterable[str | os.PathL
             line += f"; {data['train_tokens_extra']:,} training {unit} from --train-extra files"
         if data.get("eval_extra"):
             counts = data.get("eval_extra_tokens") or {}
-            line += ("; also scored " + ("whole" if kind != "encoder" else "on its sentences") + ": "
+            line += ("; also scored " + ("unsplit, from the start" if kind != "encoder" else "on its sentences") + ": "
                      + ", ".join(f"{p} ({counts[p]:,} {unit})" if p in counts else str(p) for p in data["eval_extra"]))
         facts.append(line)
     replaced = report.get("recovery_replaced")
