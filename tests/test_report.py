@@ -81,6 +81,12 @@ PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
         ("encoder.block.1.layer.0.SelfAttention.o.weight", "o", 1),
         ("encoder.block.1.layer.1.DenseReluDense.wo.weight", "down", 1),
         ("decoder.block.0.layer.2.DenseReluDense.wi_0.weight", "gate", 0),
+        # Mamba mixers (Granite 4 hybrid, Falcon-Mamba, Nemotron-H's attention layers keep their names)
+        ("model.layers.3.mamba.in_proj.weight", "ssm_in", 3),
+        ("model.layers.3.mamba.out_proj.weight", "ssm_out", 3),
+        ("backbone.layers.0.mixer.out_proj.weight", "ssm_out", 0),
+        ("backbone.layers.1.mixer.o_proj.weight", "o", 1),
+        ("model.layers.0.self_attn.out_proj.weight", "o", 0),
         ("lm_head.weight", "other", None),
         ("model.embed_tokens.weight", "other", None),
         ("pooler.dense.weight", "other", None),

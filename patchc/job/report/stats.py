@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from patchc.ir import LayerPlan, TilePlan
 
 # Display order of projection types (attention, then MLP, like the paper's figures).
-PROJECTION_ORDER = ("q", "k", "v", "kv", "qkv", "o", "gate", "gate_up", "up", "down", "other")
+PROJECTION_ORDER = ("q", "k", "v", "kv", "qkv", "o", "gate", "gate_up", "up", "down", "ssm_in", "ssm_out", "other")
 
 # Last module-name component -> projection type (Llama / Qwen / Mistral, llama2.c, OPT, GPT-NeoX, phi,
 # T5, DeepSeek's MLA, and the fused gate + up of Phi-3, GLM-4 and the experts of Mixtral, GPT-OSS, ...).
@@ -39,6 +39,10 @@ _LEAF_TYPES = {
 }
 _ATTENTION_WORDS = ("attn", "attention")
 _FFN_WORDS = ("mlp", "feed_forward", "densereludense", "ffn", "experts")
+# State-space mixers (Mamba in Granite 4 / Jamba / Falcon-Mamba / Nemotron-H): their in_proj / out_proj
+# are not attention's, though attention's output is also called out_proj elsewhere (CLIP, BART)
+_SSM_WORDS = ("mamba", "mixer", "ssm")
+_SSM_TYPES = {"in_proj": "ssm_in", "out_proj": "ssm_out"}
 
 
 def _module_parts(fqn: str) -> list[str]:
@@ -73,7 +77,8 @@ def projection_type(fqn: str) -> str:
     Knows Llama/Qwen (`q_proj` ... `down_proj`), llama2.c (`wq wk wv wo`, `w1`=gate, `w3`=up,
     `w2`=down), BERT/MiniLM (`query key value`, `attention.output.dense`=o, `intermediate.dense`=up,
     `output.dense`=down), GPT-2 (`c_attn`=qkv, `attn.c_proj`=o, `mlp.c_fc`=up, `mlp.c_proj`=down),
-    OPT (`fc1`/`fc2`) and GPT-NeoX (`query_key_value`, `attention.dense`=o).
+    OPT (`fc1`/`fc2`), GPT-NeoX (`query_key_value`, `attention.dense`=o) and Mamba mixers
+    (`mamba.in_proj`=ssm_in, `mamba.out_proj`=ssm_out).
 
     Example:
         >>> projection_type("model.layers.3.mlp.gate_proj.weight"), projection_type("layers.0.attention.wo.weight")
@@ -87,6 +92,8 @@ def projection_type(fqn: str) -> str:
     leaf = parts[-1]
     parent = parts[-2] if len(parts) > 1 else ""
     in_attention = any(w in p for p in parts[:-1] for w in _ATTENTION_WORDS)
+    if leaf in _SSM_TYPES and not in_attention and any(w in p for p in parts[:-1] for w in _SSM_WORDS):
+        return _SSM_TYPES[leaf]
     if leaf == "c_proj":  # GPT-2 uses one name for the attention output and the MLP down projection
         return "o" if in_attention else "down" if parent == "mlp" else "other"
     if leaf == "wo" and any(w in p for p in parts[:-1] for w in _FFN_WORDS):  # T5's FFN output
