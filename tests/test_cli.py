@@ -84,6 +84,7 @@ def test_eval_and_report_commands_read_a_saved_plan(tmp_path, capsys):
     assert main(["eval", str(out), "--text", str(short), str(WIKI), "--eval-tokens", "100"]) == 0
     head = capsys.readouterr().out.splitlines()[0]
     assert "; short.txt scored whole (" in head and "; wikitext2_raw_test.txt scored on its first 100 tokens" in head
+    assert "(split seed 0, " in head and " tokens);" in head
 
 
 @pytest.mark.parametrize("command", [["eval"], ["report"], ["generate", "--out", "k"], ["tune"]])

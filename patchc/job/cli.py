@@ -73,9 +73,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 device=args.device, encoding=args.encoding, text_field=args.text_field, texts=args.text,
                 eval_tokens=args.eval_tokens)
     opts, plan = r["options"], r["plan"]
+    unit = "tokens" if r["kind"] == "causal" else "sentences"
     print(f"{args.plan}: density {plan.density:.4f}, {len(plan.layers)} layers; held-out {opts.eval_fraction:.0%} "
-          f"of {', '.join(opts.data)} (split seed {opts.split_seed})" + (f"; {r['overlap']} documents seen in "
-                                                                          "training" if r["overlap"] else "")
+          f"of {', '.join(opts.data)} (split seed {opts.split_seed}, {r['held_out']} {unit})"
+          + (f"; {r['overlap']} documents seen in training" if r["overlap"] else "")
           + scored_files(r["scored"], r["kind"], opts.eval_tokens))
     for name in ("dense", "pruned"):
         print(f"  {name:<8} " + format_metrics(r[name]))

@@ -67,8 +67,9 @@ def check_overlap(plan: Any, eval_docs: list[str], allow_overlap: bool) -> int:
 
 def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bool = False,
             **options: Any) -> dict[str, Any]:
-    """{"options", "overlap", "dense", "pruned", "kind", "scored"}: metrics of the dense model and the plan
-    applied to it; "scored" is {--text file: tokens (a causal LM's) or sentences (an encoder's) scored}."""
+    """{"options", "overlap", "dense", "pruned", "kind", "held_out", "scored"}: metrics of the dense model and
+    the plan applied to it; "held_out" is how many tokens (a causal LM's) or sentences (an encoder's) of
+    held-out text were scored, "scored" the same per --text file."""
     from patchc.ir import TilePlan
     from patchc.job.corpus import read_documents, scored_texts, split_data
     from patchc.job.model import load_bundle
@@ -93,6 +94,6 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     dense_ref = dense_reference(bundle, data)
     dense = evaluate(bundle, bundle.model, data, opts, dense_ref)
     pruned = evaluate(bundle, plan.apply(bundle.reload(), force=force), data, opts, dense_ref)
-    scored = {path: int(v.numel()) if isinstance(v, torch.Tensor) else len(v) for path, v in data["extra"].items()}
+    size = lambda v: int(v.numel()) if isinstance(v, torch.Tensor) else len(v)  # noqa: E731 - ids or sentences
     return {"plan": plan, "options": opts, "overlap": overlap, "dense": dense, "pruned": pruned, "kind": bundle.kind,
-            "scored": scored}
+            "held_out": size(data["eval"]), "scored": {path: size(v) for path, v in data["extra"].items()}}
