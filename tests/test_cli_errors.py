@@ -87,6 +87,20 @@ def test_a_file_of_one_document_is_named_with_the_way_out(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("head, what", [
+    (b"GGUF\x03\x00\x00\x00" + b"\0" * 64, "a GGUF file (llama.cpp), which patchc does not read"),
+    (b"\x80\x02}q\x00." + b"\0" * 64, "a torch.save checkpoint: weights without the architecture"),
+    (b"PK\x03\x04" + b"\0" * 64, "a torch.save checkpoint: weights without the architecture"),
+    (b"\x08\0\0\0\0\0\0\0{}      ", "a safetensors file: weights without the architecture"),
+    (b"\x80\0\0\0", "tried as a llama2.c checkpoint"),  # dim 128: a (short) llama2.c header, not a pickle
+])
+def test_a_model_file_of_another_format_is_named(tmp_path, capsys, head, what):
+    (tmp_path / "model.file").write_bytes(head)
+    one_line_error(capsys, ["prune", "--model", str(tmp_path / "model.file"), "--out", str(tmp_path / "run"), *QUICK],
+                   what, "config.json" if "tried" not in what else "28-byte llama2.c header")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_transformers_folder_without_config_is_refused(tmp_path, capsys):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "pytorch_model.bin").write_bytes(b"\0" * 64)

@@ -144,7 +144,7 @@ def split_documents(
     if eval_fraction > 0 and n < 2:
         raise ValueError(f"{where}: holds {'one document' if n else 'no documents'} (documents are lines, or blocks "
                          "between blank lines, <|endoftext|> markers or ' = Title = ' headings), so none can be "
-                         "held out for evaluation; give more documents or files (a text to score whole goes to "
+                         "held out for evaluation; give more documents or files (a text to score unsplit goes to "
                          "`patchc prune --eval-data` or `patchc eval --text`)")
     order = list(range(n))
     random.Random(seed).shuffle(order)

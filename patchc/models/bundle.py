@@ -322,6 +322,23 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str, dtype: torch
     )
 
 
+def _other_format(path: Path) -> str | None:
+    """What a model file that is not a llama2.c checkpoint is, from its first bytes, and what to give
+    instead (None: unknown)."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    folder = "the transformers folder (config.json beside the *.safetensors)"
+    if head.startswith(b"GGUF"):
+        return f"a GGUF file (llama.cpp), which patchc does not read; give {folder} instead"
+    # torch.save: a zip, or a bare pickle (protocol 2-5; a llama2.c header of dim 128 starts 80 00)
+    if head.startswith(b"PK\x03\x04") or (len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5):
+        return ("a torch.save checkpoint: weights without the architecture; save the model with transformers' "
+                f"save_pretrained and give {folder}")
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size:
+        return f"a safetensors file: weights without the architecture; give {folder} instead"
+    return None
+
+
 def _llama2c_in_folder(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.bin") if not _is_tokenizer_file(p))
 
@@ -364,7 +381,10 @@ def _load(raw: str, device: str, dtype: torch.dtype) -> ModelBundle:
             return _load_hf_bundle(raw, str(path.parent), path.parent.name, device, dtype)
         try:
             return _load_llama2c_bundle(raw, path, device, dtype)
-        except ValueError as e:  # CheckpointError: header/size wrong; say what was tried
+        except ValueError as e:  # CheckpointError: header/size wrong; say what the file is, else what was tried
+            other = _other_format(path)
+            if other:
+                raise ValueError(f"{raw}: {other}") from e
             raise ValueError(f"{raw}: tried as a llama2.c checkpoint: {_one_line(str(e))}") from e
     if path.is_dir():
         if (path / "config.json").is_file():
