@@ -49,7 +49,7 @@ class HelpFormatter(argparse.HelpFormatter):
 
 def cmd_prune(args: argparse.Namespace) -> int:
     from patchc.job.prune import run_prune
-    from patchc.job.report import format_results
+    from patchc.job.report import format_results, scored_files
 
     report = run_prune(prune_options(args), command=args.command_line)
     if not report:  # a torchrun rank other than 0
@@ -66,40 +66,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from patchc.job.rescore import rescore
+    from patchc.job.rescore import format_rescore, rescore
 
     r = rescore(resolve_plan(args.plan), allow_overlap=args.allow_overlap, force=args.force, model=args.model,
                 data=args.data, seed=args.split_seed, eval_fraction=args.eval_fraction, eval_context=args.eval_context,
                 device=args.device, encoding=args.encoding, text_field=args.text_field, texts=args.text,
                 eval_tokens=args.eval_tokens)
-    opts, plan = r["options"], r["plan"]
-    unit = "tokens" if r["kind"] == "causal" else "sentences"
-    print(f"{args.plan}: density {plan.density:.4f}, {len(plan.layers)} layers; held-out {opts.eval_fraction:.0%} "
-          f"of {', '.join(opts.data)} (split seed {opts.split_seed}, {r['held_out']} {unit})"
-          + (f"; {r['overlap']} documents seen in training" if r["overlap"] else "")
-          + scored_files(r["scored"], r["kind"], opts.eval_tokens))
-    for name in ("dense", "pruned"):
-        print(f"  {name:<8} " + format_metrics(r[name]))
+    print(format_rescore(r, args.plan))
     return 0
-
-
-def scored_files(scored: dict[str, int], kind: str, cap: int) -> str:
-    """How much of each --eval-data / --text file was scored, e.g. "; wiki.txt scored on its first 16384
-    tokens" (cut at --eval-tokens), "; story.txt scored whole (812 tokens)", "; a.txt scored on 512 of its
-    sentences" (an encoder's)."""
-    def span(n: int) -> str:
-        if kind != "causal":
-            return f"on {n} of its sentences"
-        return f"on its first {n} tokens" if n >= cap else f"whole ({n} tokens)"
-
-    return "".join(f"; {Path(path).name} scored {span(n)}" for path, n in scored.items())
-
-
-def format_metrics(metrics: dict) -> str:
-    """"perplexity 5.2570  wikitext2_raw_test.txt 812.3" (extra texts by file name)."""
-    flat = {k: v for k, v in metrics.items() if k != "extra" and v is not None}
-    flat.update(metrics.get("extra") or {})
-    return "  ".join(f"{k} {v:.4f}" for k, v in flat.items())
 
 
 def cmd_recover(args: argparse.Namespace) -> int:

