@@ -101,7 +101,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
         check_weights(plan, model)  # the model must hold the weights the plan was made from
     target = model if inplace else copy_keeping(model, plan)  # `where` names parameters: the copy's too
     swaps, experts, missed = plan_swaps(target, plan)
-    leaving = _read_only_by(target, swaps) | set(_leaving_experts(target, plan, experts))
+    leaving = _leaving(target, plan, swaps, experts)
     # W * M where the model keeps a planned weight (layers left dense, unreplaced ones, fused experts with an
     # unplanned slice); one that leaves with the replaced modules never gets it: its dense values are never built
     kept = {fqn: layer for fqn, layer in plan.layers.items() if fqn not in leaving}
@@ -147,34 +147,28 @@ def copy_keeping(model: nn.Module, plan: Any) -> nn.Module:
     stand-in of the same shape, dtype and device holding one element (a zero-stride view), so copying a
     model to compile it takes the size of what stays (embeddings, norms, dense layers), not twice the model."""
     swaps, experts, _ = plan_swaps(model, plan)
-    leaving = [swaps[fqn][0][2].weight for fqn in _read_only_by(model, swaps)]
-    leaving += [model.get_parameter(name) for name in set(_leaving_experts(model, plan, experts).values())]
     memo: dict[int, Any] = {}
-    for w in leaving:
+    for w in {id(w): w for w in _leaving(model, plan, swaps, experts).values()}.values():
         stand_in = torch.empty((), dtype=w.dtype, device=w.device).expand(w.shape)
         memo[id(w)] = nn.Parameter(stand_in, requires_grad=w.requires_grad)
     return copy.deepcopy(model, memo)
 
 
-def _leaving_experts(model: nn.Module, plan: Any, experts: dict[str, list[str]]) -> dict[str, str]:
-    """{expert slice: its 3-D weight} for the fused weights that leave with their replaced experts module: every
-    slice planned (the TileExperts is built from the plan alone) and no other module registering the weight."""
+def _leaving(model: nn.Module, plan: Any, swaps: dict[str, Users],
+             experts: dict[str, list[str]]) -> dict[str, nn.Parameter]:
+    """{planned layer: its weight} for the weights that leave the model with the replaced modules: a swapped
+    layer's weight no other module registers, and a fused 3-D expert weight whose every slice is planned
+    (the TileExperts is built from the plan alone) and that no other module registers."""
     registered = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    out = {}
+    out = {fqn: users[0][2].weight for fqn, users in swaps.items() if registered[id(users[0][2].weight)] == len(users)}
     for path in experts:
         module = model.get_submodule(path)
         for proj in TileExperts.PROJECTIONS:
             w = getattr(module, proj, None)
             slices = [f"{path}.{proj}.{e}" for e in range(w.shape[0])] if isinstance(w, nn.Parameter) else []
             if slices and all(f in plan.layers for f in slices) and registered[id(w)] == 1:
-                out.update(dict.fromkeys(slices, f"{path}.{proj}"))
+                out.update(dict.fromkeys(slices, w))
     return out
-
-
-def _read_only_by(model: nn.Module, swaps: dict[str, Users]) -> set[str]:
-    """The swapped layers whose weight no module but the replaced ones registers: it leaves the model with them."""
-    registered = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    return {fqn for fqn, users in swaps.items() if registered[id(users[0][2].weight)] == len(users)}
 
 
 def _same_shape(a: Any, b: torch.Tensor) -> bool:
