@@ -91,12 +91,13 @@ def projection_type(fqn: str) -> str:
         return "other"
     leaf = parts[-1]
     parent = parts[-2] if len(parts) > 1 else ""
-    in_attention = any(w in p for p in parts[:-1] for w in _ATTENTION_WORDS)
-    if leaf in _SSM_TYPES and not in_attention and any(w in p for p in parts[:-1] for w in _SSM_WORDS):
+    within = lambda words: any(w in p for p in parts[:-1] for w in words)  # noqa: E731 - a module above the leaf
+    in_attention = within(_ATTENTION_WORDS)
+    if leaf in _SSM_TYPES and not in_attention and within(_SSM_WORDS):
         return _SSM_TYPES[leaf]
     if leaf == "c_proj":  # GPT-2 uses one name for the attention output and the MLP down projection
         return "o" if in_attention else "down" if parent == "mlp" else "other"
-    if leaf == "wo" and any(w in p for p in parts[:-1] for w in _FFN_WORDS):  # T5's FFN output
+    if leaf == "wo" and within(_FFN_WORDS):  # T5's FFN output
         return "down"
     if leaf == "dense":  # BERT / GPT-NeoX reuse "dense": the module path decides
         if parent == "intermediate":
