@@ -170,6 +170,11 @@ def data_record(data: dict, opts: PruneOptions) -> dict:
             "train_extra_documents": data["train_extra_hashes"]}
 
 
+def text_size(kind: str, text: Any) -> int:
+    """How much text a job's training or scored text holds: a causal LM's token ids, an encoder's sentences."""
+    return int(text.numel()) if kind == "causal" else len(text)
+
+
 def data_summary(bundle: Any, data: dict, opts: PruneOptions) -> dict:
     """report.json's "data": where training and evaluation text came from, and how much of each."""
     causal = bundle.kind == "causal"
@@ -179,14 +184,14 @@ def data_summary(bundle: Any, data: dict, opts: PruneOptions) -> dict:
     return {"train": train, "eval": list(opts.data), "eval_extra": list(opts.eval_data),
             "train_data": opts.train_data if causal else "real", "split_seed": opts.split_seed,
             "train_documents": data["docs_train"], "eval_documents": data["docs_eval"],
-            "train_tokens": int(data["train"].numel()) if causal else len(data["train"]),
+            "train_tokens": text_size(bundle.kind, data["train"]),
             "train_tokens_real": data["real_tokens"], "train_tokens_generated": data["self_tokens"],
             "train_tokens_extra": data["train_extra_tokens"],  # an encoder's: sentences
             "generated_from_cache": data["self_cached"],
-            "eval_tokens": int(data["eval"].numel()) if causal else len(data["eval"]),
-            # an encoder's texts are lists of sentences: counts are sentences, as for "eval_tokens"
-            "eval_extra_tokens": {k: int(v.numel()) if causal else len(v) for k, v in data["extra"].items()}}
+            # an encoder's texts are lists of sentences: its counts are sentences (`text_size`)
+            "eval_tokens": text_size(bundle.kind, data["eval"]),
+            "eval_extra_tokens": {k: text_size(bundle.kind, v) for k, v in data["extra"].items()}}
 
 
 __all__ = ["load_data", "data_record", "data_summary", "self_generated", "extra_texts", "extra_sentences",
-           "read_documents", "scored_texts", "split_data"]
+           "read_documents", "scored_texts", "split_data", "text_size"]

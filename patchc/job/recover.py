@@ -212,6 +212,8 @@ def note_replaced(run: Path, result: dict) -> None:
 def report(bundle, plan, recovered, scores: dict, data: dict, opts: PruneOptions, run: Path, command: str | None,
            seconds: float, protocol: str, row) -> dict:
     """The recover.json record: dense / hardened / recovered scores and what recovery did."""
+    from patchc.job.corpus import text_size
+
     metric = "perplexity" if bundle.kind == "causal" else "cosine"
     results = [row(name, name, "-" if name == "dense" else "hybrid", 0.0 if name == "dense" else plan.sparsity,
                    scores[name]) for name in ("dense", "hardened", "recovered")]
@@ -221,8 +223,8 @@ def report(bundle, plan, recovered, scores: dict, data: dict, opts: PruneOptions
         "results": results,
         "recovery": {k: v for k, v in recovered.meta["recovery"].items() if k != "history"},
         "train_documents": data["docs_train"], "eval_documents": data["docs_eval"],
-        "train_tokens": int(data["train"].numel()) if bundle.kind == "causal" else len(data["train"]),
-        "eval_tokens": int(data["eval"].numel()) if bundle.kind == "causal" else len(data["eval"]),
+        "train_tokens": text_size(bundle.kind, data["train"]),
+        "eval_tokens": text_size(bundle.kind, data["eval"]),
         "protocol": protocol, "seconds": round(seconds, 2),
         "versions": versions(), "device": device_name(opts.device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -17,8 +17,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
 
 
@@ -71,7 +69,7 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     the plan applied to it; "held_out" is how many tokens (a causal LM's) or sentences (an encoder's) of
     held-out text were scored, "scored" the same per --text file."""
     from patchc.ir import TilePlan
-    from patchc.job.corpus import read_documents, scored_texts, split_data
+    from patchc.job.corpus import read_documents, scored_texts, split_data, text_size
     from patchc.job.model import load_bundle
     from patchc.job.records import chat_renderer
     from patchc.job.prune import dense_reference, evaluate
@@ -94,9 +92,9 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     dense_ref = dense_reference(bundle, data)
     dense = evaluate(bundle, bundle.model, data, opts, dense_ref)
     pruned = evaluate(bundle, plan.apply(bundle.reload(), force=force), data, opts, dense_ref)
-    size = lambda v: int(v.numel()) if isinstance(v, torch.Tensor) else len(v)  # noqa: E731 - ids or sentences
     return {"plan": plan, "options": opts, "overlap": overlap, "dense": dense, "pruned": pruned, "kind": bundle.kind,
-            "held_out": size(data["eval"]), "scored": {path: size(v) for path, v in data["extra"].items()}}
+            "held_out": text_size(bundle.kind, data["eval"]),
+            "scored": {path: text_size(bundle.kind, v) for path, v in data["extra"].items()}}
 
 
 def format_rescore(r: dict[str, Any], name: str | os.PathLike) -> str:
