@@ -230,6 +230,18 @@ def test_plot_plan_without_blocks_and_empty(tmp_path: Path) -> None:
     assert plot_plan(TilePlan(), tmp_path / "empty") == []
 
 
+def test_a_redraw_into_the_same_folder_leaves_no_earlier_plans_pictures(tmp_path: Path) -> None:
+    kinds = torch.tensor([[0, 1, 1]], dtype=torch.uint8)
+    plot_plan(synthetic_plan(), tmp_path, tile_maps=5)
+    (tmp_path / "mine.png").write_bytes(PNG_MAGIC)
+    (tmp_path / "notes.txt").write_text("keep")
+    plan = TilePlan(layers={"fc.weight": make_layer("fc.weight", (8, 24), (8, 8), kinds, seed=1)})
+    names = [p.name for p in plot_plan(plan, tmp_path)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names + ["mine.png", "notes.txt"])
+    plot_plan(TilePlan(), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.png", "notes.txt"]
+
+
 def test_plot_plan_does_not_switch_the_pyplot_backend(tmp_path: Path) -> None:
     import matplotlib
 

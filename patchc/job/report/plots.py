@@ -227,7 +227,8 @@ def plot_plan(plan: TilePlan, out_dir: str | os.PathLike, title: str | None = No
     Writes sparsity_per_block.png (when some layer sits in a block), sparsity_per_projection.png,
     sparsity_heatmap.png (blocks x projection types), sparsity_per_expert.png (blocks x experts, when
     the plan has MoE experts) and tile_map_<short name>.png for `tile_maps` layers spread over the
-    density range (`pick_tile_map_layers`). An empty plan draws nothing.
+    density range (`pick_tile_map_layers`). An empty plan draws nothing. Pictures of those names that
+    an earlier plan left in `out_dir` and this one did not draw are deleted; other files stay.
 
     Example:
         >>> plot_plan(plan, "runs/x", title="stories260K: PATCH joint at 35.0% sparsity")
@@ -235,6 +236,8 @@ def plot_plan(plan: TilePlan, out_dir: str | os.PathLike, title: str | None = No
     """
     out = Path(out_dir)
     if not plan.layers:
+        if out.is_dir():
+            _remove_stale(out, [])
         return []
     out.mkdir(parents=True, exist_ok=True)
     stats = plan_stats(plan)
@@ -258,4 +261,15 @@ def plot_plan(plan: TilePlan, out_dir: str | os.PathLike, title: str | None = No
             if counts[name] > 1:  # two weights map to one short name: fall back to the full FQN
                 name = re.sub(r"[^A-Za-z0-9_-]+", "_", fqn).strip("_")
             written.append(_plot_tile_map(plan.layers[fqn], title, out / f"tile_map_{name}.png"))
+    _remove_stale(out, written)
     return written
+
+
+def _remove_stale(out: Path, written: list[Path]) -> None:
+    """Delete pictures an earlier plan drew into `out` that this one did not (a re-run into the same
+    folder would otherwise leave another plan's tile maps beside this plan's report)."""
+    ours = {"sparsity_per_block.png", "sparsity_per_projection.png", "sparsity_heatmap.png", "sparsity_per_expert.png"}
+    keep = {p.name for p in written}
+    for old in out.glob("*.png"):
+        if old.name not in keep and (old.name in ours or old.name.startswith("tile_map_")):
+            old.unlink(missing_ok=True)
