@@ -136,6 +136,18 @@ def test_dense_stored_hybrid_model_imports_as_it_is(tmp_path):
     assert "left as plain weights: 1 (1: no 2:4 tile)" in summary.format()
 
 
+def test_the_tile_is_inferred_from_the_zeros_unless_given(tmp_path):
+    save_llama(tmp_path / "all", {})
+    summary = import_sparse(tmp_path / "all", tmp_path / "a")
+    assert summary.tile == (128, 128) and summary.dense_tiles == 0
+    assert "tile 128x128 (inferred from the zeros; --tile sets it)" in summary.format()
+    save_llama(tmp_path / "hybrid", {"self_attn.o_proj": "half"})  # dense 16-column stripes: 16 x 16 tiles
+    summary = import_sparse(tmp_path / "hybrid", tmp_path / "h")
+    assert summary.tile == (16, 16) and summary.dense_tiles == 4
+    assert load_plan(tmp_path / "h").layers["model.layers.0.self_attn.o_proj.weight"].tile == (16, 16)
+    assert "(inferred from the zeros" not in import_sparse(tmp_path / "hybrid", tmp_path / "g", tile=32).format()
+
+
 def test_dtype_is_the_checkpoints_unless_given(tmp_path):
     save_llama(tmp_path / "src", {}, dtype=torch.bfloat16)
     assert import_sparse(tmp_path / "src", tmp_path / "a", tile=16).dtype == "bfloat16"

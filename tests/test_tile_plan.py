@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from patchc.ir import file_format
+from patchc.ir.from_pruned import infer_tile
 from patchc.ir import (
     PATTERNS,
     TILE_DENSE,
@@ -665,3 +666,24 @@ def test_summary_lists_layers_skipped_and_global_density():
         assert f"{fqn}: {why}" in text
     assert f"density {plan.density:.4f}" in text and f"sparsity {1 - plan.density:.4f}" in text
     assert "parameter weighted" in text
+
+
+@pytest.mark.parametrize("side", [128, 64, 32, 16])
+def test_infer_tile_finds_the_side_a_hybrid_model_was_pruned_with(side):
+    """Dense tiles in a checkerboard at `side`: every tile twice as wide holds a dense one, so the widest
+    side that keeps the 2:4 weights is `side` itself; the layers' tails (264, 300) leave partial tiles."""
+    model = nn.Sequential(nn.Linear(300, 264), nn.Linear(264, 300), nn.Linear(300, 264))
+    with torch.no_grad():
+        for i, lin in enumerate(model):
+            shape = tuple(lin.weight.shape)
+            grid = (math.ceil(shape[0] / side), math.ceil(shape[1] / side))
+            board = (torch.arange(grid[0])[:, None] + torch.arange(grid[1])[None, :] + i) % 2
+            kinds = torch.where(board == 0, TILE_DENSE, TILE_SPARSE24).to(torch.uint8)
+            lin.weight.mul_(random_mask(shape, (side, side), kinds, seed=i))
+    assert infer_tile(model) == (side, side)
+    with torch.no_grad():
+        for lin in model:  # all 2:4: the widest side
+            lin.weight.mul_(random_mask(tuple(lin.weight.shape), (16, 16), torch.ones(19, 19, dtype=torch.uint8)))
+    assert infer_tile(model) == (128, 128)
+    with pytest.raises(PlanError, match="keep must be in"):
+        infer_tile(model, keep=0)

@@ -18,12 +18,13 @@ The stages (`import_sparse`):
     load      `patchc.models.load_model` in the checkpoint's dtype (offline; a missing weight is an error)
     survey    which weights to plan (nn.Linear, Conv1D and fused experts' slices: `survey_linears`) and
               their tile kinds, packing nothing: a tile is 2:4 iff every group of 4 holds at most 2
-              nonzeros; weights without a 2:4 tile stay plain
+              nonzeros; weights without a 2:4 tile stay plain. Without a tile, the widest square that
+              keeps the model's 2:4 tiles (`infer_tile`: 128 x 128 for a model 2:4 throughout)
     export    `write_export`: the folder, written atomically, each layer packed as the weights file
               reaches it and dropped once written (the plan is never held whole)
 
 Example:
-    >>> summary = import_sparse("my-llama-2of4/", "served/", tile=(128, 128))
+    >>> summary = import_sparse("my-llama-2of4/", "served/")   # tile: inferred, (128, 128) here
     >>> print(summary.format())
     >>> model = patchc.from_pretrained("served/", device="cuda")
 """
@@ -49,7 +50,7 @@ from patchc.export.pretrained import check_out, shard_limit, write_export
 from patchc.export.shards import DEFAULT_MAX_SHARD, INDEX, write_index
 from patchc.ir import targets
 from patchc.ir.file_format import FLOAT_DTYPES
-from patchc.ir.from_pruned import layer_from_linear, survey_linears
+from patchc.ir.from_pruned import infer_tile, layer_from_linear, survey_linears
 from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.tiles import tile_pair
 
@@ -70,12 +71,14 @@ class ImportSummary:
     plan_bytes: int
     dense_bytes: int
     left_dense: dict[str, str] = field(default_factory=dict)
+    tile_inferred: bool = False
 
     def format(self) -> str:
         """A few lines for the terminal: tiles, bytes, the layers left dense and how to load the folder."""
         total = self.sparse_tiles + self.dense_tiles
         lines = [
-            f"source layout: {self.layout}; {self.layers} layers planned at tile {self.tile[0]}x{self.tile[1]}, "
+            f"source layout: {self.layout}; {self.layers} layers planned at tile {self.tile[0]}x{self.tile[1]}"
+            f"{' (inferred from the zeros; --tile sets it)' if self.tile_inferred else ''}, "
             f"{self.dtype}: {self.sparse_tiles} of {total} tiles 2:4 ({self.sparse_tiles / max(total, 1):.1%}), "
             f"{self.dense_tiles} dense",
             f"planned weights: {self.plan_bytes / 2**20:.2f} MiB against {self.dense_bytes / 2**20:.2f} MiB dense "
@@ -92,12 +95,12 @@ class ImportSummary:
         return "\n".join(lines)
 
 
-def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple[int, int] | int = (128, 128),
+def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple[int, int] | int | None = None,
                   dtype: torch.dtype | None = None, overwrite: bool = False,
                   max_shard_size: int | str = DEFAULT_MAX_SHARD) -> ImportSummary:
     """Write the 2:4 / hybrid model `src` (see the module docstring) as a patchc export folder `out`.
 
-    `dtype`: the served weights' dtype (None: the checkpoint's own, fp32 when it names none; fp16 for marlin-24,
+    `tile`: None infers it from the zeros (`infer_tile`); `dtype`: the served weights' dtype (None: the checkpoint's own, fp32 when it names none; fp16 for marlin-24,
     whose int4 values times fp16 scales are fp16 numbers, as Sparse-Marlin ran them); `max_shard_size`: as
     `export_pretrained`. Raises
     ExportError naming the checkpoint when no linear layer holds a 2:4 tile, or when `out` is in the way.
@@ -105,10 +108,13 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
     Example:
         >>> import_sparse("runs/sparsegpt-2of4/", "served/", tile=64).sparse_tiles
         4096
+        >>> import_sparse("runs/sparsegpt-2of4/", "served/", overwrite=True).tile
+        (128, 128)
     """
     from patchc.models import load_model
 
-    tile = tile_pair(tile, "patchc import")
+    inferred = tile is None
+    tile = None if inferred else tile_pair(tile, "patchc import")
     out = Path(out)
     check_out(out, overwrite)  # before any long stage; the export checks both again as it writes
     shard_limit(out, max_shard_size)
@@ -117,6 +123,7 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
     with decoded(src, layout, out.parent) as folder:
         bundle = load_model(folder, dtype=dtype or (torch.float16 if layout == MARLIN else checkpoint_dtype(config)))
         model = bundle.model
+        tile = tile or infer_tile(model)
         where, slots, left = survey(model, tile, str(src))
         # each layer is packed as the file reaches it; no provenance check: it is packed from these very weights
         write_export(model, out, where, slots, lambda fqn: layer_from_linear(model, fqn, where[fqn], tile),
@@ -128,7 +135,8 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
         out=out, layout=layout, dtype=str(weight.dtype).removeprefix("torch."), tile=tile, layers=len(slots),
         sparse_tiles=sum(s.n_sparse for s in slots.values()), dense_tiles=sum(s.n_dense for s in slots.values()),
         plan_bytes=sum(s.nbytes() for s in slots.values()),
-        dense_bytes=sum(s.numel * weight.element_size() for s in slots.values()), left_dense=left)
+        dense_bytes=sum(s.numel * weight.element_size() for s in slots.values()), left_dense=left,
+        tile_inferred=inferred)
 
 
 def checkpoint_config(src: str | os.PathLike) -> dict:

@@ -23,9 +23,12 @@ from patchc.ir.errors import PlanError, first_true
 from patchc.ir.layer_plan import LayerPlan
 from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.patterns import COVER_PATTERN, EXACT_PATTERN, PATTERNS, group_codes
-from patchc.ir.tiles import TILE_DENSE, TILE_SPARSE24, from_tiles, tile_pair, to_tiles, valid_groups
+from patchc.ir.tiles import TILE_DENSE, TILE_SPARSE24, from_tiles, tile_pair, tile_sizes, to_tiles, valid_groups
 
 Layers = tuple[dict[str, LayerPlan], dict[str, str], tuple[int, int]]
+
+# Square tile sides `infer_tile` picks from, widest first: each divides the ones before it.
+INFER_SIDES = (128, 64, 32, 16)
 
 
 def layers_from_weights(
@@ -81,6 +84,42 @@ def survey_linears(model: nn.Module, tile: tuple[int, int] | int) -> tuple[dict[
         has_bias = _linear_bias(model, name, target, w) is not None
         slots[name] = LayerSlot.from_kinds(tuple(w.shape), tile, w.dtype, kinds, has_bias)
     return where, slots, left
+
+
+def infer_tile(model: nn.Module, keep: float = 0.99) -> tuple[int, int]:
+    """The widest square tile of `INFER_SIDES` whose 2:4 tiles hold at least `keep` of the weights that
+    16 x 16 tiles find 2:4 in the weights `survey_linears` plans: 128 x 128 for a model that is 2:4
+    throughout, the tile it was pruned with for a hybrid one (wider tiles would turn its 2:4 tiles dense).
+
+    Example:
+        >>> infer_tile(sparsegpt_2of4_llama), infer_tile(patch_hybrid_model_with_32x32_tiles)
+        ((128, 128), (32, 32))
+    """
+    if not 0 < keep <= 1:
+        raise PlanError(f"infer_tile: keep must be in (0, 1], got {keep}")
+    fine = INFER_SIDES[-1]
+    covered = dict.fromkeys(INFER_SIDES, 0)
+    for name, target in targets.model_matrices(model).items():
+        w = targets.read(model, target).detach()
+        if _why_skip(name, w, None) or _router(name):
+            continue
+        sparse = _kinds_from_weight(w, (fine, fine)) == TILE_SPARSE24  # (Tn, Tk) at the finest side
+        sizes = tile_sizes(tuple(w.shape), (fine, fine), w.device)
+        for side in INFER_SIDES:
+            covered[side] += int(sizes[_coarsen(sparse, side // fine)].sum())
+    best = covered[fine]
+    side = next(s for s in INFER_SIDES if covered[s] >= keep * best)
+    return side, side
+
+
+def _coarsen(sparse: torch.Tensor, f: int) -> torch.Tensor:
+    """Per fine tile: whether the f x f block of fine tiles around it is all 2:4 (one coarse 2:4 tile);
+    the grid's padding counts as 2:4, as padded zeros do."""
+    tn, tk = sparse.shape
+    pad = torch.ones(-(-tn // f) * f, -(-tk // f) * f, dtype=torch.bool, device=sparse.device)
+    pad[:tn, :tk] = sparse
+    coarse = pad.view(pad.shape[0] // f, f, pad.shape[1] // f, f).all(3).all(1)
+    return coarse.repeat_interleave(f, 0).repeat_interleave(f, 1)[:tn, :tk]
 
 
 def layer_from_linear(model: nn.Module, name: str, target: targets.Target, tile: tuple[int, int]) -> LayerPlan:

@@ -23,7 +23,7 @@ from torch import nn
 
 from patchc.ir import file_format, targets
 from patchc.ir.errors import PlanError
-from patchc.ir.from_pruned import layers_from_linears, layers_from_masks, layers_from_weights
+from patchc.ir.from_pruned import infer_tile, layers_from_linears, layers_from_masks, layers_from_weights
 from patchc.ir.layer_plan import LayerPlan
 from patchc.ir.provenance import check_weights, fingerprints
 
@@ -165,14 +165,15 @@ class TilePlan:
         return cls(layers=layers, skipped=skipped, meta=dict(meta or {"source": "from_weights", "tile": list(tile)}))
 
     @classmethod
-    def from_linears(cls, model: nn.Module, tile: tuple[int, int] | int = (128, 128)) -> TilePlan:
+    def from_linears(cls, model: nn.Module, tile: tuple[int, int] | int | None = None) -> TilePlan:
         """Plan the weight matrices of a pruned `model` that hold a 2:4 tile, read off their zeros: `nn.Linear`
         and GPT-2 `Conv1D` weights, and each expert of fused MoE experts ("<param>.<expert>"); the LM head is
         left out, the others in `skipped` with the reason. Used by `patchc import` and `patchc.compile(model)`.
+        `tile` None: the widest square that keeps the model's 2:4 tiles (`from_pruned.infer_tile`).
 
-        Example: ``plan = TilePlan.from_linears(wanda_pruned_model, tile=(128, 128))``
+        Example: ``plan = TilePlan.from_linears(wanda_pruned_model)   # all 2:4: 128 x 128 tiles``
         """
-        layers, left, tile = layers_from_linears(model, tile)
+        layers, left, tile = layers_from_linears(model, tile if tile is not None else infer_tile(model))
         return cls(layers=layers, skipped=left, meta={"source": "from_linears", "tile": list(tile)})
 
     @classmethod

@@ -116,7 +116,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from patchc.export.importing import import_sparse
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    summary = import_sparse(args.model, args.out, tile=tuple(args.tile), dtype=dtype, overwrite=args.overwrite,
+    summary = import_sparse(args.model, args.out, tile=args.tile and tuple(args.tile), dtype=dtype, overwrite=args.overwrite,
                             max_shard_size=args.max_shard_size)
     print(summary.format())
     return 0
@@ -285,8 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="a transformers folder, or a name in the local Hugging Face cache, whose linear "
                                  "weights are 2:4")
     p.add_argument("--out", required=True, help="folder to write; must not exist or be empty")
-    p.add_argument("--tile", type=int, nargs=2, default=[128, 128], metavar=("B1", "B2"),
-                   help="tile rows x columns; a tile whose every group of 4 holds at most 2 nonzeros is 2:4")
+    p.add_argument("--tile", type=int, nargs=2, default=None, metavar=("B1", "B2"),
+                   help="tile rows x columns; a tile whose every group of 4 holds at most 2 nonzeros is 2:4 "
+                        "(default: the widest square of 128 / 64 / 32 / 16 that keeps 99%% of the weights 16 x 16 "
+                        "tiles find 2:4: 128 x 128 for a model 2:4 throughout)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                    help="served weights' dtype (auto: the checkpoint's, fp16 for marlin-24; quantized values are "
                         "dequantized to it)")

@@ -61,7 +61,8 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     """The model with its planned linears replaced by `TileLinear` (on a copy unless `inplace`).
 
     `plan`: a TilePlan or a path to a saved plan; None: the model is already 2:4 or hybrid (pruned by
-    any tool), and its linear weights' zeros are the plan (`TilePlan.from_linears`, 128 x 128 tiles).
+    any tool), and its linear weights' zeros are the plan (`TilePlan.from_linears`: 128 x 128 tiles for a model
+    2:4 throughout, the widest square that keeps its 2:4 tiles for a hybrid one).
     `cache` / `time_fn`: passed to `tune_plan`.
     Replaced: nn.Linear (and subclasses, e.g. Falcon's `x @ W.T`), transformers' `Conv1D` (K x N
     storage), every module sharing a tied planned weight, and fused MoE experts (`TileExperts`,
@@ -92,7 +93,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
         if not plan.layers:
             raise ValueError(f"patchc.compile: no linear weight (nn.Linear, Conv1D, fused experts) of the "
                              f"{type(model).__name__} holds a 2:4 tile "
-                             "(128 x 128 tiles whose every group of 4 keeps at most 2 weights); pass the plan, "
+                             "(not even a 16 x 16 tile whose every group of 4 keeps at most 2 weights); pass the plan, "
                              "or prune the model first (patchc.oneshot, patchc prune)")
     elif isinstance(plan, (str, os.PathLike)):
         plan = TilePlan.load(plan)
