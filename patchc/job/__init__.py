@@ -13,6 +13,7 @@
     fsdp.py           FSDP2: each block's frozen weights and mask logits sharded together
     runs.py           run folders: claimed atomically, resumed only with their own settings
     prune.py          `run_prune`: load -> calibrate -> transform -> train -> harden -> evaluate -> report
+    results.py        the report's rows and the report dict of a run (report.json)
     recover.py        `patchc recover`: fine-tune the kept weights of a finished run, masks fixed
     rescore.py        `patchc eval`: a saved plan on its own held-out split, and on whole files
     sample.py         `patchc sample`: the dense model's own text as a file

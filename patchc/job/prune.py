@@ -14,7 +14,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -26,15 +25,15 @@ import torch.distributed as dist
 
 import patchc
 from patchc.config import PatchConfig
-from patchc.job.corpus import data_record, data_summary, load_data
+from patchc.job.corpus import data_record, load_data
 from patchc.job.distributed import init_distributed, prepare_training, rank_slice, say, world
 from patchc.job.losses import make_lm_loss
 from patchc.job.model import load_bundle, with_tile
 from patchc.job.options import ONESHOT_METHODS, PruneOptions, check_device
+from patchc.job.results import row, run_report
 from patchc.job.runs import CHECKPOINT, check_out, check_settings, claim_run_dir, release
 from patchc.masking.optim import MaskOptimConfig
 from patchc.pruning import apply_masks
-from patchc.utils.env import device_name, versions
 
 
 # -- stages -----------------------------------------------------------------------------------
@@ -241,8 +240,7 @@ def claim_folder(bundle, opts: PruneOptions) -> tuple[Path, int]:
 
 def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, command: str | None,
          timings: dict[str, float]) -> dict:
-    from patchc.job.report import plot_plan, write_report
-
+    """The stages after loading: export, dense row, calibrate, train PATCH (+ recovery), baselines, write."""
     rank, size = world()
     results: list[dict] = []
     say(f"patchc prune: {bundle.name} ({bundle.kind}), sparsity {opts.sparsity:.0%}, tile {opts.tile}, "
@@ -272,76 +270,65 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
     with timed(timings, "train"):
         plan, trained = train(bundle, cfg, data, opts, calib, out / CHECKPOINT, opts.resume, prior_masks,
                               steps=opts.steps, exported=exported)
-    plan.meta["command"] = command or ""
-    plan.meta["model"] = opts.model
-    plan.meta["data"] = data_record(data, opts)  # `patchc eval` scores on this split, never on training text
+    plan.meta |= {"command": command or "", "model": opts.model,
+                  "data": data_record(data, opts)}  # `patchc eval` scores on this split, never on training text
+    recovered = None
     if rank == 0:
         pruned = plan.apply(bundle.reload())
         with timed(timings, "evaluate"):
-            results.append(row(f"PATCH {opts.variant}", "patch", "hybrid", plan.sparsity, evaluate(bundle, pruned, data, opts, dense_ref), trained.seconds))
+            results.append(row(f"PATCH {opts.variant}", "patch", "hybrid", plan.sparsity,
+                               evaluate(bundle, pruned, data, opts, dense_ref), trained.seconds))
         del pruned
         if opts.recover:
             recovered = recover_row(bundle, plan, data, opts, results, timings, dense_ref)
-
     if opts.baselines:
-        if rank == 0:
-            with timed(timings, "baselines"):
-                for method in ONESHOT_METHODS:
-                    model = oneshot_baseline(bundle, method, calib, opts.progress,
-                                             prior_masks if method == cfg.prior else None)
-                    results.append(row(f"{method} 2:4", method, "2:4", 0.5, evaluate(bundle, model, data, opts, dense_ref)))
-        with timed(timings, "baselines"):
-            nm_cfg = cfg.replace(variant="nm", sparsity=0.5)
-            nm_plan, nm_trained = train(bundle, nm_cfg, data, opts, calib, None, False, prior_masks, steps=opts.steps,
-                                        exported=exported)
-        if rank == 0:
-            model = nm_plan.apply(bundle.reload())
-            results.append(row("learned 2:4 (nm)", "patch-nm", "2:4", nm_plan.sparsity, evaluate(bundle, model, data, opts, dense_ref), nm_trained.seconds))
-            if opts.recover:  # the baseline gets the same recovery as PATCH
-                recover_row(bundle, nm_plan, data, opts, results, timings, dense_ref)
+        baselines(bundle, cfg, data, opts, calib, prior_masks, exported, results, timings, dense_ref)
 
     if rank != 0:
         dist.barrier()
         return {}
-    report = {
-        "command": command or "",
-        "model": bundle.name,
-        "model_spec": opts.model,
-        "kind": bundle.kind,
-        "data": data_summary(bundle, data, opts),
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_dict().items()},
-        "recover": {"steps": opts.recover, "lr": opts.recovery_lr(bundle.kind), "loss": opts.recover_loss,
-                    "scope": opts.recover_scope, "splice": opts.recovery_splice(bundle.kind, bundle.name)}
-        if opts.recover else None,
-        "train": {"steps": opts.steps, "schedule_steps": cfg.steps, "batch_size": opts.batch_size, "lr": opts.lr,
-                  "loss": opts.loss if bundle.kind == "causal" else "distil embeddings", "kd_temperature": opts.kd_temperature,
-                  "seed": opts.seed,
-                  "processes": size,
-                  "seconds": round(trained.seconds, 2), "final": trained.history[-1] if trained.history else {}},
-        "plan": {"path": str(out / "plan.patch"), "density": plan.density, "sparsity": plan.sparsity,
-                 "n_layers": len(plan.layers), "skipped": plan.skipped},
-        "metric": "perplexity" if bundle.kind == "causal" else "cosine",
-        "evaluation": {"protocol": protocol(bundle, opts), "context": opts.eval_context},
-        "results": results,
-        "speed": {"skipped": "no CUDA device" if not torch.cuda.is_available()
-                  else "not measured by prune: run `make gpu` (patchc bench) on a CUDA GPU"},
-        "versions": versions(),
-        "device": device_name(opts.device),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "timings": timings,
-    }
-    with timed(timings, "write"):
-        plan.save(out / "plan.patch")
-        if opts.recover:
-            recovered.save(out / "plan-recovered.patch")
-        pictures = plot_plan(plan, out, title=f"{bundle.name}: PATCH {opts.variant} at {plan.sparsity:.1%} sparsity")
-    recovered_file = {"plan_recovered": str(out / "plan-recovered.patch")} if opts.recover else {}
-    report["files"] = {"plan": str(out / "plan.patch"), **recovered_file, **{p.stem: str(p) for p in pictures},
-                       "report_json": str(out / "report.json"), "report_md": str(out / "report.md")}
-    write_report(report, out)  # last, outside the timings, so the files hold every number the dict does
+    report = run_report(bundle, data, cfg, opts, plan, trained, results, out, command, timings)
+    write_run(bundle, opts, plan, recovered, out, report, timings)
     if size > 1:
         dist.barrier()
     return report
+
+
+def baselines(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, prior_masks, exported,
+              results: list[dict], timings: dict[str, float], dense_ref=None) -> None:
+    """The baseline rows: the one-shot 2:4 methods (rank 0), then learned 2:4 (`variant="nm"` at 50%, every
+    rank trains) from the same prior and steps, recovered as PATCH was when --recover is given."""
+    rank = world()[0]
+    with timed(timings, "baselines"):
+        if rank == 0:
+            for method in ONESHOT_METHODS:
+                model = oneshot_baseline(bundle, method, calib, opts.progress,
+                                         prior_masks if method == cfg.prior else None)
+                results.append(row(f"{method} 2:4", method, "2:4", 0.5, evaluate(bundle, model, data, opts, dense_ref)))
+        nm_cfg = cfg.replace(variant="nm", sparsity=0.5)
+        nm_plan, nm_trained = train(bundle, nm_cfg, data, opts, calib, None, False, prior_masks, steps=opts.steps,
+                                    exported=exported)
+    if rank == 0:
+        model = nm_plan.apply(bundle.reload())
+        results.append(row("learned 2:4 (nm)", "patch-nm", "2:4", nm_plan.sparsity,
+                           evaluate(bundle, model, data, opts, dense_ref), nm_trained.seconds))
+        if opts.recover:  # the baseline gets the same recovery as PATCH
+            recover_row(bundle, nm_plan, data, opts, results, timings, dense_ref)
+
+
+def write_run(bundle, opts: PruneOptions, plan, recovered, out: Path, report: dict, timings: dict[str, float]) -> None:
+    """plan.patch (and plan-recovered.patch), the pictures, then report.json / report.md naming every file."""
+    from patchc.job.report import plot_plan, write_report
+
+    with timed(timings, "write"):
+        plan.save(out / "plan.patch")
+        if recovered is not None:
+            recovered.save(out / "plan-recovered.patch")
+        pictures = plot_plan(plan, out, title=f"{bundle.name}: PATCH {opts.variant} at {plan.sparsity:.1%} sparsity")
+    recovered_file = {"plan_recovered": str(out / "plan-recovered.patch")} if recovered is not None else {}
+    report["files"] = {"plan": str(out / "plan.patch"), **recovered_file, **{p.stem: str(p) for p in pictures},
+                       "report_json": str(out / "report.json"), "report_md": str(out / "report.md")}
+    write_report(report, out)  # last, outside the timings, so the files hold every number the dict does
 
 
 def recover_plan(bundle, plan, data: dict, opts: PruneOptions, model=None, steps: int | None = None,
@@ -374,27 +361,6 @@ def recover_row(bundle, plan, data: dict, opts: PruneOptions, results: list[dict
     results.append(row(f"{last['name']} + recovery", f"{last['method']}+recover", last["pattern"], recovered.sparsity,
                        metrics, seconds))
     return recovered
-
-
-def row(name: str, method: str, pattern: str, sparsity: float, metrics: dict, seconds: float | None = None) -> dict:
-    """One line of the report; "extra" scores (per --eval-data file) are filed under the metric they are."""
-    extra_key = "cosine_extra" if metrics.get("cosine") is not None else "perplexity_extra"
-    return {"name": name, "method": method, "pattern": pattern, "sparsity": round(float(sparsity), 6),
-            "perplexity": metrics.get("perplexity"), "perplexity_extra": {}, "cosine_extra": {},
-            extra_key: metrics.get("extra") or {},
-            "cosine": metrics.get("cosine"),
-            "retrieval_agreement": metrics.get("retrieval_agreement"),
-            "seconds": round(seconds, 2) if seconds is not None else None}
-
-
-def protocol(bundle, opts: PruneOptions) -> str:
-    if bundle.kind == "causal":
-        return (f"perplexity over the held-out {opts.eval_fraction:.0%} of documents (split by document, seed "
-                f"{opts.split_seed}), BOS per document, non-overlapping windows of {opts.eval_context} tokens, every "
-                f"next-token prediction scored")
-    return ("mean cosine between pruned and dense mean-pooled sentence embeddings of held-out sentences, and the "
-            "share of sentences whose nearest neighbour is unchanged; on each --eval-data file, the mean cosine over "
-            "up to 512 of its sentences")
 
 
 __all__ = ["PruneOptions", "dense_reference", "evaluate", "run_prune"]

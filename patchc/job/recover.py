@@ -186,8 +186,7 @@ def run_recover(
     recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe}
     recovered.save(run / RECOVERED)
     scores["recovered"] = job.evaluate(bundle, recovered.apply(model), data, opts, dense_ref)
-    result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started,
-                    job.protocol(bundle, opts), job.row)
+    result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started)
     write_bytes_atomic(run / RESULT, (json.dumps(result, indent=1) + "\n").encode())
     note_replaced(run, result)
     return result
@@ -210,9 +209,10 @@ def note_replaced(run: Path, result: dict) -> None:
 
 
 def report(bundle, plan, recovered, scores: dict, data: dict, opts: PruneOptions, run: Path, command: str | None,
-           seconds: float, protocol: str, row) -> dict:
+           seconds: float) -> dict:
     """The recover.json record: dense / hardened / recovered scores and what recovery did."""
     from patchc.job.corpus import text_size
+    from patchc.job.results import protocol, row
 
     metric = "perplexity" if bundle.kind == "causal" else "cosine"
     results = [row(name, name, "-" if name == "dense" else "hybrid", 0.0 if name == "dense" else plan.sparsity,
@@ -225,7 +225,7 @@ def report(bundle, plan, recovered, scores: dict, data: dict, opts: PruneOptions
         "train_documents": data["docs_train"], "eval_documents": data["docs_eval"],
         "train_tokens": text_size(bundle.kind, data["train"]),
         "eval_tokens": text_size(bundle.kind, data["eval"]),
-        "protocol": protocol, "seconds": round(seconds, 2),
+        "protocol": protocol(bundle, opts), "seconds": round(seconds, 2),
         "versions": versions(), "device": device_name(opts.device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
