@@ -146,33 +146,23 @@ def render_markdown(report: Mapping[str, Any], pictures: Iterable[str | os.PathL
         True
     """
     model = report.get("model") or "model"
-    kind = report.get("kind")
     out = [f"# patchc report: {model}", ""]
     if report.get("command"):
         out += ["```", str(report["command"]), "```", ""]
+    sections = (_facts(report), _quality(report), _plan(report), _training(report), _speed(report),
+                _picture_links(_pictures(report, pictures)), _timings(report), _versions(report), _files(report))
+    for section in sections:
+        out += section
+    return "\n".join(out).rstrip() + "\n"
 
-    facts = [f"- **model**: {model}" + (f" ({kind})" if kind else "")]
+
+def _facts(report: Mapping[str, Any]) -> list[str]:
+    """Model, data (train / eval / extra text and their sizes), a replaced recovery, device and date."""
+    kind = report.get("kind")
+    facts = [f"- **model**: {report.get('model') or 'model'}" + (f" ({kind})" if kind else "")]
     data = report.get("data") or {}
     if data:
-        unit = "sentences" if kind == "encoder" else "tokens"
-        train = ", ".join(map(str, data.get("train") or [])) or "–"
-        evals = ", ".join(map(str, data.get("eval") or [])) or "–"
-        line = f"- **data**: train {train}"
-        if data.get("train_tokens") is not None:
-            line += f" ({data['train_tokens']:,} {unit})"
-        line += f"; eval {evals}"
-        if data.get("eval_tokens") is not None:
-            line += f" ({data['eval_tokens']:,} {unit})"
-        if data.get("train_tokens_generated"):
-            line += (f"; of the training tokens {data['train_tokens_generated']:,} were written by the dense model "
-                     "from the training documents' first tokens")
-        if data.get("train_tokens_extra"):
-            line += f"; {data['train_tokens_extra']:,} training {unit} from --train-extra files"
-        if data.get("eval_extra"):
-            counts = data.get("eval_extra_tokens") or {}
-            line += ("; also scored " + ("unsplit, from the start" if kind != "encoder" else "on its sentences") + ": "
-                     + ", ".join(f"{p} ({counts[p]:,} {unit})" if p in counts else str(p) for p in data["eval_extra"]))
-        facts.append(line)
+        facts.append(_data_line(data, kind))
     replaced = report.get("recovery_replaced")
     if replaced:
         by = replaced.get("command") or "patchc recover"
@@ -182,41 +172,74 @@ def render_markdown(report: Mapping[str, Any], pictures: Iterable[str | os.PathL
     for key, label in (("device", "device"), ("date", "date")):
         if report.get(key):
             facts.append(f"- **{label}**: {report[key]}")
-    out += facts + [""]
+    return facts + [""]
 
-    out += ["## Quality", ""] + _quality_table(report) + [""]
+
+def _data_line(data: Mapping[str, Any], kind: str | None) -> str:
+    unit = "sentences" if kind == "encoder" else "tokens"
+    train = ", ".join(map(str, data.get("train") or [])) or "–"
+    evals = ", ".join(map(str, data.get("eval") or [])) or "–"
+    line = f"- **data**: train {train}"
+    if data.get("train_tokens") is not None:
+        line += f" ({data['train_tokens']:,} {unit})"
+    line += f"; eval {evals}"
+    if data.get("eval_tokens") is not None:
+        line += f" ({data['eval_tokens']:,} {unit})"
+    if data.get("train_tokens_generated"):
+        line += (f"; of the training tokens {data['train_tokens_generated']:,} were written by the dense model "
+                 "from the training documents' first tokens")
+    if data.get("train_tokens_extra"):
+        line += f"; {data['train_tokens_extra']:,} training {unit} from --train-extra files"
+    if data.get("eval_extra"):
+        counts = data.get("eval_extra_tokens") or {}
+        line += ("; also scored " + ("unsplit, from the start" if kind != "encoder" else "on its sentences") + ": "
+                 + ", ".join(f"{p} ({counts[p]:,} {unit})" if p in counts else str(p) for p in data["eval_extra"]))
+    return line
+
+
+def _quality(report: Mapping[str, Any]) -> list[str]:
+    out = ["## Quality", ""] + _quality_table(report) + [""]
     protocol = (report.get("evaluation") or {}).get("protocol")
     if protocol:
         out += [f"Protocol: {str(protocol).rstrip('.')}.", ""]
+    return out
 
+
+def _plan(report: Mapping[str, Any]) -> list[str]:
+    """Density against the target, layers and tile, the plan file and the skipped layers (50 at most)."""
     plan = report.get("plan") or {}
+    if not plan:
+        return []
     cfg = report.get("config") or {}
-    if plan:
-        out += ["## Plan", ""]
-        density = _num(plan.get("density"))
-        sparsity = _num(plan.get("sparsity"))
-        if sparsity is None and density is not None:
-            sparsity = 1 - density
-        target = _num(cfg.get("sparsity"))
-        line = f"- global density {_fmt(density, '.4f')} (sparsity {_fmt(sparsity, '.2%')}"
-        line += f", target {target:.2%})" if target is not None else ")"
-        out.append(line)
-        if plan.get("n_layers") is not None:
-            tile = cfg.get("tile")
-            out.append(f"- {plan['n_layers']} layers planned" + (f" in {tile[0]} × {tile[1]} tiles" if tile else ""))
-        if plan.get("path"):
-            out.append(f"- plan file: `{plan['path']}`")
-        skipped = plan.get("skipped") or {}
-        if skipped:
-            out += ["", f"Skipped layers ({len(skipped)}):", ""]
-            items = list(skipped.items())
-            out += [f"- `{fqn}`: {reason}" for fqn, reason in items[:50]]
-            if len(items) > 50:
-                out.append(f"- ... and {len(items) - 50} more (see report.json)")
-        else:
-            out.append("- no layers skipped")
-        out.append("")
+    out = ["## Plan", ""]
+    density = _num(plan.get("density"))
+    sparsity = _num(plan.get("sparsity"))
+    if sparsity is None and density is not None:
+        sparsity = 1 - density
+    target = _num(cfg.get("sparsity"))
+    line = f"- global density {_fmt(density, '.4f')} (sparsity {_fmt(sparsity, '.2%')}"
+    line += f", target {target:.2%})" if target is not None else ")"
+    out.append(line)
+    if plan.get("n_layers") is not None:
+        tile = cfg.get("tile")
+        out.append(f"- {plan['n_layers']} layers planned" + (f" in {tile[0]} × {tile[1]} tiles" if tile else ""))
+    if plan.get("path"):
+        out.append(f"- plan file: `{plan['path']}`")
+    skipped = plan.get("skipped") or {}
+    if skipped:
+        out += ["", f"Skipped layers ({len(skipped)}):", ""]
+        items = list(skipped.items())
+        out += [f"- `{fqn}`: {reason}" for fqn, reason in items[:50]]
+        if len(items) > 50:
+            out.append(f"- ... and {len(items) - 50} more (see report.json)")
+    else:
+        out.append("- no layers skipped")
+    return out + [""]
 
+
+def _training(report: Mapping[str, Any]) -> list[str]:
+    """Steps, batch, lr, processes, time and the last log record; the whole configuration folded."""
+    out: list[str] = []
     train = report.get("train") or {}
     if train:
         out += ["## Training", ""]
@@ -237,37 +260,50 @@ def render_markdown(report: Mapping[str, Any], pictures: Iterable[str | os.PathL
         if final:
             out.append("- last log record: " + ", ".join(f"{k} {_fmt_value(v)}" for k, v in final.items()))
         out.append("")
+    cfg = report.get("config") or {}
     if cfg:
         out += ["<details><summary>configuration</summary>", "", "| field | value |", "|---|---|"]
         out += [f"| {_cell(k)} | {_cell(_fmt_value(v))} |" for k, v in cfg.items()]
         out += ["", "</details>", ""]
+    return out
 
+
+def _speed(report: Mapping[str, Any]) -> list[str]:
     speed = report.get("speed")
-    if isinstance(speed, Mapping) and speed:
-        out += ["## Speed", ""] + [f"- {k}: {_fmt_value(v)}" for k, v in speed.items()] + [""]
+    if not (isinstance(speed, Mapping) and speed):
+        return []
+    return ["## Speed", ""] + [f"- {k}: {_fmt_value(v)}" for k, v in speed.items()] + [""]
 
-    pngs = _pictures(report, pictures)
-    if pngs:
-        out += ["## Pictures", ""]
-        for name in pngs:
-            out += [f"![{Path(name).stem.replace('_', ' ')}]({name})", ""]
 
+def _picture_links(pngs: list[str]) -> list[str]:
+    if not pngs:
+        return []
+    out = ["## Pictures", ""]
+    for name in pngs:
+        out += [f"![{Path(name).stem.replace('_', ' ')}]({name})", ""]
+    return out
+
+
+def _timings(report: Mapping[str, Any]) -> list[str]:
     timings = report.get("timings") or {}
-    if timings:
-        total = sum(v for v in (_num(t) for t in timings.values()) if v is not None)
-        out += ["## Timings", "", "| stage | seconds |", "|---|---:|"]
-        out += [f"| {_cell(k)} | {_fmt(v, '.1f')} |" for k, v in timings.items()]
-        out += [f"| total | {total:.1f} |", ""]
+    if not timings:
+        return []
+    total = sum(v for v in (_num(t) for t in timings.values()) if v is not None)
+    out = ["## Timings", "", "| stage | seconds |", "|---|---:|"]
+    out += [f"| {_cell(k)} | {_fmt(v, '.1f')} |" for k, v in timings.items()]
+    return out + [f"| total | {total:.1f} |", ""]
 
+
+def _versions(report: Mapping[str, Any]) -> list[str]:
     versions = report.get("versions") or {}
-    if versions:
-        out += ["## Versions", "", ", ".join(f"{k} {v}" for k, v in versions.items()), ""]
+    return ["## Versions", "", ", ".join(f"{k} {v}" for k, v in versions.items()), ""] if versions else []
 
+
+def _files(report: Mapping[str, Any]) -> list[str]:
+    """Every file the run wrote but the pictures (linked above)."""
     files = report.get("files") or {}
     others = {k: v for k, v in files.items() if not str(v).lower().endswith(".png")}
-    if others:
-        out += ["## Files", ""] + [f"- {k}: `{v}`" for k, v in others.items()] + [""]
-    return "\n".join(out).rstrip() + "\n"
+    return ["## Files", ""] + [f"- {k}: `{v}`" for k, v in others.items()] + [""] if others else []
 
 
 def scored_files(scored: Mapping[str, int], kind: str, cap: int) -> str:
