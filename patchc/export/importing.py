@@ -100,10 +100,10 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
                   max_shard_size: int | str = DEFAULT_MAX_SHARD) -> ImportSummary:
     """Write the 2:4 / hybrid model `src` (see the module docstring) as a patchc export folder `out`.
 
-    `tile`: None infers it from the zeros (`infer_tile`); `dtype`: the served weights' dtype (None: the checkpoint's own, fp32 when it names none; fp16 for marlin-24,
-    whose int4 values times fp16 scales are fp16 numbers, as Sparse-Marlin ran them); `max_shard_size`: as
-    `export_pretrained`. Raises
-    ExportError naming the checkpoint when no linear layer holds a 2:4 tile, or when `out` is in the way.
+    `tile`: None infers it from the zeros (`infer_tile`); `dtype`: the served weights' dtype (None: the
+    checkpoint's own, fp32 when it names none; fp16 for marlin-24, whose int4 values times fp16 scales are fp16
+    numbers, as Sparse-Marlin ran them); `max_shard_size`: as `export_pretrained`. Raises ExportError naming the
+    checkpoint when no linear layer holds a 2:4 tile, or when `out` is in the way.
 
     Example:
         >>> import_sparse("runs/sparsegpt-2of4/", "served/", tile=64).sparse_tiles

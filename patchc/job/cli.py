@@ -116,8 +116,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     from patchc.export.importing import import_sparse
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    summary = import_sparse(args.model, args.out, tile=args.tile and tuple(args.tile), dtype=dtype, overwrite=args.overwrite,
-                            max_shard_size=args.max_shard_size)
+    summary = import_sparse(args.model, args.out, tile=args.tile and tuple(args.tile), dtype=dtype,
+                            overwrite=args.overwrite, max_shard_size=args.max_shard_size)
     print(summary.format())
     return 0
 
