@@ -685,5 +685,6 @@ def test_infer_tile_finds_the_side_a_hybrid_model_was_pruned_with(side):
         for lin in model:  # all 2:4: the widest side
             lin.weight.mul_(random_mask(tuple(lin.weight.shape), (16, 16), torch.ones(19, 19, dtype=torch.uint8)))
     assert infer_tile(model) == (128, 128)
+    assert infer_tile(nn.Sequential(nn.Linear(64, 32))) == (16, 16)  # dense: the finest, where the search ends
     with pytest.raises(PlanError, match="keep must be in"):
         infer_tile(model, keep=0)

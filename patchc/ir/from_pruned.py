@@ -108,6 +108,8 @@ def infer_tile(model: nn.Module, keep: float = 0.99) -> tuple[int, int]:
         for side in INFER_SIDES:
             covered[side] += int(sizes[_coarsen(sparse, side // fine)].sum())
     best = covered[fine]
+    if best == 0:  # nothing is 2:4 at any side: the finest, so that "no 2:4 tile at 16 x 16" says so
+        return fine, fine
     side = next(s for s in INFER_SIDES if covered[s] >= keep * best)
     return side, side
 
