@@ -107,15 +107,23 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
-def summary(path: Path = RESULTS) -> str:
-    """Mean +- std over the seeds of the latest recipe in the results file, with ratios to dense."""
+def latest_scores(path: Path = RESULTS) -> tuple[dict, list[dict], list[str], dict[tuple[str, str], list[float]]]:
+    """(recipe, its runs, metrics, {(row name, metric): one score per seed}) of the latest recipe in the
+    results file, a seed's newest run each."""
     records = read_records(path)
     latest = next(r["recipe"] for r in reversed(records) if "recipe" in r)
-    runs = list({r["seed"]: r for r in records if r.get("recipe") == latest}.values())  # a seed's newest run
+    runs = list({r["seed"]: r for r in records if r.get("recipe") == latest}.values())
     names = list(dict.fromkeys(row["name"] for r in runs for row in r["rows"]))
     metrics = [k for k in runs[0]["rows"][0] if (k == "perplexity" or k.startswith("ppl "))
                and all(k in r["rows"][0] for r in runs)]
     value = {(n, k): [row[k] for r in runs for row in r["rows"] if row["name"] == n] for n in names for k in metrics}
+    return latest, runs, metrics, value
+
+
+def summary(path: Path = RESULTS) -> str:
+    """Mean +- std over the seeds of the latest recipe in the results file, with ratios to dense."""
+    latest, runs, metrics, value = latest_scores(path)
+    names = list(dict.fromkeys(n for n, _ in value))
     mean = {key: statistics.mean(v) for key, v in value.items()}
     lines = [f"recipe {json.dumps(latest)}; seeds {sorted(r['seed'] for r in runs)}", "",
              "| method | " + " | ".join(f"{k} (mean ± std)" for k in metrics) + " | held-out vs dense |",
