@@ -64,3 +64,24 @@ def test_a_recipe_from_before_the_temperature_was_recorded_sampled_at_one(qualit
     assert "seeds [0, 1]" in quality_table.summary(path)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert "seeds [2]" in quality_table.summary(path)  # another temperature is another recipe
+
+
+def test_plot_quality_draws_the_latest_recipe_and_skips_missing_rows(tmp_path):
+    """benchmarks/plot_quality.py (the README's picture) from a records file with some rows absent."""
+    import subprocess
+    import sys
+
+    recipe = {"steps": 300, "tile": [16, 16]}
+    names = ("dense", "learned 2:4", "PATCH joint 35%", "PATCH joint 45%", "wanda 2:4 (one-shot)")
+    records = [_record(s, dict(zip(names, (5.0, 9.0 + s, 7.0, 8.0, 70.0))), None, recipe) for s in (0, 1)]
+    for r in records:
+        for row in r["rows"]:
+            row["ppl wikitext2_raw_test.txt"] = 20 * row["perplexity"]
+    path, out = tmp_path / "results.jsonl", tmp_path / "pic" / "quality.png"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    script = Path(__file__).parents[1] / "benchmarks" / "plot_quality.py"
+    proc = subprocess.run([sys.executable, str(script), "--results", str(path), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    assert [p.name for p in out.parent.iterdir()] == ["quality.png"]  # written atomically: no temp file left
