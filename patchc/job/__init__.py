@@ -2,6 +2,7 @@
 
     options.py        `PruneOptions`: every `patchc prune` setting, validated
     model.py          opening the model: device, dtype, weight and length checks, CPU threads
+    memory.py         will the mask state fit on the device? refused up front, with the leaner modes
     data.py           text files -> documents -> train / held-out split by document -> token blocks, batches
     records.py        JSON Lines / JSON / Parquet records -> documents (a text field, or a chat)
     selfdata.py       text the dense model writes itself (seeded, cached)

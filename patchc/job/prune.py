@@ -28,11 +28,11 @@ from patchc.config import PatchConfig
 from patchc.job.corpus import data_record, load_data
 from patchc.job.distributed import init_distributed, prepare_training, rank_slice, say, world
 from patchc.job.losses import make_lm_loss
+from patchc.job.memory import check_fits, optim_config
 from patchc.job.model import load_bundle, with_tile
 from patchc.job.options import ONESHOT_METHODS, PruneOptions, check_device
 from patchc.job.results import row, run_report
 from patchc.job.runs import CHECKPOINT, check_out, check_settings, claim_run_dir, release
-from patchc.masking.optim import MaskOptimConfig
 from patchc.pruning import apply_masks
 
 
@@ -139,7 +139,7 @@ def train_program(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, cali
         checkpoint=setup.checkpoint,
         checkpoint_every=50 if checkpoint else 0,
         checkpoint_io=setup.checkpoint_io,
-        optim=MaskOptimConfig(memory="low" if opts.low_memory else "default", v_per_group=opts.v_per_group),
+        optim=optim_config(opts),
         resume=resume,
         progress=opts.progress and world()[0] == 0,
     )
@@ -203,6 +203,7 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
     with timed(timings, "load"):
         bundle = load_bundle(opts)
         opts = with_tile(opts, bundle)  # --tile, else the model's own (`auto_tile`), before run.json records it
+        check_fits(bundle.model, opts.patch_config(), opts, ranks=world()[1])  # before text is generated
         data = load_data(bundle, opts, cache_dir=cache_dir(opts))
     out, schedule_steps = claim_folder(bundle, opts)
     failed = True

@@ -1,0 +1,123 @@
+"""Will mask training fit? Checked once the model is loaded, before text is generated or anything calibrated.
+
+Mask training holds, beyond the model, its 2:4 logits, their Adam state and (in the default mode) every
+gradient until the step: a number of bytes per masked weight that follows from the dtypes alone
+(`bytes_per_weight`, see `patchc.masking.optim`), 24 by default and 6.5 in the leanest mode. When that
+floor alone exceeds the memory free on the device, the run cannot succeed, and `check_fits` says so at
+once, with what each memory mode would need, instead of failing with an out-of-memory error at the first
+step after minutes of generating text and calibrating on a 7B model. Activations and W * M come on top of
+the floor, so a run that passes can still run out; one that fails would always have.
+
+Example:
+    >>> check_fits(bundle.model, opts.patch_config(), opts)   # ValueError when the masks cannot fit
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from patchc.config import PatchConfig
+from patchc.job.options import PruneOptions
+from patchc.masking.optim import STATE_DTYPES, MaskOptimConfig
+from patchc.pruning.observe import layer_matrix, plain_layers
+
+GB = 1e9
+# (flags, the option changes they make), leanest last: what the refusal offers
+MODES = (("--low-memory", dict(low_memory=True)),
+         ("--low-memory --nm-param weight", dict(low_memory=True, nm_param="weight")),
+         ("--low-memory --nm-param weight --v-per-group", dict(low_memory=True, nm_param="weight", v_per_group=True)))
+
+
+def optim_config(opts: PruneOptions) -> MaskOptimConfig:
+    """The optimizer settings --low-memory and --v-per-group choose."""
+    return MaskOptimConfig(memory="low" if opts.low_memory else "default", v_per_group=opts.v_per_group)
+
+
+def bytes_per_weight(cfg: MaskOptimConfig, logits_per_weight: float, group: int = 4) -> float:
+    """Bytes per masked weight that its 2:4 logits (fp32), their Adam m and v and, unless each tensor steps
+    inside backward, their gradients hold: what `patchc.masking.optim.state_bytes` measures, from the
+    dtypes alone (the tile logits, one per tile, are left out).
+
+    Example:
+        >>> bytes_per_weight(MaskOptimConfig(), 6 / 4), bytes_per_weight(MaskOptimConfig(memory="low"), 6 / 4)
+        (24.0, 12.0)
+        >>> bytes_per_weight(MaskOptimConfig(memory="low", v_per_group=True), 4 / 4)   # 4 scores per group
+        6.5
+    """
+    state = STATE_DTYPES[cfg.state_dtype].itemsize
+    grads = 0 if cfg.in_backward else 4
+    v = state / group if cfg.v_per_group else state * logits_per_weight
+    return logits_per_weight * (4 + grads + state) + v
+
+
+def logits_per_weight(opts: PruneOptions) -> float:
+    """2:4 logits per masked weight: 6 patterns or 4 scores per group of 4; none when only tiles are learned."""
+    if opts.variant == "tile":
+        return 0.0
+    return 6 / 4 if opts.nm_param == "pattern" else 4 / 4
+
+
+def masked_weights(model: nn.Module, cfg: PatchConfig) -> int:
+    """How many weights `patchc.transform` masks under `cfg`: the layers it masks by default
+    (`plain_layers`: nn.Linear, Conv1D, each expert's slice; no tied LM head) that `cfg.selects`, with 2:4
+    groups (K a multiple of 4)."""
+    total = 0
+    for name in plain_layers(model, cfg.exclude):
+        w = layer_matrix(model, name)
+        if cfg.selects(name, tuple(w.shape)) is None and w.shape[1] % 4 == 0:
+            total += w.numel()
+    return total
+
+
+def free_bytes(device: str) -> int | None:
+    """Bytes free on `device` now (a GPU's, or the host's MemAvailable); None where it cannot be read."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: int = 1) -> None:
+    """ValueError when the masks' logits, Adam state and gradients alone (`bytes_per_weight`) exceed what
+    `opts.device` has free with the model loaded; `ranks`: FSDP ranks sharing that state."""
+    per_weight = bytes_per_weight(optim_config(opts), logits_per_weight(opts))
+    free = free_bytes(opts.device)
+    if per_weight == 0 or free is None:
+        return
+    weights = masked_weights(model, cfg)
+    share = ranks if opts.fsdp else 1
+    need = weights * per_weight / share
+    if need <= free:
+        return
+    where = f"each of {share} ranks" if share > 1 else opts.device
+    lines = [f"mask training needs at least {_size(need)} on {where} for the masks alone ({weights:,} masked "
+             f"weights x {per_weight:g} bytes of logits, Adam state and gradients), and {_size(free)} "
+             "are free with the model loaded."]
+    leaner = []
+    for flags, changes in MODES:
+        other = dataclasses.replace(opts, **changes)
+        b = bytes_per_weight(optim_config(other), logits_per_weight(other))
+        if b < per_weight:
+            fits = "fits" if weights * b / share <= free else "does not fit either"
+            leaner.append(f"{flags}: {b:g} bytes per weight, {_size(weights * b / share)} ({fits})")
+    if leaner:
+        lines.append("Leaner modes (as good on stories260K: the README's mask-training state): " + "; ".join(leaner) + ".")
+    lines.append("Or shard the state over GPUs with torchrun --nproc_per_node=N -m patchc prune --fsdp ..."
+                 if opts.device.startswith("cuda") else "Or run on GPUs with --device cuda (and --fsdp to shard).")
+    raise ValueError(" ".join(lines))
+
+
+def _size(n: float) -> str:
+    return f"{n / GB:.1f} GB" if n >= GB / 10 else f"{n / 1e6:.1f} MB"
+
+
+__all__ = ["bytes_per_weight", "check_fits", "free_bytes", "masked_weights", "optim_config"]

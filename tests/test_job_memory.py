@@ -1,0 +1,92 @@
+"""`patchc prune` refuses up front a run whose mask state alone cannot fit (`patchc.job.memory`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import patchc
+from patchc.job import memory
+from patchc.job.memory import bytes_per_weight, check_fits, masked_weights, optim_config
+from patchc.job.options import PruneOptions
+from patchc.masking.hybrid_mask import HybridMask
+from patchc.masking.optim import GradPeak, state_bytes
+from patchc.masking.train import make_optimizer
+
+MODES = [dict(), dict(low_memory=True), dict(low_memory=True, nm_param="weight"),
+         dict(low_memory=True, nm_param="weight", v_per_group=True), dict(nm_param="weight")]
+
+
+def _program(model, nm_param: str = "pattern"):
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    return patchc.transform(model, patchc.PatchConfig(tile=(8, 8), steps=4, nm_param=nm_param), example_inputs=(ids,))
+
+
+@pytest.mark.parametrize("changes", MODES, ids=lambda c: "+".join(c) or "default")
+def test_bytes_per_weight_is_what_training_holds(tiny_mlp, changes):
+    """The formula against the logits, Adam state and peak gradients of a real program after two steps
+    (the tile logits, one per 8 x 8 tile, measured and taken off)."""
+    opts = PruneOptions(tile=(8, 8), **changes)
+    cfg = optim_config(opts)
+    prog = _program(tiny_mlp, opts.nm_param)
+    params = prog.mask_parameters()
+    opt = make_optimizer(prog, 1e-3, cfg)
+    with GradPeak(params) as peak:
+        patchc.train_masks(prog, lambda s: torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(s)),
+                           lambda p, ids: p(ids).float().logsumexp(-1).mean(), steps=2, progress=False,
+                           optimizer=opt, optim=cfg)
+    measured = state_bytes(params, opt, peak.bytes)
+    weights = sum(m.numel for m in prog.layers.values())
+    tiles = [m.tile_logits for m in prog.modules() if isinstance(m, HybridMask)]
+    tile_bytes = sum(t.numel() * 4 + sum(v.numel() * v.element_size() for k, v in opt.state[t].items() if k != "step")
+                     for t in tiles)
+    grads = measured["grads"] if not cfg.in_backward else 0  # low mode: one tensor's, freed before the next
+    nm_bytes = measured["logits"] + measured["state"] + grads - tile_bytes
+    if not cfg.in_backward:
+        nm_bytes -= 4 * sum(t.numel() for t in tiles)  # their gradients too
+    assert nm_bytes / weights == pytest.approx(bytes_per_weight(cfg, memory.logits_per_weight(opts)))
+
+
+def test_masked_weights_counts_what_transform_masks(tiny_mlp):
+    prog = _program(tiny_mlp)
+    cfg = patchc.PatchConfig(tile=(8, 8))
+    assert masked_weights(tiny_mlp, cfg) == sum(m.numel for m in prog.layers.values()) > 0
+    assert masked_weights(tiny_mlp, cfg.replace(exclude=("*up*",))) == \
+        sum(m.numel for f, m in prog.layers.items() if "up" not in f)
+
+
+def test_check_fits_refuses_with_every_leaner_mode(tiny_mlp, monkeypatch):
+    cfg = patchc.PatchConfig(tile=(8, 8))
+    weights = masked_weights(tiny_mlp, cfg)
+    opts = PruneOptions(tile=(8, 8))
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 24 * weights)
+    check_fits(tiny_mlp, cfg, opts)  # exactly fits
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 10 * weights)
+    with pytest.raises(ValueError) as err:
+        check_fits(tiny_mlp, cfg, opts)
+    msg = str(err.value)
+    assert f"{weights:,} masked weights x 24 bytes" in msg and "on cpu" in msg
+    assert "--low-memory: 12 bytes per weight" in msg and "(does not fit either)" in msg
+    assert "--low-memory --nm-param weight --v-per-group: 6.5 bytes per weight" in msg and "(fits)" in msg
+    check_fits(tiny_mlp, cfg, PruneOptions(tile=(8, 8), low_memory=True, nm_param="weight"))
+    check_fits(tiny_mlp, cfg, PruneOptions(tile=(8, 8), variant="tile"))  # tile logits only: nothing to refuse
+    check_fits(tiny_mlp, cfg, PruneOptions(tile=(8, 8), fsdp=True), ranks=3)  # 24 / 3 = 8 bytes per rank
+    with pytest.raises(ValueError, match="on each of 2 ranks"):
+        check_fits(tiny_mlp, cfg, PruneOptions(tile=(8, 8), fsdp=True), ranks=2)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: None)  # unknown: no check
+    check_fits(tiny_mlp, cfg, opts)
+
+
+def test_free_bytes_reads_the_host():
+    free = memory.free_bytes("cpu")
+    assert free is None or 0 < free < 1 << 50
+
+
+def test_prune_refuses_before_generating_text_or_claiming_a_folder(monkeypatch, tmp_path):
+    from patchc.job import prune
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 1000)
+    monkeypatch.setattr(prune, "load_data", lambda *a, **k: pytest.fail("loaded text for a run that cannot fit"))
+    with pytest.raises(ValueError, match="mask training needs at least"):
+        prune.run_prune(PruneOptions(out=str(tmp_path / "run"), progress=False))
+    assert not (tmp_path / "run").exists()
