@@ -90,3 +90,21 @@ def test_prune_refuses_before_generating_text_or_claiming_a_folder(monkeypatch, 
     with pytest.raises(ValueError, match="mask training needs at least"):
         prune.run_prune(PruneOptions(out=str(tmp_path / "run"), progress=False))
     assert not (tmp_path / "run").exists()
+
+
+def test_recovery_needs_a_second_model_and_adam_in_the_weights_dtype(tiny_mlp, monkeypatch):
+    cfg = patchc.PatchConfig(tile=(8, 8))
+    weights = masked_weights(tiny_mlp, cfg)
+    model_bytes = 4 * sum(p.numel() for p in tiny_mlp.parameters())  # fp32, the tied head once
+    need = model_bytes + weights * (3 * 4 + 2)
+    memory.check_recovery(tiny_mlp, weights, need, "cpu")
+    with pytest.raises(ValueError, match=r"weight recovery needs at least .* \(%s weights\).*later" % f"{weights:,}"):
+        memory.check_recovery(tiny_mlp, weights, need - 1, "cpu", hint="later")
+    half = tiny_mlp.to(torch.bfloat16)
+    memory.check_recovery(half, weights, model_bytes // 2 + weights * (3 * 2 + 2), "cpu")
+    # prune checks recovery only with --recover, after the masks (which need less in the leanest mode)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
+    lean = dict(tile=(8, 8), low_memory=True, nm_param="weight", v_per_group=True)
+    check_fits(tiny_mlp.float(), cfg, PruneOptions(**lean))
+    with pytest.raises(ValueError, match="patchc recover RUN"):
+        check_fits(tiny_mlp.float(), cfg, PruneOptions(**lean, recover=10))

@@ -242,6 +242,20 @@ def test_run_recover_on_a_real_run_folder(tmp_path):
     assert "\n" not in str(err.value)
 
 
+@needs_shared
+def test_run_recover_refuses_before_any_text_when_training_cannot_fit(tmp_path, monkeypatch):
+    from patchc.job import memory, prune
+    from patchc.job.recover import run_recover
+
+    out = tmp_path / "run"
+    real_run_folder(out)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 1000)
+    monkeypatch.setattr(prune, "load_data", lambda *a, **k: pytest.fail("loaded text for a recovery that cannot fit"))
+    with pytest.raises(ValueError, match="weight recovery needs at least .* --method sparsegpt"):
+        run_recover(out, steps=2, progress=False)
+    assert not (out / "plan-recovered.patch").exists()
+
+
 def test_the_recover_summary_names_what_was_scored():
     from patchc.job.recover import format_recover
 

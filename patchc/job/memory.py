@@ -1,4 +1,4 @@
-"""Will mask training fit? Checked once the model is loaded, before text is generated or anything calibrated.
+"""Will mask training (and weight recovery) fit? Checked once the model is loaded, before text is generated.
 
 Mask training holds, beyond the model, its 2:4 logits, their Adam state and (in the default mode) every
 gradient until the step: a number of bytes per masked weight that follows from the dtypes alone
@@ -25,7 +25,6 @@ from patchc.job.options import PruneOptions
 from patchc.masking.optim import STATE_DTYPES, MaskOptimConfig
 from patchc.pruning.observe import layer_matrix, plain_layers
 
-GB = 1e9
 # (flags, the option changes they make), leanest last: what the refusal offers
 MODES = (("--low-memory", dict(low_memory=True)),
          ("--low-memory --nm-param weight", dict(low_memory=True, nm_param="weight")),
@@ -87,14 +86,21 @@ def free_bytes(device: str) -> int | None:
 
 
 def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: int = 1) -> None:
-    """ValueError when the masks' logits, Adam state and gradients alone (`bytes_per_weight`) exceed what
-    `opts.device` has free with the model loaded; `ranks`: FSDP ranks sharing that state."""
-    per_weight = bytes_per_weight(optim_config(opts), logits_per_weight(opts))
+    """ValueError when what mask training (and --recover's weight training) certainly holds beyond the
+    loaded model exceeds what `opts.device` has free now; `ranks`: FSDP ranks sharing the mask state."""
     free = free_bytes(opts.device)
-    if per_weight == 0 or free is None:
+    if free is None:
         return
     weights = masked_weights(model, cfg)
-    share = ranks if opts.fsdp else 1
+    check_masks(weights, free, opts, ranks if opts.fsdp else 1)
+    if opts.recover:
+        check_recovery(model, weights, free, opts.device, hint="Prune without --recover and recover the run "
+                       "later where more memory is free (patchc recover RUN --device ...)")
+
+
+def check_masks(weights: int, free: int, opts: PruneOptions, share: int = 1) -> None:
+    """The masks' logits, Adam state and gradients (`bytes_per_weight`), `share`d by FSDP ranks."""
+    per_weight = bytes_per_weight(optim_config(opts), logits_per_weight(opts))
     need = weights * per_weight / share
     if need <= free:
         return
@@ -116,8 +122,26 @@ def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: in
     raise ValueError(" ".join(lines))
 
 
+def check_recovery(model: nn.Module, weights: int, free: int, device: str, hint: str = "") -> None:
+    """Weight recovery trains a second copy of the model against the loaded dense one (the teacher), with a
+    gradient, Adam's m and v (in the weights' dtype) and two bool masks per planned weight."""
+    copy = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    itemsize = next(model.parameters()).element_size()
+    need = copy + weights * (3 * itemsize + 2)
+    if need <= free:
+        return
+    raise ValueError(f"weight recovery needs at least {_size(need)} on {device}: a second copy of the model "
+                     f"({_size(copy)}) beside the dense teacher, and {3 * itemsize + 2} bytes per planned weight "
+                     f"for its gradient, Adam's m and v and two masks ({weights:,} weights); {_size(free)} are free "
+                     f"with the model loaded. {hint}".rstrip())
+
+
 def _size(n: float) -> str:
-    return f"{n / GB:.1f} GB" if n >= GB / 10 else f"{n / 1e6:.1f} MB"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if n >= scale / 10:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1e3:.1f} kB"
 
 
-__all__ = ["bytes_per_weight", "check_fits", "free_bytes", "masked_weights", "optim_config"]
+__all__ = ["bytes_per_weight", "check_fits", "check_masks", "check_recovery", "free_bytes", "masked_weights",
+           "optim_config"]

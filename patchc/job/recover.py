@@ -155,6 +155,7 @@ def run_recover(
     """
     from patchc.ir import TilePlan
     from patchc.job import prune as job
+    from patchc.job.memory import check_recovery, free_bytes
     from patchc.job.model import load_bundle
 
     run = Path(run_dir)
@@ -169,6 +170,9 @@ def run_recover(
     opts = recover_options(plan, run, **changes, **({"batch_size": batch_size} if batch_size else {}))
     started = time.perf_counter()
     bundle = load_bundle(opts)
+    if method == "adam" and (free := free_bytes(opts.device)) is not None:  # before text is generated
+        check_recovery(bundle.model, sum(layer.numel for layer in plan.layers.values()), free, opts.device,
+                       hint="Pass --device with more memory, or --method sparsegpt (no training state)")
     data = job.load_data(bundle, opts, cache_dir=job.cache_dir(opts))  # generated text: the run's cache
     other_text = (("self_tokens",) * ("train_data" in recipe)  # another --train-data may generate another amount
                   + ("train_extra_documents",) * ("train_extra" in recipe))
