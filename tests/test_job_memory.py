@@ -82,6 +82,16 @@ def test_free_bytes_reads_the_host():
     assert free is None or 0 < free < 1 << 50
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_free_bytes_of_a_gpu_drops_by_what_is_allocated_there():
+    before = memory.free_bytes("cuda")
+    block = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB, taken from the driver
+    after = memory.free_bytes("cuda")
+    assert 0 < after < before <= torch.cuda.get_device_properties(0).total_memory
+    del block
+
+
 def test_prune_refuses_before_generating_text_or_claiming_a_folder(monkeypatch, tmp_path):
     from patchc.job import prune
 
