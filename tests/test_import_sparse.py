@@ -141,9 +141,13 @@ def test_the_tile_is_inferred_from_the_zeros_unless_given(tmp_path):
     summary = import_sparse(tmp_path / "all", tmp_path / "a")
     assert summary.tile == (128, 128) and summary.dense_tiles == 0
     assert "tile 128x128 (inferred from the zeros; --tile sets it)" in summary.format()
+    assert "at 64x64" not in summary.format()
     save_llama(tmp_path / "hybrid", {"self_attn.o_proj": "half"})  # dense 16-column stripes: 16 x 16 tiles
     summary = import_sparse(tmp_path / "hybrid", tmp_path / "h")
     assert summary.tile == (16, 16) and summary.dense_tiles == 4
+    # o_proj's 64-wide tiles each hold a dense stripe: at 64 x 64 its 2:4 weights (3/4 of 64 x 64) are lost
+    share = 1 - 64 * 48 / summary.coverage[16]
+    assert f"at 64x64 the 2:4 tiles would hold {share:.0%} of these 2:4 weights" in summary.format()
     assert load_plan(tmp_path / "h").layers["model.layers.0.self_attn.o_proj.weight"].tile == (16, 16)
     assert "(inferred from the zeros" not in import_sparse(tmp_path / "hybrid", tmp_path / "g", tile=32).format()
 

@@ -50,7 +50,7 @@ from patchc.export.pretrained import check_out, shard_limit, write_export
 from patchc.export.shards import DEFAULT_MAX_SHARD, INDEX, write_index
 from patchc.ir import targets
 from patchc.ir.file_format import FLOAT_DTYPES
-from patchc.ir.from_pruned import infer_tile, layer_from_linear, survey_linears
+from patchc.ir.from_pruned import layer_from_linear, pick_tile, sparse_coverage, survey_linears
 from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.tiles import tile_pair
 
@@ -71,14 +71,14 @@ class ImportSummary:
     plan_bytes: int
     dense_bytes: int
     left_dense: dict[str, str] = field(default_factory=dict)
-    tile_inferred: bool = False
+    coverage: dict[int, int] | None = None  # inferred tile: `sparse_coverage`, {side: weights in 2:4 tiles}
 
     def format(self) -> str:
         """A few lines for the terminal: tiles, bytes, the layers left dense and how to load the folder."""
         total = self.sparse_tiles + self.dense_tiles
         lines = [
             f"source layout: {self.layout}; {self.layers} layers planned at tile {self.tile[0]}x{self.tile[1]}"
-            f"{' (inferred from the zeros; --tile sets it)' if self.tile_inferred else ''}, "
+            f"{' (inferred from the zeros; --tile sets it)' if self.coverage else ''}, "
             f"{self.dtype}: {self.sparse_tiles} of {total} tiles 2:4 ({self.sparse_tiles / max(total, 1):.1%}), "
             f"{self.dense_tiles} dense",
             f"planned weights: {self.plan_bytes / 2**20:.2f} MiB against {self.dense_bytes / 2**20:.2f} MiB dense "
@@ -87,6 +87,10 @@ class ImportSummary:
         if self.layout == MARLIN:
             lines.append(f"its int4 / int8 values are served dequantized, as {self.dtype} 2:4 tiles: larger than the "
                          "checkpoint (patchc has no int4 kernels)")
+        if self.coverage and self.tile[0] < 64 and self.coverage[16]:
+            share = self.coverage[64] / self.coverage[16]
+            lines.append(f"at 64x64 the 2:4 tiles would hold {share:.0%} of these 2:4 weights: tiles under 64x64 keep "
+                         "them but stream weights more slowly on a large model (--tile 64 64 for speed)")
         if self.left_dense:
             reasons = Counter(self.left_dense.values())
             lines.append(f"left as plain weights: {len(self.left_dense)} ("
@@ -100,7 +104,7 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
                   max_shard_size: int | str = DEFAULT_MAX_SHARD) -> ImportSummary:
     """Write the 2:4 / hybrid model `src` (see the module docstring) as a patchc export folder `out`.
 
-    `tile`: None infers it from the zeros (`infer_tile`); `dtype`: the served weights' dtype (None: the
+    `tile`: None infers it from the zeros (`from_pruned.infer_tile`); `dtype`: the served weights' dtype (None: the
     checkpoint's own, fp32 when it names none; fp16 for marlin-24, whose int4 values times fp16 scales are fp16
     numbers, as Sparse-Marlin ran them); `max_shard_size`: as `export_pretrained`. Raises ExportError naming the
     checkpoint when no linear layer holds a 2:4 tile, or when `out` is in the way.
@@ -113,8 +117,8 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
     """
     from patchc.models import load_model
 
-    inferred = tile is None
-    tile = None if inferred else tile_pair(tile, "patchc import")
+    tile = None if tile is None else tile_pair(tile, "patchc import")
+    coverage = None
     out = Path(out)
     check_out(out, overwrite)  # before any long stage; the export checks both again as it writes
     shard_limit(out, max_shard_size)
@@ -123,7 +127,9 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
     with decoded(src, layout, out.parent) as folder:
         bundle = load_model(folder, dtype=dtype or (torch.float16 if layout == MARLIN else checkpoint_dtype(config)))
         model = bundle.model
-        tile = tile or infer_tile(model)
+        if tile is None:
+            coverage = sparse_coverage(model)
+            tile = pick_tile(coverage)
         where, slots, left = survey(model, tile, str(src))
         # each layer is packed as the file reaches it; no provenance check: it is packed from these very weights
         write_export(model, out, where, slots, lambda fqn: layer_from_linear(model, fqn, where[fqn], tile),
@@ -136,7 +142,7 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
         sparse_tiles=sum(s.n_sparse for s in slots.values()), dense_tiles=sum(s.n_dense for s in slots.values()),
         plan_bytes=sum(s.nbytes() for s in slots.values()),
         dense_bytes=sum(s.numel * weight.element_size() for s in slots.values()), left_dense=left,
-        tile_inferred=inferred)
+        coverage=coverage)
 
 
 def checkpoint_config(src: str | os.PathLike) -> dict:

@@ -88,15 +88,31 @@ def survey_linears(model: nn.Module, tile: tuple[int, int] | int) -> tuple[dict[
 
 def infer_tile(model: nn.Module, keep: float = 0.99) -> tuple[int, int]:
     """The widest square tile of `INFER_SIDES` whose 2:4 tiles hold at least `keep` of the weights that
-    16 x 16 tiles find 2:4 in the weights `survey_linears` plans: 128 x 128 for a model that is 2:4
-    throughout, the tile it was pruned with for a hybrid one (wider tiles would turn its 2:4 tiles dense).
+    16 x 16 tiles find 2:4 (`sparse_coverage`): 128 x 128 for a model that is 2:4 throughout, the tile it
+    was pruned with for a hybrid one (wider tiles would turn its 2:4 tiles dense).
 
     Example:
         >>> infer_tile(sparsegpt_2of4_llama), infer_tile(patch_hybrid_model_with_32x32_tiles)
         ((128, 128), (32, 32))
     """
+    return pick_tile(sparse_coverage(model), keep)
+
+
+def pick_tile(covered: dict[int, int], keep: float = 0.99) -> tuple[int, int]:
+    """`infer_tile`'s choice from a `sparse_coverage`."""
     if not 0 < keep <= 1:
         raise PlanError(f"infer_tile: keep must be in (0, 1], got {keep}")
+    fine = INFER_SIDES[-1]
+    if covered[fine] == 0:  # nothing is 2:4 at any side: the finest, so that "no 2:4 tile at 16 x 16" says so
+        return fine, fine
+    side = next(s for s in INFER_SIDES if covered[s] >= keep * covered[fine])
+    return side, side
+
+
+def sparse_coverage(model: nn.Module) -> dict[int, int]:
+    """{side: weights in 2:4 tiles of side x side} over the weights `survey_linears` plans, for each of
+    `INFER_SIDES`; one pass at 16 x 16, the wider tiles read off it (a tile is 2:4 iff all its 16 x 16
+    tiles are, since 2:4 groups never straddle them)."""
     fine = INFER_SIDES[-1]
     covered = dict.fromkeys(INFER_SIDES, 0)
     for name, target in targets.model_matrices(model).items():
@@ -107,11 +123,7 @@ def infer_tile(model: nn.Module, keep: float = 0.99) -> tuple[int, int]:
         sizes = tile_sizes(tuple(w.shape), (fine, fine), w.device)
         for side in INFER_SIDES:
             covered[side] += int(sizes[_coarsen(sparse, side // fine)].sum())
-    best = covered[fine]
-    if best == 0:  # nothing is 2:4 at any side: the finest, so that "no 2:4 tile at 16 x 16" says so
-        return fine, fine
-    side = next(s for s in INFER_SIDES if covered[s] >= keep * best)
-    return side, side
+    return covered
 
 
 def _coarsen(sparse: torch.Tensor, f: int) -> torch.Tensor:
