@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from patchc.job.report.plots import SUMMARY_PICTURES
+
 
 def _num(x: Any) -> float | None:
     """A finite-or-not float from anything numeric; None for missing / non-numbers."""
@@ -128,9 +130,8 @@ def _pictures(report: Mapping[str, Any], pictures: Iterable[str | os.PathLike] |
         files = report.get("files") or {}
         pictures = [p for p in files.values() if isinstance(p, str) and p.lower().endswith(".png")]
     names = list(dict.fromkeys(Path(p).name for p in pictures))
-    rank = {"sparsity_per_block.png": 0, "sparsity_per_projection.png": 1, "sparsity_heatmap.png": 2,
-            "sparsity_per_expert.png": 3}
-    return sorted(names, key=lambda n: rank.get(n, 4))  # stable: tile maps keep densest..sparsest order
+    rank = {name: i for i, name in enumerate(SUMMARY_PICTURES)}
+    return sorted(names, key=lambda n: rank.get(n, len(rank)))  # stable: tile maps keep densest..sparsest order
 
 
 def render_markdown(report: Mapping[str, Any], pictures: Iterable[str | os.PathLike] | None = None) -> str:

@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # matplotlib and the plan IR load lazily: `import patchc` mus
     from patchc.ir import LayerPlan, TilePlan
 
 DPI = 120
+# The plan-wide pictures, in the order report.md shows them (tile maps follow)
+SUMMARY_PICTURES = ("sparsity_per_block.png", "sparsity_per_projection.png", "sparsity_heatmap.png",
+                    "sparsity_per_expert.png")
 # Colours: dense tiles dark (they cost the most bytes), 2:4 tiles light; colour-blind safe pair.
 DENSE_COLOR = "#1f4e79"
 SPARSE_COLOR = "#f4b942"
@@ -268,8 +271,7 @@ def plot_plan(plan: TilePlan, out_dir: str | os.PathLike, title: str | None = No
 def _remove_stale(out: Path, written: list[Path]) -> None:
     """Delete pictures an earlier plan drew into `out` that this one did not (a re-run into the same
     folder would otherwise leave another plan's tile maps beside this plan's report)."""
-    ours = {"sparsity_per_block.png", "sparsity_per_projection.png", "sparsity_heatmap.png", "sparsity_per_expert.png"}
     keep = {p.name for p in written}
     for old in out.glob("*.png"):
-        if old.name not in keep and (old.name in ours or old.name.startswith("tile_map_")):
+        if old.name not in keep and (old.name in SUMMARY_PICTURES or old.name.startswith("tile_map_")):
             old.unlink(missing_ok=True)
