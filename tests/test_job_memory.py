@@ -7,7 +7,7 @@ import torch
 
 import patchc
 from patchc.job import memory
-from patchc.job.memory import bytes_per_weight, check_fits, masked_weights, optim_config
+from patchc.job.memory import bytes_per_weight, check_fits, masked_weights
 from patchc.job.options import PruneOptions
 from patchc.masking.hybrid_mask import HybridMask
 from patchc.masking.optim import GradPeak, state_bytes
@@ -27,7 +27,7 @@ def test_bytes_per_weight_is_what_training_holds(tiny_mlp, changes):
     """The formula against the logits, Adam state and peak gradients of a real program after two steps
     (the tile logits, one per 8 x 8 tile, measured and taken off)."""
     opts = PruneOptions(tile=(8, 8), **changes)
-    cfg = optim_config(opts)
+    cfg = opts.mask_optim()
     prog = _program(tiny_mlp, opts.nm_param)
     params = prog.mask_parameters()
     opt = make_optimizer(prog, 1e-3, cfg)

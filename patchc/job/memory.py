@@ -31,11 +31,6 @@ MODES = (("--low-memory", dict(low_memory=True)),
          ("--low-memory --nm-param weight --v-per-group", dict(low_memory=True, nm_param="weight", v_per_group=True)))
 
 
-def optim_config(opts: PruneOptions) -> MaskOptimConfig:
-    """The optimizer settings --low-memory and --v-per-group choose."""
-    return MaskOptimConfig(memory="low" if opts.low_memory else "default", v_per_group=opts.v_per_group)
-
-
 def bytes_per_weight(cfg: MaskOptimConfig, logits_per_weight: float, group: int = 4) -> float:
     """Bytes per masked weight that its 2:4 logits (fp32), their Adam m and v and, unless each tensor steps
     inside backward, their gradients hold: what `patchc.masking.optim.state_bytes` measures, from the
@@ -100,7 +95,7 @@ def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: in
 
 def check_masks(weights: int, free: int, opts: PruneOptions, share: int = 1) -> None:
     """The masks' logits, Adam state and gradients (`bytes_per_weight`), `share`d by FSDP ranks."""
-    per_weight = bytes_per_weight(optim_config(opts), logits_per_weight(opts))
+    per_weight = bytes_per_weight(opts.mask_optim(), logits_per_weight(opts))
     need = weights * per_weight / share
     if need <= free:
         return
@@ -111,7 +106,7 @@ def check_masks(weights: int, free: int, opts: PruneOptions, share: int = 1) -> 
     leaner = []
     for flags, changes in MODES:
         other = dataclasses.replace(opts, **changes)
-        b = bytes_per_weight(optim_config(other), logits_per_weight(other))
+        b = bytes_per_weight(other.mask_optim(), logits_per_weight(other))
         if b < per_weight:
             fits = "fits" if weights * b / share <= free else "does not fit either"
             leaner.append(f"{flags}: {b:g} bytes per weight, {_size(weights * b / share)} ({fits})")
@@ -143,5 +138,4 @@ def _size(n: float) -> str:
     return f"{n / 1e3:.1f} kB"
 
 
-__all__ = ["bytes_per_weight", "check_fits", "check_masks", "check_recovery", "free_bytes", "masked_weights",
-           "optim_config"]
+__all__ = ["bytes_per_weight", "check_fits", "check_masks", "check_recovery", "free_bytes", "masked_weights"]

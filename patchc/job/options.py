@@ -20,6 +20,7 @@ import torch
 
 from patchc.config import PatchConfig
 from patchc.job.losses import LOSSES, LossSpec
+from patchc.masking.optim import MaskOptimConfig
 from patchc.models.shared import SHARED_DIR
 
 DEFAULT_MODEL = str(SHARED_DIR / "models" / "stories260K" / "stories260K.bin")
@@ -197,6 +198,10 @@ class PruneOptions:
 
     def loss_spec(self) -> LossSpec:
         return LossSpec(self.loss, self.kd_temperature)
+
+    def mask_optim(self) -> MaskOptimConfig:
+        """The mask optimizer's settings that --low-memory and --v-per-group choose."""
+        return MaskOptimConfig(memory="low" if self.low_memory else "default", v_per_group=self.v_per_group)
 
     def recovery_lr(self, kind: str) -> float:
         """--recover-lr, or the default for a model of `kind` ("causal" or "encoder")."""

@@ -28,7 +28,7 @@ from patchc.config import PatchConfig
 from patchc.job.corpus import data_record, load_data
 from patchc.job.distributed import init_distributed, prepare_training, rank_slice, say, world
 from patchc.job.losses import make_lm_loss
-from patchc.job.memory import check_fits, optim_config
+from patchc.job.memory import check_fits
 from patchc.job.model import load_bundle, with_tile
 from patchc.job.options import ONESHOT_METHODS, PruneOptions, check_device
 from patchc.job.results import row, run_report
@@ -139,7 +139,7 @@ def train_program(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, cali
         checkpoint=setup.checkpoint,
         checkpoint_every=50 if checkpoint else 0,
         checkpoint_io=setup.checkpoint_io,
-        optim=optim_config(opts),
+        optim=opts.mask_optim(),
         resume=resume,
         progress=opts.progress and world()[0] == 0,
     )
