@@ -223,3 +223,22 @@ def test_harness_imports_without_tqdm_and_refuses_a_late_interpreter():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "REFUSED" in out.stdout and "TRITON_INTERPRET=1" in out.stdout
+
+
+@needs_cpu
+@pytest.mark.interpreter
+def test_a_part_that_raises_is_recorded_and_the_others_kept(monkeypatch, tmp_path):
+    bench_run = sys.modules["patchc.bench.run"]  # the package exports a function of the same name
+
+    def broken_e2e(*args, **kwargs):
+        raise RuntimeError("CUDA graph capture failed")
+
+    monkeypatch.setattr(bench_run, "run_speed", lambda *a, **k: {"rows": [], "skipped": ["x"]})
+    monkeypatch.setattr(bench_run, "run_e2e", broken_e2e)
+    opts = BenchOptions(parts=("e2e", "speed"), dry_run=True, out_dir=tmp_path)
+    record = bench_run.run(opts, progress=False)
+    assert record["speed"]["skipped"] == ["x"] and "e2e" not in record  # the part after the failure still ran
+    assert "CUDA graph capture failed" in record["errors"]["e2e"] and exit_status(record) == 1
+    (md,) = tmp_path.glob("*.md")
+    assert "FAILED: part e2e raised" in md.read_text() and "CUDA graph capture failed" in md.read_text()
+    assert "errors" in json.loads(next(tmp_path.glob("*.jsonl")).read_text())

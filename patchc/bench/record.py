@@ -90,6 +90,8 @@ def markdown(record: dict[str, Any]) -> str:
         lines += _e2e_md(record["e2e"])
     if "experts" in record:
         lines += _experts_md(record["experts"])
+    for part, text in record.get("errors", {}).items():
+        lines += [f"## FAILED: part {part} raised", "", "```", text.rstrip(), "```", ""]
     return "\n".join(lines) + "\n"
 
 

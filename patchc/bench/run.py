@@ -22,8 +22,9 @@ import dataclasses
 import importlib
 import os
 import sys
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -31,7 +32,7 @@ from patchc.bench.check import run_checks
 from patchc.bench.e2e import run_e2e
 from patchc.bench.experts import expert_cases, run_experts
 from patchc.bench.layers import Deadline, cpu_timer, gpu_timer, peak_bandwidth
-from patchc.bench.options import BenchOptions, check_cases, speed_cases
+from patchc.bench.options import PARTS, BenchOptions, check_cases, speed_cases
 from patchc.bench.record import append_jsonl, environment, markdown, slug
 from patchc.bench.speed import run_speed
 from patchc.utils.files import write_bytes_atomic
@@ -91,16 +92,17 @@ def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
     timer = cpu_timer(reps=1, warmup=0) if opts.dry_run else gpu_timer()
     tune = opts.tune and not opts.dry_run
     record: dict[str, Any] = {"env": env, "options": _jsonable(dataclasses.asdict(opts))}
-    if "check" in opts.parts:
-        record["check"] = run_checks(check_cases(opts), device, opts.seed, Deadline(opts.share("check")), progress)
-    if "speed" in opts.parts:
-        record["speed"] = run_speed(speed_cases(opts), device, timer, tune, opts.seed,
-                                    Deadline(opts.share("speed")), peak_bandwidth(env["device"]), progress)
-    if "e2e" in opts.parts:
-        record["e2e"] = run_e2e(dataclasses.replace(opts, tune=tune), device, Deadline(opts.share("e2e")), progress)
-    if "experts" in opts.parts:
-        record["experts"] = run_experts(expert_cases(opts), device, timer, opts.seed, Deadline(opts.share("experts")),
-                                        peak_bandwidth(env["device"]), progress)
+    parts = {
+        "check": lambda: run_checks(check_cases(opts), device, opts.seed, Deadline(opts.share("check")), progress),
+        "speed": lambda: run_speed(speed_cases(opts), device, timer, tune, opts.seed, Deadline(opts.share("speed")),
+                                   peak_bandwidth(env["device"]), progress),
+        "e2e": lambda: run_e2e(dataclasses.replace(opts, tune=tune), device, Deadline(opts.share("e2e")), progress),
+        "experts": lambda: run_experts(expert_cases(opts), device, timer, opts.seed, Deadline(opts.share("experts")),
+                                       peak_bandwidth(env["device"]), progress),
+    }
+    for part in PARTS:
+        if part in opts.parts:
+            _run_part(record, part, parts[part])
     name = slug(env["device"]) + ("-dry-run" if opts.dry_run else "")
     text = markdown(record)
     append_jsonl(opts.out_dir / f"{name}.jsonl", record)
@@ -110,9 +112,24 @@ def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
     return record
 
 
+def _run_part(record: dict[str, Any], part: str, fn: Callable[[], dict[str, Any]]) -> None:
+    """record[part] = fn(); a part that raises is recorded under record["errors"] with its traceback and the
+    run goes on, so one broken part (on a GPU session that is rare and short) does not lose the others."""
+    try:
+        record[part] = fn()
+    except Exception:  # noqa: BLE001 - any failure of a part is a finding to record, not a reason to stop
+        text = traceback.format_exc()
+        print(f"patchc bench: part {part!r} failed:\n{text}", file=sys.stderr)
+        record.setdefault("errors", {})[part] = text
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def exit_status(record: dict[str, Any]) -> int:
-    """1 when a correctness check (layers or experts) or the end-to-end logits comparison failed, else 0."""
-    failed = bool(record.get("check", {}).get("failed")) or bool(record.get("experts", {}).get("failed"))
+    """1 when a part raised, a correctness check (layers or experts) or the end-to-end logits comparison
+    failed, else 0."""
+    failed = bool(record.get("errors"))
+    failed |= bool(record.get("check", {}).get("failed")) or bool(record.get("experts", {}).get("failed"))
     failed |= any(not r["logits_ok"] for r in record.get("e2e", {}).get("rows", []))
     return int(failed)
 
