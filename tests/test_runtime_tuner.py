@@ -295,3 +295,29 @@ def test_dropped_entry_stays_dropped(tmp_path):
     cache.put("third", {"ms": 3.0})
     fresh = TuneCache(path)
     assert fresh.get("stale") is None and fresh.get("other") == {"ms": 2.0} and fresh.get("third") == {"ms": 3.0}
+
+
+def test_layers_of_one_class_share_one_tuning():
+    from patchc.codegen.reference import random_layer_plan
+    from patchc.ir import TilePlan
+    from patchc.runtime.tuner import tuning_class
+
+    def layer(name, kinds, seed):
+        return random_layer_plan(128, 1024, tile=(64, 64), kinds=kinds, name=name, seed=seed)
+
+    # seeds 0 and 3 draw 13 and 12 of 32 tiles 2:4, at other places: one class; c is all 2:4, another
+    plan = TilePlan(layers={"a.weight": layer("a.weight", 0.5, 0), "b.weight": layer("b.weight", 0.5, 3),
+                            "c.weight": layer("c.weight", "sparse", 1)}, skipped={}, meta={})
+    a_, b_ = plan.layers["a.weight"], plan.layers["b.weight"]
+    assert tuning_class(a_) == tuning_class(b_) and not torch.equal(a_.kinds, b_.kinds)
+    one, sparse, both = FakeTimer(), FakeTimer(), FakeTimer()
+    run(TilePlan(layers={"a.weight": a_}, skipped={}, meta={}), False, one)
+    run(TilePlan(layers={"c.weight": plan.layers["c.weight"]}, skipped={}, meta={}), False, sparse)
+    out = run(plan, False, both)
+    a, b = out["a.weight"], out["b.weight"]
+    assert (b.source, b.fqn, b.notes[-1]) == ("shared", "b.weight", "tuning of a.weight")
+    assert (b.block, b.decode, b.prefill, b.buckets, b.threshold) == (a.block, a.decode, a.prefill, a.buckets, a.threshold)
+    assert out["c.weight"].source == "tuned" and both.calls == one.calls + sparse.calls  # a and c timed, b not
+    alone = FakeTimer()
+    run(plan, False, alone, share=False)
+    assert alone.calls > both.calls

@@ -21,10 +21,11 @@ from typing import Any, Callable
 
 import torch
 
-from patchc.codegen.configs import KernelConfig, arch_of
+from patchc.codegen.configs import KernelConfig, arch_of, choose_block, resolve_config
 from patchc.codegen.layout import PackedLayer, kernel_buffers, pack, per_row_counts
 from patchc.runtime.cache import TuneCache, cache_key, plan_hash, resolve_cache
-from patchc.runtime.candidates import SPACE_VERSION, candidates
+from patchc.runtime.candidates import SPACE_VERSION, candidate_space, candidates
+from patchc.runtime.search import descend
 from patchc.runtime.op import launch
 
 log = logging.getLogger(__name__)
@@ -115,10 +116,20 @@ class LayerTimer:
             self.timed += 1
         return self._ms[key]
 
-    def best(self, cands: list[KernelConfig], m: int) -> tuple[KernelConfig | None, float]:
-        scored = [(self.time(c, m), i, c) for i, c in enumerate(cands)]
-        ms, _, cfg = min(scored, default=(math.inf, 0, None))
-        return (cfg, ms) if math.isfinite(ms) else (None, math.inf)
+    def best(self, regime: str, m: int, block: tuple[int, int] | None = None) -> tuple[KernelConfig | None, float]:
+        """The fastest config of `regime` at M (`block` fixed, or any) that `descend` finds from the config
+        the untuned path runs; (None, inf) when every candidate failed or none is left after pruning."""
+        cands = self.cands(regime, m, block)
+        if not cands:
+            return None, math.inf
+        if block is None:  # the architecture's default block where it is a candidate
+            blocks = [(c.block_n, c.block_k) for c in cands]
+            default = choose_block(self.tile, self.s.arch)
+            block = default if default in blocks else blocks[0]
+        packed, _, _ = self.packed(block)
+        group_m = candidate_space(self.s.arch).group_m  # the candidates' own: the start is one of them
+        start = resolve_config(KernelConfig(kernel=regime, group_m=group_m), packed, m, self.s.arch)
+        return descend(start, cands, lambda c: self.time(c, m))
 
     def cands(self, regime: str, m: int, block: tuple[int, int] | None = None) -> list[KernelConfig]:
         return candidates(regime, self.shape, self.tile, m, self.s.dtype, self.s.arch, block, self.s.smem_limit)

@@ -52,6 +52,7 @@ from patchc.utils.progress import progress as progress_bar
 log = logging.getLogger(__name__)
 
 BACKENDS = ("triton", "semi_structured")
+SHARE_STEP = 0.125  # 2:4 tile share per tuning class: one step moves a layer's weight bytes by <= 5.5%
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class LayerTuning:
     tuned at the batch size, which chose the block); buckets: ((largest M, decode config), ...) by M,
     each tuned at its largest M (empty: `decode` serves every M up to the threshold); threshold: decode
     serves M <= threshold; prefill_backend: "triton" or "semi_structured" (all-2:4 layers, GPU only);
-    source: "tuned", "cache" or "default".
+    source: "tuned", "cache", "default" or "shared" (another layer's tuning, `tuning_class`).
 
     Example:
         >>> t = LayerTuning("fc.weight", (64, 64), KernelConfig("decode", 16, 64, 64, 4, 4, 4, 8),
@@ -130,15 +131,15 @@ def _tune_decode(t: LayerTimer) -> tuple[tuple[int, int], KernelConfig, float]:
     s = t.s
     m_dec, m_pre = s.batch_size, s.batch_size * s.prefill_len
     if not t.all_sparse:
-        cfg, ms = t.best(t.cands("decode", m_dec), m_dec)
+        cfg, ms = t.best("decode", m_dec)
         if cfg is None:
             raise TuneError(f"layer {t.layer.name!r}: every decode candidate failed or was pruned")
         return (cfg.block_n, cfg.block_k), cfg, ms
     best: tuple[float, tuple[int, int], KernelConfig, float] | None = None
     blocks = {(c.block_n, c.block_k) for c in t.cands("decode", m_dec)}
     for block in sorted(blocks):
-        dcfg, dms = t.best(t.cands("decode", m_dec, block), m_dec)
-        _, pms = t.best(t.cands("prefill", m_pre, block), m_pre)
+        dcfg, dms = t.best("decode", m_dec, block)
+        _, pms = t.best("prefill", m_pre, block)
         total = s.prefill_len * dms + pms  # one prefill pass, ~prefill_len decode steps
         if dcfg is not None and math.isfinite(total) and (best is None or total < best[0]):
             best = (total, block, dcfg, dms)
@@ -235,7 +236,7 @@ def _cached_or_tuned(t: LayerTimer, key: str, parse: Callable[[Mapping[str, Any]
 def _tune_prefill(t: LayerTimer, block: tuple[int, int], dec: KernelConfig) -> tuple[KernelConfig, float, str, int]:
     """Prefill config at M = batch * prefill_len with the decode block, its backend, and the threshold."""
     m_pre = t.s.batch_size * t.s.prefill_len
-    pre, pms = t.best(t.cands("prefill", m_pre, block), m_pre)
+    pre, pms = t.best("prefill", m_pre, block)
     if pre is None:
         raise TuneError(f"layer {t.layer.name!r}: every prefill candidate with block {block} failed or was pruned")
     backend = "triton"
@@ -247,7 +248,7 @@ def _tune_prefill(t: LayerTimer, block: tuple[int, int], dec: KernelConfig) -> t
 
 
 def _tune_bucket(t: LayerTimer, m: int, block: tuple[int, int]) -> tuple[KernelConfig, float]:
-    cfg, ms = t.best(t.cands("decode", m, block), m)
+    cfg, ms = t.best("decode", m, block)
     if cfg is None:
         raise TuneError(f"layer {t.layer.name!r}: every decode candidate for M = {m} failed or was pruned")
     return cfg, ms
@@ -286,12 +287,15 @@ def tune_plan(
     arch: str | None = None,
     cached_only: bool = False,
     layers: list[str] | None = None,
+    share: bool = True,
 ) -> dict[str, LayerTuning | None]:
     """Tune every planned layer (decode first, then prefill); {fqn: LayerTuning, or None = stays F.linear}.
 
     `cache`: a TuneCache, a path, None (the default file) or False (no cache). `time_fn(fn) -> ms`
     replaces `triton.testing.do_bench` (then any device works: tests). Without CUDA and without
     `time_fn` it raises `TuneError`. `cached_only`: read the cache, time nothing (misses map to None).
+    `share`: a layer whose `tuning_class` is tuned already gets that tuning (source "shared"): a 7B
+    model's 224 layers fall into a few classes, and one tuning compiles and times ~100 configs.
 
     Example:
         >>> tunings = tune_plan(patchc.TilePlan.load("model.patch"), batch_size=16, prefill_len=128)  # doctest: +SKIP
@@ -299,9 +303,30 @@ def tune_plan(
     s = setup(batch_size, prefill_len, dtype, device, cache, time_fn, arch)
     names = list(plan.layers) if layers is None else layers
     out: dict[str, LayerTuning | None] = {}
+    tuned: dict[tuple, tuple[str, LayerTuning | None]] = {}  # tuning class -> (its first layer, its tuning)
     for fqn in progress_bar(names, desc="patchc tune", unit="layer", disable=not progress):
         if fqn not in plan.layers:
             raise KeyError(f"layer {fqn!r} is not in the plan")
-        out[fqn] = tune_layer(plan.layers[fqn], s, cached_only=cached_only)
+        layer = plan.layers[fqn]
+        key = tuning_class(layer) if share else (fqn,)
+        if key in tuned:
+            first, tuning = tuned[key]
+            out[fqn] = tuning and dataclasses.replace(tuning, fqn=fqn, source="shared",
+                                                      notes=(*tuning.notes, f"tuning of {first}"))
+            continue
+        out[fqn] = tune_layer(layer, s, cached_only=cached_only)
+        tuned[key] = (fqn, out[fqn])
     return out
 
+
+def tuning_class(layer: Any) -> tuple:
+    """Layers of one class share a tuning: same shape and tile, both all-2:4 or not, and the same share of
+    2:4 tiles to within `SHARE_STEP` (what kernel time follows: weight bytes and, through split-K, occupancy).
+
+    Example:
+        >>> tuning_class(plan.layers["layers.0.mlp.up_proj.weight"])   # doctest: +SKIP
+        ((11008, 4096), (128, 128), False, 4)
+    """
+    kinds = layer.kinds
+    share = float((kinds == 1).sum()) / max(1, kinds.numel())
+    return tuple(layer.shape), tuple(layer.tile), int((kinds == 0).sum()) == 0, round(share / SHARE_STEP)
