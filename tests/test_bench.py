@@ -242,3 +242,39 @@ def test_a_part_that_raises_is_recorded_and_the_others_kept(monkeypatch, tmp_pat
     (md,) = tmp_path.glob("*.md")
     assert "FAILED: part e2e raised" in md.read_text() and "CUDA graph capture failed" in md.read_text()
     assert "errors" in json.loads(next(tmp_path.glob("*.jsonl")).read_text())
+
+
+@needs_cpu
+@pytest.mark.interpreter
+def test_sigterm_mid_run_records_the_parts_done(tmp_path):
+    """`timeout` sends SIGTERM: the record must still be written, with the parts finished before it."""
+    script = (
+        "import os, signal, sys\n"
+        "from pathlib import Path\n"
+        "import patchc.bench.run as _\n"
+        "bench_run = sys.modules['patchc.bench.run']\n"
+        "bench_run.run_speed = lambda *a, **k: {'rows': [], 'skipped': ['kept']}\n"
+        "def killed(*a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "bench_run.run_e2e = killed\n"
+        "from patchc.bench import BenchOptions, exit_status\n"
+        f"record = bench_run.run(BenchOptions(parts=('speed', 'e2e', 'experts'), dry_run=True, out_dir=Path({str(tmp_path)!r})), progress=False)\n"
+        "sys.exit(10 + exit_status(record))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 11, proc.stderr[-2000:]
+    record = json.loads(next(tmp_path.glob("*.jsonl")).read_text())
+    assert record["interrupted"] == "e2e" and record["speed"]["skipped"] == ["kept"] and "experts" not in record
+    assert "INTERRUPTED during part e2e" in next(tmp_path.glob("*.md")).read_text()
+
+
+def test_run_cases_logs_a_line_per_case_without_a_bar(capsys):
+    from patchc.bench.layers import Deadline, run_cases
+
+    cases = [LayerCase((64, 64), 0.35, (32, 32), "fp16", (1,)), LayerCase((64, 96), "2:4", (32, 32), "fp16", (1,))]
+    rows, skipped = run_cases(cases, lambda c: [{"M": 1, "speedup": 1.5, "case": c.label}], Deadline(60), "bench speed",
+                              show=False)
+    out = capsys.readouterr().out.splitlines()
+    assert len(rows) == 2 and not skipped
+    assert out[0].startswith("bench speed: 64x64 35% t32x32 fp16: M=1 1.50x (") and len(out) == 2

@@ -117,6 +117,14 @@ def cpu_timer(reps: int = 3, warmup: int = 1) -> Callable[[Callable[[], Any]], f
     return timer
 
 
+def summarise(rows: list[dict[str, Any]]) -> str:
+    """One case's rows in a few words: speedups by M or tokens (speed, experts) or checks failed (check)."""
+    if rows and "speedup" in rows[0]:
+        return ", ".join(f"{'M' if 'M' in r else 'tokens'}={r.get('M', r.get('tokens'))} {r['speedup']:.2f}x"
+                         for r in rows)
+    return f"{len(rows)} checks, {sum(not r['ok'] for r in rows)} failed"
+
+
 class Deadline:
     """A part's share of the time budget: `left()` seconds, `over()` once spent.
 
@@ -144,5 +152,9 @@ def run_cases(cases: list[LayerCase], run_one: Callable[[LayerCase], list[dict[s
         if deadline.over():
             skipped.append(case.label)
             continue
-        rows += run_one(case)
+        t0 = time.monotonic()
+        mine = run_one(case)
+        rows += mine
+        if not show:  # no bar: a line per case, so a log of a run cut short still says what it found
+            print(f"{desc}: {case.label}: {summarise(mine)} ({time.monotonic() - t0:.1f} s)", flush=True)
     return rows, skipped

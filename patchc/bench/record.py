@@ -90,6 +90,8 @@ def markdown(record: dict[str, Any]) -> str:
         lines += _e2e_md(record["e2e"])
     if "experts" in record:
         lines += _experts_md(record["experts"])
+    if "interrupted" in record:
+        lines += [f"## INTERRUPTED during part {record['interrupted']} (its rows and the later parts are missing)", ""]
     for part, text in record.get("errors", {}).items():
         lines += [f"## FAILED: part {part} raised", "", "```", text.rstrip(), "```", ""]
     return "\n".join(lines) + "\n"

@@ -18,13 +18,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -100,9 +103,14 @@ def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
         "experts": lambda: run_experts(expert_cases(opts), device, timer, opts.seed, Deadline(opts.share("experts")),
                                        peak_bandwidth(env["device"]), progress),
     }
-    for part in PARTS:
-        if part in opts.parts:
-            _run_part(record, part, parts[part])
+    with _sigterm_as_interrupt():
+        for part in [p for p in PARTS if p in opts.parts]:
+            try:
+                _run_part(record, part, parts[part])
+            except KeyboardInterrupt:  # Ctrl-C or `timeout`: keep the parts already done
+                record["interrupted"] = part
+                print(f"patchc bench: interrupted during part {part!r}; recording the parts done", file=sys.stderr)
+                break
     name = slug(env["device"]) + ("-dry-run" if opts.dry_run else "")
     text = markdown(record)
     append_jsonl(opts.out_dir / f"{name}.jsonl", record)
@@ -125,10 +133,27 @@ def _run_part(record: dict[str, Any], part: str, fn: Callable[[], dict[str, Any]
             torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (`timeout`, a job scheduler) raises KeyboardInterrupt like Ctrl-C, so the record is written."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def exit_status(record: dict[str, Any]) -> int:
-    """1 when a part raised, a correctness check (layers or experts) or the end-to-end logits comparison
-    failed, else 0."""
-    failed = bool(record.get("errors"))
+    """1 when a part raised or was interrupted, a correctness check (layers or experts) or the end-to-end
+    logits comparison failed, else 0."""
+    failed = bool(record.get("errors")) or "interrupted" in record
     failed |= bool(record.get("check", {}).get("failed")) or bool(record.get("experts", {}).get("failed"))
     failed |= any(not r["logits_ok"] for r in record.get("e2e", {}).get("rows", []))
     return int(failed)
