@@ -3,6 +3,7 @@ never slower than the default, and a fallback when the default's region fails to
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -77,3 +78,55 @@ def test_neighbours_differ_in_one_axis_only():
         for c in near:
             same = [f for f in KernelConfig.__dataclass_fields__ if f not in axis]
             assert all(getattr(c, f) == getattr(start, f) for f in same)
+
+
+def test_the_tuner_compiles_each_axis_before_timing_it(monkeypatch):
+    """With compile threads (a CUDA device), every config is handed to the parallel compile before it is
+    timed, and a config already timed is not compiled again."""
+    import patchc.runtime.timing as timing
+    from patchc.codegen.reference import random_tile_plan
+    from patchc.runtime.tuner import tune_plan
+
+    compiled: list[tuple[KernelConfig, int]] = []  # (config, M): warm(x, ..., cfg)
+    monkeypatch.setattr(timing, "compile_parallel",
+                        lambda warmers, threads: compiled.extend((w.args[-1], w.args[0].shape[0]) for w in warmers))
+    real_setup = timing.setup
+    monkeypatch.setattr("patchc.runtime.tuner.setup", lambda *a: dataclasses.replace(real_setup(*a), compile_threads=4))
+    timed: list[tuple[KernelConfig, int]] = []
+
+    def time_fn(fn):
+        cfg, m = fn.args[-1], fn.args[0].shape[0]
+        first_of_search = (cfg.kernel, m) not in {(c.kernel, mm) for c, mm in timed}  # each search's start
+        assert (cfg, m) in compiled or first_of_search, f"{cfg} at M={m} timed before it was compiled"
+        timed.append((cfg, m))
+        return 1.0 + abs(cfg.split_k - 2)
+
+    plan = random_tile_plan({"a.weight": dict(n=256, k=2048, tile=(64, 64), kinds="mixed")})
+    tune_plan(plan, 16, 32, torch.float16, "cpu", False, False, time_fn=time_fn, arch="sm_90")
+    assert len(timed) > 10 and len(compiled) == len(set(compiled))
+
+
+def test_compile_parallel_runs_every_warmer_and_survives_failures():
+    from patchc.runtime.timing import compile_parallel
+
+    ran = []
+
+    def broken():
+        raise RuntimeError("out of resources")
+
+    compile_parallel([lambda: ran.append(1), broken, lambda: ran.append(2)], threads=2)
+    assert sorted(ran) == [1, 2]
+
+
+def test_compile_threads_from_the_environment(monkeypatch):
+    import pytest
+
+    from patchc.runtime.timing import COMPILE_THREADS_ENV, compile_threads
+
+    monkeypatch.setenv(COMPILE_THREADS_ENV, "3")
+    assert compile_threads() == 3
+    monkeypatch.setenv(COMPILE_THREADS_ENV, "zero")
+    with pytest.raises(ValueError, match="PATCHC_COMPILE_THREADS must be a positive integer"):
+        compile_threads()
+    monkeypatch.delenv(COMPILE_THREADS_ENV)
+    assert 1 <= compile_threads() <= 16

@@ -176,6 +176,30 @@ def launch(
     return y
 
 
+def warm(
+    x2: torch.Tensor,
+    buffers: tuple[torch.Tensor, ...],
+    bias: torch.Tensor | None,
+    shape: tuple[int, int],
+    block: tuple[int, int],
+    per_row: tuple[int, int],
+    cfg: KernelConfig,
+) -> None:
+    """Compile what `launch` with these arguments would run, without running it (Triton's `warmup`): under
+    Triton's AsyncCompileMode the compiles of many configs then run in parallel threads (the tuner).
+    A no-op under the interpreter, which compiles nothing."""
+    kernel = kernels.KERNELS[cfg.kernel]
+    if not isinstance(kernel, triton.runtime.JITFunction):
+        return
+    n, m = shape[0], x2.shape[0]
+    cfg, y, part, consts, args = _prepare(x2, buffers, bias, shape, block, per_row, cfg, zeros=False)
+    kernel.warmup(*args, m, grid=grid_of(cfg, math.ceil(n / block[0]), m), **consts, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+    if part is not None:
+        kernels.splitk_reduce_kernel.warmup(part, y, _or_dummy(bias, y), m, grid=(1,), N=n, SPLIT_K=cfg.split_k,
+                                            HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK)
+
+
 def launch_grouped(
     x2: torch.Tensor,
     offs: torch.Tensor,

@@ -41,17 +41,23 @@ def neighbours(cfg: KernelConfig, pool: list[KernelConfig], axis: tuple[str, ...
 
 
 def descend(start: KernelConfig, cands: list[KernelConfig], time: Callable[[KernelConfig], float],
-            max_rounds: int = MAX_ROUNDS) -> tuple[KernelConfig | None, float]:
+            max_rounds: int = MAX_ROUNDS, prepare: Callable[[list[KernelConfig]], None] | None = None,
+            ) -> tuple[KernelConfig | None, float]:
     """(fastest config found, its ms) walking `cands` from `start`; (None, inf) when every config failed.
 
     `time(cfg)` returns ms, inf for a config that fails; it should memoise (configs are revisited).
+    `prepare(cfgs)`, if given, is called with each axis's configs before they are timed (the tuner
+    compiles them in parallel there).
     """
     pool = list(dict.fromkeys([start, *cands]))
     best, best_ms = start, time(start)
     for _ in range(max_rounds):
         moved = False
         for axis in AXES:
-            for c in neighbours(best, pool, axis):
+            near = neighbours(best, pool, axis)
+            if prepare is not None:
+                prepare(near)
+            for c in near:
                 ms = time(c)
                 if ms < best_ms:  # strictly faster: ties keep the config already held
                     best, best_ms, moved = c, ms, True
@@ -59,6 +65,8 @@ def descend(start: KernelConfig, cands: list[KernelConfig], time: Callable[[Kern
             break
     if math.isfinite(best_ms):
         return best, best_ms
+    if prepare is not None:
+        prepare(cands)
     scored = [(time(c), i, c) for i, c in enumerate(cands)]  # the default's region all failed: try the rest
     ms, _, cfg = min(scored, default=(math.inf, 0, None))
     return (cfg, ms) if math.isfinite(ms) else (None, math.inf)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,11 +28,13 @@ from patchc.codegen.layout import PackedLayer, kernel_buffers, pack, per_row_cou
 from patchc.runtime.cache import TuneCache, cache_key, plan_hash, resolve_cache
 from patchc.runtime.candidates import SPACE_VERSION, candidate_space, candidates
 from patchc.runtime.search import descend
+from patchc.codegen.launch import warm
 from patchc.runtime.op import launch
 
 log = logging.getLogger(__name__)
 
 TimeFn = Callable[[Callable[[], Any]], float]
+COMPILE_THREADS_ENV = "PATCHC_COMPILE_THREADS"
 
 
 class TuneError(RuntimeError):
@@ -58,6 +62,28 @@ def score(time_fn: TimeFn, fn: Callable[[], Any], what: str) -> float:
     return ms if math.isfinite(ms) and ms >= 0 else math.inf
 
 
+def compile_parallel(warmers: list[Callable[[], Any]], threads: int) -> None:
+    """Run `warmers` (each compiles one kernel config, `launch.warm`) under Triton's AsyncCompileMode: the
+    compiles go to a pool of `threads` threads (Triton's compiler and ptxas release the GIL: 2.5x on 2
+    cores for 4 kernels) and are all done when this returns. A config that fails to compile is left to
+    fail again, and score infinity, when it is timed. A Triton without AsyncCompileMode compiles each
+    config at its first timing instead."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return
+    try:
+        with ThreadPoolExecutor(threads) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            for w in warmers:
+                try:
+                    w()
+                except Exception as e:  # noqa: BLE001 - timed (and scored inf) later, with the error logged
+                    log.debug("patchc tune: warm-up failed (%s: %s)", type(e).__name__, e)
+    except Exception as e:  # noqa: BLE001 - parallel compiling is an optimisation: fall back to compiling in turn
+        log.warning("patchc tune: compiling in parallel failed (%s: %s); compiling each config in turn",
+                    type(e).__name__, e)
+
+
 def do_bench(fn: Callable[[], Any]) -> float:
     """Default GPU timing: median ms of `triton.testing.do_bench` (warm-up compiles the kernel)."""
     import triton.testing
@@ -78,6 +104,7 @@ class Setup:
     time_fn: TimeFn
     cache: TuneCache | None
     smem_limit: int | None
+    compile_threads: int = 0  # >= 2: compile each axis's configs in that many threads before timing them
 
 
 class LayerTimer:
@@ -129,7 +156,20 @@ class LayerTimer:
         packed, _, _ = self.packed(block)
         group_m = candidate_space(self.s.arch).group_m  # the candidates' own: the start is one of them
         start = resolve_config(KernelConfig(kernel=regime, group_m=group_m), packed, m, self.s.arch)
-        return descend(start, cands, lambda c: self.time(c, m))
+        return descend(start, cands, lambda c: self.time(c, m), prepare=lambda cfgs: self.compile(cfgs, m))
+
+    def compile(self, cfgs: list[KernelConfig], m: int) -> None:
+        """Compile the configs not yet timed at M in parallel threads (`compile_parallel`), so that timing
+        them one by one next finds them built; nothing without `Setup.compile_threads`."""
+        todo = [c for c in dict.fromkeys(cfgs) if (c, m) not in self._ms]
+        if self.s.compile_threads < 2 or len(todo) < 2:
+            return
+        x = self.x(m)
+        warmers = []
+        for c in todo:
+            _, bufs, per_row = self.packed((c.block_n, c.block_k))
+            warmers.append(functools.partial(warm, x, bufs, None, self.shape, (c.block_n, c.block_k), per_row, c))
+        compile_parallel(warmers, self.s.compile_threads)
 
     def cands(self, regime: str, m: int, block: tuple[int, int] | None = None) -> list[KernelConfig]:
         return candidates(regime, self.shape, self.tile, m, self.s.dtype, self.s.arch, block, self.s.smem_limit)
@@ -157,5 +197,24 @@ def setup(batch_size: int, prefill_len: int, dtype: torch.dtype, device: Any, ca
         smem = getattr(props, "shared_memory_per_block_optin", None)
     else:
         name = str(dev)
+    threads = compile_threads() if dev.type == "cuda" else 0  # CPU runs the reference: nothing compiles
     return Setup(batch_size, prefill_len, dtype, dev, arch or arch_of(dev), name, time_fn or do_bench,
-                  resolve_cache(cache), smem)
+                  resolve_cache(cache), smem, threads)
+
+
+def compile_threads() -> int:
+    """Threads compiling tuner candidates: $PATCHC_COMPILE_THREADS (1: one at a time), else the CPUs this
+    process may use, at most 16.
+
+    Example:
+        >>> os.environ["PATCHC_COMPILE_THREADS"] = "4"; compile_threads()   # doctest: +SKIP
+        4
+    """
+    env = os.environ.get(COMPILE_THREADS_ENV)
+    if env is not None:
+        if not env.strip().isdigit() or int(env) < 1:
+            raise ValueError(f"{COMPILE_THREADS_ENV} must be a positive integer (1: compile one config at a "
+                             f"time), got {env!r}")
+        return int(env)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(16, cpus)
