@@ -294,3 +294,50 @@ def test_check_launch_passes_good_tensors_and_names_what_is_wrong(generated):
     check_launch(reduce, part=good["part"], y=good["y"], bias=good["bias"])
     with pytest.raises(ValueError, match="regenerate"):
         check_launch({k: v for k, v in entry.items() if k != "assumes"}, x=good["x"])
+
+
+JIT_SCRIPT = r"""
+# What Triton's JIT compiles for a launch at M = 1, done offline: its own binder and argument packing, then
+# the compile, for sm_90 (the GPU run's M = 1 split-K reduce failed here: M had become the Python int 1).
+import sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+from patchc.codegen import kernels, launch as L
+from patchc.codegen.configs import KernelConfig, resolve_config
+from patchc.codegen.layout import kernel_buffers, pack, per_row_counts
+from patchc.codegen.reference import random_layer_plan
+
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+
+def jit_compile(fn, args, kwargs):
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, options = binder(*args, **kwargs)
+    m_spec = spec[list(fn.arg_names).index("M")]
+    assert m_spec == ("i32", None), f"{fn.__name__}: M is specialised as {m_spec}"
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+layer = random_layer_plan(256, 512, tile=(64, 64), kinds="mixed", dtype=torch.float16, bias=True, seed=0)
+packed = pack(layer, block=(64, 64))
+x = torch.randn(1, 512, dtype=torch.float16)
+cfg = resolve_config(KernelConfig(kernel="decode", split_k=4), packed, 1, "sm_90")
+cfg, y, part, consts, args = L._prepare(x, kernel_buffers(packed), packed.bias, packed.shape, packed.block,
+                                         per_row_counts(packed), cfg, zeros=False)
+jit_compile(kernels.decode_kernel, [*args, 1], {**consts, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+jit_compile(kernels.splitk_reduce_kernel, [part, y, packed.bias, 1],
+            {"N": 256, "SPLIT_K": cfg.split_k, "HAS_BIAS": True, "BLOCK": L.REDUCE_BLOCK})
+print("ok")
+"""
+
+
+def test_the_jit_compiles_m_1_launches(triton_dir):
+    """M = 1 through the JIT's own binding: M stays an i32 argument (Triton would make a Python int of it)
+    and decode + split-K reduce compile. The offline compiles above pass M as i32 and never saw this."""
+    env = older_triton_env(triton_dir)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", JIT_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

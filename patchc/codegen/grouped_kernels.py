@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from patchc.codegen.kernels import decode_tile, prefill_tile, swizzle
+from patchc.codegen.kernels import NOT_SPECIALISED, decode_tile, prefill_tile, swizzle
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def expert_tile(offs_ptr, t, M, NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.conste
     return e, m0, tl.minimum(end, m0 + BLOCK_M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NOT_SPECIALISED)
 def grouped_decode_kernel(
     x_ptr, y_ptr, part_ptr, bias_ptr,
     dense_ptr, vals_ptr, meta_ptr,
@@ -65,7 +65,7 @@ def grouped_decode_kernel(
                     DENSE_PER_ROW, SPARSE_PER_ROW, HAS_BIAS, EVEN_K, DOT_PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NOT_SPECIALISED)
 def grouped_prefill_kernel(
     x_ptr, y_ptr, part_ptr, bias_ptr,
     dense_ptr, vals_ptr, meta_ptr,

@@ -49,6 +49,10 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 # element in the mma operand's layout on Triton versions that lay the former out badly
 # (`configs.GROUPS_PER_LOAD`; $PATCHC_GROUPS_PER_LOAD overrides it, e.g. to time both on a GPU).
 GROUPS_PER_LOAD = tl.constexpr(groups_in_use(triton.__version__))
+# The token count M stays a plain i32 argument: Triton's JIT would otherwise turn M == 1 into the Python
+# int 1 (so `M.to(...)` fails to compile: every split-K decode at M = 1 did on the first GPU run) and
+# compile another variant per M % 16; unspecialised, the JIT builds what `generate` compiles and profiles.
+NOT_SPECIALISED = ["M"]
 
 
 @triton.jit
@@ -327,7 +331,7 @@ def decode_tile(
               SPLIT_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NOT_SPECIALISED)
 def decode_kernel(
     x_ptr, y_ptr, part_ptr, bias_ptr,
     dense_ptr, vals_ptr, meta_ptr,
@@ -398,7 +402,7 @@ def swizzle(pid, num_pid_m, num_pid_n: tl.constexpr, GROUP_M: tl.constexpr):
     return first_m + (pid % group_size) % rows_in_group, (pid % group_size) // rows_in_group
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NOT_SPECIALISED)
 def prefill_kernel(
     x_ptr, y_ptr, part_ptr, bias_ptr,
     dense_ptr, vals_ptr, meta_ptr,
@@ -418,7 +422,7 @@ def prefill_kernel(
                  EVEN_K, DOT_PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NOT_SPECIALISED)
 def splitk_reduce_kernel(part_ptr, y_ptr, bias_ptr, M, N,
                          SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """y = sum_s part[s] (+ bias), summed in split order (deterministic). grid = (ceil(M*N/BLOCK),)."""
