@@ -169,6 +169,17 @@ def test_candidates_respect_tile_and_block():
     assert pre and {(c.block_n, c.block_k) for c in pre} == {(64, 64)} and {c.block_m for c in pre} == {64, 128}
 
 
+@pytest.mark.parametrize("tile", [(16, 16), (32, 32), (16, 32)])
+def test_plans_of_small_tiles_tune(tile):
+    """Blocks must divide the tile: 16- and 32-wide tiles have candidates of their own (the GPU run found
+    every all-2:4 candidate of a 16 x 16 plan pruned)."""
+    plan = random_tile_plan({"mixed.weight": dict(n=128, k=256, tile=tile, kinds="mixed"),
+                             "sparse.weight": dict(n=64, k=128, tile=tile, kinds="sparse")})
+    out = run(plan, False, FakeTimer())
+    for t in out.values():
+        assert tile[0] % t.block[0] == 0 and tile[1] % t.block[1] == 0
+
+
 def test_cache_key_parts(monkeypatch):
     monkeypatch.delenv("PATCHC_GROUPS_PER_LOAD", raising=False)
     k1 = cache_key("dev", (8, 16), "h", F16, "decode", 16)
