@@ -21,6 +21,13 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
+# backend="patch" resolves through the package's entry point; a GPU machine runs the suite from the working
+# tree (PYTHONPATH=., nothing installed), where only registering it here makes the name known.
+if "patch" not in torch._dynamo.list_backends(exclude_tags=()):
+    from patchc.runtime.backend import patch_backend
+
+    torch._dynamo.register_backend(patch_backend, name="patch")
+
 SHARED = Path(os.environ.get("PATCHC_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
 STORIES = SHARED / "models" / "stories260K"
 TINYSTORIES = SHARED / "data" / "tinystories_sample.txt"

@@ -218,8 +218,8 @@ def test_backend_experts_on_gpu_match_an_independent_dense_model(mode, family):
     dense = copy.deepcopy(case.model).to("cuda", torch.bfloat16)
     graphs = []
     torch._dynamo.reset()
-    cm = torch.compile(dense, backend="patch", mode=mode, options={"plan": plan, "strict": True, "tune": False,
-                                                                   "graph_callback": lambda gm, n: graphs.append(gm)})
+    cm = torch.compile(dense, backend="patch", options={"plan": plan, "strict": True, "tune": False, "mode": mode,
+                                                        "graph_callback": lambda gm, n: graphs.append(gm)})
     ids = case.ids.to("cuda")
     with torch.no_grad():
         for _ in range(3):  # reduce-overhead records on the second call and replays after

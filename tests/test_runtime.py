@@ -180,6 +180,24 @@ def test_backend_entry_point_name():
     assert "patch" in torch._dynamo.list_backends(exclude_tags=())
 
 
+def test_backend_takes_the_inductor_mode_in_its_options(tiny_mlp, monkeypatch):
+    """torch.compile refuses mode= beside options= (torch 2.11 on the GPU machine raised): with a plan, the
+    mode (reduce-overhead: CUDA graphs) travels in the options and reaches inductor."""
+    import patchc.runtime.backend as backend
+
+    seen = []
+    real = backend._inner_compile
+    monkeypatch.setattr(backend, "_inner_compile", lambda gm, ex, inner, mode: seen.append(mode) or real(gm, ex, inner, None))
+    with pytest.raises(RuntimeError, match="Either mode or options"):
+        torch.compile(tiny_mlp, backend="patch", mode="reduce-overhead", options={"plan": None})
+    torch._dynamo.reset()
+    cm = torch.compile(tiny_mlp, backend=rt.patch_backend, options={"mode": "reduce-overhead", "tune": False})
+    with torch.no_grad():
+        cm(torch.randint(0, 32, (2, 5)))
+    torch._dynamo.reset()
+    assert seen == ["reduce-overhead"]
+
+
 def test_backend_rejects_unknown_option(tiny_mlp):
     torch._dynamo.reset()
     cm = torch.compile(tiny_mlp, backend=rt.patch_backend, options={"plan": None, "bogus": 1})

@@ -25,6 +25,7 @@ nonzeros per group of 4 are 2:4, the rest dense; layers with no 2:4 tile are lef
 
 Options (all optional): plan, tile, batch_size (16), prefill_len (128), tune (True: tune on CUDA,
 cache-backed; "cached"; False), cache, inner ("inductor" / "aot_eager" / "eager" / any backend name),
+mode (inductor's, e.g. "reduce-overhead": torch.compile takes ``mode=`` or ``options=``, not both),
 strict (False), graph_callback (called with the rewritten GraphModule and the number of replaced
 matmuls; for tests). A tied weight is matched under the name dynamo saw first (e.g. the embedding's),
 so plan such layers under that name or use `patchc.compile`.
@@ -32,6 +33,7 @@ so plan such layers under that name or use `patchc.compile`.
 Example:
     >>> cm = torch.compile(model, backend="patch", options={"plan": plan})   # doctest: +SKIP
     >>> cm = torch.compile(pruned_model, backend="patch")                    # doctest: +SKIP
+    >>> cm = torch.compile(model, backend="patch", options={"plan": plan, "mode": "reduce-overhead"})  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ from patchc.runtime.op import tile_linear as _op  # noqa: F401  (registers the o
 
 log = logging.getLogger(__name__)
 
-OPTION_KEYS = ("plan", "tile", "batch_size", "prefill_len", "tune", "cache", "inner", "graph_callback", "time_fn",
-               "strict")
+OPTION_KEYS = ("plan", "tile", "batch_size", "prefill_len", "tune", "cache", "inner", "mode", "graph_callback",
+               "time_fn", "strict")
 DEFAULT_TILE = (16, 16)
 LINEAR_TARGETS = LINEAR
 _KEY = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]|\.([A-Za-z_][A-Za-z0-9_]*)|\['([^']*)'\]")
@@ -73,7 +75,9 @@ def patch_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) 
     callback = options.get("graph_callback")
     if callback is not None:
         callback(gm, sum(1 for n in gm.graph.nodes if n.target is torch.ops.patchc.tile_linear.default))
-    compiled = _inner_compile(gm, [*example_inputs, *extra], options.get("inner"), kwargs.get("mode"))
+    # torch.compile refuses mode= beside options=: with a plan, the mode comes in the options
+    mode = options.get("mode", kwargs.get("mode"))
+    compiled = _inner_compile(gm, [*example_inputs, *extra], options.get("inner"), mode)
     return _append_inputs(compiled, extra)
 
 
