@@ -178,6 +178,8 @@ def test_plans_of_small_tiles_tune(tile):
     out = run(plan, False, FakeTimer())
     for t in out.values():
         assert tile[0] % t.block[0] == 0 and tile[1] % t.block[1] == 0
+    wide = {(c.block_n, c.block_k) for c in candidates("decode", (4096, 4096), (128, 128), 16, F16, "sm_90")}
+    assert min(bn * bk for bn, bk in wide) >= 16 * 64  # 128-wide tiles: no 16 x 16 to 32 x 32 compiles
 
 
 def test_cache_key_parts(monkeypatch):

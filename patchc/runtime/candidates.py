@@ -59,10 +59,10 @@ class CandidateSpace:
             raise ValueError("CandidateSpace: smem_bytes, min_k_per_split, min_blocks_per_split must be positive")
 
 
-# 16 x 16 to 32 x 32 too: a plan of 16- or 32-wide tiles (the stories260K demo's) has no other block that
-# divides its tiles, and tuning it used to fail with "every candidate ... was pruned"
-_BLOCKS = ((16, 16), (16, 32), (32, 16), (32, 32), (16, 64), (32, 64), (64, 32), (64, 64), (128, 64), (64, 128),
-           (128, 128))
+_BLOCKS = ((16, 64), (32, 64), (64, 32), (64, 64), (128, 64), (64, 128), (128, 128))
+# Only for tiles under 64 wide (the stories260K demo's 16 x 16): no block above divides them, and tuning such
+# a plan failed with "every candidate ... was pruned". Wider tiles skip them (more compiles, never faster).
+SMALL_TILE_BLOCKS = ((16, 16), (16, 32), (32, 16), (32, 32))
 SPACES: dict[str, CandidateSpace] = {
     # Ampere (A100: 163 KiB opt-in shared memory per block, 108 SMs): mma.sync; 4 warps per 64-row tile.
     "sm_80": CandidateSpace(
@@ -167,7 +167,7 @@ def candidates(
     if regime not in ("decode", "prefill"):
         raise ValueError(f"regime must be 'decode' or 'prefill', got {regime!r}")
     space = candidate_space(arch)
-    blocks = (block,) if block is not None else space.blocks
+    blocks = (block,) if block is not None else space.blocks + (SMALL_TILE_BLOCKS if min(tile) < 64 else ())
     if regime == "decode":
         dot_bms = tuple(b for b in space.decode_block_m if b <= max(16, _pow2_ceil(m)))
         # M <= 4: block_m = M rounded up (tokens padded to 8 inside the kernel) or the smallest block_m of 16
