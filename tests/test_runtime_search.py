@@ -118,6 +118,17 @@ def test_compile_parallel_runs_every_warmer_and_survives_failures():
     assert sorted(ran) == [1, 2]
 
 
+def test_compile_parallel_warns_when_no_warm_up_works(caplog):
+    from patchc.runtime.timing import compile_parallel
+
+    def broken():
+        raise TypeError("warmup() got an unexpected keyword argument")
+
+    with caplog.at_level("WARNING", logger="patchc.runtime.timing"):
+        compile_parallel([broken, broken], threads=2)
+    assert "no config could be compiled ahead (TypeError: warmup()" in caplog.text
+
+
 def test_compile_threads_from_the_environment(monkeypatch):
     import pytest
 

@@ -72,13 +72,17 @@ def compile_parallel(warmers: list[Callable[[], Any]], threads: int) -> None:
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:
         return
+    failed: list[str] = []
     try:
         with ThreadPoolExecutor(threads) as pool, AsyncCompileMode(pool, ignore_errors=True):
             for w in warmers:
                 try:
                     w()
                 except Exception as e:  # noqa: BLE001 - timed (and scored inf) later, with the error logged
-                    log.debug("patchc tune: warm-up failed (%s: %s)", type(e).__name__, e)
+                    failed.append(f"{type(e).__name__}: {e}")
+                    log.debug("patchc tune: warm-up failed (%s)", failed[-1])
+        if failed and len(failed) == len(warmers):  # a broken warm-up, not a bad config: say so once per call
+            log.warning("patchc tune: no config could be compiled ahead (%s); each compiles at its timing", failed[0])
     except Exception as e:  # noqa: BLE001 - parallel compiling is an optimisation: fall back to compiling in turn
         log.warning("patchc tune: compiling in parallel failed (%s: %s); compiling each config in turn",
                     type(e).__name__, e)
