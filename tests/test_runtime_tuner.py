@@ -334,3 +334,15 @@ def test_layers_of_one_class_share_one_tuning():
     alone = FakeTimer()
     run(plan, False, alone, share=False)
     assert alone.calls > both.calls
+
+
+def test_a_layer_with_few_24_tiles_does_not_share_an_all_dense_layers_none():
+    from patchc.codegen.reference import random_layer_plan
+    from patchc.ir import TilePlan
+    from patchc.runtime.tuner import tuning_class
+
+    dense = random_layer_plan(128, 1024, tile=(64, 64), kinds="dense", name="d.weight", seed=0)
+    few = random_layer_plan(128, 1024, tile=(64, 64), kinds=torch.eye(2, 16, dtype=torch.int8), name="f.weight", seed=1)
+    assert int((few.kinds == 1).sum()) == 2 and tuning_class(dense) != tuning_class(few)
+    out = run(TilePlan(layers={"d.weight": dense, "f.weight": few}, skipped={}, meta={}), False, FakeTimer())
+    assert out["d.weight"] is None and out["f.weight"].source == "tuned"

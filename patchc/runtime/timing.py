@@ -1,9 +1,11 @@
 """How the tuner times a layer: its packed copies per block, inputs per M, and memoised timings.
 
 `setup` checks that timing can run here (a CUDA GPU, or an injected `time_fn`) and fixes what every
-layer shares (batch size, prefill length, dtype, device, architecture, cache); `LayerTimer` packs one layer
-per block lazily and times a config at an M once. A config that fails to compile or runs out of resources
-scores infinity. Timing is `triton.testing.do_bench` on the GPU.
+layer shares (batch size, prefill length, dtype, device, architecture, cache, compile threads);
+`LayerTimer` packs one layer per block lazily, times a config at an M once, and finds a regime's best
+config by coordinate descent (`search.descend`), compiling each axis's configs in parallel threads first
+on a GPU (`compile_parallel`). A config that fails to compile or runs out of resources scores infinity.
+Timing is `triton.testing.do_bench` on the GPU.
 
 Example:
     >>> s = setup(16, 128, torch.float16, "cuda", None, None, None)          # doctest: +SKIP
@@ -26,10 +28,10 @@ import torch
 from patchc.codegen.configs import KernelConfig, arch_of, choose_block, resolve_config
 from patchc.codegen.layout import PackedLayer, kernel_buffers, pack, per_row_counts
 from patchc.runtime.cache import TuneCache, cache_key, plan_hash, resolve_cache
-from patchc.runtime.candidates import SPACE_VERSION, candidate_space, candidates
-from patchc.runtime.search import descend
 from patchc.codegen.launch import warm
+from patchc.runtime.candidates import SPACE_VERSION, candidate_space, candidates
 from patchc.runtime.op import launch
+from patchc.runtime.search import descend
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,9 @@ Order (the paper's appendix on STOICC integration):
 
 Candidates come from `candidates.py` (one table per GPU generation, sm_80 / sm_90), pruned
 before any timing (`prune_reason`): blocks that do not divide the plan tile or exceed the layer,
-estimated shared memory above the device limit, split-K leaving too little K per split. A config that
+estimated shared memory above the device limit, split-K leaving too little K per split; then walked by
+coordinate descent from the default config (`search.py`: ~20 timings a round, not all ~400), each axis's
+configs compiled in parallel threads first. Layers of one `tuning_class` share one tuning. A config that
 fails to compile or runs out of resources scores infinity. Timing is `triton.testing.do_bench` on the
 GPU; `time_fn` is injectable (tests count its calls). Results go to the on-disk `TuneCache`.
 
@@ -320,13 +322,18 @@ def tune_plan(
 
 
 def tuning_class(layer: Any) -> tuple:
-    """Layers of one class share a tuning: same shape and tile, both all-2:4 or not, and the same share of
-    2:4 tiles to within `SHARE_STEP` (what kernel time follows: weight bytes and, through split-K, occupancy).
+    """Layers of one class share a tuning: same shape and tile, and all dense (F.linear), all 2:4, or mixed
+    with the same share of 2:4 tiles to within `SHARE_STEP` (what kernel time follows: weight bytes and,
+    through split-K, occupancy).
 
     Example:
         >>> tuning_class(plan.layers["layers.0.mlp.up_proj.weight"])   # doctest: +SKIP
-        ((11008, 4096), (128, 128), False, 4)
+        ((11008, 4096), (128, 128), 'mixed', 4)
     """
     kinds = layer.kinds
-    share = float((kinds == 1).sum()) / max(1, kinds.numel())
-    return tuple(layer.shape), tuple(layer.tile), int((kinds == 0).sum()) == 0, round(share / SHARE_STEP)
+    n_sparse, n = int((kinds == 1).sum()), kinds.numel()
+    if n_sparse == 0 or n_sparse == n:
+        kind: tuple = ("dense",) if n_sparse == 0 else ("2:4",)
+    else:  # never bucket 0: a layer with a few 2:4 tiles must not share an all-dense layer's "stays F.linear"
+        kind = ("mixed", max(1, round(n_sparse / n / SHARE_STEP)))
+    return (tuple(layer.shape), tuple(layer.tile), *kind)
