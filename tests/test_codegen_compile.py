@@ -329,6 +329,9 @@ cfg, y, part, consts, args = L._prepare(x, kernel_buffers(packed), packed.bias, 
 jit_compile(kernels.decode_kernel, [*args, 1], {**consts, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 jit_compile(kernels.splitk_reduce_kernel, [part, y, packed.bias, 1],
             {"N": 256, "SPLIT_K": cfg.split_k, "HAS_BIAS": True, "BLOCK": L.REDUCE_BLOCK})
+from patchc.codegen.grouped_kernels import GROUPED_KERNELS
+for fn in (*kernels.KERNELS.values(), kernels.splitk_reduce_kernel, *GROUPED_KERNELS.values()):
+    assert [p.name for p in fn.params if p.do_not_specialize] == ["M"], fn  # M is their only runtime int
 print("ok")
 """
 
