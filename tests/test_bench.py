@@ -278,3 +278,25 @@ def test_run_cases_logs_a_line_per_case_without_a_bar(capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(rows) == 2 and not skipped
     assert out[0].startswith("bench speed: 64x64 35% t32x32 fp16: M=1 1.50x (") and len(out) == 2
+
+
+def test_check_compiles_every_variant_ahead_with_the_configs_it_runs(monkeypatch):
+    """On a GPU the check part hands every (M, variant) config to the parallel compile first; the configs
+    are the ones `tile_linear` resolves when it then runs them."""
+    import patchc.runtime.timing as timing
+    from patchc.bench.check import compile_ahead, variants
+    from patchc.bench.layers import make_input
+    from patchc.codegen import pack
+    from patchc.codegen.configs import resolve_config
+
+    seen = []
+    monkeypatch.setattr(timing, "compile_parallel", lambda warmers, threads: seen.extend(w.args[-1] for w in warmers))
+    case = LayerCase((96, 160), 0.35, (32, 32), "fp16", (1, 4, 17), explicit=True)
+    packed = pack(make_layer(case, seed=0, bias=True), block=(32, 32))
+    xs = {m: make_input(m, 160, torch.float16, "cpu", m) for m in case.ms}
+    compile_ahead(case, packed, xs, "sm_90", threads=4)
+    want = [resolve_config(c, packed, m, "sm_90") for m in case.ms for c in variants(m, True).values() if c != "runtime"]
+    assert seen == want and len(seen) == 12  # M=1 and 4: auto, gemv, gemv_splitk, dot; M=17: auto, dot, 2 prefills
+    seen.clear()
+    compile_ahead(case, packed, xs, "sm_90", threads=1)
+    assert seen == []

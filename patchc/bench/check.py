@@ -86,9 +86,14 @@ def check_case(case: LayerCase, device: str, seed: int) -> list[dict[str, Any]]:
     # layer takes a second)
     runtime = None if case.kinds == "dense" else TileLinear(
         packed_cpu, default_tuning(layer, packed_cpu, 16, 128, arch), dtype=dtype, device=device)
+    xs = {m: make_input(m, case.shape[1], dtype, device, seed + m) for m in case.ms}
+    if device.startswith("cuda"):
+        from patchc.runtime.timing import compile_threads
+
+        compile_ahead(case, packed, xs, arch, compile_threads())
     rows = []
     for m in case.ms:
-        x = make_input(m, case.shape[1], dtype, device, seed + m)
+        x = xs[m]
         ref = F.linear(x.to(torch.float64), w64, b64)
         cublas_err = _max_err(F.linear(x, w, bias), ref)
         bound = error_bound(cublas_err, float(ref.abs().max()), dtype)
@@ -99,6 +104,25 @@ def check_case(case: LayerCase, device: str, seed: int) -> list[dict[str, Any]]:
             row.update(_run_variant(lambda: _call(x, packed, cfg, runtime), ref, bound))
             rows.append(row)
     return rows
+
+
+def compile_ahead(case: LayerCase, packed: Any, xs: dict[int, torch.Tensor], arch: str, threads: int) -> None:
+    """Compile every explicit and automatic variant of the case in parallel threads before they run one by
+    one (`patchc.runtime.timing.compile_parallel`): the check part is mostly Triton compiles otherwise."""
+    import functools
+
+    from patchc.codegen.configs import resolve_config
+    from patchc.codegen.launch import warm
+    from patchc.codegen.layout import kernel_buffers, per_row_counts
+    from patchc.runtime.timing import compile_parallel
+
+    if threads < 2:
+        return
+    bufs, per_row = kernel_buffers(packed), per_row_counts(packed)
+    warmers = [functools.partial(warm, xs[m], bufs, packed.bias, packed.shape, packed.block, per_row,
+                                 resolve_config(cfg, packed, m, arch))
+               for m in case.ms for cfg in variants(m, case.explicit).values() if cfg != "runtime"]
+    compile_parallel(warmers, threads)
 
 
 def _call(x: torch.Tensor, packed: Any, cfg: Any, runtime: Any) -> torch.Tensor:
