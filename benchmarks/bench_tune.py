@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from patchc.bench.layers import make_input, make_layer
     from patchc.bench.options import LayerCase
+    from patchc.bench.record import source_digest
     from patchc.ir import TilePlan
     from patchc.runtime import TileLinear, tune_plan
     from patchc.bench.layers import cpu_timer
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"M={m}: dense {1e3 * ms['dense']:.1f} us, tuned {1e3 * ms['tuned']:.1f} us "
               f"({rows[-1]['tuned_speedup']:.2f}x), default {1e3 * ms['default']:.1f} us ({rows[-1]['default_speedup']:.2f}x)")
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": device_name(dev), **versions(), "shape": [n, k], "sparsity": args.sparsity,
+              "device": device_name(dev), **versions(), "source_digest": source_digest(), "shape": [n, k], "sparsity": args.sparsity,
               "compile_threads": compile_threads() if dev == "cuda" else 0, "tune_s": tune_s, "configs_timed": timed[0],
               "decode": str(tuning.decode), "prefill": str(tuning.prefill), "threshold": tuning.threshold, "rows": rows,
               "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR")}

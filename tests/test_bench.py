@@ -300,3 +300,15 @@ def test_check_compiles_every_variant_ahead_with_the_configs_it_runs(monkeypatch
     seen.clear()
     compile_ahead(case, packed, xs, "sm_90", threads=1)
     assert seen == []
+
+
+def test_source_digest_names_the_code_not_the_checkout(tmp_path):
+    import shutil
+
+    from patchc.bench.record import source_digest
+
+    copy = tmp_path / "copy"
+    shutil.copytree(ROOT / "patchc", copy / "patchc", ignore=shutil.ignore_patterns("__pycache__"))
+    assert source_digest(copy) == source_digest(ROOT)  # another folder, no .git: the same code
+    (copy / "patchc" / "bench" / "record.py").write_text((copy / "patchc" / "bench" / "record.py").read_text() + "#\n")
+    assert source_digest(copy) != source_digest(ROOT)

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import re
 import subprocess
@@ -43,12 +44,27 @@ def environment(device: str, dry_run: bool) -> dict[str, Any]:
         "groups_per_load": groups_in_use(libs["triton"]),  # which 2:4 load was timed
         "cuda": torch.version.cuda,
         "git_sha": _run(["git", "-C", str(ROOT), "rev-parse", "HEAD"]),
+        "source_digest": source_digest(),  # names the code even where the machine's .git is a stale copy
         "git_dirty": bool(_run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])),
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         env["capability"] = list(torch.cuda.get_device_capability())
         env["driver"] = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     return env
+
+
+def source_digest(root: Path = ROOT) -> str:
+    """sha256 (12 hex digits) of patchc's Python sources, paths and bytes: the same at any checkout of the
+    same code, whatever git says there (a GPU machine's copy of .git was stale).
+
+    Example:
+        >>> len(source_digest())
+        12
+    """
+    h = hashlib.sha256()
+    for path in sorted((root / "patchc").rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -81,6 +97,7 @@ def markdown(record: dict[str, Any]) -> str:
     lines = [f"# patchc bench: {env['device']}", "",
              f"{env['date']} · torch {env['torch']} · triton {env['triton']} · CUDA {env.get('cuda')} · "
              f"driver {env.get('driver')} · git {str(env.get('git_sha'))[:10]}{' (dirty)' if env.get('git_dirty') else ''}"
+             f" · sources {env.get('source_digest')}"
              f"{' · DRY RUN (CPU interpreter, tiny shapes: timings mean nothing)' if env['dry_run'] else ''}", ""]
     if "check" in record:
         lines += _check_md(record["check"])
