@@ -346,3 +346,17 @@ def test_a_layer_with_few_24_tiles_does_not_share_an_all_dense_layers_none():
     assert int((few.kinds == 1).sum()) == 2 and tuning_class(dense) != tuning_class(few)
     out = run(TilePlan(layers={"d.weight": dense, "f.weight": few}, skipped={}, meta={}), False, FakeTimer())
     assert out["d.weight"] is None and out["f.weight"].source == "tuned"
+
+
+def test_all_24_layers_search_only_the_best_ranked_blocks(monkeypatch):
+    """All-2:4 layers rank every block by its default configs and search the best two in full: the same
+    block as searching all of them (on a cost where the block's default predicts its best), for fewer timings."""
+    import patchc.runtime.tuner as tuner
+
+    plan = random_tile_plan({"sparse.weight": dict(n=256, k=1024, tile=(64, 64), kinds="sparse")})
+    ranked, everything = FakeTimer(), FakeTimer()
+    chosen = run(plan, False, ranked)["sparse.weight"]
+    monkeypatch.setattr(tuner, "ALL_24_BLOCKS_SEARCHED", 99)
+    full = run(plan, False, everything)["sparse.weight"]
+    assert chosen.block == full.block == (32, 64) and chosen.decode == full.decode
+    assert ranked.calls < everything.calls

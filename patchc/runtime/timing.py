@@ -159,10 +159,14 @@ class LayerTimer:
             blocks = [(c.block_n, c.block_k) for c in cands]
             default = choose_block(self.tile, self.s.arch)
             block = default if default in blocks else blocks[0]
+        return descend(self.start(regime, m, block), cands, lambda c: self.time(c, m),
+                       prepare=lambda cfgs: self.compile(cfgs, m))
+
+    def start(self, regime: str, m: int, block: tuple[int, int]) -> KernelConfig:
+        """The config the untuned path runs for `regime` at M with `block`: where a search starts."""
         packed, _, _ = self.packed(block)
         group_m = candidate_space(self.s.arch).group_m  # the candidates' own: the start is one of them
-        start = resolve_config(KernelConfig(kernel=regime, group_m=group_m), packed, m, self.s.arch)
-        return descend(start, cands, lambda c: self.time(c, m), prepare=lambda cfgs: self.compile(cfgs, m))
+        return resolve_config(KernelConfig(kernel=regime, group_m=group_m), packed, m, self.s.arch)
 
     def compile(self, cfgs: list[KernelConfig], m: int) -> None:
         """Compile the configs not yet timed at M in parallel threads (`compile_parallel`), so that timing

@@ -7,8 +7,9 @@ Order (the paper's appendix on STOICC integration):
 2. The block shape of the decode winner fixes the packed layout (the order and cut of the compressed
    buffers), which both regimes must share; prefill (M = batch * prefill length) is then tuned over the
    remaining parameters (block_m, split-K, warps, stages) with that block.
-3. All-2:4 layers are tuned without that coupling: every block is timed in both regimes and the block
-   minimising ``prefill_len * t_decode + t_prefill`` wins (one packed copy is kept, so one block). At
+3. All-2:4 layers are tuned without that coupling: every block's default configs are timed in both
+   regimes, the two blocks with the lowest ``prefill_len * t_decode + t_prefill`` are searched in full,
+   and the lower of those wins (one packed copy is kept, so one block). At
    large M, torch's ``to_sparse_semi_structured`` (cuSPARSELt / CUTLASS) is also timed and used for
    prefill when it is faster (GPU, fp16/bf16 only).
 4. All-dense layers are not tuned: they stay ``F.linear`` (cuBLAS).
@@ -54,6 +55,7 @@ from patchc.utils.progress import progress as progress_bar
 log = logging.getLogger(__name__)
 
 BACKENDS = ("triton", "semi_structured")
+ALL_24_BLOCKS_SEARCHED = 2  # all-2:4 layers: the blocks whose default configs time best, searched in full
 SHARE_STEP = 0.125  # 2:4 tile share per tuning class: one step moves a layer's weight bytes by <= 5.5%
 
 
@@ -138,16 +140,31 @@ def _tune_decode(t: LayerTimer) -> tuple[tuple[int, int], KernelConfig, float]:
             raise TuneError(f"layer {t.layer.name!r}: every decode candidate failed or was pruned")
         return (cfg.block_n, cfg.block_k), cfg, ms
     best: tuple[float, tuple[int, int], KernelConfig, float] | None = None
-    blocks = {(c.block_n, c.block_k) for c in t.cands("decode", m_dec)}
-    for block in sorted(blocks):
+    searched = 0
+    for block in _rank_blocks(t, m_dec, m_pre):
         dcfg, dms = t.best("decode", m_dec, block)
         _, pms = t.best("prefill", m_pre, block)
         total = s.prefill_len * dms + pms  # one prefill pass, ~prefill_len decode steps
-        if dcfg is not None and math.isfinite(total) and (best is None or total < best[0]):
-            best = (total, block, dcfg, dms)
+        if dcfg is not None and math.isfinite(total):
+            searched += 1
+            if best is None or total < best[0]:
+                best = (total, block, dcfg, dms)
+        if searched == ALL_24_BLOCKS_SEARCHED:
+            break
     if best is None:
         raise TuneError(f"layer {t.layer.name!r}: every all-2:4 candidate failed or was pruned")
     return best[1], best[2], best[3]
+
+
+def _rank_blocks(t: LayerTimer, m_dec: int, m_pre: int) -> list[tuple[int, int]]:
+    """An all-2:4 layer's candidate blocks, best first by `prefill_len * decode + prefill` of each block's
+    default configs (compiled together first): searching each block in full cost ~7x."""
+    blocks = sorted({(c.block_n, c.block_k) for c in t.cands("decode", m_dec)})
+    starts = {b: (t.start("decode", m_dec, b), t.start("prefill", m_pre, b)) for b in blocks}
+    t.compile([d for d, _ in starts.values()], m_dec)
+    t.compile([p for _, p in starts.values()], m_pre)
+    total = {b: t.s.prefill_len * t.time(d, m_dec) + t.time(p, m_pre) for b, (d, p) in starts.items()}
+    return sorted(blocks, key=lambda b: (total[b], blocks.index(b)))
 
 
 def _threshold(t: LayerTimer, dec: KernelConfig, pre: KernelConfig) -> int:
