@@ -329,6 +329,20 @@ cfg, y, part, consts, args = L._prepare(x, kernel_buffers(packed), packed.bias, 
 jit_compile(kernels.decode_kernel, [*args, 1], {**consts, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 jit_compile(kernels.splitk_reduce_kernel, [part, y, packed.bias, 1],
             {"N": 256, "SPLIT_K": cfg.split_k, "HAS_BIAS": True, "BLOCK": L.REDUCE_BLOCK})
+# fused experts: grouped decode (split-K) at one token and grouped prefill, as launch_grouped binds them
+from patchc.codegen import grouped_kernels as G
+from patchc.codegen.grouped_layout import stack_experts
+experts = stack_experts([pack(random_layer_plan(128, 256, tile=(64, 64), kinds="mixed", dtype=torch.float16,
+                                                seed=e, name=f"w.{e}"), block=(64, 64)) for e in range(4)])
+offs = torch.tensor([0, 1, 1, 1], dtype=torch.int32)
+for m, kernel, split in ((1, "decode", 2), (64, "prefill", 1)):
+    xe = torch.randn(m, 256, dtype=torch.float16)
+    cfg = resolve_config(KernelConfig(kernel=kernel, split_k=split), experts, m, "sm_90")
+    cfg, y, part, consts, args = L._prepare(xe, kernel_buffers(experts), None, (128, 256), (64, 64),
+                                             experts.per_row, cfg, zeros=True)
+    consts.update(NUM_EXPERTS=4, EXPERTS_P2=G.experts_pow2(4))
+    jit_compile(G.GROUPED_KERNELS[kernel], [*args, offs, m],
+                {**consts, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 from patchc.codegen.grouped_kernels import GROUPED_KERNELS
 for fn in (*kernels.KERNELS.values(), kernels.splitk_reduce_kernel, *GROUPED_KERNELS.values()):
     assert [p.name for p in fn.params if p.do_not_specialize] == ["M"], fn  # M is their only runtime int
@@ -338,7 +352,7 @@ print("ok")
 
 def test_the_jit_compiles_m_1_launches(triton_dir):
     """M = 1 through the JIT's own binding: M stays an i32 argument (Triton would make a Python int of it)
-    and decode + split-K reduce compile. The offline compiles above pass M as i32 and never saw this."""
+    and decode + split-K reduce compile, and so do the fused experts' kernels as `launch_grouped` binds them. The offline compiles above pass M as i32 and never saw this."""
     env = older_triton_env(triton_dir)
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, "-c", JIT_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
