@@ -88,7 +88,7 @@ def peak_anon(cmd: list[str]) -> tuple[float, int]:
     def sample() -> None:
         nonlocal peak
         status = Path(f"/proc/{proc.pid}/status")
-        while proc.poll() is None:
+        while proc.poll() is None:  # read here without patchc: this parent process stays without torch
             try:
                 for line in status.read_text().splitlines():
                     if line.startswith("RssAnon:"):
@@ -112,8 +112,10 @@ from pathlib import Path
 import torch, patchc
 from transformers import AutoModelForCausalLM
 
+from patchc.utils.env import proc_bytes
+
 def anon():
-    return next(int(x.split()[1]) * 1024 for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("RssAnon:"))
+    return proc_bytes("/proc/self/status", "RssAnon")
 
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
 base = peak = anon()

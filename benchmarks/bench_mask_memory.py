@@ -76,12 +76,11 @@ def _rss() -> int:
 
 def _peak() -> int:
     """The resident high-water mark since the last `_settle` (Linux), else since the process started."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    from patchc.utils.env import proc_bytes
+
+    hwm = proc_bytes("/proc/self/status", "VmHWM")
+    if hwm is not None:
+        return hwm
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 

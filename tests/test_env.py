@@ -31,3 +31,12 @@ def test_cpu_model_reads_cpuinfo_and_falls_back(monkeypatch, tmp_path):
 
     monkeypatch.setattr(env, "open", missing, raising=False)
     assert env.cpu_model() == (platform.processor() or platform.machine())
+
+
+def test_proc_bytes_reads_a_kb_field_and_says_none_when_absent(tmp_path):
+    from patchc.utils.env import proc_bytes
+
+    f = tmp_path / "status"
+    f.write_text("Name:\tpython\nVmHWM:\t  2048 kB\nRssAnon:\t 512 kB\n")
+    assert proc_bytes(f, "VmHWM") == 2048 * 1024 and proc_bytes(f, "RssAnon") == 512 * 1024
+    assert proc_bytes(f, "VmRSS") is None and proc_bytes(tmp_path / "gone", "VmHWM") is None

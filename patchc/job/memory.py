@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,6 +23,7 @@ from patchc.config import PatchConfig
 from patchc.job.options import PruneOptions
 from patchc.masking.optim import STATE_DTYPES, MaskOptimConfig
 from patchc.pruning.observe import layer_matrix, plain_layers
+from patchc.utils.env import proc_bytes
 
 # (flags, the option changes they make), leanest last: what the refusal offers
 MODES = (("--low-memory", dict(low_memory=True)),
@@ -71,13 +71,7 @@ def free_bytes(device: str) -> int | None:
     """Bytes free on `device` now (a GPU's, or the host's MemAvailable); None where it cannot be read."""
     if device.startswith("cuda"):
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: int = 1) -> None:

@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import torch
 
@@ -45,6 +46,23 @@ def device_name(device: str | torch.device) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
     return f"cpu ({cpu_model()}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads)"
+
+
+def proc_bytes(path: str | Path, field: str) -> int | None:
+    """Bytes of a ``Field:  N kB`` line of a Linux /proc file (meminfo, a status); None when the file cannot
+    be read or has no such field.
+
+    Example:
+        >>> proc_bytes("/proc/meminfo", "MemAvailable") > 0  # doctest: +SKIP
+        True
+    """
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def cpu_model() -> str:
