@@ -164,7 +164,7 @@ def _rank_blocks(t: LayerTimer, m_dec: int, m_pre: int) -> list[tuple[int, int]]
     t.compile([d for d, _ in starts.values()], m_dec)
     t.compile([p for _, p in starts.values()], m_pre)
     total = {b: t.s.prefill_len * t.time(d, m_dec) + t.time(p, m_pre) for b, (d, p) in starts.items()}
-    return sorted(blocks, key=lambda b: (total[b], blocks.index(b)))
+    return sorted(blocks, key=total.__getitem__)  # stable: ties keep the blocks' order
 
 
 def _threshold(t: LayerTimer, dec: KernelConfig, pre: KernelConfig) -> int:
