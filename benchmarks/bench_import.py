@@ -108,7 +108,6 @@ def peak_anon(cmd: list[str]) -> tuple[float, int]:
 
 COMPILE = """
 import json, sys, threading, time
-from pathlib import Path
 import torch, patchc
 from transformers import AutoModelForCausalLM
 
