@@ -24,7 +24,7 @@ import pytest
 from patchc.bench import BenchOptions, exit_status
 from patchc.bench.check import check_case, error_bound
 from patchc.bench.layers import make_layer, peak_bandwidth, tile_kinds, weight_bytes
-from patchc.bench.options import LayerCase, check_cases
+from patchc.bench.options import PART_WEIGHTS, LayerCase, check_cases
 from patchc.bench.record import append_jsonl, slug
 from patchc.job.cli import main
 from tests.conftest import in_fresh_thread, older_triton_env, older_triton_params
@@ -312,3 +312,78 @@ def test_source_digest_names_the_code_not_the_checkout(tmp_path):
     assert source_digest(copy) == source_digest(ROOT)  # another folder, no .git: the same code
     (copy / "patchc" / "bench" / "record.py").write_text((copy / "patchc" / "bench" / "record.py").read_text() + "#\n")
     assert source_digest(copy) != source_digest(ROOT)
+
+
+def test_a_part_that_overran_shrinks_the_later_ones(monkeypatch, tmp_path):
+    """Each part gets its weight's share of the time left when it starts, among the parts still to run."""
+    bench_run = sys.modules["patchc.bench.run"]
+    clock = [1000.0]
+    given = {}
+
+    def part(name, spent):
+        def fn(*args, **kwargs):
+            deadline = next(a for a in (*args, *kwargs.values()) if isinstance(a, bench_run.Deadline))
+            given[name] = deadline.left()
+            clock[0] += spent
+            return {"rows": [], "skipped": [], "failed": []}
+        return fn
+
+    monkeypatch.setattr(bench_run.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(sys.modules["patchc.bench.layers"].time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(bench_run, "run_checks", part("check", 150.0))  # its share is 75 s: 75 s over
+    monkeypatch.setattr(bench_run, "run_speed", part("speed", 10.0))
+    monkeypatch.setattr(bench_run, "run_experts", part("experts", 0.0))
+    opts = BenchOptions(parts=("check", "speed", "experts"), dry_run=True, budget_s=200, out_dir=tmp_path)
+    monkeypatch.setattr(bench_run, "pick_device", lambda dry_run: "cpu")
+    bench_run.run(opts, progress=False)
+    w = PART_WEIGHTS
+    total = w["check"] + w["speed"] + w["experts"]
+    assert given["check"] == pytest.approx(200 * w["check"] / total)
+    assert given["speed"] == pytest.approx(50 * w["speed"] / (w["speed"] + w["experts"]))  # 50 s were left
+    assert given["experts"] == pytest.approx(40)  # the last part gets all that is left
+    assert opts.share("speed") == pytest.approx(200 * w["speed"] / total)  # the static share is unchanged
+
+
+def test_speed_times_every_case_with_defaults_before_tuning_any(monkeypatch):
+    """With tuning, a first pass times every case on the default configs, then a second tunes them, timing
+    only patchc again (dense and cuSPARSELt come from the first pass); a deadline in the second pass leaves
+    every case with its default-config number."""
+    import patchc.bench.speed as speed
+    from patchc.bench.layers import Deadline
+
+    clock = [0.0]
+    monkeypatch.setattr(sys.modules["patchc.bench.layers"].time, "monotonic", lambda: clock[0])
+    events = []
+
+    def runtime_layer(layer, dtype, device, tune):
+        events.append(tune)
+        clock[0] += tuning_s if tune else 0.0
+        return lambda x: torch.zeros(x.shape[0], layer.shape[0])
+
+    def timer(fn):
+        timer_calls.append(fn)
+        clock[0] += 2.0
+        return 1.0
+
+    monkeypatch.setattr(speed, "runtime_layer", runtime_layer)
+    cases = [LayerCase((64, 64), 0.35, (32, 32), "fp16", (1, 4)), LayerCase((64, 96), "2:4", (32, 32), "fp16", (1,))]
+    timer_calls, tuning_s = [], 1.0
+    out = speed.run_speed(cases, "cpu", timer, True, 0, Deadline(60), None, show=False)
+    assert events == [False, False, True, True]  # every case untuned before any is tuned
+    assert [(r["case"], r["M"], r["tuned"]) for r in out["rows"]] == [
+        (cases[0].label, 1, False), (cases[0].label, 4, False), (cases[1].label, 1, False),
+        (cases[0].label, 1, True), (cases[0].label, 4, True), (cases[1].label, 1, True)]
+    assert len(timer_calls) == 3 * 2 + 3  # first pass: dense + patchc per row (no cuSPARSELt on CPU); then patchc
+    assert all(r["dense_ms"] == 1.0 for r in out["rows"]) and not out["skipped"]
+
+    # tuning the first case takes 50 s: the 60 s deadline passes before the second is tuned
+    events.clear()
+    timer_calls, tuning_s = [], 50.0
+    out = speed.run_speed(cases, "cpu", timer, True, 0, Deadline(60), None, show=False)
+    assert events == [False, False, True] and out["skipped"] == [f"{cases[1].label} (tuned)"]
+    assert [r["tuned"] for r in out["rows"]] == [False, False, False, True, True]
+    # the default-config pass stops at its share of the part, leaving the rest to tuning
+    events.clear()
+    clock[0], tuning_s = 0.0, 1.0
+    out = speed.run_speed(cases, "cpu", timer, True, 0, Deadline(15), None, show=False)  # first pass: 6 s
+    assert events == [False, True, True] and out["skipped"] == [cases[1].label]

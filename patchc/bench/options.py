@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PARTS = ("check", "speed", "e2e", "experts")
+# shares of the time budget: speed most (a default-config pass, then tuning), check next (many compiles)
+PART_WEIGHTS = {"check": 0.30, "speed": 0.35, "e2e": 0.20, "experts": 0.15}
 LLAMA7B_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))
 ODD_SHAPES = ((1000, 3000), (4160, 4104))  # N, K not multiples of the 64/128 block
 FULL_MS = (1, 2, 4, 8, 16, 17, 64, 128, 2048)
@@ -68,11 +70,18 @@ class BenchOptions:
             raise ValueError("BenchOptions: e2e_tokens and every e2e batch size must be >= 1")
         object.__setattr__(self, "out_dir", Path(self.out_dir))
 
-    def share(self, part: str) -> float:
-        """Seconds of the budget for one part (check and speed compile many kernels; e2e tunes 3 shapes)."""
-        weights = {"check": 0.35, "speed": 0.25, "e2e": 0.25, "experts": 0.15}
-        total = sum(weights[p] for p in self.parts)
-        return self.budget_s * weights[part] / total
+    def share(self, part: str, left_s: float | None = None, todo: tuple[str, ...] | None = None) -> float:
+        """Seconds for one part: its weight's share of `left_s` (default the whole budget) among the parts
+        still to run (`todo`, this one included; default all of `parts`). Run with what is left, a part
+        that overran its share shrinks the later ones, and the run still ends near the budget.
+
+        Example:
+            >>> BenchOptions(parts=("check", "speed"), budget_s=100).share("speed", left_s=40, todo=("speed",))
+            40.0
+        """
+        todo = self.parts if todo is None else todo
+        left = self.budget_s if left_s is None else max(0.0, left_s)
+        return left * PART_WEIGHTS[part] / sum(PART_WEIGHTS[p] for p in todo)
 
 
 @dataclass(frozen=True)

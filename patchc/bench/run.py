@@ -7,8 +7,9 @@
         -> experts (fused MoE experts: one grouped launch vs torch's grouped mm, checked against fp64)
         -> record (append benchmarks/results/<device>.jsonl, write <device>.md, print the tables)
 
-Each part has a share of the time budget (default 510 s, under the 9 minutes asked of `make gpu`) and
-lists what it had no time for. The exit status is 1 when a correctness check failed.
+Each part has a share of the time budget (default 510 s, under the 9 minutes asked of `make gpu`), taken
+of the time left when it starts (a part that overran shrinks the later ones), and lists what it had no
+time for. The exit status is 1 when a correctness check failed.
 
 Example:
     >>> record = run(BenchOptions(dry_run=True, out_dir=tmp))   # doctest: +SKIP
@@ -25,6 +26,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -95,16 +97,22 @@ def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
     timer = cpu_timer(reps=1, warmup=0) if opts.dry_run else gpu_timer()
     tune = opts.tune and not opts.dry_run
     record: dict[str, Any] = {"env": env, "options": _jsonable(dataclasses.asdict(opts))}
+    todo = tuple(p for p in PARTS if p in opts.parts)
+    end = time.monotonic() + opts.budget_s
+
+    def deadline(part: str) -> Deadline:  # its share of the time left among the parts not yet run
+        return Deadline(opts.share(part, end - time.monotonic(), todo[todo.index(part):]))
+
     parts = {
-        "check": lambda: run_checks(check_cases(opts), device, opts.seed, Deadline(opts.share("check")), progress),
-        "speed": lambda: run_speed(speed_cases(opts), device, timer, tune, opts.seed, Deadline(opts.share("speed")),
+        "check": lambda: run_checks(check_cases(opts), device, opts.seed, deadline("check"), progress),
+        "speed": lambda: run_speed(speed_cases(opts), device, timer, tune, opts.seed, deadline("speed"),
                                    peak_bandwidth(env["device"]), progress),
-        "e2e": lambda: run_e2e(dataclasses.replace(opts, tune=tune), device, Deadline(opts.share("e2e")), progress),
-        "experts": lambda: run_experts(expert_cases(opts), device, timer, opts.seed, Deadline(opts.share("experts")),
+        "e2e": lambda: run_e2e(dataclasses.replace(opts, tune=tune), device, deadline("e2e"), progress),
+        "experts": lambda: run_experts(expert_cases(opts), device, timer, opts.seed, deadline("experts"),
                                        peak_bandwidth(env["device"]), progress),
     }
     with _sigterm_as_interrupt():
-        for part in [p for p in PARTS if p in opts.parts]:
+        for part in todo:
             try:
                 _run_part(record, part, parts[part])
             except KeyboardInterrupt:  # Ctrl-C or `timeout`: keep the parts already done

@@ -5,6 +5,11 @@ timed against `F.linear` on the dense weight, and for all-2:4 layers against
 `torch.sparse.to_sparse_semi_structured` (cuSPARSELt / CUTLASS). On a GPU the timer is
 `triton.testing.do_bench_cudagraph`, so microsecond decode kernels are not drowned in launch overhead.
 
+With `tune`, every case is timed first with the architecture's default configs (at most
+`UNTUNED_SHARE` of the part's time: a few compiles per case), then tuned, until the deadline: a run cut
+short (tuning one shape compiles and times ~100 configs) still has a number for every case, and the tuned
+rows show what tuning adds. The tuned pass reuses the first pass's dense and cuSPARSELt timings.
+
 What the numbers mean: at decode (M <= 16) a layer is bound by its weight bytes, so the best possible
 speedup is dense bytes / hybrid bytes (`ceiling`: 1.31x at 35% sparsity, 1.49x at 45%, 1.78x all-2:4 for
 fp16); `of_ceiling` is the share of it reached. `GBps` counts weight + x + y bytes over the time and
@@ -25,6 +30,7 @@ from patchc.bench.layers import DTYPES, Deadline, make_input, make_layer, run_ca
 from patchc.bench.options import LayerCase
 
 DECODE_MAX_M = 16  # M at or below this is weight-bandwidth bound: the ceiling applies
+UNTUNED_SHARE = 0.4  # of the part's time, at most, for the pass with default configs when tuning follows
 
 
 def runtime_layer(layer: Any, dtype: torch.dtype, device: str, tune: bool) -> Any:
@@ -52,13 +58,15 @@ def semi_structured(w: torch.Tensor) -> torch.Tensor | None:
 
 
 def time_case(case: LayerCase, device: str, timer: Callable[[Callable[[], Any]], float], tune: bool,
-              seed: int, peak: float | None = None) -> list[dict[str, Any]]:
-    """Rows of one speed case: one per M, all timings from this run."""
+              seed: int, peak: float | None = None, baselines: dict[tuple[str, int], dict[str, Any]] | None = None,
+              ) -> list[dict[str, Any]]:
+    """Rows of one speed case: one per M, all timings from this run. `baselines` memoises the dense and
+    cuSPARSELt timings by (case, M): a second pass over the same cases times only patchc."""
     dtype = DTYPES[case.dtype]
     layer = make_layer(case, seed)
     w = layer.to_dense().to(device=device, dtype=dtype)
     mod = runtime_layer(layer, dtype, device, tune)
-    semi = semi_structured(w) if case.kinds == "2:4" else None
+    semi = semi_structured(w) if case.kinds == "2:4" and not _timed(baselines, case) else None
     elem = torch.empty((), dtype=dtype).element_size()
     hybrid_b, dense_b = weight_bytes(layer, elem)
     n, k = case.shape
@@ -68,9 +76,14 @@ def time_case(case: LayerCase, device: str, timer: Callable[[Callable[[], Any]],
         io = (m * k + m * n) * elem
         row: dict[str, Any] = {"case": case.label, "shape": [n, k], "kinds": case.kinds, "M": m,
                                "dtype": case.dtype, "tuned": tune}
-        row["dense_ms"] = timer(lambda: F.linear(x, w))
+        base = baselines.get((case.label, m)) if baselines is not None else None
+        if base is None:
+            base = {"dense_ms": timer(lambda: F.linear(x, w)),
+                    "semi_ms": _time_or_none(timer, lambda: F.linear(x, semi)) if semi is not None else None}
+            if baselines is not None:
+                baselines[(case.label, m)] = base
+        row.update(base)
         row["tile_ms"] = timer(lambda: mod(x))
-        row["semi_ms"] = _time_or_none(timer, lambda: F.linear(x, semi)) if semi is not None else None
         row["speedup"] = row["dense_ms"] / row["tile_ms"]
         row["tile_GBps"] = (hybrid_b + io) / row["tile_ms"] / 1e6
         row["dense_GBps"] = (dense_b + io) / row["dense_ms"] / 1e6
@@ -92,9 +105,22 @@ def _time_or_none(timer: Callable[[Callable[[], Any]], float], fn: Callable[[], 
         return None
 
 
+def _timed(baselines: dict[tuple[str, int], dict[str, Any]] | None, case: LayerCase) -> bool:
+    """Whether every M of `case` has its baselines timed already (then cuSPARSELt's weight is not built)."""
+    return baselines is not None and all((case.label, m) in baselines for m in case.ms)
+
+
 def run_speed(cases: list[LayerCase], device: str, timer: Callable[[Callable[[], Any]], float], tune: bool,
               seed: int, deadline: Deadline, peak: float | None, show: bool = True) -> dict[str, Any]:
-    """Every case until the deadline; {"rows", "skipped": [labels without time]}."""
-    rows, skipped = run_cases(cases, lambda case: time_case(case, device, timer, tune, seed, peak), deadline,
+    """Every case until the deadline, with the default configs and then, with `tune`, tuned (module
+    docstring); {"rows" (each with "tuned"), "skipped": labels without time, "(tuned)" for the second pass}."""
+    baselines: dict[tuple[str, int], dict[str, Any]] = {}
+    first = Deadline(UNTUNED_SHARE * deadline.left()) if tune else deadline
+    rows, skipped = run_cases(cases, lambda case: time_case(case, device, timer, False, seed, peak, baselines), first,
                               "bench speed", show)
+    if tune:
+        tuned, not_tuned = run_cases(cases, lambda case: time_case(case, device, timer, True, seed, peak, baselines),
+                                     deadline, "bench speed (tuned)", show)
+        rows += tuned
+        skipped += [f"{label} (tuned)" for label in not_tuned]
     return {"rows": rows, "skipped": skipped}
