@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import types
 
 import pytest
 import torch
@@ -468,6 +469,50 @@ def test_runtime_warmup_warms_every_tile_linear(capture):
     for m in (1, 3, 40):
         assert model(torch.randn(m, 64)).shape == (m, 32)
     assert rt.warmup(nn.Linear(4, 4), [1]) == 0
+
+
+def test_compile_ahead_builds_what_warmup_then_launches(capture, monkeypatch):
+    """The compile-only calls `warmup` hands to the parallel compile are the launches its runs make: the
+    same kernels, grids' configs and constexprs (here launched instead, and recorded)."""
+    from patchc.codegen import launch as launch_mod
+
+    mod, ms = bucketed_module(), [1, 3, 16, 40]
+    warmers = mod.warmers(ms)
+    assert [w.func for w in warmers] == [rt.dispatch.warm] * len(ms)
+    for w in warmers:
+        launch_mod.launch(*w.args)
+    ahead = list(capture["launched"])
+    capture["launched"].clear()
+    mod._run_each(ms)
+    assert ahead == capture["launched"] and len(ahead) == 5  # 3 decode buckets, a split-K reduce, prefill
+    mod.semi_weight = object()  # torch's 2:4 kernels serve M above the threshold: nothing of ours to compile
+    assert [w.args[0].shape[0] for w in mod.warmers(ms)] == [m for m in ms if m <= mod.threshold]
+
+
+def test_model_warmup_compiles_every_layer_at_once_on_a_gpu(capture, monkeypatch):
+    first, second = bucketed_module(), bucketed_module(n=32, k=48, tile=(16, 16))
+    calls = []
+    monkeypatch.setattr(rt.dispatch, "compile_ahead", lambda mods, ms: calls.append((list(mods), ms)))
+    rt.warmup(nn.Sequential(first, second), (m for m in (1, 40)))
+    assert calls == [([first, second], [1, 40])]
+
+    handed = []  # on CPU compile_ahead does nothing; on CUDA every module's warmers go to one parallel compile
+    monkeypatch.undo()
+    monkeypatch.setattr(rt.dispatch, "compile_parallel", lambda warmers, threads: handed.append(list(warmers)))
+    rt.dispatch.compile_ahead([first, second], [1, 40])
+    assert handed == []
+
+    class OnGpu:
+        values = types.SimpleNamespace(is_cuda=True)
+
+        def __init__(self, tag):
+            self.tag = tag
+
+        def warmers(self, ms):
+            return [(self.tag, m) for m in ms]
+
+    rt.dispatch.compile_ahead([OnGpu("a"), OnGpu("b")], [1, 40])
+    assert handed == [[("a", 1), ("a", 40), ("b", 1), ("b", 40)]]
 
 
 # --- TileLinear as a drop-in for nn.Linear, and what patchc.compile swaps ------------------------------

@@ -113,6 +113,7 @@ def dtype_of(model: Llama) -> torch.dtype:
 def run_e2e(opts: BenchOptions, device: str, deadline: Deadline, progress: bool = True) -> dict[str, Any]:
     """Dense and compiled decode throughput per sparsity and batch; {"rows", "skipped"}."""
     import patchc
+    from patchc.runtime.dispatch import TileLinear, compile_ahead
 
     cuda = device.startswith("cuda")
     shape = LlamaShape.llama2_7b(opts.e2e_layers) if not opts.dry_run else LlamaShape.tiny()
@@ -133,6 +134,9 @@ def run_e2e(opts: BenchOptions, device: str, deadline: Deadline, progress: bool 
         # the plan's random weights are the pruned model (force: they were not made from base's weights)
         fast = patchc.compile(base, plan, batch_size=max(opts.e2e_batches), prefill_len=128,
                               tune=opts.tune and cuda, progress=progress, force=True)
+        # every kernel the prompts, decode steps and the logits check will launch, compiled in parallel
+        ms = sorted({b * n for b in opts.e2e_batches for n in (1, PROMPT)} | {2 * PROMPT})
+        compile_ahead([m for m in fast.modules() if isinstance(m, TileLinear)], ms)
         pruned = copy.deepcopy(base)
         plan.apply(pruned, force=True)
         err = logits_error(fast, pruned, shape.vocab, device)

@@ -62,10 +62,13 @@ def time_case(case: LayerCase, device: str, timer: Callable[[Callable[[], Any]],
               ) -> list[dict[str, Any]]:
     """Rows of one speed case: one per M, all timings from this run. `baselines` memoises the dense and
     cuSPARSELt timings by (case, M): a second pass over the same cases times only patchc."""
+    from patchc.runtime.dispatch import compile_ahead
+
     dtype = DTYPES[case.dtype]
     layer = make_layer(case, seed)
     w = layer.to_dense().to(device=device, dtype=dtype)
     mod = runtime_layer(layer, dtype, device, tune)
+    compile_ahead([mod], list(case.ms))  # every M's kernels in parallel threads (GPU only)
     semi = semi_structured(w) if case.kinds == "2:4" and not _timed(baselines, case) else None
     elem = torch.empty((), dtype=dtype).element_size()
     hybrid_b, dense_b = weight_bytes(layer, elem)

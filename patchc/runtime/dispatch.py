@@ -20,19 +20,21 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import warnings
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from patchc.codegen.configs import arch_of, choose_block
+from patchc.codegen.launch import warm
 from patchc.codegen.layout import BUFFER_NAMES, dense_from_buffers, pack
 from patchc.ir.targets import EXPERT_PROJECTIONS, bmm_experts
 from patchc.runtime import op as _op  # registers torch.ops.patchc.tile_linear
 from patchc.runtime.op import encode_buckets, encode_config
-from patchc.runtime.timing import packed_buffers
+from patchc.runtime.timing import compile_parallel, compile_threads, packed_buffers
 from patchc.runtime.tuner import LayerTuning, default_tuning
 
 
@@ -145,13 +147,27 @@ class TileLinear(nn.Module):
         Example:
             >>> mod.warmup([1, 4, 16, 128])   # doctest: +SKIP
         """
-        ms = [int(m) for m in ms]
-        if any(m < 1 for m in ms):
-            raise ValueError(f"layer {self.name!r}: warmup needs token counts M >= 1, got {ms}")
+        ms = _token_counts(ms, f"layer {self.name!r}")
+        compile_ahead([self], ms)
+        return self._run_each(ms)
+
+    def _run_each(self, ms: list[int]) -> TileLinear:
         with torch.no_grad():
             for m in ms:
                 self(torch.zeros(m, self.in_features, dtype=self.values.dtype, device=self.values.device))
         return self
+
+    def warmers(self, ms: Iterable[int]) -> list[Callable[[], None]]:
+        """One compile-only call (`launch.warm`) per M that runs our kernels: what `forward` would launch."""
+        out = []
+        for m in ms:
+            if self.semi_weight is not None and m > self.threshold:
+                continue  # torch's semi-structured kernels serve it
+            x = torch.zeros(m, self.in_features, dtype=self.values.dtype, device=self.values.device)
+            cfg = _op.decode_config(_op.pick_decode(self.decode_buckets, m) if m <= self.threshold else self.prefill_cfg)
+            out.append(functools.partial(warm, x, tuple(getattr(self, n) for n in BUFFER_NAMES), self.bias,
+                                         (self.out_features, self.in_features), self.block, self.per_row, cfg))
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         semi = self.semi_weight
@@ -318,11 +334,29 @@ def warmup(model: nn.Module, ms: Iterable[int]) -> int:
         >>> patchc.runtime.warmup(fast, [1, 2, 4, 8, 16, 128])          # doctest: +SKIP
         14
     """
-    ms = list(ms)
     mods = [m for m in model.modules() if isinstance(m, TileLinear)]
+    ms = _token_counts(ms, f"warmup({type(model).__name__})")
+    compile_ahead(mods, ms)  # every layer's kernels at once: same-shaped layers share them
     for mod in mods:
-        mod.warmup(ms)
+        mod._run_each(ms)
     return len(mods)
+
+
+def _token_counts(ms: Iterable[int], where: str) -> list[int]:
+    ms = [int(m) for m in ms]
+    if any(m < 1 for m in ms):
+        raise ValueError(f"{where}: warmup needs token counts M >= 1, got {ms}")
+    return ms
+
+
+def compile_ahead(mods: list[TileLinear], ms: list[int]) -> None:
+    """On a GPU, compile every kernel the modules launch for these M in parallel threads first
+    (`patchc.runtime.timing.compile_parallel`): a model's layers need a few dozen distinct kernels, ~1 s
+    of Triton compile each, that one-by-one first calls would compile in turn. Nothing on CPU."""
+    if not any(m.values.is_cuda for m in mods):
+        return
+    warmers = [w for mod in mods for w in mod.warmers(ms)]
+    compile_parallel(warmers, compile_threads())
 
 
 def report_unreplaced(what: str, verdict: str, layers: dict[str, str], strict: bool, stacklevel: int = 3) -> None:
