@@ -227,6 +227,19 @@ def test_harness_imports_without_tqdm_and_refuses_a_late_interpreter():
 
 @needs_cpu
 @pytest.mark.interpreter
+def test_the_command_line_dry_run_restarts_itself_interpreted(tmp_path):
+    """`patchc bench --dry-run` as typed: `import patchc` has imported triton compiled, so the command
+    starts again with TRITON_INTERPRET=1 instead of refusing."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "patchc", "bench", "--dry-run", "--parts", "experts", "--out",
+                          str(tmp_path), "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads(next(tmp_path.glob("*.jsonl")).read_text())
+    assert record["env"]["dry_run"] and record["experts"]["rows"] and not record["experts"]["failed"]
+
+
+@needs_cpu
+@pytest.mark.interpreter
 def test_a_part_that_raises_is_recorded_and_the_others_kept(monkeypatch, tmp_path):
     bench_run = sys.modules["patchc.bench.run"]  # the package exports a function of the same name
 

@@ -162,7 +162,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import os
 
     if args.dry_run:  # before anything imports triton: it decides interpreted vs compiled per @jit at import
+        late = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
         os.environ["TRITON_INTERPRET"] = "1"
+        if late and args.from_command_line:  # `import patchc` has imported it: start again, interpreted
+            sys.stdout.flush()
+            os.execv(sys.executable, [sys.executable, "-m", "patchc", *sys.argv[1:]])
     from patchc.bench import BenchOptions, exit_status, run
 
     out = args.out or ("runs/bench-dry-run" if args.dry_run else "benchmarks/results")
@@ -361,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # recorded in report.json / recover.json: the words given, not the host program's (e.g. pytest's)
     args.command_line = " ".join(["patchc", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    args.from_command_line = argv is None  # the process is this command: it may restart itself (bench)
     threads = torch.get_num_threads()  # the job picks its own; a caller's (e.g. a notebook's) comes back after
     try:
         return args.handler(args)
