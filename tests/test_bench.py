@@ -400,3 +400,18 @@ def test_speed_times_every_case_with_defaults_before_tuning_any(monkeypatch):
     clock[0], tuning_s = 0.0, 1.0
     out = speed.run_speed(cases, "cpu", timer, True, 0, Deadline(15), None, show=False)  # first pass: 6 s
     assert events == [False, True, True] and out["skipped"] == [cases[1].label]
+
+
+@needs_cpu
+@pytest.mark.interpreter
+def test_the_lease_script_runs_its_steps_and_keeps_their_records(tmp_path):
+    """benchmarks/gpu_lease.sh (a whole GPU lease in one command), in its CPU form: a step runs under its cap
+    and leaves its log and the bench's records; an unknown step is refused by name."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "DRY": "1", "PYTHON": sys.executable}
+    script = str(ROOT / "benchmarks" / "gpu_lease.sh")
+    out = subprocess.run(["bash", script, str(tmp_path), "bench"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "bench: exit 0 after" in out.stdout, out.stdout + out.stderr
+    assert (tmp_path / "bench.log").exists() and json.loads(next(tmp_path.glob("*.jsonl")).read_text())["experts"]
+    bad = subprocess.run(["bash", script, str(tmp_path), "bench-all"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown step 'bench-all'" in bad.stderr
