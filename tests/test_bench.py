@@ -362,6 +362,7 @@ def test_speed_times_every_case_with_defaults_before_tuning_any(monkeypatch):
     only patchc again (dense and cuSPARSELt come from the first pass); a deadline in the second pass leaves
     every case with its default-config number."""
     import patchc.bench.speed as speed
+    import patchc.runtime.dispatch as dispatch
     from patchc.bench.layers import Deadline
 
     clock = [0.0]
@@ -379,9 +380,12 @@ def test_speed_times_every_case_with_defaults_before_tuning_any(monkeypatch):
         return 1.0
 
     monkeypatch.setattr(speed, "runtime_layer", runtime_layer)
+    ahead = []
+    monkeypatch.setattr(dispatch, "compile_ahead", lambda mods, ms: ahead.append(ms))
     cases = [LayerCase((64, 64), 0.35, (32, 32), "fp16", (1, 4)), LayerCase((64, 96), "2:4", (32, 32), "fp16", (1,))]
     timer_calls, tuning_s = [], 1.0
     out = speed.run_speed(cases, "cpu", timer, True, 0, Deadline(60), None, show=False)
+    assert ahead == [[1, 4], [1], [1, 4], [1]]  # each module's kernels for every M, compiled before timing
     assert events == [False, False, True, True]  # every case untuned before any is tuned
     assert [(r["case"], r["M"], r["tuned"]) for r in out["rows"]] == [
         (cases[0].label, 1, False), (cases[0].label, 4, False), (cases[1].label, 1, False),
@@ -415,3 +419,12 @@ def test_the_lease_script_runs_its_steps_and_keeps_their_records(tmp_path):
     assert (tmp_path / "bench.log").exists() and json.loads(next(tmp_path.glob("*.jsonl")).read_text())["experts"]
     bad = subprocess.run(["bash", script, str(tmp_path), "bench-all"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown step 'bench-all'" in bad.stderr
+
+
+def test_end_to_end_runs_every_sparsity_on_default_configs_before_tuning():
+    from patchc.bench.e2e import runs
+
+    assert runs(BenchOptions(), cuda=True) == [(False, 0.45), (False, 0.35), (True, 0.45), (True, 0.35)]
+    assert runs(BenchOptions(tune=False), cuda=True) == [(False, 0.45), (False, 0.35)]
+    assert runs(BenchOptions(), cuda=False) == [(False, 0.45), (False, 0.35)]  # tuning needs a GPU
+    assert runs(BenchOptions(dry_run=True), cuda=False) == [(False, 0.45)]

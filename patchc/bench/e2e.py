@@ -1,9 +1,10 @@
 """End-to-end part of `patchc bench`: a LLaMA-shaped model decoding through `patchc.compile` vs dense.
 
 One random plan per linear shape (tiles 128 x 128, 2:4 tiles placed at random for the sparsity) covers
-every block; `patchc.compile` swaps the block linears for tuned `TileLinear`s (one tuning for batch 16
-serves batch 1 through its M buckets). Both models prefill a prompt, then generate `tokens` tokens, one
-decode step per CUDA-graph replay (on CPU: plain calls). Correctness first: the compiled model's logits
+every block; `patchc.compile` swaps the block linears for `TileLinear`s, on the default configs first and
+then (with tuning, on a GPU) tuned: one tuning for batch 16 serves batch 1 through its M buckets. Both
+models prefill a prompt, then generate `tokens` tokens, one decode step per CUDA-graph replay (on CPU:
+plain calls). Correctness first: the compiled model's logits
 are compared with an independent dense copy that holds the same pruned weights (`plan.apply`), run by
 cuBLAS, never with the object that was patched.
 
@@ -110,6 +111,18 @@ def dtype_of(model: Llama) -> torch.dtype:
     return model.embed.weight.dtype
 
 
+def runs(opts: BenchOptions, cuda: bool) -> list[tuple[bool, float]]:
+    """(tuned, sparsity) in the order they run: every sparsity on the default configs first, then tuned (GPU
+    with `opts.tune`), so a run cut short (tuning takes minutes) still has its numbers; the dry run: one.
+
+    Example:
+        >>> runs(BenchOptions(), cuda=True)
+        [(False, 0.45), (False, 0.35), (True, 0.45), (True, 0.35)]
+    """
+    sparsities = SPARSITIES[: 1 if opts.dry_run else None]
+    return [(tuned, s) for tuned in ((False, True) if opts.tune and cuda else (False,)) for s in sparsities]
+
+
 def run_e2e(opts: BenchOptions, device: str, deadline: Deadline, progress: bool = True) -> dict[str, Any]:
     """Dense and compiled decode throughput per sparsity and batch; {"rows", "skipped"}."""
     import patchc
@@ -124,16 +137,16 @@ def run_e2e(opts: BenchOptions, device: str, deadline: Deadline, progress: bool 
     base = Llama(shape, 1, PROMPT).to(device=device, dtype=dtype).eval()
     rows, skipped = [], []
     dense_speed = {b: decode_speed(base, b, tokens, cuda) for b in opts.e2e_batches}
-    for sparsity in SPARSITIES[: 1 if opts.dry_run else None]:
+    for tuned, sparsity in runs(opts, cuda):
         if deadline.over():
-            skipped.append(f"{sparsity:.0%}")
+            skipped.append(f"{sparsity:.0%}{' (tuned)' if tuned else ''}")
             continue
         plan = make_plan(base, sparsity, tile, opts.seed)
         # tuned for batch 16 and a 128-token prefill like the speed part (cache hits); the decode buckets
         # serve batch 1 and the 16-token prompt
         # the plan's random weights are the pruned model (force: they were not made from base's weights)
         fast = patchc.compile(base, plan, batch_size=max(opts.e2e_batches), prefill_len=128,
-                              tune=opts.tune and cuda, progress=progress, force=True)
+                              tune=tuned, progress=progress, force=True)
         # every kernel the prompts, decode steps and the logits check will launch, compiled in parallel
         ms = sorted({b * n for b in opts.e2e_batches for n in (1, PROMPT)} | {2 * PROMPT})
         compile_ahead([m for m in fast.modules() if isinstance(m, TileLinear)], ms)
@@ -143,7 +156,8 @@ def run_e2e(opts: BenchOptions, device: str, deadline: Deadline, progress: bool 
         del pruned
         for b in opts.e2e_batches:
             r = decode_speed(fast, b, tokens, cuda)
-            rows.append({"sparsity": sparsity, "batch": b, "layers": shape.layers, "tokens": tokens, **err,
+            rows.append({"sparsity": sparsity, "tuned": tuned, "batch": b, "layers": shape.layers, "tokens": tokens,
+                         **err,
                          "dense_tok_s": dense_speed[b]["decode_tok_s"], **r,
                          "speedup": r["decode_tok_s"] / dense_speed[b]["decode_tok_s"], "cuda_graphs": cuda})
         del fast

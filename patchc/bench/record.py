@@ -150,10 +150,11 @@ def _e2e_md(e: dict[str, Any]) -> list[str]:
     sh = e["shape"]
     out = [f"## End to end: LLaMA-shaped ({sh['layers']} blocks, dim {sh['dim']}, hidden {sh['hidden']}), "
            "decode tokens/s", "",
-           "| sparsity | batch | dense tok/s | patchc tok/s | speedup | logits max err (scale) |",
-           "|---:|---:|---:|---:|---:|---:|"]
+           "| sparsity | configs | batch | dense tok/s | patchc tok/s | speedup | logits max err (scale) |",
+           "|---:|---|---:|---:|---:|---:|---:|"]
     for r in e["rows"]:
-        out.append(f"| {r['sparsity']:.0%} | {r['batch']} | {r['dense_tok_s']:.1f} | {r['decode_tok_s']:.1f} "
+        out.append(f"| {r['sparsity']:.0%} | {'tuned' if r.get('tuned') else 'default'} | {r['batch']} "
+                   f"| {r['dense_tok_s']:.1f} | {r['decode_tok_s']:.1f} "
                    f"| {r['speedup']:.2f}x | {_fmt(r['logits_max_err'])} ({_fmt(r['logits_max'])})"
                    f"{'' if r['logits_ok'] else ' FAILED'} |")
     if e["skipped"]:
