@@ -284,7 +284,7 @@ def test_check_compiles_every_variant_ahead_with_the_configs_it_runs(monkeypatch
     """On a GPU the check part hands every (M, variant) config to the parallel compile first; the configs
     are the ones `tile_linear` resolves when it then runs them."""
     import patchc.runtime.timing as timing
-    from patchc.bench.check import compile_ahead, variants
+    from patchc.bench.check import compile_case_ahead, variants
     from patchc.bench.layers import make_input
     from patchc.codegen import pack
     from patchc.codegen.configs import resolve_config
@@ -294,11 +294,11 @@ def test_check_compiles_every_variant_ahead_with_the_configs_it_runs(monkeypatch
     case = LayerCase((96, 160), 0.35, (32, 32), "fp16", (1, 4, 17), explicit=True)
     packed = pack(make_layer(case, seed=0, bias=True), block=(32, 32))
     xs = {m: make_input(m, 160, torch.float16, "cpu", m) for m in case.ms}
-    compile_ahead(case, packed, xs, "sm_90", threads=4)
+    compile_case_ahead(case, packed, xs, "sm_90", threads=4)
     want = [resolve_config(c, packed, m, "sm_90") for m in case.ms for c in variants(m, True).values() if c != "runtime"]
     assert seen == want and len(seen) == 12  # M=1 and 4: auto, gemv, gemv_splitk, dot; M=17: auto, dot, 2 prefills
     seen.clear()
-    compile_ahead(case, packed, xs, "sm_90", threads=1)
+    compile_case_ahead(case, packed, xs, "sm_90", threads=1)
     assert seen == []
 
 
@@ -349,7 +349,7 @@ def test_speed_times_every_case_with_defaults_before_tuning_any(monkeypatch):
     only patchc again (dense and cuSPARSELt come from the first pass); a deadline in the second pass leaves
     every case with its default-config number."""
     import patchc.bench.speed as speed
-    import patchc.runtime.dispatch as dispatch
+    import patchc.runtime.timing as timing
     from patchc.bench.layers import Deadline
 
     clock = [0.0]
@@ -368,7 +368,7 @@ def test_speed_times_every_case_with_defaults_before_tuning_any(monkeypatch):
 
     monkeypatch.setattr(speed, "runtime_layer", runtime_layer)
     ahead = []
-    monkeypatch.setattr(dispatch, "compile_ahead", lambda mods, ms: ahead.append(ms))
+    monkeypatch.setattr(timing, "compile_ahead", lambda mods, ms: ahead.append(ms))
     cases = [LayerCase((64, 64), 0.35, (32, 32), "fp16", (1, 4)), LayerCase((64, 96), "2:4", (32, 32), "fp16", (1,))]
     timer_calls, tuning_s = [], 1.0
     out = speed.run_speed(cases, "cpu", timer, True, 0, Deadline(60), None, show=False)

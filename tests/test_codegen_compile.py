@@ -338,11 +338,10 @@ offs = torch.tensor([0, 1, 1, 1], dtype=torch.int32)
 for m, kernel, split in ((1, "decode", 2), (64, "prefill", 1)):
     xe = torch.randn(m, 256, dtype=torch.float16)
     cfg = resolve_config(KernelConfig(kernel=kernel, split_k=split), experts, m, "sm_90")
-    cfg, y, part, consts, args = L._prepare(xe, kernel_buffers(experts), None, (128, 256), (64, 64),
-                                             experts.per_row, cfg, zeros=True)
-    consts.update(NUM_EXPERTS=4, EXPERTS_P2=G.experts_pow2(4))
-    jit_compile(G.GROUPED_KERNELS[kernel], [*args, offs, m],
-                {**consts, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    fn, grid, cfg, y, part, consts, args = L._prepare_grouped(xe, offs, kernel_buffers(experts), (128, 256), 4,
+                                                              (64, 64), experts.per_row, cfg)
+    assert fn is G.GROUPED_KERNELS[kernel] and args[-2:] == [offs, m]
+    jit_compile(fn, args, {**consts, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 from patchc.codegen.grouped_kernels import GROUPED_KERNELS
 for fn in (*kernels.KERNELS.values(), kernels.splitk_reduce_kernel, *GROUPED_KERNELS.values()):
     assert [p.name for p in fn.params if p.do_not_specialize] == ["M"], fn  # M is their only runtime int

@@ -184,3 +184,26 @@ def test_warmup_compiles_what_a_captured_graph_will_launch(launch_grouped, monke
     assert {key[0] for key in launch._LAUNCHED} == {"grouped_decode", "grouped_prefill"}
     monkeypatch.setattr(launch, "_capturing", lambda: True)
     torch.testing.assert_close(mod(torch.zeros(3, 32), offs), torch.zeros(3, 32))  # warmed: runs under capture
+
+
+@pytest.mark.interpreter
+def test_compile_ahead_builds_what_warmup_then_launches(launch_grouped, monkeypatch):
+    """The compile-only calls a GPU warm-up hands to the parallel compile (`warmers`) are the launches its runs
+    make: launched instead (under the interpreter), they register the same kernel variants."""
+    from patchc.codegen import launch
+    from patchc.ir import TilePlan
+    from patchc.runtime.grouped_op import TileGroupedLinear
+
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "triton")
+    layers = {f"w.{e}": random_layer_plan(32, 32, tile=(16, 16), kinds="mixed", seed=e, name=f"w.{e}") for e in range(3)}
+    mod = TileGroupedLinear.from_plan(TilePlan(layers=layers), "w", torch.zeros(3, 32, 32), batch_size=2)
+    mod.threshold = 4
+    warmers = mod.warmers([3, 20])
+    assert [w.func for w in warmers] == [launch.warm_grouped] * 2
+    monkeypatch.setattr(launch, "_LAUNCHED", set())
+    for w in warmers:
+        launch.launch_grouped(*w.args)
+    ahead = set(launch._LAUNCHED)
+    monkeypatch.setattr(launch, "_LAUNCHED", set())
+    mod.warmup([3, 20])
+    assert ahead == launch._LAUNCHED and {key[0] for key in ahead} == {"grouped_decode", "grouped_prefill"}

@@ -498,8 +498,8 @@ def test_model_warmup_compiles_every_layer_at_once_on_a_gpu(capture, monkeypatch
 
     handed = []  # on CPU compile_ahead does nothing; on CUDA every module's warmers go to one parallel compile
     monkeypatch.undo()
-    monkeypatch.setattr(rt.dispatch, "compile_parallel", lambda warmers, threads: handed.append(list(warmers)))
-    rt.dispatch.compile_ahead([first, second], [1, 40])
+    monkeypatch.setattr(rt.timing, "compile_parallel", lambda warmers, threads: handed.append(list(warmers)))
+    rt.timing.compile_ahead([first, second], [1, 40])
     assert handed == []
 
     class OnGpu:
@@ -511,7 +511,7 @@ def test_model_warmup_compiles_every_layer_at_once_on_a_gpu(capture, monkeypatch
         def warmers(self, ms):
             return [(self.tag, m) for m in ms]
 
-    rt.dispatch.compile_ahead([OnGpu("a"), OnGpu("b")], [1, 40])
+    rt.timing.compile_ahead([OnGpu("a"), OnGpu("b")], [1, 40])
     assert handed == [[("a", 1), ("a", 40), ("b", 1), ("b", 40)]]
 
 

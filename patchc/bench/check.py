@@ -90,7 +90,7 @@ def check_case(case: LayerCase, device: str, seed: int) -> list[dict[str, Any]]:
     if device.startswith("cuda"):
         from patchc.runtime.timing import compile_threads
 
-        compile_ahead(case, packed, xs, arch, compile_threads())
+        compile_case_ahead(case, packed, xs, arch, compile_threads())
     rows = []
     for m in case.ms:
         x = xs[m]
@@ -106,7 +106,7 @@ def check_case(case: LayerCase, device: str, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def compile_ahead(case: LayerCase, packed: Any, xs: dict[int, torch.Tensor], arch: str, threads: int) -> None:
+def compile_case_ahead(case: LayerCase, packed: Any, xs: dict[int, torch.Tensor], arch: str, threads: int) -> None:
     """Compile every explicit and automatic variant of the case in parallel threads before they run one by
     one (`patchc.runtime.timing.compile_parallel`): the check part is mostly Triton compiles otherwise."""
     import functools

@@ -126,7 +126,8 @@ def runs(opts: BenchOptions, cuda: bool) -> list[tuple[bool, float]]:
 def run_e2e(opts: BenchOptions, device: str, deadline: Deadline, progress: bool = True) -> dict[str, Any]:
     """Dense and compiled decode throughput per sparsity and batch; {"rows", "skipped"}."""
     import patchc
-    from patchc.runtime.dispatch import TileLinear, compile_ahead
+    from patchc.runtime.dispatch import TileLinear
+    from patchc.runtime.timing import compile_ahead
 
     cuda = device.startswith("cuda")
     shape = LlamaShape.llama2_7b(opts.e2e_layers) if not opts.dry_run else LlamaShape.tiny()

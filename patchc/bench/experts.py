@@ -116,8 +116,11 @@ def dense_baseline(x: torch.Tensor, slices: torch.Tensor, offs: torch.Tensor,
 def run_case(case: ExpertCase, device: str, timer: Callable[[Callable[[], Any]], float], seed: int,
              peak: float | None) -> list[dict[str, Any]]:
     """One row per token count: correctness where it is in `check_tokens`, then both timings."""
+    from patchc.runtime.timing import compile_ahead
+
     dtype = DTYPES[case.dtype]
     mod, slices, layer = build(case, device, seed)
+    compile_ahead([mod], [tokens * case.top_k for tokens in case.tokens])  # every routed row count (GPU only)
     elem = torch.empty((), dtype=dtype).element_size()
     hybrid_b, dense_b = weight_bytes(layer, elem)  # per expert: the distinct plans share the sparsity
     rows = []

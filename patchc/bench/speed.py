@@ -62,7 +62,7 @@ def time_case(case: LayerCase, device: str, timer: Callable[[Callable[[], Any]],
               ) -> list[dict[str, Any]]:
     """Rows of one speed case: one per M, all timings from this run. `baselines` memoises the dense and
     cuSPARSELt timings by (case, M): a second pass over the same cases times only patchc."""
-    from patchc.runtime.dispatch import compile_ahead
+    from patchc.runtime.timing import compile_ahead
 
     dtype = DTYPES[case.dtype]
     layer = make_layer(case, seed)

@@ -195,7 +195,13 @@ def warm(
     cfg, y, part, consts, args = _prepare(x2, buffers, bias, shape, block, per_row, cfg, zeros=False)
     kernel.warmup(*args, m, grid=grid_of(cfg, math.ceil(n / block[0]), m), **consts, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
+    _warm_reduce(part, y, bias, cfg)
+
+
+def _warm_reduce(part: torch.Tensor | None, y: torch.Tensor, bias: torch.Tensor | None, cfg: KernelConfig) -> None:
+    """Compile the split-K reduce `_reduce` would run, without running it."""
     if part is not None:
+        m, n = y.shape
         kernels.splitk_reduce_kernel.warmup(part, y, _or_dummy(bias, y), m, grid=(1,), N=n, SPLIT_K=cfg.split_k,
                                             HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK)
 
@@ -221,6 +227,39 @@ def launch_grouped(
         >>> y = launch_grouped(x2, offs, kernel_buffers(stacked), (n, k), 8, stacked.block, stacked.per_row,
         ...                    KernelConfig("decode", 16, 64, 64, 1, 4, 1, 8))   # doctest: +SKIP
     """
+    n, s = shape[0], x2.shape[0]
+    kernel, grid, cfg, y, part, consts, args = _prepare_grouped(x2, offs, buffers, shape, num_experts, block,
+                                                                per_row, cfg)
+    where = f"experts {name!r}" if name else f"experts of shape (N={n}, K={shape[1]})"
+    _check_grid(grid, cfg, s)
+    _run(f"grouped_{cfg.kernel}", kernel, grid, args, consts, where, num_warps=cfg.num_warps,
+         num_stages=cfg.num_stages)
+    _reduce(part, y, None, cfg, where)
+    return y
+
+
+def warm_grouped(
+    x2: torch.Tensor,
+    offs: torch.Tensor,
+    buffers: tuple[torch.Tensor, ...],
+    shape: tuple[int, int],
+    num_experts: int,
+    block: tuple[int, int],
+    per_row: tuple[int, int],
+    cfg: KernelConfig,
+) -> None:
+    """`warm` for `launch_grouped`: compile what it would run with these arguments, without running it."""
+    kernel, grid, cfg, y, part, consts, args = _prepare_grouped(x2, offs, buffers, shape, num_experts, block,
+                                                                per_row, cfg)
+    if not isinstance(kernel, triton.runtime.JITFunction):
+        return  # the interpreter compiles nothing
+    kernel.warmup(*args, grid=grid, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _warm_reduce(part, y, None, cfg)
+
+
+def _prepare_grouped(x2: torch.Tensor, offs: torch.Tensor, buffers: tuple[torch.Tensor, ...], shape: tuple[int, int],
+                     num_experts: int, block: tuple[int, int], per_row: tuple[int, int], cfg: KernelConfig):
+    """(kernel, grid, config, y, split-K workspace or None, constexprs, arguments) of a grouped launch."""
     from patchc.codegen import grouped_kernels
 
     n, s = shape[0], x2.shape[0]
@@ -230,12 +269,7 @@ def launch_grouped(
     tiles = math.ceil(s / cfg.block_m) + num_experts  # token tiles: an upper bound for any routing
     rows = math.ceil(n / block[0])
     grid = (rows, cfg.split_k, tiles) if cfg.kernel == "decode" else (tiles * rows, cfg.split_k)
-    where = f"experts {name!r}" if name else f"experts of shape (N={n}, K={shape[1]})"
-    _check_grid(grid, cfg, s)
-    _run(f"grouped_{cfg.kernel}", grouped_kernels.GROUPED_KERNELS[cfg.kernel], grid, [*args, offs, s], consts,
-         where, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _reduce(part, y, None, cfg, where)
-    return y
+    return grouped_kernels.GROUPED_KERNELS[cfg.kernel], grid, cfg, y, part, consts, [*args, offs, s]
 
 
 def _prepare(x2: torch.Tensor, buffers: tuple[torch.Tensor, ...], bias: torch.Tensor | None, shape: tuple[int, int],

@@ -34,7 +34,7 @@ from patchc.codegen.layout import BUFFER_NAMES, dense_from_buffers, pack
 from patchc.ir.targets import EXPERT_PROJECTIONS, bmm_experts
 from patchc.runtime import op as _op  # registers torch.ops.patchc.tile_linear
 from patchc.runtime.op import encode_buckets, encode_config
-from patchc.runtime.timing import compile_parallel, compile_threads, packed_buffers
+from patchc.runtime.timing import compile_ahead, packed_buffers
 from patchc.runtime.tuner import LayerTuning, default_tuning
 
 
@@ -347,16 +347,6 @@ def _token_counts(ms: Iterable[int], where: str) -> list[int]:
     if any(m < 1 for m in ms):
         raise ValueError(f"{where}: warmup needs token counts M >= 1, got {ms}")
     return ms
-
-
-def compile_ahead(mods: list[TileLinear], ms: list[int]) -> None:
-    """On a GPU, compile every kernel the modules launch for these M in parallel threads first
-    (`patchc.runtime.timing.compile_parallel`): a model's layers need a few dozen distinct kernels, ~1 s
-    of Triton compile each, that one-by-one first calls would compile in turn. Nothing on CPU."""
-    if not any(m.values.is_cuda for m in mods):
-        return
-    warmers = [w for mod in mods for w in mod.warmers(ms)]
-    compile_parallel(warmers, compile_threads())
 
 
 def report_unreplaced(what: str, verdict: str, layers: dict[str, str], strict: bool, stacklevel: int = 3) -> None:

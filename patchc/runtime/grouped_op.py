@@ -20,18 +20,19 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from patchc.codegen.configs import KernelConfig, arch_of, choose_block
 from patchc.codegen.grouped_layout import experts_from_buffers, pack_dense, stack_experts
-from patchc.codegen.launch import launch_grouped
+from patchc.codegen.launch import launch_grouped, warm_grouped
 from patchc.codegen.layout import BUFFER_NAMES, pack
 from patchc.runtime.op import decode_config, encode_buckets, encode_config, pick_decode, use_triton
-from patchc.runtime.timing import packed_buffers
+from patchc.runtime.timing import compile_ahead, packed_buffers
 from patchc.runtime.tuner import LayerTuning, default_tuning
 
 # The backward's host read of the offsets cannot be captured; the tag is missing from older torch builds.
@@ -223,14 +224,28 @@ class TileGroupedLinear(nn.Module):
                 list(self.prefill_cfg), self.threshold)
 
     def warmup(self, rows: Iterable[int]) -> TileGroupedLinear:
-        """Run once per row count S (all rows to expert 0), compiling every kernel those S dispatch to: do
-        it before capturing a CUDA graph."""
+        """Run once per row count S (all rows to expert 0), compiling every kernel those S dispatch to (on a
+        GPU all of them in parallel first): do it before capturing a CUDA graph."""
+        rows = [int(s) for s in rows]
+        compile_ahead([self], rows)
         for s in rows:
-            x = torch.zeros(int(s), self.in_features, dtype=self.values.dtype, device=self.values.device)
-            offs = torch.full((self.num_experts,), int(s), dtype=torch.int32, device=x.device)
             with torch.no_grad():
-                self(x, offs)
+                self(*self._zeros(s))
         return self
+
+    def warmers(self, rows: Iterable[int]) -> list[Callable[[], None]]:
+        """One compile-only call (`launch.warm_grouped`) per row count: what `forward` would launch."""
+        bufs = tuple(getattr(self, b) for b in BUFFER_NAMES)
+        return [functools.partial(warm_grouped, *self._zeros(s), bufs, (self.out_features, self.in_features),
+                                  self.num_experts, self.block, self.per_row,
+                                  grouped_config(list(self.decode_buckets), list(self.prefill_cfg), self.threshold, s,
+                                                 self.num_experts))
+                for s in rows]
+
+    def _zeros(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (S, K) of zeros and offsets sending every row to expert 0."""
+        x = torch.zeros(s, self.in_features, dtype=self.values.dtype, device=self.values.device)
+        return x, torch.full((self.num_experts,), s, dtype=torch.int32, device=x.device)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return torch.ops.patchc.tile_grouped_mm(x, offs, *self.op_args())

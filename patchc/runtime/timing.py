@@ -212,6 +212,20 @@ def setup(batch_size: int, prefill_len: int, dtype: torch.dtype, device: Any, ca
                   resolve_cache(cache), smem, threads)
 
 
+def compile_ahead(mods: list[Any], ms: list[int]) -> None:
+    """On a GPU, compile every kernel the modules (`TileLinear`, `TileGroupedLinear`: anything with packed
+    `values` and `warmers(ms)`) launch for these M in parallel threads first (`compile_parallel`): a model's
+    layers need a few dozen distinct kernels, ~1 s of Triton compile each, that one-by-one first calls
+    would compile in turn. Nothing on CPU.
+
+    Example:
+        >>> compile_ahead([mod], [1, 16, 2048])   # doctest: +SKIP
+    """
+    if not any(m.values.is_cuda for m in mods):
+        return
+    compile_parallel([w for mod in mods for w in mod.warmers(ms)], compile_threads())
+
+
 def compile_threads() -> int:
     """Threads compiling tuner candidates: $PATCHC_COMPILE_THREADS (1: one at a time), else the CPUs this
     process may use, at most 16.
