@@ -17,6 +17,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -356,10 +357,20 @@ def test_speed_times_every_case_with_defaults_before_tuning_any(monkeypatch):
     monkeypatch.setattr(sys.modules["patchc.bench.layers"].time, "monotonic", lambda: clock[0])
     events = []
 
-    def runtime_layer(layer, dtype, device, tune):
+    limits = []
+
+    class Layer:
+        def __init__(self, n, source):
+            self.n, self.tuning = n, types.SimpleNamespace(source=source)
+
+        def __call__(self, x):
+            return torch.zeros(x.shape[0], self.n)
+
+    def runtime_layer(layer, dtype, device, tune, time_limit=None):
         events.append(tune)
+        limits.append(time_limit)
         clock[0] += tuning_s if tune else 0.0
-        return lambda x: torch.zeros(x.shape[0], layer.shape[0])
+        return Layer(layer.shape[0], "partial" if tuning_s > 10 else "tuned")
 
     def timer(fn):
         timer_calls.append(fn)
@@ -379,6 +390,8 @@ def test_speed_times_every_case_with_defaults_before_tuning_any(monkeypatch):
         (cases[0].label, 1, True), (cases[0].label, 4, True), (cases[1].label, 1, True)]
     assert len(timer_calls) == 3 * 2 + 3  # first pass: dense + patchc per row (no cuSPARSELt on CPU); then patchc
     assert all(r["dense_ms"] == 1.0 for r in out["rows"]) and not out["skipped"]
+    assert [r["tuning"] for r in out["rows"]] == ["default"] * 3 + ["tuned"] * 3
+    assert limits == [None, None, 60 - 12, 60 - 12 - 1 - 4]  # tuning stops at the part's deadline
 
     # tuning the first case takes 50 s: the 60 s deadline passes before the second is tuned
     events.clear()
@@ -386,6 +399,7 @@ def test_speed_times_every_case_with_defaults_before_tuning_any(monkeypatch):
     out = speed.run_speed(cases, "cpu", timer, True, 0, Deadline(60), None, show=False)
     assert events == [False, False, True] and out["skipped"] == [f"{cases[1].label} (tuned)"]
     assert [r["tuned"] for r in out["rows"]] == [False, False, False, True, True]
+    assert out["rows"][-1]["tuning"] == "partial"
     # the default-config pass stops at its share of the part, leaving the rest to tuning
     events.clear()
     clock[0], tuning_s = 0.0, 1.0

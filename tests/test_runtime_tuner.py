@@ -360,3 +360,41 @@ def test_all_24_layers_search_only_the_best_ranked_blocks(monkeypatch):
     full = run(plan, False, everything)["sparse.weight"]
     assert chosen.block == full.block == (32, 64) and chosen.decode == full.decode
     assert ranked.calls < everything.calls
+
+
+def test_a_time_limit_keeps_what_was_found_and_caches_only_whole_searches(tmp_path, monkeypatch):
+    """Each timing takes one (fake) second. Cut inside the first layer: it keeps the best configs found so far
+    (source "partial"), the regimes searched in full before the cut are cached and the cut one is not, the
+    next layer gets the default configs (None) without one more timing; a second run with time reads the
+    finished regimes from the cache and tunes the rest."""
+    import patchc.runtime.timing as timing
+
+    clock = [0.0]
+    monkeypatch.setattr(timing.time, "monotonic", lambda: clock[0])
+    plan, cache_path = plan_of(), tmp_path / "tune.json"
+    whole = FakeTimer()
+    full = run(plan, TuneCache(tmp_path / "whole.json"), whole)
+    mixed_calls = FakeTimer()
+    run(random_tile_plan({"mixed.weight": dict(n=128, k=1024, tile=(64, 64), kinds="mixed")}), False, mixed_calls)
+
+    class Ticking(FakeTimer):
+        def __call__(self, fn):
+            clock[0] += 1.0
+            return super().__call__(fn)
+
+    timer = Ticking()
+    limit = mixed_calls.calls - 5  # the mixed layer's last searches are cut
+    cut = run(plan, TuneCache(cache_path), timer, time_limit=limit)
+    assert timer.calls == limit  # not one timing after the deadline
+    assert cut["mixed.weight"].source == "partial" and "time limit reached" in cut["mixed.weight"].notes
+    assert cut["sparse.weight"] is None and cut["dense.weight"] is None  # defaults / F.linear
+    entries = json.loads(cache_path.read_text())["entries"]
+    whole_entries = json.loads((tmp_path / "whole.json").read_text())["entries"]
+    assert entries and set(entries) < set(whole_entries)  # what was stored is whole: the full run's own records
+    assert all(entries[k] == whole_entries[k] for k in entries)
+    # the cut search was not stored: a second run without a limit ends where the full one did
+    again = Ticking()
+    resumed = run(plan, TuneCache(cache_path), again)
+    assert 0 < again.calls < whole.calls
+    assert {k: (v and (v.decode, v.prefill, v.block, v.threshold, v.buckets)) for k, v in resumed.items()} == \
+        {k: (v and (v.decode, v.prefill, v.block, v.threshold, v.buckets)) for k, v in full.items()}

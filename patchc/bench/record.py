@@ -136,7 +136,7 @@ def _speed_md(s: dict[str, Any]) -> list[str]:
            "| cuSPARSELt us |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in s["rows"]:
-        out.append(f"| {r['case']} | {r['M']} | {'tuned' if r.get('tuned') else 'default'} "
+        out.append(f"| {r['case']} | {r['M']} | {r.get('tuning') or ('tuned' if r.get('tuned') else 'default')} "
                    f"| {_fmt(1e3 * r['dense_ms'], '.1f')} | {_fmt(1e3 * r['tile_ms'], '.1f')} "
                    f"| {r['speedup']:.2f}x | {_fmt(r.get('ceiling'), '.2f')} | {_fmt(r.get('of_ceiling'), '.0%')} "
                    f"| {r['tile_GBps']:.0f} | {_fmt(r.get('of_peak'), '.0%')} "
@@ -153,7 +153,8 @@ def _e2e_md(e: dict[str, Any]) -> list[str]:
            "| sparsity | configs | batch | dense tok/s | patchc tok/s | speedup | logits max err (scale) |",
            "|---:|---|---:|---:|---:|---:|---:|"]
     for r in e["rows"]:
-        out.append(f"| {r['sparsity']:.0%} | {'tuned' if r.get('tuned') else 'default'} | {r['batch']} "
+        configs = f"tuned ({r.get('tuned_layers')} layers)" if r.get("tuned") else "default"
+        out.append(f"| {r['sparsity']:.0%} | {configs} | {r['batch']} "
                    f"| {r['dense_tok_s']:.1f} | {r['decode_tok_s']:.1f} "
                    f"| {r['speedup']:.2f}x | {_fmt(r['logits_max_err'])} ({_fmt(r['logits_max'])})"
                    f"{'' if r['logits_ok'] else ' FAILED'} |")

@@ -33,15 +33,16 @@ DECODE_MAX_M = 16  # M at or below this is weight-bandwidth bound: the ceiling a
 UNTUNED_SHARE = 0.4  # of the part's time, at most, for the pass with default configs when tuning follows
 
 
-def runtime_layer(layer: Any, dtype: torch.dtype, device: str, tune: bool) -> Any:
-    """The layer as users run it: a TileLinear, tuned for batch 16 / prefill 128 when `tune`."""
+def runtime_layer(layer: Any, dtype: torch.dtype, device: str, tune: bool, time_limit: float | None = None) -> Any:
+    """The layer as users run it: a TileLinear, tuned for batch 16 / prefill 128 when `tune` (for at most
+    `time_limit` seconds: then its `tuning.source` is "partial", or the default configs serve it)."""
     from patchc.runtime import TileLinear, tune_plan
     from patchc.ir import TilePlan
 
     tuning = None
     if tune:
         plan = TilePlan(layers={layer.name: layer}, skipped={}, meta={})
-        tuning = tune_plan(plan, 16, 128, dtype, device, progress=False)[layer.name]
+        tuning = tune_plan(plan, 16, 128, dtype, device, progress=False, time_limit=time_limit)[layer.name]
     return TileLinear.from_plan(layer, tuning, dtype=dtype, device=device, batch_size=16, prefill_len=128)
 
 
@@ -59,15 +60,17 @@ def semi_structured(w: torch.Tensor) -> torch.Tensor | None:
 
 def time_case(case: LayerCase, device: str, timer: Callable[[Callable[[], Any]], float], tune: bool,
               seed: int, peak: float | None = None, baselines: dict[tuple[str, int], dict[str, Any]] | None = None,
-              ) -> list[dict[str, Any]]:
+              deadline: Deadline | None = None) -> list[dict[str, Any]]:
     """Rows of one speed case: one per M, all timings from this run. `baselines` memoises the dense and
-    cuSPARSELt timings by (case, M): a second pass over the same cases times only patchc."""
+    cuSPARSELt timings by (case, M): a second pass over the same cases times only patchc. Tuning stops at
+    `deadline` (rows say "partial")."""
     from patchc.runtime.timing import compile_ahead
 
     dtype = DTYPES[case.dtype]
     layer = make_layer(case, seed)
     w = layer.to_dense().to(device=device, dtype=dtype)
-    mod = runtime_layer(layer, dtype, device, tune)
+    mod = runtime_layer(layer, dtype, device, tune, None if deadline is None else max(0.0, deadline.left()))
+    source = mod.tuning.source if tune else "default"
     compile_ahead([mod], list(case.ms))  # every M's kernels in parallel threads (GPU only)
     semi = semi_structured(w) if case.kinds == "2:4" and not _timed(baselines, case) else None
     elem = torch.empty((), dtype=dtype).element_size()
@@ -78,7 +81,7 @@ def time_case(case: LayerCase, device: str, timer: Callable[[Callable[[], Any]],
         x = make_input(m, k, dtype, device, seed + m)
         io = (m * k + m * n) * elem
         row: dict[str, Any] = {"case": case.label, "shape": [n, k], "kinds": case.kinds, "M": m,
-                               "dtype": case.dtype, "tuned": tune}
+                               "dtype": case.dtype, "tuned": tune, "tuning": source}
         base = baselines.get((case.label, m)) if baselines is not None else None
         if base is None:
             base = {"dense_ms": timer(lambda: F.linear(x, w)),
@@ -122,8 +125,8 @@ def run_speed(cases: list[LayerCase], device: str, timer: Callable[[Callable[[],
     rows, skipped = run_cases(cases, lambda case: time_case(case, device, timer, False, seed, peak, baselines), first,
                               "bench speed", show)
     if tune:
-        tuned, not_tuned = run_cases(cases, lambda case: time_case(case, device, timer, True, seed, peak, baselines),
-                                     deadline, "bench speed (tuned)", show)
+        tuned, not_tuned = run_cases(cases, lambda case: time_case(case, device, timer, True, seed, peak, baselines,
+                                                                   deadline), deadline, "bench speed (tuned)", show)
         rows += tuned
         skipped += [f"{label} (tuned)" for label in not_tuned]
     return {"rows": rows, "skipped": skipped}

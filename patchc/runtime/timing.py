@@ -19,6 +19,7 @@ import functools
 import logging
 import math
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -111,6 +112,14 @@ class Setup:
     cache: TuneCache | None
     smem_limit: int | None
     compile_threads: int = 0  # >= 2: compile each axis's configs in that many threads before timing them
+    deadline: float | None = None  # time.monotonic() after which nothing more is compiled or timed
+    cut: bool = False  # set once a timing was skipped for the deadline: what is found since is partial
+
+    def over(self) -> bool:
+        """Whether the deadline has passed (then `cut` is set)."""
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.cut = True
+        return self.cut
 
 
 class LayerTimer:
@@ -142,6 +151,8 @@ class LayerTimer:
     def time(self, cfg: KernelConfig, m: int) -> float:
         key = (cfg, m)
         if key not in self._ms:
+            if self.s.over():
+                return math.inf  # out of time: not timed (and not memoised: nothing was learned)
             _, bufs, per_row = self.packed((cfg.block_n, cfg.block_k))
             # a partial, not a lambda: an injected time_fn can read the config (fn.args[-1]) and M
             fn = functools.partial(launch, self.x(m), bufs, None, self.shape, (cfg.block_n, cfg.block_k), per_row, cfg)
@@ -172,7 +183,7 @@ class LayerTimer:
         """Compile the configs not yet timed at M in parallel threads (`compile_parallel`), so that timing
         them one by one next finds them built; nothing without `Setup.compile_threads`."""
         todo = [c for c in dict.fromkeys(cfgs) if (c, m) not in self._ms]
-        if self.s.compile_threads < 2 or len(todo) < 2:
+        if self.s.compile_threads < 2 or len(todo) < 2 or self.s.over():
             return
         x = self.x(m)
         warmers = []

@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import logging
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -67,7 +68,8 @@ class LayerTuning:
     tuned at the batch size, which chose the block); buckets: ((largest M, decode config), ...) by M,
     each tuned at its largest M (empty: `decode` serves every M up to the threshold); threshold: decode
     serves M <= threshold; prefill_backend: "triton" or "semi_structured" (all-2:4 layers, GPU only);
-    source: "tuned", "cache", "default" or "shared" (another layer's tuning, `tuning_class`).
+    source: "tuned", "cache", "default", "shared" (another layer's tuning, `tuning_class`) or "partial"
+    (a search `tune_plan`'s time limit cut short).
 
     Example:
         >>> t = LayerTuning("fc.weight", (64, 64), KernelConfig("decode", 16, 64, 64, 4, 4, 4, 8),
@@ -173,7 +175,8 @@ def _threshold(t: LayerTimer, dec: KernelConfig, pre: KernelConfig) -> int:
     thr = m
     while m * 2 < limit:
         m *= 2
-        if t.time(dec, m) > t.time(pre, m):
+        d, p = t.time(dec, m), t.time(pre, m)
+        if not (math.isfinite(d) and math.isfinite(p)) or d > p:  # a failed (or untimed) probe ends the walk
             break
         thr = m
     return thr
@@ -182,7 +185,7 @@ def _threshold(t: LayerTimer, dec: KernelConfig, pre: KernelConfig) -> int:
 def _semi_structured_ms(t: LayerTimer, m: int) -> float:
     """ms of F.linear with torch's 2:4 semi-structured weight (inf where unsupported)."""
     s = t.s
-    if s.device.type != "cuda" or s.dtype not in (torch.float16, torch.bfloat16):
+    if s.device.type != "cuda" or s.dtype not in (torch.float16, torch.bfloat16) or s.over():
         return math.inf
     try:
         from torch.sparse import to_sparse_semi_structured
@@ -247,7 +250,7 @@ def _cached_or_tuned(t: LayerTimer, key: str, parse: Callable[[Mapping[str, Any]
     if cached_only:
         return None
     result = tune()
-    if cache is not None:
+    if cache is not None and not t.s.cut:  # a search the time limit cut short is not a tuning to reuse
         cache.put(key, record(result))
     return result
 
@@ -307,6 +310,7 @@ def tune_plan(
     cached_only: bool = False,
     layers: list[str] | None = None,
     share: bool = True,
+    time_limit: float | None = None,
 ) -> dict[str, LayerTuning | None]:
     """Tune every planned layer (decode first, then prefill); {fqn: LayerTuning, or None = stays F.linear}.
 
@@ -315,11 +319,16 @@ def tune_plan(
     `time_fn` it raises `TuneError`. `cached_only`: read the cache, time nothing (misses map to None).
     `share`: a layer whose `tuning_class` is tuned already gets that tuning (source "shared"): a 7B
     model's 224 layers fall into a few classes, and one tuning compiles and times ~100 configs.
+    `time_limit`: seconds after which nothing more is compiled or timed: the layer being tuned keeps the
+    best configs found so far (source "partial", not written to the cache), later layers map to None (the
+    default configs), as with `cached_only`.
 
     Example:
         >>> tunings = tune_plan(patchc.TilePlan.load("model.patch"), batch_size=16, prefill_len=128)  # doctest: +SKIP
     """
     s = setup(batch_size, prefill_len, dtype, device, cache, time_fn, arch)
+    if time_limit is not None:
+        s.deadline = time.monotonic() + time_limit
     names = list(plan.layers) if layers is None else layers
     out: dict[str, LayerTuning | None] = {}
     tuned: dict[tuple, tuple[str, LayerTuning | None]] = {}  # tuning class -> (its first layer, its tuning)
@@ -333,9 +342,24 @@ def tune_plan(
             out[fqn] = tuning and dataclasses.replace(tuning, fqn=fqn, source="shared",
                                                       notes=(*tuning.notes, f"tuning of {first}"))
             continue
-        out[fqn] = tune_layer(layer, s, cached_only=cached_only)
+        out[fqn] = _tune_in_time(layer, s, cached_only)
         tuned[key] = (fqn, out[fqn])
     return out
+
+
+def _tune_in_time(layer: Any, s: Setup, cached_only: bool) -> LayerTuning | None:
+    """`tune_layer`, cut short by the setup's deadline: what was found by then (source "partial"), or None
+    (the default configs) when that is nothing or the deadline had passed already (cache hits still count)."""
+    cut_before = s.over()
+    try:
+        tuning = tune_layer(layer, s, cached_only=cached_only or cut_before)
+    except TuneError:
+        if s.cut:
+            return None
+        raise
+    if tuning is not None and s.cut and not cut_before and tuning.source == "tuned":
+        tuning = dataclasses.replace(tuning, source="partial", notes=(*tuning.notes, "time limit reached"))
+    return tuning
 
 
 def tuning_class(layer: Any) -> tuple:
