@@ -175,8 +175,8 @@ def _threshold(t: LayerTimer, dec: KernelConfig, pre: KernelConfig) -> int:
     thr = m
     while m * 2 < limit:
         m *= 2
-        d, p = t.time(dec, m), t.time(pre, m)
-        if not (math.isfinite(d) and math.isfinite(p)) or d > p:  # a failed (or untimed) probe ends the walk
+        d = t.time(dec, m)
+        if not math.isfinite(d) or d > t.time(pre, m):  # decode failed, was not timed (time limit) or lost
             break
         thr = m
     return thr
