@@ -176,3 +176,34 @@ def test_generate_serves_a_cpu_plan_in_bf16_unless_told():
     fp32, fp16 = (random_tile_plan({"w.weight": dict(spec, dtype=d)}) for d in (torch.float32, torch.float16))
     assert serving_dtype(fp32, "auto") == torch.bfloat16 and serving_dtype(fp16, "auto") is None
     assert serving_dtype(fp32, "float32") == torch.float32 and serving_dtype(fp16, "bfloat16") == torch.bfloat16
+
+
+def test_tune_with_a_time_limit_says_what_it_left(tmp_path, capsys, monkeypatch):
+    """`patchc tune --time-limit`: the limit reaches the tuner; layers cut short or left on the default
+    configs are named as such, all-dense ones as F.linear; a negative limit is one line."""
+    import patchc.runtime as rt
+    from patchc.codegen.configs import KernelConfig
+    from patchc.codegen.reference import random_tile_plan
+
+    plan = random_tile_plan({"a.weight": dict(n=32, k=32, tile=(16, 16), kinds="mixed"),
+                             "b.weight": dict(n=32, k=32, tile=(16, 16), kinds="sparse"),
+                             "c.weight": dict(n=32, k=32, tile=(16, 16), kinds="dense")})
+    path = tmp_path / "plan.patch"
+    plan.save(path)
+    seen = {}
+
+    def fake_tune(plan, **kw):
+        seen.update(kw)
+        partial = rt.LayerTuning("a.weight", (16, 16), KernelConfig("decode", 16, 16, 16, 1, 4, 1, 8),
+                                 KernelConfig("prefill", 16, 16, 16, 1, 4, 2, 8), 16, source="partial")
+        return {"a.weight": partial, "b.weight": None, "c.weight": None}
+
+    monkeypatch.setattr(rt, "tune_plan", fake_tune)
+    assert main(["tune", str(path), "--time-limit", "30"]) == 0
+    out = capsys.readouterr().out
+    assert seen["time_limit"] == 30.0 and '"source": "partial"' in out
+    assert "b.weight: default configs (time limit)" in out and "c.weight: all dense: F.linear" in out
+    assert "(time limit: 1 cut short, 1 on the default configs; run again to go on)" in out
+    monkeypatch.undo()
+    assert main(["tune", str(path), "--time-limit", "-1"]) == 2
+    assert "time_limit must be >= 0" in capsys.readouterr().err

@@ -326,6 +326,8 @@ def tune_plan(
     Example:
         >>> tunings = tune_plan(patchc.TilePlan.load("model.patch"), batch_size=16, prefill_len=128)  # doctest: +SKIP
     """
+    if time_limit is not None and not (time_limit >= 0):
+        raise ValueError(f"tune_plan: time_limit must be >= 0 seconds (or None: no limit), got {time_limit}")
     s = setup(batch_size, prefill_len, dtype, device, cache, time_fn, arch)
     if time_limit is not None:
         s.deadline = time.monotonic() + time_limit
