@@ -145,8 +145,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     import json
 
-    import torch
-
     from patchc.runtime import tune_plan
 
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
@@ -155,11 +153,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
                         time_limit=args.time_limit)
     dense = {fqn for fqn in tunings if int((plan.layers[fqn].kinds == 1).sum()) == 0}
     for fqn, tuning in tunings.items():
-        what = "all dense: F.linear" if fqn in dense else "default configs (time limit)"
-        print(f"{fqn}: {json.dumps(tuning.to_dict()) if tuning is not None else what}")
+        print(f"{fqn}: " + (json.dumps(tuning.to_dict()) if tuning is not None else
+                            "all dense: F.linear" if fqn in dense else "default configs (time limit)"))
     cut = sum(t is not None and t.source == "partial" for t in tunings.values())
-    untuned = sum(t is None and fqn not in dense for fqn, t in tunings.items())
-    note = f" (time limit: {cut} cut short, {untuned} on the default configs; run again to go on)" if cut or untuned else ""
+    left = sum(t is None and fqn not in dense for fqn, t in tunings.items())
+    note = f" (time limit: {cut} cut short, {left} on the default configs; run again to go on)" if cut or left else ""
     print(f"tuned {len(tunings)} layers; the choices are cached for the next run{note}")
     return 0
 
@@ -328,9 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16, help="decode batch: the largest M tuned as decode")
     p.add_argument("--prefill-len", type=int, default=128, help="prompt length: M = batch x prefill tuned as prefill")
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "fp16", "bf16"), help="activation dtype")
-    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                   help="stop compiling and timing after this long; what was searched in full stays cached, so "
-                        "the next run goes on from there")
+    p.add_argument("--time-limit", type=float, metavar="SECONDS", help="stop compiling and timing after this "
+                   "long; what was searched in full stays cached, so the next run goes on from there")
     p.set_defaults(handler=cmd_tune)
 
     p = command("bench", "GPU proof: kernels and runtime vs cuBLAS / fp64, layer speed, end-to-end decode",
