@@ -20,7 +20,7 @@ TEST_WORKERS ?= 2
 # have (test_codegen_compile.py, test_bench.py), so the rare GPU session does not find them broken; empty: skip.
 COMPAT_TRITON ?= 3.6.0
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The GPU proof (`patchc bench`): runs from the working tree with the machine's own torch + triton and
 # installs nothing (GPU machines may have no network). BENCH_ARGS="--parts check" etc. narrows it.

@@ -28,6 +28,22 @@ if "patch" not in torch._dynamo.list_backends(exclude_tags=()):
 
     torch._dynamo.register_backend(patch_backend, name="patch")
 
+# The files that take longest (seconds of work on 2 cores, `pytest --durations=0`), run first: `make test`
+# hands whole files to 2 workers in collection order (--dist loadfile --no-loadscope-reorder), and a long
+# file drawn last is a tail one worker runs alone. xdist's own order (most tests first) put the one-test
+# real-model and multi-process files last: two minutes of tail.
+LONGEST_FIRST = ("test_bench.py", "test_codegen_compile.py", "test_families.py", "test_quality_minilm.py",
+                 "test_quality_stories.py", "test_codegen_interp.py", "test_backend_experts.py", "test_runs.py",
+                 "test_cli.py", "test_distributed.py", "test_import_sparse.py", "test_generate_speed.py",
+                 "test_runtime.py", "test_fsdp.py", "test_hf_models.py", "test_grouped_kernels.py",
+                 "test_seq_graphs.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: in-file order kept
+
+
 SHARED = Path(os.environ.get("PATCHC_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
 STORIES = SHARED / "models" / "stories260K"
 TINYSTORIES = SHARED / "data" / "tinystories_sample.txt"
