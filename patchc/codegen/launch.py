@@ -166,12 +166,10 @@ def launch(
         ...            per_row_counts(packed), KernelConfig(kernel="decode"))   # doctest: +SKIP
     """
     n, m = shape[0], x2.shape[0]
-    cfg, y, part, consts, args = _prepare(x2, buffers, bias, shape, block, per_row, cfg, zeros=False)
-    grid = grid_of(cfg, math.ceil(n / block[0]), m)
+    kernel, grid, cfg, y, part, consts, args = _prepare_layer(x2, buffers, bias, shape, block, per_row, cfg)
     where = f"layer {name!r}" if name else f"layer of shape (N={n}, K={shape[1]})"
     _check_grid(grid, cfg, m)
-    _run(cfg.kernel, kernels.KERNELS[cfg.kernel], grid, [*args, m], consts, where,
-         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _run(cfg.kernel, kernel, grid, args, consts, where, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _reduce(part, y, bias, cfg, where)
     return y
 
@@ -188,18 +186,24 @@ def warm(
     """Compile what `launch` with these arguments would run, without running it (Triton's `warmup`): under
     Triton's AsyncCompileMode the compiles of many configs then run in parallel threads (the tuner).
     A no-op under the interpreter, which compiles nothing."""
-    kernel = kernels.KERNELS[cfg.kernel]
+    _warm(*_prepare_layer(x2, buffers, bias, shape, block, per_row, cfg), bias)
+
+
+def _prepare_layer(x2: torch.Tensor, buffers: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
+                   shape: tuple[int, int], block: tuple[int, int], per_row: tuple[int, int], cfg: KernelConfig):
+    """(kernel, grid, config, y, split-K workspace or None, constexprs, arguments) of a single-layer launch."""
+    m = x2.shape[0]
+    cfg, y, part, consts, args = _prepare(x2, buffers, bias, shape, block, per_row, cfg, zeros=False)
+    return kernels.KERNELS[cfg.kernel], grid_of(cfg, math.ceil(shape[0] / block[0]), m), cfg, y, part, consts, [*args, m]
+
+
+def _warm(kernel: Any, grid: tuple[int, ...], cfg: KernelConfig, y: torch.Tensor, part: torch.Tensor | None,
+          consts: dict[str, Any], args: list[Any], bias: torch.Tensor | None) -> None:
+    """Compile the kernel and split-K reduce a prepared launch runs (`_prepare_layer`, `_prepare_grouped`),
+    without running them; nothing under the interpreter."""
     if not isinstance(kernel, triton.runtime.JITFunction):
         return
-    n, m = shape[0], x2.shape[0]
-    cfg, y, part, consts, args = _prepare(x2, buffers, bias, shape, block, per_row, cfg, zeros=False)
-    kernel.warmup(*args, m, grid=grid_of(cfg, math.ceil(n / block[0]), m), **consts, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
-    _warm_reduce(part, y, bias, cfg)
-
-
-def _warm_reduce(part: torch.Tensor | None, y: torch.Tensor, bias: torch.Tensor | None, cfg: KernelConfig) -> None:
-    """Compile the split-K reduce `_reduce` would run, without running it."""
+    kernel.warmup(*args, grid=grid, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if part is not None:
         m, n = y.shape
         kernels.splitk_reduce_kernel.warmup(part, y, _or_dummy(bias, y), m, grid=(1,), N=n, SPLIT_K=cfg.split_k,
@@ -249,12 +253,7 @@ def warm_grouped(
     cfg: KernelConfig,
 ) -> None:
     """`warm` for `launch_grouped`: compile what it would run with these arguments, without running it."""
-    kernel, grid, cfg, y, part, consts, args = _prepare_grouped(x2, offs, buffers, shape, num_experts, block,
-                                                                per_row, cfg)
-    if not isinstance(kernel, triton.runtime.JITFunction):
-        return  # the interpreter compiles nothing
-    kernel.warmup(*args, grid=grid, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _warm_reduce(part, y, None, cfg)
+    _warm(*_prepare_grouped(x2, offs, buffers, shape, num_experts, block, per_row, cfg), None)
 
 
 def _prepare_grouped(x2: torch.Tensor, offs: torch.Tensor, buffers: tuple[torch.Tensor, ...], shape: tuple[int, int],
