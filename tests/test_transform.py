@@ -253,3 +253,63 @@ def test_lm_loss_matches_cross_entropy(tiny_mlp):
     ids = torch.randint(0, 32, (2, 7))
     expected = F.cross_entropy(tiny_mlp(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
     assert float(patchc.lm_loss(tiny_mlp, ids)) == pytest.approx(float(expected))
+
+
+class GradRegions(torch.nn.Module):
+    """HRM-style cycles: the first two under torch.no_grad(), the last under autocast(enabled=False) inside it
+    nested; `cell` is read in every region and outside, `inner` only inside the no_grad region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.cell, self.inner, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        with torch.no_grad():
+            for _ in range(2):
+                h = torch.tanh(self.cell(h) + self.inner(h))
+            with torch.autocast("cpu", enabled=False):
+                h = torch.tanh(self.cell(h))
+        return self.head(torch.tanh(self.cell(h)))
+
+
+def test_weights_read_inside_no_grad_and_autocast_regions_are_masked_there_too():
+    """torch.export keeps such regions as subgraphs; a mask on only the reads outside them would train and
+    evaluate a model that the plan does not describe (it did, for HRM)."""
+    torch.manual_seed(0)
+    model, ids = GradRegions().eval(), torch.randint(0, 32, (2, 5))
+    prog = patchc.transform(model, patchc.PatchConfig(tile=(8, 8), sparsity=0.25, init_std=0.5), example_inputs=(ids,))
+    assert set(prog.layers) == {"cell.weight", "inner.weight", "head.weight"} and not prog.skipped
+    with prog.mask_mode("ones"):
+        assert torch.equal(prog(ids), model(ids))
+    prog.eval()
+    y = prog(ids)
+    assert torch.equal(patchc.harden(prog).apply(copy.deepcopy(model))(ids), y)
+    assert not torch.allclose(y, model(ids), atol=1e-3)
+    code = {n: m.code for n, m in prog.graph_module.named_modules() if isinstance(m, torch.fx.GraphModule)}
+    seen: dict[str, int] = {}
+    with prog.observe_inputs(lambda fqn, x: seen.update({fqn: seen.get(fqn, 0) + 1})):
+        prog(ids)
+    assert seen == {"cell.weight": 4, "inner.weight": 2, "head.weight": 1}  # every read, in every region
+    assert {n: m.code for n, m in prog.graph_module.named_modules() if isinstance(m, torch.fx.GraphModule)} == code
+    prog.train()
+    prog(ids).logsumexp(-1).mean().backward()  # the model's own no_grad still holds: `inner` gets no gradient
+    grads = {n: m.tile_logits.grad for n, m in prog.layers.items()}
+    assert grads["inner.weight"] is None and grads["cell.weight"].abs().sum() > 0
+
+
+def test_a_weight_also_read_inside_a_cond_branch_is_left_dense_and_says_why():
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.other = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.other(self.proj(x))
+            return torch.cond(h.sum() > 0, lambda t: self.proj(t), lambda t: t * 2, (h,))
+
+    x = torch.randn(3, 16)
+    prog = patchc.transform(Branchy(), patchc.PatchConfig(tile=(8, 8)), example_inputs=(x,))
+    assert set(prog.layers) == {"other.weight"}
+    assert "cond" in prog.skipped["proj.weight"] and "does not rewrite" in prog.skipped["proj.weight"]

@@ -25,6 +25,12 @@ reads (a tied LM head) is never masked, and K % 4 != 0 is skipped (no 2:4 groups
 weight is kept in `skipped` with its reason, so summaries can say why; so is a parameter that some
 matmul reads in a form not listed above (`W @ x`, a gathered expert slice, ...).
 
+Regions torch.export keeps as a subgraph (`with torch.no_grad():`, `with torch.autocast(...)`: HRM runs its
+early reasoning cycles without gradients) are searched too, nested or not. A matmul inside one reads its
+weight through the region's operands: the mask goes on the weight before the region call, so every read,
+inside and out, sees the same masked weight. A weight that some other subgraph op (`torch.cond`, ...) reads
+is not masked at all, and is listed as skipped.
+
 Each matched matmul node gets `node.meta["patchc_site"]`; the rewrite pass consumes that.
 """
 
@@ -38,6 +44,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from patchc.config import PatchConfig
 from patchc.passes.einsum_forms import parse_einsum
+from patchc.passes.regions import Regions, all_nodes, foreign_subgraph, readers, region_inputs
 
 aten = torch.ops.aten
 
@@ -121,10 +128,16 @@ def _keeps_matrix(node: fx.Node) -> bool:
     return tuple(out.shape[-2:]) == tuple(src.shape[-2:])
 
 
-def _trace_weight(node: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
-    """Follow transposes / casts back to a get_attr: (get_attr, its consumer, #transposes)."""
+def _trace_weight(node: fx.Node, outer: Regions | None = None) -> tuple[fx.Node, fx.Node, int] | None:
+    """Follow transposes / casts back to a get_attr: (get_attr, its consumer, #transposes).
+
+    `outer` maps a region's placeholders to their operands: the trace crosses into the enclosing graph,
+    where the region call is the consumer."""
     flips, consumer = 0, None
-    while node.op == "call_function":
+    while node.op == "call_function" or (outer and node in outer):
+        if node.op == "placeholder":
+            node, consumer = outer[node]
+            continue
         if node.target in _PASS_THROUGH:
             pass
         elif node.target in _BROADCAST and _keeps_matrix(node):
@@ -152,20 +165,20 @@ def _parameter(gm: fx.GraphModule, target: str) -> torch.Tensor | None:
     return value
 
 
-def _weight_of(gm: fx.GraphModule, node: fx.Node) -> tuple[str, torch.Tensor] | None:
+def _weight_of(gm: fx.GraphModule, node: fx.Node, outer: Regions | None = None) -> tuple[str, torch.Tensor] | None:
     """(FQN, tensor) of the floating parameter `node` reads through transposes / casts, or None."""
-    traced = _trace_weight(node)
+    traced = _trace_weight(node, outer)
     weight = _parameter(gm, traced[0].target) if traced is not None else None
     if weight is None or not weight.is_floating_point():
         return None
     return traced[0].target, weight
 
 
-def _embedding_tensors(gm: fx.GraphModule) -> set[int]:
+def _embedding_tensors(gm: fx.GraphModule, regions: Regions) -> set[int]:
     ids = set()
-    for node in gm.graph.nodes:
+    for node in all_nodes(gm):
         if node.op == "call_function" and node.target in _EMBEDDING:
-            traced = _trace_weight(node.args[0])
+            traced = _trace_weight(node.args[0], regions)
             if traced is not None:
                 tensor = _parameter(gm, traced[0].target)
                 if tensor is not None:
@@ -209,11 +222,13 @@ class AnnotateLinears(PassBase):
         self.cfg = cfg
         self.sites: list[LinearSite] = []
         self.skipped: dict[str, str] = {}
+        self.regions: Regions = {}
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         self.sites, self.skipped = [], {}
-        embedded = _embedding_tensors(gm)
-        for node in gm.graph.nodes:
+        self.regions = region_inputs(gm)
+        embedded = _embedding_tensors(gm, self.regions)
+        for node in all_nodes(gm):
             site = self._site(gm, node, embedded)
             if site is not None:
                 node.meta[META_KEY] = site
@@ -229,11 +244,12 @@ class AnnotateLinears(PassBase):
         if node.op != "call_function" or node.target not in _EINSUM or len(node.args[1]) != 2:
             return None
         operands = list(node.args[1])
-        found = [i for i, op in enumerate(operands) if isinstance(op, fx.Node) and _weight_of(gm, op) is not None]
+        found = [i for i, op in enumerate(operands)
+                 if isinstance(op, fx.Node) and _weight_of(gm, op, self.regions) is not None]
         if len(found) != 1:
             return None  # activations only (attention), or two weights: `_skip_unhandled` lists those
         i = found[0]
-        fqn, weight = _weight_of(gm, operands[i])
+        fqn, weight = _weight_of(gm, operands[i], self.regions)
         form = parse_einsum(str(node.args[0]), i, weight.dim())
         if isinstance(form, str):
             self._skip(fqn, f"read by einsum {node.args[0]!r}: {form}")
@@ -246,7 +262,7 @@ class AnnotateLinears(PassBase):
             return None
         x, w_arg, b_arg, form, flips_needed = matched[:5]
         einsum = matched[5] if form == "einsum" else None
-        traced = _trace_weight(w_arg)
+        traced = _trace_weight(w_arg, self.regions)
         if traced is None:
             return None  # activation @ activation (attention scores) or a computed weight
         w_node, consumer, flips = traced
@@ -254,6 +270,10 @@ class AnnotateLinears(PassBase):
         if weight is None or not weight.is_floating_point():
             return None
         fqn = w_node.target
+        foreign = foreign_subgraph(w_node, self.regions)
+        if foreign is not None:  # masking only the reads outside would train a model the plan does not describe
+            self._skip(fqn, f"also read inside a {foreign} subgraph, which patchc does not rewrite")
+            return None
         grouped = (form == "grouped_mm" or (einsum is not None and einsum.expert_axis is not None)
                    or (form == "bmm" and weight.dim() == 3))  # bmm over a 3-D weight: batch = experts
         if form == "bmm" and grouped and _batch(w_arg) not in (None, weight.shape[0]):
@@ -277,7 +297,7 @@ class AnnotateLinears(PassBase):
             return None
         bias = None
         if isinstance(b_arg, fx.Node):
-            traced_b = _trace_weight(b_arg)
+            traced_b = _trace_weight(b_arg, self.regions)
             if traced_b is not None and traced_b[2] == 0:
                 bias = traced_b[0].target
         experts = int(weight.shape[0]) if grouped else None
@@ -296,7 +316,7 @@ class AnnotateLinears(PassBase):
             weight = _parameter(gm, node.target)
             if weight is None or not weight.is_floating_point() or weight.dim() < 2:
                 continue
-            op = _matmul_reader(node)
+            op = _matmul_reader(node, self.regions)
             if op is not None:
                 self._skip(node.target, f"read by {op} in a form patchc does not mask (not x @ W^T)")
 
@@ -307,13 +327,13 @@ def _batch(node: fx.Node) -> int | None:
     return int(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() == 3 else None
 
 
-def _matmul_reader(node: fx.Node, depth: int = 6) -> str | None:
+def _matmul_reader(node: fx.Node, regions: Regions, depth: int = 6) -> str | None:
     """The name of a matmul op that reads `node` through at most `depth` other ops, or None."""
     frontier = [node]
     for _ in range(depth):
         nxt = []
         for n in frontier:
-            for user in n.users:
+            for user in readers(n, regions):
                 if user.op != "call_function":
                     continue
                 name = _op_name(user.target).split("::")[-1] or getattr(user.target, "__name__", "")

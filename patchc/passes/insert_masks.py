@@ -121,20 +121,22 @@ class InsertObservers(PassBase):
         self.sites, self.callback = sites, callback
 
     def call(self, gm: fx.GraphModule) -> PassResult:
-        container = _container(gm, OBSERVERS_ATTR)
         for i, site in enumerate(self.sites):
+            owner = site.matmul.graph.owning_module  # gm, or the subgraph of a no_grad / autocast region
             key = f"{module_key(site.fqn)}_{i}"
             args: tuple = (site.input_node,)
             if site.x_axes is not None:
-                container.add_module(key, _AxesObserver(site.names, site.x_axes, self.callback))
+                observer: nn.Module = _AxesObserver(site.names, site.x_axes, self.callback)
             elif site.experts is None:
-                container.add_module(key, _Observer(site.fqn, self.callback))
+                observer = _Observer(site.fqn, self.callback)
             else:
-                container.add_module(key, _ExpertObserver(site.names, self.callback))
+                observer = _ExpertObserver(site.names, self.callback)
                 args = (site.input_node, site.matmul.args[2])
-            with gm.graph.inserting_before(site.matmul):
-                gm.graph.call_module(f"{OBSERVERS_ATTR}.{key}", args)
-        gm.recompile()
+            _container(owner, OBSERVERS_ATTR).add_module(key, observer)
+            with site.matmul.graph.inserting_before(site.matmul):
+                site.matmul.graph.call_module(f"{OBSERVERS_ATTR}.{key}", args)
+        for module in _graph_modules(gm):
+            module.recompile()
         return PassResult(gm, modified=bool(self.sites))
 
 
@@ -142,10 +144,20 @@ class RemoveObservers(PassBase):
     """Undo `InsertObservers`."""
 
     def call(self, gm: fx.GraphModule) -> PassResult:
-        nodes = [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target).startswith(OBSERVERS_ATTR + ".")]
-        for node in nodes:
-            gm.graph.erase_node(node)
-        if hasattr(gm, OBSERVERS_ATTR):
-            delattr(gm, OBSERVERS_ATTR)
-        gm.recompile()
-        return PassResult(gm, modified=bool(nodes))
+        removed = 0
+        for module in _graph_modules(gm):
+            nodes = [n for n in module.graph.nodes
+                     if n.op == "call_module" and str(n.target).startswith(OBSERVERS_ATTR + ".")]
+            for node in nodes:
+                module.graph.erase_node(node)
+            if hasattr(module, OBSERVERS_ATTR):
+                delattr(module, OBSERVERS_ATTR)
+            module.recompile()
+            removed += len(nodes)
+        return PassResult(gm, modified=bool(removed))
+
+
+def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """`gm` and the subgraphs in it (those of no_grad / autocast regions), skipping patchc's own modules."""
+    return [m for name, m in gm.named_modules() if isinstance(m, fx.GraphModule)
+            and not name.startswith((MASKS_ATTR, OBSERVERS_ATTR))]
