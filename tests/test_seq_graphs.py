@@ -80,6 +80,38 @@ def test_the_first_graph_is_at_the_training_length_not_the_example():
     assert export_causal_lm(model, seq=8, fixed_len=1000).length == 64  # clamped to the model's positions
 
 
+class WindowedLM(ChunkedLM):
+    """A branch on the length (DeepSeek-V4's compressed attention has one): a dynamic export traced at 8
+    holds only for lengths up to WINDOW, so it must not be handed out as a graph for every length."""
+
+    WINDOW = 12
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> torch.Tensor:
+        h = self.mix(self.embed(input_ids))
+        if h.shape[1] > self.WINDOW:  # long inputs: only the last WINDOW positions feed the running sum
+            h = torch.cat([h[:, : -self.WINDOW] * 0.5, h[:, -self.WINDOW:]], 1)
+        y = h.cumsum(1)
+        return self.head(y + self.down(torch.relu(self.up(y))))
+
+
+class _Plain(WindowedLM):
+    WINDOW = 1000  # past the model's 64 positions: no branch is ever taken, one dynamic graph
+
+
+def test_a_graph_that_holds_for_some_lengths_only_falls_back_to_one_graph_per_length():
+    torch.manual_seed(0)
+    model = WindowedLM().eval()
+    exported = export_causal_lm(model, seq=8, fixed_len=16)
+    assert isinstance(exported, PerLengthExport) and exported.length == 16
+    assert "lengths 2..12 of 1..64" in exported.reason
+    prog = patchc.transform(exported, PatchConfig(tile=TILE))
+    with prog.mask_mode("ones"):
+        for t in (5, 12, 16, 40):  # both sides of the branch
+            ids = torch.randint(0, 32, (2, t))
+            torch.testing.assert_close(prog(ids), model(ids), rtol=0, atol=0)
+    assert isinstance(export_causal_lm(_Plain().eval(), seq=8), torch.export.ExportedProgram)
+
+
 def test_every_length_shares_the_weights_and_the_masks(chunked):
     model, exported = chunked
     prog = patchc.transform(exported, PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5))

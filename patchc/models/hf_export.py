@@ -74,7 +74,7 @@ def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _
             raise
     else:
         try:
-            return _export_ids(model, example(seq), {**batch_dim, 1: dynamic_dim(limit)})
+            ep = _export_ids(model, example(seq), {**batch_dim, 1: dynamic_dim(limit)})
         except Exception as dynamic_error:  # noqa: BLE001 - any failure: try the fixed-length export below
             reason = f"{type(dynamic_error).__name__}: {_first_line(dynamic_error)}"[:200]
             try:
@@ -82,9 +82,26 @@ def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _
             except Exception:  # noqa: BLE001 - the fixed length fails too: the dynamic export's error is the one to show
                 _explain_export_failure(model, dynamic_error)
                 raise dynamic_error from None
+        else:
+            low, high = _length_range(ep)
+            if low <= 2 and high >= limit:  # 0 and 1 are always specialised away
+                return ep
+            # a branch on the length (DeepSeek-V4's compressed attention: 12..127 when traced at 16)
+            reason = f"the graph traced at length {seq} holds only for lengths {low}..{high} of 1..{limit}"
+            first = at_length(fixed_len)
     log.info("%s: torch.export cannot keep the sequence length symbolic (%s); one graph per length",
              type(model).__name__, reason)
     return PerLengthExport(first, at_length, fixed_len, reason)
+
+
+def _length_range(ep: torch.export.ExportedProgram) -> tuple[int, int]:
+    """The sequence lengths a dynamic export's graph is valid for (its guards on ids' dim 1)."""
+    ids = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == ep.graph_signature.user_inputs[0])
+    length = ids.meta["val"].shape[1]
+    if not isinstance(length, torch.SymInt):
+        return int(length), int(length)
+    bounds = ep.range_constraints.get(length.node.expr)
+    return (int(bounds.lower), int(bounds.upper)) if bounds is not None else (0, sys.maxsize)
 
 
 def _explain_export_failure(model: nn.Module, error: Exception) -> None:
