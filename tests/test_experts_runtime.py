@@ -211,3 +211,29 @@ def test_compiling_a_copy_copies_no_fused_expert_weight_that_leaves(monkeypatch)
     assert all(isinstance(fast.model.layers[i].mlp.experts, TileExperts) for i in (0, 1))
     with torch.no_grad():
         torch.testing.assert_close(fast(ids).logits, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("build, rows", [(_tiny_experts, [3 * 3, 20 * 3]), (_tiny_bmm_experts, [3 * 2, 20 * 2])])
+def test_model_warmup_warms_fused_experts_for_the_rows_their_tokens_route(build, rows, monkeypatch):
+    """`patchc.runtime.warmup(model, ms)` runs each projection's grouped kernels at M x top_k rows (top-3
+    routing: the config says so) or M x experts (Llama 4's 2 experts see every token): what a captured graph
+    of M tokens launches."""
+    experts, plan, path, _ = build()
+    fast = experts_module(experts, plan, path)
+    model = nn.Module()
+    model.config = transformers.MixtralConfig(num_experts_per_tok=3)
+    model.add_module("experts", fast)
+    _spy_grouped(monkeypatch)
+    warmed: list[tuple[str, list[int]]] = []
+    real = TileGroupedLinear._run_each
+    monkeypatch.setattr(TileGroupedLinear, "_run_each", lambda self, r: warmed.append((self.name, r)) or real(self, r))
+    assert patchc.runtime.warmup(model, [3, 20]) == 1
+    assert warmed == [(f"{path}.gate_up_proj", rows), (f"{path}.down_proj", rows)]
+    del model.config
+    if isinstance(fast, TileBmmExperts):
+        assert patchc.runtime.warmup(model, [1]) == 1  # needs no top_k
+    else:
+        with pytest.raises(ValueError, match=r"mlp\.experts routes each token.*top_k=K"):
+            patchc.runtime.warmup(model, [1])
+        warmed.clear()
+        assert patchc.runtime.warmup(model, [5], top_k=3) == 1 and warmed[0][1] == [15]

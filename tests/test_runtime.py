@@ -492,9 +492,9 @@ def test_compile_ahead_builds_what_warmup_then_launches(capture, monkeypatch):
 def test_model_warmup_compiles_every_layer_at_once_on_a_gpu(capture, monkeypatch):
     first, second = bucketed_module(), bucketed_module(n=32, k=48, tile=(16, 16))
     calls = []
-    monkeypatch.setattr(rt.dispatch, "compile_ahead", lambda mods, ms: calls.append((list(mods), ms)))
+    monkeypatch.setattr(rt.dispatch, "compile_ahead_each", lambda jobs: calls.append(list(jobs)))
     rt.warmup(nn.Sequential(first, second), (m for m in (1, 40)))
-    assert calls == [([first, second], [1, 40])]
+    assert calls == [[(first, [1, 40]), (second, [1, 40])]]
 
     handed = []  # on CPU compile_ahead does nothing; on CUDA every module's warmers go to one parallel compile
     monkeypatch.undo()
@@ -513,6 +513,8 @@ def test_model_warmup_compiles_every_layer_at_once_on_a_gpu(capture, monkeypatch
 
     rt.timing.compile_ahead([OnGpu("a"), OnGpu("b")], [1, 40])
     assert handed == [[("a", 1), ("a", 40), ("b", 1), ("b", 40)]]
+    rt.timing.compile_ahead_each([(OnGpu("a"), [1]), (OnGpu("experts"), [2, 80])])  # experts: M x top_k rows
+    assert handed[-1] == [("a", 1), ("experts", 2), ("experts", 80)]
 
 
 # --- TileLinear as a drop-in for nn.Linear, and what patchc.compile swaps ------------------------------

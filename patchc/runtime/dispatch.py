@@ -34,7 +34,7 @@ from patchc.codegen.layout import BUFFER_NAMES, dense_from_buffers, pack
 from patchc.ir.targets import EXPERT_PROJECTIONS, bmm_experts
 from patchc.runtime import op as _op  # registers torch.ops.patchc.tile_linear
 from patchc.runtime.op import encode_buckets, encode_config
-from patchc.runtime.timing import compile_ahead, packed_buffers
+from patchc.runtime.timing import compile_ahead, compile_ahead_each, packed_buffers
 from patchc.runtime.tuner import LayerTuning, default_tuning
 
 
@@ -325,9 +325,11 @@ def experts_module(experts: nn.Module, plan: Any, path: str, tunings: dict[str, 
     return (TileBmmExperts if bmm_experts(experts) else TileExperts)(experts, plan, path, tunings, device=device)
 
 
-def warmup(model: nn.Module, ms: Iterable[int]) -> int:
-    """`TileLinear.warmup(ms)` for every TileLinear in `model` (M = tokens per call: batch x sequence);
-    returns how many modules were warmed (0: the model holds none, e.g. it was not patchc.compile'd).
+def warmup(model: nn.Module, ms: Iterable[int], top_k: int | None = None) -> int:
+    """`TileLinear.warmup(ms)` for every TileLinear in `model` (M = tokens per call: batch x sequence), and
+    the grouped kernels of every fused-experts module for the rows M tokens send them: M x top_k (default: the
+    config's `num_experts_per_tok`), M x experts for Llama 4's. Returns how many modules were warmed (0: the
+    model holds none, e.g. it was not patchc.compile'd).
 
     Example:
         >>> fast = patchc.runtime.compile(model, plan)                  # doctest: +SKIP
@@ -336,10 +338,26 @@ def warmup(model: nn.Module, ms: Iterable[int]) -> int:
     """
     mods = [m for m in model.modules() if isinstance(m, TileLinear)]
     ms = _token_counts(ms, f"warmup({type(model).__name__})")
-    compile_ahead(mods, ms)  # every layer's kernels at once: same-shaped layers share them
-    for mod in mods:
-        mod._run_each(ms)
-    return len(mods)
+    jobs: list[tuple[Any, list[int]]] = [(mod, ms) for mod in mods]
+    experts = [m for m in model.modules() if isinstance(m, TileExperts) and m.kernels]
+    for mod in experts:
+        per = mod.num_experts if isinstance(mod, TileBmmExperts) else top_k or _experts_per_token(model, mod.path)
+        jobs += [(kernels, [m * per for m in ms]) for kernels in mod.kernels.values()]
+    compile_ahead_each(jobs)  # every layer's kernels at once: same-shaped layers share them
+    for mod, rows in jobs:
+        mod._run_each(rows)
+    return len(mods) + len(experts)
+
+
+def _experts_per_token(model: nn.Module, path: str) -> int:
+    """The experts each token is routed to, from the model's (text) config."""
+    config = getattr(model, "config", None)
+    for cfg in (config, getattr(config, "get_text_config", lambda: None)()):
+        for key in ("num_experts_per_tok", "moe_topk", "num_experts_per_token"):
+            if isinstance(getattr(cfg, key, None), int):
+                return int(getattr(cfg, key))
+    raise ValueError(f"warmup({type(model).__name__}): {path} routes each token to top_k experts and the model's "
+                     "config does not say how many: pass warmup(model, ms, top_k=K)")
 
 
 def _token_counts(ms: Iterable[int], where: str) -> list[int]:

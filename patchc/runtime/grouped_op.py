@@ -228,8 +228,11 @@ class TileGroupedLinear(nn.Module):
         GPU all of them in parallel first): do it before capturing a CUDA graph."""
         rows = [int(s) for s in rows]
         compile_ahead([self], rows)
-        for s in rows:
-            with torch.no_grad():
+        return self._run_each(rows)
+
+    def _run_each(self, rows: list[int]) -> TileGroupedLinear:
+        with torch.no_grad():
+            for s in rows:
                 self(*self._zeros(s))
         return self
 

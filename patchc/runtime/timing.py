@@ -232,9 +232,14 @@ def compile_ahead(mods: list[Any], ms: list[int]) -> None:
     Example:
         >>> compile_ahead([mod], [1, 16, 2048])   # doctest: +SKIP
     """
-    if not any(m.values.is_cuda for m in mods):
+    compile_ahead_each([(mod, ms) for mod in mods])
+
+
+def compile_ahead_each(jobs: list[tuple[Any, list[int]]]) -> None:
+    """`compile_ahead` with each module's own M: (module, ms) pairs (fused experts see M x top_k rows)."""
+    if not any(mod.values.is_cuda for mod, _ in jobs):
         return
-    compile_parallel([w for mod in mods for w in mod.warmers(ms)], compile_threads())
+    compile_parallel([w for mod, ms in jobs for w in mod.warmers(ms)], compile_threads())
 
 
 def compile_threads() -> int:
