@@ -372,6 +372,18 @@ def test_an_moe_block_that_loops_over_its_experts_gets_a_clear_export_error(tmp_
                                           r"test_hf_models\.py:\d+: its control flow depends on tensor values"):
         export_causal_lm(model)
 
+    from patchc.models.hf_export import _failing_layer  # torch's other way of naming the line (Qwen4's QSA indexer)
+    line = _DataDependent.forward.__code__.co_firstlineno + 1
+    caused = f"Could not guard on data-dependent expression u0 > 0 ... Caused by: (tests/test_hf_models.py:{line} in forward)"
+    assert _failing_layer(model, caused) == ("model.layers.1.mlp", model.model.layers[1].mlp, f" at test_hf_models.py:{line}")
+    from transformers.utils.deprecation import deprecate_kwarg  # wraps forward: the line is in the wrapped one
+
+    class _Wrapped(_DataDependent):
+        forward = deprecate_kwarg("past_key_values", "9.0", new_name="cache")(_DataDependent.forward)
+
+    model.model.layers[1].mlp = _Wrapped()
+    assert _failing_layer(model, caused)[:2] == ("model.layers.1.mlp", model.model.layers[1].mlp)
+
 
 @needs_transformers
 def test_prune_names_an_untraceable_moe_block_before_calibrating_and_leaves_no_folder(tmp_path, capsys, monkeypatch):

@@ -129,12 +129,17 @@ def _explain_export_failure(model: nn.Module, error: Exception) -> None:
 
 def _failing_layer(model: nn.Module, message: str) -> tuple[str, nn.Module, str] | None:
     """(path, module, " at file:line") of the first module whose class's method holds a line torch's message
-    points at ("File ..., line N, in forward"); without one, the first layer that loops over a ModuleList
-    of experts (transformers 4's MoE layers; a message without frames is DeepSeek-V3's there)."""
-    for filename, line, func in re.findall(r'File "([^"]+)", line (\d+), in (\w+)', message):
+    points at ("File ..., line N, in forward", or "Caused by: (transformers/.../x.py:752 in forward)" with
+    a path relative to site-packages); without one, the first layer that loops over a ModuleList of experts
+    (transformers 4's MoE layers; a message without frames is DeepSeek-V3's there)."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', message)
+    frames += re.findall(r"\(([^()\s]+\.py):(\d+) in (\w+)\)", message)
+    for filename, line, func in frames:
         for path, module in model.named_modules():
-            code = getattr(getattr(type(module), func, None), "__code__", None)
-            if code is not None and code.co_filename == filename and int(line) in {n for *_, n in code.co_lines()}:
+            method = getattr(type(module), func, None)  # transformers wraps some (@deprecate_kwarg)
+            code = getattr(inspect.unwrap(method) if callable(method) else None, "__code__", None)
+            if (code is not None and (code.co_filename == filename or code.co_filename.endswith("/" + filename))
+                    and int(line) in {n for *_, n in code.co_lines()}):
                 return path, module, f" at {Path(filename).name}:{line}"
     return next(((path, m, "") for path, m in model.named_modules()
                  if isinstance(getattr(m, "experts", None), nn.ModuleList)), None)
