@@ -1,0 +1,210 @@
+"""Every causal-LM model type of the installed transformers, tiny and random, through patchc's whole path.
+
+    python benchmarks/family_sweep.py                  # all of them (196 in transformers 5.24: ~25 min on 2 cores)
+    python benchmarks/family_sweep.py --types llama gemma4_text deepseek_v4
+
+tests/test_families.py checks ~30 families with hand-written configs. A transformers release adds families
+faster than that matrix grows, so this sweep shrinks each type's default config by rule (hidden 64, 2
+layers, 4 heads, 4 experts, ...) and runs:
+
+    tiny     the config shrinks and the model builds and runs its own forward. Where it does not, the rule
+             does not fit that config (a validator, a derived size): the type is "not built", which says
+             nothing about patchc
+    export   `export_causal_lm` (dynamic length, else one graph per length)
+    masks    `patchc.transform` masks at least one weight; the ones mask reproduces the model
+    plan     `harden` -> `plan.apply` equals the eval-mode program
+    compile  `patchc.compile` equals the plan-applied model; layers it keeps dense (read in a form the
+             runtime does not serve) are counted, not failed
+
+Each type runs in its own process (a crash or hang costs that type only, `--timeout`). Prints one line per
+type and a summary; appends a record per run to benchmarks/results/families.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "families.jsonl"
+STAGES = ("tiny", "export", "masks", "plan", "compile")
+
+# Integer config fields set to these values when a config has them (counts, widths, expert geometry).
+SMALL = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+             expert_intermediate_size=32, intermediate_size_mlp=64, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=128, num_experts=4, n_routed_experts=4, num_local_experts=4,
+             num_experts_per_tok=2, n_shared_experts=1, num_shared_experts=1, n_group=1, topk_group=1,
+             kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+             first_k_dense_replace=0, d_model=64, n_embd=64, n_head=4, n_layer=2, ffn_dim=64, d_ff=64,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+             mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, sliding_window=8,
+             max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)
+# Fields a config leaves None until a kind of layer needs them (Qwen4's QSA indexer): set when present.
+UNSET = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4)
+LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
+                "num_layers_per_stack")
+PER_LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type")
+
+
+def shrink(d: dict[str, Any], layers: int = 2) -> dict[str, Any]:
+    """A config dict made tiny by rule: SMALL's fields, `layers` layers (per-layer lists cut to match, each
+    kind of layer kept once where they fit), nested text / decoder configs too."""
+    d = dict(d)
+    for key, value in SMALL.items():
+        if isinstance(d.get(key), int) and not isinstance(d.get(key), bool):
+            d[key] = value
+    d.update({key: value for key, value in UNSET.items() if key in d and d[key] is None})
+    if isinstance(d.get("kv_lora_rank"), int) and isinstance(d.get("num_key_value_heads"), int):
+        d["num_key_value_heads"] = d["num_attention_heads"]  # multi-head latent attention: one latent per head
+    for key in LAYER_COUNTS:
+        if isinstance(d.get(key), int):
+            d[key] = layers
+    for key in PER_LAYER_LISTS:
+        if isinstance(d.get(key), (list, tuple)) and d[key]:
+            d[key] = (list(dict.fromkeys(d[key])) * layers)[:layers]
+    per_layer = d.get("per_layer_config")
+    if isinstance(per_layer, dict) and per_layer:  # heterogeneous configs (Gemma 4): keep the first overrides
+        d["per_layer_config"] = {str(i).zfill(len(k)): {f: (32 if f == "head_dim" else v) for f, v in sub.items()}
+                                 for i, (k, sub) in enumerate(sorted(per_layer.items())[:layers])}
+    for key in ("text_config", "decoder_config"):
+        if isinstance(d.get(key), dict):
+            d[key] = shrink(d[key], layers)
+    return d
+
+
+def check(model_type: str) -> dict[str, Any]:
+    """Run one type through the stages; {"type", "passed": last stage passed, "error", ...}."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import patchc
+    from patchc.models.hf_export import export_causal_lm
+    from patchc.runtime.dispatch import TileExperts, TileLinear
+
+    out: dict[str, Any] = {"type": model_type, "passed": None}
+    stage = "tiny"
+    try:
+        default = AutoConfig.for_model(model_type)
+        skip = ("transformers_version", "model_type", "architectures")
+        config = type(default)(**shrink({k: v for k, v in default.to_dict().items() if k not in skip}))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            dense = model(ids, use_cache=False).logits
+        out["passed"], stage = "tiny", "export"
+        ep = export_causal_lm(model)
+        out["passed"], stage = "export", "masks"
+        prog = patchc.transform(ep, patchc.PatchConfig(tile=(16, 16), sparsity=0.35, init_std=0.5))
+        out["layers"] = len(prog.layers)
+        with torch.no_grad(), prog.mask_mode("ones"):
+            torch.testing.assert_close(_logits(prog(ids)), dense, atol=1e-4, rtol=1e-4)
+        out["passed"], stage = "masks", "plan"
+        prog.eval()
+        with torch.no_grad():
+            masked = _logits(prog(ids))
+        plan = patchc.harden(prog)
+        pruned = plan.apply(copy.deepcopy(model))
+        with torch.no_grad():
+            applied = pruned(ids, use_cache=False).logits
+        torch.testing.assert_close(applied, masked, atol=1e-4, rtol=1e-4)
+        out["passed"], stage = "plan", "compile"
+        fast = patchc.compile(model, plan, tune=False)
+        served = {n for n, m in fast.named_modules() if isinstance(m, (TileLinear, TileExperts))}
+        out["kept_dense"] = sum(1 for name in plan.layers if not any(name.startswith(s + ".") for s in served))
+        with torch.no_grad():
+            torch.testing.assert_close(fast(ids, use_cache=False).logits, applied, atol=1e-4, rtol=1e-4)
+        out["passed"] = "compile"
+    except Exception as error:  # noqa: BLE001 - the sweep records every failure and goes on
+        out["failed"] = stage
+        out["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+    return out
+
+
+def _logits(out: Any) -> Any:
+    return out if hasattr(out, "shape") else out[0]
+
+
+def model_types() -> list[str]:
+    from transformers.models.auto import modeling_auto
+
+    return sorted(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def run_one(model_type: str, timeout: float) -> dict[str, Any]:
+    """`check` in a fresh process (a crash, hang or leak stays there)."""
+    t0 = time.perf_counter()
+    cmd = [sys.executable, __file__, "--child", model_type]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        result = json.loads(lines[-1]) if lines else {
+            "type": model_type, "passed": None, "failed": "process",
+            "error": f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][:300]}"}
+    except subprocess.TimeoutExpired:
+        result = {"type": model_type, "passed": None, "failed": "process", "error": f"timed out after {timeout:.0f} s"}
+    result["s"] = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
+    built = [r for r in results if r["passed"] is not None]
+    whole = [r["type"] for r in built if r["passed"] == "compile"]
+    return {"types": len(results), "built": len(built), "whole_path": len(whole),
+            "not_built": sorted(r["type"] for r in results if r["passed"] is None),
+            "failed": {r["type"]: f"{r['failed']}: {r['error']}" for r in built if r["passed"] != "compile"},
+            "kept_dense": {r["type"]: r["kept_dense"] for r in built if r.get("kept_dense")}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--types", nargs="+", help="model types (default: every causal-LM type of the installed transformers)")
+    p.add_argument("--jobs", type=int, default=2, help="types checked at once, one process each")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per type")
+    p.add_argument("--results", default=str(RESULTS), help="JSON Lines file the run's record is appended to ('': none)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ["PATCHC_CPU_IMPL"] = "reference"  # the plain-PyTorch path: the kernels have their own tests
+        print(json.dumps(check(args.child)), flush=True)
+        return 0
+    from tqdm import tqdm
+
+    types = args.types or model_types()
+    results = []
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool, tqdm(total=len(types), desc="families", file=sys.stderr) as bar:
+        for r in pool.map(lambda t: run_one(t, args.timeout), types):
+            results.append(r)
+            bar.update()
+            bar.write(f"{r['type']:28s} {r['passed'] or '-':8s} {r['s']:6.1f} s  {r.get('error', '')[:120]}")
+    summary = summarise(results)
+    print(f"{summary['whole_path']} of {summary['built']} types that build tiny go through the whole path "
+          f"({summary['types']} types; not built: {len(summary['not_built'])})")
+    for name, why in summary["failed"].items():
+        print(f"  failed  {name}: {why}")
+    for name, count in summary["kept_dense"].items():
+        print(f"  served dense by patchc.compile: {name}: {count} layer(s)")
+    if args.results:
+        import transformers
+
+        from patchc.bench.record import append_jsonl
+        from patchc.utils.env import cpu_model, versions
+
+        append_jsonl(Path(args.results), {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpu": cpu_model(), **versions(),
+                                    "transformers": transformers.__version__, "summary": summary, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""benchmarks/family_sweep.py: its shrinking rule, one family through every stage, and its summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    path = Path(__file__).parents[1] / "benchmarks" / "family_sweep.py"
+    spec = importlib.util.spec_from_file_location("family_sweep", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_shrink_makes_every_size_small_and_keeps_each_kind_of_layer(sweep):
+    config = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "kv_lora_rank": 512, "use_cache": True, "tie_word_embeddings": False,
+              "layer_types": ["sliding_attention"] * 5 + ["full_attention"] * 27,
+              "per_layer_config": {"05": {"head_dim": 512}, "11": {"head_dim": 512}, "17": {"head_dim": 512}},
+              "text_config": {"hidden_size": 2048, "num_hidden_layers": 16}}
+    small = sweep.shrink(config)
+    assert small["hidden_size"] == 64 and small["num_hidden_layers"] == 2 and small["num_attention_heads"] == 4
+    assert small["num_key_value_heads"] == 4  # latent attention: one latent per head
+    assert small["layer_types"] == ["sliding_attention", "full_attention"]
+    assert small["per_layer_config"] == {"00": {"head_dim": 32}, "01": {"head_dim": 32}}
+    assert small["text_config"] == {"hidden_size": 64, "num_hidden_layers": 2}
+    assert small["use_cache"] is True and small["tie_word_embeddings"] is False  # booleans are not sizes
+    assert config["hidden_size"] == 4096  # the caller's dict is left alone
+
+
+def test_a_family_goes_through_every_stage(sweep, monkeypatch):
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")  # as the sweep's child processes run
+    result = sweep.check("llama")
+    assert result["passed"] == "compile" and "error" not in result
+    assert result["layers"] == 14 and result["kept_dense"] == 0  # 7 projections x 2 layers, all served
+
+
+def test_a_config_the_rule_does_not_fit_is_not_counted_against_patchc(sweep):
+    result = sweep.check("no_such_family")  # as a config whose validator refuses the rule's sizes
+    assert result["passed"] is None and result["failed"] == "tiny" and "no_such_family" in result["error"]
+    results = [result, {"type": "a", "passed": "compile"}, {"type": "b", "passed": "compile", "kept_dense": 4},
+               {"type": "c", "passed": "export", "failed": "masks", "error": "AssertionError: not close"}]
+    summary = sweep.summarise(results)
+    assert (summary["types"], summary["built"], summary["whole_path"]) == (4, 3, 2)
+    assert summary["not_built"] == ["no_such_family"] and summary["kept_dense"] == {"b": 4}
+    assert summary["failed"] == {"c": "masks: AssertionError: not close"}
+    json.dumps(summary)  # goes to the results file as is
