@@ -48,6 +48,17 @@ SHARED = Path(os.environ.get("PATCHC_SHARED", Path(__file__).resolve().parents[1
 STORIES = SHARED / "models" / "stories260K"
 TINYSTORIES = SHARED / "data" / "tinystories_sample.txt"
 
+def load_benchmark(name: str):
+    """The script benchmarks/<name>.py as a module (the scripts are not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def in_fresh_thread(fn, *args, **kwargs):
     """fn(*args, **kwargs) on a new thread: its Python frames start on a fresh data stack. CPython 3.11 maps
     frame stack chunks of 16 KiB as they fill and unmaps them as they empty; deep under pytest's frames, the

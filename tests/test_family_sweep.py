@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+
+from tests.conftest import load_benchmark
 
 pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    path = Path(__file__).parents[1] / "benchmarks" / "family_sweep.py"
-    spec = importlib.util.spec_from_file_location("family_sweep", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("family_sweep")
 
 
 def test_shrink_makes_every_size_small_and_keeps_each_kind_of_layer(sweep):

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_benchmark
+
 
 @pytest.fixture(scope="module")
 def quality_table():
-    path = Path(__file__).parents[1] / "benchmarks" / "quality_table.py"
-    spec = importlib.util.spec_from_file_location("quality_table", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("quality_table")
 
 
 def _record(seed: int, ppl: dict[str, float], trained: dict[str, float] | None, recipe: dict) -> dict:
