@@ -148,3 +148,35 @@ def test_a_3d_weight_read_by_a_broadcasting_matmul_is_named_as_left_dense():
     assert any("w.* (batched matmul" in str(w.message) for w in seen)
     torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-5)
 
+
+
+class Scaled(nn.Module):
+    """`b.weight` is planned but only its product with a scale reaches the matmul: no plan describes that
+    product, so the backend must name b.weight as left dense instead of skipping it without a word. The
+    forward's first parameter is not called `self`: the weights' FQNs must still be read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)
+        self.scale = nn.Parameter(torch.rand(32, 1, generator=torch.Generator().manual_seed(3)) + 0.5)
+
+    def forward(this, x: torch.Tensor) -> torch.Tensor:  # noqa: N805
+        return torch.nn.functional.linear(this.a(x), this.b.weight * this.scale)
+
+
+def test_a_planned_weight_read_by_no_matmul_form_is_named_as_left_dense():
+    model = Scaled()
+    g = torch.Generator().manual_seed(1)
+    pruned_weights = {n: model.get_parameter(n).detach() * random_24_mask(32, 32, g) for n in ("a.weight", "b.weight")}
+    plan = TilePlan.from_weights(pruned_weights, tile=(16, 16))
+    pruned = plan.apply(copy.deepcopy(model), force=True)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(2))
+    cm, counts = _compiled(pruned, {"plan": plan})
+    with pytest.warns(UserWarning, match=r"1 planned layer\(s\) left dense.*: b\.weight \(read only by mul,"):
+        out = cm(x)
+    assert counts == [1]  # a.weight served
+    torch.testing.assert_close(out, pruned(x), atol=1e-5, rtol=1e-5)
+    cm, _ = _compiled(pruned, {"plan": plan, "strict": True})
+    with pytest.raises(Exception, match=r"b\.weight \(read only by mul"):
+        cm(x)
+    torch._dynamo.reset()

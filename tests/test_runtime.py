@@ -157,7 +157,9 @@ def test_backend_tiny_llama_plan_and_inferred(llama):
     ("L['fn'].lm_head.weight", "lm_head.weight"),
     # transformers >= 5.2x wraps forward in a (*args, **kwargs) decorator: the module is args[0]
     ("L['args'][0]._modules['model']._modules['norm']._parameters['weight']", "model.norm.weight"),
+    ("L['this']._modules['a']._parameters['weight']", "a.weight"),  # forward(this, x)
     ("L['args'][1]", None),  # an input, not a parameter
+    ("L['x']", None),
     ("L['args'][0]", None),
     ("G['table']", None),
 ])

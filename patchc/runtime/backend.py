@@ -15,8 +15,8 @@ Conv1D's ``addmm(b, x, W)`` (W stored (K, N), planned as its (N, K) transpose) a
 ``torch.ops.patchc.tile_grouped_mm``: every expert slice of the weight stacked into one packed layout,
 one launch for all experts, the routing offsets read on the device (`patchc.runtime.grouped`); so does
 Llama 4's ``bmm`` over every expert (x (E, T, K): row ends T, 2T, ...). A planned weight read in a form
-neither op can serve (``W @ x``, an einsum with another output layout) is left dense and listed in a warning;
-with ``options={"strict": True}`` that is a ValueError. The rest of the graph goes to inductor (CUDA) or
+neither op can serve (``W @ x``, an einsum with another output layout, ``F.linear(x, W * s)``) is left dense
+and listed in a warning; with ``options={"strict": True}`` that is a ValueError. The rest of the graph goes to inductor (CUDA) or
 aot_eager (CPU, or when inductor cannot be imported).
 
 Without a plan, one is inferred from the zero pattern of the weights (`TilePlan.from_weights`, tile from
@@ -103,10 +103,11 @@ def source_fqn(node: fx.Node) -> str | None:
         return None
     name = source.name() if callable(getattr(source, "name", None)) else getattr(source, "name", None)
     if not isinstance(name, str):
-        return None
-    # the compiled callable is "self" for a module's forward, "fn" / "mod" when dynamo wraps it (nn.Sequential),
-    # and args[0] when the forward is wrapped by a decorator taking (*args, **kwargs) (transformers >= 5.2x)
-    name = re.sub(r"^L\['(?:self|fn|mod|model|module)'\](?=\.|\[|$)|^L\['args'\]\[0\](?=\.|$)", "", name)
+        return None    # the compiled callable is "self" for a module's forward (or whatever its first parameter is called, seen
+    # through its ._modules / ._parameters), "fn" / "mod" when dynamo wraps it (nn.Sequential), and args[0]
+    # when the forward is wrapped by a decorator taking (*args, **kwargs) (transformers >= 5.2x)
+    name = re.sub(r"^L\['(?:self|fn|mod|model|module)'\](?=\.|\[|$)|^L\['args'\]\[0\](?=\.|$)"
+                  r"|^L\['[A-Za-z_][A-Za-z0-9_]*'\](?=\._(?:modules|parameters|buffers)\[)", "", name)
     if name == "" or name.startswith("L[") or name.startswith("G["):
         return None  # a plain input or a global, not a parameter of the compiled module
     parts = [next(g for g in m.groups() if g is not None) for m in _KEY.finditer(name)]
@@ -134,7 +135,7 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any],
         plan = _infer_plan(reads, grouped, names, examples, options.get("tile", DEFAULT_TILE))
     served, left = _servable(plan, reads, names, examples)
     served_grouped, left_grouped = servable_grouped(plan, grouped, names, examples)
-    left.update(_unserved_experts(plan, examples, {names[r.weight] for r in served_grouped}))
+    left.update(_unserved(plan, examples, {r.weight for r in reads}, {names[r.weight] for r in served_grouped}))
     left.update(left_grouped)
     report_unreplaced("patch backend", "left dense in this graph", left, bool(options.get("strict", False)))
     modules = _modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options)
@@ -230,15 +231,20 @@ def _servable(plan: Any, reads: list[Read], names: dict[fx.Node, str],
     return served, why
 
 
-def _unserved_experts(plan: Any, examples: dict[fx.Node, Any], served: set[str]) -> dict[str, str]:
-    """{"<3-D weight>.*": why} for every fused-experts weight this graph takes whose expert slices are planned
-    and that no grouped matmul or bmm of `served` reads (e.g. an eager loop over the experts)."""
+def _unserved(plan: Any, examples: dict[fx.Node, Any], read: set[fx.Node], grouped: set[str]) -> dict[str, str]:
+    """{layer: why} for every planned weight this graph takes that no read serves: a 2-D weight in no matmul
+    form (`F.linear(x, W * s)`), or a fused-experts weight ("<3-D weight>.*") that no grouped mm or bmm of
+    `grouped` reads (e.g. an eager loop over the experts)."""
     out = {}
     for node, value in examples.items():
-        if isinstance(value, torch.nn.Parameter) and value.dim() == 3:
-            fqn = source_fqn(node)
-            if fqn and fqn not in served and any(_planned(plan, f"{fqn}.{e}") for e in range(value.shape[0])):
-                out[f"{fqn}.*"] = _why_unserved(node)
+        fqn = source_fqn(node) if isinstance(value, torch.nn.Parameter) else None
+        if fqn is None:
+            continue
+        if value.dim() == 2 and node not in read and _planned(plan, fqn):
+            ops = sorted({str(getattr(u.target, "__name__", u.target)) for u in node.users if u.op != "output"})
+            out[fqn] = f"read only by {', '.join(ops) or 'nothing'}, not by a matmul form the backend rewrites"
+        elif value.dim() == 3 and fqn not in grouped and any(_planned(plan, f"{fqn}.{e}") for e in range(len(value))):
+            out[f"{fqn}.*"] = _why_unserved(node)
     return out
 
 
