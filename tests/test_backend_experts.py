@@ -149,12 +149,16 @@ def test_backend_serves_every_planned_expert_slice(family, dtype):
                            and bool((layer.kinds == 1).any())]
 
 
-def test_llama4_bmm_serves_new_lengths_from_the_dynamic_graph():
+def test_llama4_bmm_serves_new_lengths_from_the_dynamic_graph(monkeypatch):
     """The bmm's row ends (T, 2T, ...) are built from x's size in the graph: the dynamic graphs dynamo makes
-    after the first shapes serve new batch sizes and lengths, and stay the plan-applied model's."""
+    after the first shapes serve new batch sizes and lengths, and stay the plan-applied model's. Every graph
+    shares the first one's packed experts (`patchc.runtime.packs`)."""
+    import patchc.runtime.backend as backend
+
     case, plan = _family_plan("llama4")
     dense, pruned = copy.deepcopy(case.model), plan.apply(copy.deepcopy(case.model))
-    graphs = []
+    graphs, packed, build = [], [], backend.expert_modules
+    monkeypatch.setattr(backend, "expert_modules", lambda *a, **k: packed.append(build(*a, **k)) or packed[-1])
     torch._dynamo.reset()
     cm = torch.compile(dense, backend="patch", options={"plan": plan, "strict": True, "tune": False,
                                                         "graph_callback": lambda gm, n: graphs.append(gm)})
@@ -169,6 +173,8 @@ def test_llama4_bmm_serves_new_lengths_from_the_dynamic_graph():
     torch._dynamo.reset()
     assert compiled[-1] == compiled[-3]  # the last two shapes ran on an earlier (dynamic) graph
     assert all(sum(n.target is GROUPED for n in gm.graph.nodes) == 2 for gm in graphs)
+    assert len(packed) == len(graphs) >= 2
+    assert len({id(mod) for modules in packed for _, mod in modules.values()}) == 2  # packed once, not per graph
 
 
 def test_batched_mm_experts_are_named_with_the_fix_and_the_fix_serves_them():

@@ -13,7 +13,8 @@ JSON cache), `dispatch` (TileLinear; `warmup` before CUDA-graph capture), `compi
 `backend` (the dynamo backend `patch_backend`), `matmul_reads` (the matmul forms the backend recognises
 on a weight: linear, x @ W.T, matmul / mm, Conv1D addmm, einsum), `grouped` (fused MoE experts under the
 backend: the grouped mm it recognises), `grouped_op` (`patchc::tile_grouped_mm` and `TileGroupedLinear`:
-every expert of a 3-D weight in one launch).
+every expert of a 3-D weight in one launch), `packs` (the backend's packed modules, shared by all the graphs
+dynamo compiles for one model).
 """
 
 from __future__ import annotations

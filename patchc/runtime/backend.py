@@ -19,6 +19,9 @@ neither op can serve (``W @ x``, an einsum with another output layout, ``F.linea
 and listed in a warning; with ``options={"strict": True}`` that is a ValueError. The rest of the graph goes to inductor (CUDA) or
 aot_eager (CPU, or when inductor cannot be imported).
 
+Each planned weight is packed once for all the graphs dynamo compiles for a model (a ``generate``'s prompt,
+first decode step and dynamic graph; graph breaks): `patchc.runtime.packs`.
+
 Without a plan, one is inferred from the zero pattern of the weights (`TilePlan.from_weights`, tile from
 ``options["tile"]``, default (16, 16)), each expert slice of a grouped read on its own: tiles with <= 2
 nonzeros per group of 4 are 2:4, the rest dense; layers with no 2:4 tile are left to F.linear.
@@ -51,6 +54,7 @@ from patchc.runtime.grouped import (GroupedRead, bmm_operands, bmm_result, find_
                                     grouped_module, servable_grouped)
 from patchc.runtime.matmul_reads import LINEAR, Read, find_reads
 from patchc.runtime.op import tile_linear as _op  # noqa: F401  (registers the op)
+from patchc.runtime.packs import expert_modules, infer_plan, linear_modules
 
 log = logging.getLogger(__name__)
 
@@ -71,22 +75,26 @@ def patch_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) 
     unknown = sorted(set(options) - set(OPTION_KEYS))
     if unknown:
         raise ValueError(f"patch backend: unknown option(s) {unknown}; known: {list(OPTION_KEYS)}")
-    gm, extra = rewrite_linears(gm, example_inputs, options)
+    gm, extra, keep = rewrite_linears(gm, example_inputs, options)
     callback = options.get("graph_callback")
     if callback is not None:
         callback(gm, sum(1 for n in gm.graph.nodes if n.target is torch.ops.patchc.tile_linear.default))
     # torch.compile refuses mode= beside options=: with a plan, the mode comes in the options
     mode = options.get("mode", kwargs.get("mode"))
     compiled = _inner_compile(gm, [*example_inputs, *extra], options.get("inner"), mode)
-    return _append_inputs(compiled, extra)
+    return _append_inputs(compiled, extra, keep)
 
 
-def _append_inputs(compiled: Callable[..., Any], extra: list[torch.Tensor]) -> Callable[..., Any]:
-    """The compiled graph takes the packed tensors as trailing inputs; dynamo calls it without them."""
+def _append_inputs(compiled: Callable[..., Any], extra: list[torch.Tensor], keep: Any) -> Callable[..., Any]:
+    """The compiled graph takes the packed tensors as trailing inputs; dynamo calls it without them. It keeps
+    `keep` (the packed modules, which `patchc.runtime.packs` shares with later graphs) alive."""
     if not extra:
         return compiled
+
     def run(*args: Any) -> Any:
         return compiled(*args, *extra)
+
+    run.patchc_keep = keep
 
     return run
 
@@ -103,7 +111,8 @@ def source_fqn(node: fx.Node) -> str | None:
         return None
     name = source.name() if callable(getattr(source, "name", None)) else getattr(source, "name", None)
     if not isinstance(name, str):
-        return None    # the compiled callable is "self" for a module's forward (or whatever its first parameter is called, seen
+        return None
+    # the compiled callable is "self" for a module's forward (or whatever its first parameter is called, seen
     # through its ._modules / ._parameters), "fn" / "mod" when dynamo wraps it (nn.Sequential), and args[0]
     # when the forward is wrapped by a decorator taking (*args, **kwargs) (transformers >= 5.2x)
     name = re.sub(r"^L\['(?:self|fn|mod|model|module)'\](?=\.|\[|$)|^L\['args'\]\[0\](?=\.|$)"
@@ -115,8 +124,10 @@ def source_fqn(node: fx.Node) -> str | None:
 
 
 def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any],
-                    options: dict[str, Any]) -> tuple[fx.GraphModule, list[torch.Tensor]]:
-    """A copy of `gm` whose planned matmul reads call `patchc::tile_linear`, and the packed tensors.
+                    options: dict[str, Any]) -> tuple[fx.GraphModule, list[torch.Tensor], Any]:
+    """A copy of `gm` whose planned matmul reads call `patchc::tile_linear`, the packed tensors, and the packed
+    modules, which the compiled graph keeps alive (`patchc.runtime.packs` shares them with the model's other
+    graphs).
 
     Every form of `patchc.runtime.matmul_reads` is rewritten: linear, `x @ W.T` / matmul / mm, Conv1D's
     `addmm(b, x, W)`, linear-layout einsums. A planned layer (with a 2:4 tile) whose weight this graph
@@ -130,18 +141,18 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any],
     examples = dict(zip(placeholders, example_inputs))
     reads, grouped = find_reads(gm, examples), find_grouped_reads(gm, examples)
     names = {r.weight: source_fqn(r.weight) or f"patchc_weight_{i}" for i, r in enumerate([*reads, *grouped])}
-    plan = options.get("plan")
-    if plan is None:
-        plan = _infer_plan(reads, grouped, names, examples, options.get("tile", DEFAULT_TILE))
+    plan, inferred = options.get("plan"), options.get("plan") is None
+    if inferred:
+        plan = infer_plan(reads, grouped, names, examples, options.get("tile", DEFAULT_TILE))
     served, left = _servable(plan, reads, names, examples)
     served_grouped, left_grouped = servable_grouped(plan, grouped, names, examples)
     left.update(_unserved(plan, examples, {r.weight for r in reads}, {names[r.weight] for r in served_grouped}))
     left.update(left_grouped)
     report_unreplaced("patch backend", "left dense in this graph", left, bool(options.get("strict", False)))
-    modules = _modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options)
-    experts = _experts(plan, served_grouped, names, examples, options)
+    modules = linear_modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options, inferred)
+    experts = expert_modules(plan, served_grouped, names, examples, options, inferred)
     if not modules and not experts:
-        return gm, []
+        return gm, [], None
     gm, node_map = _copy_graph_module(gm)
     placeholders = [node_map[n] for n in placeholders]
     modules = {node_map[n]: v for n, v in modules.items()}
@@ -154,7 +165,7 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any],
     gm.recompile()
     log.info("patch backend: %d matmul call(s) -> patchc::tile_linear, %d grouped -> patchc::tile_grouped_mm",
              len(served), len(served_grouped))
-    return gm, extra
+    return gm, extra, [mod for _, mod in (*modules.values(), *experts.values())]
 
 
 def _replace(gm: fx.GraphModule, read: Read, node_map: dict[fx.Node, fx.Node], name: str, mod: TileLinear,
@@ -274,78 +285,6 @@ def _copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node
     if hasattr(gm, "_param_name_to_source"):
         new_gm._param_name_to_source = gm._param_name_to_source
     return new_gm, node_map
-
-
-def _infer_plan(reads: list[Read], grouped: list[GroupedRead], names: dict[fx.Node, str],
-                examples: dict[fx.Node, Any], tile: Any) -> Any:
-    """A plan from the zero pattern of the weights the graph reads as (N, K) (layers with a 2:4 tile only),
-    one layer per expert slice of a grouped read's 3-D weight; a weight read as stored (K, N) is planned as
-    its transpose and recorded so."""
-    from patchc.ir import TilePlan
-    from patchc.ir.from_pruned import layer_from_weight
-
-    tile = tuple(tile) if not isinstance(tile, int) else (tile, tile)
-    state, targets = {}, {}
-    for read in reads:
-        if read.reason is None and names[read.weight] not in state:
-            w = examples[read.weight].detach()
-            state[names[read.weight]] = w.t() if read.transposed else w
-            if read.transposed:
-                targets[names[read.weight]] = {"param": names[read.weight], "expert": None, "transposed": True}
-    plan = TilePlan.from_weights(state, tile=tile)
-    for read in grouped:  # expert slices: named "<3-D weight>.<expert>", not "*.weight"
-        fqn, w = names[read.weight], examples[read.weight].detach()
-        slices = w.transpose(1, 2) if read.transposed else w  # (E, N, K)
-        if read.reason is not None or slices.shape[2] % 4:
-            continue
-        for e, matrix in enumerate(slices):
-            plan.layers[f"{fqn}.{e}"] = layer_from_weight(f"{fqn}.{e}", matrix, tile)
-            targets[f"{fqn}.{e}"] = {"param": fqn, "expert": e, "transposed": read.transposed}
-    for fqn in [f for f, layer in plan.layers.items() if int((layer.kinds == 1).sum()) == 0]:
-        del plan.layers[fqn]
-    plan.meta["targets"] = {f: t for f, t in targets.items() if f in plan.layers}
-    return plan
-
-
-def _modules(plan: Any, weights: dict[fx.Node, tuple[str, torch.Tensor]],
-             options: dict[str, Any]) -> dict[fx.Node, tuple[str, TileLinear]]:
-    """Build (and tune) one TileLinear per planned weight placeholder; attach them to nothing yet."""
-    from patchc.runtime.compile import _tunings
-
-    planned = dict(weights)  # already checked by `_servable`
-    if not planned:
-        return {}
-    bs, pl = int(options.get("batch_size", 16)), int(options.get("prefill_len", 128))
-    first = next(iter(planned.values()))[1]
-    tunings = _tunings(plan, sorted({f for f, _ in planned.values()}), bs, pl, options.get("tune", True), first.dtype,
-                       first.device, options.get("cache"), options.get("time_fn"), False)
-    out = {}
-    for i, (node, (fqn, w)) in enumerate(planned.items()):
-        mod = TileLinear.from_plan(plan.layers[fqn], tunings.get(fqn), dtype=w.dtype, device=w.device,
-                                   batch_size=bs, prefill_len=pl)
-        out[node] = (f"_patchc_{i}", mod)
-    return out
-
-
-def _experts(plan: Any, reads: list[GroupedRead], names: dict[fx.Node, str], examples: dict[fx.Node, Any],
-             options: dict[str, Any]) -> dict[fx.Node, tuple[str, Any]]:
-    """One `TileGroupedLinear` per served 3-D weight (every expert slice stacked), on one tuning: the tuner
-    runs on its first planned slice only, since every slice has the same shape."""
-    from patchc.runtime.compile import _tunings
-    from patchc.runtime.grouped import planned_experts
-
-    reads = list({r.weight: r for r in reads}.values())
-    if not reads:
-        return {}
-    bs, pl = int(options.get("batch_size", 16)), int(options.get("prefill_len", 128))
-    firsts = {r.weight: f"{names[r.weight]}.{planned_experts(plan, names[r.weight], examples[r.weight].shape[0])[0]}"
-              for r in reads}
-    example = examples[reads[0].weight]
-    tunings = _tunings(plan, list(firsts.values()), bs, pl, options.get("tune", True), example.dtype, example.device,
-                       options.get("cache"), options.get("time_fn"), False)  # one tuner call (one cache read)
-    return {r.weight: (f"_patchc_x{i}", grouped_module(plan, names[r.weight], r, examples[r.weight],
-                                                       tunings.get(firsts[r.weight]), bs, pl))
-            for i, r in enumerate(reads)}
 
 
 def _attach(gm: fx.GraphModule, modules: list[tuple[str, TileLinear]],

@@ -1,0 +1,172 @@
+"""The packed modules the dynamo backend gives a graph's planned weights, shared between the model's graphs.
+
+Dynamo hands the backend one graph per shape regime and per graph break: `model.generate()` under
+``torch.compile(model.forward, backend="patch")`` compiles the prompt, the first decode step, then a
+graph dynamic in the length. Packing every planned weight anew for each would hold one packed copy of
+the model per graph (and tune it again). Instead a packed module is recorded beside the weight Parameter
+it replaces, for the plan layers it was packed from (matched by identity: another plan packs again), and
+later graphs reuse it. A plan the backend infers from the zeros is new in every graph, so there the
+weight's version counter and the tile stand for the layers (an in-place edit of the weight packs anew).
+Weights, plan layers and modules are held weakly: the compiled graphs keep their modules alive, and an
+entry goes when its module, plan or model does.
+
+Example:
+    >>> modules = linear_modules(plan, {placeholder: ("model.layers.0.mlp.up_proj.weight", weight)}, {})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Hashable, Sequence, TypeVar
+
+import torch
+from torch import fx
+from torch.utils.weak import WeakIdKeyDictionary
+
+from patchc.runtime.dispatch import TileLinear
+from patchc.runtime.grouped import GroupedRead, grouped_module, planned_experts
+from patchc.runtime.matmul_reads import Read
+
+T = TypeVar("T")
+
+# weight Parameter -> {(key, id of each source object): (weak refs to those objects, stamp, weak ref to the value)}
+_SHARED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def shared(weight: torch.Tensor, sources: Sequence[Any], key: Hashable, build: Callable[[], T],
+           stamp: Hashable = None) -> T:
+    """`build()`'s value for (`weight`, `sources`, `key`), built once while it and they live.
+
+    `sources` are the objects the value is built from (plan layers), matched by identity; `key` holds
+    everything else the value depends on (dtype, batch size, ...); a value stored under another `stamp`
+    (the weight's version) is built again. Sources and value are held weakly: whoever uses the value (the
+    compiled graph) keeps it alive, and a value or source that is gone frees its entry.
+    """
+    entries = _SHARED.get(weight)
+    if entries is None:
+        entries = _SHARED[weight] = {}
+    for slot in [s for s, entry in entries.items() if _dead(entry)]:
+        del entries[slot]
+    slot = (key, *map(id, sources))
+    hit = entries.get(slot)
+    if hit is not None and hit[1] == stamp and all(ref() is src for ref, src in zip(hit[0], sources)):
+        return hit[2]() if isinstance(hit[2], weakref.ref) else hit[2]
+    value = build()
+    entries[slot] = (tuple(weakref.ref(src) for src in sources), stamp, value if value is None else weakref.ref(value))
+    return value
+
+
+def _dead(entry: tuple[tuple[weakref.ref, ...], Any, Any]) -> bool:
+    refs, _, value = entry
+    return any(ref() is None for ref in refs) or (isinstance(value, weakref.ref) and value() is None)
+
+
+def infer_plan(reads: list[Read], grouped: list[GroupedRead], names: dict[fx.Node, str],
+               examples: dict[fx.Node, Any], tile: Any) -> Any:
+    """A plan from the zero pattern of the weights the graph reads as (N, K) (layers with a 2:4 tile only),
+    one layer per expert slice of a grouped read's 3-D weight; a weight read as stored (K, N) is planned as
+    its transpose and recorded so."""
+    from patchc.ir import TilePlan
+    from patchc.ir.from_pruned import layer_from_weight
+
+    tile = tuple(tile) if not isinstance(tile, int) else (tile, tile)
+    state, targets = {}, {}
+    for read in reads:
+        if read.reason is None and names[read.weight] not in state:
+            w = examples[read.weight].detach()
+            state[names[read.weight]] = w.t() if read.transposed else w
+            if read.transposed:
+                targets[names[read.weight]] = {"param": names[read.weight], "expert": None, "transposed": True}
+    plan = TilePlan.from_weights(state, tile=tile)
+    for read in grouped:  # expert slices: named "<3-D weight>.<expert>", not "*.weight"
+        fqn, w = names[read.weight], examples[read.weight].detach()
+        slices = w.transpose(1, 2) if read.transposed else w  # (E, N, K)
+        if read.reason is not None or slices.shape[2] % 4:
+            continue
+        for e, matrix in enumerate(slices):
+            plan.layers[f"{fqn}.{e}"] = layer_from_weight(f"{fqn}.{e}", matrix, tile)
+            targets[f"{fqn}.{e}"] = {"param": fqn, "expert": e, "transposed": read.transposed}
+    for fqn in [f for f, layer in plan.layers.items() if int((layer.kinds == 1).sum()) == 0]:
+        del plan.layers[fqn]
+    plan.meta["targets"] = {f: t for f, t in targets.items() if f in plan.layers}
+    return plan
+
+
+def linear_modules(plan: Any, weights: dict[fx.Node, tuple[str, torch.Tensor]], options: dict[str, Any],
+                   inferred: bool = False) -> dict[fx.Node, tuple[str, TileLinear]]:
+    """One TileLinear per planned weight placeholder ({placeholder: (fqn, weight)}), tuned, attached to
+    nothing yet; each packed once for every graph of the model (`shared`; `inferred`: `plan` came from
+    `infer_plan`)."""
+    if not weights:
+        return {}
+    bs, pl = int(options.get("batch_size", 16)), int(options.get("prefill_len", 128))
+    tuned = _lazy_tunings(plan, sorted({f for f, _ in weights.values()}), next(iter(weights.values()))[1], options)
+    out = {}
+    for i, (node, (fqn, w)) in enumerate(weights.items()):
+        build = lambda: TileLinear.from_plan(plan.layers[fqn], tuned().get(fqn), dtype=w.dtype,  # noqa: E731
+                                             device=w.device, batch_size=bs, prefill_len=pl)
+        sources, stamp = _identity(plan, [fqn], w, inferred)
+        out[node] = (f"_patchc_{i}", shared(w, sources, ("linear", *_key(w, options)), build, stamp))
+    return out
+
+
+def expert_modules(plan: Any, reads: list[GroupedRead], names: dict[fx.Node, str], examples: dict[fx.Node, Any],
+                   options: dict[str, Any], inferred: bool = False) -> dict[fx.Node, tuple[str, Any]]:
+    """One `TileGroupedLinear` per served 3-D weight (every expert slice stacked), on one tuning: the tuner
+    runs on its first planned slice only, since every slice has the same shape. Shared like `linear_modules`."""
+    reads = list({r.weight: r for r in reads}.values())
+    if not reads:
+        return {}
+    bs, pl = int(options.get("batch_size", 16)), int(options.get("prefill_len", 128))
+    experts = {r.weight: [f"{names[r.weight]}.{e}" for e in planned_experts(plan, names[r.weight],
+                                                                             examples[r.weight].shape[0])]
+               for r in reads}
+    tuned = _lazy_tunings(plan, [experts[r.weight][0] for r in reads], examples[reads[0].weight], options)
+    out = {}
+    for i, r in enumerate(reads):
+        w, first = examples[r.weight], experts[r.weight][0]
+        build = lambda: grouped_module(plan, names[r.weight], r, w, tuned().get(first), bs, pl)  # noqa: E731
+        sources, stamp = _identity(plan, experts[r.weight], w, inferred)
+        key = ("grouped", r.transposed, *_key(w, options))
+        out[r.weight] = (f"_patchc_x{i}", shared(w, sources, key, build, stamp))
+    return out
+
+
+def _identity(plan: Any, layers: list[str], w: torch.Tensor, inferred: bool) -> tuple[tuple[Any, ...], Any]:
+    """(sources, stamp) a packed module is matched by: its plan layers, or for an inferred plan (new layers in
+    every graph) the weight's version, the tile and each layer's recorded orientation."""
+    if not inferred:
+        return tuple(plan.layers[name] for name in layers), None
+    targets = plan.meta.get("targets", {})
+    return (), (w._version, tuple(plan.meta.get("tile", ())),
+                tuple(bool(targets.get(name, {}).get("transposed")) for name in layers), tuple(layers))
+
+
+def _key(w: torch.Tensor, options: dict[str, Any]) -> tuple[Any, ...]:
+    """What a packed module depends on besides its plan layers."""
+    return (w.dtype, w.device, int(options.get("batch_size", 16)), int(options.get("prefill_len", 128)),
+            repr(options.get("tune", True)), id(options.get("cache")), id(options.get("time_fn")))
+
+
+def _lazy_tunings(plan: Any, names: list[str], example: torch.Tensor, options: dict[str, Any]) -> Callable[[], dict]:
+    """The tunings of `names`, computed (in one tuner call: one cache read) the first time a module is packed."""
+    from patchc.runtime.compile import _tunings
+
+    done: list[dict] = []
+
+    def get() -> dict:
+        if not done:
+            done.append(_tunings(plan, names, int(options.get("batch_size", 16)), int(options.get("prefill_len", 128)),
+                                 options.get("tune", True), example.dtype, example.device, options.get("cache"),
+                                 options.get("time_fn"), False))
+        return done[0]
+
+    return get
+
+
+def held(weight: torch.Tensor) -> int:
+    """How many live packed values are recorded for `weight` (for tests and memory checks)."""
+    return sum(not _dead(entry) for entry in (_SHARED.get(weight) or {}).values())
+
+
+__all__ = ["expert_modules", "held", "infer_plan", "linear_modules", "shared"]
