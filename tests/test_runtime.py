@@ -166,7 +166,7 @@ def test_backend_tiny_llama_plan_and_inferred(llama):
 def test_source_fqn_reads_every_spelling_of_the_compiled_module(source, fqn):
     from types import SimpleNamespace
 
-    from patchc.runtime.backend import source_fqn
+    from patchc.runtime.graph_names import source_fqn
 
     node = SimpleNamespace(meta={"grapharg": SimpleNamespace(source=SimpleNamespace(name=lambda: source))})
     assert source_fqn(node) == fqn

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import re
 from typing import Any, Callable
 
 import torch
@@ -52,9 +51,11 @@ from torch import fx
 from patchc.runtime.dispatch import BUFFER_NAMES, TileLinear, report_unreplaced
 from patchc.runtime.grouped import (GroupedRead, bmm_operands, bmm_result, find_grouped_reads, grouped_args,
                                     grouped_module, servable_grouped)
+from patchc.runtime.graph_names import parameter_names, source_fqn
 from patchc.runtime.matmul_reads import LINEAR, Read, find_reads
 from patchc.runtime.op import tile_linear as _op  # noqa: F401  (registers the op)
 from patchc.runtime.packs import expert_modules, infer_plan, linear_modules
+from patchc.runtime.weight_graphs import PerWeights
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,6 @@ OPTION_KEYS = ("plan", "tile", "batch_size", "prefill_len", "tune", "cache", "in
                "time_fn", "strict")
 DEFAULT_TILE = (16, 16)
 LINEAR_TARGETS = LINEAR
-_KEY = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]|\.([A-Za-z_][A-Za-z0-9_]*)|\['([^']*)'\]")
 
 
 def patch_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
@@ -75,59 +75,40 @@ def patch_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) 
     unknown = sorted(set(options) - set(OPTION_KEYS))
     if unknown:
         raise ValueError(f"patch backend: unknown option(s) {unknown}; known: {list(OPTION_KEYS)}")
-    gm, extra, keep = rewrite_linears(gm, example_inputs, options)
-    callback = options.get("graph_callback")
-    if callback is not None:
-        callback(gm, sum(1 for n in gm.graph.nodes if n.target is torch.ops.patchc.tile_linear.default))
     # torch.compile refuses mode= beside options=: with a plan, the mode comes in the options
     mode = options.get("mode", kwargs.get("mode"))
-    compiled = _inner_compile(gm, [*example_inputs, *extra], options.get("inner"), mode)
-    return _append_inputs(compiled, extra, keep)
+    packed: list[int] = []
+    fqns = [source_fqn(n) for n in gm.graph.nodes if n.op == "placeholder"]  # compiling drops the sources
+
+    def build(inputs: list[Any]) -> Callable[..., Any]:
+        """dynamo's graph rewritten for the weights in `inputs` and compiled; it takes the packed tensors
+        after dynamo's inputs, and keeps the packed modules (shared by `patchc.runtime.packs`) alive."""
+        rewritten, extra, keep, weights = rewrite_linears(gm, inputs, options, fqns)
+        packed[:] = weights
+        callback = options.get("graph_callback")
+        if callback is not None:
+            callback(rewritten, sum(1 for n in rewritten.graph.nodes if n.target is torch.ops.patchc.tile_linear.default))
+        compiled = _inner_compile(rewritten, [*inputs, *extra], options.get("inner"), mode)
+        if not extra:
+            return compiled
+
+        def run(*args: Any) -> Any:
+            return compiled(*args, *extra)
+
+        run.patchc_keep = keep
+        return run
+
+    first = build(list(example_inputs))
+    # a graph that starts inside a submodule's forward is reused for its siblings, which pass their own weights
+    return PerWeights(build, packed, (example_inputs, first)) if packed else first
 
 
-def _append_inputs(compiled: Callable[..., Any], extra: list[torch.Tensor], keep: Any) -> Callable[..., Any]:
-    """The compiled graph takes the packed tensors as trailing inputs; dynamo calls it without them. It keeps
-    `keep` (the packed modules, which `patchc.runtime.packs` shares with later graphs) alive."""
-    if not extra:
-        return compiled
-
-    def run(*args: Any) -> Any:
-        return compiled(*args, *extra)
-
-    run.patchc_keep = keep
-
-    return run
-
-
-def source_fqn(node: fx.Node) -> str | None:
-    """The module-relative FQN of a placeholder's source, e.g. "layers.0.mlp.up_proj.weight".
-
-    Example:
-        >>> # source L['self']._modules['lm_head']._parameters['weight'] -> "lm_head.weight"
-    """
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
-    if source is None:
-        return None
-    name = source.name() if callable(getattr(source, "name", None)) else getattr(source, "name", None)
-    if not isinstance(name, str):
-        return None
-    # the compiled callable is "self" for a module's forward (or whatever its first parameter is called, seen
-    # through its ._modules / ._parameters), "fn" / "mod" when dynamo wraps it (nn.Sequential), and args[0]
-    # when the forward is wrapped by a decorator taking (*args, **kwargs) (transformers >= 5.2x)
-    name = re.sub(r"^L\['(?:self|fn|mod|model|module)'\](?=\.|\[|$)|^L\['args'\]\[0\](?=\.|$)"
-                  r"|^L\['[A-Za-z_][A-Za-z0-9_]*'\](?=\._(?:modules|parameters|buffers)\[)", "", name)
-    if name == "" or name.startswith("L[") or name.startswith("G["):
-        return None  # a plain input or a global, not a parameter of the compiled module
-    parts = [next(g for g in m.groups() if g is not None) for m in _KEY.finditer(name)]
-    return ".".join(parts) or None
-
-
-def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any],
-                    options: dict[str, Any]) -> tuple[fx.GraphModule, list[torch.Tensor], Any]:
-    """A copy of `gm` whose planned matmul reads call `patchc::tile_linear`, the packed tensors, and the packed
+def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any],
+                    fqns: list[str | None] | None = None) -> tuple[fx.GraphModule, list[torch.Tensor], Any, list[int]]:
+    """A copy of `gm` whose planned matmul reads call `patchc::tile_linear`, the packed tensors, the packed
     modules, which the compiled graph keeps alive (`patchc.runtime.packs` shares them with the model's other
-    graphs).
+    graphs), and the positions among `gm`'s inputs of the weights they were packed from. `fqns`: the
+    placeholders' source FQNs, read before an earlier compile of `gm` dropped them.
 
     Every form of `patchc.runtime.matmul_reads` is rewritten: linear, `x @ W.T` / matmul / mm, Conv1D's
     `addmm(b, x, W)`, linear-layout einsums. A planned layer (with a 2:4 tile) whose weight this graph
@@ -140,19 +121,22 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any],
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     examples = dict(zip(placeholders, example_inputs))
     reads, grouped = find_reads(gm, examples), find_grouped_reads(gm, examples)
-    names = {r.weight: source_fqn(r.weight) or f"patchc_weight_{i}" for i, r in enumerate([*reads, *grouped])}
     plan, inferred = options.get("plan"), options.get("plan") is None
+    fqns = fqns if fqns is not None else [source_fqn(n) for n in placeholders]
+    params, unmatched = parameter_names(examples, plan, dict(zip(placeholders, fqns)))
+    names = {r.weight: params.get(r.weight) or f"patchc_weight_{i}" for i, r in enumerate([*reads, *grouped])}
     if inferred:
         plan = infer_plan(reads, grouped, names, examples, options.get("tile", DEFAULT_TILE))
     served, left = _servable(plan, reads, names, examples)
     served_grouped, left_grouped = servable_grouped(plan, grouped, names, examples)
-    left.update(_unserved(plan, examples, {r.weight for r in reads}, {names[r.weight] for r in served_grouped}))
+    left.update(_unserved(plan, examples, params, {r.weight for r in reads}, {names[r.weight] for r in served_grouped}))
     left.update(left_grouped)
+    left.update(unmatched)
     report_unreplaced("patch backend", "left dense in this graph", left, bool(options.get("strict", False)))
     modules = linear_modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options, inferred)
     experts = expert_modules(plan, served_grouped, names, examples, options, inferred)
     if not modules and not experts:
-        return gm, [], None
+        return gm, [], None, []
     gm, node_map = _copy_graph_module(gm)
     placeholders = [node_map[n] for n in placeholders]
     modules = {node_map[n]: v for n, v in modules.items()}
@@ -165,7 +149,8 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any],
     gm.recompile()
     log.info("patch backend: %d matmul call(s) -> patchc::tile_linear, %d grouped -> patchc::tile_grouped_mm",
              len(served), len(served_grouped))
-    return gm, extra, [mod for _, mod in (*modules.values(), *experts.values())]
+    weights = sorted({placeholders.index(node_map[r.weight]) for r in [*served, *served_grouped]})
+    return gm, extra, [mod for _, mod in (*modules.values(), *experts.values())], weights
 
 
 def _replace(gm: fx.GraphModule, read: Read, node_map: dict[fx.Node, fx.Node], name: str, mod: TileLinear,
@@ -242,13 +227,14 @@ def _servable(plan: Any, reads: list[Read], names: dict[fx.Node, str],
     return served, why
 
 
-def _unserved(plan: Any, examples: dict[fx.Node, Any], read: set[fx.Node], grouped: set[str]) -> dict[str, str]:
+def _unserved(plan: Any, examples: dict[fx.Node, Any], params: dict[fx.Node, str], read: set[fx.Node],
+              grouped: set[str]) -> dict[str, str]:
     """{layer: why} for every planned weight this graph takes that no read serves: a 2-D weight in no matmul
     form (`F.linear(x, W * s)`), or a fused-experts weight ("<3-D weight>.*") that no grouped mm or bmm of
     `grouped` reads (e.g. an eager loop over the experts)."""
     out = {}
     for node, value in examples.items():
-        fqn = source_fqn(node) if isinstance(value, torch.nn.Parameter) else None
+        fqn = params.get(node)
         if fqn is None:
             continue
         if value.dim() == 2 and node not in read and _planned(plan, fqn):

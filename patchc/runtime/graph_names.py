@@ -1,0 +1,109 @@
+"""The FQNs of the parameters a dynamo graph takes, as the plan names them.
+
+Dynamo names a graph's parameter placeholders by their source in the frame it traced: the compiled
+module's forward (``L['self']._modules['model']..._parameters['weight']``). After a graph break inside a
+parent's forward, the next graph starts in a submodule's forward, and its names are relative to that
+submodule: CTRL's ``CTRLLMHeadModel.forward`` breaks before calling ``self.transformer``, whose graph reads
+``h.0.multi_head_attention.Wq.weight`` where the plan says ``transformer.h.0.multi_head_attention.Wq.weight``.
+`parameter_names` matches such a name to the planned weight it ends whose kept values the weight holds
+(an encoder's and a decoder's ``layers.0.fc1.weight`` both end in the same name).
+
+Example:
+    >>> parameter_names({placeholder: weight}, plan, {placeholder: source_fqn(placeholder)})  # doctest: +SKIP
+    ({placeholder: "transformer.h.0.multi_head_attention.Wq.weight"}, {})
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import fx
+
+_KEY = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]|\.([A-Za-z_][A-Za-z0-9_]*)|\['([^']*)'\]")
+
+
+def source_fqn(node: fx.Node) -> str | None:
+    """The module-relative FQN of a placeholder's source, e.g. "layers.0.mlp.up_proj.weight".
+
+    Example:
+        >>> # source L['self']._modules['lm_head']._parameters['weight'] -> "lm_head.weight"
+    """
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    if source is None:
+        return None
+    name = source.name() if callable(getattr(source, "name", None)) else getattr(source, "name", None)
+    if not isinstance(name, str):
+        return None
+    # the compiled callable is "self" for a module's forward (or whatever its first parameter is called, seen
+    # through its ._modules / ._parameters), "fn" / "mod" when dynamo wraps it (nn.Sequential), and args[0]
+    # when the forward is wrapped by a decorator taking (*args, **kwargs) (transformers >= 5.2x)
+    name = re.sub(r"^L\['(?:self|fn|mod|model|module)'\](?=\.|\[|$)|^L\['args'\]\[0\](?=\.|$)"
+                  r"|^L\['[A-Za-z_][A-Za-z0-9_]*'\](?=\._(?:modules|parameters|buffers)\[)", "", name)
+    if name == "" or name.startswith("L[") or name.startswith("G["):
+        return None  # a plain input or a global, not a parameter of the compiled module
+    parts = [next(g for g in m.groups() if g is not None) for m in _KEY.finditer(name)]
+    return ".".join(parts) or None
+
+
+def parameter_names(examples: dict[fx.Node, Any], plan: Any | None,
+                    fqns: dict[fx.Node, str | None]) -> tuple[dict[fx.Node, str], dict[str, str]]:
+    """({placeholder: FQN} of every parameter placeholder with a source FQN in `fqns` (`source_fqn`), named as
+    `plan` names its weights;
+    {name: why} for submodule-relative names that end planned weights but hold none of their values).
+
+    A name the plan lacks is matched to the planned weights it ends ("." + name) whose kept values it holds,
+    if exactly one does: the values guard against a like-named weight of another submodule (a vision tower's
+    `layers.0.mlp.fc1.weight` beside the text model's)."""
+    planned = _planned_params(plan)
+    names, unmatched = {}, {}
+    for node, value in examples.items():
+        fqn = fqns.get(node) if isinstance(value, torch.nn.Parameter) else None
+        if fqn is None:
+            continue
+        ends = [p for p in planned if p.endswith("." + fqn)] if fqn not in planned else []
+        held = [p for p in ends if _holds(value, plan.layers[planned[p]])]
+        if len(held) == 1:
+            fqn = held[0]
+        elif ends:
+            unmatched[fqn] = (f"read as {fqn!r} in a graph that starts inside a submodule (after a graph break): "
+                              f"{'none' if not held else 'more than one'} of the planned weights {ends[:3]} "
+                              f"{'holds' if not held else 'hold'} its values")
+        names[node] = fqn
+    return names, unmatched
+
+
+def _planned_params(plan: Any | None) -> dict[str, str]:
+    """{parameter FQN: one of its plan layers}: a 2-D weight's layer, or an expert slice ("<3-D weight>.<e>")."""
+    if plan is None:
+        return {}
+    targets = (getattr(plan, "meta", None) or {}).get("targets", {})
+    out = {}
+    for name in plan.layers:
+        param = targets.get(name, {}).get("param")
+        if param is None:
+            head, _, tail = name.rpartition(".")
+            param = head if tail.isdigit() and head else name
+        out.setdefault(param, name)
+    return out
+
+
+def _holds(value: torch.Tensor, layer: Any) -> bool:
+    """Whether `value` (a weight (N, K) or (K, N), or the 3-D weight of an expert slice) keeps `layer`'s values
+    where the layer keeps any."""
+    w = value.detach()
+    if w.dim() == 3:
+        w = w[int(layer.name.rpartition(".")[2])] if layer.name.rpartition(".")[2].isdigit() else w[0]
+    shape = tuple(layer.shape)
+    if tuple(w.shape) != shape:
+        if tuple(w.shape[::-1]) != shape:
+            return False
+        w = w.t()
+    dense = layer.to_dense().to(torch.float32)
+    kept = dense != 0
+    return bool(torch.allclose(w.to(torch.float32)[kept], dense[kept], rtol=1e-2, atol=1e-3))
+
+
+__all__ = ["parameter_names", "source_fqn"]
