@@ -263,3 +263,11 @@ def test_a_submodule_name_whose_values_match_no_planned_weight_is_named_as_left_
             cm(torch.randn(3, 32))
     assert sum(counts) == 0
     torch._dynamo.reset()
+
+
+def test_source_root_is_the_frame_local_a_weight_comes_from():
+    from patchc.runtime.graph_names import source_root
+
+    assert source_root("L['self']._modules['a']._parameters['weight']") == "L['self']"
+    assert source_root("L['args'][0]._modules['model']") == "L['args'][0]"  # a decorated forward's module
+    assert source_root("G['table']") is None and source_root(None) is None

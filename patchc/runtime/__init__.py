@@ -14,7 +14,9 @@ JSON cache), `dispatch` (TileLinear; `warmup` before CUDA-graph capture), `compi
 on a weight: linear, x @ W.T, matmul / mm, Conv1D addmm, einsum), `grouped` (fused MoE experts under the
 backend: the grouped mm it recognises), `grouped_op` (`patchc::tile_grouped_mm` and `TileGroupedLinear`:
 every expert of a 3-D weight in one launch), `packs` (the backend's packed modules, shared by all the graphs
-dynamo compiles for one model).
+dynamo compiles for one model), `graph_names` (a graph's weights named as the plan names them, also in graphs
+that start inside a submodule), `weight_graphs` (a graph per set of weights, for graphs dynamo reuses for
+sibling submodules).
 """
 
 from __future__ import annotations

@@ -20,7 +20,10 @@ and listed in a warning; with ``options={"strict": True}`` that is a ValueError.
 aot_eager (CPU, or when inductor cannot be imported).
 
 Each planned weight is packed once for all the graphs dynamo compiles for a model (a ``generate``'s prompt,
-first decode step and dynamic graph; graph breaks): `patchc.runtime.packs`.
+first decode step and dynamic graph; graph breaks): `patchc.runtime.packs`. After a graph break inside a
+submodule's forward, dynamo names its weights relative to that submodule and reuses its graph for every
+sibling: names are matched to the plan by their ending and kept values (`patchc.runtime.graph_names`), and
+each sibling runs a graph compiled for its own weights (`patchc.runtime.weight_graphs`).
 
 Without a plan, one is inferred from the zero pattern of the weights (`TilePlan.from_weights`, tile from
 ``options["tile"]``, default (16, 16)), each expert slice of a grouped read on its own: tiles with <= 2
@@ -51,7 +54,7 @@ from torch import fx
 from patchc.runtime.dispatch import BUFFER_NAMES, TileLinear, report_unreplaced
 from patchc.runtime.grouped import (GroupedRead, bmm_operands, bmm_result, find_grouped_reads, grouped_args,
                                     grouped_module, servable_grouped)
-from patchc.runtime.graph_names import parameter_names, source_fqn
+from patchc.runtime.graph_names import parameter_names, source_fqn, source_name, source_root
 from patchc.runtime.matmul_reads import LINEAR, Read, find_reads
 from patchc.runtime.op import tile_linear as _op  # noqa: F401  (registers the op)
 from patchc.runtime.packs import expert_modules, infer_plan, linear_modules
@@ -78,7 +81,9 @@ def patch_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) 
     # torch.compile refuses mode= beside options=: with a plan, the mode comes in the options
     mode = options.get("mode", kwargs.get("mode"))
     packed: list[int] = []
-    fqns = [source_fqn(n) for n in gm.graph.nodes if n.op == "placeholder"]  # compiling drops the sources
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fqns = [source_fqn(n) for n in placeholders]  # read now: compiling drops the sources
+    roots = [source_root(source_name(n)) for n in placeholders]
 
     def build(inputs: list[Any]) -> Callable[..., Any]:
         """dynamo's graph rewritten for the weights in `inputs` and compiled; it takes the packed tensors
@@ -99,8 +104,12 @@ def patch_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) 
         return run
 
     first = build(list(example_inputs))
-    # a graph that starts inside a submodule's forward is reused for its siblings, which pass their own weights
-    return PerWeights(build, packed, (example_inputs, first)) if packed else first
+    if not packed:
+        return first
+    # a graph that starts inside a submodule's forward is reused for its siblings, which pass their own weights:
+    # checked on the first packed weight of each frame local they come from (a sibling passes all its own)
+    checked = sorted({roots[i]: i for i in reversed(packed)}.values())
+    return PerWeights(build, checked, (example_inputs, first))
 
 
 def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any],

@@ -24,18 +24,28 @@ from torch import fx
 _KEY = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]|\.([A-Za-z_][A-Za-z0-9_]*)|\['([^']*)'\]")
 
 
+def source_name(node: fx.Node) -> str | None:
+    """A placeholder's dynamo source, e.g. "L['self']._modules['lm_head']._parameters['weight']" (None once a
+    compile has dropped it)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = source.name() if callable(getattr(source, "name", None)) else getattr(source, "name", None)
+    return name if isinstance(name, str) else None
+
+
+def source_root(name: str | None) -> str | None:
+    """The frame local a source starts from: "L['self']", "L['args'][0]"; None for a global or no source."""
+    match = re.match(r"L\['[^']*'\](?:\[\d+\])?", name or "")
+    return match.group(0) if match else None
+
+
 def source_fqn(node: fx.Node) -> str | None:
     """The module-relative FQN of a placeholder's source, e.g. "layers.0.mlp.up_proj.weight".
 
     Example:
         >>> # source L['self']._modules['lm_head']._parameters['weight'] -> "lm_head.weight"
     """
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
-    if source is None:
-        return None
-    name = source.name() if callable(getattr(source, "name", None)) else getattr(source, "name", None)
-    if not isinstance(name, str):
+    name = source_name(node)
+    if name is None:
         return None
     # the compiled callable is "self" for a module's forward (or whatever its first parameter is called, seen
     # through its ._modules / ._parameters), "fn" / "mod" when dynamo wraps it (nn.Sequential), and args[0]
@@ -106,4 +116,4 @@ def _holds(value: torch.Tensor, layer: Any) -> bool:
     return bool(torch.allclose(w.to(torch.float32)[kept], dense[kept], rtol=1e-2, atol=1e-3))
 
 
-__all__ = ["parameter_names", "source_fqn"]
+__all__ = ["parameter_names", "source_fqn", "source_name", "source_root"]

@@ -5,9 +5,14 @@ dynamo does not guard on which module they come from: a graph that starts inside
 (after a graph break there) is reused for every sibling of the same class, each decoder layer passing its
 own weights. The backend packs the weights of the call it compiled into the graph (trailing inputs and
 constants sized for their tiles), so another layer's weights need a graph of their own. `PerWeights` checks,
-on every call, that the weights passed are the ones packed (identity, a few microseconds), and otherwise
-rewrites and compiles dynamo's graph again for the weights passed (their plan layers, or the plan read off
-their own zeros), kept per set of weights while they live.
+on every call, that the weights passed are the ones packed, and otherwise rewrites and compiles dynamo's
+graph again for the weights passed (their plan layers, or the plan read off their own zeros), kept per set
+of weights while they live.
+
+The check compares ids of the weights at `positions` (the backend passes the first packed weight of each
+frame local the weights come from: a sibling passes all of its own; checking all 224 weights of a 7B
+Llama's graph would cost ~26 us a call): an entry is dropped as soon as one of its weights is freed, so a
+live entry's ids are its own weights'.
 
 Example:
     >>> run = PerWeights(lambda inputs: compile_for(inputs), positions=[0, 3], first=(inputs, compiled))  # doctest: +SKIP
@@ -26,31 +31,33 @@ class PerWeights:
 
     def __init__(self, build: Callable[[list[Any]], Callable[..., Any]], positions: Sequence[int],
                  first: tuple[Sequence[Any], Callable[..., Any]]) -> None:
-        self.build, self.positions = build, tuple(positions)
+        self.build = build
+        pick = operator.itemgetter(*positions)
+        self._pick = pick if len(positions) > 1 else lambda args: (pick(args),)
+        # ids of the weights -> (weak refs whose callbacks drop the entry, compiled graph)
         self.entries: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], Callable[..., Any]]] = {}
-        self.last = self._add(*first)
+        self.last_ids, self.last = self._add(first[0], first[1])
 
-    def _weights(self, args: Sequence[Any]) -> list[Any]:
-        return [args[i] for i in self.positions]
+    def _add(self, args: Sequence[Any], compiled: Callable[..., Any]) -> tuple[tuple[int, ...], Callable[..., Any]]:
+        ids = tuple(map(id, self._pick(args)))
+        this = weakref.ref(self)
 
-    def _add(self, args: Sequence[Any], compiled: Callable[..., Any]) -> tuple[list[Any], Callable[..., Any]]:
-        for key in [k for k, (refs, _) in self.entries.items() if any(r() is None for r in refs)]:
-            del self.entries[key]  # weights that are gone
-        weights = self._weights(args)
-        self.entries[tuple(map(id, weights))] = (tuple(weakref.ref(w) for w in weights), compiled)
-        return [weakref.ref(w) for w in weights], compiled
+        def drop(_: weakref.ref) -> None:  # a weight was freed: its id may be reused
+            owner = this()
+            if owner is not None:
+                owner.entries.pop(ids, None)
+                if owner.last_ids == ids:
+                    owner.last_ids = ()
+
+        self.entries[ids] = (tuple(weakref.ref(w, drop) for w in self._pick(args)), compiled)
+        return ids, compiled
 
     def __call__(self, *args: Any) -> Any:
-        refs, compiled = self.last
-        weights = self._weights(args)
-        if all(map(operator.is_, (r() for r in refs), weights)):
-            return compiled(*args)
-        hit = self.entries.get(tuple(map(id, weights)))
-        if hit is not None and all(map(operator.is_, (r() for r in hit[0]), weights)):
-            self.last = list(hit[0]), hit[1]
-        else:
-            self.last = self._add(args, self.build(list(args)))
-        return self.last[1](*args)
+        ids = tuple(map(id, self._pick(args)))
+        if ids != self.last_ids:
+            hit = self.entries.get(ids)
+            self.last_ids, self.last = (ids, hit[1]) if hit is not None else self._add(args, self.build(list(args)))
+        return self.last(*args)
 
 
 __all__ = ["PerWeights"]
