@@ -182,18 +182,30 @@ def test_a_planned_weight_read_by_no_matmul_form_is_named_as_left_dense():
     torch._dynamo.reset()
 
 
+class Norm(nn.Module):
+    """A norm whose forward breaks the graph: its graph names its (unplanned) weight just "weight"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return x / x.norm(dim=-1, keepdim=True) * self.weight
+
+
 class Block(nn.Module):
-    """fc1, then a graph break, then fc2: dynamo traces this forward as its own frame, whose weight names are
-    relative to the block ("fc1.weight"), not to the compiled model ("enc.fc1.weight")."""
+    """A norm, fc1, then a graph break, then fc2: dynamo traces this forward as its own frame, whose weight
+    names are relative to the block ("fc1.weight"), not to the compiled model ("enc.fc1.weight")."""
 
     def __init__(self, gen: torch.Generator) -> None:
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(32, 48), nn.Linear(48, 32)
+        self.norm, self.fc1, self.fc2 = Norm(), nn.Linear(32, 48), nn.Linear(48, 32)
         for p in self.parameters():
             p.data = torch.randn(p.shape, generator=gen) / 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.fc1(x))
+        h = torch.relu(self.fc1(self.norm(x)))
         torch._dynamo.graph_break()
         return self.fc2(h)
 
@@ -210,7 +222,7 @@ class EncDec(nn.Module):
 
 def _enc_dec_plan(model: nn.Module, seed: int) -> TilePlan:
     g = torch.Generator().manual_seed(seed)
-    weights = {n: p.detach() * random_24_mask(*p.shape, g) for n, p in model.named_parameters() if n.endswith("weight")}
+    weights = {n: p.detach() * random_24_mask(*p.shape, g) for n, p in model.named_parameters() if "fc" in n and n.endswith("weight")}
     return TilePlan.from_weights(weights, tile=(16, 16))
 
 
@@ -218,8 +230,9 @@ def _enc_dec_plan(model: nn.Module, seed: int) -> TilePlan:
 def test_a_graph_reused_for_sibling_submodules_serves_each_with_its_own_weights(with_plan):
     """dynamo compiles Block's two graphs once, for enc, and reuses them for dec, which passes its own weights:
     each block must run on its own packed weights (a graph per set of weights), its relative names
-    ("fc1.weight") matched to the planned weight whose kept values it holds (enc.* or dec.*). Compiled with
-    the plan, the dense model gives the plan-applied model's outputs; without, the pruned model its own."""
+    ("fc1.weight") matched to the planned weight whose kept values it holds (enc.* or dec.*); the norm's graph,
+    whose "weight" ends every planned name but fits none, warns of nothing (strict). Compiled with the plan,
+    the dense model gives the plan-applied model's outputs; without, the pruned model its own."""
     model = EncDec()
     plan = _enc_dec_plan(model, 1)
     pruned = plan.apply(copy.deepcopy(model))
@@ -227,7 +240,7 @@ def test_a_graph_reused_for_sibling_submodules_serves_each_with_its_own_weights(
     cm, counts = _compiled(model, {"plan": plan, "strict": True}) if with_plan else _compiled(pruned, {})
     with torch.no_grad():
         got, again = cm(x), cm(x)
-    assert counts == [1, 1, 1, 1]  # enc's fc1 and fc2 graphs, then dec's: every weight served, each compiled once
+    assert [c for c in counts if c] == [1, 1, 1, 1]  # enc's fc1 and fc2 graphs, then dec's: each compiled once
     torch.testing.assert_close(got, pruned(x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(again, got, atol=0, rtol=0)
     torch._dynamo.reset()
@@ -252,13 +265,14 @@ def test_per_weights_compiles_once_for_each_set_of_weights():
 
 
 def test_a_submodule_name_whose_values_match_no_planned_weight_is_named_as_left_dense():
-    """A plan made from other weights: "fc1.weight" ends enc.fc1.weight and dec.fc1.weight, but holds neither's
-    values, so it is not guessed; the warning says why."""
+    """A plan made from other weights: "fc1.weight" ends enc.fc1.weight and dec.fc1.weight (and "weight", read
+    in a graph that starts in the Linear itself, every fc), but holds none of their values, so it is not
+    guessed; the warning says why."""
     model = EncDec()
     plan = _enc_dec_plan(EncDec().apply(lambda m: [p.data.normal_() for p in m.parameters(recurse=False)]), 1)
     cm, counts = _compiled(model, {"plan": plan})
-    with pytest.warns(UserWarning, match=r"'fc1\.weight' in a graph that starts inside a submodule .*none of the "
-                                         r"planned weights \['(enc|dec)\.fc1\.weight', '(enc|dec)\.fc1\.weight'\]"):
+    with pytest.warns(UserWarning, match=r"'(fc1\.)?weight' in a graph that starts inside a submodule .*none of "
+                                         r"the planned weights \['(enc|dec)\.fc"):
         with torch.no_grad():
             cm(torch.randn(3, 32))
     assert sum(counts) == 0

@@ -73,7 +73,8 @@ def parameter_names(examples: dict[fx.Node, Any], plan: Any | None,
         fqn = fqns.get(node) if isinstance(value, torch.nn.Parameter) else None
         if fqn is None:
             continue
-        ends = [p for p in planned if p.endswith("." + fqn)] if fqn not in planned else []
+        ends = [p for p in planned if p.endswith("." + fqn) and _fits(value, plan.layers[planned[p]])] \
+            if fqn not in planned else []
         held = [p for p in ends if _holds(value, plan.layers[planned[p]])]
         if len(held) == 1:
             fqn = held[0]
@@ -98,6 +99,12 @@ def _planned_params(plan: Any | None) -> dict[str, str]:
             param = head if tail.isdigit() and head else name
         out.setdefault(param, name)
     return out
+
+
+def _fits(value: torch.Tensor, layer: Any) -> bool:
+    """Whether `value` has the shape of `layer`'s weight (N, K) or (K, N), or of a 3-D weight it slices."""
+    shape = tuple(value.shape[-2:]) if value.dim() in (2, 3) else ()
+    return shape in (tuple(layer.shape), tuple(layer.shape)[::-1])
 
 
 def _holds(value: torch.Tensor, layer: Any) -> bool:
