@@ -15,6 +15,8 @@ layers, 4 heads, 4 experts, ...) and runs:
     plan     `harden` -> `plan.apply` equals the eval-mode program
     compile  `patchc.compile` equals the plan-applied model; layers it keeps dense (read in a form the
              runtime does not serve) are counted, not failed
+    backend  `torch.compile(model, backend="patch", options={"plan": plan})` equals it too; the graphs dynamo
+             hands the backend and the planned layers they leave dense are counted
 
 Each type runs in its own process (a crash or hang costs that type only, `--timeout`). Prints one line per
 type and a summary; appends a record per run to benchmarks/results/families.jsonl.
@@ -26,6 +28,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -35,7 +38,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "families.jsonl"
-STAGES = ("tiny", "export", "masks", "plan", "compile")
+STAGES = ("tiny", "export", "masks", "plan", "compile", "backend")
 
 # Integer config fields set to these values when a config has them (counts, widths, expert geometry).
 SMALL = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
@@ -88,6 +91,7 @@ def check(model_type: str) -> dict[str, Any]:
 
     import patchc
     from patchc.models.hf_export import export_causal_lm
+    from patchc.models.per_length import PerLengthExport
     from patchc.runtime.dispatch import TileExperts, TileLinear
 
     out: dict[str, Any] = {"type": model_type, "passed": None}
@@ -103,6 +107,7 @@ def check(model_type: str) -> dict[str, Any]:
             dense = model(ids, use_cache=False).logits
         out["passed"], stage = "tiny", "export"
         ep = export_causal_lm(model)
+        out["export"] = "per-length" if isinstance(ep, PerLengthExport) else "dynamic"
         out["passed"], stage = "export", "masks"
         prog = patchc.transform(ep, patchc.PatchConfig(tile=(16, 16), sparsity=0.35, init_std=0.5))
         out["layers"] = len(prog.layers)
@@ -123,11 +128,37 @@ def check(model_type: str) -> dict[str, Any]:
         out["kept_dense"] = sum(1 for name in plan.layers if not any(name.startswith(s + ".") for s in served))
         with torch.no_grad():
             torch.testing.assert_close(fast(ids, use_cache=False).logits, applied, atol=1e-4, rtol=1e-4)
-        out["passed"] = "compile"
+        del fast
+        out["passed"], stage = "compile", "backend"
+        out.update(_check_backend(model, plan, ids, applied))
+        out["passed"] = "backend"
     except Exception as error:  # noqa: BLE001 - the sweep records every failure and goes on
         out["failed"] = stage
         out["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
     return out
+
+
+def _check_backend(model: Any, plan: Any, ids: Any, expected: Any) -> dict[str, int]:
+    """torch.compile(backend="patch") of the dense model with the plan reproduces the applied plan:
+    {"graphs": graphs dynamo compiled, "backend_ops": patchc ops in them, "backend_left_dense": planned layers
+    left dense, summed over graphs}."""
+    import warnings
+
+    import torch
+
+    torch._dynamo.reset()
+    graphs: list[int] = []  # per graph: the patchc ops in it
+    ops = (torch.ops.patchc.tile_linear.default, torch.ops.patchc.tile_grouped_mm.default)
+    options = {"plan": plan, "tune": False,
+               "graph_callback": lambda gm, n: graphs.append(sum(node.target in ops for node in gm.graph.nodes))}
+    compiled = torch.compile(model, backend="patch", options=options)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        got = compiled(ids, use_cache=False).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    left = [int(m.group(1)) for w in caught
+            if (m := re.match(r"patch backend: (\d+) planned layer\(s\) left dense", str(w.message)))]
+    return {"graphs": len(graphs), "backend_ops": sum(graphs), "backend_left_dense": sum(left)}
 
 
 def _logits(out: Any) -> Any:
@@ -159,11 +190,13 @@ def run_one(model_type: str, timeout: float) -> dict[str, Any]:
 
 def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     built = [r for r in results if r["passed"] is not None]
-    whole = [r["type"] for r in built if r["passed"] == "compile"]
+    whole = [r["type"] for r in built if r["passed"] == STAGES[-1]]
     return {"types": len(results), "built": len(built), "whole_path": len(whole),
             "not_built": sorted(r["type"] for r in results if r["passed"] is None),
-            "failed": {r["type"]: f"{r['failed']}: {r['error']}" for r in built if r["passed"] != "compile"},
-            "kept_dense": {r["type"]: r["kept_dense"] for r in built if r.get("kept_dense")}}
+            "failed": {r["type"]: f"{r['failed']}: {r['error']}" for r in built if r["passed"] != STAGES[-1]},
+            "kept_dense": {r["type"]: r["kept_dense"] for r in built if r.get("kept_dense")},
+            "backend_left_dense": {r["type"]: r["backend_left_dense"] for r in built if r.get("backend_left_dense")},
+            "per_length": sorted(r["type"] for r in built if r.get("export") == "per-length")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  failed  {name}: {why}")
     for name, count in summary["kept_dense"].items():
         print(f"  served dense by patchc.compile: {name}: {count} layer(s)")
+    for name, count in summary["backend_left_dense"].items():
+        print(f"  left dense by backend=\"patch\": {name}: {count} layer(s)")
+    if summary["per_length"]:
+        print(f"  exported one graph per length: {', '.join(summary['per_length'])}")
     if args.results:
         import transformers
 
