@@ -16,8 +16,8 @@ Conv1D's ``addmm(b, x, W)`` (W stored (K, N), planned as its (N, K) transpose) a
 one launch for all experts, the routing offsets read on the device (`patchc.runtime.grouped`); so does
 Llama 4's ``bmm`` over every expert (x (E, T, K): row ends T, 2T, ...). A planned weight read in a form
 neither op can serve (``W @ x``, an einsum with another output layout, ``F.linear(x, W * s)``) is left dense
-and listed in a warning; with ``options={"strict": True}`` that is a ValueError. The rest of the graph goes to inductor (CUDA) or
-aot_eager (CPU, or when inductor cannot be imported).
+and listed in a warning; with ``options={"strict": True}`` that is a ValueError. The rest of the graph goes to
+inductor (CUDA) or aot_eager (CPU, or when inductor cannot be imported).
 
 Each planned weight is packed once for all the graphs dynamo compiles for a model (a ``generate``'s prompt,
 first decode step and dynamic graph; graph breaks): `patchc.runtime.packs`. After a graph break inside a
@@ -90,9 +90,9 @@ def patch_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) 
         after dynamo's inputs, and keeps the packed modules (shared by `patchc.runtime.packs`) alive."""
         rewritten, extra, keep, weights = rewrite_linears(gm, inputs, options, fqns)
         packed[:] = weights
-        callback = options.get("graph_callback")
-        if callback is not None:
-            callback(rewritten, sum(1 for n in rewritten.graph.nodes if n.target is torch.ops.patchc.tile_linear.default))
+        if options.get("graph_callback") is not None:
+            ops = sum(1 for n in rewritten.graph.nodes if n.target is torch.ops.patchc.tile_linear.default)
+            options["graph_callback"](rewritten, ops)
         compiled = _inner_compile(rewritten, [*inputs, *extra], options.get("inner"), mode)
         if not extra:
             return compiled
