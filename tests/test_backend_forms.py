@@ -285,3 +285,28 @@ def test_source_root_is_the_frame_local_a_weight_comes_from():
     assert source_root("L['self']._modules['a']._parameters['weight']") == "L['self']"
     assert source_root("L['args'][0]._modules['model']") == "L['args'][0]"  # a decorated forward's module
     assert source_root("G['table']") is None and source_root(None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the Triton kernels and inductor run there")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_sibling_graphs_on_gpu_match_an_independent_dense_model(mode, monkeypatch):
+    """fp16 on CUDA under inductor: enc's graphs reused for dec run dec's own packed weights (one inductor graph
+    per set of weights, CUDA graphs included), against the plan-applied model's F.linear."""
+    monkeypatch.delenv("PATCHC_CPU_IMPL", raising=False)
+    model = EncDec()
+    plan = _enc_dec_plan(model, 1)
+    reference = plan.apply(copy.deepcopy(model)).to("cuda", torch.float16)
+    dense = copy.deepcopy(model).to("cuda", torch.float16)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(2)).to("cuda", torch.float16)
+    counts = []
+    torch._dynamo.reset()
+    cm = torch.compile(dense, backend="patch", options={"plan": plan, "strict": True, "tune": False, "mode": mode,
+                                                        "graph_callback": lambda gm, n: counts.append(n)})
+    with torch.no_grad():
+        for _ in range(3):  # reduce-overhead records on the second call and replays after
+            got = cm(x).clone()
+        want = reference(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert [c for c in counts if c] == [1, 1, 1, 1]
