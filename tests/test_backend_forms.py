@@ -310,3 +310,21 @@ def test_sibling_graphs_on_gpu_match_an_independent_dense_model(mode, monkeypatc
     torch._dynamo.reset()
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert [c for c in counts if c] == [1, 1, 1, 1]
+
+
+def test_parameter_names_matches_relative_names_by_shape_and_kept_values():
+    """A Conv1D-style square weight stored (K, N) is matched in either orientation; a norm's "weight" fits no
+    planned shape and stays as it is; a name the plan has is kept."""
+    from patchc.runtime.graph_names import parameter_names
+
+    g = torch.Generator().manual_seed(4)
+    pruned = {f"{m}.conv.weight": torch.randn(32, 32, generator=g) * random_24_mask(32, 32, g) for m in "ab"}
+    plan = TilePlan.from_weights(pruned, tile=(16, 16))
+    params = {"conv": nn.Parameter(pruned["b.conv.weight"].t().clone()), "norm": nn.Parameter(torch.ones(32)),
+              "full": nn.Parameter(pruned["a.conv.weight"].clone())}
+    fqns = {"conv": "conv.weight", "norm": "weight", "full": "a.conv.weight"}
+    names, unmatched = parameter_names(params, plan, fqns)
+    assert names == {"conv": "b.conv.weight", "norm": "weight", "full": "a.conv.weight"} and unmatched == {}
+    params["conv"] = nn.Parameter(torch.randn(32, 32, generator=g))  # other values: not guessed
+    names, unmatched = parameter_names(params, plan, fqns)
+    assert names["conv"] == "conv.weight" and "none of the planned weights" in unmatched["conv.weight"]

@@ -60,9 +60,9 @@ def source_fqn(node: fx.Node) -> str | None:
 
 def parameter_names(examples: dict[fx.Node, Any], plan: Any | None,
                     fqns: dict[fx.Node, str | None]) -> tuple[dict[fx.Node, str], dict[str, str]]:
-    """({placeholder: FQN} of every parameter placeholder with a source FQN in `fqns` (`source_fqn`), named as
-    `plan` names its weights;
-    {name: why} for submodule-relative names that end planned weights but hold none of their values).
+    """({placeholder: FQN, named as `plan` names its weights} for every parameter placeholder with a source
+    FQN in `fqns` (`source_fqn`); {name: why} for submodule-relative names that end planned weights of their
+    shape but hold none of their values, or the values of several).
 
     A name the plan lacks is matched to the planned weights it ends ("." + name) whose kept values it holds,
     if exactly one does: the values guard against a like-named weight of another submodule (a vision tower's
@@ -109,18 +109,16 @@ def _fits(value: torch.Tensor, layer: Any) -> bool:
 
 def _holds(value: torch.Tensor, layer: Any) -> bool:
     """Whether `value` (a weight (N, K) or (K, N), or the 3-D weight of an expert slice) keeps `layer`'s values
-    where the layer keeps any."""
+    where the layer keeps any (either orientation of a square weight)."""
     w = value.detach()
     if w.dim() == 3:
-        w = w[int(layer.name.rpartition(".")[2])] if layer.name.rpartition(".")[2].isdigit() else w[0]
-    shape = tuple(layer.shape)
-    if tuple(w.shape) != shape:
-        if tuple(w.shape[::-1]) != shape:
-            return False
-        w = w.t()
-    dense = layer.to_dense().to(torch.float32)
+        expert = layer.name.rpartition(".")[2]
+        w = w[int(expert) if expert.isdigit() else 0]
+    dense = layer.to_dense().to(w.device, torch.float32)
     kept = dense != 0
-    return bool(torch.allclose(w.to(torch.float32)[kept], dense[kept], rtol=1e-2, atol=1e-3))
+    shape = tuple(layer.shape)
+    views = [v for v, s in ((w, tuple(w.shape)), (w.t(), tuple(w.shape[::-1]))) if s == shape]
+    return any(bool(torch.allclose(v.to(torch.float32)[kept], dense[kept], rtol=1e-2, atol=1e-3)) for v in views)
 
 
 __all__ = ["parameter_names", "source_fqn", "source_name", "source_root"]
