@@ -17,6 +17,9 @@ layers, 4 heads, 4 experts, ...) and runs:
              runtime does not serve) are counted, not failed
     backend  `torch.compile(model, backend="patch", options={"plan": plan})` equals it too; the graphs dynamo
              hands the backend and the planned layers they leave dense are counted
+    generate `model.generate()` (greedy, 6 tokens, KV cache) with the forward compiled by the backend gives
+             the plan-applied model's tokens (prompt, first decode step and dynamic graphs). A type whose
+             own `generate` fails is counted as passed with "generate": "n/a"
 
 Each type runs in its own process (a crash or hang costs that type only, `--timeout`). Prints one line per
 type and a summary; appends a record per run to benchmarks/results/families.jsonl.
@@ -38,7 +41,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "families.jsonl"
-STAGES = ("tiny", "export", "masks", "plan", "compile", "backend")
+STAGES = ("tiny", "export", "masks", "plan", "compile", "backend", "generate")
 
 # Integer config fields set to these values when a config has them (counts, widths, expert geometry).
 SMALL = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
@@ -131,7 +134,9 @@ def check(model_type: str) -> dict[str, Any]:
         del fast
         out["passed"], stage = "compile", "backend"
         out.update(_check_backend(model, plan, ids, applied))
-        out["passed"] = "backend"
+        out["passed"], stage = "backend", "generate"
+        out["generate"] = _check_generate(model, pruned, plan)
+        out["passed"] = "generate"
     except Exception as error:  # noqa: BLE001 - the sweep records every failure and goes on
         out["failed"] = stage
         out["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
@@ -159,6 +164,30 @@ def _check_backend(model: Any, plan: Any, ids: Any, expected: Any) -> dict[str, 
     left = [int(m.group(1)) for w in caught
             if (m := re.match(r"patch backend: (\d+) planned layer\(s\) left dense", str(w.message)))]
     return {"graphs": len(graphs), "backend_ops": sum(graphs), "backend_left_dense": sum(left)}
+
+
+def _check_generate(model: Any, pruned: Any, plan: Any) -> str | int:
+    """Greedy tokens of the dense model with its forward compiled by the backend equal the plan-applied
+    model's; the number of graphs compiled, or "n/a" where the model's own generate fails."""
+    import torch
+
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    try:
+        with torch.no_grad():
+            want = pruned.generate(ids, **kw)
+    except Exception:  # noqa: BLE001 - a family without generate support says nothing of patchc
+        return "n/a"
+    graphs: list[int] = []
+    dense = copy.deepcopy(model)
+    torch._dynamo.reset()
+    dense.forward = torch.compile(dense.forward, backend="patch",
+                                  options={"plan": plan, "tune": False, "graph_callback": lambda gm, n: graphs.append(n)})
+    with torch.no_grad():
+        got = dense.generate(ids, **kw)
+    torch._dynamo.reset()
+    assert torch.equal(got, want), f"generated {got.tolist()}, the plan-applied model {want.tolist()}"
+    return len(graphs)
 
 
 def _logits(out: Any) -> Any:
@@ -196,7 +225,8 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
             "failed": {r["type"]: f"{r['failed']}: {r['error']}" for r in built if r["passed"] != STAGES[-1]},
             "kept_dense": {r["type"]: r["kept_dense"] for r in built if r.get("kept_dense")},
             "backend_left_dense": {r["type"]: r["backend_left_dense"] for r in built if r.get("backend_left_dense")},
-            "per_length": sorted(r["type"] for r in built if r.get("export") == "per-length")}
+            "per_length": sorted(r["type"] for r in built if r.get("export") == "per-length"),
+            "generate_na": sorted(r["type"] for r in built if r.get("generate") == "n/a")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  served dense by patchc.compile: {name}: {count} layer(s)")
     for name, count in summary["backend_left_dense"].items():
         print(f"  left dense by backend=\"patch\": {name}: {count} layer(s)")
+    if summary["generate_na"]:
+        print(f"  no generate of their own: {', '.join(summary['generate_na'])}")
     if summary["per_length"]:
         print(f"  exported one graph per length: {', '.join(summary['per_length'])}")
     if args.results:
