@@ -9,6 +9,7 @@ it is left dense and named in a warning, or refused with strict=True.
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -262,6 +263,9 @@ def test_per_weights_compiles_once_for_each_set_of_weights():
     assert run(a, x)[1].tolist() == [3.0, 3.0] and run(b, x)[0] is b and built == [0.0]  # both kept
     c = torch.full((2,), 2.0)
     assert run(c, x)[1].tolist() == [6.0, 6.0] and built == [0.0, 2.0]
+    del c  # its graph goes with it (and its id may be reused), also as the last one called
+    gc.collect()
+    assert len(run.entries) == 2 and run.last is None
 
 
 def test_a_submodule_name_whose_values_match_no_planned_weight_is_named_as_left_dense():

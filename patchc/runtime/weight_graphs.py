@@ -47,7 +47,7 @@ class PerWeights:
             if owner is not None:
                 owner.entries.pop(ids, None)
                 if owner.last_ids == ids:
-                    owner.last_ids = ()
+                    owner.last_ids, owner.last = (), None  # and let its packed weights go
 
         self.entries[ids] = (tuple(weakref.ref(w, drop) for w in self._pick(args)), compiled)
         return ids, compiled
