@@ -1,6 +1,6 @@
 """Every causal-LM model type of the installed transformers, tiny and random, through patchc's whole path.
 
-    python benchmarks/family_sweep.py                  # all of them (196 in transformers 5.24: ~25 min on 2 cores)
+    python benchmarks/family_sweep.py                  # all of them (196 in transformers 5.24: ~35 min on 2 cores)
     python benchmarks/family_sweep.py --types llama gemma4_text deepseek_v4
 
 tests/test_families.py checks ~30 families with hand-written configs. A transformers release adds families

@@ -11,7 +11,7 @@ Weights, plan layers and modules are held weakly: the compiled graphs keep their
 entry goes when its module, plan or model does.
 
 Example:
-    >>> modules = linear_modules(plan, {placeholder: ("model.layers.0.mlp.up_proj.weight", weight)}, {})  # doctest: +SKIP
+    >>> modules = linear_modules(plan, {node: ("layers.0.mlp.up_proj.weight", weight)}, {})  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def linear_modules(plan: Any, weights: dict[fx.Node, tuple[str, torch.Tensor]], 
     `infer_plan`)."""
     if not weights:
         return {}
-    bs, pl = int(options.get("batch_size", 16)), int(options.get("prefill_len", 128))
+    bs, pl = _sizes(options)
     tuned = _lazy_tunings(plan, sorted({f for f, _ in weights.values()}), next(iter(weights.values()))[1], options)
     out = {}
     for i, (node, (fqn, w)) in enumerate(weights.items()):
@@ -117,7 +117,7 @@ def expert_modules(plan: Any, reads: list[GroupedRead], names: dict[fx.Node, str
     reads = list({r.weight: r for r in reads}.values())
     if not reads:
         return {}
-    bs, pl = int(options.get("batch_size", 16)), int(options.get("prefill_len", 128))
+    bs, pl = _sizes(options)
     experts = {r.weight: [f"{names[r.weight]}.{e}" for e in planned_experts(plan, names[r.weight],
                                                                              examples[r.weight].shape[0])]
                for r in reads}
@@ -144,8 +144,13 @@ def _identity(plan: Any, layers: list[str], w: torch.Tensor, inferred: bool) -> 
 
 def _key(w: torch.Tensor, options: dict[str, Any]) -> tuple[Any, ...]:
     """What a packed module depends on besides its plan layers."""
-    return (w.dtype, w.device, int(options.get("batch_size", 16)), int(options.get("prefill_len", 128)),
-            repr(options.get("tune", True)), id(options.get("cache")), id(options.get("time_fn")))
+    return (w.dtype, w.device, *_sizes(options), repr(options.get("tune", True)), id(options.get("cache")),
+            id(options.get("time_fn")))
+
+
+def _sizes(options: dict[str, Any]) -> tuple[int, int]:
+    """The (batch size, prefill length) the backend's options tune and pack for."""
+    return int(options.get("batch_size", 16)), int(options.get("prefill_len", 128))
 
 
 def _lazy_tunings(plan: Any, names: list[str], example: torch.Tensor, options: dict[str, Any]) -> Callable[[], dict]:
@@ -156,9 +161,8 @@ def _lazy_tunings(plan: Any, names: list[str], example: torch.Tensor, options: d
 
     def get() -> dict:
         if not done:
-            done.append(_tunings(plan, names, int(options.get("batch_size", 16)), int(options.get("prefill_len", 128)),
-                                 options.get("tune", True), example.dtype, example.device, options.get("cache"),
-                                 options.get("time_fn"), False))
+            done.append(_tunings(plan, names, *_sizes(options), options.get("tune", True), example.dtype,
+                                 example.device, options.get("cache"), options.get("time_fn"), False))
         return done[0]
 
     return get

@@ -15,7 +15,7 @@ frame local the weights come from: a sibling passes all of its own). One weight 
 weights is freed, so a live entry's ids are its own weights'.
 
 Example:
-    >>> run = PerWeights(lambda inputs: compile_for(inputs), positions=[0, 3], first=(inputs, compiled))  # doctest: +SKIP
+    >>> run = PerWeights(compile_for, positions=[0, 3], first=(inputs, compiled))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class PerWeights:
         self.last_ids, self.last = self._add(first[0], first[1])
 
     def _add(self, args: Sequence[Any], compiled: Callable[..., Any]) -> tuple[tuple[int, ...], Callable[..., Any]]:
-        ids = tuple(map(id, self._pick(args)))
+        weights = self._pick(args)
+        ids = tuple(map(id, weights))
         this = weakref.ref(self)
 
         def drop(_: weakref.ref) -> None:  # a weight was freed: its id may be reused
@@ -49,7 +50,7 @@ class PerWeights:
                 if owner.last_ids == ids:
                     owner.last_ids, owner.last = (), None  # and let its packed weights go
 
-        self.entries[ids] = (tuple(weakref.ref(w, drop) for w in self._pick(args)), compiled)
+        self.entries[ids] = (tuple(weakref.ref(w, drop) for w in weights), compiled)
         return ids, compiled
 
     def __call__(self, *args: Any) -> Any:
