@@ -9,6 +9,7 @@ served plan can give the plan-applied model's outputs.
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -119,16 +120,21 @@ def _family_plan(name: str):
     return case, patchc.harden(patchc.transform(ep, PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5)))
 
 
-@pytest.mark.parametrize("family,dtype", [("qwen3_moe", torch.float32), ("qwen3_moe", torch.bfloat16),
-                                          ("gpt_oss", torch.float32), ("llama4", torch.float32),
-                                          ("llama4", torch.bfloat16)])
-def test_backend_serves_every_planned_expert_slice(family, dtype):
+@pytest.mark.parametrize("family,dtype,impl", [("qwen3_moe", torch.float32, None), ("qwen3_moe", torch.bfloat16, None),
+                                               ("gpt_oss", torch.float32, None), ("llama4", torch.float32, None),
+                                               ("llama4", torch.bfloat16, None), ("qwen3_moe", torch.float32, "batched_mm"),
+                                               ("qwen3_moe", torch.bfloat16, "batched_mm"),
+                                               ("gpt_oss", torch.float32, "batched_mm")])
+def test_backend_serves_every_planned_expert_slice(family, dtype, impl):
     """fp32: transformers' own grouped op; bf16: torch._grouped_mm (dynamo's form of F.grouped_mm); gpt-oss:
-    experts stored (E, K, N), with biases; Llama 4: one bmm over every expert, weights stored (E, K, N). The
-    dense model is compiled with the plan: only served slices give the plan-applied outputs."""
+    experts stored (E, K, N), with biases; Llama 4: one bmm over every expert, weights stored (E, K, N);
+    batched_mm: a bmm of each token's gathered weight W[ids]. The dense model is compiled with the plan: only
+    served slices give the plan-applied outputs."""
     case, plan = _family_plan(family)
     dense = copy.deepcopy(case.model).to(dtype)
     pruned = plan.apply(copy.deepcopy(case.model)).to(dtype)
+    if impl is not None:
+        dense.set_experts_implementation(impl)
     graphs = []
     torch._dynamo.reset()
     cm = torch.compile(dense, backend="patch", options={"plan": plan, "strict": True, "tune": False,
@@ -142,7 +148,9 @@ def test_backend_serves_every_planned_expert_slice(family, dtype):
     nodes = [n for gm in graphs for n in gm.graph.nodes]
     assert sum(n.target is GROUPED for n in nodes) == 2  # gate_up_proj and down_proj of the one block
     assert not any("grouped_mm" in str(n.target) and n.target is not GROUPED for n in nodes)
-    assert not any(n.target in (torch.bmm, "bmm") for n in nodes)
+    assert not any(n.target in (torch.bmm, "bmm") for n in nodes)  # nor a per-token gather of the experts
+    assert not any(n.target is operator.getitem and n.args[0].op == "placeholder" and n.args[0].name.endswith("proj_")
+                   for n in nodes)  # (gpt-oss's biases are still gathered per token: (S, N) rows, not matrices)
     served = {n.args[9]: _sparse_experts(n) for n in nodes if n.target is GROUPED}
     for fqn, experts in served.items():  # every planned slice with a 2:4 tile, and only those
         assert experts == [e for e in range(64) if (layer := plan.layers.get(f"{fqn}.{e}")) is not None
@@ -177,26 +185,82 @@ def test_llama4_bmm_serves_new_lengths_from_the_dynamic_graph(monkeypatch):
     assert len({id(mod) for modules in packed for _, mod in modules.values()}) == 2  # packed once, not per graph
 
 
-def test_batched_mm_experts_are_named_with_the_fix_and_the_fix_serves_them():
-    """transformers' `batched_mm` experts gather each token's weight (W[expert_ids]): no grouped mm to
-    replace. The backend says how to get one (strict: an error), and following it serves every slice."""
+class _Gathered(torch.nn.Module):
+    """transformers' batched_mm in miniature: row s of x times expert ids[s]'s slice, W gathered per row."""
+
+    def __init__(self, slices: torch.Tensor, read: str = "bmm") -> None:
+        super().__init__()
+        self.w, self.read = torch.nn.Parameter(slices.clone()), read
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.read == "einsum":
+            return torch.einsum("sk,snk->sn", x, self.w[ids])
+        if self.read == "two columns":
+            return torch.bmm(self.w[ids], torch.stack([x, -x], dim=-1)).sum(-1)
+        return torch.bmm(self.w[ids], x.unsqueeze(-1)).squeeze(-1)
+
+
+def _gathered_plan():
+    layers = {e: random_layer_plan(N, K, tile=(16, 16), kinds="mixed", seed=e, name=f"w.{e}") for e in (0, 2, 3)}
+    slices = torch.randn(E, N, K, generator=torch.Generator().manual_seed(9))
+    for e, layer in layers.items():
+        slices[e] = layer.to_dense()
+    return slices, patchc.TilePlan(layers={layer.name: layer for layer in layers.values()})
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("ids", [[2, 0, 3, 3, 0, 2, 2], [1, 1, 1], [3]])
+def test_weights_gathered_per_row_are_served_sorted_by_expert(ids, impl, monkeypatch):
+    """W[ids] per row becomes one grouped mm over the rows sorted by expert (experts with no row, a row of an
+    unplanned expert, one row), put back in order: equal to an fp64 loop over the rows, through the op's
+    reference and through the grouped Triton kernels (interpreted)."""
+    monkeypatch.setenv("PATCHC_CPU_IMPL", impl)
+    slices, plan = _gathered_plan()
+    ids = torch.tensor(ids)
+    x = torch.randn(len(ids), K, generator=torch.Generator().manual_seed(1))
+    graphs = []
+    torch._dynamo.reset()
+    cm = torch.compile(_Gathered(slices), backend="patch", options={"plan": plan, "strict": True, "tune": False,
+                                                                    "graph_callback": lambda gm, n: graphs.append(gm)})
+    with torch.no_grad():
+        got = cm(x, ids)
+    torch._dynamo.reset()
+    want = torch.stack([slices[e].double() @ row.double() for row, e in zip(x, ids.tolist())])
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)  # fp32 over K = 64
+    nodes = [n for gm in graphs for n in gm.graph.nodes]
+    assert sum(n.target is GROUPED for n in nodes) == 1 and not any(n.target is torch.bmm for n in nodes)
+
+
+@pytest.mark.parametrize("read,why", [
+    ("einsum", r"w\.\* \(fused expert slices \(3-D weight\) gathered per token \(W\[ids\]\) and multiplied other "
+               r"than by a bmm: call model\.set_experts_implementation"),
+    ("two columns", r"w\.\* \(per-token gathered experts \(W\[ids\]\) whose input is not \(S, 64, 1\) \(got \(3, 64, 2\)\)")])
+def test_weights_gathered_per_row_in_other_forms_are_named_with_the_reason(read, why):
+    slices, plan = _gathered_plan()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=why):
+        with torch.no_grad():
+            torch.compile(_Gathered(slices, read), backend="patch",
+                          options={"plan": plan, "strict": True})(torch.randn(3, K), torch.tensor([0, 2, 3]))
+    torch._dynamo.reset()
+
+
+def test_generate_through_batched_mm_experts_gives_the_pruned_models_tokens():
+    """generate() compiles the prompt, the first step and a graph dynamic in the length: the sorted rows of
+    every one serve the planned experts (no gather left) and greedy decoding keeps the pruned model's tokens."""
     case, plan = _family_plan("qwen3_moe")
     model, pruned = copy.deepcopy(case.model), plan.apply(copy.deepcopy(case.model))
     model.set_experts_implementation("batched_mm")
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"gate_up_proj\.\* \(fused expert slices \(3-D weight\) gathered per token "
-                                        r"\(transformers' batched_mm experts\): call model\.set_experts_implementation"):
-        with torch.no_grad():
-            case.run(torch.compile(model, backend="patch", options={"plan": plan, "strict": True, "tune": False}))
-    model.set_experts_implementation("grouped_mm")
     graphs = []
     torch._dynamo.reset()
-    cm = torch.compile(model, backend="patch", options={"plan": plan, "strict": True, "tune": False,
-                                                        "graph_callback": lambda gm, n: graphs.append(gm)})
+    model.forward = torch.compile(model.forward, backend="patch", options={
+        "plan": plan, "strict": True, "tune": False, "graph_callback": lambda gm, n: graphs.append(gm)})
     with torch.no_grad():
-        torch.testing.assert_close(case.run(cm), case.run(pruned), atol=1e-5, rtol=1e-5)
+        got = model.generate(case.ids[:1, :5], max_new_tokens=8, do_sample=False)
+        want = pruned.generate(case.ids[:1, :5], max_new_tokens=8, do_sample=False)
     torch._dynamo.reset()
-    assert sum(n.target is GROUPED for gm in graphs for n in gm.graph.nodes) == 2
+    assert torch.equal(got, want)
+    assert len(graphs) >= 2 and all(sum(n.target is GROUPED for n in gm.graph.nodes) == 2 for gm in graphs)
 
 
 def test_a_plan_in_the_other_orientation_is_left_dense_with_the_reason():
@@ -213,15 +277,17 @@ def test_a_plan_in_the_other_orientation_is_left_dense_with_the_reason():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the experts' kernels and inductor run there")
-@pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])
+@pytest.mark.parametrize("family,impl", [("qwen3_moe", None), ("llama4", None), ("qwen3_moe", "batched_mm")])
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_backend_experts_on_gpu_match_an_independent_dense_model(mode, family):
-    """bf16 on CUDA: transformers takes torch._grouped_mm (Llama 4: bmm); every expert runs in one grouped
-    Triton launch, and reduce-overhead captures it in its CUDA graphs (the kernels read the offsets on the
-    device)."""
+def test_backend_experts_on_gpu_match_an_independent_dense_model(mode, family, impl):
+    """bf16 on CUDA: transformers takes torch._grouped_mm (Llama 4: bmm; batched_mm: a bmm of gathered
+    weights); every expert runs in one grouped Triton launch, and reduce-overhead captures it in its CUDA
+    graphs (the kernels read the offsets on the device, batched_mm's rows are sorted there)."""
     case, plan = _family_plan(family)
     reference = plan.apply(copy.deepcopy(case.model)).to("cuda", torch.bfloat16)  # dense F.linear / grouped_mm
     dense = copy.deepcopy(case.model).to("cuda", torch.bfloat16)
+    if impl is not None:
+        dense.set_experts_implementation(impl)
     graphs = []
     torch._dynamo.reset()
     cm = torch.compile(dense, backend="patch", options={"plan": plan, "strict": True, "tune": False, "mode": mode,
@@ -236,13 +302,15 @@ def test_backend_experts_on_gpu_match_an_independent_dense_model(mode, family):
     assert sum(n.target is GROUPED for gm in graphs for n in gm.graph.nodes) == 2
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])
-def test_without_a_plan_the_zeros_of_the_pruned_experts_are_the_plan(family):
-    """A pruned model compiled without a plan: each expert slice is planned from its zeros (Llama 4's as the
-    transposes its bmm multiplies by), so the slices the plan made 2:4 are served again, and the outputs stay
-    the pruned model's."""
+@pytest.mark.parametrize("family,impl", [("qwen3_moe", None), ("llama4", None), ("gpt_oss", "batched_mm")])
+def test_without_a_plan_the_zeros_of_the_pruned_experts_are_the_plan(family, impl):
+    """A pruned model compiled without a plan: each expert slice is planned from its zeros (Llama 4's and
+    gpt-oss's as the transposes their bmm multiplies by), so the slices the plan made 2:4 are served again, and
+    the outputs stay the pruned model's."""
     case, plan = _family_plan(family)
     pruned = plan.apply(copy.deepcopy(case.model))
+    if impl is not None:
+        pruned.set_experts_implementation(impl)
     graphs = []
     torch._dynamo.reset()
     cm = torch.compile(pruned, backend="patch", options={"tune": False, "graph_callback": lambda gm, n: graphs.append(gm)})

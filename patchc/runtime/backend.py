@@ -14,7 +14,8 @@ Conv1D's ``addmm(b, x, W)`` (W stored (K, N), planned as its (N, K) transpose) a
 ``F.grouped_mm`` / ``torch._grouped_mm`` / ``transformers::grouped_mm_fallback``) become
 ``torch.ops.patchc.tile_grouped_mm``: every expert slice of the weight stacked into one packed layout,
 one launch for all experts, the routing offsets read on the device (`patchc.runtime.grouped`); so does
-Llama 4's ``bmm`` over every expert (x (E, T, K): row ends T, 2T, ...). A planned weight read in a form
+Llama 4's ``bmm`` over every expert (x (E, T, K): row ends T, 2T, ...), and transformers' ``batched_mm``
+experts, which gather a weight per token (``bmm(W[ids], x)``: the rows sorted by expert on the device). A planned weight read in a form
 neither op can serve (``W @ x``, an einsum with another output layout, ``F.linear(x, W * s)``) is left dense
 and listed in a warning; with ``options={"strict": True}`` that is a ValueError. The rest of the graph goes to
 inductor (CUDA) or aot_eager (CPU, or when inductor cannot be imported).
@@ -52,8 +53,8 @@ import torch
 from torch import fx
 
 from patchc.runtime.dispatch import BUFFER_NAMES, TileLinear, report_unreplaced
-from patchc.runtime.grouped import (GroupedRead, bmm_operands, bmm_result, find_grouped_reads, grouped_args,
-                                    grouped_module, servable_grouped)
+from patchc.runtime.grouped import (GroupedRead, bmm_operands, bmm_result, find_grouped_reads, gathered_operands,
+                                    gathered_result, grouped_args, grouped_module, servable_grouped)
 from patchc.runtime.graph_names import parameter_names, source_fqn, source_name, source_root
 from patchc.runtime.matmul_reads import LINEAR, Read, find_reads
 from patchc.runtime.op import tile_linear as _op  # noqa: F401  (registers the op)
@@ -193,10 +194,17 @@ def _replace_grouped(gm: fx.GraphModule, read: GroupedRead, node_map: dict[fx.No
     with gm.graph.inserting_before(node):
         if read.form == "bmm":  # x (E, T, K): every expert over T rows
             x, offs = bmm_operands(gm.graph, x, mod.num_experts, mod.in_features, mod.values.device)
+        elif read.form == "gathered":  # row s of x times expert ids[s]: sorted by expert, then put back
+            x, offs, order = gathered_operands(gm.graph, x, remap(read.ids), mod.num_experts, mod.in_features)
         new = gm.graph.call_function(torch.ops.patchc.tile_grouped_mm.default, grouped_args(x, offs, mod, buffers))
         if read.form == "bmm":
             new = bmm_result(gm.graph, new, mod.num_experts, mod.out_features)
+        elif read.form == "gathered":
+            new = gathered_result(gm.graph, new, order, read.transposed)
     _swap(gm, node, new)
+    gather = node_map.get(read.operand)
+    if read.form == "gathered" and gather is not None and not gather.users:
+        gm.graph.erase_node(gather)  # W[ids], S expert matrices, would still be gathered for nothing
 
 
 def _swap(gm: fx.GraphModule, node: fx.Node, new: fx.Node) -> None:
@@ -255,13 +263,13 @@ def _unserved(plan: Any, examples: dict[fx.Node, Any], params: dict[fx.Node, str
 
 
 def _why_unserved(weight: fx.Node) -> str:
-    """Why a planned 3-D weight is not served; a weight indexed by a tensor is gathered per token, which is
-    transformers' `batched_mm` experts path, and switching the model to `grouped_mm` makes it servable."""
+    """Why a planned 3-D weight is not served. A weight indexed by a tensor (gathered per token) that no bmm
+    multiplies is served after switching transformers' experts to `grouped_mm`."""
     gathered = any(u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], fx.Node)
                    for u in weight.users)
     if gathered:
-        return ("fused expert slices (3-D weight) gathered per token (transformers' batched_mm experts): call "
-                "model.set_experts_implementation(\"grouped_mm\") before torch.compile, or use patchc.compile")
+        return ("fused expert slices (3-D weight) gathered per token (W[ids]) and multiplied other than by a bmm: "
+                "call model.set_experts_implementation(\"grouped_mm\") before torch.compile, or use patchc.compile")
     return "fused expert slices (3-D weight) read other than by a grouped mm: patchc.compile serves them (TileExperts)"
 
 

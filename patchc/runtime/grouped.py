@@ -13,6 +13,12 @@ same T rows (every token, scaled by its router score). That is a grouped mm whos
 the backend flattens x to (E * T, K), builds those offsets on the device from x's size, and views the
 result back to (E, T, N) (`bmm_operands` / `bmm_result`).
 
+transformers' ``batched_mm`` experts gather a weight per (token, expert) pair instead:
+``bmm(W[ids] (S, N, K), x (S, K, 1))``, or ``bmm(x (S, 1, K), W[ids] (S, K, N))`` for experts stored
+(E, K, N). That moves S whole expert matrices per call. The backend sorts the S rows by expert on the
+device, runs one grouped mm over them (row ends from a histogram of the ids) and puts the rows back in
+their order (`gathered_operands` / `gathered_result`): each expert's weights are read once.
+
 Example:
     >>> reads = find_grouped_reads(gm, examples)          # doctest: +SKIP
     >>> [(r.fqn, r.transposed, r.reason) for r in reads]  # doctest: +SKIP
@@ -40,7 +46,8 @@ _BMM_FUNCTIONS = (torch.bmm, torch.matmul, operator.matmul)
 class GroupedRead:
     """One grouped matmul over the experts of 3-D weight placeholder `weight`: `transposed` when the
     weight is stored (E, K, N) (its slices are planned as their transposes); `reason` is None when
-    `tile_grouped_mm` can serve it. `form` "bmm": x is (E, T, K), every expert over its own T rows, no offs."""
+    `tile_grouped_mm` can serve it. `form` "bmm": x is (E, T, K), every expert over its own T rows, no offs; "gathered": x is (S, K, 1) or
+    (S, 1, K), row s times expert ids[s]'s slice, no offs."""
 
     node: fx.Node
     x: Any
@@ -50,6 +57,7 @@ class GroupedRead:
     transposed: bool
     reason: str | None = None
     form: str = "grouped_mm"
+    ids: Any = None  # form "gathered": each row's expert (S,), the index of W[ids]
 
 
 def _target_name(target: Any) -> str | None:
@@ -98,7 +106,7 @@ def find_grouped_reads(gm: fx.GraphModule, examples: dict[fx.Node, Any]) -> list
     reads = []
     for node in gm.graph.nodes:
         if is_expert_bmm(node) and len(node.args) == 2:
-            read = _bmm_read(node, examples)
+            read = _gathered_read(node, examples) or _bmm_read(node, examples)
             if read is not None:
                 reads.append(read)
             continue
@@ -134,6 +142,60 @@ def _bmm_read(node: fx.Node, examples: dict[fx.Node, Any]) -> GroupedRead | None
         reason = f"batched matmul whose input is not (E={experts}, T, K) (got {got})"
     return GroupedRead(node, node.args[0], node.args[1], None, weight, transposed=swaps % 2 == 0, reason=reason,
                        form="bmm")
+
+
+def _gathered_weight(node: Any, examples: dict[fx.Node, Any]) -> tuple[fx.Node, fx.Node] | None:
+    """(3-D weight placeholder, ids) of an operand ``W[ids]`` indexed by a tensor, or None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    weight, ids = node.args
+    value = examples.get(weight) if isinstance(weight, fx.Node) and weight.op == "placeholder" else None
+    if not isinstance(ids, fx.Node) or not isinstance(value, torch.nn.Parameter) or value.dim() != 3:
+        return None
+    return (weight, ids) if value.is_floating_point() else None
+
+
+def _gathered_read(node: fx.Node, examples: dict[fx.Node, Any]) -> GroupedRead | None:
+    """The read of ``bmm(W[ids], x)`` (W stored (E, N, K)) or ``bmm(x, W[ids])`` (stored (E, K, N))."""
+    for side in (0, 1):
+        gathered = _gathered_weight(node.args[side], examples)
+        if gathered is not None:
+            break
+    else:
+        return None
+    (weight, ids), x = gathered, node.args[1 - side]
+    e, a, b = examples[weight].shape
+    k = b if side == 0 else a
+    want = (k, 1) if side == 0 else (1, k)
+    xv, idv = _example(x), _example(ids)
+    reason = None
+    if xv is None or xv.dim() != 3 or tuple(xv.shape[1:]) != want:
+        got = "unknown" if xv is None else tuple(xv.shape)
+        reason = f"per-token gathered experts (W[ids]) whose input is not (S, {want[0]}, {want[1]}) (got {got})"
+    elif idv is None or idv.dim() != 1 or idv.is_floating_point():
+        reason = "per-token gathered experts (W[ids]) indexed other than by one integer id per row"
+    return GroupedRead(node, x, node.args[side], None, weight, transposed=side == 1, reason=reason, form="gathered",
+                       ids=ids)
+
+
+def gathered_operands(graph: fx.Graph, x: fx.Node, ids: fx.Node, num_experts: int,
+                      in_features: int) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """Nodes (x (S, K) sorted by expert, row ends (int32), the sort order) for a gathered read's x (S, K, 1)
+    or (S, 1, K) and ids (S,); call inside `graph.inserting_before(...)`. The ends come from a histogram on
+    the device (CUDA's bincount reads the ids' range back to the host)."""
+    order = graph.call_function(torch.argsort, (ids,), {"stable": True})
+    rows = graph.call_method("reshape", (x, -1, in_features))
+    counts = graph.call_function(torch.histc, (graph.call_method("float", (ids,)),),
+                                 {"bins": num_experts, "min": 0, "max": num_experts - 1})
+    ends = graph.call_method("to", (graph.call_method("cumsum", (counts, 0)), torch.int32))
+    return graph.call_function(operator.getitem, (rows, order)), ends, order
+
+
+def gathered_result(graph: fx.Graph, y: fx.Node, order: fx.Node, transposed: bool) -> fx.Node:
+    """The node putting tile_grouped_mm's rows (sorted by expert) back in order, shaped as the bmm's
+    (S, N, 1), or (S, 1, N) for weights stored (E, K, N)."""
+    unsorted = graph.call_method("index_copy", (graph.call_function(torch.empty_like, (y,)), 0, order, y))
+    return graph.call_method("unsqueeze", (unsorted, 1 if transposed else -1))
 
 
 def bmm_operands(graph: fx.Graph, x: fx.Node, num_experts: int, in_features: int,
@@ -200,5 +262,5 @@ def grouped_args(x: Any, offs: Any, mod: Any, buffers: list[Any]) -> tuple[Any, 
     return (x, offs, *buffers, *mod.op_args()[len(buffers):])
 
 
-__all__ = ["GroupedRead", "bmm_operands", "bmm_result", "find_grouped_reads", "grouped_args", "grouped_module",
-           "is_expert_bmm", "is_grouped_mm", "planned_experts", "servable_grouped"]
+__all__ = ["GroupedRead", "bmm_operands", "bmm_result", "find_grouped_reads", "gathered_operands", "gathered_result",
+           "grouped_args", "grouped_module", "is_expert_bmm", "is_grouped_mm", "planned_experts", "servable_grouped"]
