@@ -120,11 +120,10 @@ def _family_plan(name: str):
     return case, patchc.harden(patchc.transform(ep, PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5)))
 
 
-@pytest.mark.parametrize("family,dtype,impl", [("qwen3_moe", torch.float32, None), ("qwen3_moe", torch.bfloat16, None),
-                                               ("gpt_oss", torch.float32, None), ("llama4", torch.float32, None),
-                                               ("llama4", torch.bfloat16, None), ("qwen3_moe", torch.float32, "batched_mm"),
-                                               ("qwen3_moe", torch.bfloat16, "batched_mm"),
-                                               ("gpt_oss", torch.float32, "batched_mm")])
+@pytest.mark.parametrize("family,dtype,impl", [
+    ("qwen3_moe", torch.float32, None), ("qwen3_moe", torch.bfloat16, None), ("gpt_oss", torch.float32, None),
+    ("llama4", torch.float32, None), ("llama4", torch.bfloat16, None), ("qwen3_moe", torch.float32, "batched_mm"),
+    ("qwen3_moe", torch.bfloat16, "batched_mm"), ("gpt_oss", torch.float32, "batched_mm")])
 def test_backend_serves_every_planned_expert_slice(family, dtype, impl):
     """fp32: transformers' own grouped op; bf16: torch._grouped_mm (dynamo's form of F.grouped_mm); gpt-oss:
     experts stored (E, K, N), with biases; Llama 4: one bmm over every expert, weights stored (E, K, N);
@@ -234,7 +233,8 @@ def test_weights_gathered_per_row_are_served_sorted_by_expert(ids, impl, monkeyp
 @pytest.mark.parametrize("read,why", [
     ("einsum", r"w\.\* \(fused expert slices \(3-D weight\) gathered per token \(W\[ids\]\) and multiplied other "
                r"than by a bmm: call model\.set_experts_implementation"),
-    ("two columns", r"w\.\* \(per-token gathered experts \(W\[ids\]\) whose input is not \(S, 64, 1\) \(got \(3, 64, 2\)\)")])
+    ("two columns", r"w\.\* \(per-token gathered experts \(W\[ids\]\) whose input is not \(S, 64, 1\) "
+                    r"\(got \(3, 64, 2\)\)")])
 def test_weights_gathered_per_row_in_other_forms_are_named_with_the_reason(read, why):
     slices, plan = _gathered_plan()
     torch._dynamo.reset()

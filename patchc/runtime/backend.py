@@ -15,10 +15,11 @@ Conv1D's ``addmm(b, x, W)`` (W stored (K, N), planned as its (N, K) transpose) a
 ``torch.ops.patchc.tile_grouped_mm``: every expert slice of the weight stacked into one packed layout,
 one launch for all experts, the routing offsets read on the device (`patchc.runtime.grouped`); so does
 Llama 4's ``bmm`` over every expert (x (E, T, K): row ends T, 2T, ...), and transformers' ``batched_mm``
-experts, which gather a weight per token (``bmm(W[ids], x)``: the rows sorted by expert on the device). A planned weight read in a form
-neither op can serve (``W @ x``, an einsum with another output layout, ``F.linear(x, W * s)``) is left dense
-and listed in a warning; with ``options={"strict": True}`` that is a ValueError. The rest of the graph goes to
-inductor (CUDA) or aot_eager (CPU, or when inductor cannot be imported).
+experts, which gather a weight per token (``bmm(W[ids], x)``: the rows sorted by expert on the device). A
+planned weight read in a form neither op can serve (``W @ x``, an einsum with another output layout,
+``F.linear(x, W * s)``) is left dense and listed in a warning; with ``options={"strict": True}`` that is a
+ValueError. The rest of the graph goes to inductor (CUDA) or aot_eager (CPU, or when inductor cannot be
+imported).
 
 Each planned weight is packed once for all the graphs dynamo compiles for a model (a ``generate``'s prompt,
 first decode step and dynamic graph; graph breaks): `patchc.runtime.packs`. After a graph break inside a

@@ -46,8 +46,8 @@ _BMM_FUNCTIONS = (torch.bmm, torch.matmul, operator.matmul)
 class GroupedRead:
     """One grouped matmul over the experts of 3-D weight placeholder `weight`: `transposed` when the
     weight is stored (E, K, N) (its slices are planned as their transposes); `reason` is None when
-    `tile_grouped_mm` can serve it. `form` "bmm": x is (E, T, K), every expert over its own T rows, no offs; "gathered": x is (S, K, 1) or
-    (S, 1, K), row s times expert ids[s]'s slice, no offs."""
+    `tile_grouped_mm` can serve it. `form` "bmm": x is (E, T, K), every expert over its own T rows, no offs;
+    "gathered": x is (S, K, 1) or (S, 1, K), row s times expert ids[s]'s slice, no offs."""
 
     node: fx.Node
     x: Any
@@ -164,7 +164,7 @@ def _gathered_read(node: fx.Node, examples: dict[fx.Node, Any]) -> GroupedRead |
     else:
         return None
     (weight, ids), x = gathered, node.args[1 - side]
-    e, a, b = examples[weight].shape
+    _, a, b = examples[weight].shape
     k = b if side == 0 else a
     want = (k, 1) if side == 0 else (1, k)
     xv, idv = _example(x), _example(ids)
