@@ -88,6 +88,38 @@ def test_backend_rewrites_every_form_with_a_plan_and_without():
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+class Lora(nn.Module):
+    """PEFT's unmerged LoRA: base(x) + lora_B(lora_A(x)), one linear's output the next one's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.base = nn.Linear(32, 32)
+        self.lora_A, self.lora_B = nn.Linear(32, 16, bias=False), nn.Linear(16, 32, bias=False)
+        for lin in (self.base, self.lora_A, self.lora_B):
+            lin.weight.data = torch.randn(lin.weight.shape, generator=g) / 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+def test_chained_linears_with_nothing_between_are_both_served():
+    """The second read's x is the first read's result: it must take the rewritten node (before, the rewrite
+    referred to the erased one and the graph failed to lint)."""
+    model = Lora()
+    g = torch.Generator().manual_seed(4)
+    plan = TilePlan.from_weights({f"{n}.weight": model.get_parameter(f"{n}.weight").detach() * random_24_mask(
+        *model.get_parameter(f"{n}.weight").shape, g) for n in ("base", "lora_A", "lora_B")}, tile=(16, 16))
+    pruned = plan.apply(copy.deepcopy(model), force=True)
+    x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for options in ({"plan": plan, "strict": True}, {}):
+            cm, counts = _compiled(pruned, options)
+            torch.testing.assert_close(cm(x), pruned(x), atol=1e-5, rtol=1e-5)
+            assert counts == [3], options
+    torch._dynamo.reset()
+
+
 def test_backend_names_layers_it_leaves_dense_and_strict_refuses():
     model = Forms(left=True)
     plan = _plan(model)

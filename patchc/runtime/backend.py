@@ -184,6 +184,7 @@ def _replace(gm: fx.GraphModule, read: Read, node_map: dict[fx.Node, fx.Node], n
         if add_after is not None:
             new = gm.graph.call_function(torch.add, (new, add_after))
     _swap(gm, node, new)
+    node_map[read.node] = new  # a later read of this result (b(a(x)), LoRA's lora_B(lora_A(x))) takes the new node
 
 
 def _replace_grouped(gm: fx.GraphModule, read: GroupedRead, node_map: dict[fx.Node, fx.Node], name: str,
@@ -203,6 +204,7 @@ def _replace_grouped(gm: fx.GraphModule, read: GroupedRead, node_map: dict[fx.No
         elif read.form == "gathered":
             new = gathered_result(gm.graph, new, order, read.transposed)
     _swap(gm, node, new)
+    node_map[read.node] = new
     gather = node_map.get(read.operand)
     if read.form == "gathered" and gather is not None and not gather.users:
         gm.graph.erase_node(gather)  # W[ids], S expert matrices, would still be gathered for nothing
