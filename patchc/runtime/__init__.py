@@ -16,7 +16,7 @@ backend: the grouped mm it recognises), `grouped_op` (`patchc::tile_grouped_mm` 
 every expert of a 3-D weight in one launch), `packs` (the backend's packed modules, shared by all the graphs
 dynamo compiles for one model), `graph_names` (a graph's weights named as the plan names them, also in graphs
 that start inside a submodule), `weight_graphs` (a graph per set of weights, for graphs dynamo reuses for
-sibling submodules).
+sibling submodules), `coverage` (`unserved(plan)`: the planned layers no backend graph has served).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from patchc.runtime import op  # noqa: F401  (registers torch.ops.patchc.tile_li
 from patchc.runtime.cache import TuneCache, default_cache_path
 from patchc.runtime.candidates import candidate_space, candidates
 from patchc.runtime.compile import compile  # noqa: A004
+from patchc.runtime.coverage import unserved
 from patchc.runtime.dispatch import TileLinear, warmup
 from patchc.runtime.grouped_op import TileGroupedLinear
 from patchc.runtime.tuner import LayerTuning, TuneError, tune_plan
@@ -42,6 +43,7 @@ __all__ = [
     "candidate_space",
     "candidates",
     "patch_backend",
+    "unserved",
 ]
 
 

@@ -25,7 +25,9 @@ Each planned weight is packed once for all the graphs dynamo compiles for a mode
 first decode step and dynamic graph; graph breaks): `patchc.runtime.packs`. After a graph break inside a
 submodule's forward, dynamo names its weights relative to that submodule and reuses its graph for every
 sibling: names are matched to the plan by their ending and kept values (`patchc.runtime.graph_names`), and
-each sibling runs a graph compiled for its own weights (`patchc.runtime.weight_graphs`).
+each sibling runs a graph compiled for its own weights (`patchc.runtime.weight_graphs`). A frame dynamo runs
+eagerly never reaches the backend: `patchc.runtime.unserved(plan)` (`patchc.runtime.coverage`) lists, after
+a run, every planned layer no graph served.
 
 Without a plan, one is inferred from the zero pattern of the weights (`TilePlan.from_weights`, tile from
 ``options["tile"]``, default (16, 16)), each expert slice of a grouped read on its own: tiles with <= 2
@@ -48,11 +50,13 @@ from __future__ import annotations
 
 import logging
 import operator
+import warnings
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
+from patchc.runtime import coverage
 from patchc.runtime.dispatch import BUFFER_NAMES, TileLinear, report_unreplaced
 from patchc.runtime.grouped import (GroupedRead, bmm_operands, bmm_result, find_grouped_reads, gathered_operands,
                                     gathered_result, grouped_args, grouped_module, servable_grouped)
@@ -142,8 +146,11 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     served_grouped, left_grouped = servable_grouped(plan, grouped, names, examples)
     left.update(_unserved(plan, examples, params, {r.weight for r in reads}, {names[r.weight] for r in served_grouped}))
     left.update(left_grouped)
-    left.update(unmatched)
+    if not inferred:
+        coverage.record(plan, [*(names[r.weight] for r in served), *(f"{names[r.weight]}.*" for r in served_grouped)],
+                        left, {_slices(plan, c): why for why, ends in unmatched.values() for c in ends})
     report_unreplaced("patch backend", "left dense in this graph", left, bool(options.get("strict", False)))
+    _report_unmatched(unmatched)
     modules = linear_modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options, inferred)
     experts = expert_modules(plan, served_grouped, names, examples, options, inferred)
     if not modules and not experts:
@@ -162,6 +169,22 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict
              len(served), len(served_grouped))
     weights = sorted({placeholders.index(node_map[r.weight]) for r in [*served, *served_grouped]})
     return gm, extra, [mod for _, mod in (*modules.values(), *experts.values())], weights
+
+
+def _slices(plan: Any, param: str) -> str:
+    """A planned parameter's layer name: itself, or "<3-D weight>.*" for all its expert slices."""
+    return param if param in plan.layers else f"{param}.*"
+
+
+def _report_unmatched(unmatched: dict[str, tuple[str, list[str]]]) -> None:
+    """Warn of weights named like planned ones (after a graph break) that hold none of their values: most
+    often an unplanned weight of the same name (a vision tower's fc1 beside the text model's), so not an error
+    even with `strict`; `patchc.runtime.unserved(plan)` tells after a run whether a planned one stayed dense."""
+    if unmatched:
+        warnings.warn(f"patch backend: {len(unmatched)} weight(s) named like planned ones left dense in this graph "
+                      "(unplanned weights, or a plan made from other values: after a run, "
+                      "patchc.runtime.unserved(plan) names any planned layer no graph served): "
+                      + "; ".join(f"{name} ({why})" for name, (why, _) in unmatched.items()), stacklevel=3)
 
 
 def _replace(gm: fx.GraphModule, read: Read, node_map: dict[fx.Node, fx.Node], name: str, mod: TileLinear,

@@ -59,10 +59,10 @@ def source_fqn(node: fx.Node) -> str | None:
 
 
 def parameter_names(examples: dict[fx.Node, Any], plan: Any | None,
-                    fqns: dict[fx.Node, str | None]) -> tuple[dict[fx.Node, str], dict[str, str]]:
+                    fqns: dict[fx.Node, str | None]) -> tuple[dict[fx.Node, str], dict[str, tuple[str, list[str]]]]:
     """({placeholder: FQN, named as `plan` names its weights} for every parameter placeholder with a source
-    FQN in `fqns` (`source_fqn`); {name: why} for submodule-relative names that end planned weights of their
-    shape but hold none of their values, or the values of several).
+    FQN in `fqns` (`source_fqn`); {name: (why, the planned weights it might be)} for submodule-relative names
+    that end planned weights of their shape but hold none of their values, or the values of several).
 
     A name the plan lacks is matched to the planned weights it ends ("." + name) whose kept values it holds,
     if exactly one does: the values guard against a like-named weight of another submodule (a vision tower's
@@ -81,7 +81,7 @@ def parameter_names(examples: dict[fx.Node, Any], plan: Any | None,
         elif ends:
             unmatched[fqn] = (f"read as {fqn!r} in a graph that starts inside a submodule (after a graph break): "
                               f"{'none' if not held else 'more than one'} of the planned weights {ends[:3]} "
-                              f"{'holds' if not held else 'hold'} its values")
+                              f"{'holds' if not held else 'hold'} its values", held or ends)
         names[node] = fqn
     return names, unmatched
 

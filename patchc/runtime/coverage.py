@@ -1,0 +1,57 @@
+"""Which planned layers the dynamo backend has served, for one plan, over all the graphs it compiled.
+
+Dynamo only hands the backend the frames it compiles. A frame it runs eagerly (one skipped, one past the
+recompile limit, code under `torch._dynamo.disable`) never reaches the backend, so its planned weights stay
+dense without a warning. `unserved(plan)` answers the question a warning cannot: after the model has run
+on the shapes it will serve, which planned layers did no graph serve, and why. `patchc.compile` swaps
+modules instead and has no such gap.
+
+Example:
+    >>> cm = torch.compile(model, backend="patch", options={"plan": plan})  # doctest: +SKIP
+    >>> cm(ids)                                                               # doctest: +SKIP
+    >>> patchc.runtime.unserved(plan)                                         # doctest: +SKIP
+    {'model.layers.3.self_attn.q_proj.weight': 'in no graph the backend compiled (a frame dynamo ran eagerly?)'}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from torch.utils.weak import WeakIdKeyDictionary
+
+NOT_SEEN = "in no graph the backend compiled (a frame dynamo ran eagerly?)"
+
+# plan -> (layers some graph served, {layer: why some graph left it dense}, {layer: why it may have been})
+_SEEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def record(plan: Any, served: Iterable[str], left: dict[str, str], maybe: dict[str, str] | None = None) -> None:
+    """Note what one compiled graph did with `plan`'s layers: `left` were read and left dense; `maybe` may
+    have been (a weight named like them whose values none of them holds: another weight, or a plan made from
+    other values), which counts only while no graph serves them. Names may cover all expert slices of a 3-D
+    weight as "<weight>.*"."""
+    done, why, unsure = _SEEN.setdefault(plan, (set(), {}, {}))
+    done.update(layer for name in served for layer in _expand(plan, name))
+    for table, reasons in ((why, left), (unsure, maybe or {})):
+        for name, reason in reasons.items():
+            for layer in _expand(plan, name):
+                table.setdefault(layer, reason)
+
+
+def unserved(plan: Any) -> dict[str, str]:
+    """{planned layer: why} for every layer of `plan` with a 2:4 tile that runs dense in some graph the patch
+    backend compiled with it, or that no such graph has served yet; {} when every one is served everywhere."""
+    done, why, unsure = _SEEN.get(plan, (set(), {}, {}))
+    planned = [name for name, layer in plan.layers.items() if bool((layer.kinds == 1).any())]
+    return {name: why.get(name) or unsure.get(name, NOT_SEEN) for name in planned if name in why or name not in done}
+
+
+def _expand(plan: Any, name: str) -> list[str]:
+    """A layer name, or every planned slice "<weight>.<e>" of "<weight>.*"."""
+    if not name.endswith(".*"):
+        return [name]
+    stem = name[:-1]
+    return [f for f in plan.layers if f.startswith(stem) and f[len(stem):].isdigit()]
+
+
+__all__ = ["NOT_SEEN", "record", "unserved"]
