@@ -12,7 +12,8 @@ Hardening records each non-plain layer in `plan.meta["targets"]` ({name: {"param
 right orientation. A plan without that record (an older file, `from_weights`) is resolved from the
 model: a parameter of that name, or "<3-D parameter>.<int>" for an expert, transposed when the owning
 module is a `Conv1D`, an experts module with `is_transposed`, or one that multiplies every expert's rows
-at once (`bmm_experts`: Llama 4).
+at once (`bmm_experts`: Llama 4). A model wrapped by PEFT (LoRA adapters beside the pruned weights) is
+resolved by the names of the model it wraps (`find_param`).
 
 Example:
     >>> t = resolve(model, "model.layers.0.mlp.experts.down_proj.2")
@@ -32,6 +33,7 @@ from torch import nn
 from patchc.ir.errors import PlanError
 
 META_KEY = "targets"
+PEFT_PREFIX = "base_model.model."  # where a PeftModel holds the model it wraps
 EXPERT_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")  # as transformers names them
 
 
@@ -78,18 +80,42 @@ def _param(model: nn.Module, fqn: str) -> torch.Tensor | None:
         return None
 
 
+def find_param(model: nn.Module, fqn: str) -> str | None:
+    """The FQN under which `model` holds the parameter a plan names `fqn`: `fqn` itself, or where PEFT moved
+    it (a LoRA-wrapped linear keeps its weight as "<linear>.base_layer.weight"; a `PeftModel` holds the model
+    under "base_model.model."); None when it holds none of them."""
+    head, _, leaf = fqn.rpartition(".")
+    for prefix in ("", PEFT_PREFIX):  # base_layer first: a LoRA layer's `weight` property forwards to it
+        for name in (f"{head}.base_layer.{leaf}" if head else None, fqn):
+            if name is not None and _param(model, prefix + name) is not None:
+                return prefix + name
+    return None
+
+
+def peft_free(fqn: str) -> str:
+    """The name a parameter PEFT holds as `fqn` has in the model PEFT wrapped (`find_param`'s inverse).
+
+    Example:
+        >>> peft_free("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
+        'model.layers.0.self_attn.q_proj.weight'
+    """
+    fqn = fqn[len(PEFT_PREFIX):] if fqn.startswith(PEFT_PREFIX) else fqn
+    return fqn.replace(".base_layer.", ".")
+
+
 def _guess(model: nn.Module, name: str) -> Target | None:
     """Resolve a layer name without a recorded target (see the module docstring)."""
-    if _param(model, name) is not None:
-        owner = _owner(model, name)
-        return Target(name, name, None, type(owner).__name__ == "Conv1D")
+    found = find_param(model, name)
+    if found is not None:
+        return Target(name, found, None, type(_owner(model, found)).__name__ == "Conv1D")
     param, _, index = name.rpartition(".")
-    weight = _param(model, param) if index.isdigit() else None
+    found = find_param(model, param) if index.isdigit() else None
+    weight = _param(model, found) if found is not None else None
     if weight is None or weight.dim() != 3:
         return None
     if int(index) >= weight.shape[0]:
         raise PlanError(f"layer {name}: expert {index} is out of range for {param} with {weight.shape[0]} experts")
-    return Target(name, param, int(index), stored_kn(_owner(model, param)))
+    return Target(name, found, int(index), stored_kn(_owner(model, found)))
 
 
 def is_conv1d(module: nn.Module | None) -> bool:
@@ -164,10 +190,11 @@ def resolve(model: nn.Module, name: str, recorded: Mapping | None = None) -> Tar
     """
     entry = (recorded or {}).get(name)
     if entry is not None:
-        target = Target(name, str(entry["param"]), entry.get("expert"), bool(entry.get("transposed", False)))
-        weight = _param(model, target.param)
-        if weight is None:
-            raise PlanError(f"layer {name}: the model has no parameter {target.param!r}")
+        found = find_param(model, str(entry["param"]))
+        if found is None:
+            raise PlanError(f"layer {name}: the model has no parameter {entry['param']!r}")
+        target = Target(name, found, entry.get("expert"), bool(entry.get("transposed", False)))
+        weight = _param(model, found)
         if target.expert is not None and (weight.dim() != 3 or target.expert >= weight.shape[0]):
             raise PlanError(f"layer {name}: {target.param} of shape {tuple(weight.shape)} has no expert {target.expert}")
         return target
@@ -201,5 +228,6 @@ def recorded_targets(targets: Mapping[str, Target]) -> dict[str, dict]:
     return {name: t.to_json() for name, t in targets.items() if t.expert is not None or t.transposed}
 
 
-__all__ = ["EXPERT_PROJECTIONS", "META_KEY", "Target", "bmm_experts", "expert_projections", "is_conv1d", "layer_name",
-           "matrix", "model_matrices", "read", "recorded_targets", "resolve", "resolve_layers", "served_call", "stored_kn"]
+__all__ = ["EXPERT_PROJECTIONS", "META_KEY", "PEFT_PREFIX", "Target", "bmm_experts", "expert_projections", "find_param",
+           "is_conv1d", "layer_name", "matrix", "model_matrices", "peft_free", "read", "recorded_targets", "resolve",
+           "resolve_layers", "served_call", "stored_kn"]

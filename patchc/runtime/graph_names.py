@@ -21,7 +21,12 @@ from typing import Any
 import torch
 from torch import fx
 
-_KEY = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]|\.([A-Za-z_][A-Za-z0-9_]*)|\['([^']*)'\]")
+from patchc.ir.targets import peft_free
+
+# one step of a source: ._modules['x'], .__dict__['_modules']['x'] (a module overriding __getattr__, e.g. PEFT's
+# PeftModel / LoraModel), .x or ['x']
+_KEY = re.compile(r"(?:\.__dict__\['_(?:modules|parameters|buffers)'\]|\._(?:modules|parameters|buffers))\['([^']*)'\]"
+                  r"|\.([A-Za-z_][A-Za-z0-9_]*)|\['([^']*)'\]")
 
 
 def source_name(node: fx.Node) -> str | None:
@@ -51,7 +56,7 @@ def source_fqn(node: fx.Node) -> str | None:
     # through its ._modules / ._parameters), "fn" / "mod" when dynamo wraps it (nn.Sequential), and args[0]
     # when the forward is wrapped by a decorator taking (*args, **kwargs) (transformers >= 5.2x)
     name = re.sub(r"^L\['(?:self|fn|mod|model|module)'\](?=\.|\[|$)|^L\['args'\]\[0\](?=\.|$)"
-                  r"|^L\['[A-Za-z_][A-Za-z0-9_]*'\](?=\._(?:modules|parameters|buffers)\[)", "", name)
+                  r"|^L\['[A-Za-z_][A-Za-z0-9_]*'\](?=\._(?:modules|parameters|buffers)\[|\.__dict__\[)", "", name)
     if name == "" or name.startswith("L[") or name.startswith("G["):
         return None  # a plain input or a global, not a parameter of the compiled module
     parts = [next(g for g in m.groups() if g is not None) for m in _KEY.finditer(name)]
@@ -73,6 +78,8 @@ def parameter_names(examples: dict[fx.Node, Any], plan: Any | None,
         fqn = fqns.get(node) if isinstance(value, torch.nn.Parameter) else None
         if fqn is None:
             continue
+        if fqn not in planned and peft_free(fqn) in planned:  # a LoRA-wrapped model, planned before wrapping
+            fqn = peft_free(fqn)
         ends = [p for p in planned if p.endswith("." + fqn) and _fits(value, plan.layers[planned[p]])] \
             if fqn not in planned else []
         held = [p for p in ends if _holds(value, plan.layers[planned[p]])]

@@ -1,0 +1,89 @@
+"""A pruned model with LoRA adapters (PEFT, unmerged) served by patchc.compile and by backend="patch".
+
+PEFT moves each wrapped linear's weight to "<linear>.base_layer.weight" and, in a `PeftModel`, the whole
+model under "base_model.model."; dynamo names those weights through `__dict__['_modules']` (PEFT's modules
+override __getattr__). A plan made on the model before wrapping must still find every weight, and the
+adapters must keep adding their deltas: the reference is the wrapped model with the plan applied, run eagerly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import patchc
+from patchc.codegen.reference import random_24_mask
+from patchc.ir import TilePlan
+from patchc.ir.targets import find_param, peft_free
+from patchc.runtime.dispatch import TileLinear
+
+peft = pytest.importorskip("peft", reason="peft is in the test extra: pip install -e '.[test]'")
+transformers = pytest.importorskip("transformers")
+
+OP = torch.ops.patchc.tile_linear.default
+
+
+@pytest.fixture(autouse=True)
+def reference_on_cpu(monkeypatch):
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
+
+
+def _llama_and_plan():
+    """A tiny Llama and a 2:4 plan of its 14 decoder linears, made before any adapter exists."""
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(1)
+    weights = {f"{n}.weight": m.weight.detach() * random_24_mask(*m.weight.shape, g)
+               for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    return model, TilePlan.from_weights(weights, tile=(16, 16))
+
+
+def _lora(model: torch.nn.Module) -> torch.nn.Module:
+    """LoRA on q_proj and v_proj with non-zero B, so the adapters change the outputs."""
+    config = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(2)
+    return peft.get_peft_model(copy.deepcopy(model), config).eval()
+
+
+def test_plan_names_find_the_weights_peft_moved():
+    model, plan = _llama_and_plan()
+    wrapped = _lora(model)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert find_param(wrapped, q) == "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert find_param(wrapped, "model.layers.0.self_attn.k_proj.weight") == \
+        "base_model.model.model.layers.0.self_attn.k_proj.weight"  # not wrapped: only the prefix moves
+    assert find_param(model, q) == q and find_param(wrapped, "model.layers.0.nope.weight") is None
+    assert peft_free(find_param(wrapped, q)) == q
+
+
+def test_patchc_compile_serves_the_base_weights_and_keeps_the_adapters():
+    model, plan = _llama_and_plan()
+    pruned_lora = _lora(plan.apply(copy.deepcopy(model)))
+    dense_lora = _lora(model)  # the same adapters (same seed) on the dense weights
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+    fast = patchc.compile(dense_lora, plan, tune=False)
+    with torch.no_grad():
+        got, want, without = fast(ids).logits, pruned_lora(ids).logits, plan.apply(copy.deepcopy(model))(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(want, without, atol=1e-3)  # the adapters change the outputs
+    assert sum(isinstance(m, TileLinear) for m in fast.modules()) == len(plan.layers) == 14
+    assert isinstance(fast.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.base_layer"), TileLinear)
+
+
+def test_the_backend_serves_the_base_weights_and_keeps_the_adapters():
+    model, plan = _llama_and_plan()
+    pruned_lora = _lora(plan.apply(copy.deepcopy(model)))
+    dense_lora = _lora(model)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+    counts = []
+    torch._dynamo.reset()
+    cm = torch.compile(dense_lora, backend="patch", options={"plan": plan, "strict": True, "tune": False,
+                                                             "graph_callback": lambda gm, n: counts.append(n)})
+    with torch.no_grad():
+        torch.testing.assert_close(cm(ids).logits, pruned_lora(ids).logits, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    assert sum(counts) == 14 and patchc.runtime.unserved(plan) == {}
