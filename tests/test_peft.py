@@ -58,6 +58,8 @@ def test_plan_names_find_the_weights_peft_moved():
         "base_model.model.model.layers.0.self_attn.k_proj.weight"  # not wrapped: only the prefix moves
     assert find_param(model, q) == q and find_param(wrapped, "model.layers.0.nope.weight") is None
     assert peft_free(find_param(wrapped, q)) == q
+    applied = plan.apply(wrapped)  # writes W * M through the moved names
+    assert torch.equal(applied.get_parameter(find_param(wrapped, q)), plan.layers[q].to_dense())
 
 
 def test_patchc_compile_serves_the_base_weights_and_keeps_the_adapters():
