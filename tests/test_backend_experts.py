@@ -195,7 +195,7 @@ class _Gathered(torch.nn.Module):
         if self.read == "einsum":
             return torch.einsum("sk,snk->sn", x, self.w[ids])
         if self.read == "two columns":
-            return torch.bmm(self.w[ids], torch.stack([x, -x], dim=-1)).sum(-1)
+            return torch.bmm(self.w[ids], torch.stack([x, 2 * x], dim=-1)).sum(-1)
         return torch.bmm(self.w[ids], x.unsqueeze(-1)).squeeze(-1)
 
 
