@@ -2,6 +2,7 @@
 
     python benchmarks/family_sweep.py                  # all of them (196 in transformers 5.24: ~35 min on 2 cores)
     python benchmarks/family_sweep.py --types llama gemma4_text deepseek_v4
+    python benchmarks/family_sweep.py --experts batched_mm --types qwen3_moe gpt_oss   # backend stages on it
 
 tests/test_families.py checks ~30 families with hand-written configs. A transformers release adds families
 faster than that matrix grows, so this sweep shrinks each type's default config by rule (hidden 64, 2
@@ -86,8 +87,10 @@ def shrink(d: dict[str, Any], layers: int = 2) -> dict[str, Any]:
     return d
 
 
-def check(model_type: str) -> dict[str, Any]:
-    """Run one type through the stages; {"type", "passed": last stage passed, "error", ...}."""
+def check(model_type: str, experts: str | None = None) -> dict[str, Any]:
+    """Run one type through the stages; {"type", "passed": last stage passed, "error", ...}. `experts`: the
+    transformers experts implementation ("batched_mm", ...) the backend and generate stages run the dense
+    model with, where the model lets it be set."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -132,6 +135,9 @@ def check(model_type: str) -> dict[str, Any]:
             torch.testing.assert_close(fast(ids, use_cache=False).logits, applied, atol=1e-4, rtol=1e-4)
         del fast
         out["passed"], stage = "compile", "backend"
+        if experts is not None and model._can_set_experts_implementation():
+            model.set_experts_implementation(experts)
+            out["experts"] = experts
         out.update(_check_backend(model, plan, ids, applied))
         out["passed"], stage = "backend", "generate"
         out["generate"] = _check_generate(model, pruned, plan)
@@ -199,10 +205,10 @@ def model_types() -> list[str]:
     return sorted(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def run_one(model_type: str, timeout: float) -> dict[str, Any]:
+def run_one(model_type: str, timeout: float, experts: str | None = None) -> dict[str, Any]:
     """`check` in a fresh process (a crash, hang or leak stays there)."""
     t0 = time.perf_counter()
-    cmd = [sys.executable, __file__, "--child", model_type]
+    cmd = [sys.executable, __file__, "--child", model_type, *(["--experts", experts] if experts else [])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -234,19 +240,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="types checked at once, one process each")
     p.add_argument("--timeout", type=float, default=600, help="seconds per type")
     p.add_argument("--results", default=str(RESULTS), help="JSON Lines file the run's record is appended to ('': none)")
+    p.add_argument("--experts", help="transformers experts implementation for the backend and generate stages "
+                                     "(e.g. batched_mm; default: the model's own, grouped_mm)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ["PATCHC_CPU_IMPL"] = "reference"  # the plain-PyTorch path: the kernels have their own tests
-        print(json.dumps(check(args.child)), flush=True)
+        print(json.dumps(check(args.child, args.experts)), flush=True)
         return 0
     from tqdm import tqdm
 
     types = args.types or model_types()
     results = []
     with ThreadPoolExecutor(max(1, args.jobs)) as pool, tqdm(total=len(types), desc="families", file=sys.stderr) as bar:
-        for r in pool.map(lambda t: run_one(t, args.timeout), types):
+        for r in pool.map(lambda t: run_one(t, args.timeout, args.experts), types):
             results.append(r)
             bar.update()
             bar.write(f"{r['type']:28s} {r['passed'] or '-':8s} {r['s']:6.1f} s  {r.get('error', '')[:120]}")
@@ -270,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         from patchc.utils.env import cpu_model, versions
 
         append_jsonl(Path(args.results), {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpu": cpu_model(), **versions(),
-                                    "transformers": transformers.__version__, "summary": summary, "results": results})
+                                    "transformers": transformers.__version__, "experts": args.experts, "summary": summary,
+                                    "results": results})
     return 0
 
 

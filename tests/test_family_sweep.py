@@ -42,6 +42,13 @@ def test_a_family_goes_through_every_stage(sweep, monkeypatch):
     assert (result["graphs"], result["backend_ops"], result["backend_left_dense"]) == (1, 14, 0)  # no graph break
 
 
+def test_the_backend_stages_run_on_the_experts_implementation_asked_for(sweep, monkeypatch):
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
+    result = sweep.check("qwen3_moe", experts="batched_mm")
+    assert result["passed"] == "generate" and result["experts"] == "batched_mm" and "error" not in result
+    assert result["backend_left_dense"] == 0 and result["backend_ops"] > 0
+
+
 def test_a_config_the_rule_does_not_fit_is_not_counted_against_patchc(sweep):
     result = sweep.check("no_such_family")  # as a config whose validator refuses the rule's sizes
     assert result["passed"] is None and result["failed"] == "tiny" and "no_such_family" in result["error"]
