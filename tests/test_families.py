@@ -275,6 +275,21 @@ def test_expert_plan_names_slices_and_apply_writes_only_that_expert():
         resolve(model, name[:-2] + ".9")
 
 
+@pytest.mark.parametrize("impl", ["batched_mm", "eager"])
+def test_experts_set_to_another_implementation_export_as_one_grouped_mm(impl):
+    """A model set to batched_mm (a weight gathered per token) or eager (a loop over the experts hit) is
+    exported with grouped_mm, the form masked slice by slice, and keeps its own setting afterwards."""
+    from patchc.models.hf_export import export_causal_lm
+
+    case, ep = exported("qwen3_moe")
+    want = set(patchc.transform(ep, PatchConfig(tile=TILE)).layers)
+    model = copy.deepcopy(case.model)
+    model.set_experts_implementation(impl)
+    prog = patchc.transform(export_causal_lm(model), PatchConfig(tile=TILE))
+    assert set(prog.layers) == want and any(n.endswith("gate_up_proj.3") for n in want)
+    assert model.get_experts_implementation()[""] == impl
+
+
 def test_conv1d_is_masked_as_its_transpose_and_the_fingerprint_check_reads_it():
     case, ep = exported("gpt2")
     prog = patchc.transform(ep, PatchConfig(tile=TILE, init_std=0.5))

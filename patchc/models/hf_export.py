@@ -152,6 +152,28 @@ def _export_ids(model: nn.Module, ids: torch.Tensor, dims: dict) -> torch.export
     with ``config.use_cache`` off for the export (torch.export cannot map dynamic shapes through
     ``**kwargs``); its program is then called as ``m(ids)``.
     """
+    with _grouped_experts(model):
+        return _export_ids_as_is(model, ids, dims)
+
+
+@contextlib.contextmanager
+def _grouped_experts(model: nn.Module):
+    """Fused experts run as one grouped mm while exporting: the form `patchc.transform` masks slice by slice.
+    A model set to `batched_mm` (a weight gathered per token) or `eager` (a Python loop over the experts hit)
+    would otherwise export its experts unmasked or not at all; its own setting is restored after."""
+    can_set = getattr(model, "_can_set_experts_implementation", None)
+    before = model.get_experts_implementation() if callable(can_set) and can_set() else {}
+    if all(v in (None, "grouped_mm") for v in before.values()):
+        yield
+        return
+    model.set_experts_implementation("grouped_mm")
+    try:
+        yield
+    finally:
+        model.set_experts_implementation(before)
+
+
+def _export_ids_as_is(model: nn.Module, ids: torch.Tensor, dims: dict) -> torch.export.ExportedProgram:
     params = inspect.signature(model.forward).parameters
     if "use_cache" in params or not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return _export(model, (ids,), kwargs={"use_cache": False},
