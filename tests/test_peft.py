@@ -89,3 +89,21 @@ def test_the_backend_serves_the_base_weights_and_keeps_the_adapters():
         torch.testing.assert_close(cm(ids).logits, pruned_lora(ids).logits, atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
     assert sum(counts) == 14 and patchc.runtime.unserved(plan) == {}
+
+
+def test_generate_through_the_backend_keeps_the_adapted_pruned_models_tokens():
+    """generate() on the LoRA-wrapped dense model, its inner model's forward compiled with the plan: three
+    graphs (prompt, first step, dynamic length), each serving all 14 planned weights by their PEFT names."""
+    model, plan = _llama_and_plan()
+    wrapped, reference = _lora(model), _lora(plan.apply(copy.deepcopy(model)))
+    inner = wrapped.base_model.model
+    counts = []
+    torch._dynamo.reset()
+    inner.forward = torch.compile(inner.forward, backend="patch", options={
+        "plan": plan, "strict": True, "tune": False, "graph_callback": lambda gm, n: counts.append(n)})
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got = wrapped.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+        want = reference.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    torch._dynamo.reset()
+    assert torch.equal(got, want) and counts == [14, 14, 14]
