@@ -150,6 +150,8 @@ def test_backend_serves_every_planned_expert_slice(family, dtype, impl):
     assert not any(n.target in (torch.bmm, "bmm") for n in nodes)  # nor a per-token gather of the experts
     assert not any(n.target is operator.getitem and n.args[0].op == "placeholder" and n.args[0].name.endswith("proj_")
                    for n in nodes)  # (gpt-oss's biases are still gathered per token: (S, N) rows, not matrices)
+    if impl == "batched_mm":  # gate_up_proj and down_proj share the routing: its rows are sorted once
+        assert sum(n.target is torch.argsort for n in nodes) == 1
     served = {n.args[9]: _sparse_experts(n) for n in nodes if n.target is GROUPED}
     for fqn, experts in served.items():  # every planned slice with a 2:4 tile, and only those
         assert experts == [e for e in range(64) if (layer := plan.layers.get(f"{fqn}.{e}")) is not None

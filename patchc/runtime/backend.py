@@ -161,8 +161,9 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     extra, attrs = _attach(gm, [*modules.values(), *experts.values()], placeholders)
     for read in served:
         _replace(gm, read, node_map, *modules[node_map[read.weight]], attrs)
+    sorts: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}  # batched_mm: one sort by expert per routing
     for read in served_grouped:
-        _replace_grouped(gm, read, node_map, *experts[read.weight], attrs)
+        _replace_grouped(gm, read, node_map, *experts[read.weight], attrs, sorts)
     gm.graph.lint()
     gm.recompile()
     log.info("patch backend: %d matmul call(s) -> patchc::tile_linear, %d grouped -> patchc::tile_grouped_mm",
@@ -211,7 +212,7 @@ def _replace(gm: fx.GraphModule, read: Read, node_map: dict[fx.Node, fx.Node], n
 
 
 def _replace_grouped(gm: fx.GraphModule, read: GroupedRead, node_map: dict[fx.Node, fx.Node], name: str,
-                     mod: Any, attrs: dict[str, fx.Node]) -> None:
+                     mod: Any, attrs: dict[str, fx.Node], sorts: dict[fx.Node, tuple[fx.Node, fx.Node]]) -> None:
     """Swap one grouped matmul (in the copied graph) for tile_grouped_mm over every expert of its weight."""
     node = node_map[read.node]
     remap = lambda a: node_map.get(a, a) if isinstance(a, fx.Node) else a  # noqa: E731
@@ -220,7 +221,7 @@ def _replace_grouped(gm: fx.GraphModule, read: GroupedRead, node_map: dict[fx.No
         if read.form == "bmm":  # x (E, T, K): every expert over T rows
             x, offs = bmm_operands(gm.graph, x, mod.num_experts, mod.in_features, mod.values.device)
         elif read.form == "gathered":  # row s of x times expert ids[s]: sorted by expert, then put back
-            x, offs, order = gathered_operands(gm.graph, x, remap(read.ids), mod.num_experts, mod.in_features)
+            x, offs, order = gathered_operands(gm.graph, x, remap(read.ids), mod.num_experts, mod.in_features, sorts)
         new = gm.graph.call_function(torch.ops.patchc.tile_grouped_mm.default, grouped_args(x, offs, mod, buffers))
         if read.form == "bmm":
             new = bmm_result(gm.graph, new, mod.num_experts, mod.out_features)
