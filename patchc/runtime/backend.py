@@ -147,8 +147,8 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     left.update(_unserved(plan, examples, params, {r.weight for r in reads}, {names[r.weight] for r in served_grouped}))
     left.update(left_grouped)
     if not inferred:
-        coverage.record(plan, [*(names[r.weight] for r in served), *(f"{names[r.weight]}.*" for r in served_grouped)],
-                        left, {_slices(plan, c): why for why, ends in unmatched.values() for c in ends})
+        coverage.record(plan, [names[r.weight] for r in [*served, *served_grouped]], left,
+                        {c: why for why, ends in unmatched.values() for c in ends})
     report_unreplaced("patch backend", "left dense in this graph", left, bool(options.get("strict", False)))
     _report_unmatched(unmatched)
     modules = linear_modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options, inferred)
@@ -170,11 +170,6 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict
              len(served), len(served_grouped))
     weights = sorted({placeholders.index(node_map[r.weight]) for r in [*served, *served_grouped]})
     return gm, extra, [mod for _, mod in (*modules.values(), *experts.values())], weights
-
-
-def _slices(plan: Any, param: str) -> str:
-    """A planned parameter's layer name: itself, or "<3-D weight>.*" for all its expert slices."""
-    return param if param in plan.layers else f"{param}.*"
 
 
 def _report_unmatched(unmatched: dict[str, tuple[str, list[str]]]) -> None:

@@ -28,8 +28,8 @@ _SEEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def record(plan: Any, served: Iterable[str], left: dict[str, str], maybe: dict[str, str] | None = None) -> None:
     """Note what one compiled graph did with `plan`'s layers: `left` were read and left dense; `maybe` may
     have been (a weight named like them whose values none of them holds: another weight, or a plan made from
-    other values), which counts only while no graph serves them. Names may cover all expert slices of a 3-D
-    weight as "<weight>.*"."""
+    other values), which counts only while no graph serves them. A 3-D weight's name, bare or as
+    "<weight>.*", stands for all its expert slices."""
     done, why, unsure = _SEEN.setdefault(plan, (set(), {}, {}))
     done.update(layer for name in served for layer in _expand(plan, name))
     for table, reasons in ((why, left), (unsure, maybe or {})):
@@ -42,15 +42,16 @@ def unserved(plan: Any) -> dict[str, str]:
     """{planned layer: why} for every layer of `plan` with a 2:4 tile that runs dense in some graph the patch
     backend compiled with it, or that no such graph has served yet; {} when every one is served everywhere."""
     done, why, unsure = _SEEN.get(plan, (set(), {}, {}))
-    planned = [name for name, layer in plan.layers.items() if bool((layer.kinds == 1).any())]
+    planned = [name for name, layer in plan.layers.items() if layer.n_sparse]
     return {name: why.get(name) or unsure.get(name, NOT_SEEN) for name in planned if name in why or name not in done}
 
 
 def _expand(plan: Any, name: str) -> list[str]:
-    """A layer name, or every planned slice "<weight>.<e>" of "<weight>.*"."""
-    if not name.endswith(".*"):
+    """A layer name, or every planned slice "<weight>.<e>" of a 3-D weight named bare or as "<weight>.*"."""
+    name = name.removesuffix(".*")
+    if name in plan.layers:
         return [name]
-    stem = name[:-1]
+    stem = name + "."
     return [f for f in plan.layers if f.startswith(stem) and f[len(stem):].isdigit()]
 
 

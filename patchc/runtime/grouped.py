@@ -179,20 +179,17 @@ def _gathered_read(node: fx.Node, examples: dict[fx.Node, Any]) -> GroupedRead |
 
 
 def gathered_operands(graph: fx.Graph, x: fx.Node, ids: fx.Node, num_experts: int, in_features: int,
-                      sorts: dict[fx.Node, tuple[fx.Node, fx.Node]] | None = None) -> tuple[fx.Node, fx.Node, fx.Node]:
+                      sorts: dict[fx.Node, tuple[fx.Node, fx.Node]]) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Nodes (x (S, K) sorted by expert, row ends (int32), the sort order) for a gathered read's x (S, K, 1)
     or (S, 1, K) and ids (S,); call inside `graph.inserting_before(...)`. The ends come from a histogram on
     the device (CUDA's bincount reads the ids' range back to the host). `sorts` keeps each ids node's
     (order, ends) for the graph's later reads of the same routing (gate_up_proj, then down_proj)."""
-    if sorts is not None and ids in sorts:
-        order, ends = sorts[ids]
-    else:
+    if ids not in sorts:
         order = graph.call_function(torch.argsort, (ids,), {"stable": True})
         counts = graph.call_function(torch.histc, (graph.call_method("float", (ids,)),),
                                      {"bins": num_experts, "min": 0, "max": num_experts - 1})
-        ends = graph.call_method("to", (graph.call_method("cumsum", (counts, 0)), torch.int32))
-        if sorts is not None:
-            sorts[ids] = (order, ends)
+        sorts[ids] = (order, graph.call_method("to", (graph.call_method("cumsum", (counts, 0)), torch.int32)))
+    order, ends = sorts[ids]
     rows = graph.call_method("reshape", (x, -1, in_features))
     return graph.call_function(operator.getitem, (rows, order)), ends, order
 
