@@ -151,7 +151,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     plan = load_any_plan(args.plan)
     tunings = tune_plan(plan, batch_size=args.batch_size, prefill_len=args.prefill_len, dtype=dtype,
                         time_limit=args.time_limit)
-    dense = {fqn for fqn in tunings if int((plan.layers[fqn].kinds == 1).sum()) == 0}
+    dense = {fqn for fqn in tunings if not plan.layers[fqn].n_sparse}
     for fqn, tuning in tunings.items():
         print(f"{fqn}: " + (json.dumps(tuning.to_dict()) if tuning is not None else
                             "all dense: F.linear" if fqn in dense else "default configs (time limit)"))

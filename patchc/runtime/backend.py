@@ -238,7 +238,7 @@ def _swap(gm: fx.GraphModule, node: fx.Node, new: fx.Node) -> None:
 
 def _planned(plan: Any, fqn: str) -> bool:
     layer = plan.layers.get(fqn)
-    return layer is not None and int((layer.kinds == 1).sum()) > 0
+    return layer is not None and layer.n_sparse > 0
 
 
 def _servable(plan: Any, reads: list[Read], names: dict[fx.Node, str],

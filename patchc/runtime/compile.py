@@ -215,7 +215,7 @@ def plan_swaps(model: nn.Module, plan: Any) -> tuple[dict[str, Users], dict[str,
     experts: dict[str, list[str]] = {}  # fused-experts module path -> its planned expert layers
     missed: dict[str, str] = {}
     for fqn, layer in plan.layers.items():
-        if not bool((layer.kinds == 1).any()):
+        if not layer.n_sparse:
             continue
         target = targets.resolve(model, fqn, plan.meta.get(targets.META_KEY))
         owner = target.param.rpartition(".")[0]

@@ -245,7 +245,7 @@ def servable_grouped(plan: Any, reads: list[GroupedRead], names: dict[fx.Node, s
 def planned_experts(plan: Any, fqn: str, num_experts: int) -> list[int]:
     """The experts of 3-D weight `fqn` whose plan slice has at least one 2:4 tile."""
     layers = (plan.layers.get(f"{fqn}.{e}") for e in range(num_experts))
-    return [e for e, layer in enumerate(layers) if layer is not None and bool((layer.kinds == 1).any())]
+    return [e for e, layer in enumerate(layers) if layer is not None and layer.n_sparse]
 
 
 def grouped_module(plan: Any, fqn: str, read: GroupedRead, weight: torch.Tensor, tuning: Any, batch_size: int,

@@ -86,7 +86,7 @@ def infer_plan(reads: list[Read], grouped: list[GroupedRead], names: dict[fx.Nod
         for e, matrix in enumerate(slices):
             plan.layers[f"{fqn}.{e}"] = layer_from_weight(f"{fqn}.{e}", matrix, tile)
             targets[f"{fqn}.{e}"] = {"param": fqn, "expert": e, "transposed": read.transposed}
-    for fqn in [f for f, layer in plan.layers.items() if int((layer.kinds == 1).sum()) == 0]:
+    for fqn in [f for f, layer in plan.layers.items() if not layer.n_sparse]:
         del plan.layers[fqn]
     plan.meta["targets"] = {f: t for f, t in targets.items() if f in plan.layers}
     return plan

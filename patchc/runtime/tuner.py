@@ -205,7 +205,7 @@ def _record_cfg(rec: Mapping[str, Any], name: str, block: tuple[int, int]) -> Ke
 
 def tune_layer(layer: Any, s: Setup, cached_only: bool = False) -> LayerTuning | None:
     """Tune (or read from the cache) one layer; None for all-dense layers or, with `cached_only`, a miss."""
-    if int((layer.kinds == 1).sum()) == 0:
+    if not layer.n_sparse:
         return None  # all dense: F.linear / cuBLAS
     t = LayerTimer(layer, s)
     m_dec, m_pre = s.batch_size, s.batch_size * s.prefill_len
