@@ -307,8 +307,8 @@ def test_a_submodule_name_whose_values_match_no_planned_weight_is_named_as_left_
     model = EncDec()
     plan = _enc_dec_plan(EncDec().apply(lambda m: [p.data.normal_() for p in m.parameters(recurse=False)]), 1)
     cm, counts = _compiled(model, {"plan": plan, "strict": True})  # not an error: it may be an unplanned weight
-    with pytest.warns(UserWarning, match=r"named like planned ones left dense.*'(fc1\.)?weight' in a graph that "
-                                         r"starts inside a submodule .*none of the planned weights \['(enc|dec)\.fc"):
+    with pytest.warns(UserWarning, match=r"named like planned ones left dense.*'(fc1\.)?weight', a name that ends "
+                                         r"planned ones .*none of the planned weights \['(enc|dec)\.fc"):
         with torch.no_grad():
             cm(torch.randn(3, 32))
     assert sum(counts) == 0
@@ -330,6 +330,41 @@ def test_a_partial_plan_leaves_like_named_unplanned_weights_to_a_warning_and_ser
         torch.testing.assert_close(cm(x), pruned(x), atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
     assert [c for c in counts if c] == [1, 1] and rt.unserved(plan) == {}
+
+
+def test_a_plan_made_on_a_submodule_is_served_by_the_backend_and_named_by_patchc_compile():
+    """The plan names two linears from the MLP that holds them; the compiled model holds that MLP as `body`, so
+    its graph reads "body.fc1.weight", which ends with a planned name: matched by its values and served.
+    patchc.compile refuses such a plan, naming the submodule and the call that compiles it."""
+    import patchc
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(6)
+            self.body = nn.Sequential()
+            self.body.fc1, self.body.act, self.body.fc2 = nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
+    model = Wrapper()
+    plan = _enc_dec_plan(model.body, 1)
+    pruned = copy.deepcopy(model)
+    pruned.body = plan.apply(pruned.body)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(2))
+    cm, counts = _compiled(model, {"plan": plan, "strict": True})
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x), pruned(x), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    assert counts == [2] and rt.unserved(plan) == {}
+    with pytest.raises(patchc.PlanError, match=r"layer fc1\.weight: .*'body\.fc1\.weight' ends with it: the plan "
+                                               r"names layers from submodule 'body' \(compile that: "
+                                               r"model\.body = patchc\.compile\(model\.body, plan\)"):
+        patchc.compile(model, plan, tune=False)
+    model.body = patchc.compile(model.body, plan, tune=False)  # what the message says to do
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), pruned(x), atol=1e-5, rtol=1e-5)
 
 
 def test_source_root_is_the_frame_local_a_weight_comes_from():
@@ -382,3 +417,8 @@ def test_parameter_names_matches_relative_names_by_shape_and_kept_values():
     names, unmatched = parameter_names(params, plan, fqns)
     assert names["conv"] == "conv.weight" and "none of the planned weights" in unmatched["conv.weight"][0]
     assert sorted(unmatched["conv.weight"][1]) == ["a.conv.weight", "b.conv.weight"]
+    # a graph rooted above the plan's root (a plan made on a submodule), and one inside a LoRA layer
+    params = {"above": nn.Parameter(pruned["a.conv.weight"].clone()),
+              "lora": nn.Parameter(pruned["b.conv.weight"].clone())}
+    names, unmatched = parameter_names(params, plan, {"above": "model.a.conv.weight", "lora": "base_layer.weight"})
+    assert names == {"above": "a.conv.weight", "lora": "b.conv.weight"} and unmatched == {}

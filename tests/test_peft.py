@@ -107,3 +107,27 @@ def test_generate_through_the_backend_keeps_the_adapted_pruned_models_tokens():
         want = reference.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
     torch._dynamo.reset()
     assert torch.equal(got, want) and counts == [14, 14, 14]
+
+
+def test_a_graph_break_inside_each_lora_layer_still_serves_its_base_weight(monkeypatch):
+    """A break in a LoRA layer's forward starts a graph inside it, which reads the base weight as
+    "base_layer.weight" and is reused for all four wrapped linears: each is matched by its values and served."""
+    model, plan = _llama_and_plan()
+    dense_lora, pruned_lora = _lora(model), _lora(plan.apply(copy.deepcopy(model)))
+    lora_forward = peft.tuners.lora.layer.Linear.forward
+
+    def forward_after_a_break(self, x, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return lora_forward(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(peft.tuners.lora.layer.Linear, "forward", forward_after_a_break)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
+    counts = []
+    torch._dynamo.reset()
+    cm = torch.compile(dense_lora, backend="patch", options={"plan": plan, "strict": True, "tune": False,
+                                                             "graph_callback": lambda gm, n: counts.append(n)})
+    with torch.no_grad():
+        torch.testing.assert_close(cm(ids).logits, pruned_lora(ids).logits, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    assert patchc.runtime.unserved(plan) == {}
+    assert sum(counts) == 14, counts  # the four LoRA graphs serve one base weight each, the rest the other ten

@@ -200,8 +200,22 @@ def resolve(model: nn.Module, name: str, recorded: Mapping | None = None) -> Tar
         return target
     target = _guess(model, name)
     if target is None:
-        raise PlanError(f"layer {name}: the model has no parameter {name!r} (nor an expert slice of that name)")
+        raise PlanError(f"layer {name}: the model has no parameter {name!r} (nor an expert slice of that name)"
+                        + _submodule_hint(model, name))
     return target
+
+
+def _submodule_hint(model: nn.Module, name: str) -> str:
+    """Where a plan made on a submodule of `model` finds `name` ("" when no parameter ends with it)."""
+    head = name.rpartition(".")[0] if name.rpartition(".")[2].isdigit() else name  # an expert slice's weight
+    found = next((n for n, _ in model.named_parameters() if peft_free(n).endswith("." + head)), None)
+    if found is None:
+        return ""
+    sub = peft_free(found)[: -len(head) - 1]
+    how = (f"model.{sub} = patchc.compile(model.{sub}, plan)" if all(p.isidentifier() for p in sub.split("."))
+           else f"patchc.compile(model.get_submodule({sub!r}), plan)")
+    return (f"; the model's {found!r} ends with it: the plan names layers from submodule {sub!r} (compile that: "
+            f"{how}; torch.compile(model, backend='patch') matches such names by their values)")
 
 
 def resolve_layers(plan, model: nn.Module) -> dict[str, Target]:

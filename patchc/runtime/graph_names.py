@@ -6,7 +6,9 @@ parent's forward, the next graph starts in a submodule's forward, and its names 
 submodule: CTRL's ``CTRLLMHeadModel.forward`` breaks before calling ``self.transformer``, whose graph reads
 ``h.0.multi_head_attention.Wq.weight`` where the plan says ``transformer.h.0.multi_head_attention.Wq.weight``.
 `parameter_names` matches such a name to the planned weight it ends whose kept values the weight holds
-(an encoder's and a decoder's ``layers.0.fc1.weight`` both end in the same name).
+(an encoder's and a decoder's ``layers.0.fc1.weight`` both end in the same name). The same goes the other
+way, for a plan made on a submodule of the compiled model (``layers.0.mlp.up_proj.weight`` read as
+``model.layers.0.mlp.up_proj.weight``), and for a graph that starts inside a LoRA layer (``base_layer.weight``).
 
 Example:
     >>> parameter_names({placeholder: weight}, plan, {placeholder: source_fqn(placeholder)})  # doctest: +SKIP
@@ -80,13 +82,16 @@ def parameter_names(examples: dict[fx.Node, Any], plan: Any | None,
             continue
         if fqn not in planned and peft_free(fqn) in planned:  # a LoRA-wrapped model, planned before wrapping
             fqn = peft_free(fqn)
-        ends = [p for p in planned if p.endswith("." + fqn) and _fits(value, plan.layers[planned[p]])] \
+        # a graph that starts inside a LoRA layer's forward reads its base weight as "base_layer.weight"
+        stem = fqn.removeprefix("base_layer.") if fqn.startswith("base_layer.") else peft_free(fqn)
+        ends = [p for p in planned if _related(p, stem) and _fits(value, plan.layers[planned[p]])] \
             if fqn not in planned else []
         held = [p for p in ends if _holds(value, plan.layers[planned[p]])]
         if len(held) == 1:
             fqn = held[0]
         elif ends:
-            unmatched[fqn] = (f"read as {fqn!r} in a graph that starts inside a submodule (after a graph break): "
+            unmatched[fqn] = (f"read as {fqn!r}, a name that ends planned ones (a graph that starts inside a "
+                              f"submodule, after a graph break) or that they end (a plan made on a submodule): "
                               f"{'none' if not held else 'more than one'} of the planned weights {ends[:3]} "
                               f"{'holds' if not held else 'hold'} its values", held or ends)
         names[node] = fqn
@@ -106,6 +111,12 @@ def _planned_params(plan: Any | None) -> dict[str, str]:
             param = head if tail.isdigit() and head else name
         out.setdefault(param, name)
     return out
+
+
+def _related(planned: str, name: str) -> bool:
+    """Whether a graph's parameter `name` may be the planned weight `planned`: one ends the other at a dot (the
+    graph starts inside a submodule, or the plan was made on a submodule of the compiled model)."""
+    return planned.endswith("." + name) or name.endswith("." + planned)
 
 
 def _fits(value: torch.Tensor, layer: Any) -> bool:
