@@ -1,4 +1,5 @@
-"""`patchc.runtime.unserved(plan)`: the planned layers no graph of the patch backend served.
+"""`patchc.runtime.unserved(plan)`: the planned layers no graph of the patch backend served (and
+`unserved(model)`: the 2:4 weights of a model compiled without a plan that no graph served).
 
 Dynamo never shows the backend a frame it runs eagerly, so such a layer stays dense without a warning; the
 record of what each graph served is the only way to tell. Checked on a frame under `torch._dynamo.disable`,
@@ -15,7 +16,7 @@ from torch import nn
 import patchc.runtime as rt
 from patchc.codegen.reference import random_24_mask, random_layer_plan
 from patchc.ir import TilePlan
-from patchc.runtime.coverage import NOT_SEEN
+from patchc.runtime.coverage import NOT_READ, NOT_SEEN
 
 
 @pytest.fixture(autouse=True)
@@ -62,6 +63,23 @@ def test_a_frame_run_eagerly_and_a_read_left_dense_are_unserved_and_the_rest_ser
     assert left["c.weight"] == NOT_SEEN
     assert left["d.weight"].startswith("read only by mul")
     assert rt.unserved(_plan(model)) == {f"{n}.weight": NOT_SEEN for n in "abcd"}  # recorded per plan object
+
+
+def test_a_model_compiled_without_a_plan_is_asked_of_its_own_weights():
+    """The pruned model, its plan inferred from the zeros in every graph: a and b served, c never seen (the
+    eager frame), d read only through a product; an unpruned weight (no 2:4 tile) is never listed."""
+    model = _plan(Eager()).apply(Eager())
+    assert rt.unserved(model) == {f"{n}.weight": NOT_SEEN for n in "abcd"}
+    torch._dynamo.reset()
+    cm = torch.compile(model, backend="patch", options={"tune": False, "inner": "eager"})
+    with torch.no_grad():
+        torch.testing.assert_close(cm(torch.ones(3, 32)), model(torch.ones(3, 32)), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    assert rt.unserved(model) == {"c.weight": NOT_SEEN, "d.weight": NOT_READ}
+    model.a.weight.data = torch.randn(32, 32)  # dense now: not a layer to serve
+    assert sorted(rt.unserved(model)) == ["c.weight", "d.weight"]
+    assert rt.unserved(model, tile=32) == {"c.weight": NOT_SEEN, "d.weight": NOT_READ}
+    assert rt.unserved(_plan(Eager()).apply(Eager())) == {f"{n}.weight": NOT_SEEN for n in "abcd"}  # per weight
 
 
 class Experts(nn.Module):

@@ -16,7 +16,8 @@ backend: the grouped mm it recognises), `grouped_op` (`patchc::tile_grouped_mm` 
 every expert of a 3-D weight in one launch), `packs` (the backend's packed modules, shared by all the graphs
 dynamo compiles for one model), `graph_names` (a graph's weights named as the plan names them, also in graphs
 that start inside a submodule), `weight_graphs` (a graph per set of weights, for graphs dynamo reuses for
-sibling submodules), `coverage` (`unserved(plan)`: the planned layers no backend graph has served).
+sibling submodules), `coverage` (`unserved(plan)` / `unserved(model)`: the planned layers, or a model's 2:4
+weights, no backend graph has served).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ submodule's forward, dynamo names its weights relative to that submodule and reu
 sibling: names are matched to the plan by their ending and kept values (`patchc.runtime.graph_names`), and
 each sibling runs a graph compiled for its own weights (`patchc.runtime.weight_graphs`). A frame dynamo runs
 eagerly never reaches the backend: `patchc.runtime.unserved(plan)` (`patchc.runtime.coverage`) lists, after
-a run, every planned layer no graph served.
+a run, every planned layer no graph served (`unserved(model)` for a model compiled without a plan).
 
 Without a plan, one is inferred from the zero pattern of the weights (`TilePlan.from_weights`, tile from
 ``options["tile"]``, default (16, 16)), each expert slice of a grouped read on its own: tiles with <= 2
@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 
 OPTION_KEYS = ("plan", "tile", "batch_size", "prefill_len", "tune", "cache", "inner", "mode", "graph_callback",
                "time_fn", "strict")
-DEFAULT_TILE = (16, 16)
+DEFAULT_TILE = coverage.DEFAULT_TILE
 LINEAR_TARGETS = LINEAR
 
 
@@ -149,6 +149,12 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     if not inferred:
         coverage.record(plan, [names[r.weight] for r in [*served, *served_grouped]], left,
                         {c: why for why, ends in unmatched.values() for c in ends})
+    else:
+        by_name = {names[r.weight].removesuffix(".*"): examples[r.weight] for r in [*reads, *grouped]}
+        coverage.record_weights([v for v in examples.values() if isinstance(v, torch.nn.Parameter)],
+                                [examples[r.weight] for r in [*served, *served_grouped]],
+                                [(by_name[n.removesuffix(".*")], why) for n, why in left.items()
+                                 if n.removesuffix(".*") in by_name])
     report_unreplaced("patch backend", "left dense in this graph", left, bool(options.get("strict", False)))
     _report_unmatched(unmatched)
     modules = linear_modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options, inferred)

@@ -3,7 +3,9 @@
 Dynamo only hands the backend the frames it compiles. A frame it runs eagerly (one skipped, one past the
 recompile limit, code under `torch._dynamo.disable`) never reaches the backend, so its planned weights stay
 dense without a warning. `unserved(plan)` answers the question a warning cannot: after the model has run
-on the shapes it will serve, which planned layers did no graph serve, and why. `patchc.compile` swaps
+on the shapes it will serve, which planned layers did no graph serve, and why. Without a plan (a model
+pruned by another tool, its plan inferred from the zeros in every graph) ask of the model instead:
+`unserved(model)` lists its weight matrices with a 2:4 tile that no graph served. `patchc.compile` swaps
 modules instead and has no such gap.
 
 Example:
@@ -11,18 +13,25 @@ Example:
     >>> cm(ids)                                                               # doctest: +SKIP
     >>> patchc.runtime.unserved(plan)                                         # doctest: +SKIP
     {'model.layers.3.self_attn.q_proj.weight': 'in no graph the backend compiled (a frame dynamo ran eagerly?)'}
+    >>> torch.compile(pruned, backend="patch")(ids); patchc.runtime.unserved(pruned)  # doctest: +SKIP
+    {}
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable
 
+import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 NOT_SEEN = "in no graph the backend compiled (a frame dynamo ran eagerly?)"
+NOT_READ = "read by no matmul form the backend rewrites"
+DEFAULT_TILE = (16, 16)  # the tile the backend infers a plan with when it is given none
 
 # plan -> (layers some graph served, {layer: why some graph left it dense}, {layer: why it may have been})
 _SEEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# weight Parameter -> [served by some graph, why some graph left it dense], for graphs without a plan
+_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def record(plan: Any, served: Iterable[str], left: dict[str, str], maybe: dict[str, str] | None = None) -> None:
@@ -38,12 +47,43 @@ def record(plan: Any, served: Iterable[str], left: dict[str, str], maybe: dict[s
                 table.setdefault(layer, reason)
 
 
-def unserved(plan: Any) -> dict[str, str]:
+def record_weights(taken: Iterable[torch.Tensor], served: Iterable[torch.Tensor],
+                   left: Iterable[tuple[torch.Tensor, str]]) -> None:
+    """Note what one graph compiled without a plan did with the weights it `taken`: `served` went to the
+    patchc ops, `left` (with why) were inferred as planned and left dense."""
+    for w in taken:
+        _WEIGHTS.setdefault(w, [False, None])
+    for w in served:
+        _WEIGHTS[w][0] = True
+    for w, why in left:
+        entry = _WEIGHTS.setdefault(w, [False, None])
+        entry[1] = entry[1] or why
+
+
+def unserved(plan: Any, tile: tuple[int, int] | int = DEFAULT_TILE) -> dict[str, str]:
     """{planned layer: why} for every layer of `plan` with a 2:4 tile that runs dense in some graph the patch
-    backend compiled with it, or that no such graph has served yet; {} when every one is served everywhere."""
+    backend compiled with it, or that no such graph has served yet; {} when every one is served everywhere.
+
+    Given a model instead of a plan (compiled without one), the same for each of its weight matrices with a
+    2:4 tile at `tile` (the backend's "tile" option) that the runtime serves: `TilePlan.from_linears`'s
+    layers, an expert slice named "<3-D weight>.<expert>"."""
+    if isinstance(plan, torch.nn.Module):
+        return _unserved_weights(plan, tile)
     done, why, unsure = _SEEN.get(plan, (set(), {}, {}))
     planned = [name for name, layer in plan.layers.items() if layer.n_sparse]
     return {name: why.get(name) or unsure.get(name, NOT_SEEN) for name in planned if name in why or name not in done}
+
+
+def _unserved_weights(model: torch.nn.Module, tile: tuple[int, int] | int) -> dict[str, str]:
+    from patchc.ir.from_pruned import survey_linears
+
+    where, slots, _ = survey_linears(model, tile)
+    out = {}
+    for name in slots:
+        served, why = _WEIGHTS.get(model.get_parameter(where[name].param), (False, NOT_SEEN))
+        if why is not None or not served:
+            out[name] = why or NOT_READ
+    return out
 
 
 def _expand(plan: Any, name: str) -> list[str]:
@@ -55,4 +95,4 @@ def _expand(plan: Any, name: str) -> list[str]:
     return [f for f in plan.layers if f.startswith(stem) and f[len(stem):].isdigit()]
 
 
-__all__ = ["NOT_SEEN", "record", "unserved"]
+__all__ = ["DEFAULT_TILE", "NOT_READ", "NOT_SEEN", "record", "record_weights", "unserved"]
