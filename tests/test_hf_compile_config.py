@@ -79,3 +79,21 @@ def test_the_bound_backend_names_a_bad_option_and_refuses_options_beside_it(llam
     with pytest.raises(Exception, match=r"options are bound when it is made"), torch.no_grad():
         cm(ids)
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: transformers' default inductor + "
+                                                          "reduce-overhead and the Triton kernels run there")
+@pytest.mark.parametrize("way", ["patchc.compile", "patchc.backend"])
+def test_on_gpu_the_default_compile_config_decodes_the_pruned_models_tokens(llama, way):
+    """fp32 on CUDA (Triton's ieee dots, cuBLAS without TF32): transformers compiles the decode step with
+    inductor and CUDA graphs by itself; the reference is the plan-applied model run eagerly there."""
+    model, plan, pruned, ids, _ = llama
+    reference, ids = copy.deepcopy(pruned).cuda(), ids.cuda()
+    with torch.no_grad():
+        want = reference.generate(input_ids=ids, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    if way == "patchc.compile":
+        got = _generate(patchc.compile(copy.deepcopy(model).cuda(), plan, tune=False), ids, CompileConfig())
+    else:
+        got = _generate(copy.deepcopy(pruned).cuda(), ids, CompileConfig(backend=patchc.backend(plan, tune=False)))
+    assert torch.equal(got, want)
