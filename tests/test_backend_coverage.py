@@ -75,7 +75,7 @@ def test_a_model_compiled_without_a_plan_is_asked_of_its_own_weights():
     with torch.no_grad():
         torch.testing.assert_close(cm(torch.ones(3, 32)), model(torch.ones(3, 32)), atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
-    assert rt.unserved(model) == {"c.weight": NOT_SEEN, "d.weight": NOT_READ}
+    assert rt.unserved(model) == {"c.weight": NOT_SEEN, "d.weight": NOT_READ} == rt.unserved(cm)
     model.a.weight.data = torch.randn(32, 32)  # dense now: not a layer to serve
     assert sorted(rt.unserved(model)) == ["c.weight", "d.weight"]
     assert rt.unserved(model, tile=32) == {"c.weight": NOT_SEEN, "d.weight": NOT_READ}

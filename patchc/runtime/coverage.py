@@ -77,6 +77,7 @@ def unserved(plan: Any, tile: tuple[int, int] | int = DEFAULT_TILE) -> dict[str,
 def _unserved_weights(model: torch.nn.Module, tile: tuple[int, int] | int) -> dict[str, str]:
     from patchc.ir.from_pruned import survey_linears
 
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: the names are the model's
     where, slots, _ = survey_linears(model, tile)
     out = {}
     for name in slots:
