@@ -17,7 +17,8 @@ every expert of a 3-D weight in one launch), `packs` (the backend's packed modul
 dynamo compiles for one model), `graph_names` (a graph's weights named as the plan names them, also in graphs
 that start inside a submodule), `weight_graphs` (a graph per set of weights, for graphs dynamo reuses for
 sibling submodules), `coverage` (`unserved(plan)` / `unserved(model)`: the planned layers, or a model's 2:4
-weights, no backend graph has served).
+weights, no backend graph has served), `saving` (`save_pretrained` of a compiled model: the pruned model as
+transformers saves it).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from torch import nn
 
 from patchc.ir.targets import is_conv1d, served_call
 from patchc.runtime.dispatch import TileExperts, TileLinear, experts_module, report_unreplaced
+from patchc.runtime.saving import give_save_pretrained
 from patchc.runtime.timing import TimeFn
 from patchc.runtime.tuner import LayerTuning, tune_plan
 
@@ -125,6 +126,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
             on = device or module.weight.device  # a model split over devices keeps each layer on its own
             mod = TileLinear.from_plan(layer, tunings.get(fqn), dtype=module.weight.dtype, device=on,
                                        batch_size=batch_size, prefill_len=prefill_len)
+            mod.stored_kn = is_conv1d(module)  # saved back as (K, N): `patchc.runtime.saving`
             # the plan's bias goes to the weight's owner (as plan.apply writes it); tied users keep their own
             bias = getattr(module, "bias", None)
             if layer.bias is not None and module is owner and _same_shape(bias, layer.bias):
@@ -140,6 +142,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
         mine = {weight.rpartition(".")[2]: tunings.get(fqn) for weight, fqn in firsts.items()
                 if weight.rpartition(".")[0] == path}
         setattr(parent, attr, experts_module(target.get_submodule(path), plan, path, mine, device=device))
+    give_save_pretrained(target)  # save_pretrained writes W * M, not the packed buffers transformers cannot load
     return target
 
 

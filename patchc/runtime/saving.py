@@ -1,0 +1,88 @@
+"""A compiled model written back as the pruned model it serves: `dense_state_dict`, and the `save_pretrained`
+that `patchc.compile` gives a transformers model.
+
+transformers' `save_pretrained` writes `model.state_dict()`. In a compiled model that holds each replaced
+linear's packed buffers (`dense`, `values`, `meta`, ...), which transformers cannot load: it reports the
+weights missing and initialises them at random, so the saved model is silently another one.
+`dense_state_dict` is the state dict the model had before `patchc.compile`, with the plan's values (W * M:
+zeros where the plan prunes), so the folder loads anywhere; `patchc.compile(loaded)` reads the plan back off
+its zeros, and `patchc import` writes patchc's compressed folder from it. It holds every planned weight at
+its dense size while the file is written; `patchc.export.export_pretrained` writes the compressed folder
+without that.
+
+Example:
+    >>> fast = patchc.compile(model, plan)
+    >>> fast.save_pretrained("pruned")           # the pruned model, loadable by transformers  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from patchc.codegen.layout import dense_from_buffers
+from patchc.runtime.dispatch import BUFFER_NAMES, TileExperts, TileLinear
+
+
+def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with every `TileLinear` and `TileExperts` written as the weights it replaced:
+    W * M in the replaced parameter's name, shape (a Conv1D's (K, N), an experts' stored orientation) and dtype.
+
+    Example:
+        >>> sd = dense_state_dict(patchc.compile(model, plan)); sd["model.layers.0.mlp.up_proj.weight"].shape
+        ... # doctest: +SKIP
+    """
+    state = model.state_dict()
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        if isinstance(module, TileLinear):
+            for name in BUFFER_NAMES:
+                state.pop(prefix + name, None)
+            w = _dense(module, (module.out_features, module.in_features))
+            state[prefix + "weight"] = w.t().contiguous() if getattr(module, "stored_kn", False) else w
+        elif isinstance(module, TileExperts):
+            dropped = {f"{prefix}{proj}_dense" for proj in module.names}
+            for key in [k for k in state if k in dropped or k.startswith(f"{prefix}kernels.")]:
+                del state[key]
+            for proj in module.names:
+                w = _expert_weights(module, proj)  # (E, N, K)
+                state[prefix + proj] = w.transpose(1, 2).contiguous() if module.is_transposed else w
+    return state
+
+
+def save_pretrained(model: nn.Module, save_directory: Any, *args: Any, state_dict: dict | None = None,
+                    **kwargs: Any) -> Any:
+    """transformers' `save_pretrained` of `model`, of `dense_state_dict(model)` unless a `state_dict` is given."""
+    state = dense_state_dict(model) if state_dict is None else state_dict
+    return type(model).save_pretrained(model, save_directory, *args, state_dict=state, **kwargs)
+
+
+def give_save_pretrained(model: nn.Module) -> None:
+    """Make `model.save_pretrained` (a transformers model's; `push_to_hub` calls it) write the dense state."""
+    if callable(getattr(type(model), "save_pretrained", None)):
+        model.save_pretrained = functools.partial(save_pretrained, model)
+
+
+def _dense(module: nn.Module, shape: tuple[int, int]) -> torch.Tensor:
+    """W * M from a module's packed buffers (not `TileLinear.weight`, which would keep it cached)."""
+    return dense_from_buffers(tuple(getattr(module, n) for n in BUFFER_NAMES), shape, module.block,
+                              module.values.dtype)
+
+
+def _expert_weights(experts: TileExperts, proj: str) -> torch.Tensor:
+    """(E, N, K) W * M of one projection: the CPU fallback's stack, or the grouped kernel's stacked buffers,
+    where each expert takes ceil(N / block rows) whole block rows."""
+    dense = getattr(experts, f"{proj}_dense", None)
+    if dense is not None:
+        return dense.detach().clone()
+    kernel = experts.kernels[proj]
+    n, k, e = kernel.out_features, kernel.in_features, kernel.num_experts
+    rows = math.ceil(n / kernel.block[0]) * kernel.block[0]
+    return _dense(kernel, (e * rows, k)).reshape(e, rows, k)[:, :n].contiguous()
+
+
+__all__ = ["dense_state_dict", "give_save_pretrained", "save_pretrained"]
