@@ -75,6 +75,10 @@ def test_the_bound_backend_names_a_bad_option_and_refuses_options_beside_it(llam
     with pytest.raises(ValueError, match=r"patchc.backend: unknown option\(s\) \['stric'\]"):
         patchc.backend(plan, stric=True)
     torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"its result is the backend: torch.compile\(model, backend=patchc.backend"):
+        with torch.no_grad():
+            torch.compile(pruned, backend=patchc.backend)(ids)  # the class itself, not called
+    torch._dynamo.reset()
     cm = torch.compile(pruned, backend=patchc.backend(plan, tune=False), options={"strict": True})
     with pytest.raises(Exception, match=r"options are bound when it is made"), torch.no_grad():
         cm(ids)

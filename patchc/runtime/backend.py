@@ -133,7 +133,10 @@ class PatchBackend:
 
     __name__ = "patch"
 
-    def __init__(self, plan: Any | None = None, **options: Any) -> None:
+    def __init__(self, plan: Any | None = None, *args: Any, **options: Any) -> None:
+        if isinstance(plan, fx.GraphModule) or args:  # `backend=patchc.backend`: torch called it with a graph
+            raise TypeError("patchc.backend takes the plan and options, and its result is the backend: "
+                            "torch.compile(model, backend=patchc.backend(plan))")
         unknown = sorted(set(options) - set(OPTION_KEYS))
         if unknown:
             raise ValueError(f"patchc.backend: unknown option(s) {unknown}; known: {list(OPTION_KEYS)}")
