@@ -37,7 +37,7 @@ _LAZY = {
     "masks": ("patchc.pruning.mask_files", None),
     "codegen": ("patchc.codegen", None),
     "compile": ("patchc.runtime", "compile"),
-    "backend": ("patchc.runtime.backend", "PatchBackend"),
+    "backend": ("patchc.runtime.bound_backend", "PatchBackend"),
     "runtime": ("patchc.runtime", None),
     "from_pretrained": ("patchc.export", "from_pretrained"),
 }

@@ -155,3 +155,20 @@ def tiny_hf(kind: str):
     )
     torch.manual_seed(0)
     return model_cls(cfg).eval()
+
+
+def tiny_llama_and_24_plan():
+    """A tiny Llama (hidden 64, 2 layers) and a random 2:4 plan of its 14 decoder linears, 16 x 16 tiles; the
+    model keeps its dense weights (`plan.apply` prunes a copy)."""
+    transformers = pytest.importorskip("transformers")
+    from patchc.codegen.reference import random_24_mask
+    from patchc.ir import TilePlan
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(1)
+    weights = {f"{n}.weight": m.weight.detach() * random_24_mask(*m.weight.shape, g)
+               for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    return model, TilePlan.from_weights(weights, tile=(16, 16))

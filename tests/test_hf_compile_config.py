@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import patchc
-from patchc.codegen.reference import random_24_mask
-from patchc.ir import TilePlan
+from tests.conftest import tiny_llama_and_24_plan
 
 transformers = pytest.importorskip("transformers")
 CompileConfig = transformers.CompileConfig
@@ -30,14 +29,7 @@ def reference_on_cpu(monkeypatch):
 @pytest.fixture(scope="module")
 def llama():
     """A tiny Llama, a 2:4 plan of its 14 decoder linears, the plan-applied copy and its greedy tokens."""
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(1)
-    plan = TilePlan.from_weights({f"{n}.weight": m.weight.detach() * random_24_mask(*m.weight.shape, g)
-                                  for n, m in model.named_modules()
-                                  if isinstance(m, torch.nn.Linear) and ".layers." in n}, tile=(16, 16))
+    model, plan = tiny_llama_and_24_plan()
     pruned = plan.apply(copy.deepcopy(model))
     ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

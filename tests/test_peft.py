@@ -14,10 +14,9 @@ import pytest
 import torch
 
 import patchc
-from patchc.codegen.reference import random_24_mask
-from patchc.ir import TilePlan
 from patchc.ir.targets import find_param, peft_free
 from patchc.runtime.dispatch import TileLinear
+from tests.conftest import tiny_llama_and_24_plan
 
 peft = pytest.importorskip("peft", reason="peft is in the test extra: pip install -e '.[test]'")
 transformers = pytest.importorskip("transformers")
@@ -30,18 +29,6 @@ def reference_on_cpu(monkeypatch):
     monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
 
 
-def _llama_and_plan():
-    """A tiny Llama and a 2:4 plan of its 14 decoder linears, made before any adapter exists."""
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(1)
-    weights = {f"{n}.weight": m.weight.detach() * random_24_mask(*m.weight.shape, g)
-               for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
-    return model, TilePlan.from_weights(weights, tile=(16, 16))
-
-
 def _lora(model: torch.nn.Module) -> torch.nn.Module:
     """LoRA on q_proj and v_proj with non-zero B, so the adapters change the outputs."""
     config = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
@@ -49,8 +36,23 @@ def _lora(model: torch.nn.Module) -> torch.nn.Module:
     return peft.get_peft_model(copy.deepcopy(model), config).eval()
 
 
+def _served_by_the_backend(dense_lora, pruned_lora, plan, seed: int) -> int:
+    """The planned weights the backend's graphs of `dense_lora` served, once it gave `pruned_lora`'s logits
+    (strict: none left dense) and `unserved(plan)` is empty."""
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(seed))
+    counts = []
+    torch._dynamo.reset()
+    cm = torch.compile(dense_lora, backend="patch", options={"plan": plan, "strict": True, "tune": False,
+                                                             "graph_callback": lambda gm, n: counts.append(n)})
+    with torch.no_grad():
+        torch.testing.assert_close(cm(ids).logits, pruned_lora(ids).logits, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    assert patchc.runtime.unserved(plan) == {}
+    return sum(counts)
+
+
 def test_plan_names_find_the_weights_peft_moved():
-    model, plan = _llama_and_plan()
+    model, plan = tiny_llama_and_24_plan()
     wrapped = _lora(model)
     q = "model.layers.0.self_attn.q_proj.weight"
     assert find_param(wrapped, q) == "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
@@ -63,7 +65,7 @@ def test_plan_names_find_the_weights_peft_moved():
 
 
 def test_patchc_compile_serves_the_base_weights_and_keeps_the_adapters():
-    model, plan = _llama_and_plan()
+    model, plan = tiny_llama_and_24_plan()
     pruned_lora = _lora(plan.apply(copy.deepcopy(model)))
     dense_lora = _lora(model)  # the same adapters (same seed) on the dense weights
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
@@ -77,24 +79,16 @@ def test_patchc_compile_serves_the_base_weights_and_keeps_the_adapters():
 
 
 def test_the_backend_serves_the_base_weights_and_keeps_the_adapters():
-    model, plan = _llama_and_plan()
+    model, plan = tiny_llama_and_24_plan()
     pruned_lora = _lora(plan.apply(copy.deepcopy(model)))
     dense_lora = _lora(model)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
-    counts = []
-    torch._dynamo.reset()
-    cm = torch.compile(dense_lora, backend="patch", options={"plan": plan, "strict": True, "tune": False,
-                                                             "graph_callback": lambda gm, n: counts.append(n)})
-    with torch.no_grad():
-        torch.testing.assert_close(cm(ids).logits, pruned_lora(ids).logits, atol=1e-5, rtol=1e-5)
-    torch._dynamo.reset()
-    assert sum(counts) == 14 and patchc.runtime.unserved(plan) == {}
+    assert _served_by_the_backend(dense_lora, pruned_lora, plan, seed=3) == 14
 
 
 def test_generate_through_the_backend_keeps_the_adapted_pruned_models_tokens():
     """generate() on the LoRA-wrapped dense model, its inner model's forward compiled with the plan: three
     graphs (prompt, first step, dynamic length), each serving all 14 planned weights by their PEFT names."""
-    model, plan = _llama_and_plan()
+    model, plan = tiny_llama_and_24_plan()
     wrapped, reference = _lora(model), _lora(plan.apply(copy.deepcopy(model)))
     inner = wrapped.base_model.model
     counts = []
@@ -112,7 +106,7 @@ def test_generate_through_the_backend_keeps_the_adapted_pruned_models_tokens():
 def test_a_graph_break_inside_each_lora_layer_still_serves_its_base_weight(monkeypatch):
     """A break in a LoRA layer's forward starts a graph inside it, which reads the base weight as
     "base_layer.weight" and is reused for all four wrapped linears: each is matched by its values and served."""
-    model, plan = _llama_and_plan()
+    model, plan = tiny_llama_and_24_plan()
     dense_lora, pruned_lora = _lora(model), _lora(plan.apply(copy.deepcopy(model)))
     lora_forward = peft.tuners.lora.layer.Linear.forward
 
@@ -121,13 +115,4 @@ def test_a_graph_break_inside_each_lora_layer_still_serves_its_base_weight(monke
         return lora_forward(self, x, *args, **kwargs)
 
     monkeypatch.setattr(peft.tuners.lora.layer.Linear, "forward", forward_after_a_break)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
-    counts = []
-    torch._dynamo.reset()
-    cm = torch.compile(dense_lora, backend="patch", options={"plan": plan, "strict": True, "tune": False,
-                                                             "graph_callback": lambda gm, n: counts.append(n)})
-    with torch.no_grad():
-        torch.testing.assert_close(cm(ids).logits, pruned_lora(ids).logits, atol=1e-5, rtol=1e-5)
-    torch._dynamo.reset()
-    assert patchc.runtime.unserved(plan) == {}
-    assert sum(counts) == 14, counts  # the four LoRA graphs serve one base weight each, the rest the other ten
+    assert _served_by_the_backend(dense_lora, pruned_lora, plan, seed=5) == 14  # 4 LoRA graphs serve one each

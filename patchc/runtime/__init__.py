@@ -10,8 +10,9 @@ It takes a `TilePlan` (and codegen's packed layers and launcher) and swaps a mod
 Modules: `op` (custom op + fake implementation), `candidates` (the candidate configs per GPU generation),
 `timing` (timing a layer's configs), `tuner` (decode, prefill and per-M-bucket tuning), `cache` (on-disk
 JSON cache), `dispatch` (TileLinear; `warmup` before CUDA-graph capture), `compile` (patchc.compile),
-`backend` (the dynamo backend `patch_backend`), `matmul_reads` (the matmul forms the backend recognises
-on a weight: linear, x @ W.T, matmul / mm, Conv1D addmm, einsum), `grouped` (fused MoE experts under the
+`backend` (the dynamo backend `patch_backend`; `bound_backend`: `patchc.backend(plan)`, its options
+bound), `matmul_reads` (the matmul forms the backend recognises on a weight: linear, x @ W.T, matmul / mm,
+Conv1D addmm, einsum), `grouped` (fused MoE experts under the
 backend: the grouped mm it recognises), `grouped_op` (`patchc::tile_grouped_mm` and `TileGroupedLinear`:
 every expert of a 3-D weight in one launch), `packs` (the backend's packed modules, shared by all the graphs
 dynamo compiles for one model), `graph_names` (a graph's weights named as the plan names them, also in graphs

@@ -119,39 +119,6 @@ def patch_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) 
     return PerWeights(build, checked, (example_inputs, first))
 
 
-class PatchBackend:
-    """The patch backend with its options bound (`patchc.backend`): ``torch.compile(model, backend=
-    patchc.backend(plan), mode="reduce-overhead")``, where ``options=`` would have to carry the mode.
-
-    A deep copy is the same backend: transformers' ``CompileConfig``, which deep-copies its fields, then serves
-    the plan `unserved(plan)` is asked about, and packs no copy of it.
-
-    Example:
-        >>> model.generate(ids, cache_implementation="static",
-        ...                compile_config=CompileConfig(backend=patchc.backend(plan)))  # doctest: +SKIP
-    """
-
-    __name__ = "patch"
-
-    def __init__(self, plan: Any | None = None, *args: Any, **options: Any) -> None:
-        if isinstance(plan, fx.GraphModule) or args:  # `backend=patchc.backend`: torch called it with a graph
-            raise TypeError("patchc.backend takes the plan and options, and its result is the backend: "
-                            "torch.compile(model, backend=patchc.backend(plan))")
-        unknown = sorted(set(options) - set(OPTION_KEYS))
-        if unknown:
-            raise ValueError(f"patchc.backend: unknown option(s) {unknown}; known: {list(OPTION_KEYS)}")
-        self.options = {**options, "plan": plan} if plan is not None else options
-
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
-        if kwargs.get("options"):
-            raise ValueError("patchc.backend: options are bound when it is made (patchc.backend(plan, strict=True)); "
-                             "torch.compile's options= would replace them")
-        return patch_backend(gm, example_inputs, mode=kwargs.get("mode"), options=self.options)
-
-    def __deepcopy__(self, memo: dict) -> PatchBackend:
-        return self
-
-
 def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any],
                     fqns: list[str | None] | None = None) -> tuple[fx.GraphModule, list[torch.Tensor], Any, list[int]]:
     """A copy of `gm` whose planned matmul reads call `patchc::tile_linear`, the packed tensors, the packed
