@@ -15,7 +15,8 @@ layers, 4 heads, 4 experts, ...) and runs:
     masks    `patchc.transform` masks at least one weight; the ones mask reproduces the model
     plan     `harden` -> `plan.apply` equals the eval-mode program
     compile  `patchc.compile` equals the plan-applied model; layers it keeps dense (read in a form the
-             runtime does not serve) are counted, not failed
+             runtime does not serve) are counted, not failed; what its `save_pretrained` writes
+             (`dense_state_dict`) is the plan-applied model's state dict, key for key and value for value
     backend  `torch.compile(model, backend="patch", options={"plan": plan})` equals it too; the graphs dynamo
              hands the backend and the planned layers they leave dense are counted
     generate `model.generate()` (greedy, 6 tokens, KV cache) with the forward compiled by the backend gives
@@ -133,6 +134,7 @@ def check(model_type: str, experts: str | None = None) -> dict[str, Any]:
         out["kept_dense"] = sum(1 for name in plan.layers if not any(name.startswith(s + ".") for s in served))
         with torch.no_grad():
             torch.testing.assert_close(fast(ids, use_cache=False).logits, applied, atol=1e-4, rtol=1e-4)
+        _check_saved(fast, pruned)
         del fast
         out["passed"], stage = "compile", "backend"
         if experts is not None and getattr(model, "_can_set_experts_implementation", lambda: False)():
@@ -146,6 +148,18 @@ def check(model_type: str, experts: str | None = None) -> dict[str, Any]:
         out["failed"] = stage
         out["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
     return out
+
+
+def _check_saved(fast: Any, pruned: Any) -> None:
+    """The compiled model's `save_pretrained` state is the plan-applied model's state dict, exactly."""
+    import torch
+
+    from patchc.runtime.saving import dense_state_dict
+
+    got, want = dense_state_dict(fast), pruned.state_dict()
+    assert got.keys() == want.keys(), f"save_pretrained's state differs in keys {sorted(set(got) ^ set(want))[:4]}"
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, atol=0, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def _check_backend(model: Any, plan: Any, ids: Any, expected: Any) -> dict[str, int]:
