@@ -362,6 +362,9 @@ def test_a_plan_made_on_a_submodule_is_served_by_the_backend_and_named_by_patchc
                                                r"names layers from submodule 'body' \(compile that: "
                                                r"model\.body = patchc\.compile\(model\.body, plan\)"):
         patchc.compile(model, plan, tune=False)
+    with pytest.raises(patchc.PlanError, match=r"from submodule '0' \(compile that: patchc\.compile\(model\."
+                                               r"get_submodule\('0'\), plan\)"):  # not an attribute path
+        patchc.compile(nn.Sequential(model.body), plan, tune=False)
     model.body = patchc.compile(model.body, plan, tune=False)  # what the message says to do
     with torch.no_grad():
         torch.testing.assert_close(model(x), pruned(x), atol=1e-5, rtol=1e-5)
