@@ -3,7 +3,8 @@
 Before, it wrote each replaced linear's packed buffers: transformers loaded the folder with those weights
 missing, initialised at random, and only printed a load report. The folder must load with transformers
 alone and give the plan-applied model's logits: Llama (nn.Linear), GPT-2 (Conv1D, stored (K, N)), and
-Qwen3-MoE's fused experts, from the CPU fallback's W * M and from the grouped kernels' stacked buffers.
+fused experts (Qwen3-MoE, Llama 4 stored (E, K, N), gpt-oss with biases), from the CPU fallback's W * M and
+from the grouped kernels' stacked buffers.
 """
 
 from __future__ import annotations
@@ -64,10 +65,11 @@ def test_a_compiled_model_saves_the_pruned_model_transformers_loads(family, tmp_
     assert {n: lp.n_sparse for n, lp in again.layers.items()} == {n: lp.n_sparse for n, lp in plan.layers.items()}
 
 
-def test_fused_experts_save_as_their_3d_weights_from_either_form(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4", "gpt_oss"])  # (E, N, K); (E, K, N); with biases
+def test_fused_experts_save_as_their_3d_weights_from_either_form(family, tmp_path):
     from tests.test_families import TILE, exported
 
-    case, ep = exported("qwen3_moe")
+    case, ep = exported(family)
     plan = patchc.harden(patchc.transform(ep, patchc.PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5)))
     pruned = plan.apply(copy.deepcopy(case.model))
     fast = patchc.compile(case.model, plan, tune=False)
