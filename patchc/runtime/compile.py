@@ -76,7 +76,8 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     replaced modules read is never written: on a CPU model with `device="cuda"`, the planned weights never
     take their dense size anywhere (`from_pretrained` loads so). `release_plan`: drop each replaced layer from
     `plan.layers` once it is packed, so its memory goes as the model fills (for a plan not used again; a
-    plan read off the model's zeros is always released).
+    plan read off the model's zeros is always released). A transformers model's `save_pretrained` then writes the
+    pruned model it serves, W * M in each replaced weight's place (`patchc.runtime.saving`).
 
     Example:
         >>> fast = patchc.compile(model, plan, tune=False)   # CPU: reference kernels, default configs

@@ -53,8 +53,8 @@ def record_weights(taken: Iterable[torch.Tensor], served: Iterable[torch.Tensor]
     patchc ops, `left` (with why) were inferred as planned and left dense."""
     for w in taken:
         _WEIGHTS.setdefault(w, [False, None])
-    for w in served:
-        _WEIGHTS[w][0] = True
+    for w in served:  # setdefault: whatever the backend serves counts, `taken` or not
+        _WEIGHTS.setdefault(w, [False, None])[0] = True
     for w, why in left:
         entry = _WEIGHTS.setdefault(w, [False, None])
         entry[1] = entry[1] or why
