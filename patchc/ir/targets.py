@@ -95,12 +95,15 @@ def find_param(model: nn.Module, fqn: str) -> str | None:
 def peft_free(fqn: str) -> str:
     """The name a parameter PEFT holds as `fqn` has in the model PEFT wrapped (`find_param`'s inverse).
 
+    A name relative to a LoRA layer ("base_layer.weight", read in a graph that starts inside its forward) is
+    relative to the linear it wraps ("weight").
+
     Example:
         >>> peft_free("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
         'model.layers.0.self_attn.q_proj.weight'
     """
     fqn = fqn[len(PEFT_PREFIX):] if fqn.startswith(PEFT_PREFIX) else fqn
-    return fqn.replace(".base_layer.", ".")
+    return ("." + fqn).replace(".base_layer.", ".")[1:]
 
 
 def _guess(model: nn.Module, name: str) -> Target | None:

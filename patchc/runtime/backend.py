@@ -151,7 +151,7 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict
         coverage.record(plan, [names[r.weight] for r in [*served, *served_grouped]], left,
                         {c: why for why, ends in unmatched.values() for c in ends})
     else:
-        by_name = {names[r.weight].removesuffix(".*"): examples[r.weight] for r in [*reads, *grouped]}
+        by_name = {names[r.weight]: examples[r.weight] for r in [*reads, *grouped]}  # left names 3-D ones "<w>.*"
         coverage.record_weights([v for v in examples.values() if isinstance(v, torch.nn.Parameter)],
                                 [examples[r.weight] for r in [*served, *served_grouped]],
                                 [(by_name[n.removesuffix(".*")], why) for n, why in left.items()

@@ -127,7 +127,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
             on = device or module.weight.device  # a model split over devices keeps each layer on its own
             mod = TileLinear.from_plan(layer, tunings.get(fqn), dtype=module.weight.dtype, device=on,
                                        batch_size=batch_size, prefill_len=prefill_len)
-            mod.stored_kn = is_conv1d(module)  # saved back as (K, N): `patchc.runtime.saving`
+            mod.stored_kn = is_conv1d(module)
             # the plan's bias goes to the weight's owner (as plan.apply writes it); tied users keep their own
             bias = getattr(module, "bias", None)
             if layer.bias is not None and module is owner and _same_shape(bias, layer.bias):

@@ -38,12 +38,20 @@ from patchc.runtime.timing import compile_ahead, compile_ahead_each, packed_buff
 from patchc.runtime.tuner import LayerTuning, default_tuning
 
 
+def packed_dense(module: nn.Module, shape: tuple[int, int]) -> torch.Tensor:
+    """W * M (`shape`) in the module's dtype, rebuilt from its packed buffers (`BUFFER_NAMES`, `block`)."""
+    return dense_from_buffers(tuple(getattr(module, n) for n in BUFFER_NAMES), shape, module.block,
+                              module.values.dtype)
+
+
 class TileLinear(nn.Module):
     """Hybrid dense / 2:4 linear: y = x @ W_hat^T (+ bias) through `patchc::tile_linear`.
 
     Example:
         >>> mod = TileLinear.from_plan(layer, tuning=None, dtype=torch.float16, device="cuda")  # doctest: +SKIP
     """
+
+    stored_kn = False  # replaced a Conv1D, whose weight is stored (K, N): saved back so (`patchc.runtime.saving`)
 
     def __init__(self, packed: Any, tuning: LayerTuning, dtype: torch.dtype | None = None, device: Any = None,
                  semi_weight: torch.Tensor | None = None) -> None:
@@ -107,9 +115,7 @@ class TileLinear(nn.Module):
         dtype, device = self.values.dtype, self.values.device
         cached = self._weight_cache
         if cached is None or cached.dtype != dtype or cached.device != device:
-            buffers = tuple(getattr(self, n) for n in BUFFER_NAMES)
-            cached = self._weight_cache = dense_from_buffers(buffers, (self.out_features, self.in_features),
-                                                             self.block, dtype)
+            cached = self._weight_cache = packed_dense(self, (self.out_features, self.in_features))
         return cached
 
     @weight.setter

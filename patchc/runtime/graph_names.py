@@ -82,8 +82,7 @@ def parameter_names(examples: dict[fx.Node, Any], plan: Any | None,
             continue
         if fqn not in planned and peft_free(fqn) in planned:  # a LoRA-wrapped model, planned before wrapping
             fqn = peft_free(fqn)
-        # a graph that starts inside a LoRA layer's forward reads its base weight as "base_layer.weight"
-        stem = fqn.removeprefix("base_layer.") if fqn.startswith("base_layer.") else peft_free(fqn)
+        stem = peft_free(fqn)  # a graph that starts inside a LoRA layer reads its base weight as "base_layer.weight"
         ends = [p for p in planned if _related(p, stem) and _fits(value, plan.layers[planned[p]])] \
             if fqn not in planned else []
         held = [p for p in ends if _holds(value, plan.layers[planned[p]])]

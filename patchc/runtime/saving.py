@@ -24,8 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchc.codegen.layout import dense_from_buffers
-from patchc.runtime.dispatch import BUFFER_NAMES, TileExperts, TileLinear
+from patchc.runtime.dispatch import BUFFER_NAMES, TileExperts, TileLinear, packed_dense
 
 
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -42,8 +41,8 @@ def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, TileLinear):
             for name in BUFFER_NAMES:
                 state.pop(prefix + name, None)
-            w = _dense(module, (module.out_features, module.in_features))
-            state[prefix + "weight"] = w.t().contiguous() if getattr(module, "stored_kn", False) else w
+            w = packed_dense(module, (module.out_features, module.in_features))
+            state[prefix + "weight"] = w.t().contiguous() if module.stored_kn else w
         elif isinstance(module, TileExperts):
             dropped = {f"{prefix}{proj}_dense" for proj in module.names}
             for key in [k for k in state if k in dropped or k.startswith(f"{prefix}kernels.")]:
@@ -67,22 +66,16 @@ def give_save_pretrained(model: nn.Module) -> None:
         model.save_pretrained = functools.partial(save_pretrained, model)
 
 
-def _dense(module: nn.Module, shape: tuple[int, int]) -> torch.Tensor:
-    """W * M from a module's packed buffers (not `TileLinear.weight`, which would keep it cached)."""
-    return dense_from_buffers(tuple(getattr(module, n) for n in BUFFER_NAMES), shape, module.block,
-                              module.values.dtype)
-
-
 def _expert_weights(experts: TileExperts, proj: str) -> torch.Tensor:
     """(E, N, K) W * M of one projection: the CPU fallback's stack, or the grouped kernel's stacked buffers,
     where each expert takes ceil(N / block rows) whole block rows."""
     dense = getattr(experts, f"{proj}_dense", None)
     if dense is not None:
-        return dense.detach().clone()
+        return dense.detach()  # a state dict holds the module's own tensors
     kernel = experts.kernels[proj]
     n, k, e = kernel.out_features, kernel.in_features, kernel.num_experts
     rows = math.ceil(n / kernel.block[0]) * kernel.block[0]
-    return _dense(kernel, (e * rows, k)).reshape(e, rows, k)[:, :n].contiguous()
+    return packed_dense(kernel, (e * rows, k)).reshape(e, rows, k)[:, :n].contiguous()
 
 
 __all__ = ["dense_state_dict", "give_save_pretrained", "save_pretrained"]
