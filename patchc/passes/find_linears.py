@@ -165,6 +165,21 @@ def _parameter(gm: fx.GraphModule, target: str) -> torch.Tensor | None:
     return value
 
 
+def name_tied_weights_first(gm: fx.GraphModule) -> None:
+    """Make every get_attr of a tied weight read it under its first name, as `named_parameters()`, state dicts
+    and dynamo name it: `ep.module()` may read it under a later one (Zamba's attention block, shared by
+    layers 1 and 3, as `layers.3...`), and a plan under that name would be left dense by the backend."""
+    first = {id(p): name for name, p in gm.named_parameters()}  # tied weights: the first name only
+    renamed = False
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            name = first.get(id(_parameter(gm, node.target)), node.target)
+            renamed |= name != node.target
+            node.target = name
+    if renamed:
+        gm.recompile()
+
+
 def _weight_of(gm: fx.GraphModule, node: fx.Node, outer: Regions | None = None) -> tuple[str, torch.Tensor] | None:
     """(FQN, tensor) of the floating parameter `node` reads through transposes / casts, or None."""
     traced = _trace_weight(node, outer)
@@ -226,6 +241,7 @@ class AnnotateLinears(PassBase):
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         self.sites, self.skipped = [], {}
+        name_tied_weights_first(gm)
         self.regions = region_inputs(gm)
         embedded = _embedding_tensors(gm, self.regions)
         for node in all_nodes(gm):

@@ -37,8 +37,8 @@ Options (all optional): plan, tile, batch_size (16), prefill_len (128), tune (Tr
 cache-backed; "cached"; False), cache, inner ("inductor" / "aot_eager" / "eager" / any backend name),
 mode (inductor's, e.g. "reduce-overhead": torch.compile takes ``mode=`` or ``options=``, not both),
 strict (False), graph_callback (called with the rewritten GraphModule and the number of replaced
-matmuls; for tests). A tied weight is matched under the name dynamo saw first (e.g. the embedding's),
-so plan such layers under that name or use `patchc.compile`.
+matmuls; for tests). A tied weight is matched under the name dynamo saw first (e.g. the embedding's), as
+`patchc.transform` names it; a plan naming it otherwise needs `patchc.compile`.
 
 Example:
     >>> cm = torch.compile(model, backend="patch", options={"plan": plan})   # doctest: +SKIP
@@ -57,6 +57,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
+from patchc.ir.targets import peft_free
 from patchc.runtime import coverage
 from patchc.runtime.dispatch import BUFFER_NAMES, TileLinear, report_unreplaced
 from patchc.runtime.grouped import (GroupedRead, bmm_operands, bmm_result, find_grouped_reads, gathered_operands,
@@ -167,7 +168,7 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     modules = {node_map[n]: v for n, v in modules.items()}
     extra, attrs = _attach(gm, [*modules.values(), *experts.values()], placeholders)
     for read in served:
-        _replace(gm, read, node_map, *modules[node_map[read.weight]], attrs)
+        _replace(gm, read, node_map, *modules[node_map[read.weight]], attrs, _adds_owner_bias(read, params))
     sorts: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}  # batched_mm: one sort by expert per routing
     for read in served_grouped:
         _replace_grouped(gm, read, node_map, *experts[read.weight], attrs, sorts)
@@ -190,14 +191,27 @@ def _report_unmatched(unmatched: dict[str, tuple[str, list[str]]]) -> None:
                       + "; ".join(f"{name} ({why})" for name, (why, _) in unmatched.items()), stacklevel=3)
 
 
+def _adds_owner_bias(read: Read, params: dict[fx.Node, str]) -> bool:
+    """Whether `read` adds the bias of its weight's own module, which the plan's bias stands for (plan.apply
+    writes it there). A tied weight read by another module (Zamba's shared block) adds that module's bias."""
+    if not isinstance(read.bias, fx.Node):
+        return False
+    weight, bias = params.get(read.weight), params.get(read.bias)
+    if weight is None or bias is None:
+        return True
+    owner, module = weight.rpartition(".")[0], peft_free(bias).rpartition(".")[0]
+    return owner == module or owner.endswith("." + module) or module.endswith("." + owner)
+
+
 def _replace(gm: fx.GraphModule, read: Read, node_map: dict[fx.Node, fx.Node], name: str, mod: TileLinear,
-             attrs: dict[str, fx.Node]) -> None:
-    """Swap one read (in the copied graph) for tile_linear(x) with the plan's bias, else the model's."""
+             attrs: dict[str, fx.Node], plan_bias: bool) -> None:
+    """Swap one read (in the copied graph) for tile_linear(x) plus the bias it adds: the plan's where it adds
+    its weight owner's (`plan_bias`), else its own."""
     node = node_map[read.node]
     x = node_map.get(read.x, read.x)
     bias = node_map.get(read.bias, read.bias) if isinstance(read.bias, fx.Node) else read.bias
     add_after = None
-    if mod.bias is not None:
+    if mod.bias is not None and plan_bias:
         bias = attrs[f"{name}_bias"]
     elif isinstance(bias, fx.Node) and read.form == "addmm":
         add_after, bias = bias, None  # addmm broadcasts its bias: added after the op, any shape
