@@ -54,9 +54,28 @@ SMALL = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, sha
              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
              mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, sliding_window=8,
              max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)
-# Fields a config leaves None until a kind of layer needs them (Qwen4's QSA indexer): set when present.
-UNSET = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4)
+             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+             rotary_dim=8, d_head=16, num_experts_per_token=2, num_expert_group=1, linear_num_heads=4,
+             linear_head_dim=16, expert_ffn_hidden_size=32, mamba_d_ssm=128, mamba_headdim=16, index_n_heads=2,
+             index_head_dim=16, index_topk=8, attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=8)
+# Fields a config leaves None until a kind of layer needs them (Qwen4's QSA indexer) or derives later (a
+# head_dim of hidden / heads): set when present.
+UNSET = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+             head_dim=16, num_key_value_heads=2, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1)
+# Types whose validators tie sizes the rule cannot know (checked against transformers 5.24); "layers" is
+# the layer count to shrink to.
+FITS: dict[str, dict[str, Any]] = {
+    "mamba2": dict(num_heads=8),  # num_heads * head_dim = hidden * expand
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),  # expands to one kind per layer
+    "zaya": dict(num_experts_per_tok=1),  # its router supports top-1 only
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "zamba": dict(layers=4, attn_layer_period=2, attn_layer_offset=1),  # two layers share one attention block
+    "zamba2": dict(hybrid_layer_ids=[1]),
+    # counted in blocks, an attention block then an mlp block per layer: three layers
+    "dory": dict(layers=6, n_input_layers=2, n_recurrent_layers=2, n_output_layers=2,
+                 layer_types=["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]),
+    "gemma3n_text": dict(vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, num_kv_shared_layers=0),
+}
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
                 "num_layers_per_stack")
 PER_LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type")
@@ -65,22 +84,28 @@ PER_LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type")
 def shrink(d: dict[str, Any], layers: int = 2) -> dict[str, Any]:
     """A config dict made tiny by rule: SMALL's fields, `layers` layers (per-layer lists cut to match, each
     kind of layer kept once where they fit), nested text / decoder configs too."""
-    d = dict(d)
+    original, d = d, dict(d)
     for key, value in SMALL.items():
-        if isinstance(d.get(key), int) and not isinstance(d.get(key), bool):
+        if _is_int(d.get(key)):
             d[key] = value
     d.update({key: value for key, value in UNSET.items() if key in d and d[key] is None})
     if isinstance(d.get("kv_lora_rank"), int) and isinstance(d.get("num_key_value_heads"), int):
         d["num_key_value_heads"] = d["num_attention_heads"]  # multi-head latent attention: one latent per head
+    _keep_latent_sizes(original, d)
+    counts = {original[key] for key in LAYER_COUNTS if _is_int(original.get(key))}
     for key in LAYER_COUNTS:
-        if isinstance(d.get(key), int):
+        if _is_int(d.get(key)):
             d[key] = layers
+    for key, value in d.items():  # any other list with one entry per layer: cut, each int entry made small
+        if key not in PER_LAYER_LISTS and isinstance(value, (list, tuple)) and value and len(value) in counts:
+            small = SMALL.get(key.removesuffix("_per_layer"))
+            d[key] = [small if small is not None and _is_int(v) else v for v in value[:layers]]
     for key in PER_LAYER_LISTS:
         if isinstance(d.get(key), (list, tuple)) and d[key]:
             d[key] = (list(dict.fromkeys(d[key])) * layers)[:layers]
     per_layer = d.get("per_layer_config")
     if isinstance(per_layer, dict) and per_layer:  # heterogeneous configs (Gemma 4): keep the first overrides
-        d["per_layer_config"] = {str(i).zfill(len(k)): {f: (32 if f == "head_dim" else v) for f, v in sub.items()}
+        d["per_layer_config"] = {str(i).zfill(len(k)): _small_overrides(sub)
                                  for i, (k, sub) in enumerate(sorted(per_layer.items())[:layers])}
     for key in ("text_config", "decoder_config"):
         if isinstance(d.get(key), dict):
@@ -88,12 +113,50 @@ def shrink(d: dict[str, Any], layers: int = 2) -> dict[str, Any]:
     return d
 
 
+def _small_overrides(sub: dict[str, Any]) -> dict[str, Any]:
+    """A layer's own overrides made small: head_dim 32 (Gemma 4's global layers), other sizes as SMALL's."""
+    sub = {f: 32 if f == "head_dim" else SMALL[f] if f in SMALL and _is_int(v) else v for f, v in sub.items()}
+    if "kv_lora_rank" in sub and "num_key_value_heads" in sub:
+        sub["num_key_value_heads"] = sub.get("num_attention_heads", SMALL["num_attention_heads"])
+    return sub
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _keep_latent_sizes(original: dict[str, Any], d: dict[str, Any]) -> None:
+    """Multi-head latent attention's derived sizes keep their relation to the parts: a query head of nope +
+    rope dims, and a head_dim that is either that sum (dots3) or the rope part alone (DeepSeek-V3)."""
+    if not all(_is_int(original.get(k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim")):
+        return
+    nope, rope = original["qk_nope_head_dim"], original["qk_rope_head_dim"]
+    if _is_int(d.get("qk_head_dim")):
+        d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
+    if _is_int(d.get("head_dim")):
+        if original["head_dim"] == rope:
+            d["head_dim"] = d["qk_rope_head_dim"]
+        elif original["head_dim"] == nope + rope:
+            d["head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
+
+
+def tiny_config(model_type: str) -> Any:
+    """The type's default config shrunk by rule, with its FITS entries."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    skip = ("transformers_version", "model_type", "architectures")
+    fits = dict(FITS.get(model_type, {}))
+    small = shrink({k: v for k, v in default.to_dict().items() if k not in skip}, fits.pop("layers", 2))
+    return type(default)(**{**small, **fits})
+
+
 def check(model_type: str, experts: str | None = None) -> dict[str, Any]:
     """Run one type through the stages; {"type", "passed": last stage passed, "error", ...}. `experts`: the
     transformers experts implementation ("batched_mm", ...) the backend and generate stages run the dense
     model with, where the model lets it be set."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import patchc
     from patchc.models.hf_export import export_causal_lm
@@ -103,9 +166,7 @@ def check(model_type: str, experts: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"type": model_type, "passed": None}
     stage = "tiny"
     try:
-        default = AutoConfig.for_model(model_type)
-        skip = ("transformers_version", "model_type", "architectures")
-        config = type(default)(**shrink({k: v for k, v in default.to_dict().items() if k not in skip}))
+        config = tiny_config(model_type)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).eval()
         ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -32,6 +32,31 @@ def test_shrink_makes_every_size_small_and_keeps_each_kind_of_layer(sweep):
     assert config["hidden_size"] == 4096  # the caller's dict is left alone
 
 
+def test_shrink_keeps_derived_sizes_in_step(sweep):
+    """Sizes a config ties to others: a list with one entry per layer (Gemma 3n's widths, Laguna's heads) is cut
+    and its sizes made small; latent attention's head sizes keep their sum (DeepSeek-V3's head_dim is the rope
+    part, dots3's the whole query head); fields left None get a size."""
+    deepseek = {"hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128, "qk_nope_head_dim": 128,
+                "qk_rope_head_dim": 64, "qk_head_dim": 192, "head_dim": 64, "num_experts_per_tok": None,
+                "intermediate_size": [16384] * 61, "num_attention_heads_per_layer": [64] * 61,
+                "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 58}
+    small = sweep.shrink(deepseek)
+    assert (small["qk_nope_head_dim"], small["qk_rope_head_dim"], small["qk_head_dim"], small["head_dim"]) == (8, 8, 16, 8)
+    assert small["intermediate_size"] == [64, 64] and small["num_attention_heads_per_layer"] == [4, 4]
+    assert small["mlp_layer_types"] == ["dense", "sparse"] and small["num_experts_per_tok"] == 2
+    assert sweep.shrink({**deepseek, "head_dim": 192})["head_dim"] == 16
+    assert sweep.shrink({"num_hidden_layers": 32, "layer_types": ["a", "b"] * 16}, layers=4)["layer_types"] == ["a", "b"] * 2
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gptj", "mamba2", "zamba", "dory"])
+def test_the_rule_and_its_table_build_families_it_did_not(sweep, model_type):
+    """Types that did not build tiny under transformers 5.24 before the derived-size rules and FITS."""
+    if model_type not in sweep.model_types():
+        pytest.skip(f"this transformers has no {model_type}")
+    config = sweep.tiny_config(model_type)
+    assert config.num_hidden_layers <= 4 and getattr(config, "hidden_size", 64) == 64
+
+
 def test_a_family_goes_through_every_stage(sweep, monkeypatch):
     monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")  # as the sweep's child processes run
     result = sweep.check("llama")
