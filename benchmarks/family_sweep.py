@@ -14,8 +14,8 @@ layers, 4 heads, 4 experts, ...) and runs:
     export   `export_causal_lm` (dynamic length, else one graph per length)
     masks    `patchc.transform` masks at least one weight; the ones mask reproduces the model
     plan     `harden` -> `plan.apply` equals the eval-mode program
-    compile  `patchc.compile` equals the plan-applied model; layers it keeps dense (read in a form the
-             runtime does not serve) are counted, not failed; what its `save_pretrained` writes
+    compile  `patchc.compile` equals the plan-applied model; layers with a 2:4 tile it keeps dense (read in a
+             form the runtime does not serve) are counted, not failed; what its `save_pretrained` writes
              (`dense_state_dict`) is the plan-applied model's state dict, key for key and value for value
     backend  `torch.compile(model, backend="patch", options={"plan": plan})` equals it too; the graphs dynamo
              hands the backend and the planned layers they leave dense are counted
@@ -75,6 +75,9 @@ FITS: dict[str, dict[str, Any]] = {
     "dory": dict(layers=6, n_input_layers=2, n_recurrent_layers=2, n_output_layers=2,
                  layer_types=["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]),
     "gemma3n_text": dict(vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, num_kv_shared_layers=0),
+    # the nested configs as a released config.json has them (the default's attention config lacks rope_theta)
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(hidden_size=64, ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
 }
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
                 "num_layers_per_stack")
@@ -192,7 +195,8 @@ def check(model_type: str, experts: str | None = None) -> dict[str, Any]:
         out["passed"], stage = "plan", "compile"
         fast = patchc.compile(model, plan, tune=False)
         served = {n for n, m in fast.named_modules() if isinstance(m, (TileLinear, TileExperts))}
-        out["kept_dense"] = sum(1 for name in plan.layers if not any(name.startswith(s + ".") for s in served))
+        out["kept_dense"] = sum(1 for name, layer in plan.layers.items()  # all-dense layers stay F.linear
+                                if layer.n_sparse and not any(name.startswith(s + ".") for s in served))
         with torch.no_grad():
             torch.testing.assert_close(fast(ids, use_cache=False).logits, applied, atol=1e-4, rtol=1e-4)
         _check_saved(fast, pruned)
