@@ -128,6 +128,22 @@ class TinyMLP(nn.Module):
         return self.out(h)
 
 
+class TiedLinears(nn.Module):
+    """a -> mid -> b where b shares a's weight (a block several layers share, as Zamba's), with a bias of its own
+    or none; `b_first` reads the weight through b first (so dynamo names it `b.weight`)."""
+
+    def __init__(self, b_bias: bool = True, b_first: bool = False, dim: int = 32) -> None:
+        super().__init__()
+        self.a, self.mid = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim, bias=b_bias)
+        self.b.weight = self.a.weight
+        self.b_first = b_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, last = (self.b, self.a) if self.b_first else (self.a, self.b)
+        return last(torch.tanh(self.mid(first(x))))
+
+
 @pytest.fixture
 def tiny_mlp() -> TinyMLP:
     torch.manual_seed(0)

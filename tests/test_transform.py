@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import patchc
 from patchc.masking.hybrid_mask import HybridMask
-from tests.conftest import tiny_hf
+from tests.conftest import TiedLinears, tiny_hf
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -315,35 +315,28 @@ def test_a_weight_also_read_inside_a_cond_branch_is_left_dense_and_says_why():
     assert "cond" in prog.skipped["proj.weight"] and "does not rewrite" in prog.skipped["proj.weight"]
 
 
+@pytest.mark.parametrize("b_first", [False, True], ids=["a-read-first", "b-read-first"])
 @pytest.mark.parametrize("b_bias", [True, False], ids=["own-bias", "no-bias"])
-def test_a_weight_two_linears_share_is_one_mask_under_its_first_name_on_every_read(b_bias):
+def test_a_weight_two_linears_share_is_one_mask_under_its_first_name_on_every_read(b_bias, b_first):
     """ep.module() read the tied weight as `a.weight` in one place and `b.weight` in the other; the pass named
     both reads `b.weight` and masked only the second, so the program trained a model its plan did not
     describe (0.33 apart), and the backend, which sees the weight as `a.weight`, served none of it. Each
-    read adds its own module's bias under the backend (it added a's to b's read)."""
-
-    class Tied(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.mid = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
-            self.b = torch.nn.Linear(32, 32, bias=b_bias)
-            self.b.weight = self.a.weight
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.b(torch.tanh(self.mid(self.a(x))))
-
+    read adds its own module's bias, in the plan (a's only) and under the backend (it added a's to b's
+    read). Read through `b` first, dynamo names the weight `b.weight` (Zamba2's shared adapters): it is
+    matched to `a.weight` by its values."""
     torch.manual_seed(0)
-    model, x = Tied().eval(), torch.randn(3, 32)
+    model, x = TiedLinears(b_bias, b_first).eval(), torch.randn(3, 32)
     prog = patchc.transform(model, patchc.PatchConfig(tile=(16, 16), sparsity=0.35, init_std=0.5), example_inputs=(x,))
     assert list(prog.layers) == ["a.weight", "mid.weight"]  # named as model.named_parameters() names it
     seen: list[str] = []
     with torch.no_grad(), prog.observe_inputs(lambda fqn, _: seen.append(fqn)):
         prog(x)
-    assert seen == ["a.weight", "mid.weight", "a.weight"]  # both reads go through the one mask
+    assert seen == ["a.weight", "mid.weight", "a.weight"]  # both reads go through the one mask, whichever first
     prog.eval()
     with torch.no_grad():
         y = prog(x)
         plan = patchc.harden(prog)
+        assert torch.equal(plan.layers["a.weight"].bias, model.a.bias)
         assert torch.equal(plan.apply(copy.deepcopy(model))(x), y)
         torch._dynamo.reset()
         served = torch.compile(model, backend="patch", options={"plan": plan, "tune": False})(x)

@@ -52,9 +52,12 @@ def budget_tiles(prog: MaskedProgram) -> dict[str, torch.Tensor]:
 
 
 def _bias(prog: MaskedProgram, fqn: str) -> torch.Tensor | None:
-    for site in prog.sites:
-        if site.fqn == fqn and site.bias is not None:
-            return prog.weight(site.bias).detach()
+    """The bias a read of weight `fqn` adds where it is its own module's (`<module>.bias`, where plan.apply
+    writes it): a weight tied to another module is read with that module's bias too, which stays that
+    module's."""
+    own = fqn.rpartition(".")[0] + ".bias" if "." in fqn else "bias"
+    if any(site.fqn == fqn and site.bias == own for site in prog.sites):
+        return prog.weight(own).detach()
     return None
 
 

@@ -9,6 +9,9 @@ submodule: CTRL's ``CTRLLMHeadModel.forward`` breaks before calling ``self.trans
 (an encoder's and a decoder's ``layers.0.fc1.weight`` both end in the same name). The same goes the other
 way, for a plan made on a submodule of the compiled model (``layers.0.mlp.up_proj.weight`` read as
 ``model.layers.0.mlp.up_proj.weight``), and for a graph that starts inside a LoRA layer (``base_layer.weight``).
+A weight of a block several layers share is read under the path dynamo met it on first, which may not be the
+plan's (`named_parameters()`'s) name: it is matched by its values to a planned weight the graph reads under no
+name.
 
 Example:
     >>> parameter_names({placeholder: weight}, plan, {placeholder: source_fqn(placeholder)})  # doctest: +SKIP
@@ -94,7 +97,26 @@ def parameter_names(examples: dict[fx.Node, Any], plan: Any | None,
                               f"{'none' if not held else 'more than one'} of the planned weights {ends[:3]} "
                               f"{'holds' if not held else 'hold'} its values", held or ends)
         names[node] = fqn
+    _match_aliases(names, examples, plan, planned, unmatched)
     return names, unmatched
+
+
+def _match_aliases(names: dict[fx.Node, str], examples: dict[fx.Node, Any], plan: Any, planned: dict[str, str],
+                   unmatched: dict[str, Any]) -> None:
+    """Rename a weight read under another of its names than the plan's to the planned weight of its shape that
+    no placeholder of this graph carries and whose kept values it holds, if exactly one does. A block shared by
+    several layers has one name per layer; dynamo takes the path it first met the weight on (Zamba2's
+    `layers.3.shared_transformer...adapter_list.1.0.weight`, where the plan, as `named_parameters()`, says
+    `layers.1...`)."""
+    free = [p for p in planned if p not in set(names.values())]
+    for node, fqn in list(names.items()) if free else []:
+        if fqn in planned or fqn in unmatched:
+            continue
+        value = examples[node]
+        held = [p for p in free if _fits(value, plan.layers[planned[p]]) and _holds(value, plan.layers[planned[p]])]
+        if len(held) == 1:
+            names[node] = held[0]
+            free.remove(held[0])
 
 
 def _planned_params(plan: Any | None) -> dict[str, str]:
