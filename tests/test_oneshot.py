@@ -3,6 +3,7 @@ and quality on the real stories260K model (reconstruction error per layer, held-
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -14,7 +15,7 @@ from patchc.pruning.calibrate import InputStats, calibrate
 from patchc.pruning.patterns import mask_24, mask_unstructured, prune_count
 from patchc.pruning.priors import dense_tile_count, nm_prior, tile_prior
 from patchc.pruning.sparsegpt import sparsegpt
-from tests.conftest import STORIES, TINYSTORIES, needs_shared
+from tests.conftest import STORIES, TINYSTORIES, TiedLinears, needs_shared, prune_24
 
 # ---------------------------------------------------------------------------------------------
 # A straightforward reference SparseGPT: column by column, explicit inverse Hessian, updates
@@ -430,6 +431,32 @@ def test_calibrate_program_matches_module(tiny_mlp):
         assert calib_prog[fqn].n_samples == 42
     masks = oneshot(prog, "sparsegpt", "2:4", calib=calib_prog, progress=False)
     assert sorted(masks) == sorted(prog.layers)
+
+
+def test_a_weight_two_linears_share_is_one_layer_calibrated_on_both_reads():
+    """Named as `patchc.transform` names it (its first name), with the inputs of every module that reads it:
+    Zamba2's shared adapters were calibrated under the name of a module that never ran, and `patchc prune`
+    stopped with 'no calibration statistics'."""
+    import patchc
+
+    torch.manual_seed(0)
+    model = TiedLinears(b_first=True).eval()
+    batches = [torch.randn(2, 3, 32) for _ in range(2)]
+    calib = calibrate(model, batches, progress=False)
+    assert sorted(calib) == ["a.weight", "mid.weight"] and calib["a.weight"].n_samples == 2 * calib["mid.weight"].n_samples
+    prog = patchc.transform(model, patchc.PatchConfig(tile=(16, 16)), example_inputs=(batches[0],))
+    from_prog = calibrate(prog, batches, progress=False)
+    torch.testing.assert_close(from_prog["a.weight"].hessian, calib["a.weight"].hessian, rtol=1e-5, atol=1e-6)
+    assert sorted(oneshot(model, "sparsegpt", "2:4", calib=calib, progress=False)) == ["a.weight", "mid.weight"]
+    assert list(patchc.TilePlan.from_linears(prune_24_model(model)).layers) == ["a.weight", "mid.weight"]
+
+
+def prune_24_model(model: nn.Module) -> nn.Module:
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in (model.a, model.mid):
+            m.weight.copy_(prune_24(m.weight))
+    return model
 
 
 @pytest.mark.parametrize("variant", ["joint", "tile"])

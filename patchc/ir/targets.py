@@ -173,12 +173,14 @@ def model_matrices(model: nn.Module) -> dict[str, Target]:
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}  # a tied head
+    first = {id(p): name for name, p in model.named_parameters()}  # a weight modules share: its first name
     out: dict[str, Target] = {}
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
         conv1d = is_conv1d(module)
         if (isinstance(module, nn.Linear) or conv1d) and module is not head and id(module.weight) not in embedded:
-            out[f"{prefix}weight"] = Target(f"{prefix}weight", f"{prefix}weight", None, conv1d)
+            name = first.get(id(module.weight), f"{prefix}weight")
+            out.setdefault(name, Target(name, name, None, conv1d))
         for proj in expert_projections(module):
             param = prefix + proj
             for e in range(getattr(module, proj).shape[0]):
