@@ -70,7 +70,7 @@ FITS: dict[str, dict[str, Any]] = {
     "zaya": dict(num_experts_per_tok=1),  # its router supports top-1 only
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "zamba": dict(layers=4, attn_layer_period=2, attn_layer_offset=1),  # two layers share one attention block
-    "zamba2": dict(hybrid_layer_ids=[1]),
+    "zamba2": dict(layers=4, hybrid_layer_ids=[1, 3]),  # two layers share one attention block
     # counted in blocks, an attention block then an mlp block per layer: three layers
     "dory": dict(layers=6, n_input_layers=2, n_recurrent_layers=2, n_output_layers=2,
                  layer_types=["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]),
