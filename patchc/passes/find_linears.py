@@ -166,9 +166,9 @@ def _parameter(gm: fx.GraphModule, target: str) -> torch.Tensor | None:
 
 
 def name_tied_weights_first(gm: fx.GraphModule) -> None:
-    """Make every get_attr of a tied weight read it under its first name, as `named_parameters()`, state dicts
-    and dynamo name it: `ep.module()` may read it under a later one (Zamba's attention block, shared by
-    layers 1 and 3, as `layers.3...`), and a plan under that name would be left dense by the backend."""
+    """Make every get_attr of a tied weight read it under its first name, as `named_parameters()` and state
+    dicts name it: `ep.module()` may read it under each of its names (Zamba's attention block, shared by layers
+    1 and 3), and the pass would name the plan layer after one read and mask only the reads under that name."""
     first = {id(p): name for name, p in gm.named_parameters()}  # tied weights: the first name only
     renamed = False
     for node in gm.graph.nodes:

@@ -108,7 +108,8 @@ def _match_aliases(names: dict[fx.Node, str], examples: dict[fx.Node, Any], plan
     several layers has one name per layer; dynamo takes the path it first met the weight on (Zamba2's
     `layers.3.shared_transformer...adapter_list.1.0.weight`, where the plan, as `named_parameters()`, says
     `layers.1...`)."""
-    free = [p for p in planned if p not in set(names.values())]
+    carried = set(names.values())
+    free = [p for p in planned if p not in carried]
     for node, fqn in list(names.items()) if free else []:
         if fqn in planned or fqn in unmatched:
             continue
