@@ -6,7 +6,8 @@
 
 tests/test_families.py checks ~30 families with hand-written configs. A transformers release adds families
 faster than that matrix grows, so this sweep shrinks each type's default config by rule (hidden 64, 2
-layers, 4 heads, 4 experts, ...) and runs:
+layers, 4 heads, 4 experts, ...; per-layer lists and latent attention's head sizes kept in step; `FITS` for
+what a validator ties) and runs:
 
     tiny     the config shrinks and the model builds and runs its own forward. Where it does not, the rule
              does not fit that config (a validator, a derived size): the type is "not built", which says

@@ -443,7 +443,8 @@ def test_a_weight_two_linears_share_is_one_layer_calibrated_on_both_reads():
     model = TiedLinears(b_first=True).eval()
     batches = [torch.randn(2, 3, 32) for _ in range(2)]
     calib = calibrate(model, batches, progress=False)
-    assert sorted(calib) == ["a.weight", "mid.weight"] and calib["a.weight"].n_samples == 2 * calib["mid.weight"].n_samples
+    assert sorted(calib) == ["a.weight", "mid.weight"]
+    assert calib["a.weight"].n_samples == 2 * calib["mid.weight"].n_samples  # a's inputs and b's
     prog = patchc.transform(model, patchc.PatchConfig(tile=(16, 16)), example_inputs=(batches[0],))
     from_prog = calibrate(prog, batches, progress=False)
     torch.testing.assert_close(from_prog["a.weight"].hessian, calib["a.weight"].hessian, rtol=1e-5, atol=1e-6)
