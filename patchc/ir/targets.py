@@ -162,6 +162,12 @@ def served_call(experts: nn.Module) -> bool:
     return routed or bmm_experts(experts)
 
 
+def weight_names(module: nn.Module) -> dict[int, str]:
+    """{id(parameter): its name}, a weight several modules share (Zamba's shared block) under its first name, as
+    `named_parameters()` and state dicts give it: the name patchc plans, calibrates and serves it under."""
+    return {id(p): name for name, p in module.named_parameters()}
+
+
 def model_matrices(model: nn.Module) -> dict[str, Target]:
     """{layer name: Target} for every weight matrix of `model` the runtime serves: `nn.Linear` weights, GPT-2
     `Conv1D` weights (stored (K, N)), and each expert's slice of fused-experts weights (`expert_projections`).
@@ -173,7 +179,7 @@ def model_matrices(model: nn.Module) -> dict[str, Target]:
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}  # a tied head
-    first = {id(p): name for name, p in model.named_parameters()}  # a weight modules share: its first name
+    first = weight_names(model)
     out: dict[str, Target] = {}
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
@@ -249,4 +255,4 @@ def recorded_targets(targets: Mapping[str, Target]) -> dict[str, dict]:
 
 __all__ = ["EXPERT_PROJECTIONS", "META_KEY", "PEFT_PREFIX", "Target", "bmm_experts", "expert_projections", "find_param",
            "is_conv1d", "layer_name", "matrix", "model_matrices", "peft_free", "read", "recorded_targets", "resolve",
-           "resolve_layers", "served_call", "stored_kn"]
+           "resolve_layers", "served_call", "stored_kn", "weight_names"]

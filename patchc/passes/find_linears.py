@@ -43,6 +43,7 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from patchc.config import PatchConfig
+from patchc.ir.targets import weight_names
 from patchc.passes.einsum_forms import parse_einsum
 from patchc.passes.regions import Regions, all_nodes, foreign_subgraph, readers, region_inputs
 
@@ -169,7 +170,7 @@ def name_tied_weights_first(gm: fx.GraphModule) -> None:
     """Make every get_attr of a tied weight read it under its first name, as `named_parameters()` and state
     dicts name it: `ep.module()` may read it under each of its names (Zamba's attention block, shared by layers
     1 and 3), and the pass would name the plan layer after one read and mask only the reads under that name."""
-    first = {id(p): name for name, p in gm.named_parameters()}  # tied weights: the first name only
+    first = weight_names(gm)
     renamed = False
     for node in gm.graph.nodes:
         if node.op == "get_attr":

@@ -42,7 +42,7 @@ _MATMUL = (torch.matmul, torch.mm, torch.bmm)
 def _matmul_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(layer name, module) of every nn.Linear / Conv1D, once per module. A weight several modules share (Zamba's
     shared block) is named as `named_parameters()` and `patchc.transform` name it, for each of them."""
-    first = {id(p): name for name, p in model.named_parameters()}
+    first = targets.weight_names(model)
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) or is_conv1d(module):
             yield first.get(id(module.weight), f"{name}.weight" if name else "weight"), module
