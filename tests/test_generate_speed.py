@@ -2,7 +2,8 @@
 workers that change nothing in the output; failures that name the layer; no FP-fusion warning.
 
 Compiles run in one subprocess without TRITON_INTERPRET (this suite's interpreter tests set it) and with
-TRITON_ALWAYS_COMPILE=1, so Triton's own cache cannot make two runs agree by handing back the same bytes.
+TRITON_ALWAYS_COMPILE=1, so Triton's own cache cannot make two runs agree by handing back the same bytes
+(the two worker counts; a layer generated alone then reads the cache).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # arguments, so they must share every compile); c: another shape (shares only what N and K do not enter:
 # the split-K reduction). d: all dense (no kernel).
 SCRIPT = r"""
-import dataclasses, json, sys, torch
+import dataclasses, json, os, sys, torch
 from pathlib import Path
 from patchc.codegen import generate
 from patchc.codegen.compile_pool import CompileError, CompileJob, compile_all
@@ -37,6 +38,7 @@ plan = random_tile_plan({
 })
 generate(plan, out / "w1", workers=1, show_progress=False)
 generate(plan, out / "w2", workers=2)
+os.environ["TRITON_ALWAYS_COMPILE"] = "0"  # compiled just above: what b alone gets is patchc's, not Triton's
 generate(plan, out / "b_alone", workers=1, layers=["b.weight"], show_progress=False)
 generate(plan, out / "c_bf16", workers=1, layers=["c.weight"], show_progress=False, dtype=torch.bfloat16)
 good = CompileJob("splitk_reduce", (("part_ptr", "*fp32"), ("y_ptr", "*fp16"), ("bias_ptr", "*fp16"),
