@@ -32,8 +32,8 @@ plan = random_tile_plan({
     "wide.weight": dict(n=4096, k=4096, tile=(128, 128), kinds="mixed", dtype=torch.float16),
     "wide24.weight": dict(n=4096, k=4096, tile=(128, 128), kinds="sparse", dtype=torch.float16),
 })
-for target in ("sm_80", "sm_90"):
-    generate(plan, sys.argv[1] + "/" + target, target=target)
+for target in ("sm_80", "sm_90"):  # in this process: pytest's other worker has the other core (workers: test_generate_speed)
+    generate(plan, sys.argv[1] + "/" + target, target=target, workers=1, show_progress=False)
 """
 
 
@@ -204,7 +204,7 @@ def test_two_groups_per_load_compiles_under_this_triton_too(tmp_path):
     script = SCRIPT.split("plan = ")[0] + (
         'plan = random_tile_plan({"wide24.weight": dict(n=4096, k=4096, tile=(128, 128), kinds="sparse", '
         'dtype=torch.bfloat16)})\n'
-        'for target in ("sm_80", "sm_90"):\n    generate(plan, sys.argv[1] + "/" + target, target=target)\n')
+        'for target in ("sm_80", "sm_90"):\n    generate(plan, sys.argv[1] + "/" + target, target=target, workers=1)\n')
     env = older_triton_env(None, PATCHC_GROUPS_PER_LOAD="2")
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
