@@ -32,7 +32,9 @@ plan = random_tile_plan({
     "wide.weight": dict(n=4096, k=4096, tile=(128, 128), kinds="mixed", dtype=torch.float16),
     "wide24.weight": dict(n=4096, k=4096, tile=(128, 128), kinds="sparse", dtype=torch.float16),
 })
-for target in ("sm_80", "sm_90"):  # in this process: pytest's other worker has the other core (workers: test_generate_speed)
+# workers=1: compiled in this process, since pytest's other worker has the other core (test_generate_speed
+# covers the worker pool)
+for target in ("sm_80", "sm_90"):
     generate(plan, sys.argv[1] + "/" + target, target=target, workers=1, show_progress=False)
 """
 

@@ -2,18 +2,18 @@
 
 Under the interpreter every call of a `@triton.jit` helper from a kernel re-patches the language first
 (`triton.runtime.interpreter._patch_lang`: `inspect.getmembers` over `tl`, `tl.tensor`, `tl.math`, ...,
-about 0.3 ms a call, Triton 3.6 to 3.9). The launch itself has already patched those modules and undoes
+about 0.3 ms a call; so in Triton 3.6 and 3.9). The launch itself has already patched those modules and undoes
 it when it ends; a helper's patches are never undone, so they only ever re-install what the launch put
 there. patchc's kernels call small helpers for every block (the 2:4 expansion, the split-K partials),
 and that re-patching was a third of the time they take in the interpreter (`patchc bench --dry-run
---parts check`: 32 s, then 22 s on 2 AVX2 cores; every error the same to the bit).
+--parts check`: 32 s, then 21 s on 2 AVX2 cores; every error the same to the bit).
 
 `reuse_launch_patches()` makes a helper call inside a launch skip the re-patching when the launch already
 patched every language module the helper's globals see; anything else goes to Triton's own function.
 It changes nothing on a GPU (no interpreter runs) and leaves an interpreter it does not recognise alone.
 
 Example:
-    >>> reuse_launch_patches()   # once; patchc.codegen.kernels does it when TRITON_INTERPRET=1
+    >>> reuse_launch_patches()   # once; patchc.codegen.launch does it when TRITON_INTERPRET=1
     True
 """
 

@@ -20,7 +20,7 @@ from patchc.codegen.configs import KernelConfig, arch_of, resolve_config
 from patchc.codegen.interpreter import reuse_launch_patches
 from patchc.codegen.layout import PackedLayer, kernel_buffers, per_row_counts
 
-if kernels.INTERPRETED.value:  # on a CPU: the kernels' helper calls then cost a third less
+if kernels.INTERPRETED.value:  # on a CPU: helper calls stop re-patching Triton's language (a third of the time)
     reuse_launch_patches()
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
