@@ -2,9 +2,9 @@
 
 Under the interpreter every call of a `@triton.jit` helper from a kernel re-patches the language first
 (`triton.runtime.interpreter._patch_lang`: `inspect.getmembers` over `tl`, `tl.tensor`, `tl.math`, ...,
-about 0.3 ms a call; so in Triton 3.6 to 3.9, each checked). The launch itself has already patched those modules and undoes
-it when it ends; a helper's patches are never undone, so they only ever re-install what the launch put
-there. patchc's kernels call small helpers for every block (the 2:4 expansion, the split-K partials),
+about 0.3 ms a call; so in Triton 3.6 to 3.9, each checked). The launch itself has already patched those
+modules and undoes it when it ends; a helper's patches are never undone, so they only ever re-install what
+the launch put there. patchc's kernels call small helpers for every block (the 2:4 expansion, the split-K partials),
 and that re-patching was a third of the time they take in the interpreter (`patchc bench --dry-run
 --parts check`: 32 s, then 21 s on 2 AVX2 cores; every error the same to the bit).
 
