@@ -81,8 +81,8 @@ def test_the_same_under_an_older_triton(triton_dir):
 
 
 def test_a_failed_launch_leaves_no_record_behind():
-    """An error inside a launch (here a helper that raises) must not leave later launches thinking the
-    language is patched: Triton undoes the launch's patches however it ends."""
+    """An error inside a launch (here the kernel's own `tl.arange(0, 5)`) must not leave later launches thinking
+    the language is patched: Triton undoes the launch's patches however it ends."""
     import triton
     import triton.language as tl
 
