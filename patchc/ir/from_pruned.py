@@ -158,6 +158,17 @@ def layer_from_weight(name: str, w: torch.Tensor, tile: tuple[int, int], bias: t
     return LayerPlan.from_mask(name, w, kinds, mask, bias=bias, tile=tile)
 
 
+def slot_from_weight(w: torch.Tensor, tile: tuple[int, int]) -> LayerSlot:
+    """`layer_from_weight(name, w, tile).slot()` without packing anything: the tile kinds from a count of
+    nonzeros per group, about a fifth of the work.
+
+    Example:
+        >>> slot_from_weight(pruned.weight, (16, 16)).n_sparse
+    """
+    w = w.detach()
+    return LayerSlot.from_kinds(tuple(w.shape), tile, w.dtype, _kinds_from_weight(w, tile), has_bias=False)
+
+
 def layers_from_masks(
     model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
     masks: Mapping[str, torch.Tensor],
@@ -207,6 +218,11 @@ def layers_from_masks(
         full = from_tiles(mtiles | dense[:, :, None, None], shape)
         layers[fqn] = LayerPlan.from_mask(fqn, w, kinds, full, bias=_find_bias(sd, fqn, w), tile=tile)
     return layers, skipped, tile
+
+
+def skip_reason(name: str, w: Any) -> str | None:
+    """Why `w` cannot be planned from its values (not a 2-D float tensor, or K not a multiple of 4), or None."""
+    return _why_skip(name, w, None)
 
 
 def _why_skip(fqn: str, w: Any, include: Callable[[str], bool] | None) -> str | None:

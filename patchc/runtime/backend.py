@@ -29,9 +29,11 @@ each sibling runs a graph compiled for its own weights (`patchc.runtime.weight_g
 eagerly never reaches the backend: `patchc.runtime.unserved(plan)` (`patchc.runtime.coverage`) lists, after
 a run, every planned layer no graph served (`unserved(model)` for a model compiled without a plan).
 
-Without a plan, one is inferred from the zero pattern of the weights (`TilePlan.from_weights`, tile from
+Without a plan, one is inferred from the zero pattern of the weights (as `TilePlan.from_weights`, tile from
 ``options["tile"]``, default (16, 16)), each expert slice of a grouped read on its own: tiles with <= 2
-nonzeros per group of 4 are 2:4, the rest dense; layers with no 2:4 tile are left to F.linear.
+nonzeros per group of 4 are 2:4, the rest dense; layers with no 2:4 tile are left to F.linear. Each weight's
+zeros are read once per version, and its layer packed only where no earlier graph packed it
+(`patchc.runtime.inferred`).
 
 Options (all optional): plan, tile, batch_size (16), prefill_len (128), tune (True: tune on CUDA,
 cache-backed; "cached"; False), cache, inner ("inductor" / "aot_eager" / "eager" / any backend name),
@@ -159,8 +161,8 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict
                                  if n.removesuffix(".*") in by_name])
     report_unreplaced("patch backend", "left dense in this graph", left, bool(options.get("strict", False)))
     _report_unmatched(unmatched)
-    modules = linear_modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options, inferred)
-    experts = expert_modules(plan, served_grouped, names, examples, options, inferred)
+    modules = linear_modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options)
+    experts = expert_modules(plan, served_grouped, names, examples, options)
     if not modules and not experts:
         return gm, [], None, []
     gm, node_map = _copy_graph_module(gm)

@@ -25,6 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from patchc.runtime.dispatch import TileLinear
 from patchc.runtime.grouped import GroupedRead, grouped_module, planned_experts
+from patchc.runtime.inferred import InferredPlan, built, packed_plan
 from patchc.runtime.matmul_reads import Read
 
 T = TypeVar("T")
@@ -62,56 +63,41 @@ def _dead(entry: tuple[tuple[weakref.ref, ...], Any, Any]) -> bool:
 
 
 def infer_plan(reads: list[Read], grouped: list[GroupedRead], names: dict[fx.Node, str],
-               examples: dict[fx.Node, Any], tile: Any) -> Any:
+               examples: dict[fx.Node, Any], tile: Any) -> InferredPlan:
     """A plan from the zero pattern of the weights the graph reads as (N, K) (layers with a 2:4 tile only),
     one layer per expert slice of a grouped read's 3-D weight; a weight read as stored (K, N) is planned as
-    its transpose and recorded so."""
-    from patchc.ir import TilePlan
-    from patchc.ir.from_pruned import layer_from_weight
-
+    its transpose and recorded so. Surveyed only: layers are packed when a module is built (`InferredPlan`)."""
     tile = tuple(tile) if not isinstance(tile, int) else (tile, tile)
-    state, targets = {}, {}
+    linear, experts = {}, {}
     for read in reads:
-        if read.reason is None and names[read.weight] not in state:
-            w = examples[read.weight].detach()
-            state[names[read.weight]] = w.t() if read.transposed else w
-            if read.transposed:
-                targets[names[read.weight]] = {"param": names[read.weight], "expert": None, "transposed": True}
-    plan = TilePlan.from_weights(state, tile=tile)
+        if read.reason is None:
+            linear.setdefault(names[read.weight], (examples[read.weight], read.transposed))
     for read in grouped:  # expert slices: named "<3-D weight>.<expert>", not "*.weight"
-        fqn, w = names[read.weight], examples[read.weight].detach()
-        slices = w.transpose(1, 2) if read.transposed else w  # (E, N, K)
-        if read.reason is not None or slices.shape[2] % 4:
-            continue
-        for e, matrix in enumerate(slices):
-            plan.layers[f"{fqn}.{e}"] = layer_from_weight(f"{fqn}.{e}", matrix, tile)
-            targets[f"{fqn}.{e}"] = {"param": fqn, "expert": e, "transposed": read.transposed}
-    for fqn in [f for f, layer in plan.layers.items() if not layer.n_sparse]:
-        del plan.layers[fqn]
-    plan.meta["targets"] = {f: t for f, t in targets.items() if f in plan.layers}
-    return plan
+        if read.reason is None:
+            experts.setdefault(names[read.weight], (examples[read.weight], read.transposed))
+    return InferredPlan.survey(linear, experts, tile)
 
 
-def linear_modules(plan: Any, weights: dict[fx.Node, tuple[str, torch.Tensor]], options: dict[str, Any],
-                   inferred: bool = False) -> dict[fx.Node, tuple[str, TileLinear]]:
+def linear_modules(plan: Any, weights: dict[fx.Node, tuple[str, torch.Tensor]],
+                   options: dict[str, Any]) -> dict[fx.Node, tuple[str, TileLinear]]:
     """One TileLinear per planned weight placeholder ({placeholder: (fqn, weight)}), tuned, attached to
-    nothing yet; each packed once for every graph of the model (`shared`; `inferred`: `plan` came from
-    `infer_plan`)."""
+    nothing yet; each packed once for every graph of the model (`shared`)."""
     if not weights:
         return {}
     bs, pl = _sizes(options)
     tuned = _lazy_tunings(plan, sorted({f for f, _ in weights.values()}), next(iter(weights.values()))[1], options)
     out = {}
     for i, (node, (fqn, w)) in enumerate(weights.items()):
-        build = lambda: TileLinear.from_plan(plan.layers[fqn], tuned().get(fqn), dtype=w.dtype,  # noqa: E731
-                                             device=w.device, batch_size=bs, prefill_len=pl)
-        sources, stamp = _identity(plan, [fqn], w, inferred)
+        build = lambda: built(plan, [fqn], TileLinear.from_plan(  # noqa: E731
+            packed_plan(plan, [fqn]).layers[fqn], tuned().get(fqn), dtype=w.dtype, device=w.device, batch_size=bs,
+            prefill_len=pl))
+        sources, stamp = _identity(plan, [fqn], w)
         out[node] = (f"_patchc_{i}", shared(w, sources, ("linear", *_key(w, options)), build, stamp))
     return out
 
 
 def expert_modules(plan: Any, reads: list[GroupedRead], names: dict[fx.Node, str], examples: dict[fx.Node, Any],
-                   options: dict[str, Any], inferred: bool = False) -> dict[fx.Node, tuple[str, Any]]:
+                   options: dict[str, Any]) -> dict[fx.Node, tuple[str, Any]]:
     """One `TileGroupedLinear` per served 3-D weight (every expert slice stacked), on one tuning: the tuner
     runs on its first planned slice only, since every slice has the same shape. Shared like `linear_modules`."""
     reads = list({r.weight: r for r in reads}.values())
@@ -125,17 +111,18 @@ def expert_modules(plan: Any, reads: list[GroupedRead], names: dict[fx.Node, str
     out = {}
     for i, r in enumerate(reads):
         w, first = examples[r.weight], experts[r.weight][0]
-        build = lambda: grouped_module(plan, names[r.weight], r, w, tuned().get(first), bs, pl)  # noqa: E731
-        sources, stamp = _identity(plan, experts[r.weight], w, inferred)
+        build = lambda: built(plan, experts[r.weight], grouped_module(  # noqa: E731
+            packed_plan(plan, experts[r.weight]), names[r.weight], r, w, tuned().get(first), bs, pl))
+        sources, stamp = _identity(plan, experts[r.weight], w)
         key = ("grouped", r.transposed, *_key(w, options))
         out[r.weight] = (f"_patchc_x{i}", shared(w, sources, key, build, stamp))
     return out
 
 
-def _identity(plan: Any, layers: list[str], w: torch.Tensor, inferred: bool) -> tuple[tuple[Any, ...], Any]:
-    """(sources, stamp) a packed module is matched by: its plan layers, or for an inferred plan (new layers in
-    every graph) the weight's version, the tile and each layer's recorded orientation."""
-    if not inferred:
+def _identity(plan: Any, layers: list[str], w: torch.Tensor) -> tuple[tuple[Any, ...], Any]:
+    """(sources, stamp) a packed module is matched by: its plan layers, or for an inferred plan (new in every
+    graph) the weight's version, the tile and each layer's recorded orientation."""
+    if not isinstance(plan, InferredPlan):
         return tuple(plan.layers[name] for name in layers), None
     targets = plan.meta.get("targets", {})
     return (), (w._version, tuple(plan.meta.get("tile", ())),
@@ -154,15 +141,18 @@ def _sizes(options: dict[str, Any]) -> tuple[int, int]:
 
 
 def _lazy_tunings(plan: Any, names: list[str], example: torch.Tensor, options: dict[str, Any]) -> Callable[[], dict]:
-    """The tunings of `names`, computed (in one tuner call: one cache read) the first time a module is packed."""
-    from patchc.runtime.compile import _tunings
+    """The tunings of `names`, computed (in one tuner call: one cache read) the first time a module is packed;
+    an inferred plan's layers are packed for it only when the tuner runs."""
+    from patchc.runtime.compile import _tunings, tunes
 
     done: list[dict] = []
 
     def get() -> dict:
         if not done:
-            done.append(_tunings(plan, names, *_sizes(options), options.get("tune", True), example.dtype,
-                                 example.device, options.get("cache"), options.get("time_fn"), False))
+            runs = tunes(options.get("tune", True), example.device, options.get("time_fn"))
+            done.append(_tunings(packed_plan(plan, names) if runs else plan, names, *_sizes(options),
+                                 options.get("tune", True), example.dtype, example.device, options.get("cache"),
+                                 options.get("time_fn"), False))
         return done[0]
 
     return get

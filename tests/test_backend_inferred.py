@@ -1,0 +1,141 @@
+"""The plan torch.compile(backend="patch") infers from the zeros: surveyed per graph, each layer packed once.
+
+`InferredPlan.survey` must decide exactly what `TilePlan.from_weights` / `layer_from_weight` decide (the plan
+the backend built before), and `generate()`'s later graphs must neither read a weight's zeros again nor pack
+its layer again; an in-place edit of a weight must.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import patchc.runtime.backend as backend
+import patchc.runtime.inferred as inferred
+from patchc.codegen.reference import random_24_mask
+from patchc.ir import TilePlan
+from patchc.ir.from_pruned import layer_from_weight
+from patchc.runtime.inferred import InferredPlan
+from tests.conftest import tiny_hf
+
+TILE = (16, 16)
+
+
+@pytest.fixture(autouse=True)
+def reference_on_cpu(monkeypatch):
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
+
+
+def _hybrid(n: int, k: int, seed: int, dense_tiles: int = 2) -> torch.Tensor:
+    """(n, k) 2:4 weights with the first `dense_tiles` tiles of the first tile row left dense."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    pruned = w * random_24_mask(n, k, g)
+    pruned[:TILE[0], : dense_tiles * TILE[1]] = w[:TILE[0], : dense_tiles * TILE[1]]
+    return pruned
+
+
+def test_the_survey_decides_what_from_weights_does():
+    a, b = _hybrid(40, 48, 0), _hybrid(32, 64, 1).t().contiguous()  # b stored (K, N), read transposed
+    dense, short_k = torch.randn(32, 32), _hybrid(16, 18 * 4, 2)[:, :70]
+    experts = torch.stack([_hybrid(32, 48, 3), torch.randn(32, 48), _hybrid(32, 48, 4, dense_tiles=0)])
+    plan = InferredPlan.survey({"a.weight": (a, False), "b.weight": (b, True), "c.weight": (dense, False),
+                                "d.weight": (short_k, False), "not_a_weight": (_hybrid(32, 32, 5), False)},
+                               {"experts.up": (experts, False)}, TILE)
+    want = TilePlan.from_weights({"a.weight": a, "b.weight": b.t(), "c.weight": dense, "d.weight": short_k},
+                                 tile=TILE)
+    assert sorted(plan.layers) == ["a.weight", "b.weight", "experts.up.0", "experts.up.2"]  # dense, K % 4, name: out
+    for name in ("a.weight", "b.weight"):
+        assert plan.layers[name] == want.layers[name].slot()
+    assert plan.layers["a.weight"].n_dense == 2 and plan.layers["experts.up.2"].n_dense == 0
+    for e in (0, 2):
+        assert plan.layers[f"experts.up.{e}"] == layer_from_weight("x", experts[e], TILE).slot()
+    assert plan.meta["targets"] == {"b.weight": {"param": "b.weight", "expert": None, "transposed": True},
+                                    "experts.up.0": {"param": "experts.up", "expert": 0, "transposed": False},
+                                    "experts.up.2": {"param": "experts.up", "expert": 2, "transposed": False}}
+    packed = plan.packed(["b.weight", "experts.up.2"])
+    assert sorted(packed.layers) == ["b.weight", "experts.up.2"]  # only what is asked for
+    refs = {"b.weight": want.layers["b.weight"], "experts.up.2": layer_from_weight("x", experts[2], TILE)}
+    for name, ref in refs.items():
+        assert torch.equal(packed.layers[name].to_dense(), ref.to_dense())
+        assert torch.equal(packed.layers[name].kinds, ref.kinds)
+
+
+def test_a_weight_is_surveyed_again_after_an_in_place_edit_only():
+    w = _hybrid(64, 64, 0)
+    first = InferredPlan.survey({"a.weight": (w, False)}, {}, TILE).layers["a.weight"]
+    assert InferredPlan.survey({"a.weight": (w, False)}, {}, TILE).layers["a.weight"] is first  # kept beside w
+    assert InferredPlan.survey({"a.weight": (w, False)}, {}, (32, 32)).layers["a.weight"].tile == (32, 32)
+    w.fill_(1.0)  # every tile dense now
+    assert InferredPlan.survey({"a.weight": (w, False)}, {}, TILE).layers == {}
+
+
+def _counting(monkeypatch, name: str) -> list[str]:
+    calls: list[str] = []
+    real = getattr(inferred, name)
+
+    def count(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(inferred, name, count)
+    return calls
+
+
+def test_generate_surveys_and_packs_each_weight_once(monkeypatch):
+    model = tiny_hf("llama")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("proj.weight"):
+                p.mul_(random_24_mask(*p.shape, g))
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=8, do_sample=False)
+    surveyed, packed = _counting(monkeypatch, "slot_from_weight"), _counting(monkeypatch, "layer_from_weight")
+    held: list[int] = []  # packed layers an inferred plan holds at once
+    real_packed = InferredPlan.packed
+    monkeypatch.setattr(InferredPlan, "packed", lambda self, names: held.append(len(real_packed(self, names).layers))
+                        or real_packed(self, names))
+    served: list[int] = []
+    compiled = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled.forward = torch.compile(compiled.forward, backend="patch",
+                                     options={"tune": False, "graph_callback": lambda gm, n: served.append(n)})
+    with torch.no_grad():
+        got = compiled.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)
+    assert len(served) >= 2 and all(n == 14 for n in served)  # every graph serves the 14 projections
+    # once each, not once per graph: the 14 projections and the dense LM head surveyed, the 14 packed
+    assert len(surveyed) == 15 and len(packed) == 14
+    assert max(held) == 1  # untuned: each layer dropped once its module is built, never the whole packed model
+    torch._dynamo.reset()
+
+
+def test_a_tuned_inferred_plan_packs_its_layers_for_the_tuner(tmp_path, monkeypatch):
+    from patchc.codegen.reference import random_tile_plan
+    from tests.test_runtime_tuner import FakeTimer
+
+    plan = random_tile_plan({"0.weight": dict(n=128, k=1024, tile=(64, 64), kinds="mixed")})
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 128, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(plan.layers["0.weight"].to_dense())
+    x, timer, tuned = torch.randn(3, 1024), FakeTimer(), []
+    build = backend.linear_modules
+
+    def record(*args):
+        out = build(*args)
+        tuned.extend(m for _, m in out.values())
+        return out
+
+    monkeypatch.setattr(backend, "linear_modules", record)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="patch", options={
+        "tile": (64, 64), "time_fn": timer, "cache": tmp_path / "tune.json", "batch_size": 16, "prefill_len": 32})
+    with torch.no_grad():
+        got = compiled(x)
+    torch.testing.assert_close(got, x @ model[0].weight.t(), atol=1e-5, rtol=1e-5)
+    assert timer.calls > 0 and [m.tuning.source for m in tuned] == ["tuned"] and tuned[0].block == (32, 64)
+    torch._dynamo.reset()
