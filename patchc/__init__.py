@@ -40,6 +40,7 @@ _LAZY = {
     "backend": ("patchc.runtime.bound_backend", "PatchBackend"),
     "runtime": ("patchc.runtime", None),
     "from_pretrained": ("patchc.export", "from_pretrained"),
+    "register_lora": ("patchc.runtime.lora", "register_lora"),
 }
 
 

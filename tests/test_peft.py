@@ -116,3 +116,70 @@ def test_a_graph_break_inside_each_lora_layer_still_serves_its_base_weight(monke
 
     monkeypatch.setattr(peft.tuners.lora.layer.Linear, "forward", forward_after_a_break)
     assert _served_by_the_backend(dense_lora, pruned_lora, plan, seed=5) == 14  # 4 LoRA graphs serve one each
+
+
+# --- LoRA over a compressed model (`patchc.register_lora`) ------------------------------------------
+def _lora_config(**kw):
+    return peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **kw)
+
+
+def _adapted_compressed(model, plan, device: str = "cpu"):
+    """LoRA (seeded) on the model `patchc.compile` packed, and the same adapters on the pruned dense model."""
+    from patchc.runtime.lora import TileLoraLinear
+
+    pruned = plan.apply(copy.deepcopy(model)).to(device)
+    torch.manual_seed(2)
+    adapted = peft.get_peft_model(patchc.compile(copy.deepcopy(pruned), plan, tune=False),
+                                  patchc.register_lora(_lora_config()))
+    reference = peft.get_peft_model(copy.deepcopy(pruned), _lora_config())
+    lora = {k: v for k, v in adapted.state_dict().items() if "lora_" in k}
+    assert len(lora) == 8 and not reference.load_state_dict(lora, strict=False).unexpected_keys
+    assert sum(isinstance(m, TileLoraLinear) for m in adapted.modules()) == 4
+    return adapted, reference
+
+
+ON_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: the packed layers' Triton kernels and their backward")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_GPU])
+def test_lora_trains_over_the_packed_layers_as_over_the_pruned_dense_model(device):
+    """fp32 (Triton's ieee dots on a GPU): the reference is PEFT's own LoRA on the plan-applied model."""
+    model, plan = tiny_llama_and_24_plan()
+    adapted, reference = _adapted_compressed(model, plan, device)
+    trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    assert len(trainable) == 8 and all(".lora_" in n for n in trainable)  # the packed base has no parameters
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3)).to(device)
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (adapted, reference)]
+    for step in range(3):  # forward, backward through the packed kernels' input gradient, update
+        losses = [m(ids, labels=ids).loss for m in (adapted, reference)]
+        torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=1e-5)
+        for loss, opt in zip(losses, opts):
+            opt.zero_grad()
+            loss.backward()
+        grads = [{n: p.grad for n, p in m.named_parameters() if p.requires_grad} for m in (adapted, reference)]
+        for name, grad in grads[0].items():
+            torch.testing.assert_close(grad, grads[1][name], atol=1e-5, rtol=1e-4)
+        for opt in opts:
+            opt.step()
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+        assert losses[0] > adapted(ids, labels=ids).loss  # it trained
+    # PEFT reads `.weight` for the adapters' dtype and device: a TileLinear would unpack and keep a dense copy
+    assert all(m._weight_cache is None for m in adapted.modules() if isinstance(m, TileLinear))
+
+
+def test_a_lora_adapter_on_packed_layers_saves_loads_and_refuses_to_merge(tmp_path):
+    model, plan = tiny_llama_and_24_plan()
+    adapted, _ = _adapted_compressed(model, plan)
+    adapted.save_pretrained(tmp_path / "adapter")
+    base = patchc.compile(plan.apply(copy.deepcopy(model)), plan, tune=False)
+    config = patchc.register_lora(peft.LoraConfig.from_pretrained(tmp_path / "adapter"))
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter", config=config)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, adapted(ids).logits, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj.weight': cannot merge .* 2:4 zeros"):
+        adapted.merge_and_unload()
+    with pytest.raises(TypeError, match="expected a peft.LoraConfig"):
+        patchc.register_lora({"r": 4})
