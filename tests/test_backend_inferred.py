@@ -114,28 +114,37 @@ def test_generate_surveys_and_packs_each_weight_once(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_a_tuned_inferred_plan_packs_its_layers_for_the_tuner(tmp_path, monkeypatch):
+def test_a_tuned_inferred_plan_packs_one_layer_per_tuning_class_for_the_tuner(tmp_path, monkeypatch):
+    """Two 1024 x 1024 layers of one tuning class and a 128 x 1024 one: the tuner gets the first layer of each
+    class packed and shares its tuning with the rest, so the plan never holds all three packed layers."""
     from patchc.codegen.reference import random_tile_plan
     from tests.test_runtime_tuner import FakeTimer
 
-    plan = random_tile_plan({"0.weight": dict(n=128, k=1024, tile=(64, 64), kinds="mixed")})
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 128, bias=False))
+    spec = dict(k=1024, tile=(64, 64), kinds="mixed")
+    plan = random_tile_plan({"0.weight": dict(n=1024, **spec), "1.weight": dict(n=1024, **spec),
+                             "2.weight": dict(n=128, **spec)})
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, n, bias=False) for n in (1024, 1024, 128)))
     with torch.no_grad():
-        model[0].weight.copy_(plan.layers["0.weight"].to_dense())
-    x, timer, tuned = torch.randn(3, 1024), FakeTimer(), []
-    build = backend.linear_modules
+        for i, linear in enumerate(model):
+            linear.weight.copy_(plan.layers[f"{i}.weight"].to_dense())
+    x, timer, modules = torch.randn(3, 1024), FakeTimer(), []
+    build, packed, held = backend.linear_modules, _counting(monkeypatch, "layer_from_weight"), []
 
     def record(*args):
         out = build(*args)
-        tuned.extend(m for _, m in out.values())
+        modules.extend(m for _, m in out.values())
         return out
 
+    real_release = InferredPlan.release
+    monkeypatch.setattr(InferredPlan, "release", lambda self, names: held.append(len(self._packed.layers))
+                        or real_release(self, names))
     monkeypatch.setattr(backend, "linear_modules", record)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="patch", options={
         "tile": (64, 64), "time_fn": timer, "cache": tmp_path / "tune.json", "batch_size": 16, "prefill_len": 32})
     with torch.no_grad():
         got = compiled(x)
-    torch.testing.assert_close(got, x @ model[0].weight.t(), atol=1e-5, rtol=1e-5)
-    assert timer.calls > 0 and [m.tuning.source for m in tuned] == ["tuned"] and tuned[0].block == (32, 64)
+    torch.testing.assert_close(got, model(x), atol=1e-4, rtol=1e-5)
+    assert timer.calls > 0 and [m.tuning.source for m in modules] == ["tuned", "shared", "tuned"]
+    assert len(packed) == 3 and held[0] == 2  # at the first release: layer 0 and the tuned 2, never 1 beside them
     torch._dynamo.reset()

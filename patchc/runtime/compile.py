@@ -28,7 +28,7 @@ import inspect
 import logging
 import os
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -249,21 +249,18 @@ def plan_swaps(model: nn.Module, plan: Any) -> tuple[dict[str, Users], dict[str,
 
 
 def _tunings(plan: Any, names: list[str], batch_size: int, prefill_len: int, tune: bool | str, dtype: torch.dtype,
-             device: torch.device, cache: Any, time_fn: TimeFn | None, progress: bool) -> dict[str, LayerTuning | None]:
-    """Tuning results per layer, or {} where the defaults apply."""
-    if not tunes(tune, device, time_fn):
-        if tune is not False:
-            log.info("patchc.compile: the model is on %s; tuning needs a GPU, using the default configs", device)
+             device: torch.device, cache: Any, time_fn: TimeFn | None, progress: bool,
+             pack: Callable[[str], Any] | None = None) -> dict[str, LayerTuning | None]:
+    """Tuning results per layer, or {} where the defaults apply (`pack`: as `tune_plan`'s)."""
+    if tune is False:
         return {}
-    kw = dict(dtype=dtype, device=device, cache=cache, progress=progress, layers=names)
+    kw = dict(dtype=dtype, device=device, cache=cache, progress=progress, layers=names, pack=pack)
     if tune == "cached":
         return tune_plan(plan, batch_size, prefill_len, time_fn=time_fn or _no_timing, cached_only=True, **kw)
+    if device.type != "cuda" and time_fn is None:
+        log.info("patchc.compile: the model is on %s; tuning needs a GPU, using the default configs", device)
+        return {}
     return tune_plan(plan, batch_size, prefill_len, time_fn=time_fn, **kw)
-
-
-def tunes(tune: bool | str, device: torch.device, time_fn: TimeFn | None) -> bool:
-    """Whether `_tunings` reads the tuner (a cache read counts) rather than the defaults."""
-    return tune == "cached" or (tune is not False and (device.type == "cuda" or time_fn is not None))
 
 
 def _no_timing(fn: Any) -> float:

@@ -142,17 +142,16 @@ def _sizes(options: dict[str, Any]) -> tuple[int, int]:
 
 def _lazy_tunings(plan: Any, names: list[str], example: torch.Tensor, options: dict[str, Any]) -> Callable[[], dict]:
     """The tunings of `names`, computed (in one tuner call: one cache read) the first time a module is packed;
-    an inferred plan's layers are packed for it only when the tuner runs."""
-    from patchc.runtime.compile import _tunings, tunes
+    of an inferred plan's layers, the tuner packs only the first of each tuning class."""
+    from patchc.runtime.compile import _tunings
 
     done: list[dict] = []
+    pack = (lambda fqn: plan.packed([fqn]).layers[fqn]) if isinstance(plan, InferredPlan) else None
 
     def get() -> dict:
         if not done:
-            runs = tunes(options.get("tune", True), example.device, options.get("time_fn"))
-            done.append(_tunings(packed_plan(plan, names) if runs else plan, names, *_sizes(options),
-                                 options.get("tune", True), example.dtype, example.device, options.get("cache"),
-                                 options.get("time_fn"), False))
+            done.append(_tunings(plan, names, *_sizes(options), options.get("tune", True), example.dtype,
+                                 example.device, options.get("cache"), options.get("time_fn"), False, pack))
         return done[0]
 
     return get

@@ -311,6 +311,7 @@ def tune_plan(
     layers: list[str] | None = None,
     share: bool = True,
     time_limit: float | None = None,
+    pack: Callable[[str], Any] | None = None,
 ) -> dict[str, LayerTuning | None]:
     """Tune every planned layer (decode first, then prefill); {fqn: LayerTuning, or None = stays F.linear}.
 
@@ -321,7 +322,8 @@ def tune_plan(
     model's 224 layers fall into a few classes, and one tuning compiles and times ~100 configs.
     `time_limit`: seconds after which nothing more is compiled or timed: the layer being tuned keeps the
     best configs found so far (source "partial", not written to the cache), later layers map to None (the
-    default configs), as with `cached_only`.
+    default configs), as with `cached_only`. `pack(fqn)`: the packed layer to tune where `plan.layers` holds
+    only what `tuning_class` reads (an inferred plan's `LayerSlot`s): only the first layer of each class is packed.
 
     Example:
         >>> tunings = tune_plan(patchc.TilePlan.load("model.patch"), batch_size=16, prefill_len=128)  # doctest: +SKIP
@@ -344,7 +346,7 @@ def tune_plan(
             out[fqn] = tuning and dataclasses.replace(tuning, fqn=fqn, source="shared",
                                                       notes=(*tuning.notes, f"tuning of {first}"))
             continue
-        out[fqn] = _tune_in_time(layer, s, cached_only)
+        out[fqn] = _tune_in_time(layer if pack is None else pack(fqn), s, cached_only)
         tuned[key] = (fqn, out[fqn])
     return out
 
@@ -373,8 +375,7 @@ def tuning_class(layer: Any) -> tuple:
         >>> tuning_class(plan.layers["layers.0.mlp.up_proj.weight"])   # doctest: +SKIP
         ((11008, 4096), (128, 128), 'mixed', 4)
     """
-    kinds = layer.kinds
-    n_sparse, n = int((kinds == 1).sum()), kinds.numel()
+    n_sparse, n = layer.n_sparse, layer.n_dense + layer.n_sparse  # a LayerPlan's counts, or a LayerSlot's
     if n_sparse == 0 or n_sparse == n:
         kind: tuple = ("dense",) if n_sparse == 0 else ("2:4",)
     else:  # never bucket 0: a layer with a few 2:4 tiles must not share an all-dense layer's "stays F.linear"
