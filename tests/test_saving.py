@@ -52,6 +52,9 @@ def test_a_compiled_model_saves_the_pruned_model_transformers_loads(family, tmp_
     plan = _pruned_plan(model)  # `model` now holds W * M
     assert len(plan.layers) == (14 if family == "llama" else 8)
     fast = patchc.compile(model, plan, tune=False)
+    # each planned weight goes where it is asked as it is unpacked (save_pretrained: the host), the rest stays
+    elsewhere = dense_state_dict(fast, "meta")
+    assert sorted(k for k, v in elsewhere.items() if v.is_meta) == sorted(plan.layers)
     fast.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
@@ -88,3 +91,25 @@ def test_fused_experts_save_as_their_3d_weights_from_either_form(family, tmp_pat
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(case.run(loaded), case.run(pruned), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the GPU memory a save holds")
+def test_saving_a_model_on_a_gpu_unpacks_one_weight_at_a_time_there(tmp_path):
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    plan = _pruned_plan(model)
+    fast = patchc.compile(model.cuda(), plan, tune=False)
+    dense_bytes = sum(lp.shape[0] * lp.shape[1] * 4 for lp in plan.layers.values())  # fp32
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fast.save_pretrained(tmp_path)
+    torch.cuda.synchronize()
+    # all of them at once before; now the one being unpacked (the largest is 1/9 of them) and its temporaries
+    assert torch.cuda.max_memory_allocated() - before < dense_bytes / 2
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, layer in plan.layers.items():
+        torch.testing.assert_close(loaded.get_parameter(name), layer.to_dense(), atol=0, rtol=0)

@@ -7,8 +7,8 @@ weights missing and initialises them at random, so the saved model is silently a
 `dense_state_dict` is the state dict the model had before `patchc.compile`, with the plan's values (W * M:
 zeros where the plan prunes), so the folder loads anywhere; `patchc.compile(loaded)` reads the plan back off
 its zeros, and `patchc import` writes patchc's compressed folder from it. It holds every planned weight at
-its dense size while the file is written; `patchc.export.export_pretrained` writes the compressed folder
-without that.
+its dense size while the file is written (in host memory: each is moved there as it is unpacked);
+`patchc.export.export_pretrained` writes the compressed folder without that.
 
 Example:
     >>> fast = patchc.compile(model, plan)
@@ -27,9 +27,11 @@ from torch import nn
 from patchc.runtime.dispatch import BUFFER_NAMES, TileExperts, TileLinear, packed_dense
 
 
-def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def dense_state_dict(model: nn.Module, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """`model.state_dict()` with every `TileLinear` and `TileExperts` written as the weights it replaced:
     W * M in the replaced parameter's name, shape (a Conv1D's (K, N), an experts' stored orientation) and dtype.
+    `device`: where those weights go, each as soon as it is unpacked (None: the module's own device), so
+    that a model on a GPU never holds more than one unpacked weight there.
 
     Example:
         >>> sd = dense_state_dict(patchc.compile(model, plan)); sd["model.layers.0.mlp.up_proj.weight"].shape
@@ -41,22 +43,23 @@ def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, TileLinear):
             for name in BUFFER_NAMES:
                 state.pop(prefix + name, None)
-            w = packed_dense(module, (module.out_features, module.in_features))
+            w = packed_dense(module, (module.out_features, module.in_features)).to(device)
             state[prefix + "weight"] = w.t().contiguous() if module.stored_kn else w
         elif isinstance(module, TileExperts):
             dropped = {f"{prefix}{proj}_dense" for proj in module.names}
             for key in [k for k in state if k in dropped or k.startswith(f"{prefix}kernels.")]:
                 del state[key]
             for proj in module.names:
-                w = _expert_weights(module, proj)  # (E, N, K)
+                w = _expert_weights(module, proj).to(device)  # (E, N, K)
                 state[prefix + proj] = w.transpose(1, 2).contiguous() if module.is_transposed else w
     return state
 
 
 def save_pretrained(model: nn.Module, save_directory: Any, *args: Any, state_dict: dict | None = None,
                     **kwargs: Any) -> Any:
-    """transformers' `save_pretrained` of `model`, of `dense_state_dict(model)` unless a `state_dict` is given."""
-    state = dense_state_dict(model) if state_dict is None else state_dict
+    """transformers' `save_pretrained` of `model`, of `dense_state_dict(model, "cpu")` unless a `state_dict` is
+    given (the file is written from host memory anyway: the unpacked weights never gather on a GPU)."""
+    state = dense_state_dict(model, "cpu") if state_dict is None else state_dict
     return type(model).save_pretrained(model, save_directory, *args, state_dict=state, **kwargs)
 
 
