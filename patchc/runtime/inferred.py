@@ -6,7 +6,7 @@ values and metadata) costs about five times what finding its tile kinds does, an
 it: later graphs reuse the packed modules (`patchc.runtime.packs`). So an `InferredPlan` holds each weight's
 `LayerSlot` (shape and tile counts, all that deciding what to serve needs), kept beside the weight for its
 version and the tile, so a later graph finds it without reading the weight again; `packed(names)` packs
-layers only when a packed module is built.
+layers only when a packed module is built (or the tuner times the first layer of a tuning class).
 
 Example:
     >>> plan = InferredPlan.survey({"layers.0.mlp.up_proj.weight": (weight, False)}, {}, (16, 16))  # doctest: +SKIP
@@ -72,8 +72,8 @@ class InferredPlan:
         return self._packed
 
     def release(self, names: list[str]) -> None:
-        """Drop the packed layers `names` (their module is built), so that a graph never holds a packed copy of
-        every layer at once unless tuning asked for them all."""
+        """Drop the packed layers `names` (their module is built): a graph holds at most the layers the tuner
+        asked for (the first of each tuning class) and the one being built, never a packed copy of them all."""
         for name in names:
             self._packed.layers.pop(name, None)
 
