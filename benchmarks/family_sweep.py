@@ -20,6 +20,8 @@ what a validator ties) and runs:
              (`dense_state_dict`) is the plan-applied model's state dict, key for key and value for value
     backend  `torch.compile(model, backend="patch", options={"plan": plan})` equals it too; the graphs dynamo
              hands the backend and the planned layers they leave dense are counted
+    inferred `torch.compile(pruned, backend="patch")` of the plan-applied model, the plan read off its zeros in
+             every graph, equals it too; its patchc ops are counted beside the planned backend's
     generate `model.generate()` (greedy, 6 tokens, KV cache) with the forward compiled by the backend gives
              the plan-applied model's tokens (prompt, first decode step and dynamic graphs). A type whose
              own `generate` fails is counted as passed with "generate": "n/a"
@@ -43,7 +45,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "families.jsonl"
-STAGES = ("tiny", "export", "masks", "plan", "compile", "backend", "generate")
+STAGES = ("tiny", "export", "masks", "plan", "compile", "backend", "inferred", "generate")
 
 # Integer config fields set to these values when a config has them (counts, widths, expert geometry).
 SMALL = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
@@ -207,7 +209,10 @@ def check(model_type: str, experts: str | None = None) -> dict[str, Any]:
             model.set_experts_implementation(experts)
             out["experts"] = experts
         out.update(_check_backend(model, plan, ids, applied))
-        out["passed"], stage = "backend", "generate"
+        out["passed"], stage = "backend", "inferred"
+        inferred = _check_backend(pruned, None, ids, applied)
+        out["inferred_ops"], out["inferred_left_dense"] = inferred["backend_ops"], inferred["backend_left_dense"]
+        out["passed"], stage = "inferred", "generate"
         out["generate"] = _check_generate(model, pruned, plan)
         out["passed"] = "generate"
     except Exception as error:  # noqa: BLE001 - the sweep records every failure and goes on
@@ -231,7 +236,8 @@ def _check_saved(fast: Any, pruned: Any) -> None:
 def _check_backend(model: Any, plan: Any, ids: Any, expected: Any) -> dict[str, int]:
     """torch.compile(backend="patch") of the dense model with the plan reproduces the applied plan:
     {"graphs": graphs dynamo compiled, "backend_ops": patchc ops in them, "backend_left_dense": planned layers
-    (expert slices one by one) that some graph left dense or no graph served (`patchc.runtime.unserved`)}."""
+    (expert slices one by one) that some graph left dense or no graph served (`patchc.runtime.unserved`)}.
+    `plan` None: `model` is the plan-applied model, its plan inferred from the zeros (nothing left dense counted)."""
     import warnings
 
     import torch
@@ -241,14 +247,15 @@ def _check_backend(model: Any, plan: Any, ids: Any, expected: Any) -> dict[str, 
     torch._dynamo.reset()
     graphs: list[int] = []  # per graph: the patchc ops in it
     ops = (torch.ops.patchc.tile_linear.default, torch.ops.patchc.tile_grouped_mm.default)
-    options = {"plan": plan, "tune": False,
+    options = {**({"plan": plan} if plan is not None else {}), "tune": False,
                "graph_callback": lambda gm, n: graphs.append(sum(node.target in ops for node in gm.graph.nodes))}
     compiled = torch.compile(model, backend="patch", options=options)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # what is left dense is counted below
         got = compiled(ids, use_cache=False).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    return {"graphs": len(graphs), "backend_ops": sum(graphs), "backend_left_dense": len(unserved(plan))}
+    left = unserved(plan if plan is not None else model)  # a model compiled without a plan: its 2:4 weights
+    return {"graphs": len(graphs), "backend_ops": sum(graphs), "backend_left_dense": len(left)}
 
 
 def _check_generate(model: Any, pruned: Any, plan: Any) -> str | int:
@@ -310,6 +317,9 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
             "failed": {r["type"]: f"{r['failed']}: {r['error']}" for r in built if r["passed"] != STAGES[-1]},
             "kept_dense": {r["type"]: r["kept_dense"] for r in built if r.get("kept_dense")},
             "backend_left_dense": {r["type"]: r["backend_left_dense"] for r in built if r.get("backend_left_dense")},
+            "inferred_differs": {r["type"]: [r["backend_ops"], r["inferred_ops"], r["inferred_left_dense"]]
+                                 for r in built if "inferred_ops" in r
+                                 and (r["inferred_ops"], r["inferred_left_dense"]) != (r["backend_ops"], 0)},
             "per_length": sorted(r["type"] for r in built if r.get("export") == "per-length"),
             "generate_na": sorted(r["type"] for r in built if r.get("generate") == "n/a")}
 
@@ -347,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  served dense by patchc.compile: {name}: {count} layer(s)")
     for name, count in summary["backend_left_dense"].items():
         print(f"  left dense by backend=\"patch\": {name}: {count} layer(s)")
+    for name, (planned, inferred, left) in summary["inferred_differs"].items():
+        print(f"  backend=\"patch\" without the plan: {name}: {inferred} ops against {planned} with it, "
+              f"{left} weight(s) with a 2:4 tile left dense")
     if summary["generate_na"]:
         print(f"  no generate of their own: {', '.join(summary['generate_na'])}")
     if summary["per_length"]:

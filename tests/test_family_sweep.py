@@ -67,6 +67,7 @@ def test_a_family_goes_through_every_stage(sweep, monkeypatch):
     assert result["layers"] == 14 and result["kept_dense"] == 0  # 7 projections x 2 layers, all served
     assert result["export"] == "dynamic"
     assert (result["graphs"], result["backend_ops"], result["backend_left_dense"]) == (1, 14, 0)  # no graph break
+    assert (result["inferred_ops"], result["inferred_left_dense"]) == (14, 0)  # the same 14 read off the zeros
 
 
 def test_the_backend_stages_run_on_the_experts_implementation_asked_for(sweep, monkeypatch):
@@ -82,9 +83,12 @@ def test_a_config_the_rule_does_not_fit_is_not_counted_against_patchc(sweep):
     results = [result, {"type": "a", "passed": "generate", "export": "per-length"},
                {"type": "b", "passed": "generate", "kept_dense": 4, "backend_left_dense": 2},
                {"type": "c", "passed": "export", "failed": "masks", "error": "AssertionError: not close"},
-               {"type": "d", "passed": "compile", "failed": "backend", "error": "AssertionError: not close"}]
+               {"type": "d", "passed": "compile", "failed": "backend", "error": "AssertionError: not close"},
+               {"type": "e", "passed": "generate", "backend_ops": 14, "inferred_ops": 12, "inferred_left_dense": 1},
+               {"type": "f", "passed": "generate", "backend_ops": 14, "inferred_ops": 14, "inferred_left_dense": 0}]
     summary = sweep.summarise(results)
-    assert (summary["types"], summary["built"], summary["whole_path"]) == (5, 4, 2)
+    assert (summary["types"], summary["built"], summary["whole_path"]) == (7, 6, 4)
+    assert summary["inferred_differs"] == {"e": [14, 12, 1]}
     assert summary["not_built"] == ["no_such_family"] and summary["kept_dense"] == {"b": 4}
     assert summary["backend_left_dense"] == {"b": 2} and summary["per_length"] == ["a"]
     assert summary["failed"] == {"c": "masks: AssertionError: not close", "d": "backend: AssertionError: not close"}
