@@ -28,25 +28,30 @@ def reference_on_cpu(monkeypatch):
     monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
 
 
-def _hybrid(n: int, k: int, seed: int, dense_tiles: int = 2) -> torch.Tensor:
+def _hybrid(n: int, k: int, seed: int, dense_tiles: int = 2) -> torch.nn.Parameter:
     """(n, k) 2:4 weights with the first `dense_tiles` tiles of the first tile row left dense."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g)
     pruned = w * random_24_mask(n, k, g)
     pruned[:TILE[0], : dense_tiles * TILE[1]] = w[:TILE[0], : dense_tiles * TILE[1]]
-    return pruned
+    return torch.nn.Parameter(pruned, requires_grad=False)
 
 
 def test_the_survey_decides_what_from_weights_does():
-    a, b = _hybrid(40, 48, 0), _hybrid(32, 64, 1).t().contiguous()  # b stored (K, N), read transposed
-    dense, short_k = torch.randn(32, 32), _hybrid(16, 18 * 4, 2)[:, :70]
-    experts = torch.stack([_hybrid(32, 48, 3), torch.randn(32, 48), _hybrid(32, 48, 4, dense_tiles=0)])
+    a, b = _hybrid(40, 48, 0), torch.nn.Parameter(_hybrid(32, 64, 1).t().contiguous())  # b (K, N), read so
+    dense, short_k = torch.nn.Parameter(torch.randn(32, 32)), torch.nn.Parameter(_hybrid(16, 18 * 4, 2)[:, :70])
+    experts = torch.nn.Parameter(torch.stack([_hybrid(32, 48, 3), torch.randn(32, 48),
+                                              _hybrid(32, 48, 4, dense_tiles=0)]))
+    mixer, given = _hybrid(32, 32, 5), _hybrid(32, 32, 6).detach()  # a parameter of any name; a graph input
     plan = InferredPlan.survey({"a.weight": (a, False), "b.weight": (b, True), "c.weight": (dense, False),
-                                "d.weight": (short_k, False), "not_a_weight": (_hybrid(32, 32, 5), False)},
-                               {"experts.up": (experts, False)}, TILE)
+                                "d.weight": (short_k, False), "hc_fn": (mixer, False),
+                                "patchc_weight_3": (given, False)},
+                               {"experts.up": (experts, False), "x": (torch.stack([a[:32]] * 2).detach(), False)},
+                               TILE)
     want = TilePlan.from_weights({"a.weight": a, "b.weight": b.t(), "c.weight": dense, "d.weight": short_k},
                                  tile=TILE)
-    assert sorted(plan.layers) == ["a.weight", "b.weight", "experts.up.0", "experts.up.2"]  # dense, K % 4, name: out
+    # left out: c (all dense), d (K % 4), the graph inputs; in: the parameter not named "*.weight"
+    assert sorted(plan.layers) == ["a.weight", "b.weight", "experts.up.0", "experts.up.2", "hc_fn"]
     for name in ("a.weight", "b.weight"):
         assert plan.layers[name] == want.layers[name].slot()
     assert plan.layers["a.weight"].n_dense == 2 and plan.layers["experts.up.2"].n_dense == 0
@@ -68,7 +73,8 @@ def test_a_weight_is_surveyed_again_after_an_in_place_edit_only():
     first = InferredPlan.survey({"a.weight": (w, False)}, {}, TILE).layers["a.weight"]
     assert InferredPlan.survey({"a.weight": (w, False)}, {}, TILE).layers["a.weight"] is first  # kept beside w
     assert InferredPlan.survey({"a.weight": (w, False)}, {}, (32, 32)).layers["a.weight"].tile == (32, 32)
-    w.fill_(1.0)  # every tile dense now
+    with torch.no_grad():
+        w.fill_(1.0)  # every tile dense now
     assert InferredPlan.survey({"a.weight": (w, False)}, {}, TILE).layers == {}
 
 

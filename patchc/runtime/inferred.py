@@ -42,18 +42,19 @@ class InferredPlan:
     def survey(cls, linear: dict[str, tuple[torch.Tensor, bool]], grouped: dict[str, tuple[torch.Tensor, bool]],
                tile: tuple[int, int]) -> InferredPlan:
         """The plan of 2-D weights `linear` {fqn: (weight, read transposed)} and 3-D weights `grouped` (one layer
-        per expert slice, "<fqn>.<e>"). As `TilePlan.from_weights`, only "*.weight" names are 2-D layers."""
+        per expert slice, "<fqn>.<e>"). Only parameters are planned, whatever their names (DeepSeek-V4's mixers
+        are not "*.weight"): a graph input or a computed tensor may hold other values at the next call."""
         matrices, layers, targets = {}, {}, {}
         for fqn, (w, transposed) in linear.items():
             matrix = w.detach().t() if transposed else w.detach()
-            if (fqn == "weight" or fqn.endswith(".weight")) and skip_reason(fqn, matrix) is None:
+            if isinstance(w, torch.nn.Parameter) and skip_reason(fqn, matrix) is None:
                 slot = _slot(w, matrix, tile, transposed)
                 if slot is not None:
                     matrices[fqn], layers[fqn] = matrix, slot
                     targets[fqn] = {"param": fqn, "expert": None, "transposed": True} if transposed else None
         for fqn, (w, transposed) in grouped.items():
             slices = w.detach().transpose(1, 2) if transposed else w.detach()  # (E, N, K)
-            if slices.shape[2] % 4:
+            if not isinstance(w, torch.nn.Parameter) or slices.shape[2] % 4:
                 continue
             for e, slot in enumerate(_expert_slots(w, slices, tile, transposed)):
                 if slot is not None:
