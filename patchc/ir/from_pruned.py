@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -76,13 +77,12 @@ def survey_linears(model: nn.Module, tile: tuple[int, int] | int) -> tuple[dict[
         if why:
             left[name] = why
             continue
-        kinds = _kinds_from_weight(w, tile)
-        if not bool((kinds == TILE_SPARSE24).any()):  # known before packing: a dense model packs nothing
+        slot = slot_from_weight(w, tile)
+        if not slot.n_sparse:  # known before packing: a dense model packs nothing
             left[name] = "no 2:4 tile"
             continue
         where[name] = target
-        has_bias = _linear_bias(model, name, target, w) is not None
-        slots[name] = LayerSlot.from_kinds(tuple(w.shape), tile, w.dtype, kinds, has_bias)
+        slots[name] = dataclasses.replace(slot, has_bias=_linear_bias(model, name, target, w) is not None)
     return where, slots, left
 
 
@@ -159,8 +159,8 @@ def layer_from_weight(name: str, w: torch.Tensor, tile: tuple[int, int], bias: t
 
 
 def slot_from_weight(w: torch.Tensor, tile: tuple[int, int]) -> LayerSlot:
-    """`layer_from_weight(name, w, tile).slot()` without packing anything: the tile kinds from a count of
-    nonzeros per group, about a fifth of the work.
+    """`layer_from_weight(name, w, tile).slot()` without packing anything (no bias): the tile kinds from a count
+    of nonzeros per group, about a fifth of the work.
 
     Example:
         >>> slot_from_weight(pruned.weight, (16, 16)).n_sparse
