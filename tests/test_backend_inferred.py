@@ -12,13 +12,12 @@ import copy
 import pytest
 import torch
 
-import patchc.runtime.backend as backend
 import patchc.runtime.inferred as inferred
 from patchc.codegen.reference import random_24_mask
 from patchc.ir import TilePlan
 from patchc.ir.from_pruned import layer_from_weight
 from patchc.runtime.inferred import InferredPlan
-from tests.conftest import tiny_hf
+from tests.test_backend_packs import _packed_modules, pruned  # noqa: F401 (pruned: the fixture)
 
 TILE = (16, 16)
 
@@ -32,9 +31,9 @@ def _hybrid(n: int, k: int, seed: int, dense_tiles: int = 2) -> torch.nn.Paramet
     """(n, k) 2:4 weights with the first `dense_tiles` tiles of the first tile row left dense."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g)
-    pruned = w * random_24_mask(n, k, g)
-    pruned[:TILE[0], : dense_tiles * TILE[1]] = w[:TILE[0], : dense_tiles * TILE[1]]
-    return torch.nn.Parameter(pruned, requires_grad=False)
+    kept = w * random_24_mask(n, k, g)
+    kept[:TILE[0], : dense_tiles * TILE[1]] = w[:TILE[0], : dense_tiles * TILE[1]]
+    return torch.nn.Parameter(kept, requires_grad=False)
 
 
 def test_the_survey_decides_what_from_weights_does():
@@ -90,21 +89,21 @@ def _counting(monkeypatch, name: str) -> list[str]:
     return calls
 
 
-def test_generate_surveys_and_packs_each_weight_once(monkeypatch):
-    model = tiny_hf("llama")
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("proj.weight"):
-                p.mul_(random_24_mask(*p.shape, g))
+def test_generate_surveys_and_packs_each_weight_once(pruned, monkeypatch):
+    model, _ = pruned  # its 14 projections 2:4
     ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=8, do_sample=False)
     surveyed, packed = _counting(monkeypatch, "slot_from_weight"), _counting(monkeypatch, "layer_from_weight")
     held: list[int] = []  # packed layers an inferred plan holds at once
     real_packed = InferredPlan.packed
-    monkeypatch.setattr(InferredPlan, "packed", lambda self, names: held.append(len(real_packed(self, names).layers))
-                        or real_packed(self, names))
+
+    def packed_and_counted(self, names):
+        out = real_packed(self, names)
+        held.append(len(out.layers))
+        return out
+
+    monkeypatch.setattr(InferredPlan, "packed", packed_and_counted)
     served: list[int] = []
     compiled = copy.deepcopy(model)
     torch._dynamo.reset()
@@ -133,24 +132,17 @@ def test_a_tuned_inferred_plan_packs_one_layer_per_tuning_class_for_the_tuner(tm
     with torch.no_grad():
         for i, linear in enumerate(model):
             linear.weight.copy_(plan.layers[f"{i}.weight"].to_dense())
-    x, timer, modules = torch.randn(3, 1024), FakeTimer(), []
-    build, packed, held = backend.linear_modules, _counting(monkeypatch, "layer_from_weight"), []
-
-    def record(*args):
-        out = build(*args)
-        modules.extend(m for _, m in out.values())
-        return out
-
+    x, timer = torch.randn(3, 1024), FakeTimer()
+    seen, packed, held = _packed_modules(monkeypatch), _counting(monkeypatch, "layer_from_weight"), []
     real_release = InferredPlan.release
     monkeypatch.setattr(InferredPlan, "release", lambda self, names: held.append(len(self._packed.layers))
                         or real_release(self, names))
-    monkeypatch.setattr(backend, "linear_modules", record)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="patch", options={
         "tile": (64, 64), "time_fn": timer, "cache": tmp_path / "tune.json", "batch_size": 16, "prefill_len": 32})
     with torch.no_grad():
         got = compiled(x)
     torch.testing.assert_close(got, model(x), atol=1e-4, rtol=1e-5)
-    assert timer.calls > 0 and [m.tuning.source for m in modules] == ["tuned", "shared", "tuned"]
+    assert timer.calls > 0 and [m.tuning.source for m in seen[0]] == ["tuned", "shared", "tuned"]
     assert len(packed) == 3 and held[0] == 2  # at the first release: layer 0 and the tuned 2, never 1 beside them
     torch._dynamo.reset()
