@@ -26,6 +26,7 @@ from patchc.models.dims import dynamic_dim
 from patchc.models.hf import HFLoadError, _first_line, _transformers, max_positions, transformers_major
 from patchc.models.outputs import device_of
 from patchc.models.per_length import PerLengthExport
+from patchc.models.traceable import traceable_layers
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +151,10 @@ def _export_ids(model: nn.Module, ids: torch.Tensor, dims: dict) -> torch.export
 
     A forward that takes ``use_cache`` only through ``**kwargs`` (GraniteMoE) is exported without it and
     with ``config.use_cache`` off for the export (torch.export cannot map dynamic shapes through
-    ``**kwargs``); its program is then called as ``m(ids)``.
+    ``**kwargs``); its program is then called as ``m(ids)``. Layers with a traceable form
+    (`patchc.models.traceable`: Qwen4-Exp's QSA indexer) are traced in that form.
     """
-    with _grouped_experts(model):
+    with _grouped_experts(model), traceable_layers(model):
         return _export_ids_as_is(model, ids, dims)
 
 

@@ -1,0 +1,155 @@
+"""Traceable forms of layers torch.export cannot trace, swapped in while patchc exports a model.
+
+A few transformers layers compute with Python control flow on tensor values, which torch.export cannot
+trace, although the same computation has a vectorised form. While `export_causal_lm` traces a model, the
+forward of each such layer (`SUBSTITUTES`, by class name) is replaced on the instance by that form, and
+restored after: the model itself is left as it was, and its own forward still runs with a KV cache.
+
+Qwen4-Exp's QSA indexer (`Qwen4ExpTextQSAIndexer`) keeps, for each query, the `budget / ratio` blocks of
+`ratio` consecutive visible keys its heads score highest, plus the keys after the last complete block.
+transformers loops over batch and query in Python around `torch.nonzero` of the attention mask. Under the
+causal mask of patchc's exports (ids only: no padding, no cache) query q sees keys 0..q, so the blocks are
+the same for every query and the choice is one masked top-k over (batch, query, block) scores. It picks the
+same blocks as the loop except among equal scores (`torch.topk` breaks ties by the vector's length; the
+ReLU-summed scores tie at zero when every head scores a block negative).
+
+Example:
+    >>> with traceable_layers(model):                     # doctest: +SKIP
+    ...     ep = torch.export.export(model, (ids,), kwargs={"use_cache": False})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+def _rope(module: nn.Module) -> Callable:
+    """The model file's own `apply_rotary_pos_emb` (partial rotary dims and all)."""
+    return sys.modules[type(module).__module__].apply_rotary_pos_emb
+
+
+def qsa_queries_and_blocks(indexer: nn.Module, hidden: torch.Tensor,
+                           position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(queries (B, T, H, d) after norm and rope, block keys (B, T // ratio, d)): each block's keys averaged in
+    fp32, normed and rotated at its first position, as the loop does for a query that sees every block."""
+    batch, length, _ = hidden.shape
+    d, ratio, rope = indexer.index_head_dim, indexer.compress_ratio, _rope(indexer)
+    cos, sin = position_embeddings
+    q, keys = torch.split(indexer.index_qk_proj(hidden), [indexer.index_n_heads * d, d], dim=-1)
+    q = rope(indexer.q_layernorm(q.reshape(batch, length, -1, d)), cos=cos[:, -length:], sin=sin[:, -length:],
+             unsqueeze_dim=2)
+    n_blocks = length // ratio
+    grouped = keys[:, : n_blocks * ratio].reshape(batch, n_blocks, ratio, d)
+    pooled = indexer.k_layernorm(grouped.float().mean(dim=2).to(keys.dtype))
+    starts = torch.arange(n_blocks, device=hidden.device) * ratio
+    blocks = rope(pooled.unsqueeze(2), cos=cos[:, starts], sin=sin[:, starts], unsqueeze_dim=2).squeeze(2)
+    return q, blocks
+
+
+def qsa_block_scores(q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """(B, T, n_blocks) fp32: the sum over heads of ReLU(q_h . k_block) / sqrt(d)."""
+    scores = torch.einsum("bqhd,bjd->bqjh", q.float(), blocks.float())
+    return torch.relu(scores).sum(dim=-1) / math.sqrt(q.shape[-1])
+
+
+def qsa_selection(scores: torch.Tensor, ratio: int, top: int) -> torch.Tensor:
+    """(B, T, T) bool, the keys each query keeps: its `top` best complete blocks, and every visible key after
+    them. Blocks a query does not see yet score -inf; `top` -inf columns are appended so the top-k never
+    asks for more columns than exist, at any length."""
+    batch, length, n_blocks = scores.shape
+    pos = torch.arange(length, device=scores.device)
+    complete = (pos + 1) // ratio  # blocks query q sees whole
+    seen = torch.arange(n_blocks, device=scores.device)[None, :] < complete[:, None]
+    padded = torch.cat([scores.masked_fill(~seen, float("-inf")), scores.new_full((batch, length, top), float("-inf"))],
+                       dim=-1)
+    best = padded.topk(top, dim=-1).indices
+    picked = torch.zeros_like(padded, dtype=torch.bool).scatter(-1, best, True)[..., :n_blocks] & seen
+    picked = torch.cat([picked, picked.new_zeros(batch, length, 1)], dim=-1)  # column n_blocks: no block
+    in_block = picked[..., torch.clamp(pos // ratio, max=n_blocks)]
+    in_tail = (pos[None, :] >= complete[:, None] * ratio) & (pos[None, :] <= pos[:, None])
+    return in_block | in_tail
+
+
+def qsa_indexer_causal(indexer: nn.Module, original: Callable, hidden_states: torch.Tensor,
+                       position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor,
+                       cache: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """`Qwen4ExpTextQSAIndexer.forward` for a causal mask without cache, as one top-k: (B, 1, T, T) bool.
+    Anything else (a cache, a mask over other keys) runs the layer's own forward."""
+    length = hidden_states.shape[1]
+    if cache is not None or args or kwargs or attention_mask.shape[-1] != length:
+        return original(hidden_states, position_embeddings, attention_mask, cache, *args, **kwargs)
+    q, blocks = qsa_queries_and_blocks(indexer, hidden_states, position_embeddings)
+    keep = qsa_selection(qsa_block_scores(q, blocks), indexer.compress_ratio, indexer.block_topk)
+    return keep.unsqueeze(1)
+
+
+def _is_qsa_indexer(module: nn.Module) -> bool:
+    """The indexer as transformers 5.24 builds it: one key head (its config requires it) and the parts read."""
+    names = ("index_qk_proj", "q_layernorm", "k_layernorm", "index_head_dim", "index_n_heads", "compress_ratio",
+             "block_topk")
+    return all(hasattr(module, n) for n in names) and getattr(module, "index_kv_heads", None) == 1
+
+
+# class name -> (does this instance have the form the substitute reads, the traceable forward)
+SUBSTITUTES: dict[str, tuple[Callable[[nn.Module], bool], Callable]] = {
+    "Qwen4ExpTextQSAIndexer": (_is_qsa_indexer, qsa_indexer_causal),
+}
+
+
+def substitutable(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of each layer of `model` that has a traceable form."""
+    return [(path, m) for path, m in model.named_modules()
+            if type(m).__name__ in SUBSTITUTES and SUBSTITUTES[type(m).__name__][0](m)]
+
+
+@contextlib.contextmanager
+def traceable_layers(model: nn.Module, every_instance: bool = False) -> Iterator[list[str]]:
+    """Run `model`'s layers with a traceable form (`SUBSTITUTES`) in that form inside the block; yields their
+    paths. `every_instance`: patch the classes instead, so copies made inside the block (a plan applied to a
+    deepcopy) run the same form too, as tests comparing them need.
+
+    Example:
+        >>> with traceable_layers(model) as swapped:       # doctest: +SKIP
+        ...     ep = export_causal_lm(model)
+    """
+    found = substitutable(model)
+    restore: list[Callable[[], None]] = []
+    try:
+        for cls in {type(m) for _, m in found} if every_instance else ():
+            own = cls.__dict__["forward"]
+            substitute = SUBSTITUTES[cls.__name__][1]
+            cls.forward = lambda self, *a, _s=substitute, _o=own, **k: _s(self, functools.partial(_o, self), *a, **k)
+            restore.append(functools.partial(setattr, cls, "forward", own))
+        for _, module in () if every_instance else found:
+            before = module.__dict__.get("forward")  # an instance-level forward (accelerate's hooks) comes back
+            module.forward = functools.partial(SUBSTITUTES[type(module).__name__][1], module, module.forward)
+            restore.append(functools.partial(_put_back, module, before))
+        if found:
+            log.info("export: %d layers run in a traceable form (%s)", len(found),
+                     ", ".join(sorted({type(m).__name__ for _, m in found})))
+        yield [path for path, _ in found]
+    finally:
+        for undo in reversed(restore):
+            undo()
+
+
+def _put_back(module: nn.Module, forward: Callable | None) -> None:
+    if forward is None:
+        del module.forward
+    else:
+        module.forward = forward
+
+
+__all__ = ["SUBSTITUTES", "qsa_block_scores", "qsa_indexer_causal", "qsa_queries_and_blocks", "qsa_selection",
+           "substitutable", "traceable_layers"]
