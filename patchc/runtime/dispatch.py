@@ -123,12 +123,17 @@ class TileLinear(nn.Module):
         raise AttributeError(f"TileLinear {self.name!r}: the weight is packed from a plan and cannot be assigned; "
                              "apply the new weights with plan.apply(model) before patchc.compile")
 
+    def drop_weight_cache(self) -> None:
+        """Forget the dense `.weight` a read unpacked (it is rebuilt on the next read): after a move, a load,
+        or code that reads `.weight` once for its dtype and device (PEFT's adapter injection)."""
+        self._weight_cache = None
+
     def _apply(self, fn, recurse=True):
-        self._weight_cache = None  # dtype / device moves: rebuild .weight on the next read
+        self.drop_weight_cache()  # dtype / device moves
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._weight_cache = None  # the buffers are overwritten in place: so is W * M
+        self.drop_weight_cache()  # the buffers are overwritten in place: so is W * M
         return super()._load_from_state_dict(*args, **kwargs)
 
     def op_args(self, bias: Any = None) -> tuple[Any, ...]:

@@ -43,7 +43,7 @@ class TileLoraLinear(_LoraLinear):
         super().set_adapter(*args, **kwargs)
         # PEFT calls this once the layer is swapped in, after reading `base_layer.weight` for the adapters' device
         # (LoraModel._replace_module): drop the dense W * M that read unpacked and kept
-        self.get_base_layer()._weight_cache = None
+        self.get_base_layer().drop_weight_cache()
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise ValueError(f"LoRA on {self.get_base_layer().name!r}: cannot merge a dense low-rank delta into a packed "
