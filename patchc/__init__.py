@@ -15,23 +15,26 @@ The folders follow the data flow (README, "Code map"):
 
 from __future__ import annotations
 
-import importlib
-
 from patchc import _moved
 from patchc.config import DEFAULT_EXCLUDE, PatchConfig
-from patchc.ir import LayerPlan, PlanError, TilePlan
-from patchc.masking.harden import harden
-from patchc.masking.recover import recover
-from patchc.masking.train import TrainResult, lm_loss, train_masks
-from patchc.passes.program import MaskedProgram
-from patchc.passes.transform import transform
+from patchc.utils.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
 _moved.install()  # old module paths (patchc.tile_plan, ...) keep working, with a DeprecationWarning
 
-# Imported on first use: they pull in heavier dependencies (Triton, calibration).
+# Imported on first use, so that `import patchc` (and `patchc --help`) does not import torch and Triton.
 _LAZY = {
+    "transform": ("patchc.passes.transform", "transform"),
+    "MaskedProgram": ("patchc.passes.program", "MaskedProgram"),
+    "train_masks": ("patchc.masking.train", "train_masks"),
+    "TrainResult": ("patchc.masking.train", "TrainResult"),
+    "lm_loss": ("patchc.masking.train", "lm_loss"),
+    "harden": ("patchc.masking.harden", "harden"),
+    "recover": ("patchc.masking.recover", "recover"),
+    "TilePlan": ("patchc.ir", "TilePlan"),
+    "LayerPlan": ("patchc.ir", "LayerPlan"),
+    "PlanError": ("patchc.ir", "PlanError"),
     "calibrate": ("patchc.pruning.calibrate", "calibrate"),
     "oneshot": ("patchc.pruning", "oneshot"),
     "masks": ("patchc.pruning.mask_files", None),
@@ -42,28 +45,6 @@ _LAZY = {
     "from_pretrained": ("patchc.export", "from_pretrained"),
     "register_lora": ("patchc.runtime.lora", "register_lora"),
 }
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        module_name, attr = _LAZY[name]
-        module = importlib.import_module(module_name)
-        return module if attr is None else getattr(module, attr)
-    raise AttributeError(f"module 'patchc' has no attribute {name!r}")
-
-
-__all__ = [
-    "PatchConfig",
-    "DEFAULT_EXCLUDE",
-    "transform",
-    "MaskedProgram",
-    "train_masks",
-    "TrainResult",
-    "lm_loss",
-    "harden",
-    "recover",
-    "TilePlan",
-    "LayerPlan",
-    "PlanError",
-    *_LAZY,
-]
+__all__ = ["PatchConfig", "DEFAULT_EXCLUDE", *_LAZY]

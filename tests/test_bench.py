@@ -218,7 +218,7 @@ def test_harness_imports_without_tqdm_and_refuses_a_late_interpreter():
     imported triton compiled first gets a clear error instead of failing every kernel."""
     code = ("import sys; sys.modules['tqdm'] = None\n"
             "import triton, patchc.bench\n"
-            "from patchc.bench.run import BenchError, _use_interpreter\n"
+            "from patchc.bench.driver import BenchError, _use_interpreter\n"
             "try:\n    _use_interpreter()\nexcept BenchError as e:\n    print('REFUSED', e)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -229,7 +229,7 @@ def test_harness_imports_without_tqdm_and_refuses_a_late_interpreter():
 @needs_cpu
 @pytest.mark.interpreter
 def test_a_part_that_raises_is_recorded_and_the_others_kept(monkeypatch, tmp_path):
-    bench_run = sys.modules["patchc.bench.run"]  # the package exports a function of the same name
+    from patchc.bench import driver as bench_run
 
     def broken_e2e(*args, **kwargs):
         raise RuntimeError("CUDA graph capture failed")
@@ -252,8 +252,7 @@ def test_sigterm_mid_run_records_the_parts_done(tmp_path):
     script = (
         "import os, signal, sys\n"
         "from pathlib import Path\n"
-        "import patchc.bench.run as _\n"
-        "bench_run = sys.modules['patchc.bench.run']\n"
+        "import patchc.bench.driver as bench_run\n"
         "bench_run.run_speed = lambda *a, **k: {'rows': [], 'skipped': ['kept']}\n"
         "def killed(*a, **k):\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -317,7 +316,7 @@ def test_source_digest_names_the_code_not_the_checkout(tmp_path):
 
 def test_a_part_that_overran_shrinks_the_later_ones(monkeypatch, tmp_path):
     """Each part gets its weight's share of the time left when it starts, among the parts still to run."""
-    bench_run = sys.modules["patchc.bench.run"]
+    from patchc.bench import driver as bench_run
     clock = [1000.0]
     given = {}
 

@@ -125,12 +125,39 @@ def test_python_dash_m_is_the_same_command():
     assert "--sparsity" in done.stdout and "--resume" in done.stdout
 
 
-def test_cli_start_leaves_dynamo_unimported():
-    # torch._dynamo takes ~1.2 s to import: `import patchc` and `patchc --help` do without it
-    code = ("import runpy, sys\nsys.argv = ['patchc', '--help']\ntry:\n    runpy.run_module('patchc', run_name='__main__')\n"
-            "except SystemExit:\n    pass\nprint('dynamo' if 'torch._dynamo' in sys.modules else 'none')")
+HEAVY = ("torch", "triton", "transformers", "numpy")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["prune", "--help"], ["bench", "--help"], ["prune", "--tile", "x"]])
+def test_help_and_flag_errors_answer_without_importing_torch(argv):
+    """torch alone takes seconds to import: `patchc --help`, each command's help and argparse's own errors
+    (a wrong type, an unknown flag) answer without it, as do `import patchc` and the command's parser."""
+    code = (f"import runpy, sys\nsys.argv = ['patchc', *{argv!r}]\ntry:\n"
+            "    runpy.run_module('patchc', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            f"print('IMPORTED', [m for m in {HEAVY!r} if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "prune" in done.stdout and done.stdout.split()[-1] == "none", done.stdout[-300:]
+    assert "usage: patchc" in done.stdout + done.stderr, done.stderr[-300:]
+    assert done.stdout.splitlines()[-1] == "IMPORTED []", done.stdout[-300:]
+
+
+def test_the_lazy_names_of_the_packages_resolve():
+    """Every name `patchc`, `patchc.job`, `patchc.models`, `patchc.export` and `patchc.bench` list resolves,
+    a subpackage reads as an attribute, and a missing name is an AttributeError naming the package. No lazy
+    name is also a submodule's: importing the submodule would replace the name with the module."""
+    import importlib
+    import pkgutil
+
+    for package in ("patchc", "patchc.job", "patchc.models", "patchc.export", "patchc.bench"):
+        module = importlib.import_module(package)
+        assert all(getattr(module, name) is not None for name in module.__all__), package
+        assert set(module.__all__) <= set(dir(module))
+        submodules = {m.name for m in pkgutil.iter_modules(module.__path__)}
+        assert not {name for name, (_, attr) in module._LAZY.items() if attr and name in submodules}, package
+    import patchc
+
+    assert patchc.ir.TilePlan is TilePlan and patchc.transform.__module__ == "patchc.passes.transform"
+    with pytest.raises(AttributeError, match="module 'patchc.models' has no attribute 'nope'"):
+        patchc.models.nope  # noqa: B018
 
 
 def test_self_generated_text_trains_and_real_text_evaluates(tmp_path):

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,3 +137,21 @@ def speed_cases(opts: BenchOptions) -> list[LayerCase]:
         return [LayerCase(DRY_SHAPES[0], k, DRY_TILES[0], "fp16", (1, 17)) for k in ("2:4", 0.35)]
     ms = (1, 4, 8, 16, 2048)
     return [LayerCase(s, k, (128, 128), "fp16", ms) for k in (0.45, "2:4", 0.35, 0.25) for s in LLAMA7B_SHAPES]
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """`patchc bench`'s flags (the fields of `BenchOptions`)."""
+    p.add_argument("--dry-run", action="store_true", help="run the same harness on CPU under the Triton "
+                                                         "interpreter with tiny shapes (timings mean nothing)")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="which parts to run")
+    p.add_argument("--budget", type=float, default=BenchOptions.budget_s,
+                   help="seconds for the whole run, shared by the parts")
+    p.add_argument("--out", default=None,
+                   help="results folder (default: benchmarks/results; dry run: runs/bench-dry-run)")
+    p.add_argument("--no-tune", dest="tune", action="store_false", help="use the default configs instead of tuning")
+    p.add_argument("--layers", type=int, default=BenchOptions.e2e_layers,
+                   help="blocks of the end-to-end LLaMA-2-7B-shaped model")
+    p.add_argument("--tokens", type=int, default=BenchOptions.e2e_tokens,
+                   help="tokens generated per end-to-end measurement")
+    p.add_argument("--seed", type=int, default=BenchOptions.seed, help="random layers and inputs")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")

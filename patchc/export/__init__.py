@@ -22,24 +22,16 @@ Example:
     >>> fast = from_pretrained("out/pruned")            # TileLinear where planned; dense=True for plain
 """
 
-from patchc.export.format import CONFIG, FORMAT, VERSION, WEIGHTS, ExportError
-from patchc.export.importing import ImportSummary, import_sparse
-from patchc.export.legacy import decode_24_bitmask, plan_from_compressed_tensors
-from patchc.export.pretrained import export_pretrained, export_run, from_pretrained, load_plan, load_tokenizer
+from patchc.utils.lazy import lazy_exports
 
-__all__ = [
-    "CONFIG",
-    "FORMAT",
-    "VERSION",
-    "WEIGHTS",
-    "ExportError",
-    "ImportSummary",
-    "decode_24_bitmask",
-    "export_pretrained",
-    "export_run",
-    "from_pretrained",
-    "import_sparse",
-    "load_plan",
-    "load_tokenizer",
-    "plan_from_compressed_tensors",
-]
+# Imported on first use: the command line reads shards.py (--max-shard-size) without importing torch.
+_LAZY = {
+    **{name: ("patchc.export.format", name) for name in ("CONFIG", "FORMAT", "VERSION", "WEIGHTS", "ExportError")},
+    **{name: ("patchc.export.importing", name) for name in ("ImportSummary", "import_sparse")},
+    **{name: ("patchc.export.legacy", name) for name in ("decode_24_bitmask", "plan_from_compressed_tensors")},
+    **{name: ("patchc.export.pretrained", name)
+       for name in ("export_pretrained", "export_run", "from_pretrained", "load_plan", "load_tokenizer")},
+}
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
+
+__all__ = sorted(_LAZY)

@@ -30,8 +30,16 @@ Example:
     >>> print(format_results(report))
 """
 
-from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
-from patchc.job.prune import run_prune
-from patchc.job.report import format_results
+from patchc.utils.lazy import lazy_exports
 
-__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "PruneOptions", "format_results", "run_prune"]
+# Imported on first use: `patchc --help` reads only options.py, which does not import torch.
+_LAZY = {
+    "DEFAULT_DATA": ("patchc.job.options", "DEFAULT_DATA"),
+    "DEFAULT_MODEL": ("patchc.job.options", "DEFAULT_MODEL"),
+    "PruneOptions": ("patchc.job.options", "PruneOptions"),
+    "format_results": ("patchc.job.report", "format_results"),
+    "run_prune": ("patchc.job.prune", "run_prune"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
+
+__all__ = list(_LAZY)

@@ -24,13 +24,11 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
-from patchc.bench.options import PARTS
-from patchc.job.losses import LOSSES
-from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
+from patchc.bench.options import add_bench_arguments
+from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, LOSSES, PruneOptions
 from patchc.job.prune_args import add_prune_arguments, prune_options
-from patchc.job.recover import load_any_plan, resolve_plan
+
+# Each command imports what it runs (torch, Triton): --help and flag errors answer at once (tests/test_cli.py).
 
 # Errors that mean "the input is wrong", shown as one line; anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, OSError, RuntimeError, NotImplementedError, FloatingPointError, KeyError)
@@ -66,6 +64,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from patchc.job.recover import resolve_plan
     from patchc.job.rescore import format_rescore, rescore
 
     r = rescore(resolve_plan(args.plan), allow_overlap=args.allow_overlap, force=args.force, model=args.model,
@@ -113,6 +112,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    import torch
+
     from patchc.export.importing import import_sparse
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
@@ -132,6 +133,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from patchc.codegen.generate import generate, serving_dtype, summary
+    from patchc.job.recover import load_any_plan
 
     plan = load_any_plan(args.plan)
     files = generate(plan, args.out, target=args.target, workers=args.workers, show_progress=args.progress,
@@ -145,6 +147,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     import json
 
+    import torch
+
+    from patchc.job.recover import load_any_plan
     from patchc.runtime import tune_plan
 
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
@@ -336,17 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "model and fused MoE experts (vs torch's grouped mm), on this CUDA GPU; appends to "
                                    "<out>/<device>.jsonl and writes <device>.md. Exit status 1 when a correctness "
                                    "check fails.")
-    p.add_argument("--dry-run", action="store_true",
-                   help="run the same harness on CPU under the Triton interpreter with tiny shapes (timings mean nothing)")
-    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
-                   help="which parts to run")
-    p.add_argument("--budget", type=float, default=510.0, help="seconds for the whole run, shared by the parts")
-    p.add_argument("--out", default=None, help="results folder (default: benchmarks/results; dry run: runs/bench-dry-run)")
-    p.add_argument("--no-tune", dest="tune", action="store_false", help="use the default configs instead of tuning")
-    p.add_argument("--layers", type=int, default=4, help="blocks of the end-to-end LLaMA-2-7B-shaped model")
-    p.add_argument("--tokens", type=int, default=128, help="tokens generated per end-to-end measurement")
-    p.add_argument("--seed", type=int, default=0, help="random layers and inputs")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    add_bench_arguments(p)
     p.set_defaults(handler=cmd_bench)
     return parser
 
@@ -372,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     # recorded in report.json / recover.json: the words given, not the host program's (e.g. pytest's)
     args.command_line = " ".join(["patchc", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     args.from_command_line = argv is None  # the process is this command: it may restart itself (bench)
+    import torch  # after parsing: see the note at the imports
+
     threads = torch.get_num_threads()  # the job picks its own; a caller's (e.g. a notebook's) comes back after
     try:
         return args.handler(args)

@@ -15,31 +15,12 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-LOSSES = ("lm", "kd", "lm+kd")
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """Which task loss: "lm" (cross-entropy on the next token), "kd" (KL to the dense model at
-    `temperature`), or "lm+kd" (their sum, KD weighted by `kd_weight`)."""
-
-    kind: str = "lm+kd"
-    temperature: float = 1.0
-    kd_weight: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in LOSSES:
-            raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.kind!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"--kd-temperature must be > 0, got {self.temperature}")
-        if not self.kd_weight >= 0:
-            raise ValueError(f"--kd-weight must be >= 0, got {self.kd_weight}")
+from patchc.job.options import LOSSES, LossSpec  # specs live with the options: no torch to parse flags
 
 
 def kd_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -17,7 +17,7 @@ from collections import Counter
 
 import torch
 
-from patchc.job.options import PruneOptions, check_device, weight_dtype
+from patchc.job.options import PruneOptions
 
 # Square tile sides `auto_tile` picks from, widest first.
 AUTO_TILES = (128, 64, 32, 16)
@@ -96,4 +96,22 @@ def choose_threads(opts: PruneOptions, model: torch.nn.Module) -> None:
         torch.set_num_threads(1)
 
 
-__all__ = ["load_bundle", "cast_bundle", "check_model", "choose_threads"]
+def weight_dtype(opts: PruneOptions) -> torch.dtype:
+    """bf16 weights on a GPU (the masks' logits, noise and Adam state stay fp32), fp32 on CPU."""
+    if opts.dtype == "auto":
+        return torch.bfloat16 if opts.device.startswith("cuda") else torch.float32
+    return getattr(torch, opts.dtype)
+
+
+def check_device(device: str) -> None:
+    """A CUDA device that exists, before anything is loaded onto it."""
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no CUDA GPU that torch can use; use --device cpu")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+
+
+__all__ = ["check_device", "weight_dtype", "load_bundle", "cast_bundle", "check_model", "choose_threads"]

@@ -14,14 +14,13 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from patchc.config import PatchConfig
-from patchc.job.losses import LOSSES, LossSpec
-from patchc.masking.optim import MaskOptimConfig
 from patchc.models.shared import SHARED_DIR
+
+if TYPE_CHECKING:
+    from patchc.masking.optim import MaskOptimConfig
 
 DEFAULT_MODEL = str(SHARED_DIR / "models" / "stories260K" / "stories260K.bin")
 DEFAULT_DATA = (str(SHARED_DIR / "data" / "tinystories_sample.txt"),)
@@ -33,7 +32,7 @@ TRAIN_DATA = ("real", "self", "mix")
 MASK_IMPLS = ("fused", "compiled", "reference")
 _PAPER = PatchConfig()
 MAX_THREADS = 4 * (os.cpu_count() or 1)
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype; `patchc.job.model.weight_dtype` resolves "auto"
 
 # Recovery's Adam lr by model kind. Causal LMs (stories260K PATCH 35%, seed 0, KD, 300 steps; held-out /
 # WikiText-2 from 7.61 / 152.5): 3e-4 6.86 / 157.5, 1e-3 6.63 / 157.8, 3e-3 6.64 / 148.1, 1e-2 8.39 / 149.8.
@@ -42,6 +41,27 @@ DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "f
 # in eval mode, every layer distilled: 1e-4 0.953 / 0.877 at 300 steps; 1,000 steps 1e-4 0.961 / 0.888,
 # 3e-4 0.960 / 0.879; with 8,000 more sentences (--train-extra) 3,000 steps 1e-4 0.971, 3e-4 0.974.
 RECOVER_LR = {"causal": 3e-3, "encoder": 1e-4}
+
+
+LOSSES = ("lm", "kd", "lm+kd")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Which task loss: "lm" (cross-entropy on the next token), "kd" (KL to the dense model at
+    `temperature`), or "lm+kd" (their sum, KD weighted by `kd_weight`)."""
+
+    kind: str = "lm+kd"
+    temperature: float = 1.0
+    kd_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in LOSSES:
+            raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.kind!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"--kd-temperature must be > 0, got {self.temperature}")
+        if not self.kd_weight >= 0:
+            raise ValueError(f"--kd-weight must be >= 0, got {self.kd_weight}")
 
 
 @dataclass(frozen=True)
@@ -147,7 +167,7 @@ class PruneOptions:
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"--eval-fraction must be in (0, 1), got {self.eval_fraction}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.threads < 0 or self.threads > MAX_THREADS:
             raise ValueError(f"--threads must be in [0, {MAX_THREADS}] (0 = automatic; this machine has "
                              f"{os.cpu_count()} cores), got {self.threads}")
@@ -201,6 +221,8 @@ class PruneOptions:
 
     def mask_optim(self) -> MaskOptimConfig:
         """The mask optimizer's settings that --low-memory and --v-per-group choose."""
+        from patchc.masking.optim import MaskOptimConfig  # imports torch: not needed to parse flags
+
         return MaskOptimConfig(memory="low" if self.low_memory else "default", v_per_group=self.v_per_group)
 
     def recovery_lr(self, kind: str) -> float:
@@ -228,22 +250,3 @@ class PruneOptions:
             raise ValueError("PruneOptions.tile is None (automatic): resolve it for the loaded model first, "
                              "opts = patchc.job.model.with_tile(opts, bundle)")
         return PatchConfig(**values)
-
-
-def weight_dtype(opts: PruneOptions) -> torch.dtype:
-    """bf16 weights on a GPU (the masks' logits, noise and Adam state stay fp32), fp32 on CPU."""
-    chosen = DTYPES[opts.dtype]
-    if chosen is None:
-        chosen = torch.bfloat16 if opts.device.startswith("cuda") else torch.float32
-    return chosen
-
-
-def check_device(device: str) -> None:
-    """A CUDA device that exists, before anything is loaded onto it."""
-    if not device.startswith("cuda"):
-        return
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: this machine has no CUDA GPU that torch can use; use --device cpu")
-    index = int(device.partition(":")[2] or 0)
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")

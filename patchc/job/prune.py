@@ -29,8 +29,8 @@ from patchc.job.corpus import data_record, load_data
 from patchc.job.distributed import init_distributed, prepare_training, rank_slice, say, world
 from patchc.job.losses import make_lm_loss
 from patchc.job.memory import check_fits
-from patchc.job.model import load_bundle, with_tile
-from patchc.job.options import ONESHOT_METHODS, PruneOptions, check_device
+from patchc.job.model import check_device, load_bundle, with_tile
+from patchc.job.options import ONESHOT_METHODS, PruneOptions
 from patchc.job.results import row, run_report
 from patchc.job.runs import CHECKPOINT, check_out, check_settings, claim_run_dir, release
 from patchc.pruning import apply_masks

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from patchc.job.losses import LOSSES
-from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
+from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, DTYPES, LOSSES, PruneOptions
 
 
 def add_prune_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,7 +112,7 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-bos", dest="bos", action="store_false",
                    help="do not start each document with the tokenizer's BOS (or EOS) token")
     p.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default=d.dtype, choices=("auto", "float32", "bfloat16", "float16"),
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES,
                    help="weight dtype (auto: bfloat16 on CUDA, float32 on CPU); mask logits are always fp32")
     p.add_argument("--threads", type=int, default=d.threads, help="CPU threads (0: automatic)")
     p.add_argument("--resume", action="store_true",

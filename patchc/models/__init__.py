@@ -20,39 +20,20 @@ Example:
     >>> model = load_llama2c(STORIES260K_DIR / "stories260K.bin")
 """
 
-from patchc.models.llama2c import CheckpointError, Llama, LlamaConfig, export_llama, generate, load_llama2c
-from patchc.models.llama2c_tokenizer import BOS_ID, EOS_ID, Tokenizer, load_tokenizer
 from patchc.models.shared import SHARED_DIR, STORIES260K_DIR, shared_dir
+from patchc.utils.lazy import lazy_exports
 
-__all__ = [
-    "BOS_ID",
-    "EOS_ID",
-    "SHARED_DIR",
-    "STORIES260K_DIR",
-    "CheckpointError",
-    "Llama",
-    "LlamaConfig",
-    "Tokenizer",
-    "export_llama",
-    "generate",
-    "load_llama2c",
-    "load_tokenizer",
-    "shared_dir",
-]
+# Imported on first use: shared.py (where ../shared is) is all the command line's defaults need, and the
+# loaders import torch (transformers only on a first load).
+_LAZY = {
+    **{name: ("patchc.models.llama2c", name)
+       for name in ("CheckpointError", "Llama", "LlamaConfig", "export_llama", "generate", "load_llama2c")},
+    **{name: ("patchc.models.llama2c_tokenizer", name) for name in ("BOS_ID", "EOS_ID", "Tokenizer", "load_tokenizer")},
+    **{name: ("patchc.models.bundle", name) for name in ("HFTokenizer", "ModelBundle")},
+    **{name: ("patchc.models.hf", name) for name in ("EncoderWrapper", "HFLoadError", "minilm_dir")},
+    **{name: ("patchc.models.hf_export", name) for name in ("export_causal_lm", "export_encoder")},
+    "load_model": ("patchc.models.spec", "load_model"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
-# Hugging Face models and the one-stop loader (transformers is imported lazily, on first load).
-from patchc.models.bundle import HFTokenizer, ModelBundle  # noqa: E402
-from patchc.models.hf import EncoderWrapper, HFLoadError, minilm_dir  # noqa: E402
-from patchc.models.hf_export import export_causal_lm, export_encoder  # noqa: E402
-from patchc.models.spec import load_model  # noqa: E402
-
-__all__ += [
-    "EncoderWrapper",
-    "HFLoadError",
-    "HFTokenizer",
-    "ModelBundle",
-    "export_causal_lm",
-    "export_encoder",
-    "load_model",
-    "minilm_dir",
-]
+__all__ = ["SHARED_DIR", "STORIES260K_DIR", "shared_dir", *_LAZY]
