@@ -105,11 +105,17 @@ def group_blocks(prog: MaskedProgram) -> dict[str, BlockShard]:
     """Rewrite the program's graph so each block's masked weights are read through one `BlockShard`.
 
     Returns {group name: shard}, e.g. {"block_0": ..., "block_1": ..., "other": ...} ("other":
-    masked weights outside the transformer blocks). `prog.weight(fqn)` follows the moved weights.
+    masked weights outside the transformer blocks). `prog.weight(fqn)` follows the moved weights. A program
+    with one graph per sequence length (Qwen3.5, Mamba-2 hybrids) keeps its first graph's length only: a graph
+    exported for another length would look for the weights in the first, which no longer holds them.
     """
     gm, graph = prog.graph_module, prog.graph_module.graph
     if hasattr(gm, SHARDS_ATTR):
         raise ValueError("shard_program: this program is already sharded")
+    if prog.seq_graphs is not None:  # one graph per length: the weights leave the one that later graphs copy
+        prog.seq_graphs.fix_length(f"shard the program of a model that exports one graph per length "
+                                   f"({prog.seq_graphs.source.reason}) at the length it trains at "
+                                   f"(`patchc prune --fsdp` exports it at --block-len)")
     order = {node: i for i, node in enumerate(graph.nodes)}
     mask_nodes = [n for n in graph.nodes if n.op == "call_module" and str(n.target).startswith(MASKS_ATTR + ".")]
     groups: dict[str, list[fx.Node]] = {}
@@ -203,9 +209,6 @@ def shard_program(prog: MaskedProgram, mesh=None, *, reshard_after_forward: bool
     """
     from torch.distributed.fsdp import fully_shard
 
-    if prog.seq_graphs is not None:
-        raise ValueError("--fsdp: this model exports one graph per sequence length (its sequence length cannot be "
-                         f"symbolic: {prog.seq_graphs.source.reason}); train it without --fsdp")
     gm = prog.graph_module
     mesh = mesh if mesh is not None else default_mesh(next(gm.parameters()).device)
     shards = group_blocks(prog)

@@ -51,11 +51,23 @@ class SeqGraphs:
         self.source, self.cfg, self.masks = source, cfg, dict(masks)
         self.graphs: dict[int, tuple[fx.GraphModule, list[LinearSite]]] = {source.length: (gm, sites)}
         self.observer: Callable[[str, torch.Tensor], None] | None = None
+        self.fixed: str | None = None  # why no other length may be built (`fix_length`)
 
     def graph(self, length: int) -> tuple[fx.GraphModule, list[LinearSite]]:
         if length not in self.graphs:
+            if self.fixed is not None:
+                raise ValueError(f"this program runs at sequence length {self.source.length} only, got {length}: "
+                                 f"{self.fixed}")
             self.graphs[length] = self._build(length)
         return self.graphs[length]
+
+    def fix_length(self, why: str) -> None:
+        """Build no graph for another length from now on (a rewrite moved the weights out of the first graph,
+        where a new one would find them); `why` ends the error a call at another length raises."""
+        if len(self.graphs) > 1:
+            raise ValueError(f"this program already has graphs for sequence lengths {sorted(self.graphs)}: "
+                             f"{why}, before running it at any other length")
+        self.fixed = why
 
     def _build(self, length: int) -> tuple[fx.GraphModule, list[LinearSite]]:
         log.info("patchc: exporting the model again for sequence length %d (it exports one graph per length: %s)",
