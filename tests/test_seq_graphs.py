@@ -160,12 +160,18 @@ def test_observers_reach_graphs_built_while_observing_and_leave_none_behind(chun
         prog(input_ids=None)
 
 
-def test_fsdp_refuses_a_per_length_program(chunked):
-    from patchc.job.fsdp import shard_program
+def test_grouping_for_fsdp_keeps_a_per_length_program_at_its_length(chunked):
+    """--fsdp shards the graph of the length mask training runs at (tests/test_fsdp_per_length.py trains one
+    on two ranks): after the rewrite the program computes what it did there, and refuses other lengths."""
+    from patchc.job.fsdp import group_blocks
 
-    prog = patchc.transform(chunked[1], PatchConfig(tile=TILE))
-    with pytest.raises(ValueError, match="--fsdp: this model exports one graph per sequence length"):
-        shard_program(prog)
+    plain, grouped = (patchc.transform(chunked[1], PatchConfig(tile=TILE)) for _ in range(2))
+    group_blocks(grouped)
+    ids = torch.randint(0, 32, (3, chunked[1].length), generator=torch.Generator().manual_seed(5))
+    with plain.mask_mode("hard"), grouped.mask_mode("hard"), torch.no_grad():
+        torch.testing.assert_close(grouped(ids), plain(ids), rtol=0, atol=0)
+        with pytest.raises(ValueError, match=r"runs at sequence length 8 only, got 12: shard the program"):
+            grouped(torch.zeros(3, 12, dtype=torch.long))
 
 
 def test_weights_smaller_than_the_tile_stay_dense_with_a_reason():
