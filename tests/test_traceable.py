@@ -23,7 +23,7 @@ qwen4 = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp",
 RATIO, BUDGET = 4, 8  # blocks of 4 keys, 2 blocks kept per query
 
 
-def _model(seed: int = 0, layer_types=("indexed_attention",)) -> torch.nn.Module:
+def _model(seed: int = 0, layer_types=("full_attention",)) -> torch.nn.Module:
     config = transformers.Qwen4ExpTextConfig(
         vocab_size=128, hidden_size=64, num_hidden_layers=len(layer_types), layer_types=list(layer_types),
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
@@ -118,3 +118,15 @@ def test_with_a_cache_the_model_runs_its_own_indexer():
     with pytest.raises(RuntimeError, match="inside"), traceable_layers(model):
         raise RuntimeError("inside")
     assert "forward" not in _indexer(model).__dict__
+
+
+def test_under_eager_attention_the_model_runs_its_own_indexer():
+    """Eager attention hands the indexer an additive float mask, which transformers 5.17's indexer answers in
+    kind (5.24's with a bool mask): the vectorised form, which returns the bool selection, leaves it alone."""
+    model = _model()
+    model.set_attn_implementation("eager")
+    (hidden, position_embeddings, mask, cache), want = _indexer_call(model, _ids(2, 16))
+    assert mask.is_floating_point()
+    with traceable_layers(model), torch.no_grad():
+        got = _indexer(model)(hidden, position_embeddings, mask, cache)
+    assert got.dtype == want.dtype and torch.equal(got, want)

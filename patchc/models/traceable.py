@@ -8,10 +8,10 @@ restored after: the model itself is left as it was, and its own forward still ru
 Qwen4-Exp's QSA indexer (`Qwen4ExpTextQSAIndexer`) keeps, for each query, the `budget / ratio` blocks of
 `ratio` consecutive visible keys its heads score highest, plus the keys after the last complete block.
 transformers loops over batch and query in Python around `torch.nonzero` of the attention mask. Under the
-causal mask of patchc's exports (ids only: no padding, no cache) query q sees keys 0..q, so the blocks are
-the same for every query and the choice is one masked top-k over (batch, query, block) scores. It picks the
-same blocks as the loop except among equal scores (`torch.topk` breaks ties by the vector's length; the
-ReLU-summed scores tie at zero when every head scores a block negative).
+causal mask of patchc's exports (ids only: no padding, no cache; sdpa's boolean mask) query q sees keys 0..q,
+so the blocks are the same for every query and the choice is one masked top-k over (batch, query, block)
+scores. It picks the same blocks as the loop except among equal scores (`torch.topk` breaks ties by the
+vector's length; the ReLU-summed scores tie at zero when every head scores a block negative).
 
 Example:
     >>> with traceable_layers(model):                     # doctest: +SKIP
@@ -85,9 +85,11 @@ def qsa_indexer_causal(indexer: nn.Module, original: Callable, hidden_states: to
                        position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor,
                        cache: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
     """`Qwen4ExpTextQSAIndexer.forward` for a causal mask without cache, as one top-k: (B, 1, T, T) bool.
-    Anything else (a cache, a mask over other keys) runs the layer's own forward."""
+    Anything else runs the layer's own forward: a cache, a mask over other keys, and eager attention's
+    additive float mask (transformers 5.17's indexer then returns an additive mask too, 5.24's a bool one)."""
     length = hidden_states.shape[1]
-    if cache is not None or args or kwargs or attention_mask.shape[-1] != length:
+    if (cache is not None or args or kwargs or attention_mask.dtype != torch.bool
+            or attention_mask.shape[-1] != length):
         return original(hidden_states, position_embeddings, attention_mask, cache, *args, **kwargs)
     q, blocks = qsa_queries_and_blocks(indexer, hidden_states, position_embeddings)
     keep = qsa_selection(qsa_block_scores(q, blocks), indexer.compress_ratio, indexer.block_topk)
