@@ -128,15 +128,16 @@ def test_python_dash_m_is_the_same_command():
 HEAVY = ("torch", "triton", "transformers", "numpy")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["prune", "--help"], ["bench", "--help"], ["prune", "--tile", "x"]])
+@pytest.mark.parametrize("argv", [["--help"], ["prune", "--help"], ["bench", "--help"], ["prune", "--tile", "x"],
+                                  ["prune", "--sparsity", "0.7"]])
 def test_help_and_flag_errors_answer_without_importing_torch(argv):
-    """torch alone takes seconds to import: `patchc --help`, each command's help and argparse's own errors
-    (a wrong type, an unknown flag) answer without it, as do `import patchc` and the command's parser."""
+    """torch alone takes seconds to import: `patchc --help`, each command's help, argparse's own errors (a
+    wrong type) and `patchc prune`'s checks of its values answer without it, as does `import patchc`."""
     code = (f"import runpy, sys\nsys.argv = ['patchc', *{argv!r}]\ntry:\n"
             "    runpy.run_module('patchc', run_name='__main__')\nexcept SystemExit:\n    pass\n"
             f"print('IMPORTED', [m for m in {HEAVY!r} if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "usage: patchc" in done.stdout + done.stderr, done.stderr[-300:]
+    assert "usage: patchc" in done.stdout + done.stderr or "patchc prune: error: " in done.stderr, done.stderr[-300:]
     assert done.stdout.splitlines()[-1] == "IMPORTED []", done.stdout[-300:]
 
 

@@ -46,10 +46,11 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    opts = prune_options(args)  # every flag checked before torch is imported
     from patchc.job.prune import run_prune
     from patchc.job.report import format_results, scored_files
 
-    report = run_prune(prune_options(args), command=args.command_line)
+    report = run_prune(opts, command=args.command_line)
     if not report:  # a torchrun rank other than 0
         return 0
     unit = "tokens" if report["kind"] == "causal" else "sentences"
@@ -367,9 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     # recorded in report.json / recover.json: the words given, not the host program's (e.g. pytest's)
     args.command_line = " ".join(["patchc", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     args.from_command_line = argv is None  # the process is this command: it may restart itself (bench)
-    import torch  # after parsing: see the note at the imports
-
-    threads = torch.get_num_threads()  # the job picks its own; a caller's (e.g. a notebook's) comes back after
+    # the job picks its thread count; a caller's (a notebook's) comes back after. Without torch imported yet
+    # there is none to keep, and the command imports torch only once its flags check out.
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
     try:
         return args.handler(args)
     except KeyboardInterrupt:
@@ -381,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"patchc {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 2
     finally:
-        torch.set_num_threads(threads)
+        if threads is not None:
+            torch.set_num_threads(threads)
 
 
 def one_line(exc: BaseException) -> str:
