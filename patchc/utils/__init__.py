@@ -5,4 +5,5 @@
     env.py                 library versions and the device name, for reports, benchmarks and cache keys
     names.py               reading structure from weight names (which transformer block a weight belongs to)
     progress.py            tqdm progress bars where tqdm is installed
+    lazy.py                a package's names imported on first use (`patchc --help` without torch)
 """
