@@ -97,7 +97,7 @@ def qsa_indexer_causal(indexer: nn.Module, original: Callable, hidden_states: to
 
 
 def _is_qsa_indexer(module: nn.Module) -> bool:
-    """The indexer as transformers 5.24 builds it: one key head (its config requires it) and the parts read."""
+    """The indexer as transformers 5.17-5.24 build it: one key head (its config requires it) and the parts read."""
     names = ("index_qk_proj", "q_layernorm", "k_layernorm", "index_head_dim", "index_n_heads", "compress_ratio",
              "block_topk")
     return all(hasattr(module, n) for n in names) and getattr(module, "index_kv_heads", None) == 1
@@ -129,10 +129,10 @@ def traceable_layers(model: nn.Module, every_instance: bool = False) -> Iterator
     restore: list[Callable[[], None]] = []
     try:
         for cls in {type(m) for _, m in found} if every_instance else ():
-            own = cls.__dict__["forward"]
-            substitute = SUBSTITUTES[cls.__name__][1]
+            own, substitute = cls.forward, SUBSTITUTES[cls.__name__][1]
+            restore.append(functools.partial(setattr, cls, "forward", own) if "forward" in vars(cls) else
+                           functools.partial(delattr, cls, "forward"))  # an inherited forward stays inherited
             cls.forward = lambda self, *a, _s=substitute, _o=own, **k: _s(self, functools.partial(_o, self), *a, **k)
-            restore.append(functools.partial(setattr, cls, "forward", own))
         for _, module in () if every_instance else found:
             before = module.__dict__.get("forward")  # an instance-level forward (accelerate's hooks) comes back
             module.forward = functools.partial(SUBSTITUTES[type(module).__name__][1], module, module.forward)
