@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from patchc import _moved
 from patchc.config import DEFAULT_EXCLUDE, PatchConfig
-from patchc.utils.lazy import lazy_exports
+from patchc.utils.lazy import lazy_exports, names_of
 
 __version__ = "0.1.0"
 
@@ -25,25 +25,21 @@ _moved.install()  # old module paths (patchc.tile_plan, ...) keep working, with 
 
 # Imported on first use, so that `import patchc` (and `patchc --help`) does not import torch and Triton.
 _LAZY = {
-    "transform": ("patchc.passes.transform", "transform"),
-    "MaskedProgram": ("patchc.passes.program", "MaskedProgram"),
-    "train_masks": ("patchc.masking.train", "train_masks"),
-    "TrainResult": ("patchc.masking.train", "TrainResult"),
-    "lm_loss": ("patchc.masking.train", "lm_loss"),
-    "harden": ("patchc.masking.harden", "harden"),
-    "recover": ("patchc.masking.recover", "recover"),
-    "TilePlan": ("patchc.ir", "TilePlan"),
-    "LayerPlan": ("patchc.ir", "LayerPlan"),
-    "PlanError": ("patchc.ir", "PlanError"),
-    "calibrate": ("patchc.pruning.calibrate", "calibrate"),
-    "oneshot": ("patchc.pruning", "oneshot"),
+    **names_of("patchc.passes.transform", "transform"),
+    **names_of("patchc.passes.program", "MaskedProgram"),
+    **names_of("patchc.masking.train", "train_masks", "TrainResult", "lm_loss"),
+    **names_of("patchc.masking.harden", "harden"),
+    **names_of("patchc.masking.recover", "recover"),
+    **names_of("patchc.ir", "TilePlan", "LayerPlan", "PlanError"),
+    **names_of("patchc.pruning.calibrate", "calibrate"),
+    **names_of("patchc.pruning", "oneshot"),
     "masks": ("patchc.pruning.mask_files", None),
     "codegen": ("patchc.codegen", None),
-    "compile": ("patchc.runtime", "compile"),
+    **names_of("patchc.runtime", "compile"),
     "backend": ("patchc.runtime.bound_backend", "PatchBackend"),
     "runtime": ("patchc.runtime", None),
-    "from_pretrained": ("patchc.export", "from_pretrained"),
-    "register_lora": ("patchc.runtime.lora", "register_lora"),
+    **names_of("patchc.export", "from_pretrained"),
+    **names_of("patchc.runtime.lora", "register_lora"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 

@@ -22,15 +22,15 @@ Example:
     >>> fast = from_pretrained("out/pruned")            # TileLinear where planned; dense=True for plain
 """
 
-from patchc.utils.lazy import lazy_exports
+from patchc.utils.lazy import lazy_exports, names_of
 
 # Imported on first use: the command line reads shards.py (--max-shard-size) without importing torch.
 _LAZY = {
-    **{name: ("patchc.export.format", name) for name in ("CONFIG", "FORMAT", "VERSION", "WEIGHTS", "ExportError")},
-    **{name: ("patchc.export.importing", name) for name in ("ImportSummary", "import_sparse")},
-    **{name: ("patchc.export.legacy", name) for name in ("decode_24_bitmask", "plan_from_compressed_tensors")},
-    **{name: ("patchc.export.pretrained", name)
-       for name in ("export_pretrained", "export_run", "from_pretrained", "load_plan", "load_tokenizer")},
+    **names_of("patchc.export.format", "CONFIG", "FORMAT", "VERSION", "WEIGHTS", "ExportError"),
+    **names_of("patchc.export.importing", "ImportSummary", "import_sparse"),
+    **names_of("patchc.export.legacy", "decode_24_bitmask", "plan_from_compressed_tensors"),
+    **names_of("patchc.export.pretrained", "export_pretrained", "export_run", "from_pretrained", "load_plan",
+               "load_tokenizer"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 

@@ -30,15 +30,13 @@ Example:
     >>> print(format_results(report))
 """
 
-from patchc.utils.lazy import lazy_exports
+from patchc.utils.lazy import lazy_exports, names_of
 
 # Imported on first use: `patchc --help` reads only options.py, which does not import torch.
 _LAZY = {
-    "DEFAULT_DATA": ("patchc.job.options", "DEFAULT_DATA"),
-    "DEFAULT_MODEL": ("patchc.job.options", "DEFAULT_MODEL"),
-    "PruneOptions": ("patchc.job.options", "PruneOptions"),
-    "format_results": ("patchc.job.report", "format_results"),
-    "run_prune": ("patchc.job.prune", "run_prune"),
+    **names_of("patchc.job.options", "DEFAULT_DATA", "DEFAULT_MODEL", "PruneOptions"),
+    **names_of("patchc.job.report", "format_results"),
+    **names_of("patchc.job.prune", "run_prune"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 

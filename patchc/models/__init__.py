@@ -21,18 +21,18 @@ Example:
 """
 
 from patchc.models.shared import SHARED_DIR, STORIES260K_DIR, shared_dir
-from patchc.utils.lazy import lazy_exports
+from patchc.utils.lazy import lazy_exports, names_of
 
 # Imported on first use: shared.py (where ../shared is) is all the command line's defaults need, and the
 # loaders import torch (transformers only on a first load).
 _LAZY = {
-    **{name: ("patchc.models.llama2c", name)
-       for name in ("CheckpointError", "Llama", "LlamaConfig", "export_llama", "generate", "load_llama2c")},
-    **{name: ("patchc.models.llama2c_tokenizer", name) for name in ("BOS_ID", "EOS_ID", "Tokenizer", "load_tokenizer")},
-    **{name: ("patchc.models.bundle", name) for name in ("HFTokenizer", "ModelBundle")},
-    **{name: ("patchc.models.hf", name) for name in ("EncoderWrapper", "HFLoadError", "minilm_dir")},
-    **{name: ("patchc.models.hf_export", name) for name in ("export_causal_lm", "export_encoder")},
-    "load_model": ("patchc.models.spec", "load_model"),
+    **names_of("patchc.models.llama2c", "CheckpointError", "Llama", "LlamaConfig", "export_llama", "generate",
+               "load_llama2c"),
+    **names_of("patchc.models.llama2c_tokenizer", "BOS_ID", "EOS_ID", "Tokenizer", "load_tokenizer"),
+    **names_of("patchc.models.bundle", "HFTokenizer", "ModelBundle"),
+    **names_of("patchc.models.hf", "EncoderWrapper", "HFLoadError", "minilm_dir"),
+    **names_of("patchc.models.hf_export", "export_causal_lm", "export_encoder"),
+    **names_of("patchc.models.spec", "load_model"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 

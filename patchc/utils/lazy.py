@@ -5,13 +5,18 @@ packages the command line passes through (`patchc`, `patchc.job`, `patchc.models
 what they export in a table, and each name is imported the first time it is read.
 
 Example:
-    >>> __getattr__, __dir__ = lazy_exports(__name__, {"run_prune": ("patchc.job.prune", "run_prune")})
+    >>> __getattr__, __dir__ = lazy_exports(__name__, names_of("patchc.job.prune", "run_prune"))
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+
+
+def names_of(module: str, *names: str) -> dict[str, tuple[str, str]]:
+    """Table entries for `names` exported under their own names from `module`."""
+    return {name: (module, name) for name in names}
 
 
 def lazy_exports(package: str, table: dict[str, tuple[str, str | None]]) -> tuple[Callable, Callable]:
@@ -37,4 +42,4 @@ def lazy_exports(package: str, table: dict[str, tuple[str, str | None]]) -> tupl
     return __getattr__, __dir__
 
 
-__all__ = ["lazy_exports"]
+__all__ = ["lazy_exports", "names_of"]
