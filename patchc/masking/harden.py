@@ -16,38 +16,50 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
 from patchc.ir import TILE_DENSE, TILE_SPARSE24, LayerPlan, TilePlan
-from patchc.ir.provenance import fingerprints
+from patchc.ir.provenance import fingerprint
 from patchc.ir.targets import META_KEY as TARGETS_KEY
 from patchc.ir.targets import recorded_targets
 
 if TYPE_CHECKING:
+    from patchc.masking.hybrid_mask import HybridMask
     from patchc.passes.program import MaskedProgram
 
 
-def budget_tiles(prog: MaskedProgram) -> dict[str, torch.Tensor]:
-    """Global top-k dense tiles by logit so the density lands within one tile of the target."""
-    masks = list(prog.layers.values())
-    total = sum(m.numel for m in masks)
+def tile_scores(masks: Iterable[HybridMask]) -> dict[str, tuple[torch.Tensor | None, torch.Tensor]]:
+    """{layer: (its tile logits or None, elements per tile)}, copied to the CPU: all `budget_tiles` reads, so
+    a sharded program can hand it over block by block (`patchc.job.fsdp.harden_sharded`)."""
+    return {m.name: (None if m.tile_logits is None else m.tile_logits.detach().float().cpu().clone(),
+                     m.tile_numel.detach().cpu().clone()) for m in masks}
+
+
+def budget_tiles(prog: MaskedProgram, scores: dict | None = None) -> dict[str, torch.Tensor]:
+    """Global top-k dense tiles by logit so the density lands within one tile of the target.
+
+    `scores`: `tile_scores` of every layer, when the program cannot read them all at once (FSDP2 shards).
+    """
+    scores = tile_scores(prog.layers.values()) if scores is None else scores
+    total = sum(float(sizes.sum()) for _, sizes in scores.values())
     dense_budget = (2.0 * prog.cfg.density - 1.0) * total  # density = 0.5 + 0.5 * dense_elems / total
-    chosen = {m.name: torch.zeros(m.grid, dtype=torch.bool) for m in masks}
-    learned = [m for m in masks if m.tile_logits is not None]
+    chosen = {name: torch.zeros(sizes.shape, dtype=torch.bool) for name, (_, sizes) in scores.items()}
+    learned = {name: pair for name, pair in scores.items() if pair[0] is not None}
     if not learned or dense_budget <= 0:
         return chosen
-    logits = torch.cat([m.tile_logits.detach().flatten().cpu() for m in learned])
-    sizes = torch.cat([m.tile_numel.flatten().cpu() for m in learned]).double()
+    logits = torch.cat([tl.flatten() for tl, _ in learned.values()])
+    sizes = torch.cat([ts.flatten() for _, ts in learned.values()]).double()
     order = torch.argsort(logits, descending=True, stable=True)
     cumulative = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(sizes[order], 0)])
     # cumulative[k] = dense elements of the top-k tiles: take the k closest to the budget.
     k = int((cumulative - dense_budget).abs().argmin())
     flat = torch.zeros(len(logits), dtype=torch.bool)
     flat[order[:k]] = True
-    for m, piece in zip(learned, flat.split([m.tile_logits.numel() for m in learned])):
-        chosen[m.name] = piece.view(m.grid)
+    for (name, (tl, _)), piece in zip(learned.items(), flat.split([tl.numel() for tl, _ in learned.values()])):
+        chosen[name] = piece.view(tl.shape)
     return chosen
 
 
@@ -69,24 +81,35 @@ def harden(prog: MaskedProgram, exact_budget: bool = False) -> TilePlan:
         exact_budget: choose dense tiles by a global top-k of the tile logits so that the plan's
             density is within one tile of `1 - cfg.sparsity`; otherwise dense iff logit > 0.
     """
-    chosen = budget_tiles(prog) if exact_budget else None
-    layers: dict[str, LayerPlan] = {}
-    sources: dict[str, torch.Tensor] = {}
-    for fqn, m in prog.layers.items():
-        tiles = m.hard_tiles().cpu() if chosen is None else chosen[fqn]
-        kinds = torch.where(tiles, TILE_DENSE, TILE_SPARSE24).to(torch.uint8)
-        weight = sources[fqn] = prog.weight(fqn).detach()
-        mask = m.hard_mask(tiles.to(m.nm_logits.device)).cpu()
-        layers[fqn] = LayerPlan.from_mask(fqn, weight.cpu(), kinds, mask, bias=_bias(prog, fqn), tile=m.tile)
+    chosen = budget_tiles(prog) if exact_budget else {}
+    layers = {fqn: harden_layer(prog, m, chosen.get(fqn)) for fqn, m in prog.layers.items()}
+    return assemble_plan(prog, layers, exact_budget)
+
+
+@torch.no_grad()
+def harden_layer(prog: MaskedProgram, m: HybridMask, tiles: torch.Tensor | None = None) -> tuple[LayerPlan, dict]:
+    """One layer's `LayerPlan` (on the CPU) and the fingerprint of its dense weight; `tiles`: the dense
+    tiles `budget_tiles` chose, else dense iff logit > 0."""
+    tiles = m.hard_tiles().cpu() if tiles is None else tiles
+    kinds = torch.where(tiles, TILE_DENSE, TILE_SPARSE24).to(torch.uint8)
+    weight = prog.weight(m.name).detach()
+    mask = m.hard_mask(tiles.to(m.nm_logits.device)).cpu()
+    layer = LayerPlan.from_mask(m.name, weight.cpu(), kinds, mask, bias=_bias(prog, m.name), tile=m.tile)
+    return layer, fingerprint(weight)
+
+
+def assemble_plan(prog: MaskedProgram, layers: dict[str, tuple[LayerPlan, dict]], exact_budget: bool) -> TilePlan:
+    """The verified `TilePlan` of `harden_layer`'s results, in the program's layer order, with its meta."""
     meta = {
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in prog.cfg.to_dict().items()},
         "exact_budget": exact_budget,
         "schedule_step": int(prog.schedule_step),
-        "fingerprints": fingerprints(sources),  # plan.apply refuses a model with other weights
+        # plan.apply refuses a model with other weights
+        "fingerprints": {name: layers[name][1] for name in prog.layers},
     }
     where = recorded_targets(prog.plan_targets())
     if where:  # expert slices / transposed (Conv1D) weights: apply and the fingerprint check read these
         meta[TARGETS_KEY] = where
-    plan = TilePlan(layers=layers, skipped=dict(prog.skipped), meta=meta)
+    plan = TilePlan(layers={name: layers[name][0] for name in prog.layers}, skipped=dict(prog.skipped), meta=meta)
     plan.verify()
     return plan

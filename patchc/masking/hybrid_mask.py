@@ -255,6 +255,8 @@ class HybridMask(nn.Module):
             out, self.last_sq_norm, total = sample_fused(self, weight, self.track_norm)
             self.last_sum = total if self.track_sum else None
             return out
+        if self.mode == "ones":  # W itself, copied: FSDP2 frees the gathered weight after its block's forward
+            return weight.detach().clone()
         m = self.mask()
         # fp32 product rounded once into W's dtype: M = 1 reproduces W bit for bit.
         masked = weight.detach().float() * m
