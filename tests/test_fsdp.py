@@ -1,15 +1,18 @@
 """FSDP2 mask training on 2 gloo processes (CPU): equal to one process, half the state per rank, sharded resume.
 
 One pair of ranks does all the distributed work (a straight run that checkpoints at step 3
-and step 6, then a fresh program resumed from the step-3 checkpoint); this process runs the
-single-process reference on the same exported tiny Llama and compares. The ranks are spawned and load
+and step 6, then a fresh program resumed from the step-3 checkpoint, both distilling from the program
+with its masks off, then hardening block by block); this process runs the single-process reference on
+the same exported tiny Llama, distilling from the dense export, and compares. The ranks are spawned and load
 the export from a file: a CUDA build of torch refuses autograd in a child forked after the parent ran
 backward (any earlier test in this worker), even with no GPU.
 """
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,9 @@ from torch.distributed.tensor import Shard
 
 import patchc
 from patchc.job.distributed import check_checkpoint_kind, prepare_training, rank_slice
-from patchc.job.fsdp import ShardedCheckpointIO, full_state_dict, group_blocks, shard_program, state_bytes
+from patchc.job.fsdp import DenseTeacher, full_state_dict, group_blocks, harden_sharded, shard_program, state_bytes
+from patchc.job.fsdp_checkpoint import ShardedCheckpointIO
+from patchc.job.losses import kd_loss
 from patchc.masking.optim import MaskOptimConfig
 from patchc.masking.train import make_optimizer
 from patchc.models.outputs import logits_of
@@ -77,10 +82,22 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(step))
 
 
-def _train(prog, rank: int = 0, world: int = 1, **kw):
+def _lm_kd(teacher: Callable):
+    """The job's default loss, LM + KD to `teacher`; the teacher runs after the student, as in the job."""
+
+    def loss(prog, ids: torch.Tensor) -> torch.Tensor:
+        logits = logits_of(prog(ids[:, :-1]))
+        with torch.no_grad():
+            target = logits_of(teacher(ids[:, :-1]))
+        return patchc.lm_loss(lambda _: logits, ids) + kd_loss(logits, target)
+
+    return loss
+
+
+def _train(prog, teacher: Callable, rank: int = 0, world: int = 1, **kw):
     optimizer = make_optimizer(prog, LR)
-    result = patchc.train_masks(prog, lambda step: rank_slice(_batch(step), rank, world), patchc.lm_loss, steps=STEPS,
-                                lr=LR, optimizer=optimizer, progress=False, log_every=1, **kw)
+    result = patchc.train_masks(prog, lambda step: rank_slice(_batch(step), rank, world), _lm_kd(teacher),
+                                steps=STEPS, lr=LR, optimizer=optimizer, progress=False, log_every=1, **kw)
     return result, optimizer
 
 
@@ -103,21 +120,28 @@ def _worker(rank: int, ep_file: Path, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=WORLD)
     try:
         prog = shard_program(patchc.transform(ep, _config()))
-        straight, optimizer = _train(prog, rank, WORLD, checkpoint=out / "ckpt", checkpoint_every=HALF,
+        teacher = DenseTeacher(prog)
+        with torch.no_grad():
+            teacher_logits = logits_of(teacher(EVAL_IDS))
+        straight, optimizer = _train(prog, teacher, rank, WORLD, checkpoint=out / "ckpt", checkpoint_every=HALF,
                                      checkpoint_io=_EveryCheckpoint())
         placements = {name: getattr(p, "placements", None) for name, p in prog.named_parameters()}
         sizes = [None] * WORLD
         dist.all_gather_object(sizes, state_bytes(prog, optimizer))
         resumed = patchc.transform(ep, _config())
         setup = prepare_training(resumed, out / "ckpt" / f"step{HALF}", fsdp=True)  # what `patchc prune --fsdp` does
-        _train(resumed, rank, WORLD, checkpoint=setup.checkpoint, resume=True, checkpoint_io=setup.checkpoint_io)
+        _train(resumed, setup.teacher, rank, WORLD, checkpoint=setup.checkpoint, resume=True,
+               checkpoint_io=setup.checkpoint_io)
         states = full_state_dict(prog), full_state_dict(resumed)
-        plan = patchc.harden(setup.finish(prog))
+        plans = harden_sharded(prog), harden_sharded(prog, exact_budget=True)
+        whole = [name for name, p in prog.named_parameters() if not hasattr(p, "placements")]
         logits = _eval_logits(prog)
         if rank == 0:
             torch.save({"straight": states[0], "resumed": states[1], "sizes": sizes, "placements": placements,
-                        "history": straight.history, "logits": logits}, out / "result.pt")
-            plan.save(out / "plan.patch")
+                        "history": straight.history, "logits": logits, "teacher": teacher_logits,
+                        "whole_after_harden": whole}, out / "result.pt")
+            plans[0].save(out / "plan.patch")
+            plans[1].save(out / "budget.patch")
     finally:
         dist.destroy_process_group()
 
@@ -136,10 +160,13 @@ def test_fsdp_two_ranks_equal_one_and_resume_sharded(exported, exported_file, tm
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks use the other core meanwhile
     try:
-        reference = patchc.transform(exported, _config())
-        ref_result, ref_optimizer = _train(reference)
+        reference, dense = patchc.transform(exported, _config()), functools.partial(exported.module(), use_cache=False)
+        ref_result, ref_optimizer = _train(reference, dense)
         ref_state, ref_bytes = reference.state_dict(), state_bytes(reference, ref_optimizer)
-        ref_plan, ref_logits = patchc.harden(reference), _eval_logits(reference)
+        ref_plans = patchc.harden(reference), patchc.harden(reference, exact_budget=True)
+        ref_logits = _eval_logits(reference)
+        with torch.no_grad():
+            dense_logits = logits_of(dense(EVAL_IDS))
     finally:
         torch.set_num_threads(threads)
     _join_ranks(ranks)
@@ -173,12 +200,19 @@ def test_fsdp_two_ranks_equal_one_and_resume_sharded(exported, exported_file, tm
     for key, value in single.state_dict().items():
         assert torch.equal(value, got["straight"][key]), key
 
-    # (d) The plan hardened from the gathered program is the single-process plan.
-    plan = patchc.TilePlan.load(tmp_path / "plan.patch")
-    assert plan.layers.keys() == ref_plan.layers.keys()
-    same = sum(int((plan.layers[k].mask() == ref_plan.layers[k].mask()).sum()) for k in plan.layers)
-    assert same == sum(lp.numel for lp in ref_plan.layers.values())
-    assert plan.density == ref_plan.density
+    # (d) The plans hardened block by block are the single-process plans (dense iff logit > 0, and the global
+    # top-k budget), with the same weights and fingerprints; the program is left sharded.
+    for file, ref_plan in zip(("plan.patch", "budget.patch"), ref_plans):
+        plan = patchc.TilePlan.load(tmp_path / file)
+        assert list(plan.layers) == list(ref_plan.layers), file
+        for name, layer in plan.layers.items():
+            assert torch.equal(layer.kinds, ref_plan.layers[name].kinds), (file, name)
+            assert torch.equal(layer.to_dense(), ref_plan.layers[name].to_dense()), (file, name)
+        assert plan.density == ref_plan.density and plan.meta["fingerprints"] == ref_plan.meta["fingerprints"]
+    assert not got["whole_after_harden"]
+
+    # (e) The teacher, the sharded program with its masks off, computes the dense model exactly.
+    assert torch.equal(got["teacher"], dense_logits)
 
 
 LOW = MaskOptimConfig(memory="low", v_per_group=True)

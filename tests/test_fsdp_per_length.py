@@ -9,6 +9,7 @@ per-length path whatever the model.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 import patchc
-from patchc.job.fsdp import full_state_dict, group_blocks, shard_program
+from patchc.job.fsdp import DenseTeacher, full_state_dict, group_blocks, shard_program
 from patchc.models.per_length import PerLengthExport
 from tests.test_fsdp import (EVAL_IDS, WORLD, _batch, _config, _join_ranks, _load, _start, _train, exported,  # noqa: F401
                              exported_file)
@@ -58,7 +59,7 @@ def _worker(rank: int, ep_file: Path, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=WORLD)
     try:
         prog = shard_program(patchc.transform(_per_length(ep), _config()))
-        result, _ = _train(prog, rank, WORLD)
+        result, _ = _train(prog, DenseTeacher(prog), rank, WORLD)  # distilling through its shards
         sharded = all(getattr(p, "placements", None) == (Shard(0),) for p in prog.mask_parameters())
         state = full_state_dict(prog)
         if rank == 0:
@@ -75,7 +76,7 @@ def test_fsdp_trains_a_per_length_program_as_one_process_does(exported, exported
     torch.set_num_threads(1)  # the ranks use the other core meanwhile
     try:
         reference = patchc.transform(_per_length(exported), _config())
-        ref_result, _ = _train(reference)
+        ref_result, _ = _train(reference, functools.partial(exported.module(), use_cache=False))
         ref_state = reference.state_dict()
     finally:
         torch.set_num_threads(threads)

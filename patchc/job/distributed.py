@@ -62,21 +62,27 @@ class TrainSetup:
     """How this rank trains a program: what its loss calls, where and how it checkpoints.
 
     `checkpoint` is the path to pass to `train_masks` on this rank (DDP: rank 0 only; FSDP: every rank),
-    `checkpoint_io` its `CheckpointIO` (None: the default single file); `finish(prog)` before hardening.
+    `checkpoint_io` its `CheckpointIO` (None: the default single file); `teacher` the dense model a
+    distillation loss reads when it is not the loaded model itself (FSDP: the sharded program with its masks
+    off, `fsdp.DenseTeacher`).
     """
 
     forward_module: nn.Module
     checkpoint: Path | None
     checkpoint_io: Any = None
     fsdp: bool = False
+    teacher: nn.Module | None = None
 
-    def finish(self, prog):
-        """The program ready for `patchc.harden` on every rank (FSDP: whole weights and logits gathered)."""
-        if not self.fsdp:
-            return prog
-        from patchc.job.fsdp import gather_program
 
-        return gather_program(prog)
+def harden_program(prog, exact_budget: bool = False):
+    """`patchc.harden(prog)` on every rank after training; a sharded program one block at a time (a collective)."""
+    if getattr(prog, "fsdp_shards", None) is not None:
+        from patchc.job.fsdp import harden_sharded
+
+        return harden_sharded(prog, exact_budget)
+    import patchc
+
+    return patchc.harden(prog, exact_budget=exact_budget)
 
 
 def check_checkpoint_kind(checkpoint: Path | None, fsdp: bool) -> None:
@@ -101,16 +107,16 @@ def prepare_training(prog, checkpoint: Path | None, fsdp: bool = False) -> Train
         >>> setup = prepare_training(prog, out / "masks.ckpt", fsdp=True)
         >>> patchc.train_masks(prog, batches, lambda _p, b: loss_fn(setup.forward_module, b),
         ...                    checkpoint=setup.checkpoint, checkpoint_io=setup.checkpoint_io)
-        >>> plan = patchc.harden(setup.finish(prog))
+        >>> plan = harden_program(prog)
     """
     rank, size = world()
     check_checkpoint_kind(checkpoint, fsdp)
     if fsdp:
-        from patchc.job.fsdp import ShardedCheckpointIO, shard_program
+        from patchc.job.fsdp import DenseTeacher, shard_program
+        from patchc.job.fsdp_checkpoint import ShardedCheckpointIO
 
-        if size > 1:
-            shard_program(prog)
-        return TrainSetup(prog, checkpoint, ShardedCheckpointIO(), fsdp=True)
+        teacher = DenseTeacher(shard_program(prog)) if size > 1 else None
+        return TrainSetup(prog, checkpoint, ShardedCheckpointIO(), fsdp=True, teacher=teacher)
     forward_module = prog
     if size > 1:
         from torch.nn.parallel import DistributedDataParallel

@@ -11,40 +11,35 @@ so FSDP2's forward hooks all-gather the block's weights and logits just before t
 matmul and free them right after (`reshard_after_forward=True`); backward gathers them again and
 reduce-scatters the logits' gradients. The exported module itself becomes the FSDP2 root and
 shards what is left (embeddings, norms, biases). Every rank then holds about 1/N of the weights,
-the logits and the Adam state.
+the logits and the Adam state, and never the whole model: the dense teacher of a distillation loss is
+the same program with its masks off (`DenseTeacher`), and `harden_sharded` gathers one block at a time.
 
 Example (under `torchrun --nproc_per_node=2`):
     >>> prog = shard_program(patchc.transform(ep, cfg))
     >>> patchc.train_masks(prog, batches, loss_fn, checkpoint="run/masks.ckpt",
     ...                    checkpoint_io=ShardedCheckpointIO())
-    >>> plan = patchc.harden(gather_program(prog))
+    >>> plan = harden_sharded(prog)
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import json
 import operator
-import os
-import shutil
-import warnings
-from pathlib import Path
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from patchc.ir import TilePlan
+from patchc.masking.harden import assemble_plan, budget_tiles, harden_layer, tile_scores
 from patchc.masking.param_mask import hybrid_masks
-from patchc.masking.train import (CHECKPOINT_FORMAT, CheckpointIO, TrainResult, _config_diff, _config_tag,
-                                  optimizer_kind)
 from patchc.passes.insert_masks import MASKS_ATTR
 from patchc.passes.program import MaskedProgram
-from patchc.utils.files import write_bytes_atomic
 from patchc.utils.names import block_index
 
 SHARDS_ATTR = "patchc_shards"
-SHARDED_VERSION = 1
-META = "patchc.json"
 
 
 class BlockShard(nn.Module):
@@ -77,8 +72,10 @@ class BlockShard(nn.Module):
         masked = [mask(getattr(self.weights, key)) for key, mask in self.masks.items()]
         # A copy: the gathered weight's storage is freed when FSDP2 reshards after this forward.
         raw = [getattr(self.weights, key).detach().clone() for key in self.raw]
-        self.kept = {m.name: m.expected_kept() for m in self.hybrids()}
-        return (*masked, *raw, *self.kept.values(), *through)
+        kept = {m.name: m.expected_kept() for m in self.hybrids()}
+        if any(m.mode != "ones" for m in self.hybrids()):  # a teacher's forward (masks off) leaves the masks' own
+            self.kept = kept
+        return (*masked, *raw, *kept.values(), *through)
 
 
 def _group_name(fqn: str) -> str:
@@ -238,11 +235,68 @@ def _expected_kept(shards: list[BlockShard], fresh: bool) -> dict[str, torch.Ten
     return out
 
 
+class DenseTeacher(nn.Module):
+    """The dense model's outputs, read through a sharded program with every mask off ("ones" mode).
+
+    A distillation loss needs the dense model's logits each step. Run through the program's own shards, they
+    cost one more all-gather per block instead of the whole dense model on every rank.
+
+    Example:
+        >>> loss_fn = make_lm_loss(bundle, DenseTeacher(prog), LossSpec("kd"))
+    """
+
+    def __init__(self, prog: MaskedProgram) -> None:
+        super().__init__()
+        object.__setattr__(self, "prog", prog)  # not a child: the program's logits are not the teacher's
+
+    def forward(self, *args, **kwargs):
+        with self.prog.mask_mode("ones"):
+            return self.prog(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def gathered(module: nn.Module) -> Iterator[nn.Module]:
+    """An FSDP2 module's whole parameters for the block, resharded after (a collective: every rank enters)."""
+    module.unshard()
+    try:
+        yield module
+    finally:
+        module.reshard()
+
+
+@torch.no_grad()
+def harden_sharded(prog: MaskedProgram, exact_budget: bool = False) -> TilePlan:
+    """`patchc.harden` of a sharded program, one block gathered at a time: every rank calls it and gets the
+    plan, and none holds more than one block's whole weights and logits (beside the root's: embeddings,
+    norms, biases). With `exact_budget` each block hands over its tile logits first (one per tile).
+
+    Example:
+        >>> plan = harden_sharded(shard_program(prog), exact_budget=True)   # equal to patchc.harden(prog)
+    """
+    shards = getattr(prog, "fsdp_shards", None)
+    if shards is None:
+        raise ValueError("harden_sharded: the program is not sharded; use patchc.harden(prog)")
+    chosen = {}
+    with gathered(prog.graph_module):  # the biases a layer's plan carries
+        if exact_budget:
+            scores: dict = {}
+            for shard in shards.values():
+                with gathered(shard):
+                    scores.update(tile_scores(shard.hybrids()))
+            chosen = budget_tiles(prog, {name: scores[name] for name in prog.layers})  # graph order, as unsharded
+        layers = {}
+        for shard in shards.values():
+            with gathered(shard):
+                layers.update({m.name: harden_layer(prog, m, chosen.get(m.name)) for m in shard.hybrids()})
+    return assemble_plan(prog, layers, exact_budget)
+
+
 def gather_program(prog: MaskedProgram) -> MaskedProgram:
     """Gather the whole weights and logits on every rank (a collective) and keep them: for hardening.
 
     Call it on every rank once training is over; the program then runs forwards unsharded and
-    `patchc.harden(prog)` reads whole logits. Do not train it further. FSDP2 reshards on
+    `patchc.harden(prog)` reads whole logits (`harden_sharded` needs one block at a time). Do not train it
+    further. FSDP2 reshards on
     `prog.state_dict()` (it hands out shards): use `full_state_dict` for whole tensors, and call this
     again before reading the masks.
     """
@@ -289,93 +343,5 @@ def state_bytes(prog: MaskedProgram, optimizer: torch.optim.Optimizer | None = N
     return out
 
 
-def _joined() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _barrier() -> None:
-    if _joined():
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _joined() else 0
-
-
-class ShardedCheckpointIO(CheckpointIO):
-    """`train_masks`'s checkpoint as a folder written by every rank with torch.distributed.checkpoint.
-
-    Each rank writes its shards of the logits and of the Adam state (DCP), rank 0 the history and
-    settings (`patchc.json`). A save goes to `<path>.next` and replaces `<path>` only when complete
-    (the previous one waits in `<path>.prev` meanwhile), so a crash never leaves half a checkpoint.
-    Pass the same path on every rank. DCP reshards on load: a run may resume on another number of
-    ranks, or in one process without FSDP.
-
-    Example:
-        >>> patchc.train_masks(prog, batches, loss_fn, checkpoint=out / "masks.ckpt", resume=True,
-        ...                    checkpoint_io=ShardedCheckpointIO())
-    """
-
-    def _complete(self, path: str | os.PathLike) -> Path | None:
-        for folder in (Path(path), Path(f"{path}.prev")):
-            if (folder / META).is_file():
-                return folder
-        return None
-
-    def exists(self, path: str | os.PathLike) -> bool:
-        return self._complete(path) is not None
-
-    def save(self, path: str | os.PathLike, prog: MaskedProgram, optimizer: torch.optim.Optimizer,
-             result: TrainResult) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        path = Path(path)
-        staging, previous = Path(f"{path}.next"), Path(f"{path}.prev")
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"{path}: a file is in the way of the sharded checkpoint folder; move it away")
-        if _rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)  # a save that died half way
-        _barrier()
-        model_state, optim_state = get_state_dict(prog, optimizer)
-        dcp.save({"program": model_state, "optimizer": optim_state}, checkpoint_id=str(staging), no_dist=not _joined())
-        if _rank() == 0:
-            meta = {"format": CHECKPOINT_FORMAT, "sharded": SHARDED_VERSION, "config": _config_tag(prog),
-                    "settings": prog.cfg.to_dict(), "optimizer_kind": optimizer_kind(optimizer),
-                    "history": result.history, "step": result.step}
-            write_bytes_atomic(staging / META, json.dumps(meta).encode())
-            if path.exists():
-                shutil.rmtree(previous, ignore_errors=True)
-                os.replace(path, previous)
-            os.replace(staging, path)
-            shutil.rmtree(previous, ignore_errors=True)
-        _barrier()
-
-    def load(self, path: str | os.PathLike, prog: MaskedProgram, optimizer: torch.optim.Optimizer) -> TrainResult:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        folder = self._complete(path)
-        if folder is None:
-            raise FileNotFoundError(f"{path}: no complete sharded checkpoint ({META} missing)")
-        try:
-            meta = json.loads((folder / META).read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{folder / META}: not a readable patchc checkpoint ({exc})") from exc
-        if meta.get("format") != CHECKPOINT_FORMAT or meta.get("sharded") != SHARDED_VERSION:
-            raise ValueError(f"{folder}: not a patchc sharded checkpoint of version {SHARDED_VERSION}")
-        if meta["config"] != _config_tag(prog):
-            raise ValueError(f"{folder}: checkpoint was made with another PatchConfig: {_config_diff(meta, prog)}")
-        if meta.get("optimizer_kind") != optimizer_kind(optimizer):
-            raise ValueError(f"{folder}: checkpoint was trained with optimizer {meta.get('optimizer_kind')} (now "
-                             f"{optimizer_kind(optimizer)}): resume with the same MaskOptimConfig (memory mode)")
-        model_state, optim_state = get_state_dict(prog, optimizer)
-        state = {"program": model_state, "optimizer": optim_state}
-        with warnings.catch_warnings():  # DCP warns that one process loads alone: intended here
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(folder), no_dist=not _joined())
-        set_state_dict(prog, optimizer, model_state_dict=state["program"], optim_state_dict=state["optimizer"])
-        return TrainResult(history=list(meta["history"]), step=int(meta["step"]))
-
-
-__all__ = ["BlockShard", "ShardedCheckpointIO", "full_state_dict", "gather_program", "group_blocks", "shard_program", "state_bytes"]
+__all__ = ["BlockShard", "DenseTeacher", "full_state_dict", "gather_program", "gathered", "group_blocks",
+           "harden_sharded", "shard_program", "state_bytes"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import Counter
+from collections.abc import Iterator
 
 import torch
 
@@ -103,6 +104,29 @@ def weight_dtype(opts: PruneOptions) -> torch.dtype:
     return getattr(torch, opts.dtype)
 
 
+@contextlib.contextmanager
+def parked(model: torch.nn.Module, when: bool = True) -> Iterator[torch.nn.Module]:
+    """`model`'s weights in host memory for the block when they sit on an accelerator, moved back after.
+
+    FSDP2 ranks train the masks from their shards of the weights (the exported program holds copies), so
+    the whole dense model need not take device memory meanwhile. Its parameters move in place (`.to`
+    keeps them the same objects), so an export that shares them moves with it.
+
+    Example:
+        >>> with parked(bundle.model, when=fsdp):
+        ...     patchc.train_masks(prog, ...)
+    """
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    if not when or device.type in ("cpu", "meta"):
+        yield model
+        return
+    model.to("cpu")
+    try:
+        yield model
+    finally:
+        model.to(device)
+
+
 def check_device(device: str) -> None:
     """A CUDA device that exists, before anything is loaded onto it."""
     if not device.startswith("cuda"):
@@ -114,4 +138,4 @@ def check_device(device: str) -> None:
         raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
 
 
-__all__ = ["check_device", "weight_dtype", "load_bundle", "cast_bundle", "check_model", "choose_threads"]
+__all__ = ["check_device", "weight_dtype", "load_bundle", "cast_bundle", "check_model", "choose_threads", "parked"]

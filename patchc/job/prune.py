@@ -26,10 +26,10 @@ import torch.distributed as dist
 import patchc
 from patchc.config import PatchConfig
 from patchc.job.corpus import data_record, load_data
-from patchc.job.distributed import init_distributed, prepare_training, rank_slice, say, world
+from patchc.job.distributed import harden_program, init_distributed, prepare_training, rank_slice, say, world
 from patchc.job.losses import make_lm_loss
 from patchc.job.memory import check_fits
-from patchc.job.model import check_device, load_bundle, with_tile
+from patchc.job.model import check_device, load_bundle, parked, with_tile
 from patchc.job.options import ONESHOT_METHODS, PruneOptions
 from patchc.job.results import row, run_report
 from patchc.job.runs import CHECKPOINT, check_out, check_settings, claim_run_dir, release
@@ -112,22 +112,34 @@ def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, check
     `exported`: `bundle.export(bundle.model, fixed_len=opts.block_len)`, when already made.
     """
     prog, result = train_program(bundle, cfg, data, opts, calib, checkpoint, resume, prior_masks, steps, exported)
-    plan = patchc.harden(prog, exact_budget=opts.exact_budget and cfg.variant != "nm")
+    plan = harden_program(prog, exact_budget=opts.exact_budget and cfg.variant != "nm")
     return plan, result
 
 
 def train_program(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, checkpoint: Path | None,
                   resume: bool, prior_masks: dict[str, torch.Tensor] | None = None, steps: int | None = None,
                   exported: torch.export.ExportedProgram | None = None):
-    """`train` up to the trained program (whole on every rank), before hardening; returns (program, result)."""
+    """`train` up to the trained program, before hardening; returns (program, result).
+
+    With --fsdp under torchrun the program stays sharded (`harden_program` gathers it block by block), the
+    distillation teacher is the program with its masks off, and the dense model waits in host memory
+    meanwhile (`parked`): no rank holds the whole model on its device while the masks train."""
     if exported is None:
         exported = bundle.export(bundle.model, fixed_len=opts.block_len)
     prog = patchc.transform(exported, cfg, calib=calib, prior_masks=prior_masks)
     for mask in prog.layers.values():
         mask.impl = opts.mask_impl
     setup = prepare_training(prog, checkpoint, fsdp=opts.fsdp)  # alone, DDP, or FSDP2 shards
-    loss_fn = make_loss(bundle, bundle.model, opts)
-    result = patchc.train_masks(
+    loss_fn = make_loss(bundle, setup.teacher or bundle.model, opts)
+    with parked(bundle.model, when=setup.teacher is not None):
+        result = train_loop(prog, setup, loss_fn, bundle, data, cfg, opts, checkpoint, resume, steps)
+    return prog, result
+
+
+def train_loop(prog, setup, loss_fn: Callable, bundle, data: dict, cfg: PatchConfig, opts: PruneOptions,
+               checkpoint: Path | None, resume: bool, steps: int | None):
+    """`patchc.train_masks` with the job's batches, schedule, checkpoints and progress."""
+    return patchc.train_masks(
         prog,
         make_batches(bundle, data, opts),
         lambda _prog, batch: loss_fn(setup.forward_module, batch),
@@ -143,7 +155,6 @@ def train_program(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, cali
         resume=resume,
         progress=opts.progress and world()[0] == 0,
     )
-    return setup.finish(prog), result
 
 
 def dense_reference(bundle, data: dict) -> dict[str, Any] | None:

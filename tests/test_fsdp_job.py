@@ -1,0 +1,101 @@
+"""`patchc prune --fsdp`'s training stage on 2 gloo ranks: no rank runs the whole dense model while masks train.
+
+The distillation teacher is the sharded program with its masks off (`fsdp.DenseTeacher`) and the plan is
+hardened one block at a time (`fsdp.harden_sharded`); tests/test_fsdp.py checks both against one process.
+This runs the job's own `train` on stories260K and watches the loaded dense model: a forward hook counts
+its calls. The ranks are spawned (see tests/test_fsdp.py for why).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.test_fsdp import WORLD, _join_ranks
+
+
+def _options(**kw):
+    from patchc.job.options import PruneOptions
+
+    return PruneOptions(steps=3, batch_size=4, block_len=32, train_data="real", eval_data=(), prior="magnitude",
+                        tile=(16, 16), baselines=False, progress=False, **kw)
+
+
+def _worker(rank: int, out: Path) -> None:
+    from patchc.job.corpus import load_data
+    from patchc.job.model import load_bundle
+    from patchc.job.prune import train
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=WORLD)
+    try:
+        opts = _options(fsdp=True)
+        bundle = load_bundle(opts)
+        data = load_data(bundle, opts, cache_dir=out / "cache")
+        exported = bundle.export(bundle.model, fixed_len=opts.block_len)  # before the hook: tracing runs forward
+        calls = []
+        bundle.model.register_forward_hook(lambda *_: calls.append(1))
+        plan, result = train(bundle, opts.patch_config(), data, opts, None, None, False, exported=exported)
+        if rank == 0:
+            torch.save({"calls": len(calls), "density": plan.density, "layers": len(plan.layers),
+                        "loss": result.history[-1]["task"]}, out / "result.pt")
+            plan.save(out / "plan.patch")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_job_distils_from_its_shards_and_never_runs_the_dense_model(tmp_path):
+    import patchc
+    from patchc.job.corpus import load_data
+    from patchc.job.model import load_bundle
+
+    ranks = mp.start_processes(_worker, args=(tmp_path,), nprocs=WORLD, join=False, start_method="spawn")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # one process with the same options: its teacher is the loaded model, and the hook sees it run
+        from patchc.job.prune import global_batches, make_loss
+
+        opts = _options()
+        bundle = load_bundle(opts)
+        prog = patchc.transform(bundle.export(bundle.model, fixed_len=opts.block_len), opts.patch_config())
+        batch = global_batches(bundle, load_data(bundle, opts, cache_dir=tmp_path / "cache"), opts)(0)
+        calls = []
+        bundle.model.register_forward_hook(lambda *_: calls.append(1))
+        loss = make_loss(bundle, bundle.model, opts)(prog, batch)
+    finally:
+        torch.set_num_threads(threads)
+    _join_ranks(ranks)
+    got = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert len(calls) == 1 and torch.isfinite(loss)
+    assert got["calls"] == 0, f"the loaded dense model ran {got['calls']} times while the sharded masks trained"
+    plan = patchc.TilePlan.load(tmp_path / "plan.patch")
+    plan.verify()
+    assert len(plan.layers) == got["layers"] == 35 and abs(plan.density - 0.65) < 0.01
+
+
+def test_parked_leaves_a_model_in_host_memory_alone():
+    from patchc.job.model import parked
+
+    model = torch.nn.Linear(8, 4)
+    weight = model.weight
+    for when in (True, False):
+        with parked(model, when=when) as held:
+            assert held is model and model.weight is weight and weight.device.type == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: parking moves weights off one")
+def test_parked_frees_the_device_and_brings_back_the_same_parameters():
+    from patchc.job.model import parked
+
+    model = torch.nn.Linear(1024, 1024).cuda()
+    params, values = list(model.parameters()), [p.detach().cpu().clone() for p in model.parameters()]
+    before = torch.cuda.memory_allocated()
+    with parked(model):
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        assert torch.cuda.memory_allocated() <= before - 1024 * 1024 * 4  # the 4 MB weight left the GPU
+    assert all(a is b for a, b in zip(model.parameters(), params))  # an export sharing them follows
+    assert all(p.is_cuda and torch.equal(p.detach().cpu(), v) for p, v in zip(model.parameters(), values))
