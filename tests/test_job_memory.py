@@ -77,6 +77,20 @@ def test_check_fits_refuses_with_every_leaner_mode(tiny_mlp, monkeypatch):
     check_fits(tiny_mlp, cfg, opts)
 
 
+def test_check_fits_under_fsdp_on_gpus_counts_the_weights_parked_in_host_memory(tiny_mlp, monkeypatch):
+    cfg = patchc.PatchConfig(tile=(8, 8))
+    need = 24 * masked_weights(tiny_mlp, cfg) / 2  # the masks' state on each of 2 ranks
+    dense = sum(p.numel() * p.element_size() for p in tiny_mlp.parameters())
+    opts = PruneOptions(tile=(8, 8), fsdp=True, device="cuda")
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need - dense / 2)  # free with the whole model loaded
+    check_fits(tiny_mlp, cfg, opts, ranks=2)  # while the masks train, half of it is parked in host memory
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need - dense / 2 - 64)
+    with pytest.raises(ValueError, match="are free with 1/2 of the model's weights"):
+        check_fits(tiny_mlp, cfg, opts, ranks=2)
+    with pytest.raises(ValueError, match="are free with the model loaded"):  # on CPUs nothing moves
+        check_fits(tiny_mlp, cfg, PruneOptions(tile=(8, 8), fsdp=True), ranks=2)
+
+
 def test_free_bytes_reads_the_host():
     free = memory.free_bytes("cpu")
     assert free is None or 0 < free < 1 << 50

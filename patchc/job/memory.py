@@ -1,6 +1,7 @@
 """Will mask training (and weight recovery) fit? Checked once the model is loaded, before text is generated.
 
-Mask training holds, beyond the model, its 2:4 logits, their Adam state and (in the default mode) every
+Mask training holds, beyond the model (under FSDP2 on GPUs, 1/N of its weights: the rest waits in host
+memory while the masks train), its 2:4 logits, their Adam state and (in the default mode) every
 gradient until the step: a number of bytes per masked weight that follows from the dtypes alone
 (`bytes_per_weight`, see `patchc.masking.optim`), 24 by default and 6.5 in the leanest mode. When that
 floor alone exceeds the memory free on the device, the run cannot succeed, and `check_fits` says so at
@@ -80,15 +81,21 @@ def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: in
     free = free_bytes(opts.device)
     if free is None:
         return
-    weights = masked_weights(model, cfg)
-    check_masks(weights, free, opts, ranks if opts.fsdp else 1)
+    weights, share = masked_weights(model, cfg), ranks if opts.fsdp else 1
+    free_masks, held = free, "with the model loaded"
+    if share > 1 and opts.device.startswith("cuda"):  # the ranks train from 1/N of it, the rest is `parked`
+        dense = sum(p.numel() * p.element_size() for p in model.parameters())
+        free_masks, held = free + dense * (1 - 1 / share), f"with 1/{share} of the model's weights"
+    check_masks(weights, free_masks, opts, share, held)
     if opts.recover:
         check_recovery(model, weights, free, opts.device, hint="Prune without --recover and recover the run "
                        "later where more memory is free (patchc recover RUN --device ...)")
 
 
-def check_masks(weights: int, free: int, opts: PruneOptions, share: int = 1) -> None:
-    """The masks' logits, Adam state and gradients (`bytes_per_weight`), `share`d by FSDP ranks."""
+def check_masks(weights: int, free: float, opts: PruneOptions, share: int = 1,
+                held: str = "with the model loaded") -> None:
+    """The masks' logits, Adam state and gradients (`bytes_per_weight`), `share`d by FSDP ranks; `free`: bytes
+    free beside what `held` says the device holds meanwhile."""
     per_weight = bytes_per_weight(opts.mask_optim(), logits_per_weight(opts))
     need = weights * per_weight / share
     if need <= free:
@@ -96,7 +103,7 @@ def check_masks(weights: int, free: int, opts: PruneOptions, share: int = 1) -> 
     where = f"each of {share} ranks" if share > 1 else opts.device
     lines = [f"mask training needs at least {_size(need)} on {where} for the masks alone ({weights:,} masked "
              f"weights x {per_weight:g} bytes of logits, Adam state and gradients), and {_size(free)} "
-             "are free with the model loaded."]
+             f"are free {held}."]
     leaner = []
     for flags, changes in MODES:
         other = dataclasses.replace(opts, **changes)
