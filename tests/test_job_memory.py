@@ -91,6 +91,12 @@ def test_check_fits_under_fsdp_on_gpus_counts_the_weights_parked_in_host_memory(
         check_fits(tiny_mlp, cfg, PruneOptions(tile=(8, 8), fsdp=True), ranks=2)
 
 
+def test_calibration_memory_bounds_the_gpu_and_stores_on_the_host(monkeypatch):
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 10 << 30)
+    assert memory.calibration_memory(PruneOptions(device="cuda")) == (5 << 30, "cpu")
+    assert memory.calibration_memory(PruneOptions()) == (None, None)  # a CPU: they stay where they are
+
+
 def test_free_bytes_reads_the_host():
     free = memory.free_bytes("cpu")
     assert free is None or 0 < free < 1 << 50

@@ -259,6 +259,43 @@ def test_calibrate_module_shares_stats_and_bounds_memory():
         calibrate(model, batches, layers=["nope.weight"], progress=False)
 
 
+def test_calibrate_stores_each_pass_once_it_is_done(monkeypatch):
+    """`store` moves a pass's statistics off the model's device before the next pass runs (a GPU then holds
+    at most `max_hessian_bytes` of Hessians); shared statistics move once and stay shared."""
+    torch.manual_seed(0)
+    model = _Block()
+    batches = [torch.randint(0, 16, (2, 5)) for _ in range(3)]
+    events: list[str] = []
+    model.down.register_forward_pre_hook(lambda *_: events.append("forward"))
+    move = InputStats.to
+    monkeypatch.setattr(InputStats, "to", lambda self, device: events.append(f"store {self.in_features}")
+                        or move(self, device))
+    few = calibrate(model, batches, max_hessian_bytes=4 * 12 * 12, progress=False, store="meta")
+    # a forward to find shared inputs, pass 1 (q, k, up: two inputs of 8 features), pass 2 (down: 12)
+    assert events == ["forward"] * 4 + ["store 8"] * 3 + ["forward"] * 3 + ["store 12"]
+    assert all(few[f]._xtx.is_meta and few[f]._sq.is_meta for f in few) and few["q.weight"] is few["k.weight"]
+    monkeypatch.setattr(InputStats, "to", move)
+    whole = calibrate(model, batches, progress=False)
+    before = {f: whole[f].hessian for f in whole}
+    assert whole.to("cpu") is whole and whole["q.weight"] is whole["k.weight"]
+    assert all(torch.equal(whole[f].hessian, h) for f, h in before.items())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: statistics leave it for host memory")
+def test_calibrate_on_a_gpu_stores_in_host_memory_and_sparsegpt_brings_them_back():
+    torch.manual_seed(0)
+    model = _Block().cuda()
+    batches = [torch.randint(0, 16, (2, 5), device="cuda") for _ in range(3)]
+    kept = calibrate(model, batches, progress=False)
+    stored = calibrate(model, batches, progress=False, max_hessian_bytes=4 * 12 * 12, store="cpu")
+    for f in kept:
+        assert stored[f]._xtx.device.type == "cpu"
+        torch.testing.assert_close(stored[f].hessian, kept[f].hessian.cpu(), rtol=1e-6, atol=1e-6)
+    on_gpu = oneshot(model, method="sparsegpt", pattern="2:4", calib=kept, progress=False)
+    from_host = oneshot(model, method="sparsegpt", pattern="2:4", calib=stored, progress=False)
+    assert all(torch.equal(on_gpu[f], from_host[f]) for f in on_gpu)
+
+
 def test_oneshot_on_module_and_errors():
     torch.manual_seed(0)
     model = _Block()

@@ -92,6 +92,24 @@ def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: in
                        "later where more memory is free (patchc recover RUN --device ...)")
 
 
+def calibration_memory(opts: PruneOptions) -> tuple[int | None, str | None]:
+    """(`max_hessian_bytes`, `store`) for `patchc.calibrate` in the job.
+
+    On a GPU the SparseGPT Hessians (K x K fp32 per distinct input: 22 GB for LLaMA-2-7B, 1.6 times its bf16
+    weights) take at most half the memory free there at a time, and wait in host memory for the prior and
+    the baselines, which move each layer's to its weight's device; the masks train without them. On a CPU
+    they stay where they are.
+
+    Example:
+        >>> calibration_memory(PruneOptions(device="cpu"))
+        (None, None)
+    """
+    if not opts.device.startswith("cuda"):
+        return None, None
+    free = free_bytes(opts.device)
+    return (None if free is None else free // 2), "cpu"
+
+
 def check_masks(weights: int, free: float, opts: PruneOptions, share: int = 1,
                 held: str = "with the model loaded") -> None:
     """The masks' logits, Adam state and gradients (`bytes_per_weight`), `share`d by FSDP ranks; `free`: bytes
@@ -139,4 +157,5 @@ def _size(n: float) -> str:
     return f"{n / 1e3:.1f} kB"
 
 
-__all__ = ["bytes_per_weight", "check_fits", "check_masks", "check_recovery", "free_bytes", "masked_weights"]
+__all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_masks", "check_recovery", "free_bytes",
+           "masked_weights"]

@@ -28,7 +28,7 @@ from patchc.config import PatchConfig
 from patchc.job.corpus import data_record, load_data
 from patchc.job.distributed import harden_program, init_distributed, prepare_training, rank_slice, say, world
 from patchc.job.losses import make_lm_loss
-from patchc.job.memory import check_fits
+from patchc.job.memory import calibration_memory, check_fits
 from patchc.job.model import check_device, load_bundle, parked, with_tile
 from patchc.job.options import ONESHOT_METHODS, PruneOptions
 from patchc.job.results import row, run_report
@@ -93,13 +93,16 @@ def make_batches(bundle, data: dict, opts: PruneOptions) -> Callable[[int], Any]
 def calibrate(bundle, data: dict, opts: PruneOptions):
     """Input statistics for the one-shot methods (Wanda norms, SparseGPT Hessians) on training text.
 
-    Not split over torchrun ranks: every rank needs the same statistics for the same prior.
+    Not split over torchrun ranks: every rank needs the same statistics for the same prior. On a GPU they
+    wait in host memory (`calibration_memory`).
     """
     batches = global_batches(bundle, data, dataclasses.replace(opts, batch_size=1))
     inputs = [batches(i) for i in range(min(opts.calib_blocks, len(data["train"])))]
     if bundle.kind == "causal":
         inputs = [ids[:, :-1] for ids in inputs]  # a block holds block_len inputs + 1 target
-    return patchc.calibrate(bundle.model, inputs, progress=opts.progress and world()[0] == 0)
+    max_bytes, store = calibration_memory(opts)
+    return patchc.calibrate(bundle.model, inputs, progress=opts.progress and world()[0] == 0,
+                            max_hessian_bytes=max_bytes, store=store)
 
 
 def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, checkpoint: Path | None, resume: bool,

@@ -87,6 +87,12 @@ class InputStats:
             return torch.zeros(self.in_features)
         return self._sq.to(torch.float32)
 
+    def to(self, device: str | torch.device) -> InputStats:
+        """Move the statistics to `device` in place (layers sharing them keep sharing); returns self."""
+        self._xtx = None if self._xtx is None else self._xtx.to(device)
+        self._sq = None if self._sq is None else self._sq.to(device)
+        return self
+
     @property
     def nbytes(self) -> int:
         n = 0 if self._xtx is None else self._xtx.numel() * self._xtx.element_size()
@@ -135,6 +141,15 @@ class Calibration(Mapping):
     @property
     def nbytes(self) -> int:
         return sum(self._stats[g[0]].nbytes for g in self.groups())
+
+    def to(self, device: str | torch.device) -> Calibration:
+        """Move every layer's statistics to `device` in place; returns self.
+
+        >>> calib.to("cpu")   # SparseGPT and Wanda move a layer's statistics to its weight's device
+        """
+        for group in self.groups():
+            self._stats[group[0]].to(device)
+        return self
 
     def __repr__(self) -> str:
         return f"Calibration({len(self)} layers, {len(self.groups())} distinct inputs)"
@@ -269,6 +284,7 @@ def calibrate(
     hessian: bool = True,
     max_hessian_bytes: int | None = None,
     progress: bool = True,
+    store: str | torch.device | None = None,
 ) -> Calibration:
     """Run `model` on `batches` and record input statistics of the masked layers.
 
@@ -283,6 +299,8 @@ def calibrate(
         max_hessian_bytes: bound on the float32 Hessians held at once; above it the batches are
             run several times, each pass recording a subset of the layers.
         progress: show a tqdm progress bar.
+        store: where each pass's statistics go once it is done (e.g. "cpu": they accumulate on the
+            model's GPU, at most `max_hessian_bytes` of them at a time, and leave it); None keeps them there.
 
     Returns a `Calibration` (FQN -> InputStats).
 
@@ -319,6 +337,9 @@ def calibrate(
                     _run(model, batch)
                     collector.end_batch()
             seen |= collector.seen
+            for fqn in active if store is not None else ():
+                if fqn in stats:
+                    stats[fqn].to(store)  # a shared object moves once: later moves are no-ops
     finally:
         model.train(was_training)
     missing = [f for f in sizes if f not in seen]
