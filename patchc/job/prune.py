@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -183,6 +184,13 @@ def evaluate(bundle, model: torch.nn.Module, data: dict, opts: PruneOptions, den
     return {"perplexity": score(data["eval"]), "extra": {Path(p).name: score(ids) for p, ids in data["extra"].items()}}
 
 
+def score_copy(bundle, make: Callable[[], torch.nn.Module], data: dict, opts: PruneOptions, dense_ref=None) -> dict:
+    """`evaluate` the pruned copy `make()` builds, while the dense model waits in host memory (`parked`, on a
+    GPU): a device that holds the model once need not hold it twice. The copy is dropped before it returns."""
+    with parked(bundle.model):
+        return evaluate(bundle, make(), data, opts, dense_ref)
+
+
 def oneshot_masks(bundle, method: str, calib, progress: bool = False) -> dict[str, torch.Tensor]:
     """The dense model's one-shot 2:4 masks, {weight FQN: kept}: a baseline's masks and the prior of the
     PATCH runs alike (the prior's 2:4 part is exactly these masks).
@@ -289,11 +297,9 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
                   "data": data_record(data, opts)}  # `patchc eval` scores on this split, never on training text
     recovered = None
     if rank == 0:
-        pruned = plan.apply(bundle.reload())
         with timed(timings, "evaluate"):
-            results.append(row(f"PATCH {opts.variant}", "patch", "hybrid", plan.sparsity,
-                               evaluate(bundle, pruned, data, opts, dense_ref), trained.seconds))
-        del pruned
+            scores = score_copy(bundle, lambda: plan.apply(bundle.reload()), data, opts, dense_ref)
+            results.append(row(f"PATCH {opts.variant}", "patch", "hybrid", plan.sparsity, scores, trained.seconds))
         if opts.recover:
             recovered = recover_row(bundle, plan, data, opts, results, timings, dense_ref)
     if opts.baselines:
@@ -317,16 +323,16 @@ def baselines(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, p
     with timed(timings, "baselines"):
         if rank == 0:
             for method in ONESHOT_METHODS:
-                model = oneshot_baseline(bundle, method, calib, opts.progress,
-                                         prior_masks if method == cfg.prior else None)
-                results.append(row(f"{method} 2:4", method, "2:4", 0.5, evaluate(bundle, model, data, opts, dense_ref)))
+                masks = prior_masks if method == cfg.prior else None
+                make = functools.partial(oneshot_baseline, bundle, method, calib, opts.progress, masks)
+                scores = score_copy(bundle, make, data, opts, dense_ref)
+                results.append(row(f"{method} 2:4", method, "2:4", 0.5, scores))
         nm_cfg = cfg.replace(variant="nm", sparsity=0.5)
         nm_plan, nm_trained = train(bundle, nm_cfg, data, opts, calib, None, False, prior_masks, steps=opts.steps,
                                     exported=exported)
     if rank == 0:
-        model = nm_plan.apply(bundle.reload())
-        results.append(row("learned 2:4 (nm)", "patch-nm", "2:4", nm_plan.sparsity,
-                           evaluate(bundle, model, data, opts, dense_ref), nm_trained.seconds))
+        scores = score_copy(bundle, lambda: nm_plan.apply(bundle.reload()), data, opts, dense_ref)
+        results.append(row("learned 2:4 (nm)", "patch-nm", "2:4", nm_plan.sparsity, scores, nm_trained.seconds))
         if opts.recover:  # the baseline gets the same recovery as PATCH
             recover_row(bundle, nm_plan, data, opts, results, timings, dense_ref)
 
@@ -372,7 +378,7 @@ def recover_row(bundle, plan, data: dict, opts: PruneOptions, results: list[dict
         seconds = time.perf_counter() - start
     last = results[-1]
     with timed(timings, "evaluate"):
-        metrics = evaluate(bundle, recovered.apply(bundle.reload()), data, opts, dense_ref)
+        metrics = score_copy(bundle, lambda: recovered.apply(bundle.reload()), data, opts, dense_ref)
     results.append(row(f"{last['name']} + recovery", f"{last['method']}+recover", last["pattern"], recovered.sparsity,
                        metrics, seconds))
     return recovered

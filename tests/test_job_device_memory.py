@@ -1,9 +1,11 @@
-"""`patchc prune --fsdp`'s training stage on 2 gloo ranks: no rank runs the whole dense model while masks train.
+"""What `patchc prune` keeps on the device: never the whole dense model twice, nor beside FSDP shards.
 
-The distillation teacher is the sharded program with its masks off (`fsdp.DenseTeacher`) and the plan is
-hardened one block at a time (`fsdp.harden_sharded`); tests/test_fsdp.py checks both against one process.
-This runs the job's own `train` on stories260K and watches the loaded dense model: a forward hook counts
-its calls. The ranks are spawned (see tests/test_fsdp.py for why).
+Under --fsdp on 2 gloo ranks, the job's own `train` on stories260K never runs the loaded dense model (a
+forward hook counts its calls): the distillation teacher is the sharded program with its masks off
+(`fsdp.DenseTeacher`) and the plan is hardened one block at a time (`fsdp.harden_sharded`);
+tests/test_fsdp.py checks both against one process. The dense model waits in host memory (`parked`)
+while sharded masks train and while a pruned copy is scored (`score_copy`). The ranks are spawned (see
+tests/test_fsdp.py for why).
 """
 
 from __future__ import annotations
@@ -99,3 +101,33 @@ def test_parked_frees_the_device_and_brings_back_the_same_parameters():
         assert torch.cuda.memory_allocated() <= before - 1024 * 1024 * 4  # the 4 MB weight left the GPU
     assert all(a is b for a, b in zip(model.parameters(), params))  # an export sharing them follows
     assert all(p.is_cuda and torch.equal(p.detach().cpu(), v) for p, v in zip(model.parameters(), values))
+
+
+def test_score_copy_evaluates_the_copy_with_the_dense_model_parked_and_drops_it(monkeypatch):
+    import contextlib
+    import types
+    import weakref
+
+    from patchc.job import prune
+
+    dense, copies, log = torch.nn.Linear(4, 4), [], []
+
+    @contextlib.contextmanager
+    def parked(model):
+        log.append(("park", model))
+        yield model
+        log.append(("back", model))
+
+    def evaluate(bundle, model, data, opts, dense_ref=None):
+        log.append(("evaluate", type(model)))  # not the copy itself: the test must not keep it alive
+        return {"perplexity": 1.0}
+
+    def make():
+        copies.append(weakref.ref(copy := torch.nn.Linear(4, 4)))
+        return copy
+
+    monkeypatch.setattr(prune, "parked", parked)
+    monkeypatch.setattr(prune, "evaluate", evaluate)
+    assert prune.score_copy(types.SimpleNamespace(model=dense), make, {}, None) == {"perplexity": 1.0}
+    assert [event for event, _ in log] == ["park", "evaluate", "back"] and log[0][1] is dense
+    assert copies[0]() is None  # nothing holds the copy once its scores are back
