@@ -179,9 +179,7 @@ def run_recover(
     check_split(plan, job.data_record(data, opts), run / PLAN, changed=tuple(recipe) + other_text)
     dense_ref = job.dense_reference(bundle, data)
     scores = {"dense": job.evaluate(bundle, bundle.model, data, opts, dense_ref)}
-    hardened = plan.apply(bundle.reload())
-    scores["hardened"] = job.evaluate(bundle, hardened, data, opts, dense_ref)
-    del hardened
+    scores["hardened"] = job.score_copy(bundle, lambda: plan.apply(bundle.reload()), data, opts, dense_ref)
     model = bundle.reload()  # the dense model stays the teacher of a KD loss
     calib = job.calibrate(bundle, data, opts) if method == "sparsegpt" else None
     recovered = job.recover_plan(bundle, plan, data, opts, model=model, steps=steps, lr=lr, scope=scope, method=method,
@@ -189,7 +187,8 @@ def run_recover(
     recovered.meta["command"] = command or ""
     recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe}
     recovered.save(run / RECOVERED)
-    scores["recovered"] = job.evaluate(bundle, recovered.apply(model), data, opts, dense_ref)
+    # the teacher waits in host memory while the recovered copy is scored
+    scores["recovered"] = job.score_copy(bundle, lambda: recovered.apply(model), data, opts, dense_ref)
     result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started)
     write_bytes_atomic(run / RESULT, (json.dumps(result, indent=1) + "\n").encode())
     note_replaced(run, result)

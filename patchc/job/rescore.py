@@ -72,7 +72,7 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     from patchc.job.corpus import read_documents, scored_texts, split_data, text_size
     from patchc.job.model import load_bundle
     from patchc.job.records import chat_renderer
-    from patchc.job.prune import dense_reference, evaluate
+    from patchc.job.prune import dense_reference, evaluate, score_copy
 
     plan = TilePlan.load(plan_path)
     opts = eval_options(plan, **options)
@@ -91,7 +91,7 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     data = scored_texts(bundle, opts, eval_docs, ", ".join(opts.data))  # what load_data(training=False) gives
     dense_ref = dense_reference(bundle, data)
     dense = evaluate(bundle, bundle.model, data, opts, dense_ref)
-    pruned = evaluate(bundle, plan.apply(bundle.reload(), force=force), data, opts, dense_ref)
+    pruned = score_copy(bundle, lambda: plan.apply(bundle.reload(), force=force), data, opts, dense_ref)
     return {"plan": plan, "options": opts, "overlap": overlap, "dense": dense, "pruned": pruned, "kind": bundle.kind,
             "held_out": text_size(bundle.kind, data["eval"]),
             "scored": {path: text_size(bundle.kind, v) for path, v in data["extra"].items()}}
