@@ -40,3 +40,18 @@ def test_a_seed_draws_the_same_noise_on_cuda_as_on_the_cpu():
     on_gpu = fused.gumbel_bank(7, length, "cuda")
     assert on_gpu.device.type == "cuda"
     assert torch.equal(on_gpu.cpu(), fused.gumbel_bank(7, length, "cpu"))
+
+
+def test_what_mask_training_leaves_off_the_gpu():
+    """Calibration's Hessians and the prior's 2:4 masks are kept for the baselines after training: on the host."""
+    from patchc.job.corpus import load_data
+    from patchc.job.model import load_bundle
+    from patchc.job.options import PruneOptions
+    from patchc.job.prune import calibrate, cache_dir, oneshot_masks
+
+    opts = PruneOptions(device="cuda", calib_blocks=4, train_data="real", eval_data=(), progress=False)
+    bundle = load_bundle(opts)
+    calib = calibrate(bundle, load_data(bundle, opts, cache_dir=cache_dir(opts)), opts)
+    assert all(calib[f]._xtx.device.type == "cpu" and calib[f]._sq.device.type == "cpu" for f in calib)
+    masks = oneshot_masks(bundle, "sparsegpt", calib)
+    assert masks and all(m.device.type == "cpu" and m.dtype == torch.bool for m in masks.values())

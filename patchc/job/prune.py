@@ -199,7 +199,8 @@ def oneshot_masks(bundle, method: str, calib, progress: bool = False) -> dict[st
         >>> masks = oneshot_masks(bundle, "sparsegpt", calib)
         >>> model = oneshot_baseline(bundle, "sparsegpt", calib, masks=masks)
     """
-    return patchc.oneshot(bundle.model, method=method, pattern="2:4", calib=calib, progress=progress)
+    masks = patchc.oneshot(bundle.model, method=method, pattern="2:4", calib=calib, progress=progress)
+    return {name: mask.cpu() for name, mask in masks.items()}  # kept through training: not on the GPU (1 B/weight)
 
 
 def oneshot_baseline(bundle, method: str, calib, progress: bool = False,
