@@ -296,9 +296,8 @@ def gather_program(prog: MaskedProgram) -> MaskedProgram:
 
     Call it on every rank once training is over; the program then runs forwards unsharded and
     `patchc.harden(prog)` reads whole logits (`harden_sharded` needs one block at a time). Do not train it
-    further. FSDP2 reshards on
-    `prog.state_dict()` (it hands out shards): use `full_state_dict` for whole tensors, and call this
-    again before reading the masks.
+    further. FSDP2 reshards on `prog.state_dict()` (it hands out shards): use `full_state_dict` for whole
+    tensors, and call this again before reading the masks.
     """
     shards = getattr(prog, "fsdp_shards", None)
     if shards is None:
