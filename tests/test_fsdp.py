@@ -40,8 +40,10 @@ def exported():
     transformers = pytest.importorskip("transformers")
     from patchc.models.hf_export import export_causal_lm
 
+    # biases too: a plan hardened block by block must copy them out of the gathered root before it reshards
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attention_bias=True, mlp_bias=True)
     torch.manual_seed(0)
     return export_causal_lm(transformers.LlamaForCausalLM(cfg).eval())
 

@@ -87,8 +87,8 @@ def compress(
     wgroups = wtiles[sparse_sel].reshape(-1, b1, b2 // 4, 4)
     values = torch.gather(wgroups, -1, positions).reshape(-1, b1, b2 // 2).contiguous()
     meta = pack_nibbles(PATTERN_NIBBLES.to(dev)[pidx])
-    if bias is not None:
-        bias = bias.detach().to(device=dev, dtype=weight.dtype)
+    if bias is not None:  # a copy: the plan owns its buffers (FSDP2 frees a gathered bias once its block is done)
+        bias = bias.detach().to(device=dev, dtype=weight.dtype, copy=True)
     return dict(
         name=name,
         shape=shape,
