@@ -136,12 +136,15 @@ def _worker(rank: int, ep_file: Path, out: Path) -> None:
                checkpoint_io=setup.checkpoint_io)
         states = full_state_dict(prog), full_state_dict(resumed)
         plans = harden_sharded(prog), harden_sharded(prog, exact_budget=True)
+        only = harden_sharded(prog, exact_budget=True, rank=0)  # built on rank 0 alone, as the job does
+        built = [None] * WORLD
+        dist.all_gather_object(built, only is not None and only.layers.keys() == plans[1].layers.keys())
         whole = [name for name, p in prog.named_parameters() if not hasattr(p, "placements")]
         logits = _eval_logits(prog)
         if rank == 0:
             torch.save({"straight": states[0], "resumed": states[1], "sizes": sizes, "placements": placements,
                         "history": straight.history, "logits": logits, "teacher": teacher_logits,
-                        "whole_after_harden": whole}, out / "result.pt")
+                        "whole_after_harden": whole, "built": built}, out / "result.pt")
             plans[0].save(out / "plan.patch")
             plans[1].save(out / "budget.patch")
     finally:
@@ -211,7 +214,7 @@ def test_fsdp_two_ranks_equal_one_and_resume_sharded(exported, exported_file, tm
             assert torch.equal(layer.kinds, ref_plan.layers[name].kinds), (file, name)
             assert torch.equal(layer.to_dense(), ref_plan.layers[name].to_dense()), (file, name)
         assert plan.density == ref_plan.density and plan.meta["fingerprints"] == ref_plan.meta["fingerprints"]
-    assert not got["whole_after_harden"]
+    assert not got["whole_after_harden"] and got["built"] == [True, False]
 
     # (e) The teacher, the sharded program with its masks off, computes the dense model exactly.
     assert torch.equal(got["teacher"], dense_logits)

@@ -74,12 +74,16 @@ class TrainSetup:
     teacher: nn.Module | None = None
 
 
-def harden_program(prog, exact_budget: bool = False):
-    """`patchc.harden(prog)` on every rank after training; a sharded program one block at a time (a collective)."""
+def harden_program(prog, exact_budget: bool = False, rank: int | None = None):
+    """`patchc.harden(prog)` after training, called on every rank; a sharded program is gathered one block at a
+    time (a collective). `rank`: the one rank that builds and returns the plan, the others get None; None:
+    every rank."""
     if getattr(prog, "fsdp_shards", None) is not None:
         from patchc.job.fsdp import harden_sharded
 
-        return harden_sharded(prog, exact_budget)
+        return harden_sharded(prog, exact_budget, rank)
+    if rank is not None and world()[0] != rank:
+        return None
     import patchc
 
     return patchc.harden(prog, exact_budget=exact_budget)

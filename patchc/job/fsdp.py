@@ -265,10 +265,11 @@ def gathered(module: nn.Module) -> Iterator[nn.Module]:
 
 
 @torch.no_grad()
-def harden_sharded(prog: MaskedProgram, exact_budget: bool = False) -> TilePlan:
-    """`patchc.harden` of a sharded program, one block gathered at a time: every rank calls it and gets the
-    plan, and none holds more than one block's whole weights and logits (beside the root's: embeddings,
-    norms, biases). With `exact_budget` each block hands over its tile logits first (one per tile).
+def harden_sharded(prog: MaskedProgram, exact_budget: bool = False, rank: int | None = None) -> TilePlan | None:
+    """`patchc.harden` of a sharded program, one block gathered at a time: every rank calls it, and none holds
+    more than one block's whole weights and logits (beside the root's: embeddings, norms, biases). With
+    `exact_budget` each block hands over its tile logits first (one per tile). `rank`: the one rank that
+    builds the plan (in host memory) and returns it, the others return None; None: every rank.
 
     Example:
         >>> plan = harden_sharded(shard_program(prog), exact_budget=True)   # equal to patchc.harden(prog)
@@ -276,19 +277,18 @@ def harden_sharded(prog: MaskedProgram, exact_budget: bool = False) -> TilePlan:
     shards = getattr(prog, "fsdp_shards", None)
     if shards is None:
         raise ValueError("harden_sharded: the program is not sharded; use patchc.harden(prog)")
-    chosen = {}
+    build = rank is None or dist.get_rank() == rank
+    chosen, layers, scores = {}, {}, {}
     with gathered(prog.graph_module):  # the biases a layer's plan carries
-        if exact_budget:
-            scores: dict = {}
-            for shard in shards.values():
-                with gathered(shard):
-                    scores.update(tile_scores(shard.hybrids()))
+        for shard in shards.values() if exact_budget else ():
+            with gathered(shard):
+                scores.update(tile_scores(shard.hybrids()) if build else {})
+        if exact_budget and build:
             chosen = budget_tiles(prog, {name: scores[name] for name in prog.layers})  # graph order, as unsharded
-        layers = {}
         for shard in shards.values():
             with gathered(shard):
-                layers.update({m.name: harden_layer(prog, m, chosen.get(m.name)) for m in shard.hybrids()})
-    return assemble_plan(prog, layers, exact_budget)
+                layers.update({m.name: harden_layer(prog, m, chosen.get(m.name)) for m in shard.hybrids() if build})
+    return assemble_plan(prog, layers, exact_budget) if build else None
 
 
 def gather_program(prog: MaskedProgram) -> MaskedProgram:

@@ -109,14 +109,15 @@ def calibrate(bundle, data: dict, opts: PruneOptions):
 def train(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, checkpoint: Path | None, resume: bool,
           prior_masks: dict[str, torch.Tensor] | None = None, steps: int | None = None,
           exported: torch.export.ExportedProgram | None = None):
-    """transform -> train_masks -> harden for one configuration; returns (plan, train result).
+    """transform -> train_masks -> harden for one configuration; returns (plan, train result), the plan on rank
+    0 only (None on the other ranks of a torchrun job).
 
     `prior_masks`: `oneshot_masks(bundle, cfg.prior, calib)`, when already computed for another run.
     `steps`: optimizer steps when more than the schedules' length `cfg.steps` (an extended run).
     `exported`: `bundle.export(bundle.model, fixed_len=opts.block_len)`, when already made.
     """
     prog, result = train_program(bundle, cfg, data, opts, calib, checkpoint, resume, prior_masks, steps, exported)
-    plan = harden_program(prog, exact_budget=opts.exact_budget and cfg.variant != "nm")
+    plan = harden_program(prog, exact_budget=opts.exact_budget and cfg.variant != "nm", rank=0)
     return plan, result
 
 
@@ -294,10 +295,10 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
     with timed(timings, "train"):
         plan, trained = train(bundle, cfg, data, opts, calib, out / CHECKPOINT, opts.resume, prior_masks,
                               steps=opts.steps, exported=exported)
-    plan.meta |= {"command": command or "", "model": opts.model,
-                  "data": data_record(data, opts)}  # `patchc eval` scores on this split, never on training text
     recovered = None
     if rank == 0:
+        plan.meta |= {"command": command or "", "model": opts.model,
+                      "data": data_record(data, opts)}  # `patchc eval` scores on this split, never on training text
         with timed(timings, "evaluate"):
             scores = score_copy(bundle, lambda: plan.apply(bundle.reload()), data, opts, dense_ref)
             results.append(row(f"PATCH {opts.variant}", "patch", "hybrid", plan.sparsity, scores, trained.seconds))
