@@ -89,6 +89,7 @@ def test_parked_leaves_a_model_in_host_memory_alone():
             assert held is model and model.weight is weight and weight.device.type == "cpu"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: parking moves weights off one")
 def test_parked_frees_the_device_and_brings_back_the_same_parameters():
     from patchc.job.model import parked

@@ -281,6 +281,7 @@ def test_calibrate_stores_each_pass_once_it_is_done(monkeypatch):
     assert all(torch.equal(whole[f].hessian, h) for f, h in before.items())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: statistics leave it for host memory")
 def test_calibrate_on_a_gpu_stores_in_host_memory_and_sparsegpt_brings_them_back():
     torch.manual_seed(0)
