@@ -12,6 +12,7 @@ from patchc.job.options import PruneOptions
 from patchc.masking.hybrid_mask import HybridMask
 from patchc.masking.optim import GradPeak, state_bytes
 from patchc.masking.train import make_optimizer
+from tests.conftest import STORIES, needs_shared
 
 MODES = [dict(), dict(low_memory=True), dict(low_memory=True, nm_param="weight"),
          dict(low_memory=True, nm_param="weight", v_per_group=True), dict(nm_param="weight")]
@@ -138,3 +139,56 @@ def test_recovery_needs_a_second_model_and_adam_in_the_weights_dtype(tiny_mlp, m
     check_fits(tiny_mlp.float(), cfg, PruneOptions(**lean))
     with pytest.raises(ValueError, match="patchc recover RUN"):
         check_fits(tiny_mlp.float(), cfg, PruneOptions(**lean, recover=10))
+
+
+def _tiny_llama_folder(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama", model
+
+
+@needs_shared
+def test_weight_bytes_reads_the_size_without_loading(tmp_path):
+    from patchc.models import load_model
+    from patchc.models.spec import weight_bytes
+
+    folder, model = _tiny_llama_folder(tmp_path)
+    assert weight_bytes(folder, torch.bfloat16) == sum(p.numel() for p in model.parameters()) * 2  # built on meta
+    assert weight_bytes(folder / "config.json", torch.float32) == sum(p.numel() for p in model.parameters()) * 4
+    for spec in (str(STORIES / "stories260K.bin"), "minilm"):  # within 2% (a llama2.c file's rope tables; the pooler)
+        loaded = sum(p.numel() for p in load_model(spec).model.parameters()) * 2
+        assert loaded <= weight_bytes(spec, torch.bfloat16) <= 1.02 * loaded, spec
+    assert weight_bytes(tmp_path / "nothing-here", torch.bfloat16) is None
+
+
+def test_check_loads_refuses_a_model_larger_than_the_free_gpu_memory(tmp_path, monkeypatch):
+    folder, model = _tiny_llama_folder(tmp_path)
+    need = sum(p.numel() for p in model.parameters()) * 2
+    opts = PruneOptions(model=str(folder), device="cuda")
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need)
+    memory.check_loads(opts, torch.bfloat16)  # exactly fits
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
+    with pytest.raises(ValueError, match=r"its weights take .* in bfloat16 and cuda has .* free\. .* must fit on one"):
+        memory.check_loads(opts, torch.bfloat16)
+    memory.check_loads(PruneOptions(model=str(folder)), torch.bfloat16)  # a CPU: nothing to refuse
+    monkeypatch.setattr(memory, "free_bytes", lambda device: None)
+    memory.check_loads(opts, torch.bfloat16)  # unknown free memory: no check
+
+
+@needs_shared
+def test_load_bundle_loads_in_the_weight_dtype(monkeypatch):
+    """The model comes in the weights' dtype (no fp32 copy first) and equals the fp32 load cast after it."""
+    import patchc.models as models
+    from patchc.job.model import load_bundle
+
+    asked = []
+    load = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: asked.append(k.get("dtype")) or load(*a, **k))
+    bundle = load_bundle(PruneOptions(model="minilm", dtype="bfloat16", progress=False), training=False)
+    assert asked == [torch.bfloat16]
+    cast = load("minilm").model.to(torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(bundle.model.state_dict().values(), cast.state_dict().values()))
+    assert {p.dtype for p in bundle.reload().parameters()} == {torch.bfloat16}

@@ -92,6 +92,22 @@ def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: in
                        "later where more memory is free (patchc recover RUN --device ...)")
 
 
+def check_loads(opts: PruneOptions, dtype: torch.dtype) -> None:
+    """ValueError before loading when the model's weights alone (`weight_bytes`, in `dtype`) exceed the memory
+    free on `opts.device`, a GPU: a clear refusal instead of an out-of-memory error after minutes of reading."""
+    if not opts.device.startswith("cuda"):
+        return
+    from patchc.models.spec import weight_bytes
+
+    free, need = free_bytes(opts.device), weight_bytes(opts.model, dtype)
+    if free is None or need is None or need <= free:
+        return
+    raise ValueError(f"--model {opts.model}: its weights take {_size(need)} in {str(dtype).removeprefix('torch.')} and "
+                     f"{opts.device} has {_size(free)} free. patchc loads the whole model onto each GPU (--fsdp shards "
+                     "it once the masks train, not before), so it must fit on one; use a GPU with more free memory, "
+                     "or --device cpu")
+
+
 def calibration_memory(opts: PruneOptions) -> tuple[int | None, str | None]:
     """(`max_hessian_bytes`, `store`) for `patchc.calibrate` in the job.
 
@@ -157,5 +173,5 @@ def _size(n: float) -> str:
     return f"{n / 1e3:.1f} kB"
 
 
-__all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_masks", "check_recovery", "free_bytes",
-           "masked_weights"]
+__all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_loads", "check_masks", "check_recovery",
+           "free_bytes", "masked_weights"]

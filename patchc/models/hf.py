@@ -272,10 +272,17 @@ def load_hf_causal(spec: str | os.PathLike, device: str | torch.device = "cpu", 
         >>> model, tok = load_hf_causal("/path/to/saved_llama")
         >>> model(torch.tensor([[1, 2, 3]]), use_cache=False).logits.shape
     """
-    transformers = _transformers()
     config = config if config is not None else hf_config(spec)
-    auto = transformers.AutoModelForImageTextToText if is_multimodal(config) else transformers.AutoModelForCausalLM
-    return _from_pretrained(auto, str(spec), device, config, dtype), load_hf_tokenizer(spec)
+    return _from_pretrained(auto_class(config), str(spec), device, config, dtype), load_hf_tokenizer(spec)
+
+
+def auto_class(config: Any) -> Any:
+    """The transformers auto class patchc builds `config`'s model with: AutoModel for an encoder, else
+    AutoModelForImageTextToText for a vision-language checkpoint, else AutoModelForCausalLM."""
+    transformers = _transformers()
+    if hf_kind(config) == "encoder":
+        return transformers.AutoModel
+    return transformers.AutoModelForImageTextToText if is_multimodal(config) else transformers.AutoModelForCausalLM
 
 
 class EncoderWrapper(nn.Module):

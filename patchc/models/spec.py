@@ -130,4 +130,31 @@ def _load(raw: str, device: str, dtype: torch.dtype) -> ModelBundle:
     return _load_hf_bundle(raw, raw, raw, device, dtype)
 
 
-__all__ = ["load_model"]
+def weight_bytes(spec: str | os.PathLike, dtype: torch.dtype) -> int | None:
+    """Bytes the weights of model `spec` take in `dtype`, read without loading them: a transformers model's
+    parameters built on the meta device from its config (tied weights once), a llama2.c checkpoint's fp32 file
+    size; None where neither can be read (the loader then says why).
+
+    Example:
+        >>> weight_bytes("/work/shared/models/stories260K/stories260K.bin", torch.bfloat16) // 1000
+        520
+    """
+    raw = str(spec)
+    path = Path(raw).expanduser()
+    scale = torch.empty(0, dtype=dtype).element_size() / 4
+    if path.is_file() and path.name != "config.json":
+        return int(path.stat().st_size * scale)  # llama2.c: fp32 tensors after a 28-byte header
+    if path.is_dir() and not (path / "config.json").is_file():
+        ckpts = _llama2c_in_folder(path)
+        return int(ckpts[0].stat().st_size * scale) if len(ckpts) == 1 else None
+    folder = _hf.minilm_dir() if _hf.is_minilm_alias(raw) else path.parent if path.is_file() else path
+    try:
+        config = _hf.hf_config(str(folder) if folder.exists() else raw)
+        with torch.device("meta"):
+            model = _hf.auto_class(config).from_config(config)
+    except Exception:  # noqa: BLE001 - a config this cannot build is the loader's to explain, not this estimate's
+        return None
+    return sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=dtype).element_size()
+
+
+__all__ = ["load_model", "weight_bytes"]
