@@ -1,8 +1,8 @@
 """The main job and its command line: a real model and real text in, a plan and a quality report out.
 
     options.py        `PruneOptions`: every `patchc prune` setting, validated
-    model.py          opening the model: device, dtype, weight and length checks, CPU threads
-    memory.py         will the mask state fit on the device? refused up front, with the leaner modes
+    model.py          opening the model: device, dtype, weight and length checks, CPU threads; parking it
+    memory.py         will the model, the mask state fit on the device? refused up front, with the leaner modes
     data.py           text files -> documents -> train / held-out split by document -> token blocks, batches
     records.py        JSON Lines / JSON / Parquet records -> documents (a text field, or a chat)
     selfdata.py       text the dense model writes itself (seeded, cached)
@@ -11,7 +11,8 @@
     evaluate.py       perplexity on held-out text (causal LMs)
     encoder_eval.py   sentence-embedding agreement and distillation (encoders such as all-MiniLM-L6-v2)
     distributed.py    torchrun: ranks, batch shares
-    fsdp.py           FSDP2: each block's frozen weights and mask logits sharded together
+    fsdp.py           FSDP2: each block's frozen weights and mask logits sharded together; teacher, hardening
+    fsdp_checkpoint.py  FSDP2: the sharded checkpoint folder every rank writes
     runs.py           run folders: claimed atomically, resumed only with their own settings
     prune.py          `run_prune`: load -> calibrate -> transform -> train -> harden -> evaluate -> report
     results.py        the report's rows and the report dict of a run (report.json)

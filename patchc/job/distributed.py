@@ -70,7 +70,6 @@ class TrainSetup:
     forward_module: nn.Module
     checkpoint: Path | None
     checkpoint_io: Any = None
-    fsdp: bool = False
     teacher: nn.Module | None = None
 
 
@@ -120,7 +119,7 @@ def prepare_training(prog, checkpoint: Path | None, fsdp: bool = False) -> Train
         from patchc.job.fsdp_checkpoint import ShardedCheckpointIO
 
         teacher = DenseTeacher(shard_program(prog)) if size > 1 else None
-        return TrainSetup(prog, checkpoint, ShardedCheckpointIO(), fsdp=True, teacher=teacher)
+        return TrainSetup(prog, checkpoint, ShardedCheckpointIO(), teacher=teacher)
     forward_module = prog
     if size > 1:
         from torch.nn.parallel import DistributedDataParallel
