@@ -44,7 +44,7 @@ def budget_tiles(prog: MaskedProgram, scores: dict | None = None) -> dict[str, t
     `scores`: `tile_scores` of every layer, when the program cannot read them all at once (FSDP2 shards).
     """
     scores = tile_scores(prog.layers.values()) if scores is None else scores
-    total = sum(float(sizes.sum()) for _, sizes in scores.values())
+    total = sum(float(sizes.double().sum()) for _, sizes in scores.values())  # fp32 sums drift past 2**24
     dense_budget = (2.0 * prog.cfg.density - 1.0) * total  # density = 0.5 + 0.5 * dense_elems / total
     chosen = {name: torch.zeros(sizes.shape, dtype=torch.bool) for name, (_, sizes) in scores.items()}
     learned = {name: pair for name, pair in scores.items() if pair[0] is not None}

