@@ -35,8 +35,8 @@ if "patch" not in torch._dynamo.list_backends(exclude_tags=()):
 LONGEST_FIRST = ("test_bench.py", "test_codegen_compile.py", "test_families.py", "test_quality_minilm.py",
                  "test_quality_stories.py", "test_codegen_interp.py", "test_backend_experts.py", "test_runs.py",
                  "test_cli.py", "test_distributed.py", "test_import_sparse.py", "test_generate_speed.py",
-                 "test_runtime.py", "test_fsdp.py", "test_job_device_memory.py", "test_hf_models.py", "test_grouped_kernels.py",
-                 "test_seq_graphs.py")
+                 "test_runtime.py", "test_fsdp.py", "test_job_device_memory.py", "test_hf_models.py",
+                 "test_grouped_kernels.py", "test_seq_graphs.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
