@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from patchc.ir import TilePlan
-from patchc.masking.harden import assemble_plan, budget_tiles, harden_layer, tile_scores
+from patchc.masking.harden import assemble_plan, budget_tiles, harden_layer
 from patchc.masking.param_mask import hybrid_masks
 from patchc.passes.insert_masks import MASKS_ATTR
 from patchc.passes.program import MaskedProgram
@@ -268,8 +268,8 @@ def gathered(module: nn.Module) -> Iterator[nn.Module]:
 def harden_sharded(prog: MaskedProgram, exact_budget: bool = False, rank: int | None = None) -> TilePlan | None:
     """`patchc.harden` of a sharded program, one block gathered at a time: every rank calls it, and none holds
     more than one block's whole weights and logits (beside the root's: embeddings, norms, biases). With
-    `exact_budget` each block hands over its tile logits first (one per tile). `rank`: the one rank that
-    builds the plan (in host memory) and returns it, the others return None; None: every rank.
+    `exact_budget` the tile logits alone (one per tile) are gathered first. `rank`: the one rank that builds
+    the plan (in host memory) and returns it, the others return None; None: every rank.
 
     Example:
         >>> plan = harden_sharded(shard_program(prog), exact_budget=True)   # equal to patchc.harden(prog)
@@ -278,13 +278,9 @@ def harden_sharded(prog: MaskedProgram, exact_budget: bool = False, rank: int | 
     if shards is None:
         raise ValueError("harden_sharded: the program is not sharded; use patchc.harden(prog)")
     build = rank is None or dist.get_rank() == rank
-    chosen, layers, scores = {}, {}, {}
+    chosen = budget_tiles(prog) if exact_budget else {}  # every rank: the tile logits' gathers are collectives
+    layers = {}
     with gathered(prog.graph_module):  # the biases a layer's plan carries
-        for shard in shards.values() if exact_budget else ():
-            with gathered(shard):
-                scores.update(tile_scores(shard.hybrids()) if build else {})
-        if exact_budget and build:
-            chosen = budget_tiles(prog, {name: scores[name] for name in prog.layers})  # graph order, as unsharded
         for shard in shards.values():
             with gathered(shard):
                 layers.update({m.name: harden_layer(prog, m, chosen.get(m.name)) for m in shard.hybrids() if build})

@@ -31,19 +31,22 @@ if TYPE_CHECKING:
     from patchc.passes.program import MaskedProgram
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or the whole tensor of an FSDP2 shard (a DTensor: a collective, every rank reads it in turn)."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def tile_scores(masks: Iterable[HybridMask]) -> dict[str, tuple[torch.Tensor | None, torch.Tensor]]:
-    """{layer: (its tile logits or None, elements per tile)}, copied to the CPU: all `budget_tiles` reads, so
-    a sharded program can hand it over block by block (`patchc.job.fsdp.harden_sharded`)."""
-    return {m.name: (None if m.tile_logits is None else m.tile_logits.detach().float().cpu().clone(),
-                     m.tile_numel.detach().cpu().clone()) for m in masks}
+    """{layer: (its tile logits or None, elements per tile)} on the CPU: all `budget_tiles` reads. Sharded tile
+    logits are gathered alone (one per tile), so a sharded program needs no weights gathered for them."""
+    return {m.name: (None if m.tile_logits is None else _whole(m.tile_logits).float().cpu(),
+                     m.tile_numel.detach().cpu()) for m in masks}
 
 
-def budget_tiles(prog: MaskedProgram, scores: dict | None = None) -> dict[str, torch.Tensor]:
-    """Global top-k dense tiles by logit so the density lands within one tile of the target.
-
-    `scores`: `tile_scores` of every layer, when the program cannot read them all at once (FSDP2 shards).
-    """
-    scores = tile_scores(prog.layers.values()) if scores is None else scores
+def budget_tiles(prog: MaskedProgram) -> dict[str, torch.Tensor]:
+    """Global top-k dense tiles by logit so the density lands within one tile of the target."""
+    scores = tile_scores(prog.layers.values())
     total = sum(float(sizes.double().sum()) for _, sizes in scores.values())  # fp32 sums drift past 2**24
     dense_budget = (2.0 * prog.cfg.density - 1.0) * total  # density = 0.5 + 0.5 * dense_elems / total
     chosen = {name: torch.zeros(sizes.shape, dtype=torch.bool) for name, (_, sizes) in scores.items()}
