@@ -68,6 +68,11 @@ def masked_weights(model: nn.Module, cfg: PatchConfig) -> int:
     return total
 
 
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of `model`'s parameters (a tied weight counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def free_bytes(device: str) -> int | None:
     """Bytes free on `device` now (a GPU's, or the host's MemAvailable); None where it cannot be read."""
     if device.startswith("cuda"):
@@ -84,7 +89,7 @@ def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: in
     weights, share = masked_weights(model, cfg), ranks if opts.fsdp else 1
     free_masks, held = free, "with the model loaded"
     if share > 1 and opts.device.startswith("cuda"):  # the ranks train from 1/N of it, the rest is `parked`
-        dense = sum(p.numel() * p.element_size() for p in model.parameters())
+        dense = model_bytes(model)
         free_masks, held = free + dense * (1 - 1 / share), f"with 1/{share} of the model's weights"
     check_masks(weights, free_masks, opts, share, held)
     if opts.recover:
@@ -97,12 +102,13 @@ def check_loads(opts: PruneOptions, dtype: torch.dtype) -> None:
     free on `opts.device`, a GPU: a clear refusal instead of an out-of-memory error after minutes of reading."""
     if not opts.device.startswith("cuda"):
         return
+    from patchc.ir.file_format import dtype_name
     from patchc.models.spec import weight_bytes
 
     free, need = free_bytes(opts.device), weight_bytes(opts.model, dtype)
     if free is None or need is None or need <= free:
         return
-    raise ValueError(f"--model {opts.model}: its weights take {_size(need)} in {str(dtype).removeprefix('torch.')} and "
+    raise ValueError(f"--model {opts.model}: its weights take {_size(need)} in {dtype_name(dtype)} and "
                      f"{opts.device} has {_size(free)} free. patchc loads the whole model onto each GPU (--fsdp shards "
                      "it once the masks train, not before), so it must fit on one; use a GPU with more free memory, "
                      "or --device cpu")
@@ -155,7 +161,7 @@ def check_masks(weights: int, free: float, opts: PruneOptions, share: int = 1,
 def check_recovery(model: nn.Module, weights: int, free: int, device: str, hint: str = "") -> None:
     """Weight recovery trains a second copy of the model against the loaded dense one (the teacher), with a
     gradient, Adam's m and v (in the weights' dtype) and two bool masks per planned weight."""
-    copy = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    copy = model_bytes(model)
     itemsize = next(model.parameters()).element_size()
     need = copy + weights * (3 * itemsize + 2)
     if need <= free:
@@ -174,4 +180,4 @@ def _size(n: float) -> str:
 
 
 __all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_loads", "check_masks", "check_recovery",
-           "free_bytes", "masked_weights"]
+           "free_bytes", "masked_weights", "model_bytes"]
