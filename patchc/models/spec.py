@@ -141,12 +141,11 @@ def weight_bytes(spec: str | os.PathLike, dtype: torch.dtype) -> int | None:
     """
     raw = str(spec)
     path = Path(raw).expanduser()
-    scale = torch.empty(0, dtype=dtype).element_size() / 4
     if path.is_file() and path.name != "config.json":
-        return int(path.stat().st_size * scale)  # llama2.c: fp32 tensors after a 28-byte header
+        return path.stat().st_size * dtype.itemsize // 4  # llama2.c: fp32 tensors after a 28-byte header
     if path.is_dir() and not (path / "config.json").is_file():
         ckpts = _llama2c_in_folder(path)
-        return int(ckpts[0].stat().st_size * scale) if len(ckpts) == 1 else None
+        return ckpts[0].stat().st_size * dtype.itemsize // 4 if len(ckpts) == 1 else None
     folder = _hf.minilm_dir() if _hf.is_minilm_alias(raw) else path.parent if path.is_file() else path
     try:
         config = _hf.hf_config(str(folder) if folder.exists() else raw)
@@ -154,7 +153,7 @@ def weight_bytes(spec: str | os.PathLike, dtype: torch.dtype) -> int | None:
             model = _hf.auto_class(config).from_config(config)
     except Exception:  # noqa: BLE001 - a config this cannot build is the loader's to explain, not this estimate's
         return None
-    return sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=dtype).element_size()
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
 
 __all__ = ["load_model", "weight_bytes"]
