@@ -39,7 +39,7 @@ ROWS = {
 
 def prepare(opts):
     """Model, text, calibration and the SparseGPT prior: shared by every row and seed."""
-    from patchc.job import prune
+    from patchc.job import stages
     from patchc.job.corpus import load_data
     from patchc.job.model import choose_threads
     from patchc.models import load_model
@@ -47,16 +47,16 @@ def prepare(opts):
     bundle = load_model(opts.model, device=opts.device)
     choose_threads(opts, bundle.model)
     data = load_data(bundle, opts, cache_dir=ROOT / "runs" / ".cache")
-    calib = prune.calibrate(bundle, data, opts)
-    prior = prune.oneshot_masks(bundle, opts.prior, calib)
-    dense = prune.evaluate(bundle, bundle.model, data, opts)["perplexity"]
+    calib = stages.calibrate(bundle, data, opts)
+    prior = stages.oneshot_masks(bundle, opts.prior, calib)
+    dense = stages.evaluate(bundle, bundle.model, data, opts)["perplexity"]
     return bundle, data, calib, prior, dense
 
 
 def train_one(bundle, data, calib, prior, opts, row: str, impl: str | None = None) -> dict:
     """One PATCH run as `patchc prune` trains it, with row's optimizer mode; returns its numbers."""
     import patchc
-    from patchc.job import prune
+    from patchc.job import stages
     from patchc.masking.optim import MaskOptimConfig
 
     optim_kw, cfg_kw = ROWS[row]
@@ -67,13 +67,13 @@ def train_one(bundle, data, calib, prior, opts, row: str, impl: str | None = Non
     if impl:
         for m in prog.layers.values():
             m.impl = impl
-    loss_fn = prune.make_loss(bundle, bundle.model, opts)
+    loss_fn = stages.make_loss(bundle, bundle.model, opts)
     start = time.perf_counter()
-    result = patchc.train_masks(prog, prune.make_batches(bundle, data, opts), lambda _p, b: loss_fn(prog, b),
+    result = patchc.train_masks(prog, stages.make_batches(bundle, data, opts), lambda _p, b: loss_fn(prog, b),
                                 steps=opts.steps, lr=opts.lr, tile_lr=opts.tile_lr, optim=MaskOptimConfig(**optim_kw), progress=False)
     seconds = time.perf_counter() - start
     plan = patchc.harden(prog, exact_budget=opts.exact_budget)
-    ppl = prune.evaluate(bundle, plan.apply(bundle.reload()), data, opts)["perplexity"]
+    ppl = stages.evaluate(bundle, plan.apply(bundle.reload()), data, opts)["perplexity"]
     return {"row": row, "seed": opts.seed, "perplexity": ppl, "sparsity": plan.sparsity, "train_s": round(seconds, 1),
             "final_task": result.history[-1]["task"]}
 

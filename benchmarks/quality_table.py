@@ -33,7 +33,8 @@ from patchc.job.data import split_files, tokenize_documents
 from patchc.job.evaluate import perplexity
 from patchc.job.options import PruneOptions
 from patchc.job.model import choose_threads, with_tile
-from patchc.job.prune import cache_dir, calibrate, evaluate, oneshot_baseline, recover_plan, train
+from patchc.job.prune import cache_dir
+from patchc.job.stages import calibrate, evaluate, oneshot_baseline, recover_plan, train
 from patchc.models import load_model
 from patchc.utils.env import device_name, versions
 

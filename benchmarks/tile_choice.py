@@ -29,7 +29,8 @@ from patchc.ir.tiles import expand_tiles, to_tiles
 from patchc.job.corpus import load_data
 from patchc.job.options import PruneOptions
 from patchc.job.model import choose_threads, with_tile
-from patchc.job.prune import cache_dir, calibrate, evaluate, train, train_program
+from patchc.job.prune import cache_dir
+from patchc.job.stages import calibrate, evaluate, train, train_program
 from patchc.masking.harden import budget_tiles
 from patchc.models import load_model
 from patchc.pruning import apply_masks

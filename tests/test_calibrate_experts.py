@@ -111,13 +111,13 @@ def _moe_dir(tmp_path, family: str = "mixtral"):
 
 
 def _job_applies_plan_names() -> bool:
-    from patchc.job import prune
+    from patchc.job import stages
 
-    return "apply_masks" in inspect.getsource(prune.oneshot_baseline)
+    return "apply_masks" in inspect.getsource(stages.oneshot_baseline)
 
 
 @pytest.mark.xfail(not _job_applies_plan_names(), strict=True, raises=AttributeError,
-                   reason="patchc/job/prune.py oneshot_baseline still masks by model.get_parameter(name): expert "
+                   reason="patchc/job/stages.py oneshot_baseline still masks by model.get_parameter(name): expert "
                           "slices have no parameter of their own (use patchc.pruning.apply_masks; lead's file)")
 @pytest.mark.parametrize("family, mlp", [("mixtral", "mlp"), ("llama4", "feed_forward")])
 def test_prune_command_on_a_moe_directory_with_baselines(tmp_path, family, mlp, capfd):

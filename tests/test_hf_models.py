@@ -551,7 +551,7 @@ def test_bad_spec_one_line_error(spec, tmp_path):
 @needs_minilm
 def test_encoder_training_batches_are_shuffled_per_epoch_and_reproducible(minilm):
     from patchc.job.options import PruneOptions
-    from patchc.job.prune import global_batches
+    from patchc.job.stages import global_batches
 
     data = {"train": SENTENCES}
     opts = PruneOptions(model="minilm", batch_size=4, block_len=32, progress=False)
@@ -589,7 +589,7 @@ def test_splices_are_reproducible_made_of_pool_words_and_leave_a_fraction_whole(
 @needs_minilm
 def test_encoder_recovery_trains_on_spliced_sentences_and_causal_lms_refuse_the_option(minilm):
     from patchc.job.options import PruneOptions
-    from patchc.job.prune import global_batches, recovery_batches
+    from patchc.job.stages import global_batches, recovery_batches
 
     data = {"train": SENTENCES}
     opts = PruneOptions(model="minilm", batch_size=4, block_len=32, progress=False)

@@ -30,7 +30,7 @@ def _options(**kw):
 def _worker(rank: int, out: Path) -> None:
     from patchc.job.corpus import load_data
     from patchc.job.model import load_bundle
-    from patchc.job.prune import train
+    from patchc.job.stages import train
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=WORLD)
@@ -59,7 +59,7 @@ def test_fsdp_job_distils_from_its_shards_and_never_runs_the_dense_model(tmp_pat
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:  # one process with the same options: its teacher is the loaded model, and the hook sees it run
-        from patchc.job.prune import global_batches, make_loss
+        from patchc.job.stages import global_batches, make_loss
 
         opts = _options()
         bundle = load_bundle(opts)
@@ -109,7 +109,7 @@ def test_score_copy_evaluates_the_copy_with_the_dense_model_parked_and_drops_it(
     import types
     import weakref
 
-    from patchc.job import prune
+    from patchc.job import stages
 
     dense, copies, log = torch.nn.Linear(4, 4), [], []
 
@@ -127,8 +127,8 @@ def test_score_copy_evaluates_the_copy_with_the_dense_model_parked_and_drops_it(
         copies.append(weakref.ref(copy := torch.nn.Linear(4, 4)))
         return copy
 
-    monkeypatch.setattr(prune, "parked", parked)
-    monkeypatch.setattr(prune, "evaluate", evaluate)
-    assert prune.score_copy(types.SimpleNamespace(model=dense), make, {}, None) == {"perplexity": 1.0}
+    monkeypatch.setattr(stages, "parked", parked)
+    monkeypatch.setattr(stages, "evaluate", evaluate)
+    assert stages.score_copy(types.SimpleNamespace(model=dense), make, {}, None) == {"perplexity": 1.0}
     assert [event for event, _ in log] == ["park", "evaluate", "back"] and log[0][1] is dense
     assert copies[0]() is None  # nothing holds the copy once its scores are back

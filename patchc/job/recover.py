@@ -33,12 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from patchc.job.options import PruneOptions
-from patchc.job.runs import OLDER_RUNS, SETTINGS
+from patchc.job.resume import forget_recovered
+from patchc.job.runs import OLDER_RUNS, PLAN, RECOVERED_PLAN, SETTINGS
 from patchc.utils.env import device_name, versions
 from patchc.utils.files import write_bytes_atomic
 
-PLAN = "plan.patch"
-RECOVERED = "plan-recovered.patch"
 RESULT = "recover.json"
 
 
@@ -106,7 +105,7 @@ def run_eval_context(run: Path) -> int:
 
 def check_free(run: Path, overwrite: bool) -> None:
     """FileExistsError, before any work, if an earlier recovery (or `prune --recover`) left its files in `run`."""
-    earlier = [name for name in (RECOVERED, RESULT) if (run / name).exists()]
+    earlier = [name for name in (RECOVERED_PLAN, RESULT) if (run / name).exists()]
     if earlier and not overwrite:
         raise FileExistsError(f"{run}: an earlier recovery wrote {' and '.join(earlier)}; pass --overwrite to "
                               "replace it, or recover a copy of the run folder to keep both")
@@ -154,7 +153,9 @@ def run_recover(
         >>> run_recover("runs/x", steps=100, scope="values")["results"][-1]["perplexity"]
     """
     from patchc.ir import TilePlan
-    from patchc.job import prune as job
+    from patchc.job import stages as job
+    from patchc.job.corpus import data_record, load_data
+    from patchc.job.prune import cache_dir
     from patchc.job.memory import check_recovery, free_bytes
     from patchc.job.model import load_bundle
 
@@ -173,10 +174,10 @@ def run_recover(
     if method == "adam" and (free := free_bytes(opts.device)) is not None:  # before text is generated
         check_recovery(bundle.model, sum(layer.numel for layer in plan.layers.values()), free, opts.device,
                        hint="Pass --device with more memory, or --method sparsegpt (no training state)")
-    data = job.load_data(bundle, opts, cache_dir=job.cache_dir(opts))  # generated text: the run's cache
+    data = load_data(bundle, opts, cache_dir=cache_dir(opts))  # generated text: the run's cache
     other_text = (("self_tokens",) * ("train_data" in recipe)  # another --train-data may generate another amount
                   + ("train_extra_documents",) * ("train_extra" in recipe))
-    check_split(plan, job.data_record(data, opts), run / PLAN, changed=tuple(recipe) + other_text)
+    check_split(plan, data_record(data, opts), run / PLAN, changed=tuple(recipe) + other_text)
     dense_ref = job.dense_reference(bundle, data)
     scores = {"dense": job.evaluate(bundle, bundle.model, data, opts, dense_ref)}
     scores["hardened"] = job.score_copy(bundle, lambda: plan.apply(bundle.reload()), data, opts, dense_ref)
@@ -186,7 +187,7 @@ def run_recover(
                                  calib=calib, schedule=schedule, progress=progress)
     recovered.meta["command"] = command or ""
     recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe}
-    recovered.save(run / RECOVERED)
+    recovered.save(run / RECOVERED_PLAN)
     # the teacher waits in host memory while the recovered copy is scored
     scores["recovered"] = job.score_copy(bundle, lambda: recovered.apply(model), data, opts, dense_ref)
     result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started)
@@ -200,6 +201,7 @@ def note_replaced(run: Path, result: dict) -> None:
     say so there (when, by which command, where the new scores are) instead of leaving them to mislead."""
     from patchc.job.report import write_report
 
+    forget_recovered(run)  # `prune --resume` must not reuse rows scored on the plan replaced here
     path = run / "report.json"
     try:
         report = json.loads(path.read_text()) if path.is_file() else {}
@@ -222,7 +224,7 @@ def report(bundle, plan, recovered, scores: dict, data: dict, opts: PruneOptions
                    scores[name]) for name in ("dense", "hardened", "recovered")]
     out = {
         "command": command or "", "run": str(run), "model": bundle.name, "metric": metric,
-        "plan": str(run / PLAN), "recovered_plan": str(run / RECOVERED),
+        "plan": str(run / PLAN), "recovered_plan": str(run / RECOVERED_PLAN),
         "results": results,
         "recovery": {k: v for k, v in recovered.meta["recovery"].items() if k != "history"},
         "train_documents": data["docs_train"], "eval_documents": data["docs_eval"],
@@ -253,4 +255,4 @@ def format_recover(result: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["run_recover", "recover_options", "format_recover", "find_plan", "resolve_plan", "RECOVERED", "RESULT"]
+__all__ = ["run_recover", "recover_options", "format_recover", "find_plan", "resolve_plan", "RECOVERED_PLAN", "RESULT"]

@@ -72,7 +72,7 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     from patchc.job.corpus import read_documents, scored_texts, split_data, text_size
     from patchc.job.model import load_bundle
     from patchc.job.records import chat_renderer
-    from patchc.job.prune import dense_reference, evaluate, score_copy
+    from patchc.job.stages import dense_reference, evaluate, score_copy
 
     plan = TilePlan.load(plan_path)
     opts = eval_options(plan, **options)

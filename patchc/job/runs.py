@@ -4,6 +4,9 @@
                               A claim whose process is gone (same host) is stale: the next run takes it over.
     runs/<name>/run.json      the settings that change the result, written before training starts;
                               `--resume` compares every one of them and names each difference.
+    runs/<name>/masks.ckpt    mask training's checkpoint (a folder under --fsdp); masks-nm.ckpt: learned 2:4's.
+    runs/<name>/plan.patch    the plan, written as soon as it is hardened (plan-recovered.patch once recovered).
+    runs/<name>/rows.json     every row scored so far, with its inputs: what --resume reuses (`resume.py`).
     runs/<name>/report.json   written last: its presence means the run finished.
 
 Two `patchc prune` runs started together never share a folder: the O_EXCL claim lets exactly one of them
@@ -22,6 +25,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -31,6 +35,10 @@ from patchc.utils.files import write_bytes_atomic
 CLAIM = ".patchc-run"
 SETTINGS = "run.json"
 CHECKPOINT = "masks.ckpt"
+NM_CHECKPOINT = "masks-nm.ckpt"
+PLAN, RECOVERED_PLAN = "plan.patch", "plan-recovered.patch"
+ROWS = "rows.json"
+REPORT = ("report.json", "report.md")
 # PruneOptions fields that do not change the plan or its training: free to differ on --resume.
 FREE = ("out", "eval_context", "baselines", "device", "threads", "resume", "overwrite", "progress", "steps",
         "eval_data", "eval_tokens", "recover", "recover_loss", "recover_lr", "recover_scope",
@@ -83,7 +91,14 @@ def _try_claim(folder: Path) -> str | None:
 
 
 def _finished(folder: Path) -> bool:
-    return (folder / "report.json").exists()
+    return (folder / REPORT[0]).exists()
+
+
+def unfinish(folder: Path) -> None:
+    """The run's outputs are about to change (a resumed or overwritten run writes its plan): its old report
+    goes, so that the folder reads as finished again only once the new one is written."""
+    for name in REPORT:
+        (folder / name).unlink(missing_ok=True)
 
 
 def claim_run_dir(out: str | os.PathLike | None, root: Path, name: str, resume: bool, overwrite: bool = False) -> Path:
@@ -144,14 +159,24 @@ def _make_dir(folder: Path) -> None:
 
 def release(folder: Path, failed: bool = False) -> None:
     """Drop this process's claim. A run that `failed` before writing a checkpoint leaves no trace: its
-    run.json goes, and the folder too if nothing else is in it."""
+    run.json and rows.json go, and the folder too if nothing else is in it."""
     (folder / CLAIM).unlink(missing_ok=True)
     if failed and not (folder / CHECKPOINT).exists() and not _finished(folder):
         (folder / SETTINGS).unlink(missing_ok=True)
+        (folder / ROWS).unlink(missing_ok=True)
         try:
             folder.rmdir()  # only if empty: never remove a user's files
         except OSError:
             pass
+
+
+def remove(path: Path) -> None:
+    """Remove a file, or a checkpoint folder (--fsdp) with the `.prev` / `.next` it may have left."""
+    for p in (path, path.with_name(path.name + ".prev"), path.with_name(path.name + ".next")):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def settings_of(opts: PruneOptions) -> dict:
@@ -171,8 +196,9 @@ def check_settings(folder: Path, opts: PruneOptions, resume: bool, overwrite: bo
     A resumed run may ask for more --steps than it started with: it goes on at the schedules' final values.
     """
     schedule = _settings_schedule(folder, opts, resume, overwrite)
-    if not resume:
-        (folder / CHECKPOINT).unlink(missing_ok=True)
+    if not resume:  # a fresh start: nothing of an earlier run in this folder is continued or reused
+        for name in (CHECKPOINT, NM_CHECKPOINT, ROWS):
+            remove(folder / name)
     _write(folder / SETTINGS, settings_of(opts), opts.steps, schedule)
     return schedule
 
