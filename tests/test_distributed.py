@@ -50,3 +50,57 @@ def test_two_processes_equal_one(tmp_path):
     assert same / sum(lp.numel for lp in plan_one.layers.values()) > 0.9999
     # Rank 0 alone wrote the run's files.
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
+
+
+# -- DDP resume: every rank goes on from the file rank 0 wrote --------------------------------------------------
+
+
+def _ddp_worker(rank: int, out: str, steps: int, name: str) -> None:
+    import torch.distributed as dist
+
+    import patchc
+    from patchc.job.distributed import prepare_training, rank_slice
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous-{name}-{steps}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+        prog = patchc.transform(torch.export.export(model, (torch.randn(4, 32),)),
+                                patchc.PatchConfig(tile=(16, 16), sparsity=0.35, steps=6, prior="magnitude"))
+        data = torch.randn(6, 8, 32, generator=torch.Generator().manual_seed(1))
+        setup = prepare_training(prog, Path(out) / f"{name}.ckpt")
+        loss = lambda _p, x: (setup.forward_module(x) - model(x)).pow(2).mean()  # noqa: E731
+        patchc.train_masks(prog, lambda step: rank_slice(data[step], rank, 2), loss, steps=steps, schedule_steps=6,
+                           checkpoint=setup.checkpoint, checkpoint_io=setup.checkpoint_io, checkpoint_every=1,
+                           resume=True, progress=False)
+        torch.save(prog.state_dict(), f"{out}/{name}-rank{rank}.pt")
+        if name == "straight":  # a folder rank 1 cannot see, as on machines that share no filesystem
+            from patchc.job.distributed import RankZeroCheckpointIO
+
+            try:
+                RankZeroCheckpointIO().exists(Path(out) / ("straight.ckpt" if rank == 0 else "elsewhere.ckpt"))
+            except ValueError as err:
+                Path(f"{out}/unshared-rank{rank}.txt").write_text(str(err))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_resume_goes_on_from_rank_0s_checkpoint_on_every_rank(tmp_path):
+    """`patchc prune --resume` under torchrun without --fsdp stopped on rank 1 ("needs checkpoint=PATH"): only
+    rank 0 had the path. Now rank 0 writes the file and every rank reads it back, as 3 + 3 steps = 6 straight."""
+    import torch.multiprocessing as mp
+
+    from tests.test_fsdp import _join_ranks
+
+    for name, steps in (("straight", 6), ("halves", 3), ("halves", 6)):
+        _join_ranks(mp.start_processes(_ddp_worker, args=(str(tmp_path), steps, name), nprocs=2, join=False,
+                                       start_method="spawn"), timeout=180)
+    straight = torch.load(tmp_path / "straight-rank0.pt")
+    for rank in (0, 1):
+        resumed = torch.load(tmp_path / f"halves-rank{rank}.pt")
+        for key, value in straight.items():
+            torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=f"rank {rank}: {key}")
+    assert torch.load(tmp_path / "halves.ckpt", weights_only=True)["step"] == 6
+    for rank in (0, 1):  # every rank stops, with the reason, rather than some going on from the start
+        assert "only 1 of the 2 processes can read this checkpoint" in (tmp_path / f"unshared-rank{rank}.txt").read_text()

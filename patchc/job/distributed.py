@@ -2,7 +2,7 @@
 
 Under `torchrun --nproc_per_node=N -m patchc prune ...` each rank takes its slice of every global
 batch, DDP averages the logits' gradients (gloo on CPU, NCCL on GPU), and rank 0 alone evaluates and
-writes files. With `--fsdp` FSDP2 shards each block's weights and logits over the ranks instead
+writes files; on --resume every rank reads back the checkpoint rank 0 wrote (`RankZeroCheckpointIO`). With `--fsdp` FSDP2 shards each block's weights and logits over the ranks instead
 (`patchc.job.fsdp`) and every rank writes its part of a sharded checkpoint folder; `prepare_training`
 picks the one or the other. Outside torchrun everything here is the identity.
 
@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+
+from patchc.masking.train import CheckpointIO
 
 
 def world() -> tuple[int, int]:
@@ -61,8 +63,8 @@ def say(message: str) -> None:
 class TrainSetup:
     """How this rank trains a program: what its loss calls, where and how it checkpoints.
 
-    `checkpoint` is the path to pass to `train_masks` on this rank (DDP: rank 0 only; FSDP: every rank),
-    `checkpoint_io` its `CheckpointIO` (None: the default single file); `teacher` the dense model a
+    `checkpoint` is the path to pass to `train_masks` on every rank, `checkpoint_io` its `CheckpointIO`
+    (None: the default single file; DDP: `RankZeroCheckpointIO`; FSDP: sharded); `teacher` the dense model a
     distillation loss reads when it is not the loaded model itself (FSDP: the sharded program with its masks
     off, `fsdp.DenseTeacher`).
     """
@@ -71,6 +73,25 @@ class TrainSetup:
     checkpoint: Path | None
     checkpoint_io: Any = None
     teacher: nn.Module | None = None
+
+
+class RankZeroCheckpointIO(CheckpointIO):
+    """DDP's checkpoint: the one file rank 0 writes, read back by every rank on resume (each holds the whole
+    program), so that all of them go on from the same logits and Adam state. Every rank must be able to read
+    the run folder (one machine, or a filesystem the machines share); where some cannot, it says so."""
+
+    def exists(self, path) -> bool:
+        here = super().exists(path)
+        seen = [None] * world()[1]
+        dist.all_gather_object(seen, here)  # works under NCCL too (no CPU-tensor collective)
+        if any(seen) and not all(seen):
+            raise ValueError(f"{path}: only {sum(seen)} of the {len(seen)} processes can read this checkpoint; "
+                             "resume with the run folder on a filesystem every process shares")
+        return here
+
+    def save(self, path, prog, optimizer, result) -> None:
+        if world()[0] == 0:
+            super().save(path, prog, optimizer, result)
 
 
 def harden_program(prog, exact_budget: bool = False, rank: int | None = None):
@@ -120,9 +141,8 @@ def prepare_training(prog, checkpoint: Path | None, fsdp: bool = False) -> Train
 
         teacher = DenseTeacher(shard_program(prog)) if size > 1 else None
         return TrainSetup(prog, checkpoint, ShardedCheckpointIO(), teacher=teacher)
-    forward_module = prog
-    if size > 1:
-        from torch.nn.parallel import DistributedDataParallel
+    if size == 1:
+        return TrainSetup(prog, checkpoint)
+    from torch.nn.parallel import DistributedDataParallel
 
-        forward_module = DistributedDataParallel(prog)
-    return TrainSetup(forward_module, checkpoint if rank == 0 else None)
+    return TrainSetup(DistributedDataParallel(prog), checkpoint, RankZeroCheckpointIO())
