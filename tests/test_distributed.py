@@ -103,4 +103,5 @@ def test_ddp_resume_goes_on_from_rank_0s_checkpoint_on_every_rank(tmp_path):
             torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=f"rank {rank}: {key}")
     assert torch.load(tmp_path / "halves.ckpt", weights_only=True)["step"] == 6
     for rank in (0, 1):  # every rank stops, with the reason, rather than some going on from the start
-        assert "only 1 of the 2 processes can read this checkpoint" in (tmp_path / f"unshared-rank{rank}.txt").read_text()
+        said = (tmp_path / f"unshared-rank{rank}.txt").read_text()
+        assert "only 1 of the 2 processes can read this checkpoint" in said

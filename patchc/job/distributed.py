@@ -2,9 +2,10 @@
 
 Under `torchrun --nproc_per_node=N -m patchc prune ...` each rank takes its slice of every global
 batch, DDP averages the logits' gradients (gloo on CPU, NCCL on GPU), and rank 0 alone evaluates and
-writes files; on --resume every rank reads back the checkpoint rank 0 wrote (`RankZeroCheckpointIO`). With `--fsdp` FSDP2 shards each block's weights and logits over the ranks instead
-(`patchc.job.fsdp`) and every rank writes its part of a sharded checkpoint folder; `prepare_training`
-picks the one or the other. Outside torchrun everything here is the identity.
+writes files; on --resume every rank reads back the checkpoint rank 0 wrote (`RankZeroCheckpointIO`).
+With `--fsdp` FSDP2 shards each block's weights and logits over the ranks instead (`patchc.job.fsdp`)
+and every rank writes its part of a sharded checkpoint folder; `prepare_training` picks the one or the
+other. Outside torchrun everything here is the identity.
 
 Example:
     >>> world()
