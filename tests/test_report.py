@@ -465,3 +465,14 @@ def test_import_patchc_does_not_import_matplotlib() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout.strip()
     assert out == "False"
+
+
+def test_printed_rows_line_up_whatever_the_longest_name() -> None:
+    from patchc.job.report import format_results
+
+    names = ["dense", "PATCH joint", "learned 2:4 (nm) + recovery"]
+    rows = [{"name": n, "sparsity": 0.5, "perplexity": 7.0, "perplexity_extra": {"wiki.txt": 100.0}} for n in names]
+    lines = format_results({"metric": "perplexity", "results": rows}).splitlines()
+    assert len({line.index("sparsity") for line in lines}) == 1 and len({len(line) for line in lines}) == 1
+    short = format_results({"metric": "perplexity", "results": rows[:1]})
+    assert short == "  dense                  sparsity  50.0%   perplexity     7.000   wiki   100.000"  # as before

@@ -330,12 +330,13 @@ def format_results(report: dict) -> str:
           dense                  sparsity   0.0%   perplexity     5.257
     """
     lines = []
+    width = max([22] + [len(r["name"]) for r in report["results"]])  # "learned 2:4 (nm) + recovery" is 27
     for r in report["results"]:
         if report["metric"] == "perplexity":
             extra = "".join(f"   {Path(k).stem} {v:9.3f}" for k, v in (r.get("perplexity_extra") or {}).items())
-            lines.append(f"  {r['name']:<22} sparsity {r['sparsity']:6.1%}   perplexity {r['perplexity']:9.3f}{extra}")
+            lines.append(f"  {r['name']:<{width}} sparsity {r['sparsity']:6.1%}   perplexity {r['perplexity']:9.3f}{extra}")
         else:
             extra = "".join(f"   {Path(k).stem} {v:.4f}" for k, v in (r.get("cosine_extra") or {}).items())
-            lines.append(f"  {r['name']:<22} sparsity {r['sparsity']:6.1%}   cosine {r['cosine']:.4f}   "
+            lines.append(f"  {r['name']:<{width}} sparsity {r['sparsity']:6.1%}   cosine {r['cosine']:.4f}   "
                          f"retrieval agreement {r['retrieval_agreement']:.3f}{extra}")
     return "\n".join(lines)
