@@ -48,6 +48,39 @@ def test_a_stale_claim_is_taken_over(tmp_path):
     assert json.loads((folder / runs.CLAIM).read_text())["pid"] == os.getpid()
 
 
+def test_a_claim_from_another_machine_says_how_to_free_it(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / runs.CLAIM).write_text(json.dumps({"pid": 1, "host": "spot-vm-7", "started": "2026-11-29T10:00:00"}))
+    with pytest.raises(runs.RunError, match=r"pid 1 on spot-vm-7, started 2026-11-29T10:00:00\) is using it; if that "
+                                            r"machine no longer runs it, delete .*\.patchc-run and run again"):
+        runs.claim_run_dir(folder, tmp_path, "x", resume=True)
+
+
+@needs_shared
+def test_sigterm_releases_the_claim(tmp_path):
+    """A machine shutting down sends SIGTERM: the run ends with status 143 and leaves no claim behind, so that
+    `--resume` works from another machine (a claim from another host cannot be checked for a live process)."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    proc = subprocess.Popen([sys.executable, "-m", "patchc", "prune", "--out", str(out), *QUICK[:-1], "--steps", "3000",
+                             "--eval-data"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / runs.SETTINGS).exists():  # written once the folder is claimed
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.05)
+        time.sleep(1.0)  # into the stages
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert not (out / runs.CLAIM).exists()
+
+
 def _finished(folder):
     folder.mkdir()
     (folder / "report.json").write_text("{}")

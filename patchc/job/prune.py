@@ -30,7 +30,7 @@ from patchc.job.options import ONESHOT_METHODS, PruneOptions
 from patchc.job.results import row, run_report
 from patchc.job.resume import RECOVERED, TRAINED, KeptRows
 from patchc.job.runs import (CHECKPOINT, NM_CHECKPOINT, PLAN, RECOVERED_PLAN, check_out, check_settings,
-                             claim_run_dir, release, unfinish)
+                             claim_run_dir, exit_on_sigterm, release, unfinish)
 from patchc.job.stages import (calibrate, dense_reference, evaluate, oneshot_baseline, oneshot_masks, recover_plan,
                                score_copy, timed, train)
 
@@ -55,7 +55,8 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
     out, schedule_steps = claim_folder(bundle, opts)
     failed = True
     try:
-        report = _run(bundle, data, out, opts.patch_config(steps=schedule_steps), opts, command, timings)
+        with exit_on_sigterm():  # a machine shutting down: the claim is released, --resume works elsewhere
+            report = _run(bundle, data, out, opts.patch_config(steps=schedule_steps), opts, command, timings)
         failed = False
         return report
     finally:
