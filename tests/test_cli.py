@@ -129,15 +129,21 @@ HEAVY = ("torch", "triton", "transformers", "numpy")
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["prune", "--help"], ["bench", "--help"], ["prune", "--tile", "x"],
-                                  ["prune", "--sparsity", "0.7"]])
+                                  ["prune", "--sparsity", "0.7"], ["eval", "runs/typo"], ["recover", "runs/typo"],
+                                  ["export", "runs/typo", "--out", "x"], ["report", "typo.patch"],
+                                  ["generate", "typo/", "--out", "k"], ["tune", "typo.patch"]])
 def test_help_and_flag_errors_answer_without_importing_torch(argv):
     """torch alone takes seconds to import: `patchc --help`, each command's help, argparse's own errors (a
-    wrong type) and `patchc prune`'s checks of its values answer without it, as does `import patchc`."""
+    wrong type), `patchc prune`'s checks of its values and a plan or run folder that is not there answer
+    without it, as does `import patchc`."""
     code = (f"import runpy, sys\nsys.argv = ['patchc', *{argv!r}]\ntry:\n"
             "    runpy.run_module('patchc', run_name='__main__')\nexcept SystemExit:\n    pass\n"
             f"print('IMPORTED', [m for m in {HEAVY!r} if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "usage: patchc" in done.stdout + done.stderr or "patchc prune: error: " in done.stderr, done.stderr[-300:]
+    said = done.stdout + done.stderr
+    assert "usage: patchc" in said or f"patchc {argv[0]}: error: " in done.stderr, done.stderr[-300:]
+    typo = [a for a in argv if "typo" in a]
+    assert not typo or f"{typo[0]}: no such" in done.stderr, done.stderr[-300:]
     assert done.stdout.splitlines()[-1] == "IMPORTED []", done.stdout[-300:]
 
 

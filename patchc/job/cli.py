@@ -1,5 +1,4 @@
-"""Command line: `patchc prune | eval | recover | sample | export | import | report | generate | tune | bench`
-(`python -m patchc ...` is the same).
+"""Command line: `patchc prune | eval | recover | sample | export | import | report | generate | tune | bench`.
 
     patchc prune                                   # the embedded default: stories260K, TinyStories, 35%
     patchc prune --model M --data a.txt --sparsity 0.45 --tile 32 32 --out runs/x
@@ -27,8 +26,9 @@ from pathlib import Path
 from patchc.bench.options import add_bench_arguments
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, LOSSES, PruneOptions
 from patchc.job.prune_args import add_prune_arguments, prune_options
+from patchc.job.runs import check_plan_path, check_served_path, find_plan, resolve_plan
 
-# Each command imports what it runs (torch, Triton): --help and flag errors answer at once (tests/test_cli.py).
+# Each command imports what it runs (torch, Triton): --help, flag errors, missing paths answer at once (test_cli.py).
 
 # Errors that mean "the input is wrong", shown as one line; anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, OSError, RuntimeError, NotImplementedError, FloatingPointError, KeyError)
@@ -65,7 +65,6 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from patchc.job.recover import resolve_plan
     from patchc.job.rescore import format_rescore, rescore
 
     r = rescore(resolve_plan(args.plan), allow_overlap=args.allow_overlap, force=args.force, model=args.model,
@@ -223,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--allow-overlap", action="store_true", help="score even on documents the plan was trained on")
     p.add_argument("--force", action="store_true", help="apply the plan even if the model's weights are not its source")
-    p.set_defaults(handler=cmd_eval)
+    p.set_defaults(handler=cmd_eval, paths={"plan": check_plan_path})
 
     p = command("recover", "fine-tune the weights a run's plan keeps (masks fixed); writes RUN/plan-recovered.patch "
                            "and RUN/recover.json")
@@ -250,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier recovery's plan-recovered.patch "
                                                             "and recover.json (refused without it)")
-    p.set_defaults(handler=cmd_recover)
+    p.set_defaults(handler=cmd_recover, paths={"run": find_plan})
 
     d = PruneOptions()
     p = command("sample", "write the dense model's own text (what --train-data self trains on) to a file",
@@ -288,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model spec (default: the one the run used)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     add_shard_argument(p)
-    p.set_defaults(handler=cmd_export)
+    p.set_defaults(handler=cmd_export, paths={"run": find_plan})
 
     p = command("import", "serve a model that is already 2:4: write it as a patchc folder (patchc.from_pretrained)",
                 description="Read a model whose weights are already 2:4 or hybrid (zeros in a dense checkpoint; "
@@ -313,10 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("report", "redraw a plan's plots (and report.md if report.json is beside it)")
     p.add_argument("plan", help="plan file, or a run folder (its plan.patch)")
     p.add_argument("--out", default=None, help="folder for the PNGs (default: the plan's folder)")
-    p.set_defaults(handler=cmd_report)
+    p.set_defaults(handler=cmd_report, paths={"plan": check_plan_path})
 
     p = command("generate", "compile per-layer Triton kernels for a GPU target, offline")
-    p.add_argument("plan", help="plan file, run folder, or a folder `patchc export` / `patchc import` wrote")
+    p.add_argument("plan", help="plan file, run folder, or a folder `patchc export` / `import` wrote")
     p.add_argument("--target", default="sm_90", choices=("sm_80", "sm_90"), help="GPU architecture (A100: sm_80, H100: sm_90)")
     p.add_argument("--out", required=True, help="folder for the kernels and manifests")
     p.add_argument("--workers", type=int, default=None, help="compile processes (default: the CPUs this process may use)")
@@ -325,16 +324,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fp-fusion", dest="fp_fusion", action="store_false",
                    help="compile without fusing multiply-adds (Triton's enable_fp_fusion=False)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
-    p.set_defaults(handler=cmd_generate)
+    p.set_defaults(handler=cmd_generate, paths={"plan": check_served_path})
 
     p = command("tune", "autotune decode and prefill kernel configs on this GPU; fills the cache")
-    p.add_argument("plan", help="plan file, run folder, or a folder `patchc export` / `patchc import` wrote")
+    p.add_argument("plan", help="plan file, run folder, or a folder `patchc export` / `import` wrote")
     p.add_argument("--batch-size", type=int, default=16, help="decode batch: the largest M tuned as decode")
     p.add_argument("--prefill-len", type=int, default=128, help="prompt length: M = batch x prefill tuned as prefill")
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "fp16", "bf16"), help="activation dtype")
     p.add_argument("--time-limit", type=float, metavar="SECONDS", help="stop compiling and timing after this "
                    "long; what was searched in full stays cached, so the next run goes on from there")
-    p.set_defaults(handler=cmd_tune)
+    p.set_defaults(handler=cmd_tune, paths={"plan": check_served_path})
 
     p = command("bench", "GPU proof: kernels and runtime vs cuBLAS / fp64, layer speed, end-to-end decode",
                        description="Correctness of every kernel variant and the runtime (vs fp64 and cuBLAS), layer "
@@ -368,11 +367,12 @@ def main(argv: list[str] | None = None) -> int:
     # recorded in report.json / recover.json: the words given, not the host program's (e.g. pytest's)
     args.command_line = " ".join(["patchc", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     args.from_command_line = argv is None  # the process is this command: it may restart itself (bench)
-    # the job picks its thread count; a caller's (a notebook's) comes back after. Without torch imported yet
-    # there is none to keep, and the command imports torch only once its flags check out.
+    # a caller's (a notebook's) thread count comes back after the job picks its own; no torch yet: none to keep
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else None
     try:
+        for dest, check in getattr(args, "paths", {}).items():  # torch-free: a mistyped path answers at once
+            check(getattr(args, dest))
         return args.handler(args)
     except KeyboardInterrupt:
         print(f"patchc {args.command}: interrupted", file=sys.stderr)

@@ -34,26 +34,11 @@ from typing import Any
 
 from patchc.job.options import PruneOptions
 from patchc.job.resume import forget_recovered
-from patchc.job.runs import OLDER_RUNS, PLAN, RECOVERED_PLAN, SETTINGS
+from patchc.job.runs import OLDER_RUNS, PLAN, RECOVERED_PLAN, SETTINGS, find_plan, resolve_plan
 from patchc.utils.env import device_name, versions
 from patchc.utils.files import write_bytes_atomic
 
 RESULT = "recover.json"
-
-
-def find_plan(run_dir: str | os.PathLike) -> Path:
-    """`<run>/plan.patch`, or FileNotFoundError in one line saying what a run folder is."""
-    run = Path(run_dir)
-    if not (run / PLAN).is_file():
-        what = "no such folder" if not run.exists() else f"no {PLAN} in it"
-        raise FileNotFoundError(f"{run}: {what}; give the folder of a finished `patchc prune` run "
-                                f"(its --out), which holds {PLAN}")
-    return run / PLAN
-
-
-def resolve_plan(path: str | os.PathLike) -> Path:
-    """A plan file as given, or a run folder's plan.patch (`find_plan`): what every plan command reads."""
-    return find_plan(path) if Path(path).is_dir() else Path(path)
 
 
 def load_any_plan(path: str | os.PathLike) -> Any:

@@ -210,6 +210,35 @@ def remove(path: Path) -> None:
             p.unlink(missing_ok=True)
 
 
+def find_plan(run_dir: str | os.PathLike) -> Path:
+    """`<run>/plan.patch`, or FileNotFoundError in one line saying what a run folder is."""
+    run = Path(run_dir)
+    if not (run / PLAN).is_file():
+        what = "no such folder" if not run.exists() else f"no {PLAN} in it"
+        raise FileNotFoundError(f"{run}: {what}; give the folder of a finished `patchc prune` run "
+                                f"(its --out), which holds {PLAN}")
+    return run / PLAN
+
+
+def resolve_plan(path: str | os.PathLike) -> Path:
+    """A plan file as given, or a run folder's plan.patch (`find_plan`): what every plan command reads."""
+    return find_plan(path) if Path(path).is_dir() else Path(path)
+
+
+def check_plan_path(path: str | os.PathLike, served: bool = False) -> None:
+    """Before torch is imported, so that a typo answers at once: `path` exists, and a folder holds a plan
+    (`find_plan`) unless `served` (a folder `patchc export` / `import` wrote is read later, by its config)."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path}: no such plan file or run folder")
+    if Path(path).is_dir() and not served:
+        find_plan(path)
+
+
+def check_served_path(path: str | os.PathLike) -> None:
+    """`check_plan_path` for commands that also read a folder `patchc export` / `patchc import` wrote."""
+    check_plan_path(path, served=True)
+
+
 def settings_of(opts: PruneOptions) -> dict:
     """The options that change the result, JSON-ready, with paths made absolute."""
     values = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts) if f.name not in FREE}

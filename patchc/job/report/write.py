@@ -74,7 +74,7 @@ def redraw(plan_path: str | os.PathLike, out_dir: str | os.PathLike | None = Non
         'report.md'
     """
     from patchc.ir import TilePlan
-    from patchc.job.recover import resolve_plan
+    from patchc.job.runs import resolve_plan
 
     plan_path = resolve_plan(plan_path)
     plan = TilePlan.load(plan_path)
