@@ -326,6 +326,9 @@ def test_render_markdown_causal() -> None:
     assert "| train | 42.3 |" in md and "| total | 45.9 |" in md
     assert "torch 2.13.0" in md and "python 3.11.2" in md
     assert "no CUDA device" in md
+    assert "rows read back" not in md
+    resumed = render_markdown(causal_report() | {"resumed_rows": ["dense", "magnitude 2:4"]})
+    assert "- **rows read back** from an earlier process of this run (rows.json): dense, magnitude 2:4" in resumed
 
 
 def test_render_markdown_encoder() -> None:

@@ -170,6 +170,9 @@ def _facts(report: Mapping[str, Any]) -> list[str]:
         facts.append(f"- **recovered plan replaced** on {replaced.get('date')} by `{by}`: "
                      f"its scores are in {Path(str(replaced.get('record'))).name}; PATCH's `+ recovery` row "
                      "here describes the plan it replaced")
+    resumed = report.get("resumed_rows")
+    if resumed:  # `patchc prune --resume`: these rows' timings are an earlier process's, not in the table below
+        facts.append(f"- **rows read back** from an earlier process of this run (rows.json): {', '.join(resumed)}")
     for key, label in (("device", "device"), ("date", "date")):
         if report.get(key):
             facts.append(f"- **{label}**: {report[key]}")
