@@ -104,6 +104,9 @@ def test_a_row_is_reused_only_under_the_inputs_it_was_scored_with(tmp_path):
     assert KeptRows(tmp_path, _opts(tmp_path, steps=10, recover=9)).get("PATCH joint + recovery", *RECOVERED) is None
     for changed in (dict(eval_context=128), dict(eval_tokens=99), dict(sparsity=0.45), dict(seed=1)):
         assert KeptRows(tmp_path, _opts(tmp_path, steps=10, **changed)).get("dense") is None, changed
+    upgraded = KeptRows(tmp_path, _opts(tmp_path, steps=10))
+    upgraded.base["versions"]["torch"] = "2.14.0"  # as after `pip install -U torch`
+    assert upgraded.get("dense") is None
 
     scored = []
     fresh = KeptRows(tmp_path, _opts(tmp_path, steps=20, recover=5))

@@ -5,10 +5,10 @@ training) keeps its plan (`plan.patch`, written as soon as it is hardened; `plan
 it is recovered), its mask checkpoints (`masks.ckpt`; `masks-nm.ckpt` for the learned 2:4 baseline) and
 every row scored so far (`rows.json`). `patchc prune --resume` then trains no run that finished and scores
 no row again whose inputs are unchanged. Each row is kept with the inputs it was scored under: the run's
-settings (`run.json`), the scoring options, the device type and the weight dtype, and for a trained row
---steps, for a recovered one the --recover options too. A row is reused only where all of them are equal,
-so resuming with more --steps trains and scores PATCH and learned 2:4 again but not the dense or the one-shot
-rows, and resuming with --recover added only recovers.
+settings (`run.json`), the scoring options, the device type, the weight dtype and the patchc and torch
+versions, and for a trained row --steps, for a recovered one the --recover options too. A row is reused only
+where all of them are equal, so resuming with more --steps trains and scores PATCH and learned 2:4 again but
+not the dense or the one-shot rows, and resuming with --recover added only recovers.
 
     runs/<name>/rows.json   {"format": "patchc.rows", "version": 1, "rows": [{"row": {...}, "inputs": {...}}]}
 
@@ -48,14 +48,19 @@ class KeptRows:
     """
 
     def __init__(self, folder: Path, opts: PruneOptions) -> None:
+        import torch
+
+        from patchc import __version__
         from patchc.job.model import weight_dtype
 
         self.path = Path(folder) / ROWS
         self.opts = opts
         scoring = {name: getattr(opts, name) for name in SCORING}
         scoring["eval_data"] = [str(Path(p).resolve()) for p in opts.eval_data]
-        self.base = settings_of(opts) | scoring | {"device": opts.device.partition(":")[0],
-                                                   "dtype": str(weight_dtype(opts))}
+        self.base = settings_of(opts) | scoring | {
+            "device": opts.device.partition(":")[0], "dtype": str(weight_dtype(opts)),
+            "versions": {"patchc": __version__, "torch": torch.__version__},  # another build may score otherwise
+        }
         self.entries = self._read()
         self.reused: list[str] = []
 
