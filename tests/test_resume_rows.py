@@ -55,7 +55,7 @@ def test_a_run_that_dies_at_a_baseline_resumes_where_it_stopped(tmp_path, monkey
     # Resume with recovery added: only what is missing is trained, recovered and scored.
     monkeypatch.setattr(prune, "oneshot_baseline", real)
     calls = Counter()
-    for name in ("evaluate", "score_copy", "train", "recover_plan"):
+    for name in ("evaluate", "score_copy", "train", "recover_plan", "calibrate", "oneshot_masks"):
         def counted(*args, _real=getattr(prune, name), _name=name, **kwargs):
             calls[_name] += 1
             if _name == "train":
@@ -78,6 +78,11 @@ def test_a_run_that_dies_at_a_baseline_resumes_where_it_stopped(tmp_path, monkey
     nm_checkpoint = (crashed / runs.NM_CHECKPOINT).stat().st_mtime_ns
     assert main(["prune", "--out", str(crashed), *ARGS, "--recover", "2", "--resume"]) == 0
     assert calls["score_copy"] == calls["recover_plan"] == calls["train nm"] == 0
+    assert calls["calibrate"] == calls["oneshot_masks"] == 0  # PATCH goes on from its checkpoint: no prior to draw
+    resumed = TilePlan.load(crashed / runs.PLAN)
+    for fqn, layer in TilePlan.load(straight / runs.PLAN).layers.items():  # the same plan without its prior
+        for part, t in layer.tensors().items():
+            assert torch.equal(t, resumed.layers[fqn].tensors()[part]), (fqn, part)
     assert (crashed / runs.NM_CHECKPOINT).stat().st_mtime_ns == nm_checkpoint
     assert _scores(crashed) == pytest.approx(_scores(straight), rel=1e-6)
     assert len(json.loads((crashed / "report.json").read_text())["resumed_rows"]) == 8
@@ -178,8 +183,9 @@ def _baselines_worker(rank: int, out: str, kept_before: bool) -> None:
         opts = _opts(out, baselines=True, tile=(16, 16))
         kept = KeptRows(out, opts) if rank == 0 else None
         results = []
+        todo = prune.still_to_do(Path(out), opts, kept)  # rank 0 reads the kept rows and tells rank 1
         prune.baselines(None, opts.patch_config(), {}, opts, None, None, None, results, {}, kept, lambda: None,
-                        out=Path(out))
+                        out=Path(out), train_nm=todo.nm)
         torch.save({"trained": trained, "rows": [r["name"] for r in results]}, f"{out}/rank{rank}-{kept_before}.pt")
     finally:
         dist.destroy_process_group()

@@ -127,6 +127,21 @@ def test_nm_and_tile_variants(tiny_mlp):
     assert trainable == {id(m.tile_logits) for m in prog.layers.values()}
 
 
+def test_without_its_prior_a_program_needs_no_calibration_and_starts_from_its_seeded_init(tiny_mlp):
+    """`prior=False`: what a resumed run transforms, its logits about to come from a checkpoint."""
+    ids = torch.randint(0, 32, (2, 6))
+    cfg = patchc.PatchConfig(tile=(8, 8), prior="sparsegpt")
+    with pytest.raises(ValueError, match="needs calibration statistics"):
+        patchc.transform(tiny_mlp, cfg, example_inputs=(ids,))
+    bare = patchc.transform(tiny_mlp, cfg, example_inputs=(ids,), prior=False)
+    random = patchc.transform(tiny_mlp, cfg.replace(prior="random"), example_inputs=(ids,))
+    magnitude = patchc.transform(tiny_mlp, cfg.replace(prior="magnitude"), example_inputs=(ids,))
+    assert bare.cfg.prior == "sparsegpt"  # a checkpoint of this config loads into it
+    for name, mask in bare.layers.items():
+        assert torch.equal(mask.nm_logits, random.layers[name].nm_logits)
+        assert not torch.equal(mask.nm_logits, magnitude.layers[name].nm_logits)
+
+
 def test_observe_inputs_sees_each_layer_and_restores_the_graph(tiny_mlp):
     ids = torch.randint(0, 32, (2, 6))
     prog = patchc.transform(tiny_mlp, patchc.PatchConfig(tile=(8, 8)), example_inputs=(ids,)).eval()

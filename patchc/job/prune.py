@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from patchc.job.resume import RECOVERED, TRAINED, KeptRows
 from patchc.job.runs import (CHECKPOINT, NM_CHECKPOINT, PLAN, RECOVERED_PLAN, check_out, check_settings,
                              claim_run_dir, exit_on_sigterm, release, unfinish)
 from patchc.job.stages import (calibrate, dense_reference, evaluate, oneshot_baseline, oneshot_masks, recover_plan,
-                               score_copy, timed, train)
+                               resumes_from, score_copy, timed, train)
 
 NM_ROW = "learned 2:4 (nm)"
 
@@ -108,15 +109,16 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
             results.append(kept.row("dense", lambda: row("dense", "dense", "-", 0.0, evaluate(
                 bundle, bundle.model, data, opts, reference()))))
 
-    calib = None
-    if cfg.prior in ("wanda", "sparsegpt") or (opts.baselines and rank == 0):
+    todo = still_to_do(out, opts, kept)
+    calib = None  # for the prior of a run that starts from it, and for the one-shot rows not kept yet
+    if (cfg.prior in ("wanda", "sparsegpt") and todo.prior) or (rank == 0 and todo.oneshot):
         with timed(timings, "calibrate"):
             calib = calibrate(bundle, data, opts)
 
     # The prior's 2:4 masks are the one-shot baseline's of the same method, and the learned-2:4 run
     # starts from the same prior: compute them once (SparseGPT's take seconds) when they are used twice.
     prior_masks = None
-    if opts.baselines and cfg.prior in ONESHOT_METHODS:
+    if opts.baselines and cfg.prior in ONESHOT_METHODS and (todo.prior or (rank == 0 and cfg.prior in todo.oneshot)):
         with timed(timings, "calibrate"):
             prior_masks = oneshot_masks(bundle, cfg.prior, calib, opts.progress and rank == 0)
 
@@ -136,7 +138,8 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
         if opts.recover:
             recover_row(bundle, plan, data, opts, results, timings, kept, reference, save_to=out / RECOVERED_PLAN)
     if opts.baselines:
-        baselines(bundle, cfg, data, opts, calib, prior_masks, exported, results, timings, kept, reference, out)
+        baselines(bundle, cfg, data, opts, calib, prior_masks, exported, results, timings, kept, reference, out,
+                  todo.nm)
 
     if rank != 0:
         dist.barrier()
@@ -151,12 +154,11 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
 
 def baselines(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, prior_masks, exported,
               results: list[dict], timings: dict[str, float], kept: KeptRows | None, reference: Callable,
-              out: Path) -> None:
+              out: Path, train_nm: bool = True) -> None:
     """The baseline rows: the one-shot 2:4 methods (rank 0), then learned 2:4 (`variant="nm"` at 50%, every
     rank trains, checkpointed beside PATCH) from the same prior and steps, recovered as PATCH was when
-    --recover is given. Learned 2:4 is not trained again when its rows are kept."""
-    rank, size = world()
-    nm_names = [NM_ROW] + ([f"{NM_ROW} + recovery"] if opts.recover else [])
+    --recover is given. `train_nm`: False when learned 2:4's rows are kept (`still_to_do`)."""
+    rank = world()[0]
     with timed(timings, "baselines"):
         if rank == 0:
             for method in ONESHOT_METHODS:
@@ -165,11 +167,7 @@ def baselines(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, p
                 score = functools.partial(score_copy, bundle, make, data, opts)
                 results.append(kept.row(f"{method} 2:4", lambda m=method, s=score: row(
                     f"{m} 2:4", m, "2:4", 0.5, s(reference()))))
-        done = [kept.has(nm_names[0], options=TRAINED) and kept.has(*nm_names[1:], options=RECOVERED)
-                if rank == 0 else None]
-        if size > 1:
-            dist.broadcast_object_list(done, src=0)
-        if not done[0]:
+        if train_nm:
             nm_cfg = cfg.replace(variant="nm", sparsity=0.5)
             nm_plan, nm_trained = train(bundle, nm_cfg, data, opts, calib, out / NM_CHECKPOINT, opts.resume,
                                         prior_masks, steps=opts.steps, exported=exported)
@@ -179,7 +177,32 @@ def baselines(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, p
             score_copy(bundle, lambda: nm_plan.apply(bundle.reload()), data, opts, reference()), nm_trained.seconds),
             *TRAINED))
         if opts.recover:  # the baseline gets the same recovery as PATCH
-            recover_row(bundle, None if done[0] else nm_plan, data, opts, results, timings, kept, reference)
+            recover_row(bundle, nm_plan if train_nm else None, data, opts, results, timings, kept, reference)
+
+
+@dataclass(frozen=True)
+class ToDo:
+    """What a run (resumed or not) still has to do before training, the same on every rank."""
+
+    prior: bool  # PATCH or learned 2:4 starts from the prior (not from a checkpoint)
+    nm: bool  # learned 2:4 is trained (its rows are not kept)
+    oneshot: tuple[str, ...]  # one-shot methods whose rows are not kept (rank 0 scores them)
+
+
+def still_to_do(out: Path, opts: PruneOptions, kept: KeptRows | None) -> ToDo:
+    """Rank 0 reads the kept rows and tells every rank; a run resumed from a checkpoint needs no prior for it."""
+    rank, size = world()
+    shared = [None]
+    if rank == 0:
+        nm_rows = kept.has(NM_ROW, options=TRAINED) and (not opts.recover or kept.has(f"{NM_ROW} + recovery",
+                                                                                      options=RECOVERED))
+        shared = [(opts.baselines and not nm_rows,
+                   tuple(m for m in ONESHOT_METHODS if opts.baselines and kept.get(f"{m} 2:4") is None))]
+    if size > 1:
+        dist.broadcast_object_list(shared, src=0)
+    nm, oneshot = shared[0]
+    nm_prior = nm and not resumes_from(out / NM_CHECKPOINT, opts.resume)
+    return ToDo(not resumes_from(out / CHECKPOINT, opts.resume) or nm_prior, nm, oneshot)
 
 
 def write_run(bundle, opts: PruneOptions, plan, out: Path, report: dict, timings: dict[str, float]) -> None:

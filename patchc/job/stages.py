@@ -120,7 +120,9 @@ def train_program(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, cali
     meanwhile (`parked`): no rank holds the whole model on its device while the masks train."""
     if exported is None:
         exported = bundle.export(bundle.model, fixed_len=opts.block_len)
-    prog = patchc.transform(exported, cfg, calib=calib, prior_masks=prior_masks)
+    # a resumed run's logits come from its checkpoint: no prior to compute (`resumes_from`), nor calibration
+    prog = patchc.transform(exported, cfg, calib=calib, prior_masks=prior_masks,
+                            prior=not resumes_from(checkpoint, resume))
     for mask in prog.layers.values():
         mask.impl = opts.mask_impl
     setup = prepare_training(prog, checkpoint, fsdp=opts.fsdp)  # alone, DDP, or FSDP2 shards
@@ -128,6 +130,11 @@ def train_program(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, cali
     with parked(bundle.model, when=setup.teacher is not None):
         result = train_loop(prog, setup, loss_fn, bundle, data, cfg, opts, checkpoint, resume, steps)
     return prog, result
+
+
+def resumes_from(checkpoint: Path | None, resume: bool) -> bool:
+    """Whether mask training goes on from `checkpoint` (a file, or a folder under --fsdp) instead of its prior."""
+    return resume and checkpoint is not None and Path(checkpoint).exists()
 
 
 def train_loop(prog, setup, loss_fn: Callable, bundle, data: dict, cfg: PatchConfig, opts: PruneOptions,
@@ -221,4 +228,4 @@ def recover_plan(bundle, plan, data: dict, opts: PruneOptions, model=None, steps
 
 
 __all__ = ["calibrate", "dense_reference", "evaluate", "global_batches", "make_loss", "oneshot_baseline",
-           "oneshot_masks", "recover_plan", "score_copy", "timed", "train", "train_program"]
+           "oneshot_masks", "recover_plan", "resumes_from", "score_copy", "timed", "train", "train_program"]

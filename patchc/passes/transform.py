@@ -86,9 +86,10 @@ def build_masks(
     cfg: PatchConfig,
     calib=None,
     prior_masks: Mapping[str, torch.Tensor] | None = None,
+    prior: bool = True,
 ) -> dict[str, nn.Module]:
     """One mask module per masked parameter (graph order): a HybridMask, or a ParamMask holding one
-    HybridMask per expert / over the transpose; each initialised N(0, init_std) + prior."""
+    HybridMask per expert / over the transpose; each initialised N(0, init_std) + prior (unless not `prior`)."""
     gen = torch.Generator().manual_seed(cfg.seed)
     masks: dict[str, nn.Module] = {}
     count = 0
@@ -104,7 +105,7 @@ def build_masks(
                               nm_param=cfg.nm_param)
             count += 1
             mask.init_logits(cfg.init_std, gen)
-            if cfg.prior != "random":
+            if cfg.prior != "random" and prior:
                 layer_cfg = cfg
                 if _uncalibrated(site, name, cfg, calib):
                     layer_cfg = cfg.replace(prior="magnitude")
@@ -170,6 +171,7 @@ def transform(
     dynamic: bool = True,
     calib=None,
     prior_masks: Mapping[str, torch.Tensor] | None = None,
+    prior: bool = True,
 ) -> MaskedProgram:
     """Insert a learnable hybrid mask before every selected matmul weight.
 
@@ -183,6 +185,8 @@ def transform(
         prior_masks: {weight FQN: bool (N, K)} one-shot 2:4 masks of `cfg.prior` already computed for
             these very weights (`patchc.oneshot(model, cfg.prior, "2:4", calib=calib)`), reused for the
             prior; layers missing from it are computed here.
+        prior: False leaves the logits at their seeded random init, without `cfg.prior` (and needs no
+            `calib`): for a program whose logits a checkpoint replaces next (`train_masks(resume=True)`).
 
     Returns a `MaskedProgram`. The exported program's module shares weight storage with the user's
     model; patchc never writes to it.
@@ -207,7 +211,7 @@ def transform(
     sites, skipped = find_linear_sites(gm, cfg)
     if not sites:
         raise no_sites_error(skipped, cfg.tile)
-    masks = build_masks(sites, gm, cfg, calib, prior_masks)
+    masks = build_masks(sites, gm, cfg, calib, prior_masks, prior)
     InsertMasks(sites, masks)(gm)
     prog = MaskedProgram(gm, sites, masks, skipped, cfg, targets=site_targets(sites),
                          call_kwargs=export_kwargs(program))
