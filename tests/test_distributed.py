@@ -55,35 +55,35 @@ def test_two_processes_equal_one(tmp_path):
 # -- DDP resume: every rank goes on from the file rank 0 wrote --------------------------------------------------
 
 
-def _ddp_worker(rank: int, out: str, steps: int, name: str) -> None:
+def _ddp_worker(rank: int, out: str) -> None:
+    """3 steps, then a fresh program (as a new process would build) resumed to 6, on 2 gloo ranks."""
     import torch.distributed as dist
 
     import patchc
-    from patchc.job.distributed import prepare_training, rank_slice
+    from patchc.job.distributed import RankZeroCheckpointIO, prepare_training, rank_slice
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous-{name}-{steps}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
-        prog = patchc.transform(torch.export.export(model, (torch.randn(4, 32),)),
-                                patchc.PatchConfig(tile=(16, 16), sparsity=0.35, steps=6, prior="magnitude"))
         data = torch.randn(6, 8, 32, generator=torch.Generator().manual_seed(1))
-        setup = prepare_training(prog, Path(out) / f"{name}.ckpt")
-        loss = lambda _p, x: (setup.forward_module(x) - model(x)).pow(2).mean()  # noqa: E731
-        patchc.train_masks(prog, lambda step: rank_slice(data[step], rank, 2), loss, steps=steps, schedule_steps=6,
-                           checkpoint=setup.checkpoint, checkpoint_io=setup.checkpoint_io, checkpoint_every=1,
-                           resume=True, progress=False)
-        torch.save(prog.state_dict(), f"{out}/{name}-rank{rank}.pt")
-        if steps == 3:  # a folder rank 1 cannot see, as on machines that share no filesystem
-            from patchc.job.distributed import RankZeroCheckpointIO
-
-            try:
-                RankZeroCheckpointIO().exists(Path(out) / (f"{name}.ckpt" if rank == 0 else "elsewhere.ckpt"))
-            except ValueError as err:
-                Path(f"{out}/unshared-rank{rank}.txt").write_text(str(err))
+        for steps in (3, 6):
+            prog = patchc.transform(torch.export.export(model, (torch.randn(4, 32),)),
+                                    patchc.PatchConfig(tile=(16, 16), sparsity=0.35, steps=6, prior="magnitude"))
+            setup = prepare_training(prog, Path(out) / "masks.ckpt")
+            loss = lambda _p, x, m=setup.forward_module: (m(x) - model(x)).pow(2).mean()  # noqa: E731
+            patchc.train_masks(prog, lambda step: rank_slice(data[step], rank, 2), loss, steps=steps,
+                               schedule_steps=6, checkpoint=setup.checkpoint, checkpoint_io=setup.checkpoint_io,
+                               checkpoint_every=1, resume=True, progress=False)
+            dist.barrier()
+            del setup, loss  # DDP's reducer before its process group: torn down after it, it can wait on the peer
+        torch.save(prog.state_dict(), f"{out}/rank{rank}.pt")
+        try:  # a folder rank 1 cannot see, as on machines that share no filesystem
+            RankZeroCheckpointIO().exists(Path(out) / ("masks.ckpt" if rank == 0 else "elsewhere.ckpt"))
+        except ValueError as err:
+            Path(f"{out}/unshared-rank{rank}.txt").write_text(str(err))
         dist.barrier()
-        del setup, loss  # DDP's reducer before its process group: torn down after it, it can wait on the peer
     finally:
         dist.destroy_process_group()
 
@@ -97,14 +97,12 @@ def test_ddp_resume_goes_on_from_rank_0s_checkpoint_on_every_rank(tmp_path):
 
     from tests.test_fsdp import _join_ranks
 
-    for steps in (3, 6):
-        _join_ranks(mp.start_processes(_ddp_worker, args=(str(tmp_path), steps, "halves"), nprocs=2, join=False,
-                                       start_method="spawn"), timeout=180)
-    first, second = (torch.load(tmp_path / f"halves-rank{rank}.pt") for rank in (0, 1))
+    _join_ranks(mp.start_processes(_ddp_worker, args=(str(tmp_path),), nprocs=2, join=False, start_method="spawn"),
+                timeout=180)
+    first, second = (torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1))
     for key, value in first.items():
         torch.testing.assert_close(second[key], value, rtol=0, atol=0, msg=key)
-    checkpoint = torch.load(tmp_path / "halves.ckpt", weights_only=True)
-    assert checkpoint["step"] == 6
+    assert torch.load(tmp_path / "masks.ckpt", weights_only=True)["step"] == 6
     for rank in (0, 1):  # every rank stops, with the reason, rather than some going on from the start
         said = (tmp_path / f"unshared-rank{rank}.txt").read_text()
         assert "only 1 of the 2 processes can read this checkpoint" in said

@@ -160,14 +160,16 @@ def test_the_report_goes_once_a_resumed_run_writes_its_plan(tmp_path):
 # -- under torchrun: every rank agrees whether learned 2:4 trains ------------------------------------------------
 
 
-def _baselines_worker(rank: int, out: str, kept_before: bool) -> None:
+def _baselines_worker(rank: int, out: str) -> None:
+    """`still_to_do` and `baselines` on 2 gloo ranks, in a folder without kept rows ("fresh") and in one whose
+    learned 2:4 row is kept ("kept"): rank 0 alone reads them."""
     import types
 
     import torch.distributed as dist
 
     from tests.test_fsdp import WORLD
 
-    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous-{kept_before}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=WORLD)
     trained = []
     plan = types.SimpleNamespace(sparsity=0.5, apply=lambda model: model)
     seconds = types.SimpleNamespace(seconds=1.0)
@@ -180,34 +182,35 @@ def _baselines_worker(rank: int, out: str, kept_before: bool) -> None:
     prune.train = train
     prune.score_copy = lambda *args, **kwargs: {"perplexity": 9.0}
     try:
-        opts = _opts(out, baselines=True, tile=(16, 16))
-        kept = KeptRows(out, opts) if rank == 0 else None
-        results = []
-        todo = prune.still_to_do(Path(out), opts, kept)  # rank 0 reads the kept rows and tells rank 1
-        prune.baselines(None, opts.patch_config(), {}, opts, None, None, None, results, {}, kept, lambda: None,
-                        out=Path(out), train_nm=todo.nm)
-        torch.save({"trained": trained, "rows": [r["name"] for r in results]}, f"{out}/rank{rank}-{kept_before}.pt")
+        for case in ("fresh", "kept"):
+            folder = Path(out) / case
+            opts = _opts(folder, baselines=True, tile=(16, 16))
+            kept = KeptRows(folder, opts) if rank == 0 else None
+            results, trained[:] = [], []
+            todo = prune.still_to_do(folder, opts, kept)  # rank 0 reads the kept rows and tells rank 1
+            prune.baselines(None, opts.patch_config(), {}, opts, None, None, None, results, {}, kept, lambda: None,
+                            out=folder, train_nm=todo.nm)
+            torch.save({"trained": list(trained), "rows": [r["name"] for r in results]}, folder / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kept_before", [False, True])
-def test_every_rank_trains_learned_24_or_none_does(tmp_path, kept_before):
+def test_every_rank_trains_learned_24_or_none_does(tmp_path):
     import torch.multiprocessing as mp
 
     from tests.test_fsdp import WORLD, _join_ranks
 
-    if kept_before:
-        kept = KeptRows(tmp_path, _opts(str(tmp_path), baselines=True, tile=(16, 16)))
-        for name in ONESHOT:
-            kept.put(row(name, name.split()[0], "2:4", 0.5, {"perplexity": 50.0}))
-        kept.put(row(prune.NM_ROW, "patch-nm", "2:4", 0.5, {"perplexity": 9.0}), *TRAINED)
-    ranks = mp.start_processes(_baselines_worker, args=(str(tmp_path), kept_before), nprocs=WORLD, join=False,
-                               start_method="spawn")
-    _join_ranks(ranks, timeout=120)
-    got = [torch.load(tmp_path / f"rank{r}-{kept_before}.pt") for r in range(WORLD)]
-    assert [g["trained"] for g in got] == [[] if kept_before else ["nm"]] * WORLD
-    assert got[0]["rows"] == [*ONESHOT, prune.NM_ROW] and got[1]["rows"] == []
+    (tmp_path / "fresh").mkdir()
+    kept = KeptRows(tmp_path / "kept", _opts(tmp_path / "kept", baselines=True, tile=(16, 16)))
+    for name in ONESHOT:
+        kept.put(row(name, name.split()[0], "2:4", 0.5, {"perplexity": 50.0}))
+    kept.put(row(prune.NM_ROW, "patch-nm", "2:4", 0.5, {"perplexity": 9.0}), *TRAINED)
+    _join_ranks(mp.start_processes(_baselines_worker, args=(str(tmp_path),), nprocs=WORLD, join=False,
+                                   start_method="spawn"), timeout=120)
+    for case, trains in (("fresh", ["nm"]), ("kept", [])):
+        got = [torch.load(tmp_path / case / f"rank{r}.pt") for r in range(WORLD)]
+        assert [g["trained"] for g in got] == [trains] * WORLD, case
+        assert got[0]["rows"] == [*ONESHOT, prune.NM_ROW] and got[1]["rows"] == [], case
 
 
 def test_patchc_recover_makes_a_resume_recover_again(tmp_path):
