@@ -68,7 +68,7 @@ def test_a_run_that_dies_at_a_baseline_resumes_where_it_stopped(tmp_path, monkey
     assert calls["evaluate"] == 0  # the dense row
     assert calls["recover_plan"] == 2  # PATCH's and learned 2:4's, neither kept before
     assert calls["score_copy"] == 2 + 2 + 1  # the two recoveries, wanda and sparsegpt, learned 2:4
-    assert calls["train joint"] == 1 and calls["train nm"] == 1  # PATCH resumed at its last step: no step trained
+    assert calls["train joint"] == 1 and calls["train nm"] == 1  # PATCH goes on from its last step: none left
     assert report["train"]["final"]["step"] == 4
     assert _scores(crashed) == pytest.approx(_scores(straight), rel=1e-6)
     assert report["files"]["plan_recovered"] == str(crashed / runs.RECOVERED_PLAN)
