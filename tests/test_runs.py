@@ -71,7 +71,9 @@ def test_sigterm_releases_the_claim(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while not (out / runs.SETTINGS).exists():  # written once the folder is claimed
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"the run never claimed its folder: {proc.communicate()[1][-2000:]}")
             time.sleep(0.05)
         time.sleep(1.0)  # into the stages
         proc.send_signal(signal.SIGTERM)

@@ -134,11 +134,11 @@ def test_without_its_prior_a_program_needs_no_calibration_and_starts_from_its_se
     with pytest.raises(ValueError, match="needs calibration statistics"):
         patchc.transform(tiny_mlp, cfg, example_inputs=(ids,))
     bare = patchc.transform(tiny_mlp, cfg, example_inputs=(ids,), prior=False)
-    random = patchc.transform(tiny_mlp, cfg.replace(prior="random"), example_inputs=(ids,))
+    unprimed = patchc.transform(tiny_mlp, cfg.replace(prior="random"), example_inputs=(ids,))
     magnitude = patchc.transform(tiny_mlp, cfg.replace(prior="magnitude"), example_inputs=(ids,))
     assert bare.cfg.prior == "sparsegpt"  # a checkpoint of this config loads into it
     for name, mask in bare.layers.items():
-        assert torch.equal(mask.nm_logits, random.layers[name].nm_logits)
+        assert torch.equal(mask.nm_logits, unprimed.layers[name].nm_logits)
         assert not torch.equal(mask.nm_logits, magnitude.layers[name].nm_logits)
 
 
