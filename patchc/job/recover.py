@@ -240,4 +240,4 @@ def format_recover(result: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["run_recover", "recover_options", "format_recover", "find_plan", "resolve_plan", "RECOVERED_PLAN", "RESULT"]
+__all__ = ["run_recover", "recover_options", "format_recover", "load_any_plan", "RESULT"]

@@ -48,33 +48,18 @@ class KeptRows:
     """
 
     def __init__(self, folder: Path, opts: PruneOptions) -> None:
-        import torch
-
-        from patchc import __version__
         from patchc.job.model import weight_dtype
+        from patchc.utils.env import versions
 
         self.path = Path(folder) / ROWS
         self.opts = opts
         scoring = {name: getattr(opts, name) for name in SCORING}
         scoring["eval_data"] = [str(Path(p).resolve()) for p in opts.eval_data]
-        self.base = settings_of(opts) | scoring | {
-            "device": opts.device.partition(":")[0], "dtype": str(weight_dtype(opts)),
-            "versions": {"patchc": __version__, "torch": torch.__version__},  # another build may score otherwise
-        }
-        self.entries = self._read()
+        built = {k: v for k, v in versions().items() if k in ("patchc", "torch")}  # another build may score otherwise
+        self.base = settings_of(opts) | scoring | {"device": opts.device.partition(":")[0],
+                                                   "dtype": str(weight_dtype(opts)), "versions": built}
+        self.entries = read_rows(self.path) or {}
         self.reused: list[str] = []
-
-    def _read(self) -> dict[str, dict]:
-        if not self.path.exists():
-            return {}
-        try:
-            record = json.loads(self.path.read_text())
-            if record.get("format") != FORMAT or record.get("version") != VERSION:
-                raise ValueError(f"format {record.get('format')!r} version {record.get('version')!r}")
-            return {entry["row"]["name"]: entry for entry in record["rows"]}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # scored again, not trusted
-            log.warning("%s: not a readable rows file (%s); its rows are scored again", self.path, exc)
-            return {}
 
     def inputs(self, *options: str) -> dict:
         """The inputs a row depends on: the run's, plus these `PruneOptions` fields (JSON-ready)."""
@@ -97,8 +82,7 @@ class KeptRows:
     def put(self, row: dict, *options: str) -> dict:
         """Keep `row` (a `results.row`) with its inputs; the file is rewritten atomically. Returns `row`."""
         self.entries[row["name"]] = {"row": row, "inputs": self.inputs(*options)}
-        record = {"format": FORMAT, "version": VERSION, "rows": list(self.entries.values())}
-        write_bytes_atomic(self.path, (json.dumps(record, indent=1) + "\n").encode())
+        write_rows(self.path, self.entries)
         return row
 
     def row(self, name: str, score: Callable[[], dict], *options: str) -> dict:
@@ -113,20 +97,37 @@ class KeptRows:
         return self.put(scored, *options)
 
 
+def read_rows(path: Path) -> dict[str, dict] | None:
+    """{row name: {"row", "inputs"}} of a rows.json; {} when there is none, None (with a warning) when it
+    cannot be read: its rows are scored again, not trusted."""
+    if not path.exists():
+        return {}
+    try:
+        record = json.loads(path.read_text())
+        if record.get("format") != FORMAT or record.get("version") != VERSION:
+            raise ValueError(f"format {record.get('format')!r} version {record.get('version')!r}")
+        return {entry["row"]["name"]: entry for entry in record["rows"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("%s: not a readable rows file (%s); its rows are scored again", path, exc)
+        return None
+
+
+def write_rows(path: Path, entries: dict[str, dict]) -> None:
+    """rows.json, written atomically."""
+    record = {"format": FORMAT, "version": VERSION, "rows": list(entries.values())}
+    write_bytes_atomic(path, (json.dumps(record, indent=1) + "\n").encode())
+
+
 def forget_recovered(folder: Path) -> None:
     """Drop PATCH's kept recovery row from `folder`'s rows.json: `patchc recover` has just replaced the plan it
     scored (plan-recovered.patch), so `prune --resume` must recover and score again rather than reuse it."""
     path = Path(folder) / ROWS
-    if not path.exists():
-        return
-    try:
-        record = json.loads(path.read_text())
-        rows = [e for e in record["rows"] if not (e["row"]["name"].startswith("PATCH ")
-                                                  and e["row"]["name"].endswith(" + recovery"))]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    entries = read_rows(path)
+    if entries is None:
         path.unlink(missing_ok=True)  # unreadable: nothing in it would be reused anyway
-        return
-    write_bytes_atomic(path, (json.dumps(record | {"rows": rows}, indent=1) + "\n").encode())
+    elif entries:
+        write_rows(path, {name: e for name, e in entries.items()
+                          if not (name.startswith("PATCH ") and name.endswith(" + recovery"))})
 
 
-__all__ = ["KeptRows", "RECOVERED", "SCORING", "TRAINED", "forget_recovered"]
+__all__ = ["KeptRows", "RECOVERED", "SCORING", "TRAINED", "forget_recovered", "read_rows", "write_rows"]
