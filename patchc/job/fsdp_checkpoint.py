@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from patchc.masking.train import CHECKPOINT_FORMAT, CheckpointIO, TrainResult, _config_diff, _config_tag, optimizer_kind
+from patchc.job.runs import PREVIOUS, STAGING
 from patchc.passes.program import MaskedProgram
 from patchc.utils.files import write_bytes_atomic
 
@@ -51,7 +52,7 @@ class ShardedCheckpointIO(CheckpointIO):
     """
 
     def _complete(self, path: str | os.PathLike) -> Path | None:
-        for folder in (Path(path), Path(f"{path}.prev")):
+        for folder in (Path(path), Path(f"{path}{PREVIOUS}")):
             if (folder / META).is_file():
                 return folder
         return None
@@ -65,7 +66,7 @@ class ShardedCheckpointIO(CheckpointIO):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         path = Path(path)
-        staging, previous = Path(f"{path}.next"), Path(f"{path}.prev")
+        staging, previous = Path(f"{path}{STAGING}"), Path(f"{path}{PREVIOUS}")
         if path.exists() and not path.is_dir():
             raise ValueError(f"{path}: a file is in the way of the sharded checkpoint folder; move it away")
         if _rank() == 0:

@@ -42,6 +42,8 @@ CHECKPOINT = "masks.ckpt"
 NM_CHECKPOINT = "masks-nm.ckpt"
 PLAN, RECOVERED_PLAN = "plan.patch", "plan-recovered.patch"
 ROWS = "rows.json"
+# A sharded (--fsdp) checkpoint is saved to <path>.next, the one it replaces waits in <path>.prev meanwhile.
+STAGING, PREVIOUS = ".next", ".prev"
 REPORT = ("report.json", "report.md")
 # PruneOptions fields that do not change the plan or its training: free to differ on --resume.
 FREE = ("out", "eval_context", "baselines", "device", "threads", "resume", "overwrite", "progress", "steps",
@@ -203,7 +205,7 @@ def release(folder: Path, failed: bool = False) -> None:
 
 def remove(path: Path) -> None:
     """Remove a file, or a checkpoint folder (--fsdp) with the `.prev` / `.next` it may have left."""
-    for p in (path, path.with_name(path.name + ".prev"), path.with_name(path.name + ".next")):
+    for p in (path, path.with_name(path.name + PREVIOUS), path.with_name(path.name + STAGING)):
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         else:
