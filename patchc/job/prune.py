@@ -29,7 +29,7 @@ from patchc.job.memory import check_fits
 from patchc.job.model import check_device, load_bundle, with_tile
 from patchc.job.options import ONESHOT_METHODS, PruneOptions
 from patchc.job.results import row, run_report
-from patchc.job.resume import RECOVERED, TRAINED, KeptRows
+from patchc.job.resume import RECOVERED, RECOVERY, TRAINED, KeptRows
 from patchc.job.runs import (CHECKPOINT, NM_CHECKPOINT, PLAN, RECOVERED_PLAN, check_out, check_settings,
                              claim_run_dir, exit_on_sigterm, release, unfinish)
 from patchc.job.stages import (calibrate, dense_reference, evaluate, oneshot_baseline, oneshot_masks, recover_plan,
@@ -194,7 +194,7 @@ def still_to_do(out: Path, opts: PruneOptions, kept: KeptRows | None) -> ToDo:
     rank, size = world()
     shared = [None]
     if rank == 0:
-        nm_rows = kept.has(NM_ROW, options=TRAINED) and (not opts.recover or kept.has(f"{NM_ROW} + recovery",
+        nm_rows = kept.has(NM_ROW, options=TRAINED) and (not opts.recover or kept.has(NM_ROW + RECOVERY,
                                                                                       options=RECOVERED))
         shared = [(opts.baselines and not nm_rows,
                    tuple(m for m in ONESHOT_METHODS if opts.baselines and kept.get(f"{m} 2:4") is None))]
@@ -223,7 +223,7 @@ def recover_row(bundle, plan, data: dict, opts: PruneOptions, results: list[dict
     and loss as mask training), written to `save_to` if given. Kept from an earlier process where its inputs
     are unchanged (and `save_to` exists); `plan` is None only then."""
     last = results[-1]
-    name = f"{last['name']} + recovery"
+    name = last["name"] + RECOVERY
     if save_to is not None and not save_to.exists():
         kept.drop(name)  # its plan is gone: recover again
 

@@ -36,6 +36,7 @@ FORMAT, VERSION = "patchc.rows", 1
 SCORING = ("eval_context", "eval_data", "eval_tokens")
 TRAINED = ("steps",)
 RECOVERED = (*TRAINED, "recover", "recover_loss", "recover_lr", "recover_scope", "recover_splice")
+RECOVERY = " + recovery"  # a recovered row's name: the row it recovered, and this
 
 
 class KeptRows:
@@ -127,7 +128,7 @@ def forget_recovered(folder: Path) -> None:
         path.unlink(missing_ok=True)  # unreadable: nothing in it would be reused anyway
     elif entries:
         write_rows(path, {name: e for name, e in entries.items()
-                          if not (name.startswith("PATCH ") and name.endswith(" + recovery"))})
+                          if not (name.startswith("PATCH ") and name.endswith(RECOVERY))})
 
 
-__all__ = ["KeptRows", "RECOVERED", "SCORING", "TRAINED", "forget_recovered", "read_rows", "write_rows"]
+__all__ = ["KeptRows", "RECOVERED", "RECOVERY", "SCORING", "TRAINED", "forget_recovered", "read_rows", "write_rows"]
