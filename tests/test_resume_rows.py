@@ -60,6 +60,8 @@ def test_a_run_that_dies_at_a_baseline_resumes_where_it_stopped(tmp_path, monkey
             calls[_name] += 1
             if _name == "train":
                 calls[f"train {args[1].variant}"] += 1
+            if _name == "recover_plan":
+                calls[f"recover to {kwargs['checkpoint'].name}, resume={kwargs['resume']}"] += 1
             return _real(*args, **kwargs)
         monkeypatch.setattr(prune, name, counted)
     assert main(["prune", "--out", str(crashed), *ARGS, "--recover", "2", "--resume"]) == 0
@@ -67,6 +69,9 @@ def test_a_run_that_dies_at_a_baseline_resumes_where_it_stopped(tmp_path, monkey
     assert report["resumed_rows"] == ["dense", "PATCH joint", "magnitude 2:4"]
     assert calls["evaluate"] == 0  # the dense row
     assert calls["recover_plan"] == 2  # PATCH's and learned 2:4's, neither kept before
+    assert calls[f"recover to {runs.RECOVER_CHECKPOINT}, resume=True"] == 1  # each checkpointed on its own
+    assert calls[f"recover to {runs.NM_RECOVER_CHECKPOINT}, resume=True"] == 1
+    assert not (crashed / runs.RECOVER_CHECKPOINT).exists() and not (crashed / runs.NM_RECOVER_CHECKPOINT).exists()
     assert calls["score_copy"] == 2 + 2 + 1  # the two recoveries, wanda and sparsegpt, learned 2:4
     assert calls["train joint"] == 1 and calls["train nm"] == 1  # PATCH goes on from its last step: none left
     assert report["train"]["final"]["step"] == 4

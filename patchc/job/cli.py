@@ -84,7 +84,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     result = run_recover(args.run, steps=args.steps, lr=args.lr, scope=args.scope, method=args.method,
                          batch_size=args.batch_size, eval_context=args.eval_context, device=args.device,
                          threads=args.threads, progress=args.progress, recipe=recipe, overwrite=args.overwrite,
-                         command=args.command_line)
+                         resume=args.resume, command=args.command_line)
     print(format_recover(result))
     return 0
 
@@ -242,13 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--splice", type=float, default=None, metavar="FRACTION",
                    help="encoders: the fraction of each batch's sentences spliced from two training sentences "
                         "(default: the run's --recover-splice, else 1)")
-    p.add_argument("--eval-context", type=int, default=None, help="perplexity window (default: the run's, "
-                   "else 256)")
+    p.add_argument("--eval-context", type=int, default=None, help="perplexity window (default: the run's, else 256)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: automatic)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier recovery's plan-recovered.patch "
-                                                            "and recover.json (refused without it)")
+                   "and recover.json, or start again over an unfinished one's recover.ckpt (refused without it)")
+    p.add_argument("--resume", action="store_true", help="go on from recover.ckpt, left by a recovery that died")
     p.set_defaults(handler=cmd_recover, paths={"run": find_plan})
 
     d = PruneOptions()

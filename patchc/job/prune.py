@@ -30,8 +30,9 @@ from patchc.job.model import check_device, load_bundle, with_tile
 from patchc.job.options import ONESHOT_METHODS, PruneOptions
 from patchc.job.results import row, run_report
 from patchc.job.resume import RECOVERED, RECOVERY, TRAINED, KeptRows
-from patchc.job.runs import (CHECKPOINT, NM_CHECKPOINT, PLAN, RECOVERED_PLAN, check_out, check_settings,
-                             claim_run_dir, exit_on_sigterm, release, unfinish)
+from patchc.job.runs import (CHECKPOINT, NM_CHECKPOINT, NM_RECOVER_CHECKPOINT, PLAN, RECOVER_CHECKPOINT,
+                             RECOVERED_PLAN, check_out, check_settings, claim_run_dir, exit_on_sigterm, release,
+                             remove, unfinish)
 from patchc.job.stages import (calibrate, dense_reference, evaluate, oneshot_baseline, oneshot_masks, recover_plan,
                                resumes_from, score_copy, timed, train)
 
@@ -136,7 +137,8 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
                 score_copy(bundle, lambda: plan.apply(bundle.reload()), data, opts, reference()), trained.seconds),
                 *TRAINED))
         if opts.recover:
-            recover_row(bundle, plan, data, opts, results, timings, kept, reference, save_to=out / RECOVERED_PLAN)
+            recover_row(bundle, plan, data, opts, results, timings, kept, reference, out / RECOVER_CHECKPOINT,
+                        save_to=out / RECOVERED_PLAN)
     if opts.baselines:
         baselines(bundle, cfg, data, opts, calib, prior_masks, exported, results, timings, kept, reference, out,
                   todo.nm)
@@ -177,7 +179,8 @@ def baselines(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, p
             score_copy(bundle, lambda: nm_plan.apply(bundle.reload()), data, opts, reference()), nm_trained.seconds),
             *TRAINED))
         if opts.recover:  # the baseline gets the same recovery as PATCH
-            recover_row(bundle, nm_plan if train_nm else None, data, opts, results, timings, kept, reference)
+            recover_row(bundle, nm_plan if train_nm else None, data, opts, results, timings, kept, reference,
+                        out / NM_RECOVER_CHECKPOINT)
 
 
 @dataclass(frozen=True)
@@ -218,10 +221,11 @@ def write_run(bundle, opts: PruneOptions, plan, out: Path, report: dict, timings
 
 
 def recover_row(bundle, plan, data: dict, opts: PruneOptions, results: list[dict], timings: dict[str, float],
-                kept: KeptRows, reference: Callable, save_to: Path | None = None) -> None:
+                kept: KeptRows, reference: Callable, checkpoint: Path, save_to: Path | None = None) -> None:
     """One more row, named after the last one: `plan` with its kept weights fine-tuned (masks fixed, same text
     and loss as mask training), written to `save_to` if given. Kept from an earlier process where its inputs
-    are unchanged (and `save_to` exists); `plan` is None only then."""
+    are unchanged (and `save_to` exists); `plan` is None only then. Recovery checkpoints to `checkpoint` (a
+    --resume goes on from it) until its row is kept."""
     last = results[-1]
     name = last["name"] + RECOVERY
     if save_to is not None and not save_to.exists():
@@ -230,7 +234,7 @@ def recover_row(bundle, plan, data: dict, opts: PruneOptions, results: list[dict
     def score() -> dict:
         with timed(timings, "recover"):
             start = time.perf_counter()
-            recovered = recover_plan(bundle, plan, data, opts)
+            recovered = recover_plan(bundle, plan, data, opts, checkpoint=checkpoint, resume=opts.resume)
             seconds = time.perf_counter() - start
         if save_to is not None:
             recovered.save(save_to)
@@ -239,6 +243,7 @@ def recover_row(bundle, plan, data: dict, opts: PruneOptions, results: list[dict
         return row(name, f"{last['method']}+recover", last["pattern"], recovered.sparsity, metrics, seconds)
 
     results.append(kept.row(name, score, *RECOVERED))
+    remove(checkpoint)  # its row is kept: the next --resume reads that instead
 
 
 __all__ = ["PruneOptions", "run_prune"]

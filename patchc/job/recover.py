@@ -34,7 +34,8 @@ from typing import Any
 
 from patchc.job.options import PruneOptions
 from patchc.job.resume import forget_recovered
-from patchc.job.runs import OLDER_RUNS, PLAN, RECOVERED_PLAN, SETTINGS, find_plan, resolve_plan
+from patchc.job.runs import (OLDER_RUNS, PLAN, RECOVER_CHECKPOINT, RECOVERED_PLAN, SETTINGS, find_plan, remove,
+                             resolve_plan)
 from patchc.utils.env import device_name, versions
 from patchc.utils.files import write_bytes_atomic
 
@@ -88,12 +89,17 @@ def run_eval_context(run: Path) -> int:
     return int(context)
 
 
-def check_free(run: Path, overwrite: bool) -> None:
-    """FileExistsError, before any work, if an earlier recovery (or `prune --recover`) left its files in `run`."""
+def check_free(run: Path, overwrite: bool, resume: bool = False) -> None:
+    """FileExistsError, before any work, if an earlier recovery (or `prune --recover`) left its files in `run`:
+    a finished one's plan and record (--overwrite replaces them), or an unfinished one's checkpoint (--resume
+    goes on from it, --overwrite starts again)."""
     earlier = [name for name in (RECOVERED_PLAN, RESULT) if (run / name).exists()]
     if earlier and not overwrite:
         raise FileExistsError(f"{run}: an earlier recovery wrote {' and '.join(earlier)}; pass --overwrite to "
                               "replace it, or recover a copy of the run folder to keep both")
+    if (run / RECOVER_CHECKPOINT).exists() and not (resume or overwrite):
+        raise FileExistsError(f"{run}: an unfinished recovery left {RECOVER_CHECKPOINT}; pass --resume to go on "
+                              "from it (with the same settings) or --overwrite to start again")
 
 
 def check_split(plan: Any, rebuilt: dict, where: Path, changed: tuple[str, ...] = ()) -> None:
@@ -125,6 +131,7 @@ def run_recover(
     command: str | None = None,
     recipe: dict[str, Any] | None = None,
     overwrite: bool = False,
+    resume: bool = False,
 ) -> dict:
     """Recover the run's plan; writes `<run>/plan-recovered.patch` and `<run>/recover.json`, returns the latter.
 
@@ -132,6 +139,8 @@ def run_recover(
     None, its --recover-lr); `recipe` changes those PruneOptions for recovery only (e.g.
     {"recover_loss": "lm+kd", "train_data": "mix", "train_extra": ("more.txt",)}), never the held-out documents
     it is scored on. An earlier recovery's plan and record are kept unless `overwrite` (refused up front).
+    Adam recovery checkpoints to `<run>/recover.ckpt` until it ends; `resume` goes on from there when the
+    same recovery wrote it (else it warns and starts over).
     `eval_context` None: the perplexity window the run was scored with (its report.json), else 256.
 
     Example:
@@ -146,7 +155,7 @@ def run_recover(
 
     run = Path(run_dir)
     plan = TilePlan.load(find_plan(run))
-    check_free(run, overwrite)
+    check_free(run, overwrite, resume)
     recipe = dict(recipe or {})
     if {"data", "split_seed", "eval_fraction", "encoding", "text_field"} & set(recipe):
         raise ValueError("recover: the recipe may change the training text and loss, not the held-out split "
@@ -169,7 +178,8 @@ def run_recover(
     model = bundle.reload()  # the dense model stays the teacher of a KD loss
     calib = job.calibrate(bundle, data, opts) if method == "sparsegpt" else None
     recovered = job.recover_plan(bundle, plan, data, opts, model=model, steps=steps, lr=lr, scope=scope, method=method,
-                                 calib=calib, schedule=schedule, progress=progress)
+                                 calib=calib, schedule=schedule, progress=progress,
+                                 checkpoint=run / RECOVER_CHECKPOINT, resume=resume)
     recovered.meta["command"] = command or ""
     recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe}
     recovered.save(run / RECOVERED_PLAN)
@@ -177,6 +187,7 @@ def run_recover(
     scores["recovered"] = job.score_copy(bundle, lambda: recovered.apply(model), data, opts, dense_ref)
     result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started)
     write_bytes_atomic(run / RESULT, (json.dumps(result, indent=1) + "\n").encode())
+    remove(run / RECOVER_CHECKPOINT)  # finished: its plan and record are written
     note_replaced(run, result)
     return result
 

@@ -6,6 +6,7 @@
                               `--resume` compares every one of them and names each difference.
     runs/<name>/masks.ckpt    mask training's checkpoint (a folder under --fsdp); masks-nm.ckpt: learned 2:4's.
     runs/<name>/plan.patch    the plan, written as soon as it is hardened (plan-recovered.patch once recovered).
+    runs/<name>/recover.ckpt  weight recovery's checkpoint while it runs (recover-nm.ckpt: learned 2:4's).
     runs/<name>/rows.json     every row scored so far, with its inputs: what --resume reuses (`resume.py`).
     runs/<name>/report.json   written last: its presence means the run finished.
 
@@ -41,6 +42,7 @@ SETTINGS = "run.json"
 CHECKPOINT = "masks.ckpt"
 NM_CHECKPOINT = "masks-nm.ckpt"
 PLAN, RECOVERED_PLAN = "plan.patch", "plan-recovered.patch"
+RECOVER_CHECKPOINT, NM_RECOVER_CHECKPOINT = "recover.ckpt", "recover-nm.ckpt"
 ROWS = "rows.json"
 # A sharded (--fsdp) checkpoint is saved to <path>.next, the one it replaces waits in <path>.prev meanwhile.
 STAGING, PREVIOUS = ".next", ".prev"
@@ -259,7 +261,7 @@ def check_settings(folder: Path, opts: PruneOptions, resume: bool, overwrite: bo
     """
     schedule = _settings_schedule(folder, opts, resume, overwrite)
     if not resume:  # a fresh start: nothing of an earlier run in this folder is continued or reused
-        for name in (CHECKPOINT, NM_CHECKPOINT, ROWS):
+        for name in (CHECKPOINT, NM_CHECKPOINT, RECOVER_CHECKPOINT, NM_RECOVER_CHECKPOINT, ROWS):
             remove(folder / name)
     _write(folder / SETTINGS, settings_of(opts), opts.steps, schedule)
     return schedule

@@ -25,6 +25,7 @@ from patchc.job.losses import make_lm_loss
 from patchc.job.memory import calibration_memory
 from patchc.job.model import parked
 from patchc.job.options import PruneOptions
+from patchc.job.runs import settings_of
 from patchc.pruning import apply_masks
 
 @contextmanager
@@ -212,18 +213,25 @@ def oneshot_baseline(bundle, method: str, calib, progress: bool = False,
 
 
 def recover_plan(bundle, plan, data: dict, opts: PruneOptions, model=None, steps: int | None = None,
-                 lr: float | None = None, **knobs):
+                 lr: float | None = None, checkpoint: Path | None = None, resume: bool = False, **knobs):
     """`plan` with its kept weights fine-tuned on the run's training text with --recover-loss (masks fixed).
 
     `model`: the dense weights to fine-tune (default: a fresh `bundle.reload()`); `steps`, `lr`: default
-    --recover and the kind's recovery lr; `knobs`: more of `patchc.recover`'s (scope, method, calib, ...).
+    --recover and the kind's recovery lr; `checkpoint`: Adam recovery's, gone on from when `resume` and the
+    same recovery of the same text wrote it; `knobs`: more of `patchc.recover`'s (scope, method, calib, ...).
     """
     loss_fn = make_loss(bundle, bundle.model, opts, recovery=True)
+    splice = opts.recovery_splice(bundle.kind, bundle.name)
+    saving = {}
+    if checkpoint is not None and knobs.get("method", "adam") == "adam":
+        # the text and batches (run.json's settings) and the loss: what recover() cannot see but trains on
+        tag = settings_of(opts) | {"recover_loss": opts.recover_loss, "recover_splice": splice}
+        saving = {"checkpoint": checkpoint, "resume": resume, "checkpoint_tag": tag}
     recovered = patchc.recover(plan, bundle.reload() if model is None else model, recovery_batches(bundle, data, opts),
                                loss_fn, steps=opts.recover if steps is None else steps,
                                lr=opts.recovery_lr(bundle.kind) if lr is None else lr,
-                               **{"scope": opts.recover_scope, "progress": opts.progress, **knobs})
-    recovered.meta["recovery"] |= {"loss": opts.recover_loss, "splice": opts.recovery_splice(bundle.kind, bundle.name)}
+                               **{"scope": opts.recover_scope, "progress": opts.progress, **saving, **knobs})
+    recovered.meta["recovery"] |= {"loss": opts.recover_loss, "splice": splice}
     return recovered
 
 

@@ -8,6 +8,8 @@ what the pruned ones did. Two ways:
     to the trainable positions (``scope="all"``: every kept weight; ``scope="values"``: only the kept
     values of the 2:4 tiles, dense tiles frozen bit for bit) and pruned positions are set back to
     exactly 0 after each step. Nothing but the model (trained in place), its gradients and Adam's two moments is held.
+    With `checkpoint=PATH` it saves those every `checkpoint_every` steps; `resume=True` goes on from there
+    (`recover_checkpoint.py`).
   * ``method="sparsegpt"``: one OBS update per layer with the plan's mask fixed (`patchc.pruning`'s
     SparseGPT), from calibration Hessians (`patchc.calibrate`); seconds instead of minutes.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -41,6 +44,7 @@ from patchc.ir import TILE_SPARSE24, LayerPlan, PlanError, TilePlan
 from patchc.ir import targets as tg
 from patchc.ir.provenance import check_weights, fingerprint
 from patchc.ir.tiles import expand_tiles
+from patchc.masking.recover_checkpoint import checkpoint_key, load_recovery, save_recovery
 from patchc.masking.train import batch_getter
 from patchc.utils.progress import progress as progress_bar
 
@@ -105,6 +109,20 @@ class _Param:
     pruned: torch.Tensor  # bool, the parameter's shape
 
 
+@dataclass(frozen=True)
+class Saved:
+    """Where and how often Adam recovery checkpoints, and the key a checkpoint must carry to be resumed."""
+
+    path: str | os.PathLike | None = None
+    every: int = 50
+    resume: bool = False
+    key: dict | None = None
+
+    def due(self, step: int, steps: int) -> bool:
+        """Whether to save after `step` steps of `steps`."""
+        return self.path is not None and (step == steps or (self.every > 0 and step % self.every == 0))
+
+
 def recover(
     plan: TilePlan,
     model: nn.Module,
@@ -123,6 +141,10 @@ def recover(
     progress: bool = True,
     force: bool = False,
     on_log: Callable[[dict[str, float]], None] | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 50,
+    resume: bool = False,
+    checkpoint_tag: dict | None = None,
 ) -> TilePlan:
     """Fine-tune the weights `plan` keeps in `model` with its masks fixed; returns the recovered plan.
 
@@ -136,6 +158,9 @@ def recover(
         method: "adam", or "sparsegpt" (one OBS update per layer from `calib`, a `patchc.calibrate`
             result of the dense model; `batches`, `loss_fn` and `steps` are then optional).
         score_batches: the first this many batches are scored before and after (meta's loss_before/after).
+        checkpoint: Adam recovery's state written here every `checkpoint_every` steps and at the end
+            (`recover_checkpoint.py`); `resume=True` goes on from it when the same recovery wrote it
+            (`checkpoint_tag`: what else must match, e.g. the loss and batch settings), else starts over.
 
     Example:
         >>> rec = recover(plan, model, blocks, patchc.lm_loss, steps=100, lr=3e-4, scope="values")
@@ -145,6 +170,10 @@ def recover(
                         grad_clip=grad_clip, score_batches=score_batches)
     if cfg.method == "adam" and (batches is None or loss_fn is None):
         raise ValueError("recover: method='adam' needs batches and loss_fn")
+    if checkpoint is not None and cfg.method != "adam":
+        raise ValueError("recover: only method='adam' checkpoints (method='sparsegpt' takes seconds); drop checkpoint")
+    if checkpoint_every < 0:
+        raise ValueError(f"recover: checkpoint_every={checkpoint_every} must be >= 0 (0: only at the end)")
     if cfg.method == "sparsegpt" and calib is None:
         raise ValueError("recover: method='sparsegpt' needs calib=patchc.calibrate(dense_model, batches)")
     where = plan.meta.get(tg.META_KEY)
@@ -165,7 +194,8 @@ def recover(
     else:
         plan.apply(model, force=True)
         before = score() if score else None
-        history = train_kept(plan, model, views, get_batch, loss_fn, cfg, progress, on_log)
+        saved = Saved(checkpoint, checkpoint_every, resume, checkpoint_key(plan, cfg, prints, checkpoint_tag))
+        history = train_kept(plan, model, views, get_batch, loss_fn, cfg, progress, on_log, saved)
     after = score() if score else None
     record = {**dataclasses.asdict(cfg), "loss_before": before, "loss_after": after,
               "seconds": round(time.perf_counter() - start, 3), "history": history[-20:],
@@ -201,7 +231,7 @@ def rebuild(layer: LayerPlan, weight: torch.Tensor, scope: str = "all") -> Layer
     return dataclasses.replace(layer, dense=dense, values=fresh.values)
 
 
-def trainable(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], scope: str) -> list[_Param]:
+def trainable(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], scope: str) -> dict[str, _Param]:
     """Per parameter holding planned layers: the entries that train and the pruned ones (both bool)."""
     found: dict[str, _Param] = {}
     for fqn, layer in plan.layers.items():
@@ -218,14 +248,16 @@ def trainable(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], sco
             train = keep & expand_tiles(sparse, layer.tile, layer.shape)
         tg.matrix(entry.train, target).copy_(train)
         tg.matrix(entry.pruned, target).copy_(~keep)
-    return list(found.values())
+    return found
 
 
 def train_kept(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], get_batch: Callable[[int], Any],
                loss_fn: Callable[[nn.Module, Any], torch.Tensor], cfg: RecoverConfig, progress: bool,
-               on_log: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+               on_log: Callable[[dict[str, float]], None] | None = None,
+               saved: Saved = Saved()) -> list[dict[str, float]]:
     """The Adam loop of `recover`; returns its log records ({"step", "loss", "lr"} every 10 steps)."""
-    params = trainable(plan, model, views, cfg.scope)
+    named = trainable(plan, model, views, cfg.scope)
+    params = list(named.values())
     grads_were = {id(p): p.requires_grad for p in model.parameters()}
     was_training = model.training
     for p in model.parameters():
@@ -235,11 +267,16 @@ def train_kept(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], ge
         w.requires_grad_(True)
     optimizer = torch.optim.Adam(weights, lr=cfg.lr)
     history: list[dict[str, float]] = []
+    start = 0
+    tensors = {name: e.param for name, e in named.items()}
+    if saved.resume and saved.path is not None:
+        start, history = load_recovery(saved.path, saved.key, tensors, optimizer) or (0, [])
     # Dropout off: the kept weights learn to reproduce a dropout-free teacher, so the student should be
     # the same function. With BERT's dropout on, MiniLM 35% recovered to 0.939 cosine instead of 0.949.
     model.eval()
     try:
-        bar = progress_bar(range(cfg.steps), desc=f"weight recovery ({cfg.scope})", disable=not progress)
+        bar = progress_bar(range(start, cfg.steps), desc=f"weight recovery ({cfg.scope})", disable=not progress,
+                           initial=start, total=cfg.steps)
         for t in bar:
             for group in optimizer.param_groups:
                 group["lr"] = cfg.lr * cfg.schedule_factor(t)
@@ -265,6 +302,8 @@ def train_kept(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], ge
                     bar.set_postfix(loss=f"{record['loss']:.3f}")
                 if on_log is not None:
                     on_log(record)
+            if saved.due(t + 1, cfg.steps):
+                save_recovery(saved.path, saved.key, tensors, optimizer, t + 1, history)
     finally:
         optimizer.zero_grad(set_to_none=True)
         del optimizer
