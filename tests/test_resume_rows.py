@@ -73,8 +73,9 @@ def test_a_run_that_dies_at_a_baseline_resumes_where_it_stopped(tmp_path, monkey
     assert calls[f"recover to {runs.NM_RECOVER_CHECKPOINT}, resume=True"] == 1
     assert not (crashed / runs.RECOVER_CHECKPOINT).exists() and not (crashed / runs.NM_RECOVER_CHECKPOINT).exists()
     assert calls["score_copy"] == 2 + 2 + 1  # the two recoveries, wanda and sparsegpt, learned 2:4
-    assert calls["train joint"] == 1 and calls["train nm"] == 1  # PATCH goes on from its last step: none left
-    assert report["train"]["final"]["step"] == 4
+    assert calls["train joint"] == 0 and calls["train nm"] == 1  # PATCH's kept plan is read back, not hardened
+    assert report["train"]["final"]["step"] == 4 and report["train"]["final"] == json.loads(
+        (straight / "report.json").read_text())["train"]["final"]  # what its training did, from the plan's meta
     assert _scores(crashed) == pytest.approx(_scores(straight), rel=1e-6)
     assert report["files"]["plan_recovered"] == str(crashed / runs.RECOVERED_PLAN)
 
@@ -83,7 +84,8 @@ def test_a_run_that_dies_at_a_baseline_resumes_where_it_stopped(tmp_path, monkey
     nm_checkpoint = (crashed / runs.NM_CHECKPOINT).stat().st_mtime_ns
     assert main(["prune", "--out", str(crashed), *ARGS, "--recover", "2", "--resume"]) == 0
     assert calls["score_copy"] == calls["recover_plan"] == calls["train nm"] == 0
-    assert calls["calibrate"] == calls["oneshot_masks"] == 0  # PATCH goes on from its checkpoint: no prior to draw
+    assert calls["calibrate"] == calls["oneshot_masks"] == calls["train joint"] == 0  # nothing trains: no prior
+    assert "export" not in json.loads((crashed / "report.json").read_text())["timings"]  # nor an export
     resumed = TilePlan.load(crashed / runs.PLAN)
     for fqn, layer in TilePlan.load(straight / runs.PLAN).layers.items():  # the same plan without its prior
         for part, t in layer.tensors().items():
@@ -230,3 +232,24 @@ def test_patchc_recover_makes_a_resume_recover_again(tmp_path):
     (tmp_path / runs.ROWS).write_text("{broken")
     note_replaced(tmp_path, {"command": "c", "date": "d"})
     assert not (tmp_path / runs.ROWS).exists()
+
+
+def test_a_kept_plan_is_read_back_only_when_it_trained_for_these_steps(tmp_path, tiny_mlp, capsys):
+    from tests.test_recover import TILE, hybrid_masks
+
+    plan = TilePlan.from_masks(tiny_mlp, hybrid_masks(tiny_mlp), tile=TILE)
+    resume = _opts(tmp_path, steps=4, resume=True)
+    assert prune.kept_plan(tmp_path, resume) is None  # no plan.patch
+    plan.save(tmp_path / runs.PLAN)
+    assert prune.kept_plan(tmp_path, resume) is None  # made by an older patchc: no record of its training
+    plan.meta["train"] = {"step": 4, "seconds": 1.5, "final": {"step": 4, "loss": 2.0}}
+    plan.save(tmp_path / runs.PLAN)
+    read, trained = prune.kept_plan(tmp_path, resume)
+    assert (trained.step, trained.seconds, trained.history) == (4, 1.5, [{"step": 4, "loss": 2.0}])
+    assert all(torch.equal(t, read.layers[f].tensors()[k]) for f, layer in plan.layers.items()
+               for k, t in layer.tensors().items())
+    assert prune.kept_plan(tmp_path, _opts(tmp_path, steps=6, resume=True)) is None  # extended: trained again
+    assert prune.kept_plan(tmp_path, _opts(tmp_path, steps=4)) is None  # a fresh start reuses nothing
+    (tmp_path / runs.PLAN).write_bytes(b"damaged")
+    assert prune.kept_plan(tmp_path, resume) is None
+    assert "not read back" in capsys.readouterr().out

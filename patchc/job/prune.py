@@ -23,6 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from patchc.config import PatchConfig
+from patchc.ir import TilePlan
 from patchc.job.corpus import data_record, load_data
 from patchc.job.distributed import init_distributed, say, world
 from patchc.job.memory import check_fits
@@ -35,6 +36,7 @@ from patchc.job.runs import (CHECKPOINT, NM_CHECKPOINT, NM_RECOVER_CHECKPOINT, P
                              remove, unfinish)
 from patchc.job.stages import (calibrate, dense_reference, evaluate, oneshot_baseline, oneshot_masks, recover_plan,
                                resumes_from, score_copy, timed, train)
+from patchc.masking.train import TrainResult
 
 NM_ROW = "learned 2:4 (nm)"
 
@@ -100,17 +102,19 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
     results: list[dict] = []
     say(f"patchc prune: {bundle.name} ({bundle.kind}), sparsity {opts.sparsity:.0%}, tile {opts.tile}, "
         f"{opts.steps} steps x batch {opts.batch_size}{f' on {size} processes' if size > 1 else ''}; writing to {out}")
+    todo = still_to_do(out, opts, kept)
     # First: a model torch.export cannot trace fails here, not after calibration. Its weights are the model's;
     # both trained runs transform it (transform works on its own copy of the graph).
-    with timed(timings, "export"):
-        exported = bundle.export(bundle.model, fixed_len=opts.block_len)
+    exported = None
+    if todo.patch or todo.nm:
+        with timed(timings, "export"):
+            exported = bundle.export(bundle.model, fixed_len=opts.block_len)
     reference = functools.cache(lambda: dense_reference(bundle, data))  # an encoder's, once, if a row is scored
     if rank == 0:
         with timed(timings, "evaluate"):
             results.append(kept.row("dense", lambda: row("dense", "dense", "-", 0.0, evaluate(
                 bundle, bundle.model, data, opts, reference()))))
 
-    todo = still_to_do(out, opts, kept)
     calib = None  # for the prior of a run that starts from it, and for the one-shot rows not kept yet
     if (cfg.prior in ("wanda", "sparsegpt") and todo.prior) or (rank == 0 and todo.oneshot):
         with timed(timings, "calibrate"):
@@ -123,12 +127,17 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
         with timed(timings, "calibrate"):
             prior_masks = oneshot_masks(bundle, cfg.prior, calib, opts.progress and rank == 0)
 
-    with timed(timings, "train"):
-        plan, trained = train(bundle, cfg, data, opts, calib, out / CHECKPOINT, opts.resume, prior_masks,
-                              steps=opts.steps, exported=exported)
+    if todo.patch:
+        with timed(timings, "train"):
+            plan, trained = train(bundle, cfg, data, opts, calib, out / CHECKPOINT, opts.resume, prior_masks,
+                                  steps=opts.steps, exported=exported)
+    else:  # its row is kept: the plan it scored is read back, not hardened again from the checkpoint
+        plan, trained = todo.saved or (None, None)
     if rank == 0:
-        plan.meta |= {"command": command or "", "model": opts.model,
-                      "data": data_record(data, opts)}  # `patchc eval` scores on this split, never on training text
+        plan.meta |= {"command": command or "", "model": opts.model,  # `patchc eval` scores on this split,
+                      "data": data_record(data, opts),               # never on training text
+                      "train": {"step": trained.step, "seconds": round(trained.seconds, 2),
+                                "final": trained.history[-1] if trained.history else {}}}
         unfinish(out)  # the run's outputs change from here: it is finished again once its report is written
         plan.save(out / PLAN)  # on disk before anything else can fail
         with timed(timings, "evaluate"):
@@ -188,24 +197,46 @@ class ToDo:
     """What a run (resumed or not) still has to do before training, the same on every rank."""
 
     prior: bool  # PATCH or learned 2:4 starts from the prior (not from a checkpoint)
+    patch: bool  # PATCH is trained and hardened (its row and plan are not kept)
     nm: bool  # learned 2:4 is trained (its rows are not kept)
     oneshot: tuple[str, ...]  # one-shot methods whose rows are not kept (rank 0 scores them)
+    saved: tuple[TilePlan, TrainResult] | None = None  # rank 0, PATCH not trained: its kept plan (`kept_plan`)
 
 
 def still_to_do(out: Path, opts: PruneOptions, kept: KeptRows | None) -> ToDo:
     """Rank 0 reads the kept rows and tells every rank; a run resumed from a checkpoint needs no prior for it."""
     rank, size = world()
-    shared = [None]
+    shared, saved = [None], None
     if rank == 0:
         nm_rows = kept.has(NM_ROW, options=TRAINED) and (not opts.recover or kept.has(NM_ROW + RECOVERY,
                                                                                       options=RECOVERED))
-        shared = [(opts.baselines and not nm_rows,
+        saved = kept_plan(out, opts) if kept.has(f"PATCH {opts.variant}", options=TRAINED) else None
+        shared = [(saved is None, opts.baselines and not nm_rows,
                    tuple(m for m in ONESHOT_METHODS if opts.baselines and kept.get(f"{m} 2:4") is None))]
     if size > 1:
         dist.broadcast_object_list(shared, src=0)
-    nm, oneshot = shared[0]
+    patch, nm, oneshot = shared[0]
+    patch_prior = patch and not resumes_from(out / CHECKPOINT, opts.resume)
     nm_prior = nm and not resumes_from(out / NM_CHECKPOINT, opts.resume)
-    return ToDo(not resumes_from(out / CHECKPOINT, opts.resume) or nm_prior, nm, oneshot)
+    return ToDo(patch_prior or nm_prior, patch, nm, oneshot, saved if rank == 0 else None)
+
+
+def kept_plan(out: Path, opts: PruneOptions) -> tuple[TilePlan, TrainResult] | None:
+    """The plan an earlier process of this run hardened and saved after --steps steps, with what its training
+    did (from its meta); None where there is none, or it was trained for other steps or by an older patchc."""
+    path = out / PLAN
+    if not opts.resume or not path.is_file():
+        return None
+    try:
+        plan = TilePlan.load(path)
+    except (OSError, ValueError) as exc:  # damaged since: train and harden it again
+        say(f"{path}: not read back ({exc}); hardening PATCH again from its checkpoint")
+        return None
+    record = plan.meta.get("train")
+    if not isinstance(record, dict) or record.get("step") != opts.steps:
+        return None
+    return plan, TrainResult(history=[record["final"]] if record.get("final") else [], step=int(record["step"]),
+                             seconds=float(record.get("seconds", 0.0)))
 
 
 def write_run(bundle, opts: PruneOptions, plan, out: Path, report: dict, timings: dict[str, float]) -> None:
