@@ -52,13 +52,14 @@ def test_a_recovery_that_dies_goes_on_to_the_straight_runs_weights(setup, tmp_pa
     straight, straight_model = run(plan, dense, batches, tmp_path / "straight")
     with pytest.raises(Dies):
         run(plan, dense, batches, tmp_path, at=13)
-    assert torch.load(tmp_path / "recover.ckpt", weights_only=True)["step"] == 10
+    saved = torch.load(tmp_path / "recover.ckpt", weights_only=True)["step"]
+    assert 5 <= saved <= 12  # the first save at 5; the next after 10 or later, as saving's cost spaces them
     seen = []
     get = batches_that_die(batches, None)
     model = copy.deepcopy(dense)
     resumed = patchc.recover(plan, model, lambda t: seen.append(t) or get(t), mse, steps=20, lr=3e-3,
                              progress=False, checkpoint=tmp_path / "recover.ckpt", checkpoint_every=5, resume=True)
-    assert [t for t in seen if t >= 4] == list(range(10, 20)), "it trains only the steps after the save"
+    assert [t for t in seen if t >= 4] == list(range(saved, 20)), "it trains only the steps after the save"
     for name, p in straight_model.named_parameters():
         assert torch.equal(p, model.get_parameter(name)), f"{name} differs from the straight run's"
     for fqn, layer in straight.layers.items():

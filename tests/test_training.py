@@ -39,6 +39,36 @@ def test_resume_equals_straight_run_exactly(tiny_mlp, tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_checkpoints_space_out_where_saving_is_slow(tiny_mlp, tmp_path):
+    """Every `checkpoint_every` steps while saving is cheap; at most ~5% of the time once it is not."""
+    import time
+
+    from patchc.masking.train import Cadence, CheckpointIO
+
+    class Counted(CheckpointIO):
+        def __init__(self, pause: float) -> None:
+            self.steps, self.pause = [], pause
+
+        def save(self, path, prog, optimizer, result) -> None:  # writes nothing: a save takes `pause`
+            time.sleep(self.pause)
+            self.steps.append(result.step)
+
+    cheap, slow = Counted(0.0), Counted(0.3)
+    for io in (cheap, slow):
+        patchc.train_masks(_setup(tiny_mlp, steps=40), _batches, _loss, steps=40, checkpoint=tmp_path / "c.ckpt",
+                           checkpoint_every=5, checkpoint_io=io, progress=False)
+    assert cheap.steps == [5, 10, 15, 20, 25, 30, 35, 40]  # the last one is not saved twice
+    assert slow.steps == [5, 40]  # a 0.3 s save against steps of a few ms: the next is hundreds of steps away
+
+    cadence = Cadence(every=50)
+    assert not cadence.due(49) and cadence.due(50)
+    cadence.saved(50, save_seconds=0.01, step_seconds=3.0)  # cheap: every 50 steps as asked
+    assert cadence.interval == 50 and not cadence.due(99) and cadence.due(100)
+    cadence.saved(100, save_seconds=120.0, step_seconds=3.0)  # 120 s of saving per 800 steps of 3 s: 5%
+    assert cadence.interval == 800 and not cadence.due(899) and cadence.due(900)
+    assert not Cadence(every=0).due(1000)  # 0: only at the end
+
+
 def test_checkpoint_errors_name_the_file(tiny_mlp, tmp_path):
     bad = tmp_path / "bad.ckpt"
     bad.write_bytes(b"not a checkpoint")

@@ -45,7 +45,7 @@ from patchc.ir import targets as tg
 from patchc.ir.provenance import check_weights, fingerprint
 from patchc.ir.tiles import expand_tiles
 from patchc.masking.recover_checkpoint import checkpoint_key, load_recovery, save_recovery
-from patchc.masking.train import batch_getter
+from patchc.masking.train import Cadence, batch_getter
 from patchc.utils.progress import progress as progress_bar
 
 SCOPES = ("all", "values")
@@ -111,16 +111,13 @@ class _Param:
 
 @dataclass(frozen=True)
 class Saved:
-    """Where and how often Adam recovery checkpoints, and the key a checkpoint must carry to be resumed."""
+    """Where and how often (`Cadence`) Adam recovery checkpoints, and the key a checkpoint must carry to be
+    resumed."""
 
     path: str | os.PathLike | None = None
     every: int = 50
     resume: bool = False
     key: dict | None = None
-
-    def due(self, step: int, steps: int) -> bool:
-        """Whether to save after `step` steps of `steps`."""
-        return self.path is not None and (step == steps or (self.every > 0 and step % self.every == 0))
 
 
 def recover(
@@ -158,9 +155,10 @@ def recover(
         method: "adam", or "sparsegpt" (one OBS update per layer from `calib`, a `patchc.calibrate`
             result of the dense model; `batches`, `loss_fn` and `steps` are then optional).
         score_batches: the first this many batches are scored before and after (meta's loss_before/after).
-        checkpoint: Adam recovery's state written here every `checkpoint_every` steps and at the end
-            (`recover_checkpoint.py`); `resume=True` goes on from it when the same recovery wrote it
-            (`checkpoint_tag`: what else must match, e.g. the loss and batch settings), else starts over.
+        checkpoint: Adam recovery's state written here every `checkpoint_every` steps (further apart where
+            saving is slow: `Cadence`) and at the end (`recover_checkpoint.py`); `resume=True` goes on from
+            it when the same recovery wrote it (`checkpoint_tag`: what else must match, e.g. the loss and
+            batch settings), else starts over.
 
     Example:
         >>> rec = recover(plan, model, blocks, patchc.lm_loss, steps=100, lr=3e-4, scope="values")
@@ -271,6 +269,8 @@ def train_kept(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], ge
     tensors = {name: e.param for name, e in named.items()}
     if saved.resume and saved.path is not None:
         start, history = load_recovery(saved.path, saved.key, tensors, optimizer) or (0, [])
+    cadence = Cadence(saved.every if saved.path is not None else 0, last=start)
+    saving, started = 0.0, time.perf_counter()  # seconds spent saving, and since the loop began
     # Dropout off: the kept weights learn to reproduce a dropout-free teacher, so the student should be
     # the same function. With BERT's dropout on, MiniLM 35% recovered to 0.939 cosine instead of 0.949.
     model.eval()
@@ -302,8 +302,12 @@ def train_kept(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], ge
                     bar.set_postfix(loss=f"{record['loss']:.3f}")
                 if on_log is not None:
                     on_log(record)
-            if saved.due(t + 1, cfg.steps):
+            if cadence.due(t + 1) or (saved.path is not None and t + 1 == cfg.steps):
+                begun = time.perf_counter()
                 save_recovery(saved.path, saved.key, tensors, optimizer, t + 1, history)
+                took = time.perf_counter() - begun
+                saving += took
+                cadence.saved(t + 1, took, (time.perf_counter() - started - saving) / (t + 1 - start))
     finally:
         optimizer.zero_grad(set_to_none=True)
         del optimizer

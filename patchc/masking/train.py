@@ -50,6 +50,36 @@ class TrainResult:
     seconds: float = 0.0
 
 
+@dataclass
+class Cadence:
+    """When a training loop checkpoints: every `every` steps, spaced further apart where saving is slow, so
+    that it takes at most `share` of the wall time (LLaMA-2-7B's masks checkpoint is 117 GB: written every 50
+    steps of a few seconds, saving would take longer than training).
+
+    Example:
+        >>> cadence = Cadence(every=50)
+        >>> cadence.due(50), cadence.saved(50, save_seconds=100.0, step_seconds=3.0), cadence.due(100)
+        (True, None, False)
+        >>> cadence.interval                     # 100 s of saving per 667 steps of 3 s: 5%
+        667
+    """
+
+    every: int
+    share: float = 0.05
+    last: int = 0  # the step of the last save (or the one training went on from)
+    interval: int = 0  # steps between saves, at least `every`
+
+    def due(self, step: int) -> bool:
+        """Whether to save after `step` steps."""
+        return self.every > 0 and step - self.last >= max(self.every, self.interval)
+
+    def saved(self, step: int, save_seconds: float, step_seconds: float) -> None:
+        """A save after `step` steps took `save_seconds`, a step `step_seconds` on average: space the next one."""
+        self.last = step
+        wanted = save_seconds / (self.share * max(step_seconds, 1e-9))
+        self.interval = max(self.every, math.ceil(wanted))
+
+
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """torch.save into a temp file beside `path`, then rename: a crash never leaves half a file."""
     with atomic_path(path) as tmp:
@@ -189,7 +219,8 @@ def train_masks(
         loss_fn: `loss_fn(prog, batch)` -> the task loss; the regulariser is added here.
         tile_lr: Adam learning rate of the tile logits (default `lr`, the paper's). `patchc prune` uses
             30x `lr`: at a few hundred steps it chose markedly better tiles (measured in its options).
-        checkpoint: file written every `checkpoint_every` steps and at the end (atomically).
+        checkpoint: file written every `checkpoint_every` steps and at the end (atomically); further apart
+            where saving would take more than 5% of the time (`Cadence`).
         resume: continue from `checkpoint` if it exists (exact: same batches, noise, Adam state).
         optimizer: defaults to `make_optimizer(prog, lr, optim, tile_lr)` over `prog.mask_parameters()`.
         schedule_steps: the length T of the tau / kappa schedules and the lambda2 decay (held after T);
@@ -232,6 +263,8 @@ def train_masks(
     from tqdm.auto import tqdm  # here: `import patchc` must work without tqdm (bare GPU images)
 
     bar = tqdm(range(result.step, steps), initial=result.step, total=steps, desc=desc, disable=not progress)
+    first, saving = result.step, 0.0  # where this loop starts; seconds it spent saving
+    cadence = Cadence(checkpoint_every if checkpoint is not None else 0, last=first)
     hooks = StepInBackward(optimizer, params, grad_clip) if in_backward else contextlib.nullcontext()
     # FSDP2 frees each block's gathered weights after its forward: there is nothing to redraw from.
     sharded = any(hasattr(p, "to_local") for p in params)
@@ -241,10 +274,15 @@ def train_masks(
         for t in bar:
             losses = _step(prog, loss_fn, get_batch(t), optimizer, params, grad_clip, in_backward, clip_each)
             _after_step(prog, result, t, steps, losses, log_every, bar, on_log)
-            if checkpoint is not None and checkpoint_every and (t + 1) % checkpoint_every == 0:
+            if cadence.due(t + 1):
+                begun = time.perf_counter()
                 io.save(checkpoint, prog, optimizer, result)
+                took = time.perf_counter() - begun
+                saving += took
+                # rank 0's times on every rank: the ranks must save (a collective under FSDP2) at the same steps
+                cadence.saved(t + 1, *agree((took, (time.perf_counter() - start - saving) / (t + 1 - first))))
     result.seconds = time.perf_counter() - start
-    if checkpoint is not None and result.step > 0:
+    if checkpoint is not None and result.step > 0 and cadence.last < result.step:
         io.save(checkpoint, prog, optimizer, result)
     prog.eval()
     return result
@@ -285,6 +323,17 @@ def _after_step(prog, result: TrainResult, t: int, steps: int, losses, log_every
         on_log(record)
 
 
+def agree(value: Any) -> Any:
+    """Rank 0's `value` on every torchrun rank (each measured its own): a collective, so every rank calls it."""
+    import torch.distributed as dist
+
+    if _world_size() == 1:
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
 def _world_size() -> int:
     import torch.distributed as dist
 
@@ -322,4 +371,5 @@ def lm_loss(
     return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-__all__ = ["TrainResult", "CheckpointIO", "MaskOptimConfig", "train_masks", "lm_loss", "save_checkpoint", "load_checkpoint", "atomic_torch_save"]
+__all__ = ["TrainResult", "Cadence", "CheckpointIO", "MaskOptimConfig", "train_masks", "lm_loss", "save_checkpoint",
+           "load_checkpoint", "atomic_torch_save"]
