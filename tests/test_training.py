@@ -43,7 +43,8 @@ def test_checkpoints_space_out_where_saving_is_slow(tiny_mlp, tmp_path):
     """Every `checkpoint_every` steps while saving is cheap; at most ~5% of the time once it is not."""
     import time
 
-    from patchc.masking.train import Cadence, CheckpointIO
+    from patchc.masking.cadence import Cadence
+    from patchc.masking.train import CheckpointIO
 
     class Counted(CheckpointIO):
         def __init__(self, pause: float) -> None:

@@ -32,11 +32,12 @@ from patchc.job.options import ONESHOT_METHODS, PruneOptions
 from patchc.job.results import row, run_report
 from patchc.job.resume import RECOVERED, RECOVERY, TRAINED, KeptRows
 from patchc.job.runs import (CHECKPOINT, NM_CHECKPOINT, NM_RECOVER_CHECKPOINT, PLAN, RECOVER_CHECKPOINT,
-                             RECOVERED_PLAN, check_out, check_settings, claim_run_dir, exit_on_sigterm, release,
+                             RECOVERED_PLAN, check_out, check_settings, claim_run_dir, release,
                              remove, unfinish)
 from patchc.job.stages import (calibrate, dense_reference, evaluate, oneshot_baseline, oneshot_masks, recover_plan,
                                resumes_from, score_copy, timed, train)
 from patchc.masking.train import TrainResult
+from patchc.utils.stopping import exit_on_signals
 
 NM_ROW = "learned 2:4 (nm)"
 
@@ -59,7 +60,7 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
     out, schedule_steps = claim_folder(bundle, opts)
     failed = True
     try:
-        with exit_on_sigterm():  # a machine shutting down: the claim is released, --resume works elsewhere
+        with exit_on_signals():  # SIGTERM, Ctrl-C: training stops after a step with a checkpoint, the claim is released
             report = _run(bundle, data, out, opts.patch_config(steps=schedule_steps), opts, command, timings)
         failed = False
         return report

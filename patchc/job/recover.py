@@ -38,6 +38,7 @@ from patchc.job.runs import (OLDER_RUNS, PLAN, RECOVER_CHECKPOINT, RECOVERED_PLA
                              resolve_plan)
 from patchc.utils.env import device_name, versions
 from patchc.utils.files import write_bytes_atomic
+from patchc.utils.stopping import exit_on_signals
 
 RESULT = "recover.json"
 
@@ -115,6 +116,7 @@ def check_split(plan: Any, rebuilt: dict, where: Path, changed: tuple[str, ...] 
                          f"{', '.join(differ)} (the text files or run.json changed since the run?)")
 
 
+@exit_on_signals()  # SIGTERM, Ctrl-C: recovery stops after a step with its checkpoint written (`--resume`)
 def run_recover(
     run_dir: str | os.PathLike,
     steps: int = 300,

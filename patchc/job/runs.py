@@ -22,16 +22,12 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import shutil
-import signal
 import socket
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 from patchc.job.options import PruneOptions
@@ -166,30 +162,6 @@ def _make_dir(folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunError(f"--out {folder}: cannot create the folder ({e.strerror or e})") from None
-
-
-@contextlib.contextmanager
-def exit_on_sigterm() -> Iterator[None]:
-    """SIGTERM (a machine shutting down, a scheduler or torchrun stopping the job) raises SystemExit(143) in the
-    main thread instead of ending the process at once: the `finally` blocks run, so the run folder's claim is
-    released (a claim left behind would stop `--resume` on another machine) and no file is left half-written.
-
-    Example:
-        >>> with exit_on_sigterm():
-        ...     report = _run(...)
-    """
-    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-        yield
-        return
-
-    def stop(signum: int, _frame) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def release(folder: Path, failed: bool = False) -> None:

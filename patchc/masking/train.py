@@ -28,11 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from patchc.masking.cadence import Cadence
 from patchc.masking.hybrid_mask import HybridMask
 from patchc.masking.optim import MaskOptimConfig, StepInBackward, clip_each_, make_mask_optimizer
 from patchc.masking.recompute import recompute_masked_weights
 from patchc.models.outputs import logits_of
 from patchc.utils.files import atomic_path
+from patchc.utils.stopping import stop_now, stop_requested, stoppable
 
 if TYPE_CHECKING:  # the trainer takes the program passes/ builds; importing it here would be circular
     from patchc.passes.program import MaskedProgram
@@ -48,36 +50,6 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
     step: int = 0
     seconds: float = 0.0
-
-
-@dataclass
-class Cadence:
-    """When a training loop checkpoints: every `every` steps, spaced further apart where saving is slow, so
-    that it takes at most `share` of the wall time (LLaMA-2-7B's masks checkpoint is 117 GB: written every 50
-    steps of a few seconds, saving would take longer than training).
-
-    Example:
-        >>> cadence = Cadence(every=50)
-        >>> cadence.due(50), cadence.saved(50, save_seconds=100.0, step_seconds=3.0), cadence.due(100)
-        (True, None, False)
-        >>> cadence.interval                     # 100 s of saving per 667 steps of 3 s: 5%
-        667
-    """
-
-    every: int
-    share: float = 0.05
-    last: int = 0  # the step of the last save (or the one training went on from)
-    interval: int = 0  # steps between saves, at least `every`
-
-    def due(self, step: int) -> bool:
-        """Whether to save after `step` steps."""
-        return self.every > 0 and step - self.last >= max(self.every, self.interval)
-
-    def saved(self, step: int, save_seconds: float, step_seconds: float) -> None:
-        """A save after `step` steps took `save_seconds`, a step `step_seconds` on average: space the next one."""
-        self.last = step
-        wanted = save_seconds / (self.share * max(step_seconds, 1e-9))
-        self.interval = max(self.every, math.ceil(wanted))
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
@@ -263,24 +235,22 @@ def train_masks(
     from tqdm.auto import tqdm  # here: `import patchc` must work without tqdm (bare GPU images)
 
     bar = tqdm(range(result.step, steps), initial=result.step, total=steps, desc=desc, disable=not progress)
-    first, saving = result.step, 0.0  # where this loop starts; seconds it spent saving
-    cadence = Cadence(checkpoint_every if checkpoint is not None else 0, last=first)
+    cadence = Cadence(checkpoint_every if checkpoint is not None else 0, last=result.step)
     hooks = StepInBackward(optimizer, params, grad_clip) if in_backward else contextlib.nullcontext()
     # FSDP2 frees each block's gathered weights after its forward: there is nothing to redraw from.
     sharded = any(hasattr(p, "to_local") for p in params)
     redraw = recompute_masked_weights() if optim.recompute and not sharded else contextlib.nullcontext()
     optimizer.zero_grad(set_to_none=True)
-    with hooks, redraw:
+    with hooks, redraw, stoppable() as handled:
         for t in bar:
             losses = _step(prog, loss_fn, get_batch(t), optimizer, params, grad_clip, in_backward, clip_each)
             _after_step(prog, result, t, steps, losses, log_every, bar, on_log)
-            if cadence.due(t + 1):
-                begun = time.perf_counter()
-                io.save(checkpoint, prog, optimizer, result)
-                took = time.perf_counter() - begun
-                saving += took
+            stop = _stop_agreed(handled, t + 1, losses[0].device)
+            if cadence.due(t + 1) or (stop is not None and checkpoint is not None and cadence.last < t + 1):
                 # rank 0's times on every rank: the ranks must save (a collective under FSDP2) at the same steps
-                cadence.saved(t + 1, *agree((took, (time.perf_counter() - start - saving) / (t + 1 - first))))
+                cadence.save(t + 1, lambda: io.save(checkpoint, prog, optimizer, result), agree)
+            if stop is not None:  # a signal asked to stop: after this step, with its checkpoint written
+                stop_now(stop)
     result.seconds = time.perf_counter() - start
     if checkpoint is not None and result.step > 0 and cadence.last < result.step:
         io.save(checkpoint, prog, optimizer, result)
@@ -321,6 +291,21 @@ def _after_step(prog, result: TrainResult, t: int, steps: int, losses, log_every
     bar.set_postfix(task=f"{record['task']:.3f}", density=f"{record['density']:.3f}", tau=f"{record['tau']:.2f}")
     if on_log is not None:
         on_log(record)
+
+
+def _stop_agreed(handled: bool, step: int, device: torch.device) -> int | None:
+    """The signal that asks training to stop after `step`, the same on every torchrun rank: each checks its
+    own every step alone, and under torchrun every 10 steps, the ranks agreeing (a sync, like a log step's)."""
+    signum = stop_requested()
+    if not handled or _world_size() == 1:
+        return signum
+    if step % 10:
+        return None
+    import torch.distributed as dist
+
+    flag = torch.tensor([signum or 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) or None
 
 
 def agree(value: Any) -> Any:
@@ -371,5 +356,5 @@ def lm_loss(
     return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-__all__ = ["TrainResult", "Cadence", "CheckpointIO", "MaskOptimConfig", "train_masks", "lm_loss", "save_checkpoint",
+__all__ = ["TrainResult", "CheckpointIO", "MaskOptimConfig", "train_masks", "lm_loss", "save_checkpoint",
            "load_checkpoint", "atomic_torch_save"]
