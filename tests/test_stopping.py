@@ -43,6 +43,10 @@ def test_a_signal_stops_a_loop_between_steps_and_ends_anything_else_at_once():
             with pytest.raises(KeyboardInterrupt):
                 os.kill(os.getpid(), signal.SIGINT)  # a second one: at once
     assert stop_requested() is None and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    with exit_on_signals(), pytest.raises(SystemExit):
+        with stoppable():
+            os.kill(os.getpid(), signal.SIGTERM)  # a loop that ends without acting on it: stopped as it leaves
+        pytest.fail("the request was lost")
     with stoppable() as handled:
         assert not handled  # a library caller without the handlers: loops run as ever
 

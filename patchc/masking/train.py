@@ -245,7 +245,7 @@ def train_masks(
         for t in bar:
             losses = _step(prog, loss_fn, get_batch(t), optimizer, params, grad_clip, in_backward, clip_each)
             _after_step(prog, result, t, steps, losses, log_every, bar, on_log)
-            stop = _stop_agreed(handled, t + 1, losses[0].device)
+            stop = _stop_agreed(handled, t + 1, steps, losses[0].device)
             if cadence.due(t + 1) or (stop is not None and checkpoint is not None and cadence.last < t + 1):
                 # rank 0's times on every rank: the ranks must save (a collective under FSDP2) at the same steps
                 cadence.save(t + 1, lambda: io.save(checkpoint, prog, optimizer, result), agree)
@@ -293,13 +293,14 @@ def _after_step(prog, result: TrainResult, t: int, steps: int, losses, log_every
         on_log(record)
 
 
-def _stop_agreed(handled: bool, step: int, device: torch.device) -> int | None:
+def _stop_agreed(handled: bool, step: int, steps: int, device: torch.device) -> int | None:
     """The signal that asks training to stop after `step`, the same on every torchrun rank: each checks its
-    own every step alone, and under torchrun every 10 steps, the ranks agreeing (a sync, like a log step's)."""
+    own every step alone, and under torchrun every 10 steps and at the last, the ranks agreeing (a sync, like
+    a log step's)."""
     signum = stop_requested()
     if not handled or _world_size() == 1:
         return signum
-    if step % 10:
+    if step % 10 and step != steps:
         return None
     import torch.distributed as dist
 

@@ -41,6 +41,7 @@ def _on_signal(signum: int, _frame) -> None:
         print(f"patchc: {signal.Signals(signum).name}: stopping after this step, once its checkpoint is written "
               "(send it again to stop at once)", file=sys.stderr, flush=True)
         return
+    _state["requested"] = None  # acted on here: a loop that ends now must not stop a second time
     stop_now(signum)
 
 
@@ -70,12 +71,16 @@ def exit_on_signals() -> Iterator[None]:
 @contextlib.contextmanager
 def stoppable() -> Iterator[bool]:
     """A loop that checks `stop_requested()` after each step; yields whether signals are handled at all
-    (under torchrun every rank must then agree on the stop: `patchc.masking.train` does)."""
+    (under torchrun every rank must then agree on the stop: `patchc.masking.train` does). A request the loop
+    ended without acting on stops the process as it leaves the block: a signal is never lost."""
     _state["loops"] += 1
     try:
         yield _state["installed"]
     finally:
         _state["loops"] -= 1
+    if _state["requested"] is not None and not _state["loops"]:  # the block ended normally
+        signum, _state["requested"] = _state["requested"], None
+        stop_now(signum)
 
 
 def stop_requested() -> int | None:
