@@ -44,8 +44,8 @@ from patchc.ir import TILE_SPARSE24, LayerPlan, PlanError, TilePlan
 from patchc.ir import targets as tg
 from patchc.ir.provenance import check_weights, fingerprint
 from patchc.ir.tiles import expand_tiles
-from patchc.masking.recover_checkpoint import checkpoint_key, load_recovery, save_recovery
 from patchc.masking.cadence import Cadence
+from patchc.masking.recover_checkpoint import checkpoint_key, load_recovery, save_recovery
 from patchc.masking.train import batch_getter
 from patchc.utils.progress import progress as progress_bar
 from patchc.utils.stopping import stop_now, stop_requested, stoppable
