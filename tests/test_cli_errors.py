@@ -122,6 +122,27 @@ def test_nan_loss_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys, mo
         cli.main(["--debug", *argv])
 
 
+@needs_shared
+def test_out_of_memory_names_the_stage_what_to_shrink_and_resume(tmp_path, capsys, monkeypatch):
+    def too_big(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity"
+                                     " of 79.11 GiB\nOf the allocated memory 70.1 GiB is allocated by PyTorch")
+
+    monkeypatch.setattr(prune, "train", too_big)
+    one_line_error(capsys, ["prune", "--out", str(tmp_path / "run"), *QUICK],
+                   "error: out of memory in the train stage (CUDA out of memory. Tried to allocate 20.00 GiB.",
+                   "try a smaller --batch-size or --block-len", "--low-memory", "rerun with --resume")
+    monkeypatch.setattr(prune, "calibrate", too_big)  # the SparseGPT prior's, before training
+    one_line_error(capsys, ["prune", "--out", str(tmp_path / "run2"), *QUICK],
+                   "out of memory in the calibrate stage", "fewer --calib-blocks")
+
+    from patchc.job.memory import out_of_memory
+
+    error = torch.OutOfMemoryError("CUDA out of memory.")
+    assert out_of_memory("recover", error) == ("out of memory (CUDA out of memory.): try a smaller --batch-size; "
+                                               "--resume goes on from its last checkpoint")
+
+
 def test_cuda_device_without_cuda_is_one_line(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

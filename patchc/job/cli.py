@@ -258,16 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "it to --out, one sample per paragraph: training text for another run's --train-extra, "
                             "e.g. an encoder's, which cannot write its own.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="causal LM (default: stories260K)")
-    p.add_argument("--data", nargs="+", default=list(DEFAULT_DATA), help="text files whose training documents "
-                                                                         "give the prompts")
+    p.add_argument("--data", nargs="+", default=list(DEFAULT_DATA), help="text files: their training documents prompt")
     p.add_argument("--out", required=True, help="text file to write")
     p.add_argument("--tokens", "--self-tokens", dest="tokens", type=int, default=d.self_tokens,
                    help="tokens to generate (whole samples of --block-len + 1)")
     p.add_argument("--block-len", type=int, default=d.block_len, help="tokens per sample, less one")
     p.add_argument("--temperature", "--self-temperature", dest="temperature", type=float, default=d.self_temperature,
                    help="sampling temperature")
-    p.add_argument("--top-p", "--self-top-p", dest="top_p", type=float, default=d.self_top_p,
-                   help="nucleus sampling cut-off")
+    p.add_argument("--top-p", "--self-top-p", dest="top_p", type=float, default=d.self_top_p, help="nucleus cut-off")
     p.add_argument("--split-seed", "--seed", dest="split_seed", type=int, default=d.split_seed,
                    help="held-out documents and sampling noise (a `patchc prune --split-seed` run's)")
     p.add_argument("--eval-fraction", type=float, default=d.eval_fraction, help="share of documents held out")
@@ -380,15 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         if args.debug:
             raise
-        print(f"patchc {args.command}: error: {one_line(exc)}", file=sys.stderr)
+        print(f"patchc {args.command}: error: {one_line(exc, args.command)}", file=sys.stderr)
         return 2
     finally:
         if threads is not None:
             torch.set_num_threads(threads)
 
 
-def one_line(exc: BaseException) -> str:
-    """The first line of the message (OSError: with its file name), or the error's type when it has none."""
+def one_line(exc: BaseException, command: str = "") -> str:
+    """The message's first line (OSError: with its file; out of memory: where, and what to shrink), else its type."""
+    if type(exc).__name__ == "OutOfMemoryError":  # torch's, for CUDA or another accelerator
+        return __import__("patchc.job.memory", fromlist=["out_of_memory"]).out_of_memory(command, exc)
     if isinstance(exc, OSError) and exc.strerror and exc.filename:
         return f"{exc.filename}: {exc.strerror}"
     text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)

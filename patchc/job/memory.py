@@ -172,6 +172,40 @@ def check_recovery(model: nn.Module, weights: int, free: int, device: str, hint:
                      f"with the model loaded. {hint}".rstrip())
 
 
+# What uses the device's memory in each stage of a job, and the flags that shrink it.
+STAGE_REMEDIES = {
+    # every process loads the whole model (under --fsdp too) and generates its text (--train-data self, mix)
+    "load": "a device with more memory, or --train-data real (no text to generate)",
+    "export": "a device with more memory",
+    "evaluate": "a smaller --eval-context",
+    "calibrate": "fewer --calib-blocks",
+    "train": "a smaller --batch-size or --block-len (activations), --low-memory (then --nm-param weight, "
+             "--v-per-group), or --fsdp under torchrun",
+    "baselines": "fewer --calib-blocks, a smaller --batch-size or --block-len (learned 2:4 trains as PATCH does)",
+    "recover": "a smaller --batch-size, or prune without --recover and `patchc recover RUN --batch-size N` later",
+}
+
+
+def out_of_memory(command: str, exc: BaseException) -> str:
+    """One line for an out-of-memory error: where it happened (the job's stage, `stages.timed` marks it),
+    what to shrink there, and that a run keeps what it finished.
+
+    Example:
+        >>> out_of_memory("prune", exc)   # exc raised in mask training
+        'out of memory in the train stage (CUDA out of memory. Tried ...): try a smaller --batch-size ...'
+    """
+    stage = getattr(exc, "patchc_stage", None)
+    first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    remedy = STAGE_REMEDIES.get(stage, "a smaller --batch-size, or a device with more memory")
+    if command == "recover":
+        remedy = "a smaller --batch-size; --resume goes on from its last checkpoint"
+    elif command == "eval":
+        remedy = "a smaller --eval-context"
+    where = f" in the {stage} stage" if stage else ""
+    kept = "; what finished is kept: rerun with --resume (same --out)" if command == "prune" else ""
+    return f"out of memory{where} ({first[:160]}): try {remedy}{kept}"
+
+
 def _size(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6)):
         if n >= scale / 10:
@@ -180,4 +214,4 @@ def _size(n: float) -> str:
 
 
 __all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_loads", "check_masks", "check_recovery",
-           "free_bytes", "masked_weights", "model_bytes"]
+           "free_bytes", "masked_weights", "model_bytes", "out_of_memory"]

@@ -30,9 +30,15 @@ from patchc.pruning import apply_masks
 
 @contextmanager
 def timed(timings: dict[str, float], stage: str):
+    """Add the block's seconds to `timings[stage]`; an error raised in it is marked with the stage (the
+    innermost one) for its message (`memory.out_of_memory`)."""
     start = time.perf_counter()
     try:
         yield
+    except Exception as exc:
+        if getattr(exc, "patchc_stage", None) is None:
+            exc.patchc_stage = stage
+        raise
     finally:
         timings[stage] = round(timings.get(stage, 0.0) + time.perf_counter() - start, 3)
 
