@@ -136,6 +136,13 @@ def test_out_of_memory_names_the_stage_what_to_shrink_and_resume(tmp_path, capsy
     one_line_error(capsys, ["prune", "--out", str(tmp_path / "run2"), *QUICK],
                    "out of memory in the calibrate stage", "fewer --calib-blocks")
 
+    def too_big_for_ram(*args, **kwargs):
+        torch.empty(2**50, dtype=torch.uint8)  # the CPU allocator's own error: a RuntimeError
+
+    monkeypatch.setattr(prune, "calibrate", too_big_for_ram)
+    one_line_error(capsys, ["prune", "--out", str(tmp_path / "run3"), *QUICK],
+                   "out of memory in the calibrate stage ([enforce fail", "can't allocate memory")
+
     from patchc.job.memory import out_of_memory
 
     error = torch.OutOfMemoryError("CUDA out of memory.")

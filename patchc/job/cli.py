@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def one_line(exc: BaseException, command: str = "") -> str:
     """The message's first line (OSError: with its file; out of memory: where, and what to shrink), else its type."""
-    if type(exc).__name__ == "OutOfMemoryError":  # torch's, for CUDA or another accelerator
+    if type(exc).__name__ == "OutOfMemoryError" or "DefaultCPUAllocator: can't allocate" in str(exc):  # torch's
         return __import__("patchc.job.memory", fromlist=["out_of_memory"]).out_of_memory(command, exc)
     if isinstance(exc, OSError) and exc.strerror and exc.filename:
         return f"{exc.filename}: {exc.strerror}"
