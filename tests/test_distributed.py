@@ -106,3 +106,28 @@ def test_ddp_resume_goes_on_from_rank_0s_checkpoint_on_every_rank(tmp_path):
     for rank in (0, 1):  # every rank stops, with the reason, rather than some going on from the start
         said = (tmp_path / f"unshared-rank{rank}.txt").read_text()
         assert "only 1 of the 2 processes can read this checkpoint" in said
+
+
+def test_ranks_wait_hours_for_rank_0s_solo_work_not_nccls_10_minutes(monkeypatch):
+    """Rank 0 alone scores rows, recovers and runs the one-shot baselines while the others wait in a
+    collective; NCCL's default 10-minute watchdog would end a 7B job there."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from patchc.job import distributed
+
+    joined = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.update(backend=backend, **kw))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("PATCHC_DIST_TIMEOUT", raising=False)
+    distributed.init_distributed("cpu")
+    assert joined == {"backend": "gloo", "timeout": datetime.timedelta(hours=6)}
+    monkeypatch.setenv("PATCHC_DIST_TIMEOUT", "90")
+    distributed.init_distributed("cpu")
+    assert joined["timeout"] == datetime.timedelta(seconds=90)
+    for bad in ("0", "-5", "nan", "inf", "ten"):
+        monkeypatch.setenv("PATCHC_DIST_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"PATCHC_DIST_TIMEOUT='{bad}': give the seconds"):
+            distributed.init_distributed("cpu")

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +33,33 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
+# The other ranks wait in a collective while rank 0 alone scores the rows, recovers weights and runs the
+# one-shot baselines: on a 7B model far longer than NCCL's default 10 minutes, after which its watchdog
+# ends the whole job. PATCHC_DIST_TIMEOUT (seconds) sets another limit.
+DIST_TIMEOUT = 6 * 3600
+
+
+def dist_timeout() -> datetime.timedelta:
+    """How long a collective may wait for the slowest rank: PATCHC_DIST_TIMEOUT seconds, else 6 hours."""
+    raw = os.environ.get("PATCHC_DIST_TIMEOUT", "").strip()
+    try:
+        seconds = float(raw) if raw else DIST_TIMEOUT
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"PATCHC_DIST_TIMEOUT={raw!r}: give the seconds a rank may wait for the others, e.g. 21600")
+    return datetime.timedelta(seconds=seconds)
+
+
 def init_distributed(device: str) -> None:
     """Join the torchrun process group when launched by torchrun (WORLD_SIZE > 1)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        timeout = dist_timeout()  # checked before anything else
         if device == "cuda":  # one GPU per rank: "cuda" then means this rank's GPU (model, mesh, NCCL)
             import torch
 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout)
 
 
 def rank_slice(batch: Any, rank: int, size: int) -> Any:
