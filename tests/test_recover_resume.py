@@ -111,6 +111,9 @@ def test_patchc_recover_that_dies_resumes_only_with_resume(tmp_path, monkeypatch
     args = dict(steps=12, lr=1e-3, batch_size=2, progress=False)
     run_recover(straight, **args)
     assert not (straight / RECOVER_CHECKPOINT).exists()  # removed once the recovery's files are written
+    capsys.readouterr()
+    run_recover(straight, **args, resume=True, overwrite=True)  # nothing to go on from: said, and done whole
+    assert "no recover.ckpt to go on from; recovering from the first step" in capsys.readouterr().out
 
     real_batches = stages.recovery_batches
     trained: list[int] = []

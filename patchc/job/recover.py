@@ -158,6 +158,8 @@ def run_recover(
     run = Path(run_dir)
     plan = TilePlan.load(find_plan(run))
     check_free(run, overwrite, resume)
+    if resume and method == "adam" and not (run / RECOVER_CHECKPOINT).exists():
+        print(f"{run}: no {RECOVER_CHECKPOINT} to go on from; recovering from the first step", flush=True)
     recipe = dict(recipe or {})
     if {"data", "split_seed", "eval_fraction", "encoding", "text_field"} & set(recipe):
         raise ValueError("recover: the recipe may change the training text and loss, not the held-out split "
