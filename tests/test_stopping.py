@@ -89,7 +89,8 @@ def test_recovery_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(tin
 @needs_shared
 def test_sigterm_during_a_prunes_training_saves_its_step_and_releases_the_run(tmp_path):
     """The job: the first checkpoint (step 50) exists, SIGTERM comes: the run exits 143 with a checkpoint of a
-    later step than the last one due, and no claim left."""
+    later step than the last one due, and no claim left (a claim left behind would stop `--resume` on another
+    machine, which cannot check the process that holds it)."""
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     proc = subprocess.Popen([sys.executable, "-m", "patchc", "prune", "--out", str(out), *QUICK[:-1], "--steps",
