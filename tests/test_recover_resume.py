@@ -63,7 +63,8 @@ def test_a_recovery_that_dies_goes_on_to_the_straight_runs_weights(setup, tmp_pa
     for name, p in straight_model.named_parameters():
         assert torch.equal(p, model.get_parameter(name)), f"{name} differs from the straight run's"
     for fqn, layer in straight.layers.items():
-        assert torch.equal(layer.values, resumed.layers[fqn].values) and torch.equal(layer.dense, resumed.layers[fqn].dense)
+        other = resumed.layers[fqn]
+        assert torch.equal(layer.values, other.values) and torch.equal(layer.dense, other.dense), fqn
     assert resumed.meta["recovery"]["history"] == straight.meta["recovery"]["history"]
     assert torch.load(tmp_path / "recover.ckpt", weights_only=True)["step"] == 20  # saved at the end too
 
