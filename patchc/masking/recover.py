@@ -194,7 +194,8 @@ def recover(
     else:
         plan.apply(model, force=True)
         before = score() if score else None
-        saved = Saved(checkpoint, checkpoint_every, resume, checkpoint_key(plan, cfg, prints, checkpoint_tag))
+        key = checkpoint_key(plan, cfg, prints, checkpoint_tag) if checkpoint is not None else None  # hashes the plan
+        saved = Saved(checkpoint, checkpoint_every, resume, key)
         history = train_kept(plan, model, views, get_batch, loss_fn, cfg, progress, on_log, saved)
     after = score() if score else None
     record = {**dataclasses.asdict(cfg), "loss_before": before, "loss_after": after,
