@@ -39,27 +39,36 @@ def test_resume_equals_straight_run_exactly(tiny_mlp, tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_checkpoints_space_out_where_saving_is_slow(tiny_mlp, tmp_path):
-    """Every `checkpoint_every` steps while saving is cheap; at most ~5% of the time once it is not."""
-    import time
+def test_checkpoints_space_out_where_saving_is_slow(tiny_mlp, tmp_path, monkeypatch):
+    """Every `checkpoint_every` steps while saving is cheap; at most ~5% of the time once it is not. The
+    cadence reads a clock this test moves (a step takes 1 s, a save `pause`), so no machine's load decides."""
+    import types
 
+    from patchc.masking import cadence as cadence_module
     from patchc.masking.cadence import Cadence
     from patchc.masking.train import CheckpointIO
+
+    clock = [0.0]
+    monkeypatch.setattr(cadence_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def slow_loss(prog, ids):
+        clock[0] += 1.0
+        return _loss(prog, ids)
 
     class Counted(CheckpointIO):
         def __init__(self, pause: float) -> None:
             self.steps, self.pause = [], pause
 
         def save(self, path, prog, optimizer, result) -> None:  # writes nothing: a save takes `pause`
-            time.sleep(self.pause)
+            clock[0] += self.pause
             self.steps.append(result.step)
 
-    cheap, slow = Counted(0.0), Counted(0.3)
+    cheap, slow = Counted(0.01), Counted(30.0)
     for io in (cheap, slow):
-        patchc.train_masks(_setup(tiny_mlp, steps=40), _batches, _loss, steps=40, checkpoint=tmp_path / "c.ckpt",
+        patchc.train_masks(_setup(tiny_mlp, steps=40), _batches, slow_loss, steps=40, checkpoint=tmp_path / "c.ckpt",
                            checkpoint_every=5, checkpoint_io=io, progress=False)
     assert cheap.steps == [5, 10, 15, 20, 25, 30, 35, 40]  # the last one is not saved twice
-    assert slow.steps == [5, 40]  # a 0.3 s save against steps of a few ms: the next is hundreds of steps away
+    assert slow.steps == [5, 40]  # 30 s per save against 1 s steps: the next one 600 steps away
 
     cadence = Cadence(every=50)
     assert not cadence.due(49) and cadence.due(50)

@@ -28,11 +28,11 @@ class Cadence:
     last: int = 0  # the step of the last save (or the one training went on from)
     interval: int = 0  # steps between saves, at least `every`
     first: int = field(init=False)  # the step the loop started from
-    started: float = field(init=False, default_factory=time.perf_counter)
+    started: float = field(init=False)  # when the loop started
     saving: float = 0.0  # seconds spent saving since
 
     def __post_init__(self) -> None:
-        self.first = self.last
+        self.first, self.started = self.last, time.perf_counter()
 
     def due(self, step: int) -> bool:
         """Whether to save after `step` steps."""
