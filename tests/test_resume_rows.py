@@ -82,6 +82,7 @@ def test_a_run_that_dies_at_a_baseline_resumes_where_it_stopped(tmp_path, monkey
     # Once more, nothing to do: every row is read back and learned 2:4 is not trained again.
     calls.clear()
     nm_checkpoint = (crashed / runs.NM_CHECKPOINT).stat().st_mtime_ns
+    plan_file = (crashed / runs.PLAN).stat().st_mtime_ns
     assert main(["prune", "--out", str(crashed), *ARGS, "--recover", "2", "--resume"]) == 0
     assert calls["score_copy"] == calls["recover_plan"] == calls["train nm"] == 0
     assert calls["calibrate"] == calls["oneshot_masks"] == calls["train joint"] == 0  # nothing trains: no prior
@@ -91,6 +92,7 @@ def test_a_run_that_dies_at_a_baseline_resumes_where_it_stopped(tmp_path, monkey
         for part, t in layer.tensors().items():
             assert torch.equal(t, resumed.layers[fqn].tensors()[part]), (fqn, part)
     assert (crashed / runs.NM_CHECKPOINT).stat().st_mtime_ns == nm_checkpoint
+    assert (crashed / runs.PLAN).stat().st_mtime_ns == plan_file  # read back, not written again
     assert _scores(crashed) == pytest.approx(_scores(straight), rel=1e-6)
     assert len(json.loads((crashed / "report.json").read_text())["resumed_rows"]) == 8
 

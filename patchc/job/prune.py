@@ -135,12 +135,12 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
     else:  # its row is kept: the plan it scored is read back, not hardened again from the checkpoint
         plan, trained = todo.saved or (None, None)
     if rank == 0:
-        plan.meta |= {"command": command or "", "model": opts.model,  # `patchc eval` scores on this split,
-                      "data": data_record(data, opts),               # never on training text
-                      "train": {"step": trained.step, "seconds": round(trained.seconds, 2),
-                                "final": trained.history[-1] if trained.history else {}}}
         unfinish(out)  # the run's outputs change from here: it is finished again once its report is written
-        plan.save(out / PLAN)  # on disk before anything else can fail
+        if todo.patch:  # a kept plan is on disk already, as its row was scored
+            plan.meta |= {"command": command or "", "model": opts.model,  # `patchc eval` scores on this split,
+                          "data": data_record(data, opts),               # never on training text
+                          "train": train_record(trained)}               # what `kept_plan` reads back
+            plan.save(out / PLAN)  # on disk before anything else can fail
         with timed(timings, "evaluate"):
             results.append(kept.row(f"PATCH {opts.variant}", lambda: row(
                 f"PATCH {opts.variant}", "patch", "hybrid", plan.sparsity,
@@ -238,6 +238,12 @@ def kept_plan(out: Path, opts: PruneOptions) -> tuple[TilePlan, TrainResult] | N
         return None
     return plan, TrainResult(history=[record["final"]] if record.get("final") else [], step=int(record["step"]),
                              seconds=float(record.get("seconds", 0.0)))
+
+
+def train_record(trained: TrainResult) -> dict:
+    """What a plan's meta keeps of its training (`kept_plan` reads it back): steps, seconds, last log record."""
+    return {"step": trained.step, "seconds": round(trained.seconds, 2),
+            "final": trained.history[-1] if trained.history else {}}
 
 
 def write_run(bundle, opts: PruneOptions, plan, out: Path, report: dict, timings: dict[str, float]) -> None:
