@@ -45,8 +45,8 @@ from patchc.ir import targets as tg
 from patchc.ir.provenance import check_weights, fingerprint
 from patchc.ir.tiles import expand_tiles
 from patchc.masking.cadence import Cadence
-from patchc.masking.recover_checkpoint import checkpoint_key, load_recovery, save_recovery
-from patchc.masking.train import batch_getter
+from patchc.masking.recover_checkpoint import checkpoint_key, is_sharded, load_recovery, save_recovery
+from patchc.masking.train import agree, batch_getter, global_mean, stop_agreed
 from patchc.utils.progress import progress as progress_bar
 from patchc.utils.stopping import stop_now, stop_requested, stoppable
 
@@ -103,7 +103,7 @@ class RecoverConfig:
 
 
 @dataclass
-class _Param:
+class TrainedParam:
     """One model parameter that holds planned layers: which entries train, which must stay 0."""
 
     param: nn.Parameter
@@ -183,7 +183,7 @@ def recover(
     prints = source_fingerprints(plan, model, views)
     get_batch = batch_getter(batches, 'recover') if batches is not None else None
     n_score = min(cfg.score_batches, len(batches)) if isinstance(batches, Sequence) else cfg.score_batches
-    score = (lambda: _mean_loss(model, loss_fn, get_batch, n_score)) if get_batch and loss_fn and n_score else None
+    score = (lambda: mean_loss(model, loss_fn, get_batch, n_score)) if get_batch and loss_fn and n_score else None
     start = time.perf_counter()
     if cfg.method == "sparsegpt":
         dense = {fqn: tg.read(model, t).detach().clone() for fqn, t in views.items()}
@@ -198,13 +198,24 @@ def recover(
         saved = Saved(checkpoint, checkpoint_every, resume, key)
         history = train_kept(plan, model, views, get_batch, loss_fn, cfg, progress, on_log, saved)
     after = score() if score else None
+    layers = {fqn: rebuild(layer, tg.read(model, views[fqn]), cfg.scope) for fqn, layer in plan.layers.items()}
+    return recovered_plan(plan, layers, prints, recovery_record(cfg, before, after, start, history))
+
+
+def recovery_record(cfg: RecoverConfig, before: float | None, after: float | None, start: float,
+                    history: list[dict[str, float]]) -> dict:
+    """What a recovered plan's meta["recovery"] says was done (a method's own settings only)."""
     record = {**dataclasses.asdict(cfg), "loss_before": before, "loss_after": after,
               "seconds": round(time.perf_counter() - start, 3), "history": history[-20:],
               "fingerprints": "of the source weights the plan was made from, not of the recovered values"}
     if cfg.method == "sparsegpt":
         for key in ("steps", "lr", "schedule", "warmup", "grad_clip"):
             record.pop(key)
-    layers = {fqn: rebuild(layer, tg.read(model, views[fqn]), cfg.scope) for fqn, layer in plan.layers.items()}
+    return record
+
+
+def recovered_plan(plan: TilePlan, layers: dict[str, LayerPlan], prints: dict[str, dict], record: dict) -> TilePlan:
+    """`plan` with its layers' recovered values, still applying to its source (`prints`), `record` in its meta."""
     meta = dict(plan.meta) | {"fingerprints": prints, "recovery": record}
     return TilePlan(layers=layers, skipped=dict(plan.skipped), meta=meta)
 
@@ -232,34 +243,46 @@ def rebuild(layer: LayerPlan, weight: torch.Tensor, scope: str = "all") -> Layer
     return dataclasses.replace(layer, dense=dense, values=fresh.values)
 
 
-def trainable(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], scope: str) -> dict[str, _Param]:
+def trainable(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], scope: str) -> dict[str, TrainedParam]:
     """Per parameter holding planned layers: the entries that train and the pruned ones (both bool)."""
-    found: dict[str, _Param] = {}
-    for fqn, layer in plan.layers.items():
-        target = views[fqn]
-        if target.param not in found:
-            p = model.get_parameter(target.param)
-            zeros = torch.zeros(p.shape, dtype=torch.bool, device=p.device)
-            found[target.param] = _Param(p, zeros, zeros.clone())
-        entry = found[target.param]
-        keep = layer.mask().to(entry.param.device)
-        train = keep
+    found: dict[str, TrainedParam] = {}
+    for name in dict.fromkeys(t.param for t in views.values()):
+        p = model.get_parameter(name)
+        found[name] = TrainedParam(p, *param_masks(plan, views, name, p.shape, scope, p.device))
+    return found
+
+
+def param_masks(plan: TilePlan, views: dict[str, tg.Target], param: str, shape: torch.Size, scope: str,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(entries that train, pruned entries) of parameter `param`, bool tensors of its `shape`."""
+    train = torch.zeros(shape, dtype=torch.bool, device=device)
+    pruned = train.clone()
+    for fqn, target in views.items():
+        if target.param != param:
+            continue
+        layer = plan.layers[fqn]
+        keep = layer.mask().to(device)
+        kept = keep
         if scope == "values":
             sparse = (layer.kinds == TILE_SPARSE24).to(keep.device)
-            train = keep & expand_tiles(sparse, layer.tile, layer.shape)
-        tg.matrix(entry.train, target).copy_(train)
-        tg.matrix(entry.pruned, target).copy_(~keep)
-    return found
+            kept = keep & expand_tiles(sparse, layer.tile, layer.shape)
+        tg.matrix(train, target).copy_(kept)
+        tg.matrix(pruned, target).copy_(~keep)
+    return train, pruned
 
 
 def train_kept(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], get_batch: Callable[[int], Any],
                loss_fn: Callable[[nn.Module, Any], torch.Tensor], cfg: RecoverConfig, progress: bool,
                on_log: Callable[[dict[str, float]], None] | None = None,
-               saved: Saved = Saved()) -> list[dict[str, float]]:
-    """The Adam loop of `recover`; returns its log records ({"step", "loss", "lr"} every 10 steps)."""
-    named = trainable(plan, model, views, cfg.scope)
+               saved: Saved = Saved(), named: dict[str, TrainedParam] | None = None) -> list[dict[str, float]]:
+    """The Adam loop of `recover`; returns its log records ({"step", "loss", "lr"} every 10 steps).
+
+    `named`: `trainable`'s parameters and masks, given when they are sharded (`patchc.job.fsdp_recover`): every
+    rank then runs this loop on its shards, and logs, stops and checkpoints at the same steps as the others."""
+    named = trainable(plan, model, views, cfg.scope) if named is None else named
     params = list(named.values())
-    grads_were = {id(p): p.requires_grad for p in model.parameters()}
+    sharded = is_sharded({n: e.param for n, e in named.items()})
+    grads_were = {name: p.requires_grad for name, p in model.named_parameters()}  # FSDP2 swaps the objects
     was_training = model.training
     for p in model.parameters():
         p.requires_grad_(False)
@@ -284,23 +307,25 @@ def train_kept(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], ge
                 loss = _step(model, loss_fn, get_batch(t), optimizer, params, cfg.lr * cfg.schedule_factor(t),
                              cfg.grad_clip)
                 if (t + 1) % 10 == 0 or t == 0 or t + 1 == cfg.steps:
-                    history.append(_log(t + 1, loss, optimizer, bar, on_log))
-                stop = stop_requested()  # a signal: stop after this step, with its checkpoint written
+                    history.append(_log(t + 1, global_mean(loss.detach()) if sharded else loss, optimizer, bar,
+                                        on_log))
+                # a signal: stop after this step, with its checkpoint written (sharded: the ranks agree on it)
+                stop = stop_agreed(True, t + 1, cfg.steps, loss.device) if sharded else stop_requested()
                 if cadence.due(t + 1) or (saved.path is not None and (t + 1 == cfg.steps or stop is not None)):
                     cadence.save(t + 1, lambda: save_recovery(saved.path, saved.key, tensors, optimizer, t + 1,
-                                                              history))
+                                                              history), agree if sharded else (lambda x: x))
                 if stop is not None:
                     stop_now(stop)
     finally:
         optimizer.zero_grad(set_to_none=True)
         del optimizer
-        for p in model.parameters():
-            p.requires_grad_(grads_were[id(p)])
+        for name, p in model.named_parameters():
+            p.requires_grad_(grads_were[name])
         model.train(was_training)
     return history
 
 
-def _step(model: nn.Module, loss_fn: Callable, batch: Any, optimizer: torch.optim.Optimizer, params: list[_Param],
+def _step(model: nn.Module, loss_fn: Callable, batch: Any, optimizer: torch.optim.Optimizer, params: list[TrainedParam],
           lr: float, grad_clip: float | None) -> torch.Tensor:
     """One Adam step of the kept weights at `lr`; pruned entries are exactly 0 after it."""
     for group in optimizer.param_groups:
@@ -358,7 +383,7 @@ def update_sparsegpt(plan: TilePlan, model: nn.Module, views: dict[str, tg.Targe
 
 
 @torch.no_grad()
-def _mean_loss(model: nn.Module, loss_fn: Callable, get_batch: Callable[[int], Any], count: int) -> float:
+def mean_loss(model: nn.Module, loss_fn: Callable, get_batch: Callable[[int], Any], count: int) -> float:
     """Mean loss over batches 0..count-1 in eval mode (no dropout), as a plain float."""
     was_training = model.training
     model.eval()

@@ -15,6 +15,10 @@ lost that way but time; the plan and the dense model stay as they were.
 Size: each trained parameter whole, plus Adam's two moments in its dtype: 6 bytes per weight of the
 planned layers' parameters in bf16 (39 GB for LLaMA-2-7B), 12 in fp32.
 
+A recovery sharded by FSDP2 (`patchc.job.fsdp_recover`) writes the same file: each tensor is gathered whole
+in turn (a collective: every rank saves) and rank 0 writes it; on resume every rank reads the file and keeps
+its own shard. So a checkpoint goes on in one process or on any number of ranks.
+
 Example:
     >>> rec = patchc.recover(plan, model, batches, loss, steps=300, checkpoint="recover.ckpt", resume=True)
 """
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from patchc.masking.train import atomic_torch_save
 
@@ -50,10 +55,16 @@ def checkpoint_key(plan: Any, cfg: Any, fingerprints: dict, tag: dict | None = N
 
 def save_recovery(path: str | os.PathLike, key: dict, params: dict[str, torch.Tensor],
                   optimizer: torch.optim.Optimizer, step: int, history: list[dict]) -> None:
-    """Write the checkpoint atomically (a crash while saving leaves the previous one)."""
-    atomic_torch_save({"format": FORMAT, "version": VERSION, "key": key, "step": step, "history": history,
-                       "params": {name: p.detach() for name, p in params.items()},
-                       "optimizer": optimizer.state_dict()}, path)
+    """Write the checkpoint atomically (a crash while saving leaves the previous one). Sharded tensors are
+    gathered one at a time and rank 0 writes; every rank calls it then, and leaves once the file is written."""
+    whole = {name: _whole(p.detach()) for name, p in params.items()}
+    state = optimizer.state_dict()
+    state["state"] = {i: {k: _whole(v) for k, v in entry.items()} for i, entry in state["state"].items()}
+    if _rank() == 0:
+        atomic_torch_save({"format": FORMAT, "version": VERSION, "key": key, "step": step, "history": history,
+                           "params": whole, "optimizer": state}, path)
+    if is_sharded(params):
+        dist.barrier()  # no rank returns (and maybe exits on a signal) before the file is complete
 
 
 def load_recovery(path: str | os.PathLike, key: dict, params: dict[str, torch.Tensor],
@@ -71,9 +82,47 @@ def load_recovery(path: str | os.PathLike, key: dict, params: dict[str, torch.Te
         return None
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(state["params"][name])
-    optimizer.load_state_dict(state["optimizer"])
+            p.copy_(_placed(state["params"][name], p))
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]  # the state dict's indices
+    saved = state["optimizer"]
+    saved["state"] = {i: {k: _placed(v, ordered[int(i)]) if k != "step" else v for k, v in entry.items()}
+                      for i, entry in saved["state"].items()}
+    optimizer.load_state_dict(saved)
     return int(state["step"]), list(state["history"])
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_sharded(params: dict[str, torch.Tensor]) -> bool:
+    """Whether any of `params` is an FSDP2 shard (a DTensor)."""
+    return any(_is_dtensor(p) for p in params.values())
+
+
+def _is_dtensor(t: Any) -> bool:
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _whole(t: Any) -> Any:
+    """A sharded tensor gathered whole, on the CPU on rank 0 (a collective); anything else as it is."""
+    if not _is_dtensor(t):
+        return t
+    full = t.full_tensor()
+    return full.cpu() if _rank() == 0 else None
+
+
+def _placed(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`full` as `like` holds it: this rank's shard when `like` is sharded (no communication), else whole."""
+    if not _is_dtensor(like):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
 
 
 def _read(path: Path) -> dict | str:
@@ -106,4 +155,4 @@ def stale_reason(state: dict, key: dict, params: dict[str, torch.Tensor]) -> str
     return None
 
 
-__all__ = ["checkpoint_key", "save_recovery", "load_recovery", "stale_reason"]
+__all__ = ["checkpoint_key", "is_sharded", "save_recovery", "load_recovery", "stale_reason"]

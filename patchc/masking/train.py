@@ -245,7 +245,7 @@ def train_masks(
         for t in bar:
             losses = _step(prog, loss_fn, get_batch(t), optimizer, params, grad_clip, in_backward, clip_each)
             _after_step(prog, result, t, steps, losses, log_every, bar, on_log)
-            stop = _stop_agreed(handled, t + 1, steps, losses[0].device)
+            stop = stop_agreed(handled, t + 1, steps, losses[0].device)
             if cadence.due(t + 1) or (stop is not None and checkpoint is not None and cadence.last < t + 1):
                 # rank 0's times on every rank: the ranks must save (a collective under FSDP2) at the same steps
                 cadence.save(t + 1, lambda: io.save(checkpoint, prog, optimizer, result), agree)
@@ -280,7 +280,7 @@ def _after_step(prog, result: TrainResult, t: int, steps: int, losses, log_every
     result.step = t + 1
     if not ((t + 1) % log_every == 0 or t + 1 == steps or t == 0):
         return
-    record = dict(zip(("loss", "task", "reg"), _global_mean(torch.stack(losses).detach()).tolist()))
+    record = dict(zip(("loss", "task", "reg"), global_mean(torch.stack(losses).detach()).tolist()))
     record = {"step": t + 1, **record}
     if not math.isfinite(record["loss"]):  # checked at log steps: a per-step check syncs the GPU
         raise FloatingPointError(f"mask training: loss is {record['loss']} at step {t + 1} (task {record['task']})")
@@ -293,7 +293,7 @@ def _after_step(prog, result: TrainResult, t: int, steps: int, losses, log_every
         on_log(record)
 
 
-def _stop_agreed(handled: bool, step: int, steps: int, device: torch.device) -> int | None:
+def stop_agreed(handled: bool, step: int, steps: int, device: torch.device) -> int | None:
     """The signal that asks training to stop after `step`, the same on every torchrun rank: each checks its
     own every step alone, and under torchrun every 10 steps and at the last, the ranks agreeing (a sync, like
     a log step's)."""
@@ -326,7 +326,7 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _global_mean(values: torch.Tensor) -> torch.Tensor:
+def global_mean(values: torch.Tensor) -> torch.Tensor:
     """Average logged values over torchrun ranks (each saw its share of the global batch)."""
     import torch.distributed as dist
 

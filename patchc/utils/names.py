@@ -23,3 +23,14 @@ def block_index(fqn: str) -> int | None:
     """
     m = _BLOCK_RE.search(fqn)
     return int(m.group(1)) if m else None
+
+
+def block_path(fqn: str) -> str | None:
+    """The module path of the transformer block a weight lives in (`block_index`'s), or None outside the blocks.
+
+    Example:
+        >>> block_path("model.layers.3.mlp.up_proj.weight"), block_path("lm_head.weight")
+        ('model.layers.3', None)
+    """
+    m = _BLOCK_RE.search(fqn)
+    return fqn[: m.end()] if m else None
