@@ -137,8 +137,17 @@ def test_recovery_needs_a_second_model_and_adam_in_the_weights_dtype(tiny_mlp, m
     monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
     lean = dict(tile=(8, 8), low_memory=True, nm_param="weight", v_per_group=True)
     check_fits(tiny_mlp.float(), cfg, PruneOptions(**lean))
-    with pytest.raises(ValueError, match="patchc recover RUN"):
+    with pytest.raises(ValueError, match="patchc recover RUN.*--fsdp --recover"):
         check_fits(tiny_mlp.float(), cfg, PruneOptions(**lean, recover=10))
+
+
+def test_sharded_recovery_needs_a_share_of_two_copies_and_the_state(tiny_mlp):
+    weights = masked_weights(tiny_mlp, patchc.PatchConfig(tile=(8, 8)))
+    model_bytes = 4 * sum(p.numel() for p in tiny_mlp.parameters())
+    need = (2 * model_bytes + weights * (3 * 4 + 2)) / 4  # a student and a teacher, each rank 1/4 of both and the state
+    memory.check_recovery(tiny_mlp, weights, int(need) + 1, "cuda", share=4)
+    with pytest.raises(ValueError, match=r"on each of 4 ranks: 1/4 of a copy of the model and of the dense teacher"):
+        memory.check_recovery(tiny_mlp, weights, int(need) - 1, "cuda", share=4)
 
 
 def _tiny_llama_folder(tmp_path):

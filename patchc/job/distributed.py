@@ -33,9 +33,9 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-# The other ranks wait in a collective while rank 0 alone scores the rows, recovers weights and runs the
-# one-shot baselines: on a 7B model far longer than NCCL's default 10 minutes, after which its watchdog
-# ends the whole job. PATCHC_DIST_TIMEOUT (seconds) sets another limit.
+# The other ranks wait in a collective while rank 0 alone scores the rows, recovers weights (without --fsdp)
+# and runs the one-shot baselines: on a 7B model far longer than NCCL's default 10 minutes, after which its
+# watchdog ends the whole job. PATCHC_DIST_TIMEOUT (seconds) sets another limit.
 DIST_TIMEOUT = 6 * 3600
 
 

@@ -86,7 +86,8 @@ def recover_sharded(plan: TilePlan | None, model: nn.Module, teacher: nn.Module 
     layers = gather_layers(plan, model, views, names, cfg.scope)
     if rank != 0:
         return None
-    return recovered_plan(plan, layers, prints, recovery_record(cfg, before, after, start, history))
+    record = recovery_record(cfg, before, after, start, history) | {"ranks": dist.get_world_size()}
+    return recovered_plan(plan, layers, prints, record)
 
 
 def shard_model(model: nn.Module, blocks: list[str], mesh: Any = None, frozen: bool = False) -> nn.Module:

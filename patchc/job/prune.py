@@ -35,8 +35,8 @@ from patchc.job.runs import (CHECKPOINT, NM_CHECKPOINT, NM_RECOVER_CHECKPOINT, P
                              RECOVERED_PLAN, check_out, check_settings, claim_run_dir, release,
                              remove, unfinish)
 from patchc.job.stages import (calibrate, dense_reference, evaluate, oneshot_baseline, oneshot_masks, recover_plan,
-                               resumes_from, score_copy, timed, train)
-from patchc.masking.train import TrainResult
+                               recovers_sharded, resumes_from, score_copy, timed, train)
+from patchc.masking.train import TrainResult, agree
 from patchc.utils.stopping import exit_on_signals
 
 NM_ROW = "learned 2:4 (nm)"
@@ -146,9 +146,9 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
                 f"PATCH {opts.variant}", "patch", "hybrid", plan.sparsity,
                 score_copy(bundle, lambda: plan.apply(bundle.reload()), data, opts, reference()), trained.seconds),
                 *TRAINED))
-        if opts.recover:
-            recover_row(bundle, plan, data, opts, results, timings, kept, reference, out / RECOVER_CHECKPOINT,
-                        save_to=out / RECOVERED_PLAN)
+    if opts.recover:  # rank 0 alone, or every rank with --fsdp
+        recover_row(bundle, plan, data, opts, results, timings, kept, reference, out / RECOVER_CHECKPOINT,
+                    save_to=out / RECOVERED_PLAN)
     if opts.baselines:
         baselines(bundle, cfg, data, opts, calib, prior_masks, exported, results, timings, kept, reference, out,
                   todo.nm)
@@ -188,9 +188,9 @@ def baselines(bundle, cfg: PatchConfig, data: dict, opts: PruneOptions, calib, p
             NM_ROW, "patch-nm", "2:4", nm_plan.sparsity,
             score_copy(bundle, lambda: nm_plan.apply(bundle.reload()), data, opts, reference()), nm_trained.seconds),
             *TRAINED))
-        if opts.recover:  # the baseline gets the same recovery as PATCH
-            recover_row(bundle, nm_plan if train_nm else None, data, opts, results, timings, kept, reference,
-                        out / NM_RECOVER_CHECKPOINT)
+    if opts.recover:  # the baseline gets the same recovery as PATCH
+        recover_row(bundle, nm_plan if train_nm else None, data, opts, results, timings, kept, reference,
+                    out / NM_RECOVER_CHECKPOINT)
 
 
 @dataclass(frozen=True)
@@ -259,21 +259,33 @@ def write_run(bundle, opts: PruneOptions, plan, out: Path, report: dict, timings
 
 
 def recover_row(bundle, plan, data: dict, opts: PruneOptions, results: list[dict], timings: dict[str, float],
-                kept: KeptRows, reference: Callable, checkpoint: Path, save_to: Path | None = None) -> None:
+                kept: KeptRows | None, reference: Callable, checkpoint: Path, save_to: Path | None = None) -> None:
     """One more row, named after the last one: `plan` with its kept weights fine-tuned (masks fixed, same text
     and loss as mask training), written to `save_to` if given. Kept from an earlier process where its inputs
-    are unchanged (and `save_to` exists); `plan` is None only then. Recovery checkpoints to `checkpoint` (a
-    --resume goes on from it) until its row is kept."""
-    last = results[-1]
-    name = last["name"] + RECOVERY
-    if save_to is not None and not save_to.exists():
+    are unchanged (and `save_to` exists); `plan` is None only then, and on ranks other than 0. Recovery
+    checkpoints to `checkpoint` (a --resume goes on from it) until its row is kept. Every rank calls it: rank 0
+    recovers alone, or every rank recovers its shards (--fsdp: `recovers_sharded`); rank 0 scores."""
+    rank = world()[0]
+    sharded = recovers_sharded(opts)
+    if rank != 0 and not sharded:
+        return
+    name = results[-1]["name"] + RECOVERY if rank == 0 else ""
+    if rank == 0 and save_to is not None and not save_to.exists():
         kept.drop(name)  # its plan is gone: recover again
-
-    def score() -> dict:
+    todo = rank == 0 and kept.get(name, *RECOVERED) is None
+    if sharded:
+        todo = agree(todo)  # rank 0's kept rows decide
+    recovered, seconds = None, 0.0
+    if todo:
         with timed(timings, "recover"):
             start = time.perf_counter()
             recovered = recover_plan(bundle, plan, data, opts, checkpoint=checkpoint, resume=opts.resume)
             seconds = time.perf_counter() - start
+    if rank != 0:
+        return
+
+    def score() -> dict:
+        last = results[-1]
         if save_to is not None:
             recovered.save(save_to)
         with timed(timings, "evaluate"):

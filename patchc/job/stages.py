@@ -225,21 +225,54 @@ def recover_plan(bundle, plan, data: dict, opts: PruneOptions, model=None, steps
     `model`: the dense weights to fine-tune (default: a fresh `bundle.reload()`); `steps`, `lr`: default
     --recover and the kind's recovery lr; `checkpoint`: Adam recovery's, gone on from when `resume` and the
     same recovery of the same text wrote it; `knobs`: more of `patchc.recover`'s (scope, method, calib, ...).
+    With --fsdp under torchrun every rank calls it and recovers its shards of copies of the loaded model
+    (`recovers_sharded`; `model` unused): the plan on rank 0, None on the others.
     """
-    loss_fn = make_loss(bundle, bundle.model, opts, recovery=True)
     splice = opts.recovery_splice(bundle.kind, bundle.name)
     saving = {}
     if checkpoint is not None and knobs.get("method", "adam") == "adam":
         # the text and batches (run.json's settings) and the loss: what recover() cannot see but trains on
         tag = settings_of(opts) | {"recover_loss": opts.recover_loss, "recover_splice": splice}
         saving = {"checkpoint": checkpoint, "resume": resume, "checkpoint_tag": tag}
-    recovered = patchc.recover(plan, bundle.reload() if model is None else model, recovery_batches(bundle, data, opts),
-                               loss_fn, steps=opts.recover if steps is None else steps,
-                               lr=opts.recovery_lr(bundle.kind) if lr is None else lr,
-                               **{"scope": opts.recover_scope, "progress": opts.progress, **saving, **knobs})
-    recovered.meta["recovery"] |= {"loss": opts.recover_loss, "splice": splice}
+    steps = opts.recover if steps is None else steps
+    lr = opts.recovery_lr(bundle.kind) if lr is None else lr
+    knobs = {"scope": opts.recover_scope, "progress": opts.progress, **saving, **knobs}
+    if recovers_sharded(opts):
+        recovered = recover_sharded_copy(bundle, plan, data, opts, steps, lr, **knobs)
+    else:
+        loss_fn = make_loss(bundle, bundle.model, opts, recovery=True)
+        recovered = patchc.recover(plan, bundle.reload() if model is None else model,
+                                   recovery_batches(bundle, data, opts), loss_fn, steps=steps, lr=lr, **knobs)
+    if recovered is not None:  # None on the other ranks of a sharded recovery
+        recovered.meta["recovery"] |= {"loss": opts.recover_loss, "splice": splice}
     return recovered
 
 
+def recovers_sharded(opts: PruneOptions) -> bool:
+    """Whether weight recovery is spread over the ranks (--fsdp under torchrun); else rank 0 recovers alone."""
+    return opts.fsdp and world()[1] > 1
+
+
+def recover_sharded_copy(bundle, plan, data: dict, opts: PruneOptions, steps: int, lr: float, *, progress: bool,
+                         **knobs):
+    """`recover_plan` on every rank, FSDP2 sharding a copy of the dense model and of its teacher
+    (`fsdp_recover`); the plan on rank 0, None elsewhere. The loaded model waits in host memory meanwhile."""
+    import copy
+
+    from patchc.job.fsdp_recover import recover_sharded
+    from patchc.masking.recover import RecoverConfig
+
+    saving = {k: knobs.pop(k) for k in ("checkpoint", "resume", "checkpoint_tag") if k in knobs}
+    cfg = RecoverConfig(steps=steps, lr=lr, **knobs)
+    rank, size = world()
+    batches = recovery_batches(bundle, data, opts)
+    with parked(bundle.model):  # copied in host memory: FSDP2 moves each block's shards to this rank's GPU
+        student = copy.deepcopy(bundle.model)
+        teacher = copy.deepcopy(bundle.model) if bundle.kind == "encoder" or "kd" in opts.recover_loss else None
+        return recover_sharded(plan, student, teacher, lambda step: rank_slice(batches(step), rank, size),
+                               make_loss(bundle, teacher, opts, recovery=True), cfg, progress=progress, **saving)
+
+
 __all__ = ["calibrate", "dense_reference", "evaluate", "global_batches", "make_loss", "oneshot_baseline",
-           "oneshot_masks", "recover_plan", "resumes_from", "score_copy", "timed", "train", "train_program"]
+           "oneshot_masks", "recover_plan", "recovers_sharded", "resumes_from", "score_copy", "timed", "train",
+           "train_program"]
