@@ -27,10 +27,12 @@ from patchc.ir import TilePlan
 from patchc.ir.tiles import to_tiles
 from patchc.job.distributed import rank_slice
 from patchc.job.fsdp_recover import recover_sharded
+from patchc.job.encoder_eval import layerwise_distillation_loss
 from patchc.job.losses import kd_loss
 from patchc.masking.recover import RecoverConfig
 from patchc.models.outputs import logits_of
 from patchc.pruning.patterns import mask_24, merge_tiles
+from patchc.utils.names import block_index
 from tests.conftest import needs_shared
 from tests.test_recover import check_structure
 
@@ -48,11 +50,34 @@ def _model():
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+def _encoder():
+    """A tiny BERT as the job holds an encoder: its `layer_states` (not forward) is what recovery distils."""
+    import transformers
+
+    from patchc.models.hf import EncoderWrapper
+
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return EncoderWrapper(transformers.BertModel(cfg)).eval()
+
+
+def _layerwise(teacher):
+    """The job's encoder recovery loss; no padding, so each rank's token mean is half of the whole batch's."""
+    def loss(model, ids):
+        mask = torch.ones_like(ids)
+        with torch.no_grad():
+            target = teacher.layer_states(ids, mask)
+        return layerwise_distillation_loss(model.layer_states(ids, mask), target, mask)
+
+    return loss
+
+
 def _plan(model) -> TilePlan:
     """Every third tile of each block projection dense, the rest 2:4 by magnitude."""
     masks = {}
     for fqn, w in model.named_parameters():
-        if ".layers." in fqn and w.dim() == 2:
+        if block_index(fqn) is not None and w.dim() == 2:
             grid = to_tiles(w.detach(), TILE).shape[:2]
             dense = (torch.arange(grid[0] * grid[1]) % 3 == 0).view(grid)
             masks[fqn] = merge_tiles(dense, mask_24(w.detach().abs(), fqn), TILE)
@@ -104,6 +129,10 @@ def _worker(rank: int, files: Path) -> None:
                 shares = [None] * WORLD
                 dist.all_gather_object(shares, {"student": _local_bytes(student.parameters()),
                                                 "teacher": _local_bytes(teacher.parameters())})
+        student, teacher = _encoder(), _encoder()
+        encoder_plan = _plan(student) if rank == 0 else None
+        runs["encoder"] = recover_sharded(encoder_plan, student, teacher, batches, _layerwise(teacher), CFG,
+                                          progress=False)
         if rank == 0:
             torch.save({"placements": placements, "shares": shares}, files / "result.pt")
             for run, rec in runs.items():
@@ -146,10 +175,13 @@ def test_sharded_recovery_equals_one_process_and_resumes_either_way(tmp_path):
     try:
         want = patchc.recover(plan, copy.deepcopy(dense), _batch, _kd(dense), progress=False, steps=STEPS, lr=LR,
                               score_batches=2)
+        encoder = _encoder()
+        want_encoder = patchc.recover(_plan(encoder), encoder, _batch, _layerwise(_encoder()), progress=False,
+                                      steps=STEPS, lr=LR, score_batches=2)
     finally:
         torch.set_num_threads(threads)
     _join(ranks)
-    got = {run: TilePlan.load(tmp_path / f"{run}.patch") for run in ("straight", "resumed")}
+    got = {run: TilePlan.load(tmp_path / f"{run}.patch") for run in ("straight", "resumed", "encoder")}
     result = torch.load(tmp_path / "result.pt", weights_only=False)
 
     # (a) Two ranks recover what one process does, up to float reassociation (two half-batch means against one),
@@ -161,6 +193,10 @@ def test_sharded_recovery_equals_one_process_and_resumes_either_way(tmp_path):
         assert got["straight"].meta["recovery"][key] == pytest.approx(want.meta["recovery"][key], rel=1e-5), key
     assert got["straight"].meta["fingerprints"] == want.meta["fingerprints"]  # still applies to the dense source
     got["straight"].apply(_model())
+
+    # An encoder distils its layer states through `layer_states`, which FSDP2 gathers for as for forward (without
+    # that, the embedding reads its shard: "got mixed torch.Tensor and DTensor"); measured max 6.9e-6.
+    _assert_same_weights(got["encoder"], want_encoder, atol=2e-4)
 
     # (b) The single process's step-3 checkpoint, resumed on two ranks: the straight recovery's weights.
     _assert_same_weights(got["resumed"], want, atol=2e-4)

@@ -93,7 +93,7 @@ def recover_sharded(plan: TilePlan | None, model: nn.Module, teacher: nn.Module 
 def shard_model(model: nn.Module, blocks: list[str], mesh: Any = None, frozen: bool = False) -> nn.Module:
     """FSDP2 over `model`: one unit per block in `blocks` (module paths), the rest in the root's; returns it.
     `frozen` (a teacher, never backpropagated): the root's weights are freed after each forward too."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     from patchc.job.fsdp import default_mesh
 
@@ -101,6 +101,8 @@ def shard_model(model: nn.Module, blocks: list[str], mesh: Any = None, frozen: b
     for path in blocks:
         fully_shard(model.get_submodule(path), mesh=mesh)
     fully_shard(model, mesh=mesh, reshard_after_forward=True if frozen else None)
+    if callable(getattr(model, "layer_states", None)):  # an encoder's layerwise distillation calls it, not forward
+        register_fsdp_forward_method(model, "layer_states")
     return model
 
 
