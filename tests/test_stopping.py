@@ -110,3 +110,13 @@ def test_sigterm_during_a_prunes_training_saves_its_step_and_releases_the_run(tm
     assert "stopping after this step" in proc.stderr.read()
     assert torch.load(out / runs.CHECKPOINT, weights_only=True)["step"] > 50  # not the one saved at step 50
     assert not (out / runs.CLAIM).exists()
+
+
+@pytest.mark.parametrize("rank, notices", [("0", 1), ("1", 0)])
+def test_under_torchrun_only_rank_0_prints_the_stop_notice(monkeypatch, capsys, rank, notices):
+    monkeypatch.setenv("RANK", rank)  # torchrun forwards one SIGTERM to every rank
+    with exit_on_signals(), pytest.raises(SystemExit):
+        with stoppable():
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop_requested() == signal.SIGTERM  # every rank still stops after the step
+    assert capsys.readouterr().err.count("stopping after this step") == notices

@@ -18,6 +18,7 @@ Torch-free; handlers exist only in the main thread (elsewhere nothing is install
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -38,8 +39,9 @@ def stop_now(signum: int) -> None:
 def _on_signal(signum: int, _frame) -> None:
     if _state["loops"] and _state["requested"] is None:
         _state["requested"] = signum
-        print(f"patchc: {signal.Signals(signum).name}: stopping after this step, once its checkpoint is written "
-              "(send it again to stop at once)", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":  # torchrun forwards the signal to every rank: one notice
+            print(f"patchc: {signal.Signals(signum).name}: stopping after this step, once its checkpoint is "
+                  "written (send it again to stop at once)", file=sys.stderr, flush=True)
         return
     _state["requested"] = None  # acted on here: a loop that ends now must not stop a second time
     stop_now(signum)
