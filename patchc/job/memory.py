@@ -193,7 +193,8 @@ STAGE_REMEDIES = {
     "train": "a smaller --batch-size or --block-len (activations), --low-memory (then --nm-param weight, "
              "--v-per-group), or --fsdp under torchrun",
     "baselines": "fewer --calib-blocks, a smaller --batch-size or --block-len (learned 2:4 trains as PATCH does)",
-    "recover": "a smaller --batch-size, or prune without --recover and `patchc recover RUN --batch-size N` later",
+    "recover": "a smaller --batch-size, --fsdp under torchrun (shards the recovered copy, its teacher and Adam), "
+               "or prune without --recover and `patchc recover RUN --batch-size N` later",
 }
 
 
