@@ -215,31 +215,42 @@ def test_sharded_recovery_equals_one_process_and_resumes_either_way(tmp_path):
         assert all(0.4 * whole <= share <= 0.6 * whole for share in shares), (part, shares)
 
 
-@needs_shared
-@pytest.mark.slow
-def test_prune_fsdp_recovers_on_every_rank_what_one_process_recovers(tmp_path):
-    """`torchrun ... patchc prune --fsdp --recover`, then `patchc recover` of the same run in one process."""
-    from patchc.job.recover import run_recover
-
+def _torchrun(*args: str) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun not found beside the Python interpreter")
-    two, one = tmp_path / "two", tmp_path / "one"
-    args = ["prune", "--fsdp", "--recover", "6", "--steps", "4", "--batch-size", "4", "--no-baselines", "--no-progress",
-            "--threads", "1", "--train-data", "real", "--eval-tokens", "256", "--prior", "magnitude"]
-    done = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "-m", "patchc", *args, "--out", str(two)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    done = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "-m", "patchc", *args], capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    sharded = TilePlan.load(two / "plan-recovered.patch")
-    assert sharded.meta["recovery"]["ranks"] == 2
-    assert not (two / "recover.ckpt").exists()  # its row is kept
-    rows = {r["name"]: r for r in json.loads((two / "report.json").read_text())["results"]}
 
-    shutil.copytree(two, one, ignore=shutil.ignore_patterns("plan-recovered.patch"))
-    alone = run_recover(one, steps=6, progress=False)
-    # measured: weights within 1.15e-5 of each other, held-out perplexity within 2.2e-8 relative
-    single = TilePlan.load(one / "plan-recovered.patch")
+
+@needs_shared
+@pytest.mark.slow
+def test_prune_and_recover_under_torchrun_recover_on_every_rank_what_one_process_recovers(tmp_path):
+    """`torchrun ... patchc prune --fsdp --recover` and `torchrun ... patchc recover` of the same run, against
+    `patchc recover` of it in one process."""
+    from patchc.job.recover import run_recover
+
+    pruned = tmp_path / "pruned"
+    _torchrun("prune", "--fsdp", "--recover", "6", "--steps", "4", "--batch-size", "4", "--no-baselines",
+              "--no-progress", "--threads", "1", "--train-data", "real", "--eval-tokens", "256", "--prior", "magnitude",
+              "--out", str(pruned))
+    assert not (pruned / "recover.ckpt").exists()  # its row is kept
+    rows = {r["name"]: r for r in json.loads((pruned / "report.json").read_text())["results"]}
+    for copy_ in ("alone", "ranks"):
+        shutil.copytree(pruned, tmp_path / copy_, ignore=shutil.ignore_patterns("plan-recovered.patch"))
+    alone = run_recover(tmp_path / "alone", steps=6, progress=False)
+    _torchrun("recover", str(tmp_path / "ranks"), "--steps", "6", "--no-progress", "--threads", "1")
+    ranks = json.loads((tmp_path / "ranks" / "recover.json").read_text())
+
+    single = TilePlan.load(tmp_path / "alone" / "plan-recovered.patch")
     assert "ranks" not in single.meta["recovery"]  # one process: `patchc.recover` itself
-    _assert_same_weights(sharded, single, atol=2e-4)
-    recovered = {r["name"]: r for r in alone["results"]}["recovered"]
-    assert rows["PATCH joint + recovery"]["perplexity"] == pytest.approx(recovered["perplexity"], rel=1e-5)
+    # measured: weights within 1.15e-5 of each other, held-out perplexity within 2.2e-8 relative
+    for folder in (pruned, tmp_path / "ranks"):
+        sharded = TilePlan.load(folder / "plan-recovered.patch")
+        assert sharded.meta["recovery"]["ranks"] == 2
+        _assert_same_weights(sharded, single, atol=2e-4)
+    want = alone["results"][2]["perplexity"]
+    assert rows["PATCH joint + recovery"]["perplexity"] == pytest.approx(want, rel=1e-5)
+    assert ranks["results"][2]["perplexity"] == pytest.approx(want, rel=1e-5)
+    assert [r["perplexity"] for r in ranks["results"][:2]] == [r["perplexity"] for r in alone["results"][:2]]

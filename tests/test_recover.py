@@ -189,7 +189,7 @@ def real_run_folder(out):
 
 
 @needs_shared
-def test_run_recover_on_a_real_run_folder(tmp_path):
+def test_run_recover_on_a_real_run_folder(tmp_path, monkeypatch):
     from patchc.job.recover import run_recover
 
     out = tmp_path / "run"
@@ -219,6 +219,10 @@ def test_run_recover_on_a_real_run_folder(tmp_path):
     assert ((out / "plan-recovered.patch").read_bytes(), (out / "recover.json").read_bytes()) == kept
     with pytest.raises(ValueError, match="not the held-out split"):
         run_recover(out, steps=2, recipe={"eval_fraction": 0.5}, overwrite=True)
+    with monkeypatch.context() as torchrun:  # SparseGPT's update is no training loop to shard: refused up front
+        torchrun.setenv("WORLD_SIZE", "2")
+        with pytest.raises(ValueError, match="--method sparsegpt .* run it without torchrun"):
+            run_recover(out, method="sparsegpt", overwrite=True)
     # --loss lm: the recipe's loss is the one recovery trains with, and the run's --recover-lr its lr
     lm = run_recover(out, steps=4, batch_size=2, progress=False, recipe={"recover_loss": "lm"}, overwrite=True)
     assert lm["recovery"]["loss"] == "lm" and lm["recovery"]["lr"] == PruneOptions().recovery_lr("causal")

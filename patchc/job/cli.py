@@ -76,16 +76,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
-    from patchc.job.recover import format_recover, run_recover
+    from patchc.job.recover import format_recover, recovery_recipe, run_recover
 
-    given = (("recover_loss", args.loss), ("train_data", args.train_data), ("train_extra", args.train_extra),
-             ("recover_splice", args.splice))
-    recipe = {k: tuple(v) if isinstance(v, list) else v for k, v in given if v is not None}
+    recipe = recovery_recipe(args.loss, args.train_data, args.train_extra, args.splice)
     result = run_recover(args.run, steps=args.steps, lr=args.lr, scope=args.scope, method=args.method,
                          batch_size=args.batch_size, eval_context=args.eval_context, device=args.device,
                          threads=args.threads, progress=args.progress, recipe=recipe, overwrite=args.overwrite,
                          resume=args.resume, command=args.command_line)
-    print(format_recover(result))
+    if result:  # rank 0's, under torchrun
+        print(format_recover(result))
     return 0
 
 

@@ -90,6 +90,13 @@ def run_eval_context(run: Path) -> int:
     return int(context)
 
 
+def recovery_recipe(loss: str | None = None, train_data: str | None = None, train_extra: list[str] | None = None,
+                    splice: float | None = None) -> dict[str, Any]:
+    """`run_recover`'s recipe from `patchc recover`'s flags: the PruneOptions given, None ones left out."""
+    given = {"recover_loss": loss, "train_data": train_data, "train_extra": train_extra, "recover_splice": splice}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}
+
+
 def check_free(run: Path, overwrite: bool, resume: bool = False) -> None:
     """FileExistsError, before any work, if an earlier recovery (or `prune --recover`) left its files in `run`:
     a finished one's plan and record (--overwrite replaces them), or an unfinished one's checkpoint (--resume
@@ -144,6 +151,8 @@ def run_recover(
     Adam recovery checkpoints to `<run>/recover.ckpt` until it ends; `resume` goes on from there when the
     same recovery wrote it (else it warns and starts over).
     `eval_context` None: the perplexity window the run was scored with (its report.json), else 256.
+    Under `torchrun --nproc_per_node=N` every rank recovers its shards (`fsdp_recover`) and rank 0 scores and
+    writes; the others return {}.
 
     Example:
         >>> run_recover("runs/x", steps=100, scope="values")["results"][-1]["perplexity"]
@@ -151,48 +160,66 @@ def run_recover(
     from patchc.ir import TilePlan
     from patchc.job import stages as job
     from patchc.job.corpus import data_record, load_data
+    import torch.distributed as dist
+
+    from patchc.job.distributed import init_distributed, say, world
     from patchc.job.prune import cache_dir
-    from patchc.job.memory import check_recovery, free_bytes
+    from patchc.job.memory import check_recovery, free_bytes, model_bytes
     from patchc.job.model import load_bundle
 
     run = Path(run_dir)
     plan = TilePlan.load(find_plan(run))
     check_free(run, overwrite, resume)
+    if method != "adam" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"recover --method {method} updates each layer once, in one process: run it without torchrun")
+    init_distributed(device)  # under torchrun: every rank recovers its shards, rank 0 scores and writes
+    rank, size = world()
     if resume and method == "adam" and not (run / RECOVER_CHECKPOINT).exists():
-        print(f"{run}: no {RECOVER_CHECKPOINT} to go on from; recovering from the first step", flush=True)
+        say(f"{run}: no {RECOVER_CHECKPOINT} to go on from; recovering from the first step")
     recipe = dict(recipe or {})
     if {"data", "split_seed", "eval_fraction", "encoding", "text_field"} & set(recipe):
         raise ValueError("recover: the recipe may change the training text and loss, not the held-out split "
                          f"(got {sorted(recipe)}); recovery is scored on the run's own held-out documents")
     eval_context = run_eval_context(run) if eval_context is None else eval_context
-    changes = {"device": device, "eval_context": eval_context, "threads": threads, "progress": progress, **recipe}
+    changes = {"device": device, "eval_context": eval_context, "threads": threads, "progress": progress and rank == 0,
+               "fsdp": size > 1, **recipe}
     opts = recover_options(plan, run, **changes, **({"batch_size": batch_size} if batch_size else {}))
     started = time.perf_counter()
     bundle = load_bundle(opts)
     if method == "adam" and (free := free_bytes(opts.device)) is not None:  # before text is generated
-        check_recovery(bundle.model, sum(layer.numel for layer in plan.layers.values()), free, opts.device,
-                       hint="Pass --device with more memory, or --method sparsegpt (no training state)")
+        parked = model_bytes(bundle.model) if size > 1 and opts.device.startswith("cuda") else 0
+        check_recovery(bundle.model, sum(layer.numel for layer in plan.layers.values()), free + parked, opts.device,
+                       share=size, hint="Pass --device with more memory, run it on more GPUs (torchrun "
+                       "--nproc_per_node=N -m patchc recover ...), or --method sparsegpt (no training state)")
     data = load_data(bundle, opts, cache_dir=cache_dir(opts))  # generated text: the run's cache
     other_text = (("self_tokens",) * ("train_data" in recipe)  # another --train-data may generate another amount
                   + ("train_extra_documents",) * ("train_extra" in recipe))
     check_split(plan, data_record(data, opts), run / PLAN, changed=tuple(recipe) + other_text)
-    dense_ref = job.dense_reference(bundle, data)
-    scores = {"dense": job.evaluate(bundle, bundle.model, data, opts, dense_ref)}
-    scores["hardened"] = job.score_copy(bundle, lambda: plan.apply(bundle.reload()), data, opts, dense_ref)
-    model = bundle.reload()  # the dense model stays the teacher of a KD loss
+    scores, dense_ref = {}, None
+    if rank == 0:
+        dense_ref = job.dense_reference(bundle, data)
+        scores = {"dense": job.evaluate(bundle, bundle.model, data, opts, dense_ref)}
+        scores["hardened"] = job.score_copy(bundle, lambda: plan.apply(bundle.reload()), data, opts, dense_ref)
+    model = bundle.reload() if size == 1 else None  # the dense model stays the teacher of a KD loss
     calib = job.calibrate(bundle, data, opts) if method == "sparsegpt" else None
-    recovered = job.recover_plan(bundle, plan, data, opts, model=model, steps=steps, lr=lr, scope=scope, method=method,
-                                 calib=calib, schedule=schedule, progress=progress,
+    recovered = job.recover_plan(bundle, plan if rank == 0 else None, data, opts, model=model, steps=steps, lr=lr,
+                                 scope=scope, method=method, calib=calib, schedule=schedule, progress=opts.progress,
                                  checkpoint=run / RECOVER_CHECKPOINT, resume=resume)
+    if rank != 0:
+        dist.barrier()  # leave with rank 0: a rank that exits first can abort the others' process group
+        return {}
     recovered.meta["command"] = command or ""
     recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe}
     recovered.save(run / RECOVERED_PLAN)
     # the teacher waits in host memory while the recovered copy is scored
-    scores["recovered"] = job.score_copy(bundle, lambda: recovered.apply(model), data, opts, dense_ref)
+    copy = model if model is not None else bundle.reload()  # sharded: the ranks' copies are gone
+    scores["recovered"] = job.score_copy(bundle, lambda: recovered.apply(copy), data, opts, dense_ref)
     result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started)
     write_bytes_atomic(run / RESULT, (json.dumps(result, indent=1) + "\n").encode())
     remove(run / RECOVER_CHECKPOINT)  # finished: its plan and record are written
     note_replaced(run, result)
+    if size > 1:
+        dist.barrier()
     return result
 
 
@@ -255,4 +282,4 @@ def format_recover(result: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["run_recover", "recover_options", "format_recover", "load_any_plan", "RESULT"]
+__all__ = ["run_recover", "recover_options", "recovery_recipe", "format_recover", "load_any_plan", "RESULT"]

@@ -231,8 +231,10 @@ def recover_plan(bundle, plan, data: dict, opts: PruneOptions, model=None, steps
     splice = opts.recovery_splice(bundle.kind, bundle.name)
     saving = {}
     if checkpoint is not None and knobs.get("method", "adam") == "adam":
-        # the text and batches (run.json's settings) and the loss: what recover() cannot see but trains on
-        tag = settings_of(opts) | {"recover_loss": opts.recover_loss, "recover_splice": splice}
+        # the text and batches (run.json's settings) and the loss: what recover() cannot see but trains on;
+        # not --fsdp: a sharded recovery's checkpoint goes on in one process, and the other way round
+        tag = {k: v for k, v in settings_of(opts).items() if k != "fsdp"} | {"recover_loss": opts.recover_loss,
+                                                                             "recover_splice": splice}
         saving = {"checkpoint": checkpoint, "resume": resume, "checkpoint_tag": tag}
     steps = opts.recover if steps is None else steps
     lr = opts.recovery_lr(bundle.kind) if lr is None else lr
@@ -263,6 +265,7 @@ def recover_sharded_copy(bundle, plan, data: dict, opts: PruneOptions, steps: in
     from patchc.masking.recover import RecoverConfig
 
     saving = {k: knobs.pop(k) for k in ("checkpoint", "resume", "checkpoint_tag") if k in knobs}
+    knobs.pop("calib", None)  # SparseGPT's; recover_sharded refuses any method but Adam
     cfg = RecoverConfig(steps=steps, lr=lr, **knobs)
     rank, size = world()
     batches = recovery_batches(bundle, data, opts)
