@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -34,9 +33,10 @@ from patchc.models.outputs import logits_of
 from patchc.pruning.patterns import mask_24, merge_tiles
 from patchc.utils.names import block_index
 from tests.conftest import needs_shared
+from tests.test_fsdp import WORLD, _join_ranks
 from tests.test_recover import check_structure
 
-WORLD, STEPS, HALF, LR, TILE = 2, 6, 3, 1e-2, (16, 16)
+STEPS, HALF, LR, TILE = 6, 3, 1e-2, (16, 16)
 CFG = RecoverConfig(steps=STEPS, lr=LR, score_batches=2)
 
 
@@ -143,15 +143,6 @@ def _worker(rank: int, files: Path) -> None:
         dist.destroy_process_group()
 
 
-def _join(context, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} ranks did not finish within {timeout} s")
-
-
 def _assert_same_weights(got: TilePlan, want: TilePlan, atol: float) -> None:
     for fqn, layer in want.layers.items():
         torch.testing.assert_close(got.layers[fqn].to_dense(), layer.to_dense(), rtol=0, atol=atol, msg=fqn)
@@ -180,7 +171,7 @@ def test_sharded_recovery_equals_one_process_and_resumes_either_way(tmp_path):
                                       steps=STEPS, lr=LR, score_batches=2)
     finally:
         torch.set_num_threads(threads)
-    _join(ranks)
+    _join_ranks(ranks)
     got = {run: TilePlan.load(tmp_path / f"{run}.patch") for run in ("straight", "resumed", "encoder")}
     result = torch.load(tmp_path / "result.pt", weights_only=False)
 
