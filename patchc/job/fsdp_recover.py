@@ -6,8 +6,9 @@ model being recovered, of its dense teacher, of Adam's state and of the masks.
         -> `recover`'s Adam loop on the shards -> each parameter gathered in turn, rank 0 rebuilds the plan
 
 In one process `patchc.recover` holds the whole model, its gradient and Adam's two moments on one device beside
-the dense teacher: for LLaMA-2-7B in bf16, 13 + 13 + 13 + 26 GB and 13 GB of masks, more than an 80 GB GPU.
-Here each rank holds its share of those, and one block gathered at a time. Each rank trains on its share of
+the dense teacher: for LLaMA-2-7B in bf16 the copy, the teacher, the gradient, m and v and the two masks take
+13 + 13 + 13 + 26 + 13 GB, all of an 80 GB GPU before any activation. Here each rank holds its share of those,
+and one block gathered at a time. Each rank trains on its share of
 every global batch and FSDP2 averages the gradients, so N ranks recover what one process recovers (up to
 rounding); the checkpoint is `recover`'s own file (`recover_checkpoint.py`), resumable on any number of ranks.
 
@@ -31,8 +32,8 @@ from torch import nn
 from patchc.ir import TilePlan
 from patchc.ir import targets as tg
 from patchc.ir.provenance import check_weights
-from patchc.masking.recover import (RecoverConfig, Saved, mean_loss, TrainedParam, param_masks, rebuild, recovered_plan,
-                                    recovery_record, source_fingerprints, train_kept)
+from patchc.masking.recover import (RecoverConfig, Saved, TrainedParam, mean_loss, param_masks, rebuild,
+                                    recovered_plan, recovery_record, source_fingerprints, train_kept)
 from patchc.masking.recover_checkpoint import checkpoint_key
 from patchc.masking.train import batch_getter, global_mean
 from patchc.utils.names import block_path
@@ -46,9 +47,9 @@ def recover_sharded(plan: TilePlan | None, model: nn.Module, teacher: nn.Module 
     """`patchc.recover(plan, model, ...)` with Adam, every rank holding shards; returns the plan on rank 0.
 
     Every rank calls it with its own whole copies of the dense model (`model`, trained in place, and `teacher`,
-    read by `loss_fn`; None when the loss needs none), in host memory best: FSDP2 moves each block's shards to
-    the mesh's device. `plan` is rank 0's (None elsewhere), `batches(step)` this rank's share of the step's
-    batch. Both models end sharded.
+    read by `loss_fn`; None when the loss needs none), in host memory best: FSDP2 moves one block at a time to
+    the mesh's device and keeps this rank's shard of it. `plan` is rank 0's (None elsewhere), `batches(step)`
+    this rank's share of the step's batch. Both models end sharded.
     """
     if cfg.method != "adam":
         raise ValueError("recover_sharded: only method='adam' trains sharded; run method='sparsegpt' in one process")
@@ -121,8 +122,8 @@ def scatter_masks(plan: TilePlan | None, model: nn.Module, views: dict[str, tg.T
             masks = (torch.empty(param.shape, dtype=torch.bool),) * 2  # filled by the scatter
         # as bytes: gloo scatters no bool tensors
         found[name] = TrainedParam(param, *(distribute_tensor(m.to(param.device, torch.uint8), param.device_mesh,
-                                                        param.placements, src_data_rank=0).to(torch.bool)
-                                      for m in masks))
+                                                             param.placements, src_data_rank=0).to(torch.bool)
+                                            for m in masks))
     return found
 
 

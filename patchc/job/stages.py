@@ -269,7 +269,7 @@ def recover_sharded_copy(bundle, plan, data: dict, opts: PruneOptions, steps: in
     cfg = RecoverConfig(steps=steps, lr=lr, **knobs)
     rank, size = world()
     batches = recovery_batches(bundle, data, opts)
-    with parked(bundle.model):  # copied in host memory: FSDP2 moves each block's shards to this rank's GPU
+    with parked(bundle.model):  # copied in host memory; FSDP2 moves a block at a time to the GPU, keeps a shard
         student = copy.deepcopy(bundle.model)
         teacher = copy.deepcopy(bundle.model) if bundle.kind == "encoder" or "kd" in opts.recover_loss else None
         return recover_sharded(plan, student, teacher, lambda step: rank_slice(batches(step), rank, size),

@@ -57,13 +57,14 @@ def save_recovery(path: str | os.PathLike, key: dict, params: dict[str, torch.Te
                   optimizer: torch.optim.Optimizer, step: int, history: list[dict]) -> None:
     """Write the checkpoint atomically (a crash while saving leaves the previous one). Sharded tensors are
     gathered one at a time and rank 0 writes; every rank calls it then, and leaves once the file is written."""
+    sharded = is_sharded(params)
     whole = {name: _whole(p.detach()) for name, p in params.items()}
     state = optimizer.state_dict()
     state["state"] = {i: {k: _whole(v) for k, v in entry.items()} for i, entry in state["state"].items()}
-    if _rank() == 0:
+    if not sharded or _rank() == 0:  # unsharded, whichever process recovers alone writes its own
         atomic_torch_save({"format": FORMAT, "version": VERSION, "key": key, "step": step, "history": history,
                            "params": whole, "optimizer": state}, path)
-    if is_sharded(params):
+    if sharded:
         dist.barrier()  # no rank returns (and maybe exits on a signal) before the file is complete
 
 
