@@ -1,4 +1,5 @@
-"""Weight recovery sharded by FSDP2 on 2 gloo processes (CPU): equal to one process, half the state per rank, and
+"""Weight recovery sharded by FSDP2 on 2 gloo processes (CPU): equal to one process (a Llama, a BERT encoder, a
+Mixtral with fused experts), half the state per rank, and
 a checkpoint that goes on in one process or on two ranks, whichever wrote it.
 
 The ranks are spawned (see test_fsdp.py for why) and rebuild the tiny Llama from a saved state dict; rank 0 reads
@@ -60,6 +61,25 @@ def _encoder():
                                   num_attention_heads=4, max_position_embeddings=64)
     torch.manual_seed(0)
     return EncoderWrapper(transformers.BertModel(cfg)).eval()
+
+
+def _experts():
+    """A tiny Mixtral: fused 3-D experts, one plan layer per expert slice, sharded along the experts."""
+    import transformers
+
+    cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(cfg).eval()
+
+
+def _hardened(model) -> TilePlan:
+    """The plan of the magnitude prior at 35% (expert slices named "<param>.<e>", as the job's plans are)."""
+    from patchc.models.hf_export import export_causal_lm
+
+    prog = patchc.transform(export_causal_lm(model), patchc.PatchConfig(tile=TILE, prior="magnitude", steps=1))
+    return patchc.harden(prog)
 
 
 def _layerwise(teacher):
@@ -133,6 +153,9 @@ def _worker(rank: int, files: Path) -> None:
         encoder_plan = _plan(student) if rank == 0 else None
         runs["encoder"] = recover_sharded(encoder_plan, student, teacher, batches, _layerwise(teacher), CFG,
                                           progress=False)
+        student, teacher = _experts(), _experts()
+        experts_plan = TilePlan.load(files / "experts.patch") if rank == 0 else None
+        runs["experts"] = recover_sharded(experts_plan, student, teacher, batches, _kd(teacher), CFG, progress=False)
         if rank == 0:
             torch.save({"placements": placements, "shares": shares}, files / "result.pt")
             for run, rec in runs.items():
@@ -159,6 +182,9 @@ def test_sharded_recovery_equals_one_process_and_resumes_either_way(tmp_path):
         patchc.recover(plan, copy.deepcopy(dense), _batch, _kd(dense, dies_at=HALF + 1), progress=False,
                        steps=STEPS, lr=LR, score_batches=0, checkpoint=tmp_path / "one.ckpt", checkpoint_every=HALF)
     shutil.copy(tmp_path / "one.ckpt", tmp_path / "resumed.ckpt")
+    experts = _experts()
+    experts_plan = _hardened(experts)
+    experts_plan.save(tmp_path / "experts.patch")
 
     ranks = mp.start_processes(_worker, args=(tmp_path,), nprocs=WORLD, join=False, start_method="spawn")
     threads = torch.get_num_threads()
@@ -169,10 +195,12 @@ def test_sharded_recovery_equals_one_process_and_resumes_either_way(tmp_path):
         encoder = _encoder()
         want_encoder = patchc.recover(_plan(encoder), encoder, _batch, _layerwise(_encoder()), progress=False,
                                       steps=STEPS, lr=LR, score_batches=2)
+        want_experts = patchc.recover(experts_plan, experts, _batch, _kd(_experts()), progress=False, steps=STEPS,
+                                      lr=LR, score_batches=2)
     finally:
         torch.set_num_threads(threads)
     _join_ranks(ranks)
-    got = {run: TilePlan.load(tmp_path / f"{run}.patch") for run in ("straight", "resumed", "encoder")}
+    got = {run: TilePlan.load(tmp_path / f"{run}.patch") for run in ("straight", "resumed", "encoder", "experts")}
     result = torch.load(tmp_path / "result.pt", weights_only=False)
 
     # (a) Two ranks recover what one process does, up to float reassociation (two half-batch means against one),
@@ -188,6 +216,9 @@ def test_sharded_recovery_equals_one_process_and_resumes_either_way(tmp_path):
     # An encoder distils its layer states through `layer_states`, which FSDP2 gathers for as for forward (without
     # that, the embedding reads its shard: "got mixed torch.Tensor and DTensor"); measured max 6.9e-6.
     _assert_same_weights(got["encoder"], want_encoder, atol=2e-4)
+    # Fused experts: each 3-D parameter is sharded along its experts, its masks too; measured max 2.3e-6.
+    assert sum(".experts." in name for name in want_experts.layers) == 2 * 2 * 4  # gate_up, down x blocks x experts
+    _assert_same_weights(got["experts"], want_experts, atol=2e-4)
 
     # (b) The single process's step-3 checkpoint, resumed on two ranks: the straight recovery's weights.
     _assert_same_weights(got["resumed"], want, atol=2e-4)
