@@ -1,6 +1,6 @@
 """Weight recovery sharded by FSDP2 on 2 gloo processes (CPU): equal to one process (a Llama, a BERT encoder, a
-Mixtral with fused experts), half the state per rank, and
-a checkpoint that goes on in one process or on two ranks, whichever wrote it.
+Mixtral with fused experts), half the state per rank, and a checkpoint that goes on in one process or on two
+ranks, whichever wrote it.
 
 The ranks are spawned (see test_fsdp.py for why) and rebuild the tiny Llama from a saved state dict; rank 0 reads
 the plan from a file. This process runs the single-process references meanwhile and compares.
