@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from patchc.ir import TilePlan
 from patchc.ir import targets as tg
@@ -47,9 +48,10 @@ def recover_sharded(plan: TilePlan | None, model: nn.Module, teacher: nn.Module 
     """`patchc.recover(plan, model, ...)` with Adam, every rank holding shards; returns the plan on rank 0.
 
     Every rank calls it with its own whole copies of the dense model (`model`, trained in place, and `teacher`,
-    read by `loss_fn`; None when the loss needs none), in host memory best: FSDP2 moves one block at a time to
-    the mesh's device and keeps this rank's shard of it. `plan` is rank 0's (None elsewhere), `batches(step)`
-    this rank's share of the step's batch. Both models end sharded.
+    read by `loss_fn`; None when the loss needs none; sharded already by `shard_teacher`, or whole), in host
+    memory best: FSDP2 moves one block at a time to the mesh's device and keeps this rank's shard of it.
+    `plan` is rank 0's (None elsewhere), `batches(step)` this rank's share of the step's batch. Both models end
+    sharded.
     """
     if cfg.method != "adam":
         raise ValueError("recover_sharded: only method='adam' trains sharded; run method='sparsegpt' in one process")
@@ -69,9 +71,8 @@ def recover_sharded(plan: TilePlan | None, model: nn.Module, teacher: nn.Module 
     for name in names:
         model.get_parameter(name).requires_grad_(True)
     shard_model(model, blocks, mesh)
-    if teacher is not None:
-        teacher.requires_grad_(False)
-        shard_model(teacher, blocks, mesh, frozen=True)
+    if teacher is not None and not isinstance(teacher, FSDPModule):
+        shard_teacher(teacher, mesh)
     named = scatter_masks(plan, model, views, names, cfg.scope)
     with torch.no_grad():
         for entry in named.values():
@@ -105,6 +106,14 @@ def shard_model(model: nn.Module, blocks: list[str], mesh: Any = None, frozen: b
     if callable(getattr(model, "layer_states", None)):  # an encoder's layerwise distillation calls it, not forward
         register_fsdp_forward_method(model, "layer_states")
     return model
+
+
+def shard_teacher(teacher: nn.Module, mesh: Any = None) -> nn.Module:
+    """`teacher` frozen and sharded, one unit per transformer block; returns it. Sharding it before the student is
+    copied keeps one whole copy of the model at a time in a rank's host memory (FSDP2 frees each block's)."""
+    teacher.requires_grad_(False)
+    return shard_model(teacher, sorted({block_path(n) for n, _ in teacher.named_parameters()} - {None}), mesh,
+                       frozen=True)
 
 
 def scatter_masks(plan: TilePlan | None, model: nn.Module, views: dict[str, tg.Target], names: list[str],
@@ -156,4 +165,4 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-__all__ = ["recover_sharded", "shard_model", "scatter_masks", "gather_layers"]
+__all__ = ["recover_sharded", "shard_model", "shard_teacher", "scatter_masks", "gather_layers"]

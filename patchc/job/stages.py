@@ -261,7 +261,7 @@ def recover_sharded_copy(bundle, plan, data: dict, opts: PruneOptions, steps: in
     (`fsdp_recover`); the plan on rank 0, None elsewhere. The loaded model waits in host memory meanwhile."""
     import copy
 
-    from patchc.job.fsdp_recover import recover_sharded
+    from patchc.job.fsdp_recover import recover_sharded, shard_teacher
     from patchc.masking.recover import RecoverConfig
 
     saving = {k: knobs.pop(k) for k in ("checkpoint", "resume", "checkpoint_tag") if k in knobs}
@@ -270,8 +270,9 @@ def recover_sharded_copy(bundle, plan, data: dict, opts: PruneOptions, steps: in
     rank, size = world()
     batches = recovery_batches(bundle, data, opts)
     with parked(bundle.model):  # copied in host memory; FSDP2 moves a block at a time to the GPU, keeps a shard
+        kd = bundle.kind == "encoder" or "kd" in opts.recover_loss
+        teacher = shard_teacher(copy.deepcopy(bundle.model)) if kd else None  # before the student: one copy at a time
         student = copy.deepcopy(bundle.model)
-        teacher = copy.deepcopy(bundle.model) if bundle.kind == "encoder" or "kd" in opts.recover_loss else None
         return recover_sharded(plan, student, teacher, lambda step: rank_slice(batches(step), rank, size),
                                make_loss(bundle, teacher, opts, recovery=True), cfg, progress=progress, **saving)
 
