@@ -145,9 +145,13 @@ def test_sharded_recovery_needs_a_share_of_two_copies_and_the_state(tiny_mlp):
     weights = masked_weights(tiny_mlp, patchc.PatchConfig(tile=(8, 8)))
     model_bytes = 4 * sum(p.numel() for p in tiny_mlp.parameters())
     need = (2 * model_bytes + weights * (3 * 4 + 2)) / 4  # a student and a teacher, each rank 1/4 of both and the state
-    memory.check_recovery(tiny_mlp, weights, int(need) + 1, "cuda", share=4)
+    parked = model_bytes  # the loaded model leaves the GPU while the shards recover
+    memory.check_recovery(tiny_mlp, weights, int(need) - parked + 1, "cuda", share=4)
     with pytest.raises(ValueError, match=r"on each of 4 ranks: 1/4 of a copy of the model and of the dense teacher"):
-        memory.check_recovery(tiny_mlp, weights, int(need) - 1, "cuda", share=4)
+        memory.check_recovery(tiny_mlp, weights, int(need) - parked - 1, "cuda", share=4)
+    memory.check_recovery(tiny_mlp, weights, int(need) + 1, "cpu", share=4)  # host memory: nothing leaves
+    with pytest.raises(ValueError, match=r"on each of 4 ranks"):
+        memory.check_recovery(tiny_mlp, weights, int(need) - 1, "cpu", share=4)
 
 
 def _tiny_llama_folder(tmp_path):

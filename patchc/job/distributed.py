@@ -51,9 +51,14 @@ def dist_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def launched_size() -> int:
+    """How many processes torchrun launched (WORLD_SIZE), before any process group is joined; 1 outside it."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(device: str) -> None:
     """Join the torchrun process group when launched by torchrun (WORLD_SIZE > 1)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+    if launched_size() > 1 and not dist.is_initialized():
         timeout = dist_timeout()  # checked before anything else
         if device == "cuda":  # one GPU per rank: "cuda" then means this rank's GPU (model, mesh, NCCL)
             import torch

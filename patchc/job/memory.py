@@ -87,14 +87,13 @@ def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: in
     if free is None:
         return
     weights, share = masked_weights(model, cfg), ranks if opts.fsdp else 1
-    free_masks, held, free_recovery = free, "with the model loaded", free
+    free_masks, held = free, "with the model loaded"
     if share > 1 and opts.device.startswith("cuda"):  # the ranks train from 1/N of it, the rest is `parked`
         dense = model_bytes(model)
         free_masks, held = free + dense * (1 - 1 / share), f"with 1/{share} of the model's weights"
-        free_recovery = free + dense  # the loaded model waits in host memory while the shards recover
     check_masks(weights, free_masks, opts, share, held)
     if opts.recover:
-        check_recovery(model, weights, free_recovery, opts.device, share=share, hint=(
+        check_recovery(model, weights, free, opts.device, share=share, hint=(
             "Prune without --recover and recover the run later where more memory is free (patchc recover RUN "
             "--device ...)" + ("" if share > 1 else ", or shard it: torchrun --nproc_per_node=N -m patchc prune "
                                "--fsdp --recover ...")))
@@ -164,8 +163,8 @@ def check_masks(weights: int, free: float, opts: PruneOptions, share: int = 1,
 def check_recovery(model: nn.Module, weights: int, free: int, device: str, hint: str = "", share: int = 1) -> None:
     """Weight recovery trains a second copy of the model against the loaded dense one (the teacher), with a
     gradient, Adam's m and v (in the weights' dtype) and two bool masks per planned weight. `share` FSDP ranks
-    (`fsdp_recover`) each hold 1/share of the copy, of a copy of the teacher and of the rest; `free` then counts
-    the loaded model as moved to host memory."""
+    (`fsdp_recover`) each hold 1/share of the copy, of a copy of the teacher and of the rest, and a GPU the loaded
+    model leaves meanwhile (`parked`) has its bytes free too; `free`: what is free with the model loaded."""
     copy = model_bytes(model)
     per_weight = 3 * next(model.parameters()).element_size() + 2
     state = (f"{per_weight} bytes per planned weight for its gradient, Adam's m and v and two masks "
@@ -176,6 +175,8 @@ def check_recovery(model: nn.Module, weights: int, free: int, device: str, hint:
     else:
         need, where, held = (2 * copy + weights * per_weight) / share, f"each of {share} ranks", "with the " \
             "loaded model in host memory"
+        if device.startswith("cuda"):  # the loaded model waits in host memory meanwhile (`parked`)
+            free += copy
         what = f"1/{share} of a copy of the model and of the dense teacher ({_size(copy)} each) and of {state}"
     if need <= free:
         return

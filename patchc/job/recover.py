@@ -162,15 +162,15 @@ def run_recover(
     from patchc.job.corpus import data_record, load_data
     import torch.distributed as dist
 
-    from patchc.job.distributed import init_distributed, say, world
+    from patchc.job.distributed import init_distributed, launched_size, say, world
     from patchc.job.prune import cache_dir
-    from patchc.job.memory import check_recovery, free_bytes, model_bytes
+    from patchc.job.memory import check_recovery, free_bytes
     from patchc.job.model import load_bundle
 
     run = Path(run_dir)
     plan = TilePlan.load(find_plan(run))
     check_free(run, overwrite, resume)
-    if method != "adam" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if method != "adam" and launched_size() > 1:
         raise ValueError(f"recover --method {method} updates each layer once, in one process: run it without torchrun")
     init_distributed(device)  # under torchrun: every rank recovers its shards, rank 0 scores and writes
     rank, size = world()
@@ -187,8 +187,7 @@ def run_recover(
     started = time.perf_counter()
     bundle = load_bundle(opts)
     if method == "adam" and (free := free_bytes(opts.device)) is not None:  # before text is generated
-        parked = model_bytes(bundle.model) if size > 1 and opts.device.startswith("cuda") else 0
-        check_recovery(bundle.model, sum(layer.numel for layer in plan.layers.values()), free + parked, opts.device,
+        check_recovery(bundle.model, sum(layer.numel for layer in plan.layers.values()), free, opts.device,
                        share=size, hint="Pass --device with more memory, run it on more GPUs (torchrun "
                        "--nproc_per_node=N -m patchc recover ...), or --method sparsegpt (no training state)")
     data = load_data(bundle, opts, cache_dir=cache_dir(opts))  # generated text: the run's cache

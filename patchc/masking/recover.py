@@ -48,7 +48,7 @@ from patchc.masking.cadence import Cadence
 from patchc.masking.recover_checkpoint import checkpoint_key, is_sharded, load_recovery, save_recovery
 from patchc.masking.train import agree, batch_getter, global_mean, stop_agreed
 from patchc.utils.progress import progress as progress_bar
-from patchc.utils.stopping import stop_now, stop_requested, stoppable
+from patchc.utils.stopping import stop_now, stoppable
 
 SCOPES = ("all", "values")
 METHODS = ("adam", "sparsegpt")
@@ -281,18 +281,17 @@ def train_kept(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], ge
     rank then runs this loop on its shards, and logs, stops and checkpoints at the same steps as the others."""
     named = trainable(plan, model, views, cfg.scope) if named is None else named
     params = list(named.values())
-    sharded = is_sharded({n: e.param for n, e in named.items()})
+    tensors = {name: e.param for name, e in named.items()}
+    sharded = is_sharded(tensors)
     grads_were = {name: p.requires_grad for name, p in model.named_parameters()}  # FSDP2 swaps the objects
     was_training = model.training
     for p in model.parameters():
         p.requires_grad_(False)
-    weights = [e.param for e in params]
-    for w in weights:
+    for w in tensors.values():
         w.requires_grad_(True)
-    optimizer = torch.optim.Adam(weights, lr=cfg.lr)
+    optimizer = torch.optim.Adam(list(tensors.values()), lr=cfg.lr)
     history: list[dict[str, float]] = []
     start = 0
-    tensors = {name: e.param for name, e in named.items()}
     if saved.resume and saved.path is not None:
         start, history = load_recovery(saved.path, saved.key, tensors, optimizer) or (0, [])
     cadence = Cadence(saved.every if saved.path is not None else 0, last=start)
@@ -302,7 +301,7 @@ def train_kept(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], ge
     try:
         bar = progress_bar(range(start, cfg.steps), desc=f"weight recovery ({cfg.scope})", disable=not progress,
                            initial=start, total=cfg.steps)
-        with stoppable():
+        with stoppable() as handled:
             for t in bar:
                 loss = _step(model, loss_fn, get_batch(t), optimizer, params, cfg.lr * cfg.schedule_factor(t),
                              cfg.grad_clip)
@@ -310,7 +309,7 @@ def train_kept(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], ge
                     history.append(_log(t + 1, global_mean(loss.detach()) if sharded else loss, optimizer, bar,
                                         on_log))
                 # a signal: stop after this step, with its checkpoint written (sharded: the ranks agree on it)
-                stop = stop_agreed(True, t + 1, cfg.steps, loss.device) if sharded else stop_requested()
+                stop = stop_agreed(handled and sharded, t + 1, cfg.steps, loss.device)
                 if cadence.due(t + 1) or (saved.path is not None and (t + 1 == cfg.steps or stop is not None)):
                     cadence.save(t + 1, lambda: save_recovery(saved.path, saved.key, tensors, optimizer, t + 1,
                                                               history), agree if sharded else (lambda x: x))
