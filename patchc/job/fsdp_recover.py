@@ -36,7 +36,7 @@ from patchc.ir.provenance import check_weights
 from patchc.masking.recover import (RecoverConfig, Saved, TrainedParam, mean_loss, param_masks, rebuild,
                                     recovered_plan, recovery_record, source_fingerprints, train_kept)
 from patchc.masking.recover_checkpoint import checkpoint_key
-from patchc.masking.train import batch_getter, global_mean
+from patchc.masking.train import agree, batch_getter, global_mean
 from patchc.utils.names import block_path
 
 
@@ -63,9 +63,7 @@ def recover_sharded(plan: TilePlan | None, model: nn.Module, teacher: nn.Module 
             check_weights(plan, model)
         prints = source_fingerprints(plan, model, views)
         key = checkpoint_key(plan, cfg, prints, checkpoint_tag) if checkpoint is not None else None
-    shared = [(list(dict.fromkeys(t.param for t in views.values())), key)]
-    dist.broadcast_object_list(shared, src=0)
-    names, key = shared[0]
+    names, key = agree((list(dict.fromkeys(t.param for t in views.values())), key))
     blocks = sorted({block_path(n) for n in names} - {None})
     model.requires_grad_(False)  # before sharding: FSDP2 reads it once, when it first gathers a block
     for name in names:

@@ -76,20 +76,17 @@ def cache_dir(opts: PruneOptions) -> Path:
 
 def claim_folder(bundle, opts: PruneOptions) -> tuple[Path, int]:
     """Rank 0 claims the run folder and checks the settings; every rank learns (folder, schedule length T)."""
-    rank, size = world()
-    if rank == 0:
+    shared = None
+    if world()[0] == 0:
         out = claim_run_dir(opts.out, Path("runs"), bundle.name, opts.resume, opts.overwrite)
         try:
             schedule = check_settings(out, opts, opts.resume, opts.overwrite)
         except BaseException:
             release(out, failed=True)
             raise
-        shared = [str(out), schedule]
-    else:
-        shared = [None, None]
-    if size > 1:
-        dist.broadcast_object_list(shared, src=0)
-    return Path(shared[0]), int(shared[1])  # T < --steps when a resumed run is extended
+        shared = (str(out), schedule)
+    folder, schedule = agree(shared)
+    return Path(folder), int(schedule)  # T < --steps when a resumed run is extended
 
 
 def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, command: str | None,
@@ -206,17 +203,15 @@ class ToDo:
 
 def still_to_do(out: Path, opts: PruneOptions, kept: KeptRows | None) -> ToDo:
     """Rank 0 reads the kept rows and tells every rank; a run resumed from a checkpoint needs no prior for it."""
-    rank, size = world()
-    shared, saved = [None], None
+    rank = world()[0]
+    shared, saved = None, None
     if rank == 0:
         nm_rows = kept.has(NM_ROW, options=TRAINED) and (not opts.recover or kept.has(NM_ROW + RECOVERY,
                                                                                       options=RECOVERED))
         saved = kept_plan(out, opts) if kept.has(f"PATCH {opts.variant}", options=TRAINED) else None
-        shared = [(saved is None, opts.baselines and not nm_rows,
-                   tuple(m for m in ONESHOT_METHODS if opts.baselines and kept.get(f"{m} 2:4") is None))]
-    if size > 1:
-        dist.broadcast_object_list(shared, src=0)
-    patch, nm, oneshot = shared[0]
+        shared = (saved is None, opts.baselines and not nm_rows,
+                  tuple(m for m in ONESHOT_METHODS if opts.baselines and kept.get(f"{m} 2:4") is None))
+    patch, nm, oneshot = agree(shared)
     patch_prior = patch and not resumes_from(out / CHECKPOINT, opts.resume)
     nm_prior = nm and not resumes_from(out / NM_CHECKPOINT, opts.resume)
     return ToDo(patch_prior or nm_prior, patch, nm, oneshot, saved if rank == 0 else None)
