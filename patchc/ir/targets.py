@@ -3,7 +3,7 @@
 A `LayerPlan` is always (N, K) = (out_features, in_features). Models store weights three ways:
 
     plain      nn.Linear weight (N, K)                 layer name = the parameter FQN
-    transposed GPT-2 Conv1D weight (K, N)              layer name = the parameter FQN
+    transposed GPT-2 Conv1D weight (K, N), DBRX's w2   layer name = the parameter FQN
     expert     fused 3-D experts (E, N, K) or (E, K, N) layer name = "<parameter FQN>.<expert>",
                                                         e.g. "model.layers.0.mlp.experts.gate_up_proj.3"
 
@@ -11,9 +11,9 @@ Hardening records each non-plain layer in `plan.meta["targets"]` ({name: {"param
 "transposed"}}), so `TilePlan.apply` and the fingerprint check read and write the right slice in the
 right orientation. A plan without that record (an older file, `from_weights`) is resolved from the
 model: a parameter of that name, or "<3-D parameter>.<int>" for an expert, transposed when the owning
-module is a `Conv1D`, an experts module with `is_transposed`, or one that multiplies every expert's rows
-at once (`bmm_experts`: Llama 4). A model wrapped by PEFT (LoRA adapters beside the pruned weights) is
-resolved by the names of the model it wraps (`find_param`).
+module is a `Conv1D`, an experts module with `is_transposed`, one that multiplies every expert's rows
+at once (`bmm_experts`: Llama 4), or DBRX's flat w2 (`flat_experts`). A model wrapped by PEFT (LoRA
+adapters beside the pruned weights) is resolved by the names of the model it wraps (`find_param`).
 
 Example:
     >>> t = resolve(model, "model.layers.0.mlp.experts.down_proj.2")
@@ -35,6 +35,8 @@ from patchc.ir.errors import PlanError
 META_KEY = "targets"
 PEFT_PREFIX = "base_model.model."  # where a PeftModel holds the model it wraps
 EXPERT_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")  # as transformers names them
+# class -> {weight: stored (K, N)} of experts held flat, (E * F, H), and sliced per expert (`flat_experts`)
+FLAT_EXPERTS = {"DbrxExpertGLU": {"w1": False, "v1": False, "w2": True}}
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,9 @@ def _guess(model: nn.Module, name: str) -> Target | None:
     """Resolve a layer name without a recorded target (see the module docstring)."""
     found = find_param(model, name)
     if found is not None:
-        return Target(name, found, None, type(_owner(model, found)).__name__ == "Conv1D")
+        owner = _owner(model, found)
+        stored = type(owner).__name__ == "Conv1D" or flat_experts(owner).get(found.rpartition(".")[2], False)
+        return Target(name, found, None, stored)
     param, _, index = name.rpartition(".")
     found = find_param(model, param) if index.isdigit() else None
     weight = _param(model, found) if found is not None else None
@@ -119,6 +123,13 @@ def _guess(model: nn.Module, name: str) -> Target | None:
     if int(index) >= weight.shape[0]:
         raise PlanError(f"layer {name}: expert {index} is out of range for {param} with {weight.shape[0]} experts")
     return Target(name, found, int(index), stored_kn(_owner(model, found)))
+
+
+def flat_experts(module: nn.Module | None) -> dict[str, bool]:
+    """{weight: stored (K, N)} of a module that holds its experts as flat 2-D weights (E * F, H) and slices them
+    expert by expert in its forward (`FLAT_EXPERTS`: DBRX's), else {}. patchc traces such experts whole
+    (`patchc.models.traceable`), so each flat weight is one plan layer."""
+    return FLAT_EXPERTS.get(type(module).__name__, {})
 
 
 def is_conv1d(module: nn.Module | None) -> bool:

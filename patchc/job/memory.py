@@ -92,11 +92,27 @@ def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: in
         dense = model_bytes(model)
         free_masks, held = free + dense * (1 - 1 / share), f"with 1/{share} of the model's weights"
     check_masks(weights, free_masks, opts, share, held)
+    check_hessians(model, cfg, opts)
     if opts.recover:
         check_recovery(model, weights, free, opts.device, share=share, hint=(
             "Prune without --recover and recover the run later where more memory is free (patchc recover RUN "
             "--device ...)" + ("" if share > 1 else ", or shard it: torchrun --nproc_per_node=N -m patchc prune "
                                "--fsdp --recover ...")))
+
+
+def check_hessians(model: nn.Module, cfg: PatchConfig, opts: PruneOptions) -> None:
+    """ValueError when SparseGPT (the prior, or its baseline) needs a layer's K x K fp32 Hessian larger than the
+    host memory free, where the Hessians wait (`calibration_memory`): a layer that reads very many inputs, such
+    as DBRX's flat w2 (E * F of them: 118 GB at DBRX's size), before calibration runs out of memory."""
+    free = free_bytes("cpu")
+    layers = plain_layers(model, cfg.exclude)
+    if free is None or not layers or not (opts.prior == "sparsegpt" or opts.baselines):
+        return
+    name, k = max(layers.items(), key=lambda item: item[1])
+    if 4 * k * k > free:
+        raise ValueError(f"SparseGPT ({'--prior sparsegpt' if opts.prior == 'sparsegpt' else 'a baseline'}) needs the "
+                         f"{k:,} x {k:,} fp32 Hessian of {name}, {_size(4 * k * k)}, and the host has {_size(free)} "
+                         "free; use --prior wanda --no-baselines")
 
 
 def check_loads(opts: PruneOptions, dtype: torch.dtype) -> None:
@@ -226,5 +242,6 @@ def _size(n: float) -> str:
     return f"{n / 1e3:.1f} kB"
 
 
-__all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_loads", "check_masks", "check_recovery",
+__all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_hessians", "check_loads", "check_masks",
+           "check_recovery",
            "free_bytes", "masked_weights", "model_bytes", "out_of_memory"]

@@ -8,7 +8,7 @@ it for `patchc.transform` and how to read its logits or embeddings.
     llama2c_tokenizer.py  llama2.c's BPE tokenizer
     hf.py                 transformers loaders (causal LMs, encoders, all-MiniLM-L6-v2), offline
     hf_export.py          their torch.export (dynamic, else per length; untraceable layers named)
-    traceable.py          vectorised forms of layers torch.export cannot trace (Qwen4-Exp's indexer)
+    traceable.py          vectorised forms of layers torch.export cannot trace (Qwen4-Exp's indexer, DBRX's experts)
     bundle.py             `ModelBundle`: a model with its tokenizer, export and logits, whatever its source
     spec.py               `load_model(spec)`: which loader a spec (file, folder, cached name) names
     outputs.py            logits of any model call, a model's device

@@ -152,7 +152,7 @@ def _export_ids(model: nn.Module, ids: torch.Tensor, dims: dict) -> torch.export
     A forward that takes ``use_cache`` only through ``**kwargs`` (GraniteMoE) is exported without it and
     with ``config.use_cache`` off for the export (torch.export cannot map dynamic shapes through
     ``**kwargs``); its program is then called as ``m(ids)``. Layers with a traceable form
-    (`patchc.models.traceable`: Qwen4-Exp's QSA indexer) are traced in that form.
+    (`patchc.models.traceable`: Qwen4-Exp's QSA indexer, DBRX's experts) are traced in that form.
     """
     with _grouped_experts(model), traceable_layers(model):
         return _export_ids_as_is(model, ids, dims)

@@ -1,9 +1,10 @@
 """Traceable forms of layers torch.export cannot trace, swapped in while patchc exports a model.
 
 A few transformers layers compute with Python control flow on tensor values, which torch.export cannot
-trace, although the same computation has a vectorised form. While `export_causal_lm` traces a model, the
-forward of each such layer (`SUBSTITUTES`, by class name) is replaced on the instance by that form, and
-restored after: the model itself is left as it was, and its own forward still runs with a KV cache.
+trace, although the same computation has a vectorised form. While `export_causal_lm` traces a model (and
+while `patchc.calibrate` observes one with DBRX's experts), the forward of each such layer (`SUBSTITUTES`, by
+class name) is replaced on the instance by that form, and restored after: the model itself is left as it
+was, and its own forward still runs with a KV cache.
 
 Qwen4-Exp's QSA indexer (`Qwen4ExpTextQSAIndexer`) keeps, for each query, the `budget / ratio` blocks of
 `ratio` consecutive visible keys its heads score highest, plus the keys after the last complete block.
@@ -12,6 +13,13 @@ causal mask of patchc's exports (ids only: no padding, no cache; sdpa's boolean 
 so the blocks are the same for every query and the choice is one masked top-k over (batch, query, block)
 scores. It picks the same blocks as the loop except among equal scores (`torch.topk` breaks ties by the
 vector's length; the ReLU-summed scores tie at zero when every head scores a block negative).
+
+DBRX's experts (`DbrxExperts`) loop over the experts the router picked, one matmul per expert hit, on slices
+of flat (E * F, H) weights w1, v1, w2. Traced, every expert runs on every token as plain matmuls over the flat
+weights, and each expert's output is scaled by its routing weight (0 where it was not picked): the loop's sum
+over picked experts is (r * h) @ w2, with h = act(x w1^T) * (x v1^T) viewed (T, E, F). So each flat weight is
+one plan layer (w2, read (K, N), is masked as its transpose: 2:4 groups along E * F). While masks train, it costs
+E / top_k times the loop's expert FLOPs (4x for DBRX's 16 / 4).
 
 Example:
     >>> with traceable_layers(model):                     # doctest: +SKIP
@@ -29,6 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -96,6 +105,28 @@ def qsa_indexer_causal(indexer: nn.Module, original: Callable, hidden_states: to
     return keep.unsqueeze(1)
 
 
+def dbrx_experts_dense(experts: nn.Module, original: Callable, hidden_states: torch.Tensor,
+                       top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """`DbrxExperts.forward` with every expert on every token, weighted by the routing (0 where not picked)."""
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, experts.hidden_size)
+    mlp, n_experts, ffn = experts.mlp, experts.num_experts, experts.ffn_hidden_size
+    routing = x.new_zeros(x.shape[0], n_experts).scatter_add(1, top_k_index, top_k_weights.to(x.dtype))
+    inner = mlp.activation_fn(F.linear(x, mlp.w1)) * F.linear(x, mlp.v1)  # (T, E * F)
+    weighted = (inner.view(-1, n_experts, ffn) * routing.unsqueeze(-1)).reshape(-1, n_experts * ffn)
+    return torch.matmul(weighted, mlp.w2).view(shape)
+
+
+def _is_dbrx_experts(module: nn.Module) -> bool:
+    """DbrxExperts as transformers 5.17-5.24 build it: flat (E * F, H) w1, v1, w2 on `mlp`."""
+    mlp = getattr(module, "mlp", None)
+    if mlp is None or not all(hasattr(module, n) for n in ("hidden_size", "ffn_hidden_size", "num_experts")):
+        return False
+    flat = (module.num_experts * module.ffn_hidden_size, module.hidden_size)
+    return hasattr(mlp, "activation_fn") and all(
+        tuple(getattr(getattr(mlp, w, None), "shape", ())) == flat for w in ("w1", "v1", "w2"))
+
+
 def _is_qsa_indexer(module: nn.Module) -> bool:
     """The indexer as transformers 5.17-5.24 build it: one key head (its config requires it) and the parts read."""
     names = ("index_qk_proj", "q_layernorm", "k_layernorm", "index_head_dim", "index_n_heads", "compress_ratio",
@@ -106,6 +137,7 @@ def _is_qsa_indexer(module: nn.Module) -> bool:
 # class name -> (does this instance have the form the substitute reads, the traceable forward)
 SUBSTITUTES: dict[str, tuple[Callable[[nn.Module], bool], Callable]] = {
     "Qwen4ExpTextQSAIndexer": (_is_qsa_indexer, qsa_indexer_causal),
+    "DbrxExperts": (_is_dbrx_experts, dbrx_experts_dense),
 }
 
 
@@ -153,5 +185,6 @@ def _put_back(module: nn.Module, forward: Callable | None) -> None:
         module.forward = forward
 
 
-__all__ = ["SUBSTITUTES", "qsa_block_scores", "qsa_indexer_causal", "qsa_queries_and_blocks", "qsa_selection",
+__all__ = ["SUBSTITUTES", "dbrx_experts_dense", "qsa_block_scores", "qsa_indexer_causal", "qsa_queries_and_blocks",
+           "qsa_selection",
            "substitutable", "traceable_layers"]

@@ -8,9 +8,12 @@ They are the layers `patchc.transform` masks, under the same plan layer names (`
                                                        (x sorted by expert, `offs` = row ends), the
                                                        eager loop's F.linear on one expert's slice, or
                                                        a bmm over every expert (Llama 4: x[e])
+    flat experts (DBRX)  "<2-D parameter>"              run in their traced form (every expert on every
+                                                       token, `patchc.models.traceable`), the matmul
+                                                       reading the whole flat weight
 
 so an expert's statistics hold only the tokens routed to it (Llama 4 hands every expert every token,
-scaled by its router score: 0 where not routed). Embeddings, tied LM heads and anything
+scaled by its router score: 0 where not routed; so does DBRX's traced form). Embeddings, tied LM heads and anything
 matched by `exclude` (routers among them) are left out.
 
 Example:
@@ -48,6 +51,12 @@ def _matmul_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield first.get(id(module.weight), f"{name}.weight" if name else "weight"), module
 
 
+def flat_expert_params(model: nn.Module) -> dict[str, tuple[torch.Tensor, bool]]:
+    """FQN -> (2-D parameter, stored (K, N)) of every flat experts weight (`targets.flat_experts`: DBRX's)."""
+    return {f"{name}.{w}" if name else w: (getattr(module, w), stored)
+            for name, module in model.named_modules() for w, stored in targets.flat_experts(module).items()}
+
+
 def expert_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """FQN -> 3-D parameter of every fused-experts module (one holding a 3-D `down_proj`)."""
     out = {}
@@ -70,6 +79,9 @@ def plain_layers(model: nn.Module, exclude: Sequence[str] = DEFAULT_EXCLUDE, tie
     for fqn, module in _matmul_modules(model):
         if id(module.weight) not in embedded and not any(fnmatch.fnmatchcase(fqn, g) for g in exclude):
             out[fqn] = int(module.weight.shape[0] if is_conv1d(module) else module.weight.shape[1])
+    for fqn, (p, stored) in flat_expert_params(model).items():
+        if not any(fnmatch.fnmatchcase(fqn, g) for g in exclude):
+            out[fqn] = int(p.shape[0] if stored else p.shape[1])
     for fqn, p in expert_params(model).items():
         if not any(fnmatch.fnmatchcase(fqn, g) for g in exclude):
             for e in range(p.shape[0]):
@@ -91,9 +103,11 @@ def layer_matrix(model: nn.Module, name: str) -> torch.Tensor:
 class _ExpertReads(TorchFunctionMode):
     """Routes the input of each grouped / per-expert matmul on a fused-experts weight to "<fqn>.<e>"."""
 
-    def __init__(self, params: dict[str, torch.Tensor], callback: Callable[[str, torch.Tensor], None]) -> None:
+    def __init__(self, params: dict[str, torch.Tensor], callback: Callable[[str, torch.Tensor], None],
+                 flat: dict[str, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.by_storage = {p.untyped_storage().data_ptr(): (fqn, p) for fqn, p in params.items()}
+        self.flat = {id(p): fqn for fqn, p in (flat or {}).items()}  # read whole in their traced form
         self.callback = callback
 
     def _param(self, w) -> tuple[str, torch.Tensor] | None:
@@ -112,6 +126,8 @@ class _ExpertReads(TorchFunctionMode):
                 for e, end in enumerate(int(v) for v in offs.tolist()):
                     self.callback(targets.layer_name(found[0], e), args[0][start:end].detach())
                     start = end
+        elif len(args) >= 2 and (func in _LINEAR or func in _MATMUL) and id(args[1]) in self.flat:
+            self.callback(self.flat[id(args[1])], args[0].detach())
         elif len(args) >= 2 and (func in _LINEAR or func in _MATMUL):
             found = self._param(args[1])
             w = args[1]
@@ -136,13 +152,25 @@ def observing_plain(model: nn.Module, names: set[str], callback: Callable[[str, 
 
             handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     experts = {fqn: p for fqn, p in expert_params(model).items() if any(n.startswith(fqn + ".") for n in names)}
-    mode = _ExpertReads(experts, callback) if experts else contextlib.nullcontext()
+    flat = {fqn: p for fqn, (p, _) in flat_expert_params(model).items() if fqn in names}
+    mode = _ExpertReads(experts, callback, flat) if experts or flat else contextlib.nullcontext()
     try:
-        with mode:
+        with mode, _traced_form(model, bool(flat)):
             yield
     finally:
         for h in handles:
             h.remove()
 
 
-__all__ = ["expert_params", "is_conv1d", "known_layers", "layer_matrix", "observing_plain", "plain_layers"]
+def _traced_form(model: nn.Module, flat: bool):
+    """Flat experts run in the form patchc traces them (`patchc.models.traceable`): each flat weight is read
+    whole, by every token, as the program reads its plan layer; their own loop reads one expert's slice."""
+    if not flat:
+        return contextlib.nullcontext()
+    from patchc.models.traceable import traceable_layers
+
+    return traceable_layers(model)
+
+
+__all__ = ["expert_params", "flat_expert_params", "is_conv1d", "known_layers", "layer_matrix", "observing_plain",
+           "plain_layers"]
