@@ -243,5 +243,4 @@ def _size(n: float) -> str:
 
 
 __all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_hessians", "check_loads", "check_masks",
-           "check_recovery",
-           "free_bytes", "masked_weights", "model_bytes", "out_of_memory"]
+           "check_recovery", "free_bytes", "masked_weights", "model_bytes", "out_of_memory"]

@@ -186,5 +186,4 @@ def _put_back(module: nn.Module, forward: Callable | None) -> None:
 
 
 __all__ = ["SUBSTITUTES", "dbrx_experts_dense", "qsa_block_scores", "qsa_indexer_causal", "qsa_queries_and_blocks",
-           "qsa_selection",
-           "substitutable", "traceable_layers"]
+           "qsa_selection", "substitutable", "traceable_layers"]
