@@ -109,9 +109,10 @@ def test_calibrating_the_model_sees_each_flat_weight_as_the_program_reads_it():
         torch.testing.assert_close(plain[name].hessian, traced[name].hessian, atol=1e-4, rtol=1e-4)
 
 
-def test_prune_runs_on_a_dbrx_folder_with_every_baseline_over_the_experts(tmp_path):
+def test_prune_runs_on_a_dbrx_folder_with_every_baseline_over_the_experts(tmp_path, monkeypatch):
     """`patchc prune` on a saved DBRX: the SparseGPT prior and the one-shot baselines have statistics for the
-    flat expert weights, and every 2:4 baseline prunes them (50% of every planned weight)."""
+    flat expert weights, and every 2:4 baseline prunes them (50% of every planned weight). A SparseGPT recovery
+    whose Hessian the host cannot hold is refused before it calibrates."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from patchc.job.options import PruneOptions
@@ -133,6 +134,13 @@ def test_prune_runs_on_a_dbrx_folder_with_every_baseline_over_the_experts(tmp_pa
         assert rows[f"{method} 2:4"]["sparsity"] == pytest.approx(0.5, abs=1e-6)
     plan = patchc.TilePlan.load(tmp_path / "run" / "plan.patch")
     assert "transformer.blocks.0.ffn.experts.mlp.w2" in plan.layers
+
+    from patchc.job import memory
+    from patchc.job.recover import run_recover
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 4 * (EXPERTS * FFN) ** 2 - 1)
+    with pytest.raises(ValueError, match=r"SparseGPT \(--method sparsegpt\) needs the 128 x 128 .*use --method adam"):
+        run_recover(tmp_path / "run", method="sparsegpt", progress=False)
 
 
 def test_a_hessian_larger_than_the_host_is_refused_before_calibration(monkeypatch):

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -101,18 +102,24 @@ def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: in
 
 
 def check_hessians(model: nn.Module, cfg: PatchConfig, opts: PruneOptions) -> None:
-    """ValueError when SparseGPT (the prior, or its baseline) needs a layer's K x K fp32 Hessian larger than the
-    host memory free, where the Hessians wait (`calibration_memory`): a layer that reads very many inputs, such
-    as DBRX's flat w2 (E * F of them: 118 GB at DBRX's size), before calibration runs out of memory."""
+    """`check_hessian` for a prune whose prior or baselines use SparseGPT."""
+    if opts.prior == "sparsegpt" or opts.baselines:
+        check_hessian(model, cfg.exclude, "--prior sparsegpt" if opts.prior == "sparsegpt" else "a baseline",
+                      "use --prior wanda --no-baselines")
+
+
+def check_hessian(model: nn.Module, exclude: Sequence[str], user: str, remedy: str) -> None:
+    """ValueError when SparseGPT (for `user`) needs a layer's K x K fp32 Hessian larger than the host memory free,
+    where the Hessians wait (`calibration_memory`): a layer that reads very many inputs, such as DBRX's flat w2
+    (E * F of them: 118 GB at DBRX's size), before calibration runs out of memory."""
     free = free_bytes("cpu")
-    layers = plain_layers(model, cfg.exclude)
-    if free is None or not layers or not (opts.prior == "sparsegpt" or opts.baselines):
+    layers = plain_layers(model, exclude)
+    if free is None or not layers:
         return
     name, k = max(layers.items(), key=lambda item: item[1])
     if 4 * k * k > free:
-        raise ValueError(f"SparseGPT ({'--prior sparsegpt' if opts.prior == 'sparsegpt' else 'a baseline'}) needs the "
-                         f"{k:,} x {k:,} fp32 Hessian of {name}, {_size(4 * k * k)}, and the host has {_size(free)} "
-                         "free; use --prior wanda --no-baselines")
+        raise ValueError(f"SparseGPT ({user}) needs the {k:,} x {k:,} fp32 Hessian of {name}, {_size(4 * k * k)}, "
+                         f"and the host has {_size(free)} free; {remedy}")
 
 
 def check_loads(opts: PruneOptions, dtype: torch.dtype) -> None:
@@ -242,5 +249,5 @@ def _size(n: float) -> str:
     return f"{n / 1e3:.1f} kB"
 
 
-__all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_hessians", "check_loads", "check_masks",
+__all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_hessian", "check_hessians", "check_loads", "check_masks",
            "check_recovery", "free_bytes", "masked_weights", "model_bytes", "out_of_memory"]
