@@ -249,5 +249,5 @@ def _size(n: float) -> str:
     return f"{n / 1e3:.1f} kB"
 
 
-__all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_hessian", "check_hessians", "check_loads", "check_masks",
-           "check_recovery", "free_bytes", "masked_weights", "model_bytes", "out_of_memory"]
+__all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_hessian", "check_hessians", "check_loads",
+           "check_masks", "check_recovery", "free_bytes", "masked_weights", "model_bytes", "out_of_memory"]
