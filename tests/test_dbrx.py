@@ -82,8 +82,10 @@ def test_a_dbrx_model_exports_masks_its_experts_and_its_plan_runs_in_the_loop():
     w2 = "transformer.blocks.0.ffn.experts.mlp.w2"
     assert plan.layers[w2].shape == (HIDDEN, EXPERTS * FFN) and resolve(model, w2, plan.meta["targets"]).transposed
     pruned = plan.apply(copy.deepcopy(model))
-    kept = (pruned.get_parameter(w2).t() != 0).reshape(HIDDEN, -1, 4).sum(-1)
-    assert int(kept.max()) <= 4 and (kept <= 2).any()  # a 2:4 tile keeps 2 of each 4 inputs
+    layer, (b1, b2) = plan.layers[w2], plan.layers[w2].tile
+    kept = (pruned.get_parameter(w2).t() != 0).reshape(HIDDEN // b1, b1, EXPERTS * FFN // b2, b2 // 4, 4).sum(-1)
+    sparse = layer.kinds == patchc.ir.TILE_SPARSE24  # (Tn, Tk) tiles of the (H, E * F) transpose
+    assert sparse.any() and bool((kept.permute(0, 2, 1, 3)[sparse] <= 2).all())  # 2 of each 4 of its E * F inputs
     with torch.no_grad():
         torch.testing.assert_close(pruned(ids, use_cache=False).logits, masked, atol=2e-5, rtol=2e-5)
 

@@ -13,8 +13,8 @@ They are the layers `patchc.transform` masks, under the same plan layer names (`
                                                        reading the whole flat weight
 
 so an expert's statistics hold only the tokens routed to it (Llama 4 hands every expert every token,
-scaled by its router score: 0 where not routed; so does DBRX's traced form). Embeddings, tied LM heads and anything
-matched by `exclude` (routers among them) are left out.
+scaled by its router score: 0 where not routed; so does DBRX's traced form). Embeddings, tied LM heads and
+anything matched by `exclude` (routers among them) are left out.
 
 Example:
     >>> layers = plain_layers(model)                 # {"model.layers.0.mlp.experts.down_proj.3": 32, ...}
@@ -101,7 +101,8 @@ def layer_matrix(model: nn.Module, name: str) -> torch.Tensor:
 
 
 class _ExpertReads(TorchFunctionMode):
-    """Routes the input of each grouped / per-expert matmul on a fused-experts weight to "<fqn>.<e>"."""
+    """Routes the input of each grouped / per-expert matmul on a fused-experts weight to "<fqn>.<e>", and that of a
+    matmul reading a whole flat experts weight (`flat`: DBRX's, in its traced form) to "<fqn>"."""
 
     def __init__(self, params: dict[str, torch.Tensor], callback: Callable[[str, torch.Tensor], None],
                  flat: dict[str, torch.Tensor] | None = None) -> None:
