@@ -104,22 +104,25 @@ def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: in
 def check_hessians(model: nn.Module, cfg: PatchConfig, opts: PruneOptions) -> None:
     """`check_hessian` for a prune whose prior or baselines use SparseGPT."""
     if opts.prior == "sparsegpt" or opts.baselines:
-        check_hessian(model, cfg.exclude, "--prior sparsegpt" if opts.prior == "sparsegpt" else "a baseline",
-                      "use --prior wanda --no-baselines")
+        check_hessian(model, cfg.exclude, opts.device, "--prior sparsegpt" if opts.prior == "sparsegpt" else
+                      "a baseline", "use --prior wanda --no-baselines")
 
 
-def check_hessian(model: nn.Module, exclude: Sequence[str], user: str, remedy: str) -> None:
-    """ValueError when SparseGPT (for `user`) needs a layer's K x K fp32 Hessian larger than the host memory free,
-    where the Hessians wait (`calibration_memory`): a layer that reads very many inputs, such as DBRX's flat w2
-    (E * F of them: 118 GB at DBRX's size), before calibration runs out of memory."""
-    free = free_bytes("cpu")
+def check_hessian(model: nn.Module, exclude: Sequence[str], device: str, user: str, remedy: str) -> None:
+    """ValueError when SparseGPT (for `user`) needs a layer's K x K fp32 Hessian larger than the memory free where
+    it is built (`device`, with the model loaded) or where it waits (the host: `calibration_memory`): a layer that
+    reads very many inputs, such as DBRX's flat w2 (E * F of them: 118 GB at DBRX's size), before calibration
+    runs out of memory."""
     layers = plain_layers(model, exclude)
-    if free is None or not layers:
+    if not layers:
         return
     name, k = max(layers.items(), key=lambda item: item[1])
-    if 4 * k * k > free:
-        raise ValueError(f"SparseGPT ({user}) needs the {k:,} x {k:,} fp32 Hessian of {name}, {_size(4 * k * k)}, "
-                         f"and the host has {_size(free)} free; {remedy}")
+    for where in dict.fromkeys((device, "cpu")):
+        free = free_bytes(where)
+        if free is not None and 4 * k * k > free:
+            raise ValueError(f"SparseGPT ({user}) needs the {k:,} x {k:,} fp32 Hessian of {name}, "
+                             f"{_size(4 * k * k)}, and {'the host' if where == 'cpu' else where} has {_size(free)} "
+                             f"free; {remedy}")
 
 
 def check_loads(opts: PruneOptions, dtype: torch.dtype) -> None:
