@@ -61,7 +61,7 @@ def save_recovery(path: str | os.PathLike, key: dict, params: dict[str, torch.Te
     whole = {name: _whole(p.detach()) for name, p in params.items()}
     state = optimizer.state_dict()
     state["state"] = {i: {k: _whole(v) for k, v in entry.items()} for i, entry in state["state"].items()}
-    if not sharded or _rank() == 0:  # unsharded, whichever process recovers alone writes its own
+    if not sharded or dist.get_rank() == 0:  # unsharded, whichever process recovers alone writes its own
         atomic_torch_save({"format": FORMAT, "version": VERSION, "key": key, "step": step, "history": history,
                            "params": whole, "optimizer": state}, path)
     if sharded:
@@ -92,10 +92,6 @@ def load_recovery(path: str | os.PathLike, key: dict, params: dict[str, torch.Te
     return int(state["step"]), list(state["history"])
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def is_sharded(params: dict[str, torch.Tensor]) -> bool:
     """Whether any of `params` is an FSDP2 shard (a DTensor)."""
     return any(_is_dtensor(p) for p in params.values())
@@ -114,7 +110,7 @@ def _whole(t: Any) -> Any:
     if not _is_dtensor(t):
         return t
     full = t.full_tensor()
-    return full.cpu() if _rank() == 0 else None
+    return full.cpu() if dist.get_rank() == 0 else None  # a DTensor: its process group is there
 
 
 def _placed(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
