@@ -57,12 +57,12 @@ def logits_per_weight(opts: PruneOptions) -> float:
     return 6 / 4 if opts.nm_param == "pattern" else 4 / 4
 
 
-def masked_weights(model: nn.Module, cfg: PatchConfig) -> int:
+def masked_weights(model: nn.Module, cfg: PatchConfig, layers: dict[str, int] | None = None) -> int:
     """How many weights `patchc.transform` masks under `cfg`: the layers it masks by default
     (`plain_layers`: nn.Linear, Conv1D, each expert's slice; no tied LM head) that `cfg.selects`, with 2:4
-    groups (K a multiple of 4)."""
+    groups (K a multiple of 4). `layers`: `plain_layers(model, cfg.exclude)`, when already listed."""
     total = 0
-    for name in plain_layers(model, cfg.exclude):
+    for name in plain_layers(model, cfg.exclude) if layers is None else layers:
         w = layer_matrix(model, name)
         if cfg.selects(name, tuple(w.shape)) is None and w.shape[1] % 4 == 0:
             total += w.numel()
@@ -87,13 +87,14 @@ def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: in
     free = free_bytes(opts.device)
     if free is None:
         return
-    weights, share = masked_weights(model, cfg), ranks if opts.fsdp else 1
+    layers = plain_layers(model, cfg.exclude)  # listed once: seconds for a model of many experts
+    weights, share = masked_weights(model, cfg, layers), ranks if opts.fsdp else 1
     free_masks, held = free, "with the model loaded"
     if share > 1 and opts.device.startswith("cuda"):  # the ranks train from 1/N of it, the rest is `parked`
         dense = model_bytes(model)
         free_masks, held = free + dense * (1 - 1 / share), f"with 1/{share} of the model's weights"
     check_masks(weights, free_masks, opts, share, held)
-    check_hessians(model, cfg, opts)
+    check_hessians(model, cfg, opts, layers)
     if opts.recover:
         check_recovery(model, weights, free, opts.device, share=share, hint=(
             "Prune without --recover and recover the run later where more memory is free (patchc recover RUN "
@@ -101,19 +102,20 @@ def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: in
                                "--fsdp --recover ...")))
 
 
-def check_hessians(model: nn.Module, cfg: PatchConfig, opts: PruneOptions) -> None:
-    """`check_hessian` for a prune whose prior or baselines use SparseGPT."""
+def check_hessians(model: nn.Module, cfg: PatchConfig, opts: PruneOptions,
+                   layers: dict[str, int] | None = None) -> None:
+    """`check_hessian` for a prune whose prior or baselines use SparseGPT (`layers`: as `masked_weights`)."""
     if opts.prior == "sparsegpt" or opts.baselines:
-        check_hessian(model, cfg.exclude, opts.device, "--prior sparsegpt" if opts.prior == "sparsegpt" else
-                      "a baseline", "use --prior wanda --no-baselines")
+        check_hessian(plain_layers(model, cfg.exclude) if layers is None else layers, opts.device,
+                      "--prior sparsegpt" if opts.prior == "sparsegpt" else "a baseline",
+                      "use --prior wanda --no-baselines")
 
 
-def check_hessian(model: nn.Module, exclude: Sequence[str], device: str, user: str, remedy: str) -> None:
-    """ValueError when SparseGPT (for `user`) needs a layer's K x K fp32 Hessian larger than the memory free where
-    it is built (`device`, with the model loaded) or where it waits (the host: `calibration_memory`): a layer that
-    reads very many inputs, such as DBRX's flat w2 (E * F of them: 118 GB at DBRX's size), before calibration
-    runs out of memory."""
-    layers = plain_layers(model, exclude)
+def check_hessian(layers: dict[str, int], device: str, user: str, remedy: str) -> None:
+    """ValueError when SparseGPT (for `user`) needs a K x K fp32 Hessian of one of `layers` (`plain_layers`: name
+    -> K) larger than the memory free where it is built (`device`, with the model loaded) or where it waits (the
+    host: `calibration_memory`): a layer that reads very many inputs, such as DBRX's flat w2 (E * F of them:
+    118 GB at DBRX's size), before calibration runs out of memory."""
     if not layers:
         return
     name, k = max(layers.items(), key=lambda item: item[1])

@@ -166,6 +166,7 @@ def run_recover(
     from patchc.job.prune import cache_dir
     from patchc.job.memory import check_hessian, check_recovery, free_bytes
     from patchc.job.model import load_bundle
+    from patchc.pruning.observe import plain_layers
 
     run = Path(run_dir)
     plan = TilePlan.load(find_plan(run))
@@ -191,7 +192,8 @@ def run_recover(
                        share=size, hint="Pass --device with more memory, run it on more GPUs (torchrun "
                        "--nproc_per_node=N -m patchc recover ...), or --method sparsegpt (no training state)")
     if method == "sparsegpt":
-        check_hessian(bundle.model, opts.patch_config().exclude, opts.device, "--method sparsegpt", "use --method adam")
+        check_hessian(plain_layers(bundle.model, opts.patch_config().exclude), opts.device, "--method sparsegpt",
+                      "use --method adam")
     data = load_data(bundle, opts, cache_dir=cache_dir(opts))  # generated text: the run's cache
     other_text = (("self_tokens",) * ("train_data" in recipe)  # another --train-data may generate another amount
                   + ("train_extra_documents",) * ("train_extra" in recipe))
