@@ -160,7 +160,7 @@ class Case:
             return export_encoder(self.model)
         if self.name == "t5":
             return torch.export.export(self.model, (self.ids,), kwargs={**self.kwargs, "use_cache": False})
-        return export_causal_lm(self.model)
+        return export_causal_lm(self.model, fixed_len=self.ids.shape[1])  # a per-length family: one graph, the one run
 
     def run(self, model) -> torch.Tensor:
         kwargs = dict(self.kwargs)
