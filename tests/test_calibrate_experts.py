@@ -128,7 +128,7 @@ def test_prune_command_on_a_moe_directory_with_baselines(tmp_path, family, mlp, 
     model_dir, text = _moe_dir(tmp_path, family)
     args = ["prune", "--model", str(model_dir), "--data", str(text), "--tile", "16", "16", "--steps", "3",
             "--batch-size", "2", "--calib-blocks", "2", "--eval-context", "32", "--block-len", "32",
-            "--no-progress", "--out", str(tmp_path / "run"), "--self-tokens", "330", "--eval-data"]
+            "--no-progress", "--no-plots", "--out", str(tmp_path / "run"), "--self-tokens", "330", "--eval-data"]
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*magnitude prior.*")  # every expert is calibrated now
         assert main(args) == 0

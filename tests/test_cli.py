@@ -72,11 +72,16 @@ def test_prune_writes_every_output_and_consistent_numbers(tmp_path, capsys):
 
 def test_eval_and_report_commands_read_a_saved_plan(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["prune", "--out", str(out), "--no-baselines", "--prior", "magnitude", *QUICK]) == 0
-    (out / "sparsity_per_block.png").unlink()
+    out.mkdir()
+    for name in ("tile_map_another_plans.png", "notes.png"):  # an earlier plan's picture, and the user's own
+        (out / name).write_bytes(b"png")
+    assert main(["prune", "--out", str(out), "--no-baselines", "--prior", "magnitude", "--no-plots", *QUICK]) == 0
+    assert [p.name for p in out.glob("*.png")] == ["notes.png"]
+    assert "![" not in (out / "report.md").read_text() and "png" not in (out / "report.json").read_text()
     capsys.readouterr()
-    assert main(["report", str(out / "plan.patch")]) == 0
-    assert (out / "sparsity_per_block.png").is_file()
+    assert main(["report", str(out / "plan.patch")]) == 0  # draws what --no-plots skipped
+    assert (out / "sparsity_per_block.png").is_file() and list(out.glob("tile_map_*.png"))
+    assert "![sparsity per block](sparsity_per_block.png)" in (out / "report.md").read_text()
     assert main(["eval", str(out)]) == 0  # the run folder stands for its plan.patch
     assert "pruned" in capsys.readouterr().out
     short = tmp_path / "short.txt"  # 2 lines no run trained on; each --text is scored up to --eval-tokens
@@ -169,7 +174,7 @@ def test_the_lazy_names_of_the_packages_resolve():
 
 def test_self_generated_text_trains_and_real_text_evaluates(tmp_path):
     out = tmp_path / "free"
-    args = ["prune", "--out", str(out), "--data-free", "--no-baselines", "--prior", "magnitude",
+    args = ["prune", "--out", str(out), "--data-free", "--no-baselines", "--prior", "magnitude", "--no-plots",
             "--eval-data", str(TINYSTORIES), *QUICK]
     assert main(args) == 0
     report = json.loads((out / "report.json").read_text())
@@ -187,7 +192,7 @@ def test_bf16_weights_train_fp32_logits(tmp_path):
     """Also the low-byte mode: 4 scores per group of 4 weights instead of 6 pattern logits, bf16 Adam state."""
     out = tmp_path / "bf16"
     args = ["prune", "--out", str(out), "--dtype", "bfloat16", "--tau-nm", "3", "0.1", "--no-baselines",
-            "--prior", "magnitude", "--nm-param", "weight", "--low-memory", *QUICK]
+            "--prior", "magnitude", "--no-plots", "--nm-param", "weight", "--low-memory", *QUICK]
     assert main(args) == 0
     plan = TilePlan.load(out / "plan.patch")
     assert {lp.dtype for lp in plan.layers.values()} == {torch.bfloat16}

@@ -15,7 +15,7 @@ from patchc.job import cli, prune, selfdata
 from patchc.job.data import load_documents
 from tests.conftest import STORIES, TINYSTORIES, needs_shared
 
-QUICK = ["--steps", "2", "--batch-size", "2", "--calib-blocks", "2", "--no-progress", "--no-baselines",
+QUICK = ["--steps", "2", "--batch-size", "2", "--calib-blocks", "2", "--no-progress", "--no-plots", "--no-baselines",
          "--train-data", "real", "--eval-data"]
 
 

@@ -124,7 +124,7 @@ def test_prune_runs_on_a_dbrx_folder_with_every_baseline_over_the_experts(tmp_pa
     data = tmp_path / "text.txt"
     data.write_text("\n\n".join(" ".join(["the cat sat"] * (20 + i)) for i in range(24)))
     report = run_prune(PruneOptions(model=str(tmp_path / "dbrx"), data=(str(data),), steps=4, block_len=16,
-                                    eval_context=32, batch_size=2, calib_blocks=4, progress=False,
+                                    eval_context=32, batch_size=2, calib_blocks=4, progress=False, plots=False,
                                     train_data="real", eval_data=(), out=str(tmp_path / "run")))
     rows = {r["name"]: r for r in report["results"]}
     for method in ("magnitude", "wanda", "sparsegpt"):

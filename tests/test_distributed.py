@@ -18,7 +18,7 @@ pytestmark = [needs_shared, pytest.mark.slow]
 
 # The default SparseGPT prior: every rank must calibrate on the same (unsplit) text.
 ARGS = ["prune", "--steps", "8", "--batch-size", "4", "--calib-blocks", "8", "--no-baselines", "--no-progress", "--threads", "1",
-        "--self-tokens", "516", "--eval-tokens", "256"]
+        "--self-tokens", "516", "--eval-tokens", "256", "--no-plots"]
 
 
 def _run(launcher: list[str], out: Path) -> None:

@@ -24,7 +24,7 @@ def _options(**kw):
     from patchc.job.options import PruneOptions
 
     return PruneOptions(steps=3, batch_size=4, block_len=32, train_data="real", eval_data=(), prior="magnitude",
-                        tile=(16, 16), baselines=False, progress=False, **kw)
+                        tile=(16, 16), baselines=False, progress=False, plots=False, **kw)
 
 
 def _worker(rank: int, out: Path) -> None:

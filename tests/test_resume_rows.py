@@ -18,8 +18,8 @@ from patchc.job.resume import RECOVERED, TRAINED, KeptRows
 from patchc.job.results import row
 from tests.conftest import needs_shared
 
-ARGS = ["--steps", "4", "--batch-size", "4", "--calib-blocks", "2", "--no-progress", "--prior", "magnitude",
-        "--self-tokens", "258", "--eval-tokens", "256"]
+ARGS = ["--steps", "4", "--batch-size", "4", "--calib-blocks", "2", "--no-progress", "--no-plots", "--prior",
+        "magnitude", "--self-tokens", "258", "--eval-tokens", "256"]
 ONESHOT = ["magnitude 2:4", "wanda 2:4", "sparsegpt 2:4"]
 
 

@@ -20,7 +20,7 @@ from patchc.job.cli import main
 from patchc.job.options import PruneOptions
 from tests.conftest import STORIES, TINYSTORIES, needs_shared
 
-QUICK = ["--steps", "6", "--batch-size", "4", "--calib-blocks", "4", "--no-progress", "--no-baselines",
+QUICK = ["--steps", "6", "--batch-size", "4", "--calib-blocks", "4", "--no-progress", "--no-plots", "--no-baselines",
          "--prior", "magnitude", "--self-tokens", "258", "--eval-data"]
 
 

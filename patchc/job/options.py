@@ -151,6 +151,7 @@ class PruneOptions:
     text_field: str | None = None  # records files (JSON Lines, Parquet): the text field; None: "text", else a chat
     bos: bool = True  # start every document with BOS (else EOS); False for tokenizers with neither
     progress: bool = True
+    plots: bool = True  # the report's pictures (`patchc report RUN/plan.patch` draws them later)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data", tuple(self.data))

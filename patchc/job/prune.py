@@ -243,10 +243,15 @@ def train_record(trained: TrainResult) -> dict:
 
 def write_run(bundle, opts: PruneOptions, plan, out: Path, report: dict, timings: dict[str, float]) -> None:
     """The pictures, then report.json / report.md naming every file (the plans are written already)."""
-    from patchc.job.report import plot_plan, write_report
+    from patchc.job.report import plot_plan, remove_pictures, write_report
 
+    title = f"{bundle.name}: PATCH {opts.variant} at {plan.sparsity:.1%} sparsity"
     with timed(timings, "write"):
-        pictures = plot_plan(plan, out, title=f"{bundle.name}: PATCH {opts.variant} at {plan.sparsity:.1%} sparsity")
+        if opts.plots:
+            pictures = plot_plan(plan, out, title=title)
+        else:
+            remove_pictures(out)
+            pictures = []
     recovered_file = {"plan_recovered": str(out / RECOVERED_PLAN)} if opts.recover else {}
     report["files"] = {"plan": str(out / PLAN), **recovered_file, **{p.stem: str(p) for p in pictures},
                        "report_json": str(out / "report.json"), "report_md": str(out / "report.md")}

@@ -123,6 +123,8 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
                    help="under torchrun, shard each block's frozen weights and mask logits over the processes "
                         "(FSDP2); the checkpoint becomes a folder every process writes")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.add_argument("--no-plots", dest="plots", action="store_false",
+                   help="skip the report's pictures (a sweep's runs; `patchc report RUN/plan.patch` draws them later)")
 
 
 def prune_options(args: argparse.Namespace) -> PruneOptions:
@@ -144,7 +146,7 @@ def prune_options(args: argparse.Namespace) -> PruneOptions:
         recover_scope=args.recover_scope, recover_splice=args.recover_splice, fsdp=args.fsdp,
         baselines=args.baselines, seed=args.seed, device=args.device, dtype=args.dtype, threads=args.threads,
         resume=args.resume, overwrite=args.overwrite, encoding=args.encoding, text_field=args.text_field, bos=args.bos,
-        progress=args.progress,
+        progress=args.progress, plots=args.plots,
     )
 
 

@@ -44,8 +44,8 @@ ROWS = "rows.json"
 STAGING, PREVIOUS = ".next", ".prev"
 REPORT = ("report.json", "report.md")
 # PruneOptions fields that do not change the plan or its training: free to differ on --resume.
-FREE = ("out", "eval_context", "baselines", "device", "threads", "resume", "overwrite", "progress", "steps",
-        "eval_data", "eval_tokens", "recover", "recover_loss", "recover_lr", "recover_scope",
+FREE = ("out", "eval_context", "baselines", "device", "threads", "resume", "overwrite", "progress", "plots",
+        "steps", "eval_data", "eval_tokens", "recover", "recover_loss", "recover_lr", "recover_scope",
         "recover_splice")  # mask checkpoint unchanged
 
 

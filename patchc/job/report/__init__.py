@@ -13,7 +13,7 @@ Example:
 """
 
 from patchc.job.report.markdown import format_perplexity, format_results, render_markdown, scored_files
-from patchc.job.report.plots import pick_tile_map_layers, plot_plan
+from patchc.job.report.plots import pick_tile_map_layers, plot_plan, remove_pictures
 from patchc.job.report.stats import PROJECTION_ORDER, expert_index, plan_stats, projection_type, short_name
 from patchc.job.report.write import redraw, write_report
 from patchc.utils.names import block_index
@@ -28,6 +28,7 @@ __all__ = [
     "pick_tile_map_layers",
     "plan_stats",
     "plot_plan",
+    "remove_pictures",
     "projection_type",
     "redraw",
     "render_markdown",

@@ -268,6 +268,13 @@ def plot_plan(plan: TilePlan, out_dir: str | os.PathLike, title: str | None = No
     return written
 
 
+def remove_pictures(out_dir: str | os.PathLike) -> None:
+    """Delete the pictures an earlier plan drew into `out_dir` (a run that draws none, `--no-plots`, must not
+    leave another plan's beside its report); other files stay."""
+    if Path(out_dir).is_dir():
+        _remove_stale(Path(out_dir), [])
+
+
 def _remove_stale(out: Path, written: list[Path]) -> None:
     """Delete pictures an earlier plan drew into `out` that this one did not (a re-run into the same
     folder would otherwise leave another plan's tile maps beside this plan's report)."""
