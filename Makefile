@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.patchc-installed
 
-.PHONY: demo test gpu compat compat-torch setup clean
+.PHONY: demo test test-full gpu compat compat-torch setup clean
 
 demo: $(STAMP)
 	$(PY) -m patchc prune
@@ -21,6 +21,11 @@ TEST_WORKERS ?= 2
 COMPAT_TRITON ?= 3.6.0
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# The same suite with the larger form of some slow checks too (`pytest --full`: every model family of the
+# matrix, sm_80 under the older Triton, `patchc recover` under torchrun): about a minute more of 2 cores.
+test-full: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --full
 
 # The GPU proof (`patchc bench`): runs from the working tree with the machine's own torch + triton and
 # installs nothing (GPU machines may have no network). BENCH_ARGS="--parts check" etc. narrows it.

@@ -39,9 +39,20 @@ LONGEST_FIRST = ("test_bench.py", "test_codegen_compile.py", "test_families.py",
                  "test_grouped_kernels.py", "test_seq_graphs.py")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="also run the tests marked `full`: the larger form of checks whose smaller form the "
+                          "default run (and CI) keeps under its 10 minutes (`make test-full`)")
+
+
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: in-file order kept
+    if not config.getoption("--full"):
+        skip = pytest.mark.skip(reason="the full form of a check whose smaller form runs: `make test-full`")
+        for item in items:
+            if item.get_closest_marker("full"):
+                item.add_marker(skip)
 
 
 SHARED = Path(os.environ.get("PATCHC_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))

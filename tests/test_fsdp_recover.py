@@ -246,33 +246,50 @@ def _torchrun(*args: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@needs_shared
-@pytest.mark.slow
-def test_prune_and_recover_under_torchrun_recover_on_every_rank_what_one_process_recovers(tmp_path):
-    """`torchrun ... patchc prune --fsdp --recover` and `torchrun ... patchc recover` of the same run, against
-    `patchc recover` of it in one process."""
+@pytest.fixture(scope="module")
+def pruned_on_ranks(tmp_path_factory) -> tuple[Path, dict, Path, dict]:
+    """`torchrun ... patchc prune --fsdp --recover` (its folder and report rows) and `patchc recover` of the same
+    run in one process (its folder and recover.json), the reference the ranks are held to."""
     from patchc.job.recover import run_recover
 
-    pruned = tmp_path / "pruned"
+    tmp = tmp_path_factory.mktemp("torchrun")
+    pruned = tmp / "pruned"
     _torchrun("prune", "--fsdp", "--recover", "6", "--steps", "4", "--batch-size", "4", "--no-baselines",
               "--no-progress", "--threads", "1", "--train-data", "real", "--eval-tokens", "256", "--prior", "magnitude",
               "--no-plots", "--out", str(pruned))
-    assert not (pruned / "recover.ckpt").exists()  # its row is kept
     rows = {r["name"]: r for r in json.loads((pruned / "report.json").read_text())["results"]}
-    for copy_ in ("alone", "ranks"):
-        shutil.copytree(pruned, tmp_path / copy_, ignore=shutil.ignore_patterns("plan-recovered.patch"))
-    alone = run_recover(tmp_path / "alone", steps=6, progress=False)
+    shutil.copytree(pruned, tmp / "alone", ignore=shutil.ignore_patterns("plan-recovered.patch"))
+    return pruned, rows, tmp / "alone", run_recover(tmp / "alone", steps=6, progress=False)
+
+
+def _assert_recovered_as_alone(folder: Path, alone: Path) -> None:
+    """`folder`'s plan-recovered.patch came from 2 ranks and has the weights one process recovers in `alone`
+    (measured: within 1.15e-5 of each other)."""
+    single = TilePlan.load(alone / "plan-recovered.patch")
+    assert "ranks" not in single.meta["recovery"]  # one process: `patchc.recover` itself
+    sharded = TilePlan.load(folder / "plan-recovered.patch")
+    assert sharded.meta["recovery"]["ranks"] == 2
+    _assert_same_weights(sharded, single, atol=2e-4)
+
+
+@needs_shared
+@pytest.mark.slow
+def test_prune_with_recover_under_torchrun_recovers_on_every_rank_what_one_process_recovers(pruned_on_ranks):
+    pruned, rows, alone_folder, alone = pruned_on_ranks
+    assert not (pruned / "recover.ckpt").exists()  # its row is kept
+    _assert_recovered_as_alone(pruned, alone_folder)
+    # measured: held-out perplexity within 2.2e-8 relative
+    assert rows["PATCH joint + recovery"]["perplexity"] == pytest.approx(alone["results"][2]["perplexity"], rel=1e-5)
+
+
+@needs_shared
+@pytest.mark.slow
+@pytest.mark.full  # the same sharded recovery as above, reached through `patchc recover`'s own command
+def test_patchc_recover_under_torchrun_recovers_what_one_process_recovers(pruned_on_ranks, tmp_path):
+    pruned, _, alone_folder, alone = pruned_on_ranks
+    shutil.copytree(pruned, tmp_path / "ranks", ignore=shutil.ignore_patterns("plan-recovered.patch"))
     _torchrun("recover", str(tmp_path / "ranks"), "--steps", "6", "--no-progress", "--threads", "1")
     ranks = json.loads((tmp_path / "ranks" / "recover.json").read_text())
-
-    single = TilePlan.load(tmp_path / "alone" / "plan-recovered.patch")
-    assert "ranks" not in single.meta["recovery"]  # one process: `patchc.recover` itself
-    # measured: weights within 1.15e-5 of each other, held-out perplexity within 2.2e-8 relative
-    for folder in (pruned, tmp_path / "ranks"):
-        sharded = TilePlan.load(folder / "plan-recovered.patch")
-        assert sharded.meta["recovery"]["ranks"] == 2
-        _assert_same_weights(sharded, single, atol=2e-4)
-    want = alone["results"][2]["perplexity"]
-    assert rows["PATCH joint + recovery"]["perplexity"] == pytest.approx(want, rel=1e-5)
-    assert ranks["results"][2]["perplexity"] == pytest.approx(want, rel=1e-5)
+    _assert_recovered_as_alone(tmp_path / "ranks", alone_folder)
+    assert ranks["results"][2]["perplexity"] == pytest.approx(alone["results"][2]["perplexity"], rel=1e-5)
     assert [r["perplexity"] for r in ranks["results"][:2]] == [r["perplexity"] for r in alone["results"][:2]]
