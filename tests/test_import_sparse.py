@@ -253,25 +253,24 @@ def test_transformers_loaders_refuse_the_format_and_point_at_import():
         load_hf_causal(DATA / "bf16")
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "patchc", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
-
-
-def test_cli_import_and_its_errors(tmp_path):
-    proc = cli("import", str(DATA / "fp8"), "--out", str(tmp_path / "out"), "--tile", "16", "16")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "72 of 72 tiles 2:4" in proc.stdout and "patchc.from_pretrained" in proc.stdout
+def test_cli_import_and_its_errors(tmp_path, capsys):
+    """In this process (`python -m patchc` is `main`: tests/test_cli.py runs it as a process)."""
+    from patchc.job.cli import main
     from patchc.job.recover import load_any_plan  # what `patchc generate` / `patchc tune` read
 
+    assert main(["import", str(DATA / "fp8"), "--out", str(tmp_path / "out"), "--tile", "16", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "72 of 72 tiles 2:4" in out and "patchc.from_pretrained" in out
     assert set(load_any_plan(tmp_path / "out").layers) == set(load_plan(tmp_path / "out").layers)
 
-    proc = cli("import", str(tmp_path / "nothing"), "--out", str(tmp_path / "x"))
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "nothing" in proc.stderr
+    assert main(["import", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nothing" in err
     assert not (tmp_path / "x").exists()
 
-    proc = cli("prune", "--model", str(DATA / "bf16"), "--steps", "1", "--no-baselines", "--out", str(tmp_path / "r"))
-    assert proc.returncode == 2 and "patchc import" in proc.stderr, proc.stderr[-2000:]
+    assert main(["prune", "--model", str(DATA / "bf16"), "--steps", "1", "--no-baselines", "--out",
+                 str(tmp_path / "r")]) == 2
+    assert "patchc import" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
 
