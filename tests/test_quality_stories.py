@@ -22,9 +22,9 @@ def job():
     from patchc.models import load_model
 
     threads = torch.get_num_threads()
-    # The job's defaults (joint, 16x16, 35%, SparseGPT prior, real + generated text, LM + KD) at half the mask
+    # The job's defaults (joint, 16x16, 35%, SparseGPT prior, real + generated text, LM + KD) at a third of the mask
     # steps (the suite's time), without the second evaluation text, which this test does not score.
-    opts = PruneOptions(steps=150, eval_data=(), progress=False)
+    opts = PruneOptions(steps=100, eval_data=(), progress=False)
     bundle = load_model(opts.model)
     choose_threads(opts, bundle.model)
     opts = with_tile(opts, bundle)
@@ -56,5 +56,6 @@ def test_patch_35_beats_one_shot_24(job):
     print(f"dense {ppl_dense:.2f}  PATCH 35% global {ppl_global:.2f} (density {plan.density:.4f})  "
           f"SparseGPT 2:4 {ppl_sparsegpt:.2f}  magnitude 2:4 {ppl_magnitude:.2f}")
     assert abs(plan.density - 0.65) <= 0.02
-    assert ppl_dense < ppl_global < 2.0 * ppl_dense  # held out: 1.62x dense here, 1.51x at 300 steps (3 seeds)
+    # held out: 1.65x dense here (1.62x at 150 steps), 1.51x at the job's 300 (3 seeds)
+    assert ppl_dense < ppl_global < 2.0 * ppl_dense
     assert ppl_global < 0.5 * ppl_sparsegpt < ppl_magnitude
