@@ -70,6 +70,7 @@ def test_a_family_goes_through_every_stage(sweep, monkeypatch):
     assert (result["inferred_ops"], result["inferred_left_dense"]) == (14, 0)  # the same 14 read off the zeros
 
 
+@pytest.mark.full  # the sweep's --experts passed through; tests/test_backend_experts.py serves batched_mm itself
 def test_the_backend_stages_run_on_the_experts_implementation_asked_for(sweep, monkeypatch):
     monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
     result = sweep.check("qwen3_moe", experts="batched_mm")
