@@ -31,7 +31,9 @@ def test_two_processes_equal_one(tmp_path):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun not found beside the Python interpreter")
-    _run([sys.executable], tmp_path / "one")
+    from patchc.job.cli import main
+
+    assert main([*ARGS, "--out", str(tmp_path / "one")]) == 0  # one process: this one (--threads 1, as the ranks)
     _run([torchrun, "--standalone", "--nproc_per_node=2"], tmp_path / "two")
     one = torch.load(tmp_path / "one" / "masks.ckpt", weights_only=True)["program"]
     two = torch.load(tmp_path / "two" / "masks.ckpt", weights_only=True)["program"]
