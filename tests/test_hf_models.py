@@ -11,6 +11,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub are imported
 
 import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -263,6 +266,18 @@ def test_layerwise_distillation_loss_adds_each_earlier_layer():
 
 
 @needs_stories
+@needs_stories
+def test_a_llama2c_job_never_imports_transformers():
+    """transformers takes ~1.3 s to import: a stories260K job (its --no-progress load included, which silences
+    transformers' bars only where a transformers model loads) does without it."""
+    code = ("import sys; from patchc.job.model import load_bundle; from patchc.job.options import PruneOptions; "
+            "load_bundle(PruneOptions(progress=False)); print(sorted(m for m in ('transformers', 'matplotlib') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr[-2000:])
+
+
 def test_load_model_llama2c():
     from patchc.job.data import tokenize_documents
     from patchc.models import load_model

@@ -28,17 +28,15 @@ def load_bundle(opts: PruneOptions, training: bool = True):
     """`opts.model` loaded onto `opts.device` in its weight dtype, checked, with the thread count set.
     `training=False` (`patchc eval`): --block-len is not checked, since nothing is trained."""
     from patchc.models import load_model
-    from patchc.utils.progress import quiet_loading
 
     from patchc.job.memory import check_loads
 
     check_device(opts.device)
     dtype = weight_dtype(opts)
     check_loads(opts, dtype)
-    with contextlib.nullcontext() if opts.progress else quiet_loading():
-        # loaded in the weights' dtype (an fp32 copy of a bf16-served model would take twice the GPU memory), then
-        # cast whole: a module transformers keeps in fp32 (`_keep_in_fp32_modules`) is cast too, as it always was
-        bundle = cast_bundle(load_model(opts.model, device=opts.device, dtype=dtype), dtype)
+    # loaded in the weights' dtype (an fp32 copy of a bf16-served model would take twice the GPU memory), then
+    # cast whole: a module transformers keeps in fp32 (`_keep_in_fp32_modules`) is cast too, as it always was
+    bundle = cast_bundle(load_model(opts.model, device=opts.device, dtype=dtype, progress=opts.progress), dtype)
     check_model(bundle, opts, training)
     choose_threads(opts, bundle.model)
     return bundle

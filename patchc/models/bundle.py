@@ -262,12 +262,15 @@ def _sentence_bert_max_len(folder: Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def _load_hf_bundle(spec: str, source: str, name: str, device: str, dtype: torch.dtype) -> ModelBundle:
+def _load_hf_bundle(spec: str, source: str, name: str, device: str, dtype: torch.dtype,
+                    progress: bool = True) -> ModelBundle:
     config = _hf.hf_config(source)
     kind = _hf.hf_kind(config)
     limit = _hf.max_positions(config, default=512 if kind == "encoder" else 2048)
+    loading = contextlib.nullcontext if progress else quiet_loading
     if kind == "causal":
-        model, hf_tok = _hf.load_hf_causal(source, device, config, dtype)
+        with loading():
+            model, hf_tok = _hf.load_hf_causal(source, device, config, dtype)
         tokenizer = HFTokenizer(hf_tok, "causal") if hf_tok is not None else None
         return ModelBundle(
             name=name,
@@ -282,7 +285,8 @@ def _load_hf_bundle(spec: str, source: str, name: str, device: str, dtype: torch
             source=source,
             device=device,
         )
-    model, hf_tok = _hf.load_hf_encoder(source, device, config=config, dtype=dtype)
+    with loading():
+        model, hf_tok = _hf.load_hf_encoder(source, device, config=config, dtype=dtype)
     if hf_tok is None:
         raise ValueError(f"{spec}: encoder found in {source} but no tokenizer files beside it (embed needs one)")
     folder = Path(source) if Path(source).is_dir() else None

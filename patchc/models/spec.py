@@ -60,9 +60,11 @@ def _llama2c_in_folder(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.bin") if not _is_tokenizer_file(p))
 
 
-def load_model(spec: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32) -> ModelBundle:
+def load_model(spec: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               progress: bool = True) -> ModelBundle:
     """Load a llama2.c checkpoint, a transformers folder, a cached HF name, or all-MiniLM-L6-v2 (offline),
-    its weights in `dtype` (fp32 by default: what masks and one-shot pruning learn over).
+    its weights in `dtype` (fp32 by default: what masks and one-shot pruning learn over). `progress=False`:
+    transformers' loading bars off (a llama2.c checkpoint has none, and never imports transformers).
 
     Raises ValueError with one line naming `spec` and what was tried when nothing loads.
 
@@ -75,7 +77,7 @@ def load_model(spec: str | os.PathLike, device: str = "cpu", dtype: torch.dtype 
     raw = str(spec)
     device = str(device)
     try:
-        return _load(raw, device, dtype)
+        return _load(raw, device, dtype, progress)
     except ValueError as e:
         msg = _one_line(str(e))
         if raw not in msg:
@@ -85,17 +87,17 @@ def load_model(spec: str | os.PathLike, device: str = "cpu", dtype: torch.dtype 
         raise ValueError(f"{raw}: {type(e).__name__}: {_one_line(str(e))}") from e
 
 
-def _load(raw: str, device: str, dtype: torch.dtype) -> ModelBundle:
+def _load(raw: str, device: str, dtype: torch.dtype, progress: bool) -> ModelBundle:
     if not raw.strip():
         raise ValueError(f"model spec {raw!r} is empty (give a *.bin, a transformers folder, a cached name or 'minilm')")
     if _hf.is_minilm_alias(raw):
         folder = _hf.minilm_dir()
-        return _load_hf_bundle(raw, str(folder), "sentence-transformers/all-MiniLM-L6-v2", device, dtype)
+        return _load_hf_bundle(raw, str(folder), "sentence-transformers/all-MiniLM-L6-v2", device, dtype, progress)
 
     path = Path(raw).expanduser()
     if path.is_file():
         if path.name == "config.json":
-            return _load_hf_bundle(raw, str(path.parent), path.parent.name, device, dtype)
+            return _load_hf_bundle(raw, str(path.parent), path.parent.name, device, dtype, progress)
         try:
             return _load_llama2c_bundle(raw, path, device, dtype)
         except ValueError as e:  # CheckpointError: header/size wrong; say what the file is, else what was tried
@@ -105,7 +107,7 @@ def _load(raw: str, device: str, dtype: torch.dtype) -> ModelBundle:
             raise ValueError(f"{raw}: tried as a llama2.c checkpoint: {_one_line(str(e))}") from e
     if path.is_dir():
         if (path / "config.json").is_file():
-            return _load_hf_bundle(raw, str(path), path.name, device, dtype)
+            return _load_hf_bundle(raw, str(path), path.name, device, dtype, progress)
         hf_files = sorted(p.name for p in path.iterdir() if _HF_WEIGHTS.match(p.name))
         if hf_files:
             raise ValueError(f"{raw}: folder holds transformers weights ({hf_files[0]}) but no config.json; "
@@ -127,7 +129,7 @@ def _load(raw: str, device: str, dtype: torch.dtype) -> ModelBundle:
             f"{raw}: not a file, not a folder, not 'minilm', and not in the local Hugging Face cache "
             f"(offline; nothing is downloaded): {why}"
         ) from e
-    return _load_hf_bundle(raw, raw, raw, device, dtype)
+    return _load_hf_bundle(raw, raw, raw, device, dtype, progress)
 
 
 def weight_bytes(spec: str | os.PathLike, dtype: torch.dtype) -> int | None:
