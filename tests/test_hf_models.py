@@ -266,10 +266,9 @@ def test_layerwise_distillation_loss_adds_each_earlier_layer():
 
 
 @needs_stories
-@needs_stories
-def test_a_llama2c_job_never_imports_transformers():
-    """transformers takes ~1.3 s to import: a stories260K job (its --no-progress load included, which silences
-    transformers' bars only where a transformers model loads) does without it."""
+def test_loading_a_llama2c_model_never_imports_transformers():
+    """transformers takes ~1.3 s to import: the job's load of stories260K does without it, --no-progress included
+    (transformers' bars are silenced only where a transformers model loads)."""
     code = ("import sys; from patchc.job.model import load_bundle; from patchc.job.options import PruneOptions; "
             "load_bundle(PruneOptions(progress=False)); print(sorted(m for m in ('transformers', 'matplotlib') "
             "if m in sys.modules))")
@@ -278,6 +277,7 @@ def test_a_llama2c_job_never_imports_transformers():
     assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr[-2000:])
 
 
+@needs_stories
 def test_load_model_llama2c():
     from patchc.job.data import tokenize_documents
     from patchc.models import load_model
