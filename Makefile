@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The same suite with the larger form of some slow checks too (`pytest --full`: every model family of the
-# matrix, sm_80 under the older Triton, `patchc recover` under torchrun): about a minute more of 2 cores.
+# matrix, sm_80 under the older Triton, `patchc recover` under torchrun, ...): about 80 s more of 2 cores.
 test-full: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --full
 
