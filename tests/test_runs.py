@@ -95,8 +95,9 @@ def test_a_wrong_out_fails_before_the_model_loads(tmp_path, capsys, monkeypatch,
 @needs_shared
 def test_concurrent_prunes_pick_distinct_folders(tmp_path):
     """Two `patchc prune` processes started together (default --out) end in two folders, both finished."""
+    # real text only and no --eval-data files: nothing to generate, one text to score
     cmd = [sys.executable, "-m", "patchc", "prune", "--steps", "2", "--batch-size", "2", "--no-baselines", "--no-plots",
-           "--prior", "magnitude", "--no-progress", "--threads", "1", "--train-data", "real", "--eval-data"]  # nothing to generate, one text to score
+           "--prior", "magnitude", "--no-progress", "--threads", "1", "--train-data", "real", "--eval-data"]
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
