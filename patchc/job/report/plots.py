@@ -239,8 +239,7 @@ def plot_plan(plan: TilePlan, out_dir: str | os.PathLike, title: str | None = No
     """
     out = Path(out_dir)
     if not plan.layers:
-        if out.is_dir():
-            _remove_stale(out, [])
+        remove_pictures(out)
         return []
     out.mkdir(parents=True, exist_ok=True)
     stats = plan_stats(plan)
@@ -271,8 +270,9 @@ def plot_plan(plan: TilePlan, out_dir: str | os.PathLike, title: str | None = No
 def remove_pictures(out_dir: str | os.PathLike) -> None:
     """Delete the pictures an earlier plan drew into `out_dir` (a run that draws none, `--no-plots`, must not
     leave another plan's beside its report); other files stay."""
-    if Path(out_dir).is_dir():
-        _remove_stale(Path(out_dir), [])
+    out = Path(out_dir)
+    if out.is_dir():
+        _remove_stale(out, [])
 
 
 def _remove_stale(out: Path, written: list[Path]) -> None:
