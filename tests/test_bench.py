@@ -25,7 +25,7 @@ import pytest
 from patchc.bench import BenchOptions, exit_status
 from patchc.bench.check import check_case, error_bound
 from patchc.bench.layers import make_layer, peak_bandwidth, tile_kinds, weight_bytes
-from patchc.bench.options import PART_WEIGHTS, LayerCase, check_cases
+from patchc.bench.options import PART_WEIGHTS, LayerCase, check_cases, speed_cases
 from patchc.bench.record import append_jsonl, slug
 from patchc.job.cli import main
 from tests.conftest import in_fresh_thread, older_triton_env, older_triton_params
@@ -94,19 +94,21 @@ def test_dry_run_checks_and_times_the_grouped_experts(dry_run):
 def test_dry_run_checks_pass_under_an_older_triton(triton_dir, tmp_path):
     """The correctness part under the Triton a GPU machine with torch 2.11 has (3.6), whose kernels take
     their own 2:4 load (`configs.GROUPS_PER_LOAD`): a kernel that only this Triton runs right fails here,
-    not in the rare GPU session."""
+    not in the rare GPU session. The mixed (35%) cases alone, half the time of all five: one of them
+    checks every variant by its explicit config, the others the 16 x 16 tiles in fp16 and bf16."""
     from patchc.codegen.configs import groups_per_load
 
     version = triton_dir.name.removeprefix("triton-")
-    proc = subprocess.run([sys.executable, "-m", "patchc", "bench", "--dry-run", "--parts", "check", "--out",
-                           str(tmp_path), "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=older_triton_env(triton_dir, TRITON_INTERPRET="1"))
+    proc = subprocess.run([sys.executable, "-m", "patchc", "bench", "--dry-run", "--parts", "check", "--case", "35%",
+                           "--out", str(tmp_path), "--no-progress"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=older_triton_env(triton_dir, TRITON_INTERPRET="1"))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"  # stdout: the failed rows' table
     (jsonl,) = tmp_path.glob("*.jsonl")
     record = json.loads(jsonl.read_text().splitlines()[-1])
     assert record["env"]["triton"] == version and record["env"]["groups_per_load"] == groups_per_load(version)
     rows = record["check"]["rows"]
     assert {r["variant"] for r in rows} == CHECKED_VARIANTS
+    assert {r["case"] for r in rows} == {c.label for c in check_cases(BenchOptions(dry_run=True)) if "35%" in c.label}
     assert all(r["ok"] and r["err"] <= r["bound"] for r in rows) and not record["check"]["skipped"]
 
 
@@ -195,6 +197,23 @@ def test_options_validate_with_clear_messages():
     assert {c.shape for c in full} >= {(4096, 4096), (11008, 4096), (4096, 11008), (1000, 3000)}
     assert {c.tile for c in full} == {(128, 128), (64, 64)} and {c.dtype for c in full} == {"fp16", "bf16"}
     assert {c.kinds for c in full} == {"dense", "2:4", 0.25, 0.35, 0.45}
+
+
+def test_case_filter_keeps_the_cases_it_names_and_refuses_one_that_keeps_none(capsys, tmp_path):
+    only = BenchOptions(cases=("4096x11008", "t64x64 bf16"))
+    kept = check_cases(only)
+    assert kept and all("4096x11008" in c.label or "t64x64 bf16" in c.label for c in kept)
+    assert len(kept) < len(check_cases(BenchOptions()))
+    assert {c.shape for c in speed_cases(only)} == {(4096, 11008)}  # no bf16 speed case: the shape's alone
+    with pytest.raises(ValueError, match=r"keeps none of the speed part's cases \(4096x4096 45% .*leave speed out"):
+        BenchOptions(cases=("bf16",))
+    assert check_cases(BenchOptions(cases=("bf16",), parts=("check",)))  # without the speed part it is fine
+    with pytest.raises(ValueError, match="empty filter"):
+        BenchOptions(cases=(" ",))
+    out = tmp_path / "results"
+    assert main(["bench", "--dry-run", "--case", "nothing", "--out", str(out), "--no-progress"]) == 2
+    assert "--case 'nothing' keeps none of the check part's cases (96x160 2:4" in capsys.readouterr().err
+    assert not out.exists()  # refused before anything ran or was written
 
 
 def test_records_append_and_name_the_device(tmp_path):

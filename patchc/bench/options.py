@@ -45,6 +45,8 @@ class BenchOptions:
     against torch's grouped mm). budget_s: wall-clock seconds for the whole run;
     each part gets its share and reports the cases it had no time for. out_dir: where
     `<device>.jsonl` and `<device>.md` go. tune: tune the layers of the speed and e2e parts (GPU only).
+    cases: keep only the check and speed cases whose label holds one of these strings (e.g. "4096x11008",
+    "35%", "t64x64 bf16"); empty: every case.
 
     Example:
         >>> BenchOptions(parts=("speed",), budget_s=300).parts
@@ -60,6 +62,7 @@ class BenchOptions:
     e2e_tokens: int = 128
     e2e_batches: tuple[int, ...] = (1, 16)
     seed: int = 0
+    cases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.parts if p not in PARTS]
@@ -71,6 +74,13 @@ class BenchOptions:
             raise ValueError(f"BenchOptions.e2e_layers must be in 1..32 (LLaMA-2-7B has 32), got {self.e2e_layers}")
         if self.e2e_tokens < 1 or not self.e2e_batches or min(self.e2e_batches) < 1:
             raise ValueError("BenchOptions: e2e_tokens and every e2e batch size must be >= 1")
+        object.__setattr__(self, "cases", tuple(self.cases))
+        if any(not c.strip() for c in self.cases):
+            raise ValueError("BenchOptions.cases: an empty filter would keep every case; drop it or name a "
+                             "case part such as '35%' or '4096x11008'")
+        for part, cases in (("check", check_cases), ("speed", speed_cases)):
+            if self.cases and part in self.parts:
+                cases(self)  # a filter that keeps none of a part's cases fails here, before anything runs
         object.__setattr__(self, "out_dir", Path(self.out_dir))
 
     def share(self, part: str, left_s: float | None = None, todo: tuple[str, ...] | None = None) -> float:
@@ -110,12 +120,30 @@ class LayerCase:
         return f"{self.shape[0]}x{self.shape[1]} {kinds} t{self.tile[0]}x{self.tile[1]} {self.dtype}"
 
 
+def _only(opts: BenchOptions, part: str, cases: list[LayerCase]) -> list[LayerCase]:
+    """`cases` whose label holds one of `opts.cases` (all when there is no filter); a filter that keeps none
+    of a part's cases is an error that lists them, not a run that checks nothing."""
+    if not opts.cases:
+        return cases
+    kept = [c for c in cases if any(f in c.label for f in opts.cases)]
+    if not kept:
+        labels = "; ".join(dict.fromkeys(c.label for c in cases))
+        raise ValueError(f"--case {' '.join(map(repr, opts.cases))} keeps none of the {part} part's cases "
+                         f"({labels}); widen it or leave {part} out of --parts")
+    return kept
+
+
 def check_cases(opts: BenchOptions) -> list[LayerCase]:
-    """Correctness cases, most informative first (a run out of time drops the tail).
+    """Correctness cases, most informative first (a run out of time drops the tail), less those
+    `opts.cases` filters out.
 
     Full: every shape x kinds at 128 x 128 fp16 over all M, each kernel variant explicitly; bf16 and
     64 x 64 tiles on the 2:4-holding plans over a shorter M list (the same code paths, other constexprs).
     """
+    return _only(opts, "check", _check_cases(opts))
+
+
+def _check_cases(opts: BenchOptions) -> list[LayerCase]:
     if opts.dry_run:  # each kernel path once or twice: the interpreter takes ~0.1-0.5 s per launch
         (s0, s1), (u0, u1), (t0, t1) = DRY_SHAPES, DRY_SHAPES_T16, DRY_TILES
         return [LayerCase(s0, "2:4", t0, "fp16", DRY_MS, explicit=True),
@@ -132,11 +160,13 @@ def check_cases(opts: BenchOptions) -> list[LayerCase]:
 
 
 def speed_cases(opts: BenchOptions) -> list[LayerCase]:
-    """Speed cases: the 7B shapes at every sparsity (and all-2:4), fp16, decode and prefill M."""
+    """Speed cases: the 7B shapes at every sparsity (and all-2:4), fp16, decode and prefill M; less those
+    `opts.cases` filters out."""
     if opts.dry_run:
-        return [LayerCase(DRY_SHAPES[0], k, DRY_TILES[0], "fp16", (1, 17)) for k in ("2:4", 0.35)]
+        return _only(opts, "speed", [LayerCase(DRY_SHAPES[0], k, DRY_TILES[0], "fp16", (1, 17)) for k in ("2:4", 0.35)])
     ms = (1, 4, 8, 16, 2048)
-    return [LayerCase(s, k, (128, 128), "fp16", ms) for k in (0.45, "2:4", 0.35, 0.25) for s in LLAMA7B_SHAPES]
+    kinds = (0.45, "2:4", 0.35, 0.25)
+    return _only(opts, "speed", [LayerCase(s, k, (128, 128), "fp16", ms) for k in kinds for s in LLAMA7B_SHAPES])
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -148,6 +178,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds for the whole run, shared by the parts")
     p.add_argument("--out", default=None,
                    help="results folder (default: benchmarks/results; dry run: runs/bench-dry-run)")
+    p.add_argument("--case", dest="cases", nargs="+", default=[], metavar="TEXT",
+                   help="check and time only the layer cases whose label holds one of these, e.g. 4096x11008 "
+                        "or '35%%' (the labels are the rows of the summary)")
     p.add_argument("--no-tune", dest="tune", action="store_false", help="use the default configs instead of tuning")
     p.add_argument("--layers", type=int, default=BenchOptions.e2e_layers,
                    help="blocks of the end-to-end LLaMA-2-7B-shaped model")

@@ -179,7 +179,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     out = args.out or ("runs/bench-dry-run" if args.dry_run else "benchmarks/results")
     opts = BenchOptions(parts=tuple(args.parts), dry_run=args.dry_run, budget_s=args.budget, out_dir=Path(out),
-                        tune=args.tune, e2e_layers=args.layers, e2e_tokens=args.tokens, seed=args.seed)
+                        tune=args.tune, e2e_layers=args.layers, e2e_tokens=args.tokens, seed=args.seed,
+                        cases=tuple(args.cases))
     return exit_status(run(opts, progress=args.progress))
 
 
