@@ -1,5 +1,8 @@
 """all-MiniLM-L6-v2 at 128x128 tiles, 35%: closer to the dense embeddings than SparseGPT 2:4, on held-out
-TinyStories sentences and on WikiText-2 sentences (CPU, ~1 min)."""
+TinyStories sentences and on WikiText-2 sentences (CPU, ~30 s).
+
+15 mask steps, against 30 before: the cosines measured 0.882 (0.894 at 30) against SparseGPT's 0.738, and
+0.805 (0.804) against 0.641 on WikiText-2, so the ranking keeps a wide margin at half the training."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ pytestmark = [needs_shared, pytest.mark.slow]
 def test_patch_35_keeps_embeddings_closer_than_sparsegpt_24():
     from patchc.models import load_model
 
-    opts = PruneOptions(model="minilm", data=(str(TINYSTORIES),), tile=(128, 128), sparsity=0.35, steps=30,
+    opts = PruneOptions(model="minilm", data=(str(TINYSTORIES),), tile=(128, 128), sparsity=0.35, steps=15,
                         batch_size=8, block_len=64, calib_blocks=16, progress=False)
     bundle = load_model(opts.model)
     data = load_data(bundle, opts)
