@@ -92,6 +92,18 @@ def in_fresh_thread(fn, *args, **kwargs):
         return pool.submit(fn, *args, **kwargs).result()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _reuse_llama2c_exports():
+    """Jobs in this process export a stories260K structure once; later ones get a copy bound to their own
+    model (`tests/export_cache.py`: what makes it safe)."""
+    import patchc.models.bundle as bundle
+    from tests.export_cache import reuse_llama2c_exports
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bundle, "export_llama", reuse_llama2c_exports(bundle.export_llama))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _restore_threads():
     """The job's stages pick torch's thread count for their model (one thread for a tiny one); a test that
