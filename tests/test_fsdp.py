@@ -1,9 +1,9 @@
 """FSDP2 mask training on 2 gloo processes (CPU): equal to one process, half the state per rank, sharded resume.
 
-One pair of ranks does all the distributed work (a straight run that checkpoints at step 3
+One pair of ranks does all the distributed work of both tests (a straight run that checkpoints at step 3
 and step 6, then a fresh program resumed from the step-3 checkpoint, both distilling from the program
-with its masks off, then hardening block by block); this process runs the single-process reference on
-the same exported tiny Llama, distilling from the dense export, and compares. The ranks are spawned and load
+with its masks off, then hardening block by block; then the low-memory optimizer's run); this process
+runs the single-process references on the same exported tiny Llama while they work, and compares. The ranks are spawned and load
 the export from a file: a CUDA build of torch refuses autograd in a child forked after the parent ran
 backward (any earlier test in this worker), even with no GPU.
 """
@@ -68,6 +68,31 @@ def exported_file(exported, tmp_path_factory) -> Path:
 
 def _start(worker, ep_file: Path, out: Path):
     return mp.start_processes(worker, args=(ep_file, out), nprocs=WORLD, join=False, start_method="spawn")
+
+
+class _Ranks:
+    """The two spawned ranks, shared by this file's tests: each computes its own reference while they run,
+    then `join`s (the first to call waits) and reads the ranks' files in `out`."""
+
+    def __init__(self, ep_file: Path, out: Path) -> None:
+        self.out = out
+        self.context = _start(_worker, ep_file, out)
+        self.joined = False
+
+    def join(self) -> Path:
+        if not self.joined:
+            _join_ranks(self.context)
+            self.joined = True
+        return self.out
+
+
+@pytest.fixture(scope="module")
+def ranks(exported_file, tmp_path_factory):
+    started = _Ranks(exported_file, tmp_path_factory.mktemp("ranks"))
+    yield started
+    for process in started.context.processes:  # a test that failed before joining leaves none running
+        if process.is_alive():
+            process.kill()
 
 
 def _load(ep_file: Path) -> torch.export.ExportedProgram:
@@ -147,6 +172,7 @@ def _worker(rank: int, ep_file: Path, out: Path) -> None:
                         "whole_after_harden": whole, "built": built}, out / "result.pt")
             plans[0].save(out / "plan.patch")
             plans[1].save(out / "budget.patch")
+        _train_low_memory(ep, rank, out)  # the same ranks: one spawn, import and load for both tests
     finally:
         dist.destroy_process_group()
 
@@ -160,8 +186,7 @@ def _join_ranks(context, timeout: float = 240) -> None:
             pytest.fail(f"the {WORLD} FSDP ranks did not finish within {timeout} s")
 
 
-def test_fsdp_two_ranks_equal_one_and_resume_sharded(exported, exported_file, tmp_path):
-    ranks = _start(_worker, exported_file, tmp_path)
+def test_fsdp_two_ranks_equal_one_and_resume_sharded(exported, ranks):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks use the other core meanwhile
     try:
@@ -174,8 +199,8 @@ def test_fsdp_two_ranks_equal_one_and_resume_sharded(exported, exported_file, tm
             dense_logits = logits_of(dense(EVAL_IDS))
     finally:
         torch.set_num_threads(threads)
-    _join_ranks(ranks)
-    got = torch.load(tmp_path / "result.pt", weights_only=False)
+    out = ranks.join()
+    got = torch.load(out / "result.pt", weights_only=False)
 
     # (a) Logits equal the single-process run's up to float reassociation (two half-batch means vs one
     # mean): measured max 1.8e-5 at lr 1e-2 after 6 steps; a rank training on its half alone is off by ~1e-2.
@@ -197,10 +222,10 @@ def test_fsdp_two_ranks_equal_one_and_resume_sharded(exported, exported_file, tm
     # (c) 3 steps, a sharded checkpoint, 3 resumed steps: exactly the 6 straight steps.
     for key, value in got["straight"].items():
         assert torch.equal(got["resumed"][key], value), key
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"step{HALF}", f"step{STEPS}"]
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == [f"step{HALF}", f"step{STEPS}"]
     # DCP reshards on load: one process without FSDP reads the 2-rank checkpoint whole.
     single = patchc.transform(exported, _config())
-    loaded = ShardedCheckpointIO().load(tmp_path / "ckpt" / f"step{STEPS}", single, make_optimizer(single, LR))
+    loaded = ShardedCheckpointIO().load(out / "ckpt" / f"step{STEPS}", single, make_optimizer(single, LR))
     assert loaded.step == STEPS and loaded.history == got["history"]
     for key, value in single.state_dict().items():
         assert torch.equal(value, got["straight"][key]), key
@@ -208,7 +233,7 @@ def test_fsdp_two_ranks_equal_one_and_resume_sharded(exported, exported_file, tm
     # (d) The plans hardened block by block are the single-process plans (dense iff logit > 0, and the global
     # top-k budget), with the same weights and fingerprints; the program is left sharded.
     for file, ref_plan in zip(("plan.patch", "budget.patch"), ref_plans):
-        plan = patchc.TilePlan.load(tmp_path / file)
+        plan = patchc.TilePlan.load(out / file)
         assert list(plan.layers) == list(ref_plan.layers), file
         for name, layer in plan.layers.items():
             assert torch.equal(layer.kinds, ref_plan.layers[name].kinds), (file, name)
@@ -228,26 +253,19 @@ def _low_config() -> patchc.PatchConfig:
     return patchc.PatchConfig(tile=(16, 16), prior="magnitude", steps=STEPS, nm_param="weight")
 
 
-def _low_worker(rank: int, ep_file: Path, out: Path) -> None:
-    torch.set_num_threads(1)
-    ep = _load(ep_file)
-    dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=WORLD)
-    try:
-        prog = shard_program(patchc.transform(ep, _low_config()))
-        result = patchc.train_masks(prog, lambda step: rank_slice(_batch(step), rank, WORLD), patchc.lm_loss,
-                                    steps=STEPS, lr=LR, optim=LOW, progress=False, log_every=1, grad_clip=CLIP)
-        state = full_state_dict(prog)
-        if rank == 0:
-            torch.save({"state": state, "history": result.history}, out / "result.pt")
-    finally:
-        dist.destroy_process_group()
+def _train_low_memory(ep: torch.export.ExportedProgram, rank: int, out: Path) -> None:
+    prog = shard_program(patchc.transform(ep, _low_config()))
+    result = patchc.train_masks(prog, lambda step: rank_slice(_batch(step), rank, WORLD), patchc.lm_loss,
+                                steps=STEPS, lr=LR, optim=LOW, progress=False, log_every=1, grad_clip=CLIP)
+    state = full_state_dict(prog)
+    if rank == 0:
+        torch.save({"state": state, "history": result.history}, out / "low_memory.pt")
 
 
-def test_fsdp_low_memory_mode_equals_one_process(exported, exported_file, tmp_path):
+def test_fsdp_low_memory_mode_equals_one_process(exported, ranks):
     """bf16 state with stochastic rounding, one v per group, per-tensor clipping: on two shards each
     tensor is rounded and clipped as a whole, so the ranks train what one process trains (which
     steps inside backward; the ranks step after it)."""
-    ranks = _start(_low_worker, exported_file, tmp_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -256,8 +274,7 @@ def test_fsdp_low_memory_mode_equals_one_process(exported, exported_file, tmp_pa
                                  log_every=1, grad_clip=CLIP)
     finally:
         torch.set_num_threads(threads)
-    _join_ranks(ranks)
-    got = torch.load(tmp_path / "result.pt", weights_only=False)
+    got = torch.load(ranks.join() / "low_memory.pt", weights_only=False)
     # Measured max 3e-4: the half-batch gradients' reassociation now and then moves a bf16 m or v to
     # the other side of its stochastic rounding threshold. Clipping by the global norm instead (what
     # the ranks did before) is off by 6e-2.
