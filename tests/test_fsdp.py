@@ -3,9 +3,9 @@
 One pair of ranks does all the distributed work of both tests (a straight run that checkpoints at step 3
 and step 6, then a fresh program resumed from the step-3 checkpoint, both distilling from the program
 with its masks off, then hardening block by block; then the low-memory optimizer's run); this process
-runs the single-process references on the same exported tiny Llama while they work, and compares. The ranks are spawned and load
-the export from a file: a CUDA build of torch refuses autograd in a child forked after the parent ran
-backward (any earlier test in this worker), even with no GPU.
+runs the single-process references on the same exported tiny Llama while they work, and compares. The
+ranks are spawned and load the export from a file: a CUDA build of torch refuses autograd in a child
+forked after the parent ran backward (any earlier test in this worker), even with no GPU.
 """
 
 from __future__ import annotations
