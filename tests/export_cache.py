@@ -1,16 +1,16 @@
 """The suite's reuse of llama2c exports: one `torch.export` per structure and process, not one per job.
 
 About twenty tests run whole `patchc prune` / `eval` jobs on stories260K in-process, and each job exports
-the model afresh: 2.2-5 s each, a minute of the suite's CPU time for the same graph. The product cannot
-keep such a cache (a job edits the weights it exported in place; a user runs one job per process), but
-within the suite the graph depends only on the model's structure, so `reuse_llama2c_exports` hands a
-later job a copy of the first graph bound to *its own* model's parameters and buffers, as a fresh export
-would be (a fresh export's state_dict holds the module's own tensors).
+the model afresh: 2.2-5 s each, a minute of the suite's CPU time for the same graph. The product has no
+use for such a cache (a user runs one job per process). Within the suite the graph depends only on the
+model's structure, so `reuse_llama2c_exports` hands a later job a copy of the first graph bound to *its
+own* model's parameters and buffers, as a fresh export would be (a fresh export's state_dict holds the
+module's own tensors, so the job's in-place edits of the model show in it).
 
 A call is served from the cache only when nothing could make a fresh export differ: the same model class,
-config, module tree, parameter and buffer names / shapes / dtypes / devices and example shape, no hooks
-and no instance-level `forward`, and `torch.export.export` itself not patched by the test (the error-path
-tests that patch it still reach their patch).
+config, module tree (each class's `forward` function too), parameter and buffer names / shapes / dtypes /
+devices and example shape, no hooks and no instance-level `forward`, and `torch.export.export` itself
+not patched by a test.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _structure(model: nn.Module, batch: int, seq: int) -> Hashable | None:
     for name, module in model.named_modules():
         if "forward" in vars(module) or module._forward_hooks or module._forward_pre_hooks:
             return None
-        tree.append((name, type(module), module.training))
+        tree.append((name, type(module), type(module).forward, module.training))  # a patched class forward too
     tensors = tuple((k, tuple(t.shape), t.dtype, t.device, t.requires_grad)
                     for k, t in model.state_dict(keep_vars=True).items())
     buffers = tuple((k, tuple(b.shape), b.dtype, b.device) for k, b in model.named_buffers())

@@ -3,6 +3,7 @@ bound to the caller's own tensors, and nothing when the model could trace differ
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from patchc.models.llama2c import Llama, LlamaConfig, export_llama
@@ -46,3 +47,10 @@ def test_a_model_that_could_trace_differently_is_exported_afresh():
     export(hooked)
     export(Llama(LlamaConfig(**{**CONFIG.__dict__, "n_layers": 1})).eval())
     assert len(export.cache) == 3  # the hooked model is never cached
+    mlp = type(_model(0).layers[0].mlp)
+    forward = mlp.forward
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mlp, "forward", lambda self, x: forward(self, x) * 2)  # a class's forward patched
+        ep = export(_model(0))
+        assert len(export.cache) == 4
+        torch.testing.assert_close(ep.module()(IDS), _model(0)(IDS), rtol=0, atol=0)
