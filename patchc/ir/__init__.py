@@ -12,6 +12,7 @@ report. Its vocabulary (2:4 pattern codes, tile geometry) is shared by every sta
     layer_slot.py   LayerSlot: a weight's buffer shapes from its tile kinds, before it is packed
     tile_plan.py    TilePlan: a model's weights, apply, summary
     from_pruned.py  plans from pruned weights or from masks; survey_linears: slots first, packing later
+    slicing.py      a plan's block of whole tiles, plans stacked row-wise (flat experts cut per expert)
     file_format.py  the safetensors file and its versioned header
 
 A `LayerPlan` describes one linear weight W of shape (N, K) = (out_features, in_features), cut into
