@@ -169,7 +169,8 @@ def check(model_type: str, experts: str | None = None) -> dict[str, Any]:
     from patchc.models.hf_export import export_causal_lm
     from patchc.models.per_length import PerLengthExport
     from patchc.models.traceable import traceable_layers
-    from patchc.runtime.dispatch import TileExperts, TileLinear
+    from patchc.runtime.dispatch import TileLinear
+    from patchc.runtime.experts import TileExperts
 
     out: dict[str, Any] = {"type": model_type, "passed": None}
     stage = "tiny"

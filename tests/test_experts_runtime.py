@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import patchc
-from patchc.runtime.dispatch import TileBmmExperts, TileExperts, experts_module
+from patchc.runtime.experts import TileBmmExperts, TileExperts, experts_module
 from patchc.runtime.grouped_op import TileGroupedLinear
 
 transformers = pytest.importorskip("transformers")

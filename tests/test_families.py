@@ -29,7 +29,8 @@ from torch import nn
 import patchc
 from patchc.config import PatchConfig
 from patchc.models.hf import transformers_major
-from patchc.runtime.dispatch import TileExperts, TileLinear
+from patchc.runtime.dispatch import TileLinear
+from patchc.runtime.experts import TileExperts
 
 transformers = pytest.importorskip("transformers")
 

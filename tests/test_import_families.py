@@ -27,7 +27,8 @@ from patchc.export.importing import import_sparse  # noqa: E402
 from patchc.ir import TILE_SPARSE24, TilePlan  # noqa: E402
 from patchc.ir.targets import model_matrices, read  # noqa: E402
 from patchc.models.hf import load_hf_causal, load_hf_tokenizer, minilm_dir, transformers_major  # noqa: E402
-from patchc.runtime.dispatch import TileBmmExperts, TileExperts, TileLinear  # noqa: E402
+from patchc.runtime.dispatch import TileLinear  # noqa: E402
+from patchc.runtime.experts import TileBmmExperts, TileExperts  # noqa: E402
 from tests.conftest import prune_24  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "compressed_tensors"

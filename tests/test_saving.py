@@ -18,7 +18,7 @@ from safetensors import safe_open
 import patchc
 from patchc.codegen.reference import random_24_mask
 from patchc.ir import TilePlan
-from patchc.runtime.dispatch import TileExperts
+from patchc.runtime.experts import TileExperts
 from patchc.runtime.saving import dense_state_dict
 
 transformers = pytest.importorskip("transformers")

@@ -9,7 +9,8 @@ It takes a `TilePlan` (and codegen's packed layers and launcher) and swaps a mod
 
 Modules: `op` (custom op + fake implementation), `candidates` (the candidate configs per GPU generation),
 `timing` (timing a layer's configs), `tuner` (decode, prefill and per-M-bucket tuning), `cache` (on-disk
-JSON cache), `dispatch` (TileLinear; `warmup` before CUDA-graph capture), `compile` (patchc.compile),
+JSON cache), `dispatch` (TileLinear; `warmup` before CUDA-graph capture), `experts` (TileExperts: fused MoE
+experts; `flat_experts`: DBRX's, held flat), `compile` (patchc.compile),
 `backend` (the dynamo backend `patch_backend`; `bound_backend`: `patchc.backend(plan)`, its options
 bound), `matmul_reads` (the matmul forms the backend recognises on a weight: linear, x @ W.T, matmul / mm,
 Conv1D addmm, einsum), `grouped` (fused MoE experts under the

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from patchc.ir.targets import is_conv1d, served_call
-from patchc.runtime.dispatch import TileExperts, TileLinear, experts_module, report_unreplaced
+from patchc.runtime.dispatch import TileLinear, report_unreplaced
+from patchc.runtime.experts import TileExperts, experts_module
 from patchc.runtime.saving import give_save_pretrained
 from patchc.runtime.timing import TimeFn
 from patchc.runtime.tuner import LayerTuning, tune_plan

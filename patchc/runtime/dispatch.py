@@ -31,8 +31,8 @@ from torch import nn
 from patchc.codegen.configs import arch_of, choose_block
 from patchc.codegen.launch import warm
 from patchc.codegen.layout import BUFFER_NAMES, dense_from_buffers, pack
-from patchc.ir.targets import EXPERT_PROJECTIONS, bmm_experts
 from patchc.runtime import op as _op  # registers torch.ops.patchc.tile_linear
+from patchc.runtime.experts import TileBmmExperts, TileExperts
 from patchc.runtime.op import encode_buckets, encode_config
 from patchc.runtime.timing import compile_ahead, compile_ahead_each, packed_buffers
 from patchc.runtime.tuner import LayerTuning, default_tuning
@@ -192,148 +192,6 @@ class TileLinear(nn.Module):
                 f"block={self.block}, decode={self.decode_cfg} ({len(self.tuning.buckets)} M buckets), "
                 f"prefill={self.prefill_cfg}, "
                 f"threshold={self.threshold}, bias={self.bias is not None}")
-
-
-class TileExperts(nn.Module):
-    """Drop-in for a transformers fused-experts module (gate_up_proj / up_proj and down_proj, 3-D) whose
-    expert slices are planned. On CUDA (or under the Triton interpreter) each projection is one
-    `TileGroupedLinear`: the tokens are sorted by expert on the device and every expert's rows run in one
-    launch, with no host synchronisation (CUDA-graph safe). On CPU each expert runs F.linear on its W * M
-    (dense fallback, same numbers).
-
-    forward(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H), as HF's experts.
-
-    Example:
-        >>> mlp.experts = TileExperts(mlp.experts, plan, "model.layers.0.mlp.experts")   # doctest: +SKIP
-    """
-
-    PROJECTIONS = EXPERT_PROJECTIONS
-
-    STORED_KN = False  # weights stored (E, K, N) only where the module says so (`is_transposed`)
-
-    def __init__(self, experts: nn.Module, plan: Any, path: str, tunings: dict[str, LayerTuning | None] | None = None,
-                 dtype: torch.dtype | None = None, device: Any = None) -> None:
-        super().__init__()
-        from patchc.runtime.grouped_op import TileGroupedLinear
-
-        self.path = path
-        for key, value in vars(experts).items():  # routing / gating settings: ints, bools, config, act_fn
-            if not key.startswith("_") and not isinstance(value, (torch.Tensor, nn.Module)):
-                setattr(self, key, value)
-        self.act_fn = getattr(experts, "act_fn", None)
-        self.is_transposed = self.STORED_KN or bool(getattr(experts, "is_transposed", False))
-        gate = getattr(type(experts), "_apply_gate", None)
-        self._gate = (lambda h: gate(self, h)) if gate is not None else None
-        self.names = [p for p in self.PROJECTIONS if isinstance(getattr(experts, p, None), torch.Tensor)]
-        if "down_proj" not in self.names or len(self.names) != 2:
-            raise ValueError(f"{path}: TileExperts needs gate_up_proj or up_proj, and down_proj; has {self.names}")
-        w0 = getattr(experts, self.names[0])
-        self.num_experts = int(w0.shape[0])
-        dtype, device = dtype or w0.dtype, device if device is not None else w0.device
-        on_gpu = torch.device(device).type == "cuda"
-        self.kernels = nn.ModuleDict()
-        for proj in self.names:
-            weight = getattr(experts, proj).detach()
-            stored = weight.transpose(1, 2) if self.is_transposed else weight  # (E, N, K)
-            bias = getattr(experts, f"{proj}_bias", None)
-            self.register_buffer(f"{proj}_bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
-            if on_gpu or _op.kernels_interpreted():  # every expert in one launch
-                self.kernels[proj] = TileGroupedLinear.from_plan(plan, f"{path}.{proj}", stored,
-                                                                 (tunings or {}).get(proj), dtype=dtype, device=device)
-            dense = None
-            if not on_gpu:  # the CPU fallback's W * M; on a GPU the stacked packed experts are all there is
-                layers = [plan.layers.get(f"{path}.{proj}.{e}") for e in range(self.num_experts)]
-                dense = torch.stack([stored[e] if lp is None else lp.to_dense().to(stored) for e, lp in enumerate(layers)])
-                dense = dense.to(device=device, dtype=dtype)
-            self.register_buffer(f"{proj}_dense", dense)
-
-    def _grouped(self, x: torch.Tensor) -> bool:
-        """Whether this call runs the grouped kernels (CUDA; CPU when the kernels are interpreted)."""
-        return bool(self.kernels) and _op.use_triton(x)
-
-    def _project(self, proj: str, x: torch.Tensor, offs: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """Rows of `x` sorted by expert (row ends `offs`, each row's `expert`) times their expert's slice."""
-        bias = getattr(self, f"{proj}_bias")
-        y = self.kernels[proj](x, offs)
-        return y if bias is None else y + bias[expert]
-
-    def _activate(self, h: torch.Tensor) -> torch.Tensor:
-        return self._gate(h) if self.names[0] == "gate_up_proj" and self._gate is not None else self.act_fn(h)
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        if not self._grouped(hidden_states):
-            return self._forward_dense(hidden_states, top_k_index, top_k_weights)
-        k = top_k_index.shape[-1]
-        ids = top_k_index.reshape(-1)
-        order = torch.argsort(ids, stable=True)  # (token, slot) pairs sorted by expert, on the device
-        expert = ids[order]
-        # histc, not bincount: CUDA's bincount reads the ids' range back to the host
-        counts = torch.histc(ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
-        offs = counts.cumsum(0).to(torch.int32)
-        h = self._activate(self._project(self.names[0], hidden_states[order // k], offs, expert))
-        y = self._project("down_proj", h, offs, expert) * top_k_weights.reshape(-1)[order, None]
-        unsorted = torch.empty_like(y)
-        unsorted[order] = y
-        # a fixed-order sum over each token's k experts (index_add_'s atomics would make it run-dependent)
-        return unsorted.float().view(-1, k, y.shape[-1]).sum(1).to(hidden_states.dtype)
-
-    def _forward_dense(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                       top_k_weights: torch.Tensor) -> torch.Tensor:
-        """CPU: a host loop over the experts, F.linear on each W * M."""
-        k = top_k_index.shape[-1]
-        ids, weights = top_k_index.reshape(-1), top_k_weights.reshape(-1)
-        tokens = torch.arange(ids.numel(), device=ids.device) // k
-        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
-        for e in range(self.num_experts):
-            rows = (ids == e).nonzero().squeeze(-1)
-            if rows.numel() == 0:
-                continue
-            h = self._activate(self._linear(self.names[0], e, hidden_states[tokens[rows]]))
-            y = self._linear("down_proj", e, h) * weights[rows, None]
-            out.index_add_(0, tokens[rows], y.float())
-        return out.to(hidden_states.dtype)
-
-    def _linear(self, proj: str, e: int, x: torch.Tensor) -> torch.Tensor:
-        bias = getattr(self, f"{proj}_bias")
-        y = F.linear(x, getattr(self, f"{proj}_dense")[e])
-        return y if bias is None else y + bias[e]
-
-
-class TileBmmExperts(TileExperts):
-    """Drop-in for experts that multiply every expert's rows at once, `torch.bmm(x, W)` with W stored
-    (E, K, N) (Llama 4's `Llama4TextExperts`): forward(hidden_states (E * T, H)) -> (E * T, H), the rows
-    already grouped by expert (T per expert); gate_up_proj's output is (gate, up), down_proj reads
-    up * act(gate). The experts run as in `TileExperts`.
-    """
-
-    STORED_KN = True
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        per = hidden_states.shape[0] // self.num_experts
-        if self._grouped(hidden_states):  # the rows are grouped already: offsets from the shape alone
-            device = hidden_states.device
-            offs = torch.arange(1, self.num_experts + 1, device=device, dtype=torch.int32) * per
-            expert = torch.arange(self.num_experts, device=device)[:, None].expand(-1, per).reshape(-1)
-            project = lambda proj, h: self._project(proj, h, offs, expert)  # noqa: E731
-        else:
-            project = lambda proj, h: torch.cat([self._linear(proj, e, part) for e, part in  # noqa: E731
-                                                 enumerate(h.view(self.num_experts, per, -1))])
-        h = project(self.names[0], hidden_states)
-        if self.names[0] == "gate_up_proj":
-            gate, up = h.chunk(2, dim=-1)
-            h = up * self.act_fn(gate)
-        else:
-            h = self.act_fn(h)
-        return project("down_proj", h)
-
-
-def experts_module(experts: nn.Module, plan: Any, path: str, tunings: dict[str, LayerTuning | None] | None = None,
-                   device: Any = None) -> TileExperts:
-    """The drop-in for a fused-experts module: `TileBmmExperts` when its forward takes the rows alone
-    (every expert at once), else `TileExperts` (forward(hidden_states, top_k_index, top_k_weights)).
-    `tunings`: {projection: the tuning of its first planned slice}, shared by all its experts; `device`: where
-    its buffers go (default: the experts' weights' device)."""
-    return (TileBmmExperts if bmm_experts(experts) else TileExperts)(experts, plan, path, tunings, device=device)
 
 
 def warmup(model: nn.Module, ms: Iterable[int], top_k: int | None = None) -> int:

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchc.runtime.dispatch import BUFFER_NAMES, TileExperts, TileLinear, packed_dense
+from patchc.runtime.dispatch import BUFFER_NAMES, TileLinear, packed_dense
+from patchc.runtime.experts import TileExperts
 
 
 def dense_state_dict(model: nn.Module, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
