@@ -7,7 +7,7 @@ the pruned dense model exactly; a weight only the replaced modules read is skipp
 them), tune (see `tune`), then replace each
 nn.Linear / Conv1D whose weight is planned (every user of a tied weight) with a `TileLinear`, and each
 fused-experts module with planned expert slices with a `TileExperts` (`TileBmmExperts` for Llama 4's,
-which multiply every expert's rows at once). Layers without a 2:4 tile stay
+which multiply every expert's rows at once; `TileFlatExperts` for DBRX's, whose flat plans are cut per expert). Layers without a 2:4 tile stay
 nn.Linear (cuBLAS); other planned weights only get the pruned values, and a warning lists them.
 
 Fused experts get one tuning per projection, that of its first planned slice (the slices share a shape).
@@ -36,6 +36,7 @@ from torch import nn
 from patchc.ir.targets import is_conv1d, served_call
 from patchc.runtime.dispatch import TileLinear, report_unreplaced
 from patchc.runtime.experts import TileExperts, experts_module
+from patchc.runtime.flat_experts import GATE, DOWN, UP, TileFlatExperts, flat_owner, flat_slices, is_flat, why_unserved
 from patchc.runtime.saving import give_save_pretrained
 from patchc.runtime.timing import TimeFn
 from patchc.runtime.tuner import LayerTuning, tune_plan
@@ -117,7 +118,8 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
         return target
     device = torch.device(device) if device is not None else None
     w = (next(iter(swaps.values()))[0][2].weight if swaps else next(target.parameters()))
-    firsts = _first_expert_slices(experts)  # one tuning per fused weight: its slices share the shape
+    # one tuning per fused weight: its slices share the shape (flat experts: once cut, below)
+    firsts = _first_expert_slices({p: f for p, f in experts.items() if not is_flat(target.get_submodule(p))})
     names = [*swaps, *firsts.values()]
     tunings = _tunings(plan, names, batch_size, prefill_len, tune, w.dtype, device or w.device, cache, time_fn,
                        progress)
@@ -141,9 +143,18 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     for path in experts:
         parent_path, _, attr = path.rpartition(".")
         parent = target.get_submodule(parent_path) if parent_path else target
+        module = target.get_submodule(path)
+        if is_flat(module):  # cut into expert slices here, and tuned as its first ones
+            slices = flat_slices(module, plan, path)
+            flat_firsts = _first_expert_slices({path: [f for f, lp in slices.layers.items() if lp.n_sparse]})
+            tuned = _tunings(slices, list(flat_firsts.values()), batch_size, prefill_len, tune, w.dtype,
+                             device or w.device, cache, time_fn, progress)
+            mine = {weight.rpartition(".")[2]: tuned.get(fqn) for weight, fqn in flat_firsts.items()}
+            setattr(parent, attr, TileFlatExperts(module, slices, path, mine, device=device))
+            continue
         mine = {weight.rpartition(".")[2]: tunings.get(fqn) for weight, fqn in firsts.items()
                 if weight.rpartition(".")[0] == path}
-        setattr(parent, attr, experts_module(target.get_submodule(path), plan, path, mine, device=device))
+        setattr(parent, attr, experts_module(module, plan, path, mine, device=device))
     give_save_pretrained(target)  # save_pretrained writes W * M, not the packed buffers transformers cannot load
     return target
 
@@ -169,6 +180,10 @@ def _leaving(model: nn.Module, plan: Any, swaps: dict[str, Users],
     out = {fqn: users[0][2].weight for fqn, users in swaps.items() if registered[id(users[0][2].weight)] == len(users)}
     for path in experts:
         module = model.get_submodule(path)
+        if is_flat(module):  # each planned flat weight: the drop-in is built from its plan
+            flat = {f"{path}.mlp.{w}": getattr(module.mlp, w) for w in (GATE, UP, DOWN)}
+            out.update({f: w for f, w in flat.items() if f in plan.layers and registered[id(w)] == 1})
+            continue
         for proj in TileExperts.PROJECTIONS:
             w = getattr(module, proj, None)
             slices = [f"{path}.{proj}.{e}" for e in range(w.shape[0])] if isinstance(w, nn.Parameter) else []
@@ -209,8 +224,8 @@ def _users(model: nn.Module, param: torch.Tensor) -> Users:
 
 
 def plan_swaps(model: nn.Module, plan: Any) -> tuple[dict[str, Users], dict[str, list[str]], dict[str, str]]:
-    """({layer: modules to replace}, {fused-experts module path: its planned expert slices with a 2:4 tile},
-    {layer: why it is not replaced}).
+    """({layer: modules to replace}, {experts module path: its planned expert slices with a 2:4 tile, or its
+    planned flat weights (DBRX's, `flat_experts`)}, {layer: why it is not replaced}).
 
     Layers without a 2:4 tile are left out on purpose (F.linear / cuBLAS is the fastest kernel for them).
     """
@@ -230,23 +245,30 @@ def plan_swaps(model: nn.Module, plan: Any) -> tuple[dict[str, Users], dict[str,
         users = _users(model, model.get_parameter(target.param))
         if users:
             swaps[fqn] = users
+        elif (path := flat_owner(model, target.param)) is not None:
+            experts.setdefault(path, []).append(fqn)
         else:
             kind = type(model.get_submodule(owner)).__name__ if owner else type(model).__name__
             missed[fqn] = f"read by a {kind} in its forward (e.g. torch.einsum / x @ W), not an nn.Linear / Conv1D"
     for path, layers in list(experts.items()):
         module = model.get_submodule(path)
-        names = [p for p in TileExperts.PROJECTIONS if isinstance(getattr(module, p, None), torch.Tensor)]
-        why = None
-        if "down_proj" not in names or len(names) != 2:
-            why = (f"3-D weight of a {type(module).__name__}, not a fused-experts module with gate_up_proj/up_proj "
-                   f"+ down_proj (has {names})")
-        elif not served_call(module):
-            why = (f"{type(module).__name__}.forward{inspect.signature(module.forward)} is neither the routed "
-                   "(hidden_states, top_k_index, top_k_weights) nor Llama 4's (hidden_states) form")
+        why = why_unserved(module, plan, path) if is_flat(module) else _why_unserved_fused(module)
         if why is not None:
             del experts[path]
             missed.update({f: why for f in layers})
     return swaps, experts, missed
+
+
+def _why_unserved_fused(module: nn.Module) -> str | None:
+    """Why the runtime cannot serve a module holding 3-D expert weights, or None when it can."""
+    names = [p for p in TileExperts.PROJECTIONS if isinstance(getattr(module, p, None), torch.Tensor)]
+    if "down_proj" not in names or len(names) != 2:
+        return (f"3-D weight of a {type(module).__name__}, not a fused-experts module with gate_up_proj/up_proj "
+                f"+ down_proj (has {names})")
+    if not served_call(module):
+        return (f"{type(module).__name__}.forward{inspect.signature(module.forward)} is neither the routed "
+                "(hidden_states, top_k_index, top_k_weights) nor Llama 4's (hidden_states) form")
+    return None
 
 
 def _tunings(plan: Any, names: list[str], batch_size: int, prefill_len: int, tune: bool | str, dtype: torch.dtype,

@@ -221,8 +221,9 @@ def warmup(model: nn.Module, ms: Iterable[int], top_k: int | None = None) -> int
 def _experts_per_token(model: nn.Module, path: str) -> int:
     """The experts each token is routed to, from the model's (text) config."""
     config = getattr(model, "config", None)
-    for cfg in (config, getattr(config, "get_text_config", lambda: None)()):
-        for key in ("num_experts_per_tok", "moe_topk", "num_experts_per_token"):
+    text = getattr(config, "get_text_config", lambda: None)()
+    for cfg in (config, text, getattr(config, "ffn_config", None)):  # DBRX's ffn_config: moe_top_k
+        for key in ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k"):
             if isinstance(getattr(cfg, key, None), int):
                 return int(getattr(cfg, key))
     raise ValueError(f"warmup({type(model).__name__}): {path} routes each token to top_k experts and the model's "

@@ -42,38 +42,54 @@ class TileExperts(nn.Module):
     def __init__(self, experts: nn.Module, plan: Any, path: str, tunings: dict[str, LayerTuning | None] | None = None,
                  dtype: torch.dtype | None = None, device: Any = None) -> None:
         super().__init__()
-        from patchc.runtime.grouped_op import TileGroupedLinear
-
-        self.path = path
-        for key, value in vars(experts).items():  # routing / gating settings: ints, bools, config, act_fn
-            if not key.startswith("_") and not isinstance(value, (torch.Tensor, nn.Module)):
-                setattr(self, key, value)
-        self.act_fn = getattr(experts, "act_fn", None)
+        self._take_settings(experts, path)
         self.is_transposed = self.STORED_KN or bool(getattr(experts, "is_transposed", False))
         gate = getattr(type(experts), "_apply_gate", None)
         self._gate = (lambda h: gate(self, h)) if gate is not None else None
-        self.names = [p for p in self.PROJECTIONS if isinstance(getattr(experts, p, None), torch.Tensor)]
-        if "down_proj" not in self.names or len(self.names) != 2:
-            raise ValueError(f"{path}: TileExperts needs gate_up_proj or up_proj, and down_proj; has {self.names}")
-        w0 = getattr(experts, self.names[0])
+        names = [p for p in self.PROJECTIONS if isinstance(getattr(experts, p, None), torch.Tensor)]
+        if "down_proj" not in names or len(names) != 2:
+            raise ValueError(f"{path}: TileExperts needs gate_up_proj or up_proj, and down_proj; has {names}")
+        weights = {p: getattr(experts, p).detach() for p in names}
+        stored = {p: w.transpose(1, 2) if self.is_transposed else w for p, w in weights.items()}  # (E, N, K)
+        self._pack(plan, stored, {p: getattr(experts, f"{p}_bias", None) for p in names}, tunings, dtype, device)
+
+    def _take_settings(self, experts: nn.Module, path: str) -> None:
+        """The experts module's routing / gating settings (ints, bools, config, act_fn) and where it was."""
+        self.path = path
+        for key, value in vars(experts).items():
+            if not key.startswith("_") and not isinstance(value, (torch.Tensor, nn.Module)):
+                setattr(self, key, value)
+        self.act_fn = getattr(experts, "act_fn", None)
+
+    def _pack(self, plan: Any, stored: dict[str, torch.Tensor], biases: dict[str, torch.Tensor | None],
+              tunings: dict[str, LayerTuning | None] | None, dtype: torch.dtype | None, device: Any) -> None:
+        """Each projection's experts from `plan.layers["<path>.<projection>.<e>"]`, an unplanned one from its
+        `stored` (E, N, K) weight: one `TileGroupedLinear` on a GPU (or interpreted), W * M stacked on a CPU."""
+        from patchc.runtime.grouped_op import TileGroupedLinear
+
+        self.names = list(stored)
+        w0 = stored[self.names[0]]
         self.num_experts = int(w0.shape[0])
         dtype, device = dtype or w0.dtype, device if device is not None else w0.device
         on_gpu = torch.device(device).type == "cuda"
         self.kernels = nn.ModuleDict()
-        for proj in self.names:
-            weight = getattr(experts, proj).detach()
-            stored = weight.transpose(1, 2) if self.is_transposed else weight  # (E, N, K)
-            bias = getattr(experts, f"{proj}_bias", None)
+        for proj, weight in stored.items():
+            bias = biases.get(proj)
             self.register_buffer(f"{proj}_bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
             if on_gpu or _op.kernels_interpreted():  # every expert in one launch
-                self.kernels[proj] = TileGroupedLinear.from_plan(plan, f"{path}.{proj}", stored,
+                self.kernels[proj] = TileGroupedLinear.from_plan(plan, f"{self.path}.{proj}", weight,
                                                                  (tunings or {}).get(proj), dtype=dtype, device=device)
             dense = None
             if not on_gpu:  # the CPU fallback's W * M; on a GPU the stacked packed experts are all there is
-                layers = [plan.layers.get(f"{path}.{proj}.{e}") for e in range(self.num_experts)]
-                dense = torch.stack([stored[e] if lp is None else lp.to_dense().to(stored) for e, lp in enumerate(layers)])
+                layers = [plan.layers.get(f"{self.path}.{proj}.{e}") for e in range(self.num_experts)]
+                dense = torch.stack([weight[e] if lp is None else lp.to_dense().to(weight) for e, lp in enumerate(layers)])
                 dense = dense.to(device=device, dtype=dtype)
             self.register_buffer(f"{proj}_dense", dense)
+
+    def replaced_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """{parameter name in the replaced module: tensor} from each projection's (E, N, K) W * M, stored as the
+        module stored it (`dense_state_dict`)."""
+        return {p: w.transpose(1, 2).contiguous() if self.is_transposed else w for p, w in weights.items()}
 
     def _grouped(self, x: torch.Tensor) -> bool:
         """Whether this call runs the grouped kernels (CUDA; CPU when the kernels are interpreted)."""

@@ -50,9 +50,8 @@ def dense_state_dict(model: nn.Module, device: torch.device | str | None = None)
             dropped = {f"{prefix}{proj}_dense" for proj in module.names}
             for key in [k for k in state if k in dropped or k.startswith(f"{prefix}kernels.")]:
                 del state[key]
-            for proj in module.names:
-                w = _expert_weights(module, proj).to(device)  # (E, N, K)
-                state[prefix + proj] = w.transpose(1, 2).contiguous() if module.is_transposed else w
+            weights = {proj: _expert_weights(module, proj).to(device) for proj in module.names}  # (E, N, K)
+            state.update({prefix + name: w for name, w in module.replaced_weights(weights).items()})
     return state
 
 
