@@ -110,6 +110,22 @@ def test_an_unplanned_flat_weight_is_served_as_it_is_and_saved_models_load_back(
     torch.testing.assert_close(_logits(loaded, ids), _logits(pruned, ids), atol=1e-6, rtol=1e-6)
 
 
+def test_experts_in_their_traced_form_are_still_called_as_dbrx_calls_them(monkeypatch):
+    """With the experts' class running patchc's traced form (`traceable_layers(every_instance=True)`, as the
+    family sweep runs DBRX throughout), their forward still has DBRX's call form, so they are served."""
+    from patchc.models.traceable import traceable_layers
+
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
+    model = _model()
+    plan = _plan(model)
+    with traceable_layers(model, every_instance=True):
+        fast = _compile(model, plan)
+        assert all(type(b.ffn.experts) is TileFlatExperts for b in fast.transformer.blocks)
+        ids = _ids(1, 8)
+        torch.testing.assert_close(_logits(fast, ids), _logits(plan.apply(copy.deepcopy(model)), ids),
+                                   atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(("tiles", "why"), [
     ({"w1": (64, 16), "v1": (64, 16)}, r"its 32 rows per expert are not whole tiles of its plans \(w1 / v1 tile "
                                         r"\(64, 16\), w2 \(16, 16\)\)"),

@@ -164,7 +164,9 @@ def traceable_layers(model: nn.Module, every_instance: bool = False) -> Iterator
             own, substitute = cls.forward, SUBSTITUTES[cls.__name__][1]
             restore.append(functools.partial(setattr, cls, "forward", own) if "forward" in vars(cls) else
                            functools.partial(delattr, cls, "forward"))  # an inherited forward stays inherited
-            cls.forward = lambda self, *a, _s=substitute, _o=own, **k: _s(self, functools.partial(_o, self), *a, **k)
+            # wraps: the substitute is called as the forward it stands for, and its signature says so
+            cls.forward = functools.wraps(own)(
+                lambda self, *a, _s=substitute, _o=own, **k: _s(self, functools.partial(_o, self), *a, **k))
         for _, module in () if every_instance else found:
             before = module.__dict__.get("forward")  # an instance-level forward (accelerate's hooks) comes back
             module.forward = functools.partial(SUBSTITUTES[type(module).__name__][1], module, module.forward)
