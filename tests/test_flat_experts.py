@@ -160,3 +160,47 @@ def test_dbrx_experts_on_a_gpu_give_the_pruned_models_logits():
     for length in (1, 16):  # decode and prefill rows
         ids = _ids(2, length).cuda()
         torch.testing.assert_close(_logits(fast, ids), _logits(pruned, ids), atol=2e-2, rtol=2e-2)
+
+
+def test_a_pruned_dbrx_compiles_without_a_plan_its_flat_experts_read_off_their_zeros(monkeypatch):
+    """A DBRX pruned by any tool (here a 16 x 16 hybrid plan applied) and compiled with no plan: its flat
+    weights are planned from their zeros (w2 as its transpose) and served by TileFlatExperts."""
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
+    model = _model()
+    pruned = _plan(model).apply(copy.deepcopy(model))
+    inferred = patchc.TilePlan.from_linears(pruned)
+    for w in FLAT:
+        layer = inferred.layers[f"transformer.blocks.1.ffn.experts.mlp.{w}"]
+        assert layer.tile == (16, 16) and layer.shape == ((HIDDEN, EXPERTS * FFN) if w == "w2" else (EXPERTS * FFN, HIDDEN))
+        assert layer.n_sparse and torch.equal(layer.mask(), _weight(pruned, 1, w) != 0)
+    fast = _compile(pruned, None)
+    assert all(type(b.ffn.experts) is TileFlatExperts for b in fast.transformer.blocks)
+    ids = _ids(2, 8)
+    torch.testing.assert_close(_logits(fast, ids), _logits(pruned, ids), atol=1e-5, rtol=1e-5)
+
+
+
+def test_patchc_import_of_a_pruned_dbrx_folder_loads_back_served(tmp_path, monkeypatch):
+    """A pruned DBRX saved by transformers: `import_sparse` plans its six flat weights off their zeros and
+    `patchc.from_pretrained` serves them with TileFlatExperts, giving the pruned model's logits."""
+    from patchc.export.importing import import_sparse
+    from tests.conftest import save_word_tokenizer
+
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
+    model = _model()
+    pruned = _plan(model).apply(copy.deepcopy(model))
+    pruned.save_pretrained(tmp_path / "src")
+    save_word_tokenizer(tmp_path / "src")
+    summary = import_sparse(tmp_path / "src", tmp_path / "out")
+    assert "6 layers planned at tile 16x16" in summary.format()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        served = patchc.from_pretrained(tmp_path / "out")
+    assert all(type(b.ffn.experts) is TileFlatExperts for b in served.transformer.blocks)
+    ids = _ids(2, 8)
+    torch.testing.assert_close(_logits(served, ids), _logits(pruned, ids), atol=1e-5, rtol=1e-5)
+
+def _weight(model, block: int, w: str) -> torch.Tensor:
+    """A flat weight as its (N, K) matrix (w2 transposed)."""
+    weight = getattr(model.transformer.blocks[block].ffn.experts.mlp, w).detach()
+    return weight.t() if w == "w2" else weight

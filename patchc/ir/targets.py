@@ -181,7 +181,8 @@ def weight_names(module: nn.Module) -> dict[int, str]:
 
 def model_matrices(model: nn.Module) -> dict[str, Target]:
     """{layer name: Target} for every weight matrix of `model` the runtime serves: `nn.Linear` weights, GPT-2
-    `Conv1D` weights (stored (K, N)), and each expert's slice of fused-experts weights (`expert_projections`).
+    `Conv1D` weights (stored (K, N)), each expert's slice of fused-experts weights (`expert_projections`), and
+    flat experts weights whole (`flat_experts`: DBRX's w2 stored (K, N)).
     The output embedding (LM head, tied or not) is left out: it is never planned.
 
     Example:
@@ -202,6 +203,9 @@ def model_matrices(model: nn.Module) -> dict[str, Target]:
             param = prefix + proj
             for e in range(getattr(module, proj).shape[0]):
                 out[layer_name(param, e)] = Target(layer_name(param, e), param, e, stored_kn(module))
+        for leaf, transposed in flat_experts(module).items():  # DBRX's: one matrix per flat weight
+            if isinstance(getattr(module, leaf, None), torch.Tensor):
+                out[prefix + leaf] = Target(prefix + leaf, prefix + leaf, None, transposed)
     return out
 
 
