@@ -200,6 +200,25 @@ def test_patchc_import_of_a_pruned_dbrx_folder_loads_back_served(tmp_path, monke
     ids = _ids(2, 8)
     torch.testing.assert_close(_logits(served, ids), _logits(pruned, ids), atol=1e-5, rtol=1e-5)
 
+
+def test_flat_experts_are_tuned_as_their_first_expert_slices_and_read_back_from_the_cache(tmp_path):
+    """`tune=True` times each block's first gate_up and down slices (a fake clock here), and `tune="cached"`
+    reads those tunings back; the tuned kernels still give the pruned model's logits (in the interpreter)."""
+    from tests.test_runtime_tuner import FakeTimer
+
+    model = _model()
+    plan = _plan(model)
+    timer, cache = FakeTimer(), tmp_path / "tune.json"
+    fast = patchc.compile(model, plan, batch_size=4, prefill_len=8, tune=True, time_fn=timer, cache=cache)
+    kernels = [k for b in fast.transformer.blocks for k in b.ffn.experts.kernels.values()]
+    assert timer.calls > 0 and len(kernels) == 4 and {k.tuning.source for k in kernels} == {"tuned"}
+    ids = _ids(1, 6)
+    torch.testing.assert_close(_logits(fast, ids), _logits(plan.apply(copy.deepcopy(model)), ids), atol=1e-4, rtol=1e-4)
+    cached = patchc.compile(model, plan, batch_size=4, prefill_len=8, tune="cached", cache=cache)
+    again = [k for b in cached.transformer.blocks for k in b.ffn.experts.kernels.values()]
+    assert {k.tuning.source for k in again} == {"cache"}
+    assert [k.tuning.decode for k in again] == [k.tuning.decode for k in kernels]
+
 def _weight(model, block: int, w: str) -> torch.Tensor:
     """A flat weight as its (N, K) matrix (w2 transposed)."""
     weight = getattr(model.transformer.blocks[block].ffn.experts.mlp, w).detach()
