@@ -77,7 +77,8 @@ def test_compiled_dbrx_runs_its_experts_from_the_plan_as_the_pruned_model_does(d
 
 
 def test_the_grouped_kernels_serve_every_expert_in_one_launch_per_projection(monkeypatch):
-    """The GPU path in the Triton interpreter: gate and up rows run as one projection, then down, for each block."""
+    """The GPU path in the Triton interpreter: gate and up rows run as one projection, then down, for each block;
+    greedy generation gives the pruned model's tokens."""
     from tests.test_experts_runtime import _spy_grouped
 
     model = _model()
@@ -92,6 +93,8 @@ def test_the_grouped_kernels_serve_every_expert_in_one_launch_per_projection(mon
     launched.clear()
     # warmup reads DBRX's top_k from its ffn_config (else it asks for one): a launch per projection and block
     assert patchc.runtime.warmup(fast, [2]) == 2 and len(launched) == 4
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)  # the KV-cache decode steps: one token each
+    assert torch.equal(fast.generate(ids, **kw), pruned.generate(ids, **kw))
 
 
 def test_an_unplanned_flat_weight_is_served_as_it_is_and_saved_models_load_back(tmp_path, monkeypatch):
