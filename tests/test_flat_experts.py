@@ -88,7 +88,8 @@ def test_the_grouped_kernels_serve_every_expert_in_one_launch_per_projection(mon
     launched = _spy_grouped(monkeypatch)
     ids = _ids(2, 6)
     got = _logits(fast, ids)
-    assert launched == [f"transformer.blocks.{b}.ffn.experts.{p}" for b in range(2) for p in ("gate_up_proj", "down_proj")]
+    projections = ("gate_up_proj", "down_proj")
+    assert launched == [f"transformer.blocks.{b}.ffn.experts.{p}" for b in range(2) for p in projections]
     torch.testing.assert_close(got, _logits(pruned, ids), atol=1e-4, rtol=1e-4)
     launched.clear()
     # warmup reads DBRX's top_k from its ffn_config (else it asks for one): a launch per projection and block
@@ -132,7 +133,8 @@ def test_experts_in_their_traced_form_are_still_called_as_dbrx_calls_them(monkey
 @pytest.mark.parametrize(("tiles", "why"), [
     ({"w1": (64, 16), "v1": (64, 16)}, r"its 32 rows per expert are not whole tiles of its plans \(w1 / v1 tile "
                                         r"\(64, 16\), w2 \(16, 16\)\)"),
-    ({"w2": (16, 64)}, r"its 32 rows per expert are not whole tiles of its plans \(w1 / v1 tile \(16, 16\), w2 \(16, 64\)\)"),
+    ({"w2": (16, 64)}, r"its 32 rows per expert are not whole tiles of its plans \(w1 / v1 tile \(16, 16\), "
+                       r"w2 \(16, 64\)\)"),
     ({"v1": (32, 16)}, r"its w1 and v1 are planned with different tiles \(16, 16\) and \(32, 16\)"),
 ])
 def test_flat_experts_that_cannot_be_cut_per_expert_keep_the_plans_values_and_are_named(tiles, why, monkeypatch):
@@ -174,7 +176,8 @@ def test_a_pruned_dbrx_compiles_without_a_plan_its_flat_experts_read_off_their_z
     inferred = patchc.TilePlan.from_linears(pruned)
     for w in FLAT:
         layer = inferred.layers[f"transformer.blocks.1.ffn.experts.mlp.{w}"]
-        assert layer.tile == (16, 16) and layer.shape == ((HIDDEN, EXPERTS * FFN) if w == "w2" else (EXPERTS * FFN, HIDDEN))
+        shape = (HIDDEN, EXPERTS * FFN) if w == "w2" else (EXPERTS * FFN, HIDDEN)
+        assert layer.tile == (16, 16) and layer.shape == shape
         assert layer.n_sparse and torch.equal(layer.mask(), _weight(pruned, 1, w) != 0)
     fast = _compile(pruned, None)
     assert all(type(b.ffn.experts) is TileFlatExperts for b in fast.transformer.blocks)

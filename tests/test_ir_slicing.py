@@ -59,7 +59,8 @@ def test_stacked_rows_are_the_concatenated_weights(bias):
     stacked = stack_rows(parts, "gate_up")
     _same(stacked, torch.cat([p.to_dense() for p in parts]), torch.cat([p.mask() for p in parts]))
     assert stacked.n_sparse == sum(p.n_sparse for p in parts) and bool((stacked.kinds[:2] == TILE_SPARSE24).all())
-    assert (stacked.bias is None) != bias and (not bias or torch.equal(stacked.bias, torch.cat([p.bias for p in parts])))
+    assert (stacked.bias is None) != bias
+    assert not bias or torch.equal(stacked.bias, torch.cat([p.bias for p in parts]))
 
 
 def test_blocks_of_a_flat_experts_weight_stack_back_into_it():
@@ -72,7 +73,8 @@ def test_blocks_of_a_flat_experts_weight_stack_back_into_it():
         gate_up = stack_rows([take_block(w1, "g", rows=rows), take_block(v1, "u", rows=rows)], f"gate_up.{e}")
         _same(gate_up, torch.cat([w1.to_dense()[rows[0]:rows[1]], v1.to_dense()[rows[0]:rows[1]]]),
               torch.cat([w1.mask()[rows[0]:rows[1]], v1.mask()[rows[0]:rows[1]]]))
-        _same(take_block(w2t, f"down.{e}", cols=rows), w2t.to_dense()[:, rows[0]:rows[1]], w2t.mask()[:, rows[0]:rows[1]])
+        down = take_block(w2t, f"down.{e}", cols=rows)
+        _same(down, w2t.to_dense()[:, rows[0]:rows[1]], w2t.mask()[:, rows[0]:rows[1]])
 
 
 def test_plans_that_cannot_stack_are_refused_by_name():

@@ -7,8 +7,9 @@ the pruned dense model exactly; a weight only the replaced modules read is skipp
 them), tune (see `tune`), then replace each
 nn.Linear / Conv1D whose weight is planned (every user of a tied weight) with a `TileLinear`, and each
 fused-experts module with planned expert slices with a `TileExperts` (`TileBmmExperts` for Llama 4's,
-which multiply every expert's rows at once; `TileFlatExperts` for DBRX's, whose flat plans are cut per expert). Layers without a 2:4 tile stay
-nn.Linear (cuBLAS); other planned weights only get the pruned values, and a warning lists them.
+which multiply every expert's rows at once; `TileFlatExperts` for DBRX's, whose flat plans are cut per
+expert). Layers without a 2:4 tile stay nn.Linear (cuBLAS); other planned weights only get the pruned
+values, and a warning lists them.
 
 Fused experts get one tuning per projection, that of its first planned slice (the slices share a shape).
 
@@ -36,7 +37,7 @@ from torch import nn
 from patchc.ir.targets import is_conv1d, served_call
 from patchc.runtime.dispatch import TileLinear, report_unreplaced
 from patchc.runtime.experts import TileExperts, experts_module
-from patchc.runtime.flat_experts import GATE, DOWN, UP, TileFlatExperts, flat_owner, flat_slices, is_flat, why_unserved
+from patchc.runtime.flat_experts import DOWN, GATE, UP, TileFlatExperts, flat_owner, flat_slices, is_flat, why_unserved
 from patchc.runtime.saving import give_save_pretrained
 from patchc.runtime.timing import TimeFn
 from patchc.runtime.tuner import LayerTuning, tune_plan

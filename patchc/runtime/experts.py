@@ -82,7 +82,8 @@ class TileExperts(nn.Module):
             dense = None
             if not on_gpu:  # the CPU fallback's W * M; on a GPU the stacked packed experts are all there is
                 layers = [plan.layers.get(f"{self.path}.{proj}.{e}") for e in range(self.num_experts)]
-                dense = torch.stack([weight[e] if lp is None else lp.to_dense().to(weight) for e, lp in enumerate(layers)])
+                dense = torch.stack([weight[e] if lp is None else lp.to_dense().to(weight)
+                                     for e, lp in enumerate(layers)])
                 dense = dense.to(device=device, dtype=dtype)
             self.register_buffer(f"{proj}_dense", dense)
 

@@ -142,7 +142,8 @@ class TileFlatExperts(TileExperts):
         gate, up = h.chunk(2, dim=-1)
         return self.act_fn(gate) * up
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])
         out = super().forward(rows, top_k_index, top_k_weights)
         return out.view(hidden_states.shape[0], -1, out.shape[-1])
