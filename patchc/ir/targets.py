@@ -156,11 +156,13 @@ def bmm_experts(module: nn.Module | None) -> bool:
 
 def expert_projections(module: nn.Module) -> list[str]:
     """The 3-D weights of a transformers fused-experts module in the form the runtime serves (`TileExperts`:
-    gate_up_proj or up_proj, and down_proj; called routed, (hidden_states, top_k_index, top_k_weights),
-    or Llama 4's way), else []."""
+    gate_up_proj or up_proj, and down_proj, holding the same experts; called routed, (hidden_states,
+    top_k_index, top_k_weights), or Llama 4's way), else []."""
     names = [p for p in EXPERT_PROJECTIONS if isinstance(getattr(module, p, None), torch.Tensor)
              and getattr(module, p).dim() == 3]
-    return names if "down_proj" in names and len(names) == 2 and served_call(module) else []
+    if "down_proj" not in names or len(names) != 2 or not served_call(module):
+        return []
+    return names if len({getattr(module, p).shape[0] for p in names}) == 1 else []
 
 
 def served_call(experts: nn.Module) -> bool:

@@ -269,6 +269,10 @@ def _why_unserved_fused(module: nn.Module) -> str | None:
     if not served_call(module):
         return (f"{type(module).__name__}.forward{inspect.signature(module.forward)} is neither the routed "
                 "(hidden_states, top_k_index, top_k_weights) nor Llama 4's (hidden_states) form")
+    counts = {p: getattr(module, p).shape[0] for p in names}
+    if len(set(counts.values())) > 1:  # LongCat-Flash: gate_up_proj also holds its zero-computation experts
+        held = ", ".join(f"{p}: {n}" for p, n in counts.items())
+        return f"its projections hold different numbers of experts ({held}): the runtime serves experts every one holds"
     return None
 
 
