@@ -98,6 +98,29 @@ def test_the_grouped_kernels_serve_every_expert_in_one_launch_per_projection(mon
     assert torch.equal(fast.generate(ids, **kw), pruned.generate(ids, **kw))
 
 
+
+def test_the_served_experts_trace_as_one_graph_without_host_syncs(monkeypatch):
+    """On the grouped kernels' path (the GPU's; interpreted here) dynamo captures a TileFlatExperts whole, with
+    no graph break (no host read of the routing: what a CUDA graph of decode needs), and the compiled model
+    gives the pruned model's logits."""
+    from tests.test_experts_runtime import _spy_grouped
+
+    _spy_grouped(monkeypatch)
+    model = _model()
+    plan = _plan(model)
+    fast = _compile(model, plan)
+    gen = torch.Generator().manual_seed(4)
+    args = (torch.randn(2, 6, HIDDEN, generator=gen), torch.randint(0, EXPERTS, (12, 2), generator=gen),
+            torch.rand(12, 2, generator=gen))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fast.transformer.blocks[0].ffn.experts)(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    ids = _ids(2, 6)
+    compiled = torch.compile(fast, backend="aot_eager")
+    torch.testing.assert_close(_logits(compiled, ids), _logits(plan.apply(copy.deepcopy(model)), ids),
+                               atol=1e-4, rtol=1e-4)
+    torch._dynamo.reset()
+
 def test_an_unplanned_flat_weight_is_served_as_it_is_and_saved_models_load_back(tmp_path, monkeypatch):
     """v1 without a plan joins w1's rows unpruned; the saved compiled model loads in transformers as the
     pruned model."""
