@@ -208,9 +208,10 @@ def test_weight_scores_end_to_end(tiny_mlp, tmp_path, monkeypatch):
         assert torch.equal(plan.layers[name].mask().cpu(), m.hard_mask().cpu())
 
 
-# The GPU path (`--fused torch`) compiles these functions with inductor: ~20 s per variant cold on 2 cores, its
-# C++ build. The default run compiles them through dynamo and AOT with inductor's decompositions but generates
-# no code (what breaks a trace or a decomposition shows there); `pytest --full` runs inductor itself.
+# The GPU path (`--fused torch`) compiles these functions with inductor, whose C++ build of them on a CPU takes
+# ~20-30 s per variant cold on 2 cores. The default run compiles them through dynamo and AOT with inductor's
+# decompositions but generates no code (what breaks a trace or a decomposition shows there); `pytest --full`
+# runs inductor itself.
 @pytest.mark.parametrize("backend", ["aot_eager_decomp_partition",
                                      pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.full])])
 @pytest.mark.parametrize("variant", ["joint", "tile"])
