@@ -157,12 +157,30 @@ def bmm_experts(module: nn.Module | None) -> bool:
 def expert_projections(module: nn.Module) -> list[str]:
     """The 3-D weights of a transformers fused-experts module in the form the runtime serves (`TileExperts`:
     gate_up_proj or up_proj, and down_proj, holding the same experts; called routed, (hidden_states,
-    top_k_index, top_k_weights), or Llama 4's way), else []."""
-    names = [p for p in EXPERT_PROJECTIONS if isinstance(getattr(module, p, None), torch.Tensor)
-             and getattr(module, p).dim() == 3]
-    if "down_proj" not in names or len(names) != 2 or not served_call(module):
-        return []
-    return names if len({getattr(module, p).shape[0] for p in names}) == 1 else []
+    top_k_index, top_k_weights), or Llama 4's way), else [] (`why_experts_unserved` says why)."""
+    return [] if why_experts_unserved(module) else _expert_weights(module)
+
+
+def why_experts_unserved(module: nn.Module) -> str | None:
+    """Why the runtime's fused-experts drop-ins cannot serve `module`'s 3-D weights, or None when they can."""
+    names = _expert_weights(module)
+    if "down_proj" not in names or len(names) != 2:
+        return (f"3-D weight of a {type(module).__name__}, not a fused-experts module with gate_up_proj/up_proj "
+                f"+ down_proj (has {names})")
+    if not served_call(module):
+        return (f"{type(module).__name__}.forward{inspect.signature(module.forward)} is neither the routed "
+                "(hidden_states, top_k_index, top_k_weights) nor Llama 4's (hidden_states) form")
+    counts = {p: getattr(module, p).shape[0] for p in names}
+    if len(set(counts.values())) > 1:  # LongCat-Flash: gate_up_proj also holds its zero-computation experts
+        held = ", ".join(f"{p}: {n}" for p, n in counts.items())
+        return f"its projections hold different numbers of experts ({held}): the runtime serves experts every one holds"
+    return None
+
+
+def _expert_weights(module: nn.Module) -> list[str]:
+    """The names of `EXPERT_PROJECTIONS` that `module` holds as 3-D tensors."""
+    return [p for p in EXPERT_PROJECTIONS if isinstance(getattr(module, p, None), torch.Tensor)
+            and getattr(module, p).dim() == 3]
 
 
 def served_call(experts: nn.Module) -> bool:
@@ -272,4 +290,4 @@ def recorded_targets(targets: Mapping[str, Target]) -> dict[str, dict]:
 
 __all__ = ["EXPERT_PROJECTIONS", "META_KEY", "PEFT_PREFIX", "Target", "bmm_experts", "expert_projections", "find_param",
            "is_conv1d", "layer_name", "matrix", "model_matrices", "peft_free", "read", "recorded_targets", "resolve",
-           "resolve_layers", "served_call", "stored_kn", "weight_names"]
+           "resolve_layers", "served_call", "stored_kn", "weight_names", "why_experts_unserved"]

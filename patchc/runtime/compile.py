@@ -25,7 +25,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import os
 from collections import Counter
@@ -34,10 +33,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from patchc.ir.targets import is_conv1d, served_call
+from patchc.ir.targets import is_conv1d, why_experts_unserved
 from patchc.runtime.dispatch import TileLinear, report_unreplaced
 from patchc.runtime.experts import TileExperts, experts_module
-from patchc.runtime.flat_experts import DOWN, GATE, UP, TileFlatExperts, flat_owner, flat_slices, is_flat, why_unserved
+from patchc.runtime.flat_experts import TileFlatExperts, flat_layers, flat_owner, flat_slices, is_flat, why_unserved
 from patchc.runtime.saving import give_save_pretrained
 from patchc.runtime.timing import TimeFn
 from patchc.runtime.tuner import LayerTuning, tune_plan
@@ -182,7 +181,7 @@ def _leaving(model: nn.Module, plan: Any, swaps: dict[str, Users],
     for path in experts:
         module = model.get_submodule(path)
         if is_flat(module):  # each planned flat weight: the drop-in is built from its plan
-            flat = {f"{path}.mlp.{w}": getattr(module.mlp, w) for w in (GATE, UP, DOWN)}
+            flat = {name: getattr(module.mlp, w) for w, name in flat_layers(path).items()}
             out.update({f: w for f, w in flat.items() if f in plan.layers and registered[id(w)] == 1})
             continue
         for proj in TileExperts.PROJECTIONS:
@@ -253,27 +252,11 @@ def plan_swaps(model: nn.Module, plan: Any) -> tuple[dict[str, Users], dict[str,
             missed[fqn] = f"read by a {kind} in its forward (e.g. torch.einsum / x @ W), not an nn.Linear / Conv1D"
     for path, layers in list(experts.items()):
         module = model.get_submodule(path)
-        why = why_unserved(module, plan, path) if is_flat(module) else _why_unserved_fused(module)
+        why = why_unserved(module, plan, path) if is_flat(module) else why_experts_unserved(module)
         if why is not None:
             del experts[path]
             missed.update({f: why for f in layers})
     return swaps, experts, missed
-
-
-def _why_unserved_fused(module: nn.Module) -> str | None:
-    """Why the runtime cannot serve a module holding 3-D expert weights, or None when it can."""
-    names = [p for p in TileExperts.PROJECTIONS if isinstance(getattr(module, p, None), torch.Tensor)]
-    if "down_proj" not in names or len(names) != 2:
-        return (f"3-D weight of a {type(module).__name__}, not a fused-experts module with gate_up_proj/up_proj "
-                f"+ down_proj (has {names})")
-    if not served_call(module):
-        return (f"{type(module).__name__}.forward{inspect.signature(module.forward)} is neither the routed "
-                "(hidden_states, top_k_index, top_k_weights) nor Llama 4's (hidden_states) form")
-    counts = {p: getattr(module, p).shape[0] for p in names}
-    if len(set(counts.values())) > 1:  # LongCat-Flash: gate_up_proj also holds its zero-computation experts
-        held = ", ".join(f"{p}: {n}" for p, n in counts.items())
-        return f"its projections hold different numbers of experts ({held}): the runtime serves experts every one holds"
-    return None
 
 
 def _tunings(plan: Any, names: list[str], batch_size: int, prefill_len: int, tune: bool | str, dtype: torch.dtype,

@@ -54,6 +54,11 @@ def flat_owner(model: nn.Module, param: str) -> str | None:
     return experts_path if is_flat(experts) and leaf in flat_experts(experts.mlp) else None
 
 
+def flat_layers(path: str) -> dict[str, str]:
+    """{flat weight: its plan layer name} of the experts module at `path` ("w1" -> "<path>.mlp.w1")."""
+    return {w: f"{path}.mlp.{w}" for w in (GATE, UP, DOWN)}
+
+
 def _sizes(experts: nn.Module) -> tuple[int, int, int]:
     """(E, F, H) of flat experts: experts, rows per expert, hidden size."""
     mlp = experts.mlp
@@ -85,9 +90,10 @@ def flat_slices(experts: nn.Module, plan: Any, path: str) -> ExpertSlices:
     served as it is (all dense tiles)."""
     num, f, _ = _sizes(experts)
     tiles = _tiles(plan, path)
-    planned = {w: plan.layers.get(f"{path}.mlp.{w}") for w in (GATE, UP, DOWN)}
+    names = flat_layers(path)
+    planned = {w: plan.layers.get(name) for w, name in names.items()}
     dtype = next(p.dtype for p in planned.values() if p is not None)
-    plans = {w: p or _all_dense(experts.mlp, w, f"{path}.mlp.{w}", tiles[w], dtype) for w, p in planned.items()}
+    plans = {w: p or _all_dense(experts.mlp, w, names[w], tiles[w], dtype) for w, p in planned.items()}
     layers = {}
     for e in range(num):
         rows = (e * f, (e + 1) * f)
@@ -99,7 +105,7 @@ def flat_slices(experts: nn.Module, plan: Any, path: str) -> ExpertSlices:
 
 def _tiles(plan: Any, path: str) -> dict[str, tuple[int, int]]:
     """The tile of each flat weight's plan; an unplanned one takes a planned sibling's (w1 and v1 share)."""
-    planned = {w: plan.layers[f"{path}.mlp.{w}"].tile for w in (GATE, UP, DOWN) if f"{path}.mlp.{w}" in plan.layers}
+    planned = {w: plan.layers[name].tile for w, name in flat_layers(path).items() if name in plan.layers}
     if not planned:
         raise ValueError(f"{path}: none of its flat weights {GATE}, {UP}, {DOWN} is planned")
     first = next(iter(planned.values()))
@@ -156,4 +162,4 @@ class TileFlatExperts(TileExperts):
                 f"mlp.{DOWN}": weights["down_proj"].transpose(1, 2).reshape(-1, hidden)}
 
 
-__all__ = ["ExpertSlices", "TileFlatExperts", "flat_owner", "flat_slices", "is_flat", "why_unserved"]
+__all__ = ["ExpertSlices", "TileFlatExperts", "flat_layers", "flat_owner", "flat_slices", "is_flat", "why_unserved"]
