@@ -211,6 +211,35 @@ def test_input_stats_hessian_and_norms():
     assert s.n_samples == 14
 
 
+def test_a_layer_that_saw_no_inputs_is_pruned_by_magnitude():
+    """An expert no calibration token picked is observed with no rows: SparseGPT and Wanda then have no
+    information on its inputs and prune it as magnitude does (isotropic statistics), not refuse it."""
+    w = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    empty = InputStats(16)
+    empty.update(torch.zeros(0, 16))
+    assert empty.n_samples == 0 and empty.has_hessian
+    want = prune_weight(w, "magnitude", "2:4")
+    assert torch.equal(prune_weight(w, "wanda", "2:4", stats=empty), want)
+    assert torch.equal(prune_weight(w, "sparsegpt", "2:4", stats=empty), want)
+
+
+def test_calibration_never_shares_statistics_between_empty_inputs():
+    """Two experts that both see no rows in the first batch read look-alike empty slices; sharing their
+    statistics would merge them for every later batch (the collector shares a layer's input with the next
+    layer that reads the very same tensor)."""
+    from patchc.pruning.calibrate import _Collector
+
+    stats: dict[str, InputStats] = {}
+    collect = _Collector(stats, {"e.0", "e.1"}, {"e.0": 4, "e.1": 4}, hessian=True)
+    rows = torch.randn(3, 4)
+    collect("e.0", rows[0:0])
+    collect("e.1", rows[0:0])
+    collect.end_batch()
+    collect("e.0", rows[:0])
+    collect("e.1", rows)
+    assert stats["e.0"] is not stats["e.1"] and (stats["e.0"].n_samples, stats["e.1"].n_samples) == (0, 3)
+
+
 class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -68,11 +68,14 @@ class InputStats:
 
     @property
     def has_hessian(self) -> bool:
-        return self._xtx is not None
+        return self._xtx is not None or (self._want_hessian and not self.n_samples)
 
     @property
     def hessian(self) -> torch.Tensor:
-        """H = (2 / n) * sum x x^T as float32 (K, K), a fresh tensor."""
+        """H = (2 / n) * sum x x^T as float32 (K, K), a fresh tensor. A layer that saw no inputs (an expert no
+        calibration token picked) knows nothing of them: 2 I, so SparseGPT prunes it as magnitude does."""
+        if self._want_hessian and not self.n_samples:
+            return torch.eye(self.in_features) * 2.0
         if self._xtx is None:
             raise ValueError(
                 "these statistics have no Hessian: calibrate(..., hessian=True) (the default) records it; "
@@ -82,9 +85,10 @@ class InputStats:
 
     @property
     def sq_norm(self) -> torch.Tensor:
-        """sum_t x_{t,j}^2 per input channel j, float32 (K,)."""
+        """sum_t x_{t,j}^2 per input channel j, float32 (K,); ones for a layer that saw no inputs, so Wanda
+        prunes it as magnitude does."""
         if self._sq is None:
-            return torch.zeros(self.in_features)
+            return torch.ones(self.in_features)
         return self._sq.to(torch.float32)
 
     def to(self, device: str | torch.device) -> InputStats:
@@ -215,7 +219,8 @@ class _Collector:
             return
         self.seen.add(fqn)
         key = self._key(x)
-        if self._last is not None and self._last[1] == key:
+        # empty inputs (experts no token picked) all look alike: sharing them would merge those experts for good
+        if self._last is not None and self._last[1] == key and x.numel():
             shared = self._last[2]
             if fqn not in self.stats and shared.in_features == x.shape[-1]:
                 self.stats[fqn] = shared  # first batch: discover the sharing
