@@ -171,10 +171,31 @@ def why_experts_unserved(module: nn.Module) -> str | None:
         return (f"{type(module).__name__}.forward{inspect.signature(module.forward)} is neither the routed "
                 "(hidden_states, top_k_index, top_k_weights) nor Llama 4's (hidden_states) form")
     counts = {p: getattr(module, p).shape[0] for p in names}
-    if len(set(counts.values())) > 1:  # LongCat-Flash: gate_up_proj also holds its zero-computation experts
+    if len(set(counts.values())) > 1 and not zero_computation_experts(module):
         held = ", ".join(f"{p}: {n}" for p, n in counts.items())
         return f"its projections hold different numbers of experts ({held}): the runtime serves experts every one holds"
     return None
+
+
+def held_experts(module: nn.Module) -> int:
+    """How many experts every 3-D projection of a fused-experts module holds: the ones it computes. LongCat-Flash's
+    gate_up_proj also holds rows for its zero-computation experts, which no token reads (`zero_computation_experts`).
+
+    Example:
+        >>> held_experts(longcat.model.layers[0].mlp.experts)      # gate_up_proj (8, ...), down_proj (4, ...)
+        4
+    """
+    return min(getattr(module, p).shape[0] for p in _expert_weights(module))
+
+
+def zero_computation_experts(module: nn.Module) -> int:
+    """How many routing ids past the held experts give their token back unchanged (LongCat-Flash's
+    `zero_expert_num`, ids num_routed_experts.. of its router), else 0. Only a module that says so, with the
+    routed experts exactly the ones every projection holds, counts."""
+    extra, routed = getattr(module, "zero_expert_num", None), getattr(module, "num_routed_experts", None)
+    if not (isinstance(extra, int) and isinstance(routed, int) and extra > 0 and _expert_weights(module)):
+        return 0
+    return extra if held_experts(module) == routed else 0
 
 
 def _expert_weights(module: nn.Module) -> list[str]:
@@ -221,7 +242,7 @@ def model_matrices(model: nn.Module) -> dict[str, Target]:
             out.setdefault(name, Target(name, name, None, conv1d))
         for proj in expert_projections(module):
             param = prefix + proj
-            for e in range(getattr(module, proj).shape[0]):
+            for e in range(held_experts(module)):
                 out[layer_name(param, e)] = Target(layer_name(param, e), param, e, stored_kn(module))
         for leaf, transposed in flat_experts(module).items():  # DBRX's: one matrix per flat weight
             if isinstance(getattr(module, leaf, None), torch.Tensor):
@@ -289,5 +310,6 @@ def recorded_targets(targets: Mapping[str, Target]) -> dict[str, dict]:
 
 
 __all__ = ["EXPERT_PROJECTIONS", "META_KEY", "PEFT_PREFIX", "Target", "bmm_experts", "expert_projections", "find_param",
-           "is_conv1d", "layer_name", "matrix", "model_matrices", "peft_free", "read", "recorded_targets", "resolve",
-           "resolve_layers", "served_call", "stored_kn", "weight_names", "why_experts_unserved"]
+           "held_experts", "is_conv1d", "layer_name", "matrix", "model_matrices", "peft_free", "read",
+           "recorded_targets", "resolve", "resolve_layers", "served_call", "stored_kn", "weight_names",
+           "why_experts_unserved", "zero_computation_experts"]

@@ -4,7 +4,9 @@ Two layouts need it (see `patchc.ir.targets`):
 
     transposed   a (K, N) weight (GPT-2 Conv1D): M is learned on W^T, so 2:4 groups run along K
     experts      a fused 3-D (E, N, K) or (E, K, N) weight: one `HybridMask` per expert slice, so
-                 tiles never cross experts, each named "<fqn>.<expert>"
+                 tiles never cross experts, each named "<fqn>.<expert>"; a weight with rows past the
+                 masked experts (LongCat-Flash's, for experts that compute nothing, which the model
+                 slices off before its matmul) keeps those rows as they are
 
 It returns the masked weight in the stored layout, so the graph around it is unchanged. With every
 mask in "ones" mode it returns the weight bit for bit.
@@ -43,10 +45,11 @@ class ParamMask(nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         if not self.experts:
             return self._one(self.masks[0], weight)
-        if weight.dim() != 3 or weight.shape[0] != len(self.masks):
+        if weight.dim() != 3 or weight.shape[0] < len(self.masks):
             raise ValueError(f"{self.name}: built for {len(self.masks)} experts, got a weight of shape "
                              f"{tuple(weight.shape)}")
-        return torch.stack([self._one(m, weight[e]) for e, m in enumerate(self.masks)])
+        masked = torch.stack([self._one(m, weight[e]) for e, m in enumerate(self.masks)])
+        return masked if weight.shape[0] == len(self.masks) else torch.cat([masked, weight[len(self.masks):]])
 
 
 def hybrid_masks(modules) -> list[HybridMask]:

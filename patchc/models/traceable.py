@@ -21,6 +21,14 @@ over picked experts is (r * h) @ w2, with h = act(x w1^T) * (x v1^T) viewed (T, 
 one plan layer (w2, read (K, N), is masked as its transpose: 2:4 groups along E * F). While masks train, it costs
 E / top_k times the loop's expert FLOPs (4x for DBRX's 16 / 4).
 
+LongCat-Flash's experts (`LongcatFlashExperts`) loop in Python over the experts hit, and route some tokens to
+zero-computation experts, which return the token itself: ids R.. of `total_experts`, where R =
+`num_routed_experts`. `gate_up_proj` holds rows for all of them, `down_proj` for the R routed ones. Traced, the
+(token, slot) pairs are sorted by expert as transformers' grouped-mm experts do; the routed ones run as one
+grouped mm over `gate_up_proj[:R]` and one over `down_proj`, and the zero-computation pairs, sorted to the tail
+beyond the last row end, give their token. So each routed expert's slices are plan layers
+(`patchc.passes.find_linears` reads the dim-0 slice) and the rows no token reads are never planned.
+
 Example:
     >>> with traceable_layers(model):                     # doctest: +SKIP
     ...     ep = torch.export.export(model, (ids,), kwargs={"use_cache": False})
@@ -33,7 +41,7 @@ import functools
 import logging
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -117,6 +125,39 @@ def dbrx_experts_dense(experts: nn.Module, original: Callable, hidden_states: to
     return torch.matmul(weighted, mlp.w2).view(shape)
 
 
+def longcat_experts_grouped(experts: nn.Module, original: Callable, hidden_states: torch.Tensor,
+                            top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """`LongcatFlashExperts.forward` as two grouped mms over the routed experts; zero-computation experts
+    (ids >= `num_routed_experts`) give their token, scaled by its routing weight as the loop does."""
+    from transformers.integrations.moe import _grouped_mm  # transformers' dispatch: torch's op or its fallback
+
+    routed, k = experts.num_routed_experts, top_k_index.shape[-1]
+    ids, order = torch.sort(top_k_index.reshape(-1), stable=True)  # zero-computation pairs sort to the tail
+    x = hidden_states[order // k]
+    # histc drops the ids past `max`: the row ends cover the routed pairs only
+    counts = torch.histc(ids.float(), bins=routed, min=0, max=routed - 1)
+    offs = counts.cumsum(0).to(torch.int32)
+    is_routed = (ids < routed).unsqueeze(-1)
+    # torch's grouped mm leaves the rows past the last end unwritten (possibly NaN), forward and in its input
+    # gradient: zeroing them in the input masks that gradient, and `where` (not a product) masks the output
+    routed_x = x.masked_fill(~is_routed, 0)
+    gate, up = _grouped_mm(routed_x, experts.gate_up_proj[:routed].transpose(-2, -1), offs).chunk(2, dim=-1)
+    y = _grouped_mm(experts.act_fn(gate) * up, experts.down_proj.transpose(-2, -1), offs)
+    y = torch.where(is_routed, y, x) * top_k_weights.reshape(-1)[order, None]
+    out = torch.zeros_like(hidden_states, dtype=y.dtype)
+    return out.index_add(0, order // k, y).to(hidden_states.dtype)
+
+
+def _is_longcat_experts(module: nn.Module) -> bool:
+    """LongcatFlashExperts as transformers 5.17-5.24 build it: gate_up_proj over every expert, down_proj over
+    the routed ones."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    routed = getattr(module, "num_routed_experts", None)
+    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
+            and down.dim() == 3 and isinstance(routed, int) and down.shape[0] == routed <= gate_up.shape[0]
+            and hasattr(module, "act_fn"))
+
+
 def _is_dbrx_experts(module: nn.Module) -> bool:
     """DbrxExperts as transformers 5.17-5.24 build it: flat (E * F, H) w1, v1, w2 on `mlp`."""
     mlp = getattr(module, "mlp", None)
@@ -138,26 +179,34 @@ def _is_qsa_indexer(module: nn.Module) -> bool:
 SUBSTITUTES: dict[str, tuple[Callable[[nn.Module], bool], Callable]] = {
     "Qwen4ExpTextQSAIndexer": (_is_qsa_indexer, qsa_indexer_causal),
     "DbrxExperts": (_is_dbrx_experts, dbrx_experts_dense),
+    "LongcatFlashExperts": (_is_longcat_experts, longcat_experts_grouped),
 }
 
 
-def substitutable(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(path, module) of each layer of `model` that has a traceable form."""
+# the experts among them: calibration observes these in their traced form, the matmuls the program reads
+EXPERTS = frozenset({"DbrxExperts", "LongcatFlashExperts"})
+
+
+def substitutable(model: nn.Module, classes: Collection[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """(path, module) of each layer of `model` that has a traceable form (of `classes` only, when given)."""
     return [(path, m) for path, m in model.named_modules()
-            if type(m).__name__ in SUBSTITUTES and SUBSTITUTES[type(m).__name__][0](m)]
+            if type(m).__name__ in SUBSTITUTES and SUBSTITUTES[type(m).__name__][0](m)
+            and (classes is None or type(m).__name__ in classes)]
 
 
 @contextlib.contextmanager
-def traceable_layers(model: nn.Module, every_instance: bool = False) -> Iterator[list[str]]:
+def traceable_layers(model: nn.Module, every_instance: bool = False,
+                     classes: Collection[str] | None = None) -> Iterator[list[str]]:
     """Run `model`'s layers with a traceable form (`SUBSTITUTES`) in that form inside the block; yields their
     paths. `every_instance`: patch the classes instead, so copies made inside the block (a plan applied to a
-    deepcopy) run the same form too, as tests comparing them need.
+    deepcopy) run the same form too, as tests comparing them need. `classes`: only layers of these classes
+    (`EXPERTS`: the experts).
 
     Example:
         >>> with traceable_layers(model) as swapped:       # doctest: +SKIP
         ...     ep = export_causal_lm(model)
     """
-    found = substitutable(model)
+    found = substitutable(model, classes)
     restore: list[Callable[[], None]] = []
     try:
         for cls in {type(m) for _, m in found} if every_instance else ():
@@ -187,5 +236,5 @@ def _put_back(module: nn.Module, forward: Callable | None) -> None:
         module.forward = forward
 
 
-__all__ = ["SUBSTITUTES", "dbrx_experts_dense", "qsa_block_scores", "qsa_indexer_causal", "qsa_queries_and_blocks",
-           "qsa_selection", "substitutable", "traceable_layers"]
+__all__ = ["EXPERTS", "SUBSTITUTES", "dbrx_experts_dense", "longcat_experts_grouped", "qsa_block_scores",
+           "qsa_indexer_causal", "qsa_queries_and_blocks", "qsa_selection", "substitutable", "traceable_layers"]

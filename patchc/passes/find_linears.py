@@ -17,7 +17,9 @@ T(W) is one `aten.t` / `aten.permute(W, [1, 0])` / `aten.transpose(W, -2, -1)` o
 looked through. A weight read without that transpose is stored (K, N) (GPT-2's Conv1D, experts with
 `is_transposed`): it is masked as its transpose, so 2:4 groups still run along in_features. A 3-D
 weight (E, N, K) read by a grouped matmul, or by a bmm whose batch is the experts, is E experts: one
-(N, K) mask per expert, named "<fqn>.<expert>" (`patchc.ir.targets`).
+(N, K) mask per expert, named "<fqn>.<expert>" (`patchc.ir.targets`). A grouped read of its first R experts
+(`W[:R]`: LongCat-Flash's gate_up_proj also holds rows for experts that compute nothing) is R experts; the
+rows past them are never masked nor planned.
 
 Which weights are masked: `PatchConfig.selects` (include / exclude globs over the weight's fully
 qualified name, 2-D, min_features) and two structural rules: a weight that an embedding lookup also
@@ -129,8 +131,19 @@ def _keeps_matrix(node: fx.Node) -> bool:
     return tuple(out.shape[-2:]) == tuple(src.shape[-2:])
 
 
+def _leading_experts(node: fx.Node) -> bool:
+    """`W[:R]` of a 3-D weight: its first R experts, each whole."""
+    if node.target is not aten.slice.Tensor:
+        return False
+    src = getattr(node.args[0], "meta", {}).get("val")
+    args = dict(zip(("dim", "start", "end", "step"), node.args[1:]), **node.kwargs)
+    return (src is not None and src.dim() == 3 and args.get("dim", 0) == 0 and args.get("start") in (None, 0)
+            and args.get("step", 1) == 1)
+
+
 def _trace_weight(node: fx.Node, outer: Regions | None = None) -> tuple[fx.Node, fx.Node, int] | None:
-    """Follow transposes / casts back to a get_attr: (get_attr, its consumer, #transposes).
+    """Follow transposes / casts (and a leading slice of experts) back to a get_attr: (get_attr, its consumer,
+    #transposes).
 
     `outer` maps a region's placeholders to their operands: the trace crosses into the enclosing graph,
     where the region call is the consumer."""
@@ -145,7 +158,7 @@ def _trace_weight(node: fx.Node, outer: Regions | None = None) -> tuple[fx.Node,
             pass
         elif node.target in _TRANSPOSE and _is_transpose(node):
             flips += 1
-        else:
+        elif not _leading_experts(node):
             return None
         consumer, node = node, node.args[0]
         if not isinstance(node, fx.Node):
@@ -317,7 +330,7 @@ class AnnotateLinears(PassBase):
             traced_b = _trace_weight(b_arg, self.regions)
             if traced_b is not None and traced_b[2] == 0:
                 bias = traced_b[0].target
-        experts = int(weight.shape[0]) if grouped else None
+        experts = _experts_read(w_arg, weight) if grouped else None
         x_axes = (einsum.k_axis, einsum.expert_axis) if einsum is not None else None
         if form == "bmm" and grouped:
             x_axes = (2, 0)  # x (E, T, K): expert e's rows are x[e]
@@ -336,6 +349,12 @@ class AnnotateLinears(PassBase):
             op = _matmul_reader(node, self.regions)
             if op is not None:
                 self._skip(node.target, f"read by {op} in a form patchc does not mask (not x @ W^T)")
+
+
+def _experts_read(w_arg: fx.Node, weight: torch.Tensor) -> int:
+    """How many experts a grouped read takes: the weight's dim 0, or R of a leading slice `W[:R]`."""
+    val = w_arg.meta.get("val")
+    return int(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() == 3 else int(weight.shape[0])
 
 
 def _batch(node: fx.Node) -> int | None:

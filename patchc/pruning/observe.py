@@ -84,7 +84,7 @@ def plain_layers(model: nn.Module, exclude: Sequence[str] = DEFAULT_EXCLUDE, tie
             out[fqn] = int(p.shape[0] if stored else p.shape[1])
     for fqn, p in expert_params(model).items():
         if not any(fnmatch.fnmatchcase(fqn, g) for g in exclude):
-            for e in range(p.shape[0]):
+            for e in range(targets.held_experts(model.get_submodule(fqn.rpartition(".")[0]))):
                 name = targets.layer_name(fqn, e)
                 out[name] = int(targets.read(model, targets.resolve(model, name)).shape[1])
     return out
@@ -156,21 +156,21 @@ def observing_plain(model: nn.Module, names: set[str], callback: Callable[[str, 
     flat = {fqn: p for fqn, (p, _) in flat_expert_params(model).items() if fqn in names}
     mode = _ExpertReads(experts, callback, flat) if experts or flat else contextlib.nullcontext()
     try:
-        with mode, _traced_form(model, bool(flat)):
+        with mode, _traced_form(model):
             yield
     finally:
         for h in handles:
             h.remove()
 
 
-def _traced_form(model: nn.Module, flat: bool):
-    """Flat experts run in the form patchc traces them (`patchc.models.traceable`): each flat weight is read
-    whole, by every token, as the program reads its plan layer; their own loop reads one expert's slice."""
-    if not flat:
-        return contextlib.nullcontext()
-    from patchc.models.traceable import traceable_layers
+def _traced_form(model: nn.Module):
+    """Experts with a traced form run in it (`patchc.models.traceable`), reading what the program's matmuls read:
+    DBRX's flat weights whole, by every token (their own loop reads one expert's slice); LongCat-Flash's routed
+    experts in one grouped mm, so an expert no calibration token picks is seen with no rows (its own loop
+    skips it)."""
+    from patchc.models.traceable import EXPERTS, traceable_layers
 
-    return traceable_layers(model)
+    return traceable_layers(model, classes=EXPERTS)
 
 
 __all__ = ["expert_params", "flat_expert_params", "is_conv1d", "known_layers", "layer_matrix", "observing_plain",

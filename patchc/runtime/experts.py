@@ -5,6 +5,11 @@
 once; `patchc.runtime.flat_experts.TileFlatExperts` DBRX's, held flat. On a GPU each projection is one
 `TileGroupedLinear` (every expert in one launch), on a CPU a loop over the experts' W * M.
 
+LongCat-Flash's experts also route tokens to zero-computation experts (ids past the ones every projection holds),
+which give the token back scaled by its routing weight: `TileExperts` serves the held experts and adds those
+tokens itself. The rows its gate_up_proj holds for them are never read, so it drops them; `save_pretrained`
+writes them as zeros.
+
 Example:
     >>> mlp.experts = experts_module(mlp.experts, plan, "model.layers.0.mlp.experts")   # doctest: +SKIP
 """
@@ -17,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patchc.ir.targets import EXPERT_PROJECTIONS, bmm_experts
+from patchc.ir.targets import EXPERT_PROJECTIONS, bmm_experts, held_experts, zero_computation_experts
 from patchc.runtime import op as _op
 from patchc.runtime.tuner import LayerTuning
 
@@ -38,6 +43,7 @@ class TileExperts(nn.Module):
     PROJECTIONS = EXPERT_PROJECTIONS
 
     STORED_KN = False  # weights stored (E, K, N) only where the module says so (`is_transposed`)
+    zero_experts = 0  # routing ids past the held experts that give the token back (LongCat-Flash's)
 
     def __init__(self, experts: nn.Module, plan: Any, path: str, tunings: dict[str, LayerTuning | None] | None = None,
                  dtype: torch.dtype | None = None, device: Any = None) -> None:
@@ -49,7 +55,10 @@ class TileExperts(nn.Module):
         names = [p for p in self.PROJECTIONS if isinstance(getattr(experts, p, None), torch.Tensor)]
         if "down_proj" not in names or len(names) != 2:
             raise ValueError(f"{path}: TileExperts needs gate_up_proj or up_proj, and down_proj; has {names}")
-        weights = {p: getattr(experts, p).detach() for p in names}
+        held = held_experts(experts)
+        self.zero_experts = zero_computation_experts(experts)  # ids held.. give their token back
+        self.unread_rows = {p: getattr(experts, p).shape[0] - held for p in names}  # saved as zeros
+        weights = {p: getattr(experts, p).detach()[:held] for p in names}
         stored = {p: w.transpose(1, 2) if self.is_transposed else w for p, w in weights.items()}  # (E, N, K)
         self._pack(plan, stored, {p: getattr(experts, f"{p}_bias", None) for p in names}, tunings, dtype, device)
 
@@ -90,7 +99,12 @@ class TileExperts(nn.Module):
     def replaced_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{parameter name in the replaced module: tensor} from each projection's (E, N, K) W * M, stored as the
         module stored it (`dense_state_dict`)."""
-        return {p: w.transpose(1, 2).contiguous() if self.is_transposed else w for p, w in weights.items()}
+        out = {}
+        for p, w in weights.items():
+            unread = getattr(self, "unread_rows", {}).get(p, 0)  # zero-computation experts' rows: never read
+            w = torch.cat([w, w.new_zeros(unread, *w.shape[1:])]) if unread else w
+            out[p] = w.transpose(1, 2).contiguous() if self.is_transposed else w
+        return out
 
     def _grouped(self, x: torch.Tensor) -> bool:
         """Whether this call runs the grouped kernels (CUDA; CPU when the kernels are interpreted)."""
@@ -100,10 +114,17 @@ class TileExperts(nn.Module):
         """Rows of `x` sorted by expert (row ends `offs`, each row's `expert`) times their expert's slice."""
         bias = getattr(self, f"{proj}_bias")
         y = self.kernels[proj](x, offs)
-        return y if bias is None else y + bias[expert]
+        return y if bias is None else y + bias[expert.clamp(max=self.num_experts - 1)]
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
-        return self._gate(h) if self.names[0] == "gate_up_proj" and self._gate is not None else self.act_fn(h)
+        """The experts class's own gate (`_apply_gate`, which transformers' experts decorator gives), else for
+        gate_up_proj its default, act(gate) * up (LongCat-Flash's experts have no decorator)."""
+        if self.names[0] != "gate_up_proj":
+            return self.act_fn(h)
+        if self._gate is not None:
+            return self._gate(h)
+        gate, up = h.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if not self._grouped(hidden_states):
@@ -115,8 +136,12 @@ class TileExperts(nn.Module):
         # histc, not bincount: CUDA's bincount reads the ids' range back to the host
         counts = torch.histc(ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
         offs = counts.cumsum(0).to(torch.int32)
-        h = self._activate(self._project(self.names[0], hidden_states[order // k], offs, expert))
-        y = self._project("down_proj", h, offs, expert) * top_k_weights.reshape(-1)[order, None]
+        x = hidden_states[order // k]
+        h = self._activate(self._project(self.names[0], x, offs, expert))
+        y = self._project("down_proj", h, offs, expert)
+        if self.zero_experts:  # their pairs sort past the last row end (zeros there): the token itself
+            y = torch.where(expert[:, None] < self.num_experts, y, x.to(y.dtype))
+        y = y * top_k_weights.reshape(-1)[order, None]
         unsorted = torch.empty_like(y)
         unsorted[order] = y
         # a fixed-order sum over each token's k experts (index_add_'s atomics would make it run-dependent)
@@ -136,6 +161,9 @@ class TileExperts(nn.Module):
             h = self._activate(self._linear(self.names[0], e, hidden_states[tokens[rows]]))
             y = self._linear("down_proj", e, h) * weights[rows, None]
             out.index_add_(0, tokens[rows], y.float())
+        if self.zero_experts:
+            rows = (ids >= self.num_experts).nonzero().squeeze(-1)
+            out.index_add_(0, tokens[rows], hidden_states[tokens[rows]].float() * weights[rows, None].float())
         return out.to(hidden_states.dtype)
 
     def _linear(self, proj: str, e: int, x: torch.Tensor) -> torch.Tensor:

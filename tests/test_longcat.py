@@ -1,0 +1,246 @@
+"""LongCat-Flash's experts, which loop in Python over the experts hit and route some tokens to zero-computation
+experts (ids past the routed ones, giving the token back): exported as two grouped mms over the routed experts
+(`patchc.models.traceable.longcat_experts_grouped`), checked against transformers' loop; masked and planned for
+the routed experts only (gate_up_proj also holds rows for the others, which no token reads); served by
+`TileExperts`, which adds the zero-computation tokens itself; and `patchc prune` on a saved LongCat."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import patchc
+from patchc.models.hf_export import export_causal_lm
+from patchc.models.traceable import longcat_experts_grouped
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "LongcatFlashConfig"):
+    pytest.skip(f"transformers {transformers.__version__} has no LongCat-Flash", allow_module_level=True)
+
+ROUTED, ZERO, HIDDEN, FFN, TOP_K = 4, 4, 64, 32, 2
+EXPERTS = "model.layers.0.mlp.experts"
+
+
+def _model(seed: int = 0, two_four: bool = False) -> torch.nn.Module:
+    """A tiny LongCat-Flash (one layer: two attentions, two dense MLPs, one MoE of 4 routed + 4 zero experts)
+    with weights large enough that the router's picks differ per token; `two_four`: every weight 2:4 by
+    magnitude along its rows."""
+    cfg = transformers.LongcatFlashConfig(
+        vocab_size=128, hidden_size=HIDDEN, num_layers=1, num_attention_heads=4, num_key_value_heads=4,
+        ffn_hidden_size=64, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, head_dim=8,
+        v_head_dim=16, n_routed_experts=ROUTED, zero_expert_num=ZERO, expert_ffn_hidden_size=FFN, moe_topk=TOP_K)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+                if two_four:
+                    groups = p.view(-1, 4)
+                    groups.mul_(torch.zeros_like(groups).scatter_(1, groups.abs().topk(2, -1).indices, 1.0))
+    return model
+
+
+def _ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _routing(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The experts the layer's router picks for `ids`, (T, top_k)."""
+    moe, seen = model.model.layers[0].mlp, []
+    handle = moe.experts.register_forward_pre_hook(lambda m, args: seen.append(args[1]))
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    handle.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_the_grouped_form_computes_what_the_loop_computes(dtype, tol):
+    """Routed experts through two grouped mms, zero-computation ones giving the token, both scaled by their
+    routing weight: the loop's output, with a routed expert no token picked (3) and weights not summing to 1."""
+    experts = _model().model.layers[0].mlp.experts.to(dtype)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(21, HIDDEN, generator=gen).to(dtype)
+    index = torch.stack([torch.randperm(ROUTED + ZERO, generator=gen)[:TOP_K] for _ in range(21)])
+    index[index == 3] = 5
+    weights = torch.rand(21, TOP_K, generator=gen).to(dtype)
+    assert (index >= ROUTED).any() and (index < ROUTED).any()
+    with torch.no_grad():
+        want = experts(x, index, weights)
+        got = longcat_experts_grouped(experts, experts.forward, x, index, weights)
+    assert got.shape == want.shape == x.shape and got.dtype == want.dtype
+    scale = want.abs().max().item()
+    assert scale > 0.1 and (got - want).abs().max().item() <= tol * max(scale, 1.0)
+
+
+def test_the_grouped_form_passes_the_loops_gradients():
+    """Masks train through this form: the gradients to the tokens and to every routed expert's weights are the
+    loop's (the zero-computation pairs' rows reach the tokens through the identity only)."""
+    experts = _model().model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(9, HIDDEN, generator=gen)
+    index = torch.stack([torch.randperm(ROUTED + ZERO, generator=gen)[:TOP_K] for _ in range(9)])
+    weights = torch.rand(9, TOP_K, generator=gen)
+    grads = []
+    for forward in (experts.forward, lambda *a: longcat_experts_grouped(experts, experts.forward, *a)):
+        experts.zero_grad()
+        xg = x.clone().requires_grad_(True)
+        forward(xg, index, weights).square().sum().backward()
+        grads.append((xg.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()))
+    for want, got in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_longcat_masks_its_routed_experts_only_and_its_plan_runs_in_the_loop():
+    """gate_up_proj holds rows for all 8 experts, down_proj for the 4 routed ones: both are planned for those
+    4, and the rows past them keep their values through masking and `plan.apply`; the hardened plan applied to
+    a copy that runs its own loop gives the eval program's logits."""
+    model = _model()
+    ids = _ids(2, 16)
+    assert (_routing(model, ids) >= ROUTED).any()  # some tokens go to zero-computation experts
+    prog = patchc.transform(export_causal_lm(model, fixed_len=16),
+                            patchc.PatchConfig(tile=(16, 16), sparsity=0.35, init_std=0.5))
+    experts = sorted(n for n in prog.layers if n.startswith(EXPERTS))
+    assert experts == sorted(f"{EXPERTS}.{p}.{e}" for p in ("gate_up_proj", "down_proj") for e in range(ROUTED))
+    with torch.no_grad(), prog.mask_mode("ones"):
+        torch.testing.assert_close(prog(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
+                                   atol=2e-5, rtol=2e-5)
+    batches = [_ids(2, 16, seed) for seed in range(3)]
+    patchc.train_masks(prog, batches, lambda p, x: p(x, use_cache=False).logits.float().square().mean(), steps=3,
+                       progress=False)
+    prog.eval()
+    with torch.no_grad():
+        masked = prog(ids, use_cache=False).logits
+    plan = patchc.harden(prog)
+    plan.verify()
+    assert plan.meta["targets"][f"{EXPERTS}.gate_up_proj.3"] == {"param": f"{EXPERTS}.gate_up_proj", "expert": 3,
+                                                                 "transposed": False}
+    pruned = plan.apply(copy.deepcopy(model))
+    gate_up = pruned.get_parameter(f"{EXPERTS}.gate_up_proj")
+    assert torch.equal(gate_up[ROUTED:], model.get_parameter(f"{EXPERTS}.gate_up_proj")[ROUTED:])
+    assert (gate_up[:ROUTED] == 0).any()
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(ids, use_cache=False).logits, masked, atol=2e-5, rtol=2e-5)
+
+
+def test_calibrating_the_model_sees_each_routed_expert_as_the_program_does():
+    """The plain model's own loop and the program's grouped mms give each routed expert the same tokens."""
+    from patchc.pruning.observe import plain_layers
+
+    model = _model()
+    layers = plain_layers(model)
+    assert f"{EXPERTS}.gate_up_proj.3" in layers and f"{EXPERTS}.gate_up_proj.4" not in layers
+    batches = [_ids(1, 16, seed) for seed in range(2)]
+    plain = patchc.calibrate(model, batches, progress=False)
+    prog = patchc.transform(export_causal_lm(model, fixed_len=16), patchc.PatchConfig(tile=(16, 16)))
+    traced = patchc.calibrate(prog, batches, progress=False)
+    routed = torch.cat([_routing(model, ids) for ids in batches])
+    for e in range(ROUTED):
+        name = f"{EXPERTS}.gate_up_proj.{e}"
+        assert plain[name].n_samples == traced[name].n_samples == int((routed == e).sum())
+        torch.testing.assert_close(plain[name].hessian, traced[name].hessian, atol=1e-4, rtol=1e-4)
+
+
+def _spy_grouped(monkeypatch) -> list[str]:
+    """Run the grouped kernels in the Triton interpreter; returns the list each launch appends its name to."""
+    from patchc.runtime import grouped_op
+    from patchc.runtime import op as rt_op
+
+    if not rt_op.kernels_interpreted():
+        pytest.skip("patchc's Triton kernels were not decorated under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "triton")
+    launched: list[str] = []
+    real = grouped_op.launch_grouped
+    monkeypatch.setattr(grouped_op, "launch_grouped", lambda *a, **k: launched.append(k.get("name")) or real(*a, **k))
+    return launched
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_a_two_four_longcat_compiles_with_its_experts_served(path, monkeypatch, tmp_path):
+    """With no plan, `patchc.compile` serves the routed experts (`TileExperts`, planned off their zeros) and
+    adds the zero-computation tokens itself: the model's logits, on the grouped kernels' path (interpreted)
+    and the reference one. The saved model holds the same weights, the rows no token reads as zeros, and
+    loads back to the same logits."""
+    from patchc.runtime.experts import TileExperts
+
+    model, ids = _model(two_four=True), _ids(2, 6)
+    assert (_routing(model, ids) >= ROUTED).any()
+    launched = _spy_grouped(monkeypatch) if path == "triton" else monkeypatch.setenv("PATCHC_CPU_IMPL", path)
+    with torch.no_grad():
+        want = model(ids).logits
+        fast = patchc.compile(model, tune=False)
+        served = fast.get_submodule(EXPERTS)
+        assert type(served) is TileExperts and (served.num_experts, served.zero_experts) == (ROUTED, ZERO)
+        torch.testing.assert_close(fast(ids).logits, want, atol=1e-5, rtol=1e-5)
+    if path == "triton":
+        assert f"{EXPERTS}.gate_up_proj" in launched and f"{EXPERTS}.down_proj" in launched
+        return
+    fast.save_pretrained(tmp_path / "saved")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    gate_up = loaded.get_parameter(f"{EXPERTS}.gate_up_proj")
+    assert torch.equal(gate_up[:ROUTED], model.get_parameter(f"{EXPERTS}.gate_up_proj")[:ROUTED])
+    assert not gate_up[ROUTED:].any()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_prune_runs_on_a_longcat_folder_with_every_baseline(tmp_path):
+    """`patchc prune` on a saved LongCat-Flash: the routed experts are planned, the baselines prune them 2:4."""
+    from patchc.job.options import PruneOptions
+    from patchc.job.prune import run_prune
+    from tests.conftest import save_word_tokenizer
+
+    _model().save_pretrained(tmp_path / "longcat")
+    save_word_tokenizer(tmp_path / "longcat")
+    data = tmp_path / "text.txt"
+    data.write_text("\n\n".join(" ".join(["the cat sat"] * (20 + i)) for i in range(24)))
+    report = run_prune(PruneOptions(model=str(tmp_path / "longcat"), data=(str(data),), steps=4, block_len=16,
+                                    eval_context=32, batch_size=2, calib_blocks=4, progress=False, plots=False,
+                                    train_data="real", eval_data=(), out=str(tmp_path / "run")))
+    rows = {r["name"]: r for r in report["results"]}
+    for method in ("magnitude", "wanda", "sparsegpt"):
+        assert rows[f"{method} 2:4"]["sparsity"] == pytest.approx(0.5, abs=1e-6)
+    plan = patchc.TilePlan.load(tmp_path / "run" / "plan.patch")
+    assert f"{EXPERTS}.down_proj.3" in plan.layers and f"{EXPERTS}.gate_up_proj.4" not in plan.layers
+
+
+class _Sliced(torch.nn.Module):
+    """Four experts' (N, K) = (16, 32) weights, of which a grouped mm reads `rows` (a dim-0 slice)."""
+
+    def __init__(self, rows: slice) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0)))
+        self.rows = rows
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        from transformers.integrations.moe import _grouped_mm
+
+        return _grouped_mm(x, self.w[self.rows].transpose(-2, -1), offs)
+
+
+@pytest.mark.parametrize(("rows", "masked"), [(slice(0, 2), 2), (slice(None, 4), 4), (slice(1, 3), None),
+                                              (slice(0, 4, 2), None)])
+def test_a_grouped_read_of_the_first_experts_masks_those_experts_only(rows, masked):
+    """`W[:R]` is R experts, each masked whole, and the rows past them pass through the mask unchanged; any
+    other slice (another start, a step) is not one expert per group: left dense, and the skip says why."""
+    from patchc.passes.find_linears import find_linear_sites
+
+    module = _Sliced(rows)
+    n = len(range(4)[rows])
+    x, offs = torch.randn(6, 32), (torch.arange(1, n + 1) * 6 // n).to(torch.int32)
+    gm = torch.export.export(module, (x, offs)).module()
+    sites, skipped = find_linear_sites(gm, patchc.PatchConfig(tile=(16, 16)))
+    if masked is None:
+        assert not sites and "read by grouped_mm" in skipped["w"]
+        return
+    assert [s.names for s in sites] == [[f"w.{e}" for e in range(masked)]]
+    prog = patchc.transform(torch.export.export(module, (x, offs)), patchc.PatchConfig(tile=(16, 16)))
+    assert sorted(prog.layers) == [f"w.{e}" for e in range(masked)]
+    mask = prog.masks["w"]  # the weight's mask: its experts masked, then the rest as it is
+    with torch.no_grad():
+        out = mask(module.w)
+    assert out.shape == module.w.shape and torch.equal(out[masked:], module.w[masked:])
+    assert not torch.equal(out[:masked], module.w[:masked])
