@@ -187,6 +187,28 @@ def test_a_two_four_longcat_compiles_with_its_experts_served(path, monkeypatch, 
         torch.testing.assert_close(loaded(ids).logits, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the grouped kernels run there")
+def test_a_two_four_longcat_on_gpu_matches_its_own_loop():
+    """fp16 on CUDA: the served experts (grouped kernels, zero-computation tokens added) against the model's
+    own loop over its dense 2:4 weights, eagerly and replayed from a CUDA graph."""
+    model, ids = _model(two_four=True).cuda().half(), _ids(2, 6).cuda()
+    with torch.no_grad():
+        want = model(ids).logits.float()
+        fast = patchc.compile(model, tune=False)
+        assert type(fast.get_submodule(EXPERTS)).__name__ == "TileExperts"
+        torch.testing.assert_close(fast(ids).logits.float(), want, atol=3e-2, rtol=3e-2)
+        experts, x = fast.get_submodule(EXPERTS), torch.randn(12, HIDDEN, device="cuda", dtype=torch.half)
+        index = torch.randint(0, ROUTED + ZERO, (12, TOP_K), device="cuda")
+        weights = torch.rand(12, TOP_K, device="cuda", dtype=torch.half)
+        expected = model.get_submodule(EXPERTS)(x, index, weights)
+        torch.testing.assert_close(experts(x, index, weights).float(), expected.float(), atol=3e-2, rtol=3e-2)
+        graph = torch.cuda.CUDAGraph()  # the eager call above compiled the kernels this capture launches
+        with torch.cuda.graph(graph):
+            out = experts(x, index, weights)
+        graph.replay()
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
 def test_prune_runs_on_a_longcat_folder_with_every_baseline(tmp_path):
     """`patchc prune` on a saved LongCat-Flash: the routed experts are planned, the baselines prune them 2:4."""
     from patchc.job.options import PruneOptions

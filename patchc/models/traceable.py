@@ -2,9 +2,9 @@
 
 A few transformers layers compute with Python control flow on tensor values, which torch.export cannot
 trace, although the same computation has a vectorised form. While `export_causal_lm` traces a model (and
-while `patchc.calibrate` observes one with DBRX's experts), the forward of each such layer (`SUBSTITUTES`, by
-class name) is replaced on the instance by that form, and restored after: the model itself is left as it
-was, and its own forward still runs with a KV cache.
+while `patchc.calibrate` observes one with DBRX's or LongCat-Flash's experts: `EXPERTS`), the forward of each
+such layer (`SUBSTITUTES`, by class name) is replaced on the instance by that form, and restored after: the
+model itself is left as it was, and its own forward still runs with a KV cache.
 
 Qwen4-Exp's QSA indexer (`Qwen4ExpTextQSAIndexer`) keeps, for each query, the `budget / ratio` blocks of
 `ratio` consecutive visible keys its heads score highest, plus the keys after the last complete block.
