@@ -48,8 +48,9 @@ class ParamMask(nn.Module):
         if weight.dim() != 3 or weight.shape[0] < len(self.masks):
             raise ValueError(f"{self.name}: built for {len(self.masks)} experts, got a weight of shape "
                              f"{tuple(weight.shape)}")
-        masked = torch.stack([self._one(m, weight[e]) for e, m in enumerate(self.masks)])
-        return masked if weight.shape[0] == len(self.masks) else torch.cat([masked, weight[len(self.masks):]])
+        # one allocation for the masked experts and the rows past them (none but LongCat-Flash's)
+        parts = [self._one(m, weight[e]).unsqueeze(0) for e, m in enumerate(self.masks)]
+        return torch.cat([*parts, weight[len(self.masks):]])
 
 
 def hybrid_masks(modules) -> list[HybridMask]:
