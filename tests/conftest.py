@@ -70,6 +70,37 @@ def save_word_tokenizer(folder, words=("the", "cat", "sat")) -> None:
                                          unk_token="<unk>").save_pretrained(folder)
 
 
+def prune_tiny_folder(model, tmp_path, name: str) -> dict:
+    """`patchc prune` (4 steps of 2 x 16 tokens, every baseline) on `model` saved as tmp_path / name with a word
+    tokenizer, over a tiny text: the report; the run is in tmp_path / "run"."""
+    from patchc.job.options import PruneOptions
+    from patchc.job.prune import run_prune
+
+    model.save_pretrained(tmp_path / name)
+    save_word_tokenizer(tmp_path / name)
+    data = tmp_path / "text.txt"
+    data.write_text("\n\n".join(" ".join(["the cat sat"] * (20 + i)) for i in range(24)))
+    return run_prune(PruneOptions(model=str(tmp_path / name), data=(str(data),), steps=4, block_len=16,
+                                  eval_context=32, batch_size=2, calib_blocks=4, progress=False, plots=False,
+                                  train_data="real", eval_data=(), out=str(tmp_path / "run")))
+
+
+def train_and_harden(prog, ids: torch.Tensor, steps: int = 3):
+    """A few mask steps of a causal LM program (loss: the mean squared logit, on 2 x 16-token batches), then
+    (the eval program's logits at `ids`, its hardened plan, verified)."""
+    import patchc
+
+    batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    patchc.train_masks(prog, batches, lambda p, x: p(x, use_cache=False).logits.float().square().mean(), steps=steps,
+                       progress=False)
+    prog.eval()
+    with torch.no_grad():
+        masked = prog(ids, use_cache=False).logits
+    plan = patchc.harden(prog)
+    plan.verify()
+    return masked, plan
+
+
 def load_benchmark(name: str):
     """The script benchmarks/<name>.py as a module (the scripts are not a package)."""
     import importlib.util

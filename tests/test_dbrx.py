@@ -14,6 +14,7 @@ import patchc
 from patchc.ir.targets import resolve
 from patchc.models.hf_export import export_causal_lm
 from patchc.models.traceable import dbrx_experts_dense
+from tests.conftest import prune_tiny_folder, train_and_harden
 
 transformers = pytest.importorskip("transformers")
 dbrx = pytest.importorskip("transformers.models.dbrx.modeling_dbrx")
@@ -71,14 +72,7 @@ def test_a_dbrx_model_exports_masks_its_experts_and_its_plan_runs_in_the_loop():
     with torch.no_grad(), prog.mask_mode("ones"):
         torch.testing.assert_close(prog(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
                                    atol=2e-5, rtol=2e-5)
-    batches = [_ids(2, 16, seed) for seed in range(3)]
-    patchc.train_masks(prog, batches, lambda p, x: p(x, use_cache=False).logits.float().square().mean(), steps=3,
-                       progress=False)
-    prog.eval()
-    with torch.no_grad():
-        masked = prog(ids, use_cache=False).logits
-    plan = patchc.harden(prog)
-    plan.verify()
+    masked, plan = train_and_harden(prog, ids)
     w2 = "transformer.blocks.0.ffn.experts.mlp.w2"
     assert plan.layers[w2].shape == (HIDDEN, EXPERTS * FFN) and resolve(model, w2, plan.meta["targets"]).transposed
     pruned = plan.apply(copy.deepcopy(model))
@@ -115,17 +109,7 @@ def test_prune_runs_on_a_dbrx_folder_with_every_baseline_over_the_experts(tmp_pa
     """`patchc prune` on a saved DBRX: the SparseGPT prior and the one-shot baselines have statistics for the
     flat expert weights, and every 2:4 baseline prunes them (50% of every planned weight). A SparseGPT recovery
     whose Hessian the host cannot hold is refused before it calibrates."""
-    from patchc.job.options import PruneOptions
-    from patchc.job.prune import run_prune
-    from tests.conftest import save_word_tokenizer
-
-    _model().save_pretrained(tmp_path / "dbrx")
-    save_word_tokenizer(tmp_path / "dbrx")
-    data = tmp_path / "text.txt"
-    data.write_text("\n\n".join(" ".join(["the cat sat"] * (20 + i)) for i in range(24)))
-    report = run_prune(PruneOptions(model=str(tmp_path / "dbrx"), data=(str(data),), steps=4, block_len=16,
-                                    eval_context=32, batch_size=2, calib_blocks=4, progress=False, plots=False,
-                                    train_data="real", eval_data=(), out=str(tmp_path / "run")))
+    report = prune_tiny_folder(_model(), tmp_path, "dbrx")
     rows = {r["name"]: r for r in report["results"]}
     for method in ("magnitude", "wanda", "sparsegpt"):
         assert rows[f"{method} 2:4"]["sparsity"] == pytest.approx(0.5, abs=1e-6)

@@ -13,6 +13,7 @@ from torch import nn
 import patchc
 from patchc.runtime.experts import TileBmmExperts, TileExperts, experts_module
 from patchc.runtime.grouped_op import TileGroupedLinear
+from tests.conftest import prune_24
 
 transformers = pytest.importorskip("transformers")
 
@@ -160,8 +161,7 @@ def test_experts_whose_projections_hold_different_experts_are_left_out_by_name()
     with torch.no_grad():  # 2:4 by magnitude along every weight's rows: the plan's layers hold 2:4 tiles
         for p in model.parameters():
             if p.dim() >= 2:
-                groups = p.data.view(-1, 4)
-                groups.mul_(torch.zeros_like(groups).scatter_(1, groups.abs().topk(2, -1).indices, 1.0))
+                p.copy_(prune_24(p))
     experts = model.model.layers[0].mlp.experts
     assert expert_projections(experts) == ["gate_up_proj", "down_proj"]
     experts.zero_expert_num = 0  # the extra rows are no longer zero-computation experts

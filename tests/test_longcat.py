@@ -14,6 +14,8 @@ import torch
 import patchc
 from patchc.models.hf_export import export_causal_lm
 from patchc.models.traceable import longcat_experts_grouped
+from tests.conftest import prune_24, prune_tiny_folder, train_and_harden
+from tests.test_experts_runtime import _spy_grouped
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "LongcatFlashConfig"):
@@ -38,8 +40,7 @@ def _model(seed: int = 0, two_four: bool = False) -> torch.nn.Module:
             if p.dim() >= 2:
                 p.normal_(0, 0.2)
                 if two_four:
-                    groups = p.view(-1, 4)
-                    groups.mul_(torch.zeros_like(groups).scatter_(1, groups.abs().topk(2, -1).indices, 1.0))
+                    p.copy_(prune_24(p))
     return model
 
 
@@ -108,14 +109,7 @@ def test_a_longcat_masks_its_routed_experts_only_and_its_plan_runs_in_the_loop()
     with torch.no_grad(), prog.mask_mode("ones"):
         torch.testing.assert_close(prog(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
                                    atol=2e-5, rtol=2e-5)
-    batches = [_ids(2, 16, seed) for seed in range(3)]
-    patchc.train_masks(prog, batches, lambda p, x: p(x, use_cache=False).logits.float().square().mean(), steps=3,
-                       progress=False)
-    prog.eval()
-    with torch.no_grad():
-        masked = prog(ids, use_cache=False).logits
-    plan = patchc.harden(prog)
-    plan.verify()
+    masked, plan = train_and_harden(prog, ids)
     assert plan.meta["targets"][f"{EXPERTS}.gate_up_proj.3"] == {"param": f"{EXPERTS}.gate_up_proj", "expert": 3,
                                                                  "transposed": False}
     pruned = plan.apply(copy.deepcopy(model))
@@ -142,20 +136,6 @@ def test_calibrating_the_model_sees_each_routed_expert_as_the_program_does():
         name = f"{EXPERTS}.gate_up_proj.{e}"
         assert plain[name].n_samples == traced[name].n_samples == int((routed == e).sum())
         torch.testing.assert_close(plain[name].hessian, traced[name].hessian, atol=1e-4, rtol=1e-4)
-
-
-def _spy_grouped(monkeypatch) -> list[str]:
-    """Run the grouped kernels in the Triton interpreter; returns the list each launch appends its name to."""
-    from patchc.runtime import grouped_op
-    from patchc.runtime import op as rt_op
-
-    if not rt_op.kernels_interpreted():
-        pytest.skip("patchc's Triton kernels were not decorated under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
-    monkeypatch.setenv("PATCHC_CPU_IMPL", "triton")
-    launched: list[str] = []
-    real = grouped_op.launch_grouped
-    monkeypatch.setattr(grouped_op, "launch_grouped", lambda *a, **k: launched.append(k.get("name")) or real(*a, **k))
-    return launched
 
 
 @pytest.mark.parametrize("path", ["reference", "triton"])
@@ -211,17 +191,7 @@ def test_a_two_four_longcat_on_gpu_matches_its_own_loop():
 
 def test_prune_runs_on_a_longcat_folder_with_every_baseline(tmp_path):
     """`patchc prune` on a saved LongCat-Flash: the routed experts are planned, the baselines prune them 2:4."""
-    from patchc.job.options import PruneOptions
-    from patchc.job.prune import run_prune
-    from tests.conftest import save_word_tokenizer
-
-    _model().save_pretrained(tmp_path / "longcat")
-    save_word_tokenizer(tmp_path / "longcat")
-    data = tmp_path / "text.txt"
-    data.write_text("\n\n".join(" ".join(["the cat sat"] * (20 + i)) for i in range(24)))
-    report = run_prune(PruneOptions(model=str(tmp_path / "longcat"), data=(str(data),), steps=4, block_len=16,
-                                    eval_context=32, batch_size=2, calib_blocks=4, progress=False, plots=False,
-                                    train_data="real", eval_data=(), out=str(tmp_path / "run")))
+    report = prune_tiny_folder(_model(), tmp_path, "longcat")
     rows = {r["name"]: r for r in report["results"]}
     for method in ("magnitude", "wanda", "sparsegpt"):
         assert rows[f"{method} 2:4"]["sparsity"] == pytest.approx(0.5, abs=1e-6)
