@@ -46,6 +46,9 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(session, config, items):
+    unmarked = [item.nodeid for item in items if _needs_cuda(item) and not item.get_closest_marker("gpu")]
+    if unmarked:  # benchmarks/gpu_lease.sh runs `-m gpu` in the files that say `mark.gpu`: these would not run
+        raise pytest.UsageError(f"tests skipped without a CUDA GPU must be marked @pytest.mark.gpu: {unmarked}")
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: in-file order kept
     if not config.getoption("--full"):
@@ -53,6 +56,12 @@ def pytest_collection_modifyitems(session, config, items):
         for item in items:
             if item.get_closest_marker("full"):
                 item.add_marker(skip)
+
+
+def _needs_cuda(item) -> bool:
+    """Whether a test is skipped on a machine without CUDA (a skipif on `torch.cuda.is_available()`)."""
+    return any("cuda" in str(m.kwargs.get("reason", "")).lower() and m.args and m.args[0] is True
+               for m in item.iter_markers("skipif")) if not torch.cuda.is_available() else False
 
 
 SHARED = Path(os.environ.get("PATCHC_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))

@@ -102,6 +102,7 @@ def test_experts_dense_fallback_and_kernel_path_in_the_triton_interpreter(build,
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("build, kind", [(_tiny_experts, TileExperts), (_tiny_bmm_experts, TileBmmExperts)])
 def test_experts_on_gpu_match_the_original_module(build, kind):

@@ -174,6 +174,7 @@ def test_flat_experts_that_cannot_be_cut_per_expert_keep_the_plans_values_and_ar
         patchc.compile(model, plan, tune=False, strict=True)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the grouped kernels run there")
 def test_dbrx_experts_on_a_gpu_give_the_pruned_models_logits():
     """fp16 on CUDA with the architecture's default configs: no dense copy of the experts is kept; the pruned

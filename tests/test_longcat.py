@@ -167,6 +167,7 @@ def test_a_two_four_longcat_compiles_with_its_experts_served(path, monkeypatch, 
         torch.testing.assert_close(loaded(ids).logits, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the grouped kernels run there")
 def test_a_two_four_longcat_on_gpu_matches_its_own_loop():
     """fp16 on CUDA: the served experts (grouped kernels, zero-computation tokens added) against the model's
