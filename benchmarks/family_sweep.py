@@ -83,6 +83,7 @@ FITS: dict[str, dict[str, Any]] = {
     "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(hidden_size=64, ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
     "xmod": dict(default_language="en_XX"),  # its adapters need a language to route to
+    "xlstm": dict(embedding_dim=64, chunk_size=8),
 }
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
                 "num_layers_per_stack")

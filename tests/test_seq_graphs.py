@@ -80,6 +80,25 @@ def test_the_first_graph_is_at_the_training_length_not_the_example():
     assert export_causal_lm(model, seq=8, fixed_len=1000).length == 64  # clamped to the model's positions
 
 
+def test_an_xlstm_is_exported_at_the_training_length_first(monkeypatch):
+    """xLSTM loops over 64-token chunks in Python and over single tokens below a chunk: a dynamic export at the
+    16-token example runs 16 recurrent steps symbolically (100 s for two tiny layers) only to fail. Like the
+    other chunked mixers it is exported at the training length alone."""
+    from patchc.models import hf_export
+
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "xLSTMConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no xLSTM")
+    cfg = transformers.xLSTMConfig(vocab_size=32, hidden_size=64, embedding_dim=64, num_heads=4, num_blocks=1,
+                                   num_hidden_layers=1)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    lengths = []
+    monkeypatch.setattr(hf_export, "_export_ids", lambda m, ids, dims: lengths.append((ids.shape[1], 1 in dims)))
+    exported = export_causal_lm(model, fixed_len=128)
+    assert lengths == [(128, False)] and isinstance(exported, PerLengthExport)
+    assert "xLSTMBackend loops over sequence chunks" in exported.reason
+
+
 class WindowedLM(ChunkedLM):
     """A branch on the length (DeepSeek-V4's compressed attention has one): a dynamic export traced at 8
     holds only for lengths up to WINDOW, so it must not be handed out as a graph for every length."""

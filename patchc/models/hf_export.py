@@ -36,7 +36,7 @@ _MAX_BATCH = 1 << 16
 # Layers that loop in Python over ceil(T / chunk) sequence chunks, so an export fixes T: exported per
 # length at once rather than after a failed dynamic export (which costs as long as an export). Others
 # that fail dynamically fall back the same way.
-_CHUNKED_MIXERS = ("GatedDeltaNet", "Mamba2Mixer", "FalconH1Mixer", "BambaMixer", "MambaLayer")
+_CHUNKED_MIXERS = ("GatedDeltaNet", "Mamba2Mixer", "FalconH1Mixer", "BambaMixer", "MambaLayer", "xLSTMBackend")
 
 
 def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _EXAMPLE_SEQ,
