@@ -66,6 +66,8 @@ SMALL = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, sha
 # head_dim of hidden / heads): set when present.
 UNSET = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
              head_dim=16, num_key_value_heads=2, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1)
+_BLT_PART = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=64, head_dim=16,
+                 max_position_embeddings=256, sliding_window=8)
 # Types whose validators tie sizes the rule cannot know (checked against transformers 5.24); "layers" is
 # the layer count to shrink to.
 FITS: dict[str, dict[str, Any]] = {
@@ -83,7 +85,13 @@ FITS: dict[str, dict[str, Any]] = {
     "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(hidden_size=64, ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
     "xmod": dict(default_language="en_XX"),  # its adapters need a language to route to
-    "xlstm": dict(embedding_dim=64, chunk_size=8),
+    "xlstm": dict(embedding_dim=64, chunk_size=8),  # the block width; chunks the tiny lengths fill
+    # BLT's four nested models, which the rule does not reach (their defaults build 2B parameters)
+    "blt": dict(encoder_hash_byte_group_vocab=1000, local_attention_window_len=8,
+                **{f"{part}_config": dict(_BLT_PART, **extra) for part, extra in (
+                    ("patcher", dict(num_hidden_layers=2, vocab_size=260)), ("global", dict(num_hidden_layers=2)),
+                    ("encoder", dict(hidden_size_global=64, num_hidden_layers=1, vocab_size=260, cross_attn_k=2)),
+                    ("decoder", dict(hidden_size_global=64, num_hidden_layers=2, vocab_size=260, cross_attn_k=2)))}),
 }
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
                 "num_layers_per_stack")
