@@ -85,7 +85,8 @@ FITS: dict[str, dict[str, Any]] = {
     "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(hidden_size=64, ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
     "xmod": dict(default_language="en_XX"),  # its adapters need a language to route to
-    "xlstm": dict(embedding_dim=64, chunk_size=8),  # the block width; chunks the tiny lengths fill
+    # the block width (not hidden_size), and chunks the 16-token example fills (below a chunk it steps per token)
+    "xlstm": dict(embedding_dim=64, chunk_size=8),
     # BLT's four nested models, which the rule does not reach (their defaults build 2B parameters)
     "blt": dict(encoder_hash_byte_group_vocab=1000, local_attention_window_len=8,
                 **{f"{part}_config": dict(_BLT_PART, **extra) for part, extra in (
