@@ -149,6 +149,11 @@ def test_a_two_four_longcat_compiles_with_its_experts_served(path, monkeypatch, 
     model, ids = _model(two_four=True), _ids(2, 6)
     assert (_routing(model, ids) >= ROUTED).any()
     launched = _spy_grouped(monkeypatch) if path == "triton" else monkeypatch.setenv("PATCHC_CPU_IMPL", path)
+    from patchc.runtime.compile import _leaving, plan_swaps
+
+    plan = patchc.TilePlan.from_linears(model)  # off the zeros, as patchc.compile reads them
+    # every routed slice planned: the weight leaves with the drop-in, and no copy of it is made
+    assert f"{EXPERTS}.gate_up_proj.{ROUTED - 1}" in _leaving(model, plan, *plan_swaps(model, plan)[:2])
     with torch.no_grad():
         want = model(ids).logits
         fast = patchc.compile(model, tune=False)

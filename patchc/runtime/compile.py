@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from patchc.ir.targets import is_conv1d, why_experts_unserved
+from patchc.ir.targets import held_experts, is_conv1d, why_experts_unserved
 from patchc.runtime.dispatch import TileLinear, report_unreplaced
 from patchc.runtime.experts import TileExperts, experts_module
 from patchc.runtime.flat_experts import TileFlatExperts, flat_layers, flat_owner, flat_slices, is_flat, why_unserved
@@ -175,7 +175,8 @@ def _leaving(model: nn.Module, plan: Any, swaps: dict[str, Users],
              experts: dict[str, list[str]]) -> dict[str, nn.Parameter]:
     """{planned layer: its weight} for the weights that leave the model with the replaced modules: a swapped
     layer's weight no other module registers, and a fused 3-D expert weight whose every slice is planned
-    (the TileExperts is built from the plan alone) and that no other module registers."""
+    (the TileExperts is built from the plan alone; LongCat-Flash's rows for experts that compute nothing are never
+    read) and that no other module registers."""
     registered = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     out = {fqn: users[0][2].weight for fqn, users in swaps.items() if registered[id(users[0][2].weight)] == len(users)}
     for path in experts:
@@ -184,9 +185,10 @@ def _leaving(model: nn.Module, plan: Any, swaps: dict[str, Users],
             flat = {name: getattr(module.mlp, w) for w, name in flat_layers(path).items()}
             out.update({f: w for f, w in flat.items() if f in plan.layers and registered[id(w)] == 1})
             continue
+        held = held_experts(module)
         for proj in TileExperts.PROJECTIONS:
             w = getattr(module, proj, None)
-            slices = [f"{path}.{proj}.{e}" for e in range(w.shape[0])] if isinstance(w, nn.Parameter) else []
+            slices = [f"{path}.{proj}.{e}" for e in range(held)] if isinstance(w, nn.Parameter) else []
             if slices and all(f in plan.layers for f in slices) and registered[id(w)] == 1:
                 out.update(dict.fromkeys(slices, w))
     return out
