@@ -101,7 +101,7 @@ class TileExperts(nn.Module):
         module stored it (`dense_state_dict`)."""
         out = {}
         for p, w in weights.items():
-            unread = getattr(self, "unread_rows", {}).get(p, 0)  # zero-computation experts' rows: never read
+            unread = self.unread_rows[p]  # zero-computation experts' rows: never read
             w = torch.cat([w, w.new_zeros(unread, *w.shape[1:])]) if unread else w
             out[p] = w.transpose(1, 2).contiguous() if self.is_transposed else w
         return out

@@ -136,6 +136,7 @@ class TileFlatExperts(TileExperts):
         nn.Module.__init__(self)
         self._take_settings(experts, path)
         mlp = experts.mlp
+        # no `_apply_gate`: TileExperts' default gate, act(gate) * up, is DBRX's GLU
         self.act_fn, self._gate, self.is_transposed = mlp.activation_fn, None, False
         num, f, hidden = _sizes(experts)
         w = getattr(mlp, GATE)
@@ -143,10 +144,6 @@ class TileFlatExperts(TileExperts):
         stand_in = lambda n, k: torch.empty((), dtype=w.dtype, device=w.device).expand(num, n, k)  # noqa: E731
         self._pack(slices, {"gate_up_proj": stand_in(2 * f, hidden), "down_proj": stand_in(hidden, f)}, {},
                    tunings, dtype, device)
-
-    def _activate(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = h.chunk(2, dim=-1)
-        return self.act_fn(gate) * up
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
