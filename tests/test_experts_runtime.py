@@ -5,9 +5,11 @@ interpreter's kernel path and on a GPU when there is one."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import patchc
@@ -71,6 +73,35 @@ def _tiny_bmm_experts(device: str = "cpu", dtype: torch.dtype = torch.float32):
     return experts.to(**to), plan, "feed_forward.experts", (x.to(**to),)
 
 
+def _tiny_normed_experts(device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """Routed experts that norm each expert's output before its routing weight (transformers'
+    `has_post_expert_norm`, as Muse Spark's do), in the Mixtral experts' shapes and routing."""
+    moe = pytest.importorskip("transformers.integrations.moe")
+    if "has_post_expert_norm" not in inspect.signature(moe.use_experts_implementation).parameters:
+        pytest.skip(f"transformers {transformers.__version__}'s experts decorator has no post-expert norm")
+    experts, plan, path, args = _tiny_experts(device, dtype)
+
+    @moe.use_experts_implementation(has_post_expert_norm=True)
+    class NormedExperts(nn.Module):
+        def __init__(self, config) -> None:
+            super().__init__()
+            self.num_experts, self.act_fn = 2, experts.act_fn
+            self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+            self.post_expert_norm = nn.RMSNorm(32, eps=1e-6, device=device, dtype=dtype)
+            nn.init.uniform_(self.post_expert_norm.weight, 0.5, 2.0)
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden_states)
+            for e in range(self.num_experts):
+                token, slot = (top_k_index == e).nonzero(as_tuple=True)
+                gate, up = F.linear(hidden_states[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = self.post_expert_norm(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+                out.index_add_(0, token, y * top_k_weights[token, slot, None])
+            return out
+
+    return NormedExperts(experts.config).eval(), plan, path, args
+
+
 def _spy_grouped(monkeypatch) -> list[str]:
     """Run the grouped kernels in the Triton interpreter; returns the list each launch appends its name to."""
     from patchc.runtime import grouped_op
@@ -85,7 +116,8 @@ def _spy_grouped(monkeypatch) -> list[str]:
     return launched
 
 
-@pytest.mark.parametrize("build, kind", [(_tiny_experts, TileExperts), (_tiny_bmm_experts, TileBmmExperts)])
+@pytest.mark.parametrize("build, kind", [(_tiny_experts, TileExperts), (_tiny_bmm_experts, TileBmmExperts),
+                                         (_tiny_normed_experts, TileExperts)])
 def test_experts_dense_fallback_and_kernel_path_in_the_triton_interpreter(build, kind, monkeypatch):
     """`experts_module` picks the drop-in by the forward's signature; its CPU fallback and its grouped hybrid
     kernels (the GPU path, here interpreted: one launch per projection for every expert) equal the original."""

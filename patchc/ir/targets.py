@@ -37,6 +37,10 @@ PEFT_PREFIX = "base_model.model."  # where a PeftModel holds the model it wraps
 EXPERT_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")  # as transformers names them
 # class -> {weight: stored (K, N)} of experts held flat, (E * F, H), and sliced per expert (`flat_experts`)
 FLAT_EXPERTS = {"DbrxExpertGLU": {"w1": False, "v1": False, "w2": True}}
+# class -> what its own forward adds around transformers' decorated experts forward, which `TileExperts` does too.
+# Ergo's gives each (token, expert) pair its expert's RMSNorm, post_expert_norm(y, expert_ids), before the routing
+# weight. Any other class that wraps the decorated forward is left dense: the drop-in would skip its steps.
+WRAPPED_EXPERTS = {"ErgoExperts": "per_expert"}
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,10 @@ def why_experts_unserved(module: nn.Module) -> str | None:
     if not served_call(module):
         return (f"{type(module).__name__}.forward{inspect.signature(module.forward)} is neither the routed "
                 "(hidden_states, top_k_index, top_k_weights) nor Llama 4's (hidden_states) form")
+    wrapper = _wrapping_class(module)
+    if wrapper is not None and (wrapper.__name__ not in WRAPPED_EXPERTS or post_expert_norm(module) is None):
+        return (f"{wrapper.__name__}.forward wraps transformers' experts forward with steps of its own, which "
+                "the runtime's drop-in would skip")
     counts = {p: getattr(module, p).shape[0] for p in names}
     if len(set(counts.values())) > 1 and not zero_computation_experts(module):
         held = ", ".join(f"{p}: {n}" for p, n in counts.items())
@@ -196,6 +204,37 @@ def zero_computation_experts(module: nn.Module) -> int:
     if not (isinstance(extra, int) and isinstance(routed, int) and extra > 0 and _expert_weights(module)):
         return 0
     return extra if held_experts(module) == routed else 0
+
+
+def post_expert_norm(module: nn.Module) -> str | None:
+    """How a fused-experts module norms each expert's output before the routing weight: "plain" (transformers'
+    `has_post_expert_norm`: post_expert_norm(y)), "per_expert" (a `WRAPPED_EXPERTS` class's own forward:
+    post_expert_norm(y, expert_ids)), or None."""
+    norm = getattr(module, "post_expert_norm", None)
+    if not isinstance(norm, nn.Module):
+        return None
+    if getattr(module, "has_post_expert_norm", False):
+        return "plain"
+    wrapper = _wrapping_class(module)
+    kind = WRAPPED_EXPERTS.get(wrapper.__name__) if wrapper is not None else None
+    if kind == "per_expert" and len(inspect.signature(norm.forward).parameters) == 2:
+        return kind
+    return None
+
+
+def _wrapping_class(module: nn.Module) -> type | None:
+    """The class whose own forward `module` runs when that forward wraps transformers' decorated experts forward
+    (`use_experts_implementation`) of a base class, calling it through `super()`; else None."""
+    owners = [c for c in type(module).__mro__ if "forward" in vars(c)]
+    decorated = [_decorated(vars(c)["forward"]) for c in owners]
+    return owners[0] if owners and not decorated[0] and any(decorated) else None
+
+
+def _decorated(forward: object) -> bool:
+    """Whether `forward` is the decorator's dispatching forward: it wraps the class's own (functools.wraps copies
+    that one's names) and is defined where the decorator is."""
+    module = getattr(forward, "__globals__", {}).get("__name__")
+    return hasattr(forward, "__wrapped__") and module == "transformers.integrations.moe"
 
 
 def _expert_weights(module: nn.Module) -> list[str]:
@@ -309,7 +348,7 @@ def recorded_targets(targets: Mapping[str, Target]) -> dict[str, dict]:
     return {name: t.to_json() for name, t in targets.items() if t.expert is not None or t.transposed}
 
 
-__all__ = ["EXPERT_PROJECTIONS", "META_KEY", "PEFT_PREFIX", "Target", "bmm_experts", "expert_projections", "find_param",
-           "held_experts", "is_conv1d", "layer_name", "matrix", "model_matrices", "peft_free", "read",
-           "recorded_targets", "resolve", "resolve_layers", "served_call", "stored_kn", "weight_names",
-           "why_experts_unserved", "zero_computation_experts"]
+__all__ = ["EXPERT_PROJECTIONS", "META_KEY", "PEFT_PREFIX", "WRAPPED_EXPERTS", "Target", "bmm_experts",
+           "expert_projections", "find_param", "held_experts", "is_conv1d", "layer_name", "matrix", "model_matrices",
+           "peft_free", "post_expert_norm", "read", "recorded_targets", "resolve", "resolve_layers", "served_call",
+           "stored_kn", "weight_names", "why_experts_unserved", "zero_computation_experts"]

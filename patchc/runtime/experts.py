@@ -8,7 +8,8 @@ once; `patchc.runtime.flat_experts.TileFlatExperts` DBRX's, held flat. On a GPU 
 LongCat-Flash's experts also route tokens to zero-computation experts (ids past the ones every projection holds),
 which give the token back scaled by its routing weight: `TileExperts` serves the held experts and adds those
 tokens itself. The rows its gate_up_proj holds for them are never read, so it drops them; `save_pretrained`
-writes them as zeros.
+writes them as zeros. Experts that norm each expert's output before the routing weight (transformers'
+`has_post_expert_norm`, Ergo's per-expert RMSNorm) keep that norm module and run it on the same rows.
 
 Example:
     >>> mlp.experts = experts_module(mlp.experts, plan, "model.layers.0.mlp.experts")   # doctest: +SKIP
@@ -22,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patchc.ir.targets import EXPERT_PROJECTIONS, bmm_experts, held_experts, zero_computation_experts
+from patchc.ir.targets import (EXPERT_PROJECTIONS, bmm_experts, held_experts, post_expert_norm,
+                                zero_computation_experts)
 from patchc.runtime import op as _op
 from patchc.runtime.tuner import LayerTuning
 
@@ -44,6 +46,7 @@ class TileExperts(nn.Module):
 
     STORED_KN = False  # weights stored (E, K, N) only where the module says so (`is_transposed`)
     zero_experts = 0  # routing ids past the held experts that give the token back (LongCat-Flash's)
+    post_norm: str | None = None  # "plain" / "per_expert": how each expert's output is normed (`post_expert_norm`)
 
     def __init__(self, experts: nn.Module, plan: Any, path: str, tunings: dict[str, LayerTuning | None] | None = None,
                  dtype: torch.dtype | None = None, device: Any = None) -> None:
@@ -61,6 +64,10 @@ class TileExperts(nn.Module):
         weights = {p: getattr(experts, p).detach()[:held] for p in names}
         stored = {p: w.transpose(1, 2) if self.is_transposed else w for p, w in weights.items()}  # (E, N, K)
         self._pack(plan, stored, {p: getattr(experts, f"{p}_bias", None) for p in names}, tunings, dtype, device)
+        self.post_norm = post_expert_norm(experts)  # each expert's output normed before its routing weight
+        if self.post_norm is not None:  # kept under its own name: the state dict's key stays the model's
+            on = device if device is not None else stored["down_proj"].device
+            self.post_expert_norm = experts.post_expert_norm.to(on)
 
     def _take_settings(self, experts: nn.Module, path: str) -> None:
         """The experts module's routing / gating settings (ints, bools, config, act_fn) and where it was."""
@@ -126,6 +133,12 @@ class TileExperts(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         return self.act_fn(gate) * up
 
+    def _normed(self, y: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Each row's expert output through the module's post-expert norm, where it has one (`post_expert_norm`)."""
+        if self.post_norm == "per_expert":
+            return self.post_expert_norm(y, expert.clamp(max=self.num_experts - 1))
+        return self.post_expert_norm(y) if self.post_norm == "plain" else y
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if not self._grouped(hidden_states):
             return self._forward_dense(hidden_states, top_k_index, top_k_weights)
@@ -138,7 +151,7 @@ class TileExperts(nn.Module):
         offs = counts.cumsum(0).to(torch.int32)
         x = hidden_states[order // k]
         h = self._activate(self._project(self.names[0], x, offs, expert))
-        y = self._project("down_proj", h, offs, expert)
+        y = self._normed(self._project("down_proj", h, offs, expert), expert)
         if self.zero_experts:  # their pairs sort past the last row end (zeros there): the token itself
             y = torch.where(expert[:, None] < self.num_experts, y, x.to(y.dtype))
         y = y * top_k_weights.reshape(-1)[order, None]
@@ -159,7 +172,7 @@ class TileExperts(nn.Module):
             if rows.numel() == 0:
                 continue
             h = self._activate(self._linear(self.names[0], e, hidden_states[tokens[rows]]))
-            y = self._linear("down_proj", e, h) * weights[rows, None]
+            y = self._normed(self._linear("down_proj", e, h), ids[rows]) * weights[rows, None]
             out.index_add_(0, tokens[rows], y.float())
         if self.zero_experts:
             rows = (ids >= self.num_experts).nonzero().squeeze(-1)
