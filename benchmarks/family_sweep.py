@@ -84,6 +84,12 @@ FITS: dict[str, dict[str, Any]] = {
     # the nested configs as a released config.json has them (the default's attention config lacks rope_theta)
     "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(hidden_size=64, ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
+    # an indexer, then a layer reusing its keys, values and pool; a pool below the 16-token example, so the
+    # sparse selection runs (the defaults are laid out for 50 layers and 16K-key pools)
+    "kolibri1_1": dict(layers=3, layer_types=["sliding_attention", "indexed_attention", "indexed_attention"],
+                       index_layers=[1], kv_source_layers=[0, 1, 1], mlp_only_layers=[0], index_pool_size=8,
+                       index_compression=4, index_topk=4, index_num_heads=2, index_num_local_tokens=2,
+                       index_num_sink_tokens=1),
     "xmod": dict(default_language="en_XX"),  # its adapters need a language to route to
     # the block width (not hidden_size), and chunks the 16-token example fills (below a chunk it steps per token)
     "xlstm": dict(embedding_dim=64, chunk_size=8),

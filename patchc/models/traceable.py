@@ -14,6 +14,12 @@ so the blocks are the same for every query and the choice is one masked top-k ov
 scores. It picks the same blocks as the loop except among equal scores (`torch.topk` breaks ties by the
 vector's length; the ReLU-summed scores tie at zero when every head scores a block negative).
 
+Kolibri 1.1's indexer (`Kolibri1_1Indexer`) picks, for each query that sees more keys than its budgets, a
+pool of key blocks by their averaged keys, then its top keys of that pool (NVFP4-rounded scores, ties to the
+lowest index). transformers loops over batch and groups of queries sharing their first visible key, around
+`.unique().tolist()` and `nonzero`. Under patchc's exports every query's first visible key is key 0, so there
+is one group per batch and every query is scored at once with the indexer's own top-k.
+
 DBRX's experts (`DbrxExperts`) loop over the experts the router picked, one matmul per expert hit, on slices
 of flat (E * F, H) weights w1, v1, w2. Traced, every expert runs on every token as plain matmuls over the flat
 weights, and each expert's output is scaled by its routing weight (0 where it was not picked): the loop's sum
@@ -113,6 +119,65 @@ def qsa_indexer_causal(indexer: nn.Module, original: Callable, hidden_states: to
     return keep.unsqueeze(1)
 
 
+def kolibri_indexer_causal(indexer: nn.Module, original: Callable, query_states: torch.Tensor,
+                           key_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                           index_pool: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`Kolibri1_1Indexer.forward` for a boolean mask without cache, every query at once: (the keys each query
+    attends to (B, 1, T, T), the pool they were picked from (B, T, T)). Its own forward runs otherwise (a cache,
+    an additive float mask). Each query's first visible key must be key 0, as under patchc's exports."""
+    length = query_states.shape[-2]
+    if (attention_mask is None or attention_mask.dtype != torch.bool or key_states.shape[-2] != length
+            or attention_mask.shape[-1] != length):
+        return original(query_states, key_states, attention_mask, index_pool)
+    quantize = sys.modules[type(indexer).__module__].nvfp4_fake_quantize
+    visible = attention_mask[:, 0]
+    # the loop's visible span per query (B, T, 1); ones before it and after it are not visible either way
+    lengths = (length - visible.flip(-1).int().argmax(-1)) * visible.any(-1)
+    queries = quantize(query_states.detach()[:, : indexer.num_heads]).float()  # (B, heads, T, d)
+    keys = key_states.detach()[:, 0]  # (B, T, d): the scores read key head 0
+    if indexer.is_pool_source:
+        index_pool = _kolibri_pool(indexer, queries, keys, visible, lengths[..., None], quantize)
+    return _kolibri_tokens(indexer, queries, keys, visible, index_pool, lengths[..., None], quantize).unsqueeze(1), \
+        index_pool
+
+
+def _kolibri_scores(indexer: nn.Module, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """(B, T, K): the indexer's `score` for every batch, heads summed in the loop's order."""
+    scores = queries.new_zeros(queries.shape[0], queries.shape[2], keys.shape[1])
+    for head in range(queries.shape[1]):
+        scores = scores + (queries[:, head] @ keys.transpose(1, 2)).relu()
+    return scores * indexer.head_weight
+
+
+def _kolibri_pool(indexer: nn.Module, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                  lengths: torch.Tensor, quantize: Callable) -> torch.Tensor:
+    """(B, T, T) bool: for a query seeing more than `pool_size` keys, the keys of its best blocks of
+    `compression` keys by their averaged key (an incomplete last block scores 0); every visible key otherwise."""
+    ratio, length = indexer.compression, keys.shape[1]
+    n_blocks = length // ratio
+    summaries = quantize(keys[:, : n_blocks * ratio].float().unflatten(1, (n_blocks, ratio)).sum(2) / ratio)
+    scores = F.pad(_kolibri_scores(indexer, queries, summaries), (0, 1))  # column n_blocks: the incomplete block
+    blocks = torch.arange(n_blocks + 1, device=keys.device)
+    scores = torch.where(blocks < lengths // ratio, scores, 0.0)
+    scores = scores.masked_fill(blocks >= (lengths + ratio - 1) // ratio, float("-inf"))
+    chosen = indexer.top_k_mask(scores, indexer.pool_size // ratio).repeat_interleave(ratio, dim=-1)[..., :length]
+    return torch.where(lengths > indexer.pool_size, chosen & visible, visible)
+
+
+def _kolibri_tokens(indexer: nn.Module, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                    pool: torch.Tensor, lengths: torch.Tensor, quantize: Callable) -> torch.Tensor:
+    """(B, T, T) bool: for a query seeing more keys than its budget, the sink and local tokens and its `topk`
+    best keys of the pool; every visible key otherwise."""
+    scores = _kolibri_scores(indexer, queries, quantize(keys).float())
+    positions = torch.arange(keys.shape[1], device=keys.device)
+    sinks = positions < indexer.num_sink_tokens
+    local = (positions >= lengths - indexer.num_local_tokens) & (positions < lengths)
+    candidates = pool & ~sinks & (positions < lengths - indexer.num_local_tokens)
+    chosen = indexer.top_k_mask(scores.masked_fill(~candidates, float("-inf")), indexer.topk)
+    budget = indexer.topk + indexer.num_local_tokens + indexer.num_sink_tokens
+    return torch.where(lengths > budget, (chosen | sinks | local) & visible, visible)
+
+
 def dbrx_experts_dense(experts: nn.Module, original: Callable, hidden_states: torch.Tensor,
                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """`DbrxExperts.forward` with every expert on every token, weighted by the routing (0 where not picked)."""
@@ -175,9 +240,18 @@ def _is_qsa_indexer(module: nn.Module) -> bool:
     return all(hasattr(module, n) for n in names) and getattr(module, "index_kv_heads", None) == 1
 
 
+def _is_kolibri_indexer(module: nn.Module) -> bool:
+    """The indexer as transformers 5.25 builds it: the settings and the tie-breaking top-k the substitute reads."""
+    names = ("num_heads", "topk", "pool_size", "compression", "num_local_tokens", "num_sink_tokens", "head_weight",
+             "is_pool_source", "top_k_mask")
+    return all(hasattr(module, n) for n in names) and hasattr(sys.modules[type(module).__module__],
+                                                              "nvfp4_fake_quantize")
+
+
 # class name -> (does this instance have the form the substitute reads, the traceable forward)
 SUBSTITUTES: dict[str, tuple[Callable[[nn.Module], bool], Callable]] = {
     "Qwen4ExpTextQSAIndexer": (_is_qsa_indexer, qsa_indexer_causal),
+    "Kolibri1_1Indexer": (_is_kolibri_indexer, kolibri_indexer_causal),
     "DbrxExperts": (_is_dbrx_experts, dbrx_experts_dense),
     "LongcatFlashExperts": (_is_longcat_experts, longcat_experts_grouped),
 }
@@ -236,5 +310,6 @@ def _put_back(module: nn.Module, forward: Callable | None) -> None:
         module.forward = forward
 
 
-__all__ = ["EXPERTS", "SUBSTITUTES", "dbrx_experts_dense", "longcat_experts_grouped", "qsa_block_scores",
-           "qsa_indexer_causal", "qsa_queries_and_blocks", "qsa_selection", "substitutable", "traceable_layers"]
+__all__ = ["EXPERTS", "SUBSTITUTES", "dbrx_experts_dense", "kolibri_indexer_causal", "longcat_experts_grouped",
+           "qsa_block_scores", "qsa_indexer_causal", "qsa_queries_and_blocks", "qsa_selection", "substitutable",
+           "traceable_layers"]
