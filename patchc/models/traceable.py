@@ -109,9 +109,10 @@ def qsa_indexer_causal(indexer: nn.Module, original: Callable, hidden_states: to
                        cache: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
     """`Qwen4ExpTextQSAIndexer.forward` for a causal mask without cache, as one top-k: (B, 1, T, T) bool.
     Anything else runs the layer's own forward: a cache, a mask over other keys, and eager attention's
-    additive float mask (transformers 5.17's indexer then returns an additive mask too, 5.24's a bool one)."""
+    additive float mask (transformers 5.17's indexer then returns an additive mask too, 5.24's a bool one).
+    The attention kwargs transformers 5.25 passes on (its loop reads none of them) do not change the choice."""
     length = hidden_states.shape[1]
-    if (cache is not None or args or kwargs or attention_mask.dtype != torch.bool
+    if (cache is not None or args or attention_mask.dtype != torch.bool
             or attention_mask.shape[-1] != length):
         return original(hidden_states, position_embeddings, attention_mask, cache, *args, **kwargs)
     q, blocks = qsa_queries_and_blocks(indexer, hidden_states, position_embeddings)
