@@ -197,6 +197,9 @@ def test_experts_whose_projections_hold_different_experts_are_left_out_by_name()
                 p.copy_(prune_24(p))
     experts = model.model.layers[0].mlp.experts
     assert expert_projections(experts) == ["gate_up_proj", "down_proj"]
+    if experts.gate_up_proj.shape[0] == experts.down_proj.shape[0]:  # transformers 5.25 holds the routed ones only
+        with torch.no_grad():
+            experts.gate_up_proj = nn.Parameter(torch.cat([experts.gate_up_proj, experts.gate_up_proj]))
     experts.zero_expert_num = 0  # the extra rows are no longer zero-computation experts
     assert (experts.gate_up_proj.shape[0], experts.down_proj.shape[0]) == (8, 4) and expert_projections(experts) == []
     path = "model.layers.0.mlp.experts"

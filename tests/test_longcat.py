@@ -2,7 +2,11 @@
 experts (ids past the routed ones, giving the token back): exported as two grouped mms over the routed experts
 (`patchc.models.traceable.longcat_experts_grouped`), checked against transformers' loop; masked and planned for
 the routed experts only (gate_up_proj also holds rows for the others, which no token reads); served by
-`TileExperts`, which adds the zero-computation tokens itself; and `patchc prune` on a saved LongCat."""
+`TileExperts`, which adds the zero-computation tokens itself; and `patchc prune` on a saved LongCat.
+
+That is LongCat as transformers 5.17-5.24 build it (`LOOP_FORM`). transformers 5.25 holds the routed experts
+only, in its decorated experts module, and adds the zero-computation tokens in the MoE block: the tests of
+the whole path run on it too, the tests of the traced loop only on the earlier form."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import torch
 
 import patchc
 from patchc.models.hf_export import export_causal_lm
-from patchc.models.traceable import longcat_experts_grouped
+from patchc.models.traceable import _is_longcat_experts, longcat_experts_grouped
 from tests.conftest import prune_24, prune_tiny_folder, train_and_harden
 from tests.test_experts_runtime import _spy_grouped
 
@@ -44,20 +48,31 @@ def _model(seed: int = 0, two_four: bool = False) -> torch.nn.Module:
     return model
 
 
+LOOP_FORM = _is_longcat_experts(_model().get_submodule(EXPERTS))
+# the experts module itself serves the zero-computation ids (5.17-5.24), or the MoE block does (5.25)
+EXPERT_ZEROS = ZERO if LOOP_FORM else 0
+loop_form = pytest.mark.skipif(not LOOP_FORM, reason=f"transformers {transformers.__version__}'s LongCat experts are "
+                               "its decorated fused experts, with no loop of their own to trace")
+
+
 def _ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _routing(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The experts the layer's router picks for `ids`, (T, top_k)."""
+def _routing(model: torch.nn.Module, ids: torch.Tensor, picked: bool = True) -> torch.Tensor:
+    """The experts the layer's router picks for `ids`, (T, top_k), zero-computation ones included; `picked`
+    False: the ids the experts module is called with (5.25's MoE block sends the zero-computation pairs to
+    routed experts, with weight 0)."""
     moe, seen = model.model.layers[0].mlp, []
-    handle = moe.experts.register_forward_pre_hook(lambda m, args: seen.append(args[1]))
+    handle = (moe.router.register_forward_hook(lambda m, args, out: seen.append(out[-1])) if picked else
+              moe.experts.register_forward_pre_hook(lambda m, args: seen.append(args[1])))
     with torch.no_grad():
         model(ids, use_cache=False)
     handle.remove()
     return seen[0]
 
 
+@loop_form
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 def test_the_grouped_form_computes_what_the_loop_computes(dtype, tol):
     """Routed experts through two grouped mms, zero-computation ones giving the token, both scaled by their
@@ -77,6 +92,7 @@ def test_the_grouped_form_computes_what_the_loop_computes(dtype, tol):
     assert scale > 0.1 and (got - want).abs().max().item() <= tol * max(scale, 1.0)
 
 
+@loop_form
 def test_the_grouped_form_passes_the_loops_gradients():
     """Masks train through this form: the gradients to the tokens and to every routed expert's weights are the
     loop's (the zero-computation pairs' rows reach the tokens through the identity only)."""
@@ -131,7 +147,7 @@ def test_calibrating_the_model_sees_each_routed_expert_as_the_program_does():
     plain = patchc.calibrate(model, batches, progress=False)
     prog = patchc.transform(export_causal_lm(model, fixed_len=16), patchc.PatchConfig(tile=(16, 16)))
     traced = patchc.calibrate(prog, batches, progress=False)
-    routed = torch.cat([_routing(model, ids) for ids in batches])
+    routed = torch.cat([_routing(model, ids, picked=False) for ids in batches])
     for e in range(ROUTED):
         name = f"{EXPERTS}.gate_up_proj.{e}"
         assert plain[name].n_samples == traced[name].n_samples == int((routed == e).sum())
@@ -158,7 +174,7 @@ def test_a_two_four_longcat_compiles_with_its_experts_served(path, monkeypatch, 
         want = model(ids).logits
         fast = patchc.compile(model, tune=False)
         served = fast.get_submodule(EXPERTS)
-        assert type(served) is TileExperts and (served.num_experts, served.zero_experts) == (ROUTED, ZERO)
+        assert type(served) is TileExperts and (served.num_experts, served.zero_experts) == (ROUTED, EXPERT_ZEROS)
         torch.testing.assert_close(fast(ids).logits, want, atol=1e-5, rtol=1e-5)
     if path == "triton":
         assert f"{EXPERTS}.gate_up_proj" in launched and f"{EXPERTS}.down_proj" in launched
@@ -184,7 +200,7 @@ def test_a_two_four_longcat_on_gpu_matches_its_own_loop():
         assert type(fast.get_submodule(EXPERTS)).__name__ == "TileExperts"
         torch.testing.assert_close(fast(ids).logits.float(), want, atol=3e-2, rtol=3e-2)
         experts, x = fast.get_submodule(EXPERTS), torch.randn(12, HIDDEN, device="cuda", dtype=torch.half)
-        index = torch.randint(0, ROUTED + ZERO, (12, TOP_K), device="cuda")
+        index = torch.randint(0, ROUTED + EXPERT_ZEROS, (12, TOP_K), device="cuda")
         weights = torch.rand(12, TOP_K, device="cuda", dtype=torch.half)
         expected = model.get_submodule(EXPERTS)(x, index, weights)
         torch.testing.assert_close(experts(x, index, weights).float(), expected.float(), atol=3e-2, rtol=3e-2)
