@@ -279,6 +279,34 @@ def test_a_graph_reused_for_sibling_submodules_serves_each_with_its_own_weights(
     torch._dynamo.reset()
 
 
+class ViewBlock(Block):
+    """Block whose second graph views its input by its own sizes (a shape the compiled graph must keep dynamic)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(self.norm(x)))
+        torch._dynamo.graph_break()
+        return self.fc2(h.view(*h.shape[:-1], 2, 24).flatten(-2))
+
+
+@pytest.mark.parametrize("with_plan", [True, False], ids=["plan", "inferred"])
+def test_a_sibling_graph_compiled_for_its_own_weights_keeps_dynamic_shapes(with_plan):
+    """dec's graphs are compiled again for its weights from the shapes dynamo traced (symbolic here), not from
+    the call that met them: compiled from that call's tensors, aot_autograd baked its batch into the view, and
+    the next batch size failed (Kolibri 1.1's reindexing layer, decoding one more token a step)."""
+    model = EncDec()
+    model.enc.__class__ = model.dec.__class__ = ViewBlock
+    plan = _enc_dec_plan(model, 1)
+    pruned = plan.apply(copy.deepcopy(model))
+    torch._dynamo.reset()
+    options = {"tune": False, "inner": "aot_eager", **({"plan": plan} if with_plan else {})}
+    cm = torch.compile(model if with_plan else pruned, backend=rt.patch_backend, options=options, dynamic=True)
+    with torch.no_grad():
+        for rows in (3, 5, 2):
+            x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows))
+            torch.testing.assert_close(cm(x), pruned(x), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+
+
 def test_per_weights_compiles_once_for_each_set_of_weights():
     from patchc.runtime.weight_graphs import PerWeights
 

@@ -94,16 +94,17 @@ def patch_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fqns = [source_fqn(n) for n in placeholders]  # read now: compiling drops the sources
     roots = [source_root(source_name(n)) for n in placeholders]
+    traced = [n.meta.get("example_value", x) for n, x in zip(placeholders, example_inputs)]
 
-    def build(inputs: list[Any]) -> Callable[..., Any]:
-        """dynamo's graph rewritten for the weights in `inputs` and compiled; it takes the packed tensors
-        after dynamo's inputs, and keeps the packed modules (shared by `patchc.runtime.packs`) alive."""
+    def build(inputs: list[Any], examples: list[Any]) -> Callable[..., Any]:
+        """dynamo's graph rewritten for the weights in `inputs` and compiled for `examples`; it takes the packed
+        tensors after dynamo's inputs, and keeps the packed modules (shared by `patchc.runtime.packs`) alive."""
         rewritten, extra, keep, weights = rewrite_linears(gm, inputs, options, fqns)
         packed[:] = weights
         if options.get("graph_callback") is not None:
             ops = sum(1 for n in rewritten.graph.nodes if n.target is torch.ops.patchc.tile_linear.default)
             options["graph_callback"](rewritten, ops)
-        compiled = _inner_compile(rewritten, [*inputs, *extra], options.get("inner"), mode)
+        compiled = _inner_compile(rewritten, [*examples, *extra], options.get("inner"), mode)
         if not extra:
             return compiled
 
@@ -113,13 +114,15 @@ def patch_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) 
         run.patchc_keep = keep
         return run
 
-    first = build(list(example_inputs))
+    first = build(list(example_inputs), list(example_inputs))
     if not packed:
         return first
     # a graph that starts inside a submodule's forward is reused for its siblings, which pass their own weights:
-    # checked on the first packed weight of each frame local they come from (a sibling passes all its own)
+    # checked on the first packed weight of each frame local they come from (a sibling passes all its own).
+    # Compiled from what dynamo traced (fake tensors, sizes symbolic where dynamic): from the sibling call's
+    # own tensors, every size would be fixed at that call's
     checked = sorted({roots[i]: i for i in reversed(packed)}.values())
-    return PerWeights(build, checked, (example_inputs, first))
+    return PerWeights(lambda inputs: build(inputs, traced), checked, (example_inputs, first))
 
 
 def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any],
