@@ -27,7 +27,10 @@ submodule's forward, dynamo names its weights relative to that submodule and reu
 sibling: names are matched to the plan by their ending and kept values (`patchc.runtime.graph_names`), and
 each sibling runs a graph compiled for its own weights (`patchc.runtime.weight_graphs`). A frame dynamo runs
 eagerly never reaches the backend: `patchc.runtime.unserved(plan)` (`patchc.runtime.coverage`) lists, after
-a run, every planned layer no graph served (`unserved(model)` for a model compiled without a plan).
+a run, every planned layer no graph served (`unserved(model)` for a model compiled without a plan). Past
+`torch._dynamo.config.recompile_limit` graphs of one function (8; torch warns when it is hit) dynamo runs
+that frame eagerly from then on, so a weight some graph served can still be read there, dense when the plan
+was passed in the options (Kolibri 1.1's decoding): raise the limit, or compile the plan-applied model.
 
 Without a plan, one is inferred from the zero pattern of the weights (as `TilePlan.from_weights`, tile from
 ``options["tile"]``, default (16, 16)), each expert slice of a grouped read on its own: tiles with <= 2
