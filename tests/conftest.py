@@ -81,9 +81,11 @@ def save_word_tokenizer(folder, words=("the", "cat", "sat")) -> None:
                                          unk_token="<unk>").save_pretrained(folder)
 
 
-def prune_tiny_folder(model, tmp_path, name: str) -> dict:
+def prune_tiny_folder(model, tmp_path, name: str):
     """`patchc prune` (4 steps of 2 x 16 tokens, every baseline) on `model` saved as tmp_path / name with a word
-    tokenizer, over a tiny text: the report; the run is in tmp_path / "run"."""
+    tokenizer, over a tiny text, checking that every one-shot 2:4 baseline pruned half the planned weights: the
+    run's plan; the run is in tmp_path / "run"."""
+    import patchc
     from patchc.job.options import PruneOptions
     from patchc.job.prune import run_prune
 
@@ -91,9 +93,13 @@ def prune_tiny_folder(model, tmp_path, name: str) -> dict:
     save_word_tokenizer(tmp_path / name)
     data = tmp_path / "text.txt"
     data.write_text("\n\n".join(" ".join(["the cat sat"] * (20 + i)) for i in range(24)))
-    return run_prune(PruneOptions(model=str(tmp_path / name), data=(str(data),), steps=4, block_len=16,
-                                  eval_context=32, batch_size=2, calib_blocks=4, progress=False, plots=False,
-                                  train_data="real", eval_data=(), out=str(tmp_path / "run")))
+    report = run_prune(PruneOptions(model=str(tmp_path / name), data=(str(data),), steps=4, block_len=16,
+                                    eval_context=32, batch_size=2, calib_blocks=4, progress=False, plots=False,
+                                    train_data="real", eval_data=(), out=str(tmp_path / "run")))
+    rows = {r["name"]: r for r in report["results"]}
+    for method in ("magnitude", "wanda", "sparsegpt"):
+        assert rows[f"{method} 2:4"]["sparsity"] == pytest.approx(0.5, abs=1e-6), method
+    return patchc.TilePlan.load(tmp_path / "run" / "plan.patch")
 
 
 def train_and_harden(prog, ids: torch.Tensor, steps: int = 3):
@@ -110,6 +116,26 @@ def train_and_harden(prog, ids: torch.Tensor, steps: int = 3):
     plan = patchc.harden(prog)
     plan.verify()
     return masked, plan
+
+
+def check_ones_and_hardened(prog, model, lengths=(16, 23)) -> None:
+    """A causal LM program with every mask at one is `model` at each of `lengths`; in eval mode, its hardened
+    plan applied to a copy of `model` is the program (2 x 16 tokens)."""
+    import copy
+
+    import patchc
+
+    for length in lengths:
+        ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad(), prog.mask_mode("ones"):
+            torch.testing.assert_close(prog(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
+                                       atol=1e-5, rtol=1e-5)
+    prog.eval()
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        masked = prog(ids, use_cache=False).logits
+        pruned = patchc.harden(prog).apply(copy.deepcopy(model))
+        torch.testing.assert_close(pruned(ids, use_cache=False).logits, masked, atol=1e-5, rtol=1e-5)
 
 
 def load_benchmark(name: str):

@@ -7,14 +7,13 @@ back after the export.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import patchc
 from patchc.models.hf_export import export_causal_lm
 from patchc.models.traceable import qsa_block_scores, qsa_queries_and_blocks, traceable_layers
+from tests.conftest import check_ones_and_hardened
 
 transformers = pytest.importorskip("transformers")
 qwen4 = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp",
@@ -92,17 +91,7 @@ def test_a_qwen4_exp_model_exports_trains_masks_and_hardens():
     prog = patchc.transform(ep, patchc.PatchConfig(tile=(16, 16), sparsity=0.35, init_std=0.5))
     assert any(name.endswith("indexer.index_qk_proj.weight") for name in prog.layers)
     with traceable_layers(model, every_instance=True):  # the models below rank tied blocks as the program does
-        for length in (16, 23):
-            ids = _ids(2, length)
-            with torch.no_grad(), prog.mask_mode("ones"):
-                torch.testing.assert_close(prog(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
-                                           atol=1e-5, rtol=1e-5)
-        prog.eval()
-        ids = _ids(2, 16)
-        with torch.no_grad():
-            masked = prog(ids, use_cache=False).logits
-            pruned = patchc.harden(prog).apply(copy.deepcopy(model))
-            torch.testing.assert_close(pruned(ids, use_cache=False).logits, masked, atol=1e-5, rtol=1e-5)
+        check_ones_and_hardened(prog, model)
     assert type(_indexer(model)).forward.__name__ == "forward"  # the class's forward is back too
 
 
