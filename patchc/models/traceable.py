@@ -132,14 +132,14 @@ def kolibri_indexer_causal(indexer: nn.Module, original: Callable, query_states:
         return original(query_states, key_states, attention_mask, index_pool)
     quantize = sys.modules[type(indexer).__module__].nvfp4_fake_quantize
     visible = attention_mask[:, 0]
-    # the loop's visible span per query (B, T, 1); ones before it and after it are not visible either way
-    lengths = (length - visible.flip(-1).int().argmax(-1)) * visible.any(-1)
+    # keys from key 0 to each query's last visible one, as the loop counts them (B, T, 1)
+    lengths = ((length - visible.flip(-1).int().argmax(-1)) * visible.any(-1))[..., None]
     queries = quantize(query_states.detach()[:, : indexer.num_heads]).float()  # (B, heads, T, d)
     keys = key_states.detach()[:, 0]  # (B, T, d): the scores read key head 0
     if indexer.is_pool_source:
-        index_pool = _kolibri_pool(indexer, queries, keys, visible, lengths[..., None], quantize)
-    return _kolibri_tokens(indexer, queries, keys, visible, index_pool, lengths[..., None], quantize).unsqueeze(1), \
-        index_pool
+        index_pool = _kolibri_pool(indexer, queries, keys, visible, lengths, quantize)
+    selected = _kolibri_tokens(indexer, queries, keys, visible, index_pool, lengths, quantize)
+    return selected.unsqueeze(1), index_pool
 
 
 def _kolibri_scores(indexer: nn.Module, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
