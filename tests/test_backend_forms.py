@@ -307,6 +307,22 @@ def test_a_sibling_graph_compiled_for_its_own_weights_keeps_dynamic_shapes(with_
     torch._dynamo.reset()
 
 
+def test_a_frame_past_the_recompile_limit_is_named_with_what_it_means_for_the_plan():
+    """Past dynamo's recompile limit a frame runs eagerly, where no graph serves its weights: the backend warns."""
+    model = nn.Sequential(nn.Linear(32, 32))
+    mask = random_24_mask(32, 32, torch.Generator().manual_seed(0))
+    plan = TilePlan.from_weights({"0.weight": model[0].weight.detach() * mask}, tile=(16, 16))
+    torch._dynamo.reset()
+    cm = torch.compile(model, backend=rt.patch_backend, dynamic=False,
+                       options={"plan": plan, "tune": False, "inner": "eager"})
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False):
+        cm(torch.randn(3, 32))
+        with pytest.warns(UserWarning, match=r"hit torch._dynamo.config.recompile_limit for '\w+' .* runs that "
+                                             r"frame eagerly .* dense where the plan came in the backend's options"):
+            cm(torch.randn(5, 32))
+    torch._dynamo.reset()
+
+
 def test_per_weights_compiles_once_for_each_set_of_weights():
     from patchc.runtime.weight_graphs import PerWeights
 

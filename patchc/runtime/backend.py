@@ -30,7 +30,8 @@ eagerly never reaches the backend: `patchc.runtime.unserved(plan)` (`patchc.runt
 a run, every planned layer no graph served (`unserved(model)` for a model compiled without a plan). Past
 `torch._dynamo.config.recompile_limit` graphs of one function (8; torch warns when it is hit) dynamo runs
 that frame eagerly from then on, so a weight some graph served can still be read there, dense when the plan
-was passed in the options (Kolibri 1.1's decoding): raise the limit, or compile the plan-applied model.
+was passed in the options (Kolibri 1.1's decoding): the backend warns when dynamo says it hit the limit. Raise
+the limit, or compile the plan-applied model.
 
 Without a plan, one is inferred from the zero pattern of the weights (as `TilePlan.from_weights`, tile from
 ``options["tile"]``, default (16, 16)), each expert slice of a grouped read on its own: tiles with <= 2
@@ -87,6 +88,7 @@ def patch_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) 
     Example:
         >>> cm = torch.compile(model, backend=patch_backend, options={"plan": plan})   # doctest: +SKIP
     """
+    coverage.watch_recompile_limit()
     options = dict(kwargs.get("options") or {})
     unknown = sorted(set(options) - set(OPTION_KEYS))
     if unknown:

@@ -19,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -87,6 +89,29 @@ def _unserved_weights(model: torch.nn.Module, tile: tuple[int, int] | int) -> di
     return out
 
 
+class _RecompileLimit(logging.Filter):
+    """Passes dynamo's log record that it hit a recompile limit, and warns what that means for planned weights:
+    dynamo runs the frame eagerly from then on, where no graph serves them (`unserved` cannot see it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config."):
+            args = record.args if isinstance(record.args, tuple) else ()
+            where = f" for {args[2]}" if len(args) > 2 else ""
+            warnings.warn(f"patch backend: dynamo hit torch._dynamo.config.{args[0] if args else 'recompile_limit'}"
+                          f"{where} and runs that frame eagerly from now on: the weights it reads run as the model "
+                          "holds them, unpacked, and dense where the plan came in the backend's options. Raise "
+                          "the limit, or compile the plan-applied model", stacklevel=2)
+        return True
+
+
+_WATCH = _RecompileLimit()
+
+
+def watch_recompile_limit() -> None:
+    """Warn when dynamo hits its recompile limit (once the backend is in use; adding it again is a no-op)."""
+    logging.getLogger("torch._dynamo.convert_frame").addFilter(_WATCH)
+
+
 def _expand(plan: Any, name: str) -> list[str]:
     """A layer name, or every planned slice "<weight>.<e>" of a 3-D weight named bare or as "<weight>.*"."""
     name = name.removesuffix(".*")
@@ -96,4 +121,4 @@ def _expand(plan: Any, name: str) -> list[str]:
     return [f for f in plan.layers if f.startswith(stem) and f[len(stem):].isdigit()]
 
 
-__all__ = ["DEFAULT_TILE", "NOT_READ", "NOT_SEEN", "record", "record_weights", "unserved"]
+__all__ = ["DEFAULT_TILE", "NOT_READ", "NOT_SEEN", "record", "record_weights", "unserved", "watch_recompile_limit"]
