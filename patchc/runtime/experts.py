@@ -115,7 +115,8 @@ class TileExperts(nn.Module):
 
     def _grouped(self, x: torch.Tensor) -> bool:
         """Whether this call runs the grouped kernels (CUDA; CPU when the kernels are interpreted)."""
-        return bool(self.kernels) and _op.use_triton(x)
+        # len(), not bool(): torch 2.11's dynamo cannot call bool() on a ModuleDict, and breaks the graph there
+        return len(self.kernels) > 0 and _op.use_triton(x)
 
     def _project(self, proj: str, x: torch.Tensor, offs: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """Rows of `x` sorted by expert (row ends `offs`, each row's `expert`) times their expert's slice."""
