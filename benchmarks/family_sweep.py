@@ -92,6 +92,9 @@ FITS: dict[str, dict[str, Any]] = {
                        index_num_sink_tokens=1),
     # its default config has no RoPE parameters, which its rotary embedding reads per layer type
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # the causal LM holds the text model only; the vision and audio adapters must still output its width
+    "dots3_note": dict(vision_config=dict(adapter_out_dim=SMALL["hidden_size"]),
+                       audio_config=dict(adapter_out_dim=SMALL["hidden_size"])),
     "xmod": dict(default_language="en_XX"),  # its adapters need a language to route to
     # the block width (not hidden_size), and chunks the 16-token example fills (below a chunk it steps per token)
     "xlstm": dict(embedding_dim=64, chunk_size=8),
