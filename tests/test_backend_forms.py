@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import copy
 import gc
+import operator
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 import patchc.runtime as rt
 from patchc.codegen.reference import random_24_mask
 from patchc.ir import TilePlan
+from patchc.runtime.matmul_reads import find_reads
 
 OP = torch.ops.patchc.tile_linear.default
 
@@ -101,6 +103,22 @@ class Lora(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+@pytest.mark.parametrize("recorded", ["getattr", "aten"])
+def test_a_transpose_attribute_is_a_read_in_either_form_torch_records_it(recorded):
+    """dynamo records `W.T` / `W.mT` as getattr up to torch 2.13 and as aten.numpy_T / aten.mT from 2.14 (where
+    the test above saw four of five reads): both are reads of a weight stored (N, K)."""
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    outs = []
+    for attr, op in (("T", torch.ops.aten.numpy_T), ("mT", torch.ops.aten.mT)):
+        t = graph.call_function(getattr, (w, attr)) if recorded == "getattr" else graph.call_function(op, (w,))
+        outs.append(graph.call_function(operator.matmul, (x, t)))
+    graph.output(tuple(outs))
+    examples = {x: torch.randn(3, 32), w: nn.Parameter(torch.randn(16, 32))}
+    reads = find_reads(fx.GraphModule(nn.Module(), graph), examples)
+    assert [(r.weight, r.x, r.transposed, r.reason) for r in reads] == [(w, x, False, None)] * 2
 
 
 def test_chained_linears_with_nothing_between_are_both_served():

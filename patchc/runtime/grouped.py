@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from patchc.runtime import grouped_op as _grouped_op  # noqa: F401  (registers torch.ops.patchc.tile_grouped_mm)
+from patchc.runtime.matmul_reads import reads_attribute
 
 _GROUPED_FUNCTIONS = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f)
 _GROUPED_OPS = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
@@ -90,7 +91,7 @@ def _trace_expert_weight(node: Any, examples: dict[fx.Node, Any]) -> tuple[fx.No
         dims = sorted(d % 3 for d in node.args[1:] if isinstance(d, int))
         if name == "transpose" and dims == [1, 2]:
             swaps += 1
-        elif node.target is getattr and node.args[1] == "mT":
+        elif reads_attribute(node, "mT"):
             swaps += 1
         elif not (node.op == "call_method" and name in _CASTS):
             return None

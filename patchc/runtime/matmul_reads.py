@@ -37,6 +37,8 @@ MATMUL_METHODS = ("matmul", "mm", "__matmul__")
 ADDMM = (torch.addmm, torch.ops.aten.addmm.default)
 EINSUM = (torch.einsum, torch.functional.einsum, torch.ops.aten.einsum.default)
 _CASTS = ("to", "type_as", "detach", "contiguous", "float", "half", "bfloat16")
+# dynamo records `W.T` / `W.mT` as getattr up to torch 2.13, as these aten ops from torch 2.14
+_ATTRIBUTE_OPS = {"T": torch.ops.aten.numpy_T, "mT": torch.ops.aten.mT}
 
 
 @dataclass
@@ -59,9 +61,20 @@ def _arg(node: fx.Node, i: int, name: str) -> Any:
     return node.kwargs.get(name)
 
 
+def reads_attribute(node: fx.Node, *attributes: str) -> bool:
+    """Whether `node` reads one of the tensor `attributes` ("T", "mT") of its first argument, in either of the
+    forms dynamo records it in."""
+    if node.op != "call_function":
+        return False
+    if node.target is getattr:
+        return node.args[1] in attributes
+    packet = getattr(node.target, "overloadpacket", node.target)
+    return any(packet is _ATTRIBUTE_OPS[a] for a in attributes)
+
+
 def _flip(node: fx.Node) -> bool | None:
     """True for a 2-D transpose of its first argument, False for a cast, None for anything else."""
-    if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
+    if reads_attribute(node, "T", "mT"):
         return True
     if node.op == "call_function" and node.target is torch.t:
         return True
