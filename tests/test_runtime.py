@@ -259,6 +259,25 @@ def test_gradients_reach_the_input_and_a_model_bias_not_the_packed_weights():
     torch.library.opcheck(OP, (x.detach().requires_grad_(), *mod.op_args(bias=bias)))
 
 
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_the_output_takes_an_in_place_add_with_gradients_on(impl, monkeypatch):
+    """The op's output is no view on either path (the kernels' path interpreted here): autograd forbids in-place
+    ops on a view a custom op outputs, and models add into a linear's output in place (Llama 4's shared expert:
+    `out.add_(routed)`), which failed with gradients on."""
+    if impl == "triton" and not rt_op.kernels_interpreted():
+        pytest.skip("patchc's Triton kernels were not decorated under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    monkeypatch.setenv("PATCHC_CPU_IMPL", impl)
+    layer, mod = small_module(bias=False)
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    y = mod(x)
+    assert not y._is_view()
+    y.add_(1.0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    torch.testing.assert_close(y.detach(), x.detach() @ layer.to_dense().t() + 1.0, **TOL)
+    torch.testing.assert_close(x.grad, g @ layer.to_dense(), **TOL)
+
+
 # Triton's own @jit helpers (tl.sum, tl.cdiv, ...) are decorated when triton is first imported, so the
 # interpreter only works in a process that had TRITON_INTERPRET=1 before importing triton: run there.
 INTERP_SCRIPT = r"""

@@ -174,7 +174,9 @@ def tile_linear(
     cfg = pick_decode(decode_cfg, m) if m <= threshold else prefill_cfg
     y = launch(x2.contiguous(), (dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols),
                bias, (n, k), (block[0], block[1]), (per_row[0], per_row[1]), decode_config(cfg), name=name)
-    return y.reshape(*lead, n)
+    # not a view (what aten's own linear returns): autograd forbids in-place ops on a view a custom op outputs,
+    # such as Llama 4's `out.add_(routed)` on its shared expert's output with gradients on
+    return torch.ops.aten._unsafe_view(y, (*lead, n))
 
 
 @tile_linear.register_fake
