@@ -56,7 +56,8 @@ def _graphs(model, ids) -> tuple[int, list[str]]:
     return explained.graph_count, [f"{r.reason.splitlines()[0]} at {r.user_stack[-1]}" for r in explained.break_reasons]
 
 
-@pytest.mark.parametrize("kind, planned", [("llama", 14), ("qwen3_moe", 8 + 2 * 2 * 4), ("llama4", 2 * (4 + 3 + 2 * 4))])
+@pytest.mark.parametrize("kind, planned", [("llama", 14), ("qwen3_moe", 8 + 2 * 2 * 4),
+                                           ("llama4", 2 * (4 + 3 + 2 * 4))])
 def test_the_compiled_model_traces_in_as_many_graphs_as_the_dense_one(kind, planned, monkeypatch):
     if not rt_op.kernels_interpreted():
         pytest.skip("patchc's Triton kernels were not decorated under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
