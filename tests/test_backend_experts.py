@@ -326,6 +326,26 @@ def test_without_a_plan_the_zeros_of_the_pruned_experts_are_the_plan(family, imp
                            and bool((layer.kinds == 1).any())]
 
 
+@pytest.mark.parametrize("family", ["llama4", "gpt_oss"])
+def test_a_plan_read_off_the_pruned_model_is_served_with_its_experts_orientation(family):
+    """`TilePlan.from_linears` (what `patchc import` and `patchc.compile(model)` plan with) records the expert
+    slices of weights stored (E, K, N) as the job's plans do, so the backend serves them under strict=True: it
+    refused them as read in the other orientation before."""
+    from tests.test_families import TILE
+
+    case, plan = _family_plan(family)
+    pruned = plan.apply(copy.deepcopy(case.model))
+    inferred = patchc.TilePlan.from_linears(pruned, tile=TILE)
+    assert inferred.meta["targets"] == {name: entry for name, entry in plan.meta["targets"].items()
+                                        if name in inferred.layers}
+    torch._dynamo.reset()
+    cm = torch.compile(copy.deepcopy(case.model), backend="patch",
+                       options={"plan": inferred, "strict": True, "tune": False})
+    with torch.no_grad():
+        torch.testing.assert_close(case.run(cm), case.run(pruned), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+
+
 def test_the_backend_tunes_every_fused_weight_in_one_tuner_call(monkeypatch):
     """One tuner call (one cache read) covers the first planned slice of every served 3-D weight."""
     import importlib

@@ -74,6 +74,10 @@ def test_pruned_experts_and_conv1d_weights_import_and_serve(family, experts, tra
     for name, target in matrices.items():  # the plan holds (N, K) = (out, in) whatever the storage
         if name in plan.layers:
             torch.testing.assert_close(plan.layers[name].to_dense(), read(model, target), atol=0, rtol=0)
+    # where each slice or transpose lives, as the job's plans record it (the backend serves by it)
+    recorded = plan.meta.get("targets", {})
+    assert recorded == TilePlan.from_linears(model, tile=16).meta.get("targets", {})
+    assert set(recorded) == {n for n in plan.layers if matrices[n].expert is not None or matrices[n].transposed}
 
     served = patchc.from_pretrained(tmp_path / "out")
     fast = patchc.compile(model, tune=False)  # the same model in memory, its plan read off the zeros
