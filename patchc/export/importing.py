@@ -132,12 +132,8 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
             tile = pick_tile(coverage)
         where, slots, left = survey(model, tile, str(src))
         # each layer is packed as the file reaches it; no provenance check: it is packed from these very weights
-        meta = {"source": "patchc import", "tile": list(tile)}
-        recorded = targets.recorded_targets(where)  # expert slices, Conv1D transposes: as the job's exports say
-        if recorded:
-            meta[targets.META_KEY] = recorded
         write_export(model, out, where, slots, lambda fqn: layer_from_linear(model, fqn, where[fqn], tile),
-                     skipped=left, meta=meta,
+                     skipped=left, meta={"source": "patchc import", "tile": list(tile), **targets.recorded_meta(where)},
                      tokenizer_from=bundle.source if bundle.tokenizer is not None else None, overwrite=overwrite,
                      info={"imported": str(src), "layout": layout}, max_shard_size=max_shard_size)
     weight = next(model.parameters())

@@ -348,7 +348,14 @@ def recorded_targets(targets: Mapping[str, Target]) -> dict[str, dict]:
     return {name: t.to_json() for name, t in targets.items() if t.expert is not None or t.transposed}
 
 
+def recorded_meta(targets: Mapping[str, Target]) -> dict[str, dict]:
+    """{"targets": `recorded_targets`} to merge into a plan's meta, or {} when every target is plain. The backend
+    serves a graph's read of an expert slice or a transposed weight only in the orientation recorded."""
+    recorded = recorded_targets(targets)
+    return {META_KEY: recorded} if recorded else {}
+
+
 __all__ = ["EXPERT_PROJECTIONS", "META_KEY", "PEFT_PREFIX", "WRAPPED_EXPERTS", "Target", "bmm_experts",
            "expert_projections", "find_param", "held_experts", "is_conv1d", "layer_name", "matrix", "model_matrices",
-           "peft_free", "post_expert_norm", "read", "recorded_targets", "resolve", "resolve_layers", "served_call",
-           "stored_kn", "weight_names", "why_experts_unserved", "zero_computation_experts"]
+           "peft_free", "post_expert_norm", "read", "recorded_meta", "recorded_targets", "resolve", "resolve_layers",
+           "served_call", "stored_kn", "weight_names", "why_experts_unserved", "zero_computation_experts"]

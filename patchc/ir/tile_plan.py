@@ -174,12 +174,8 @@ class TilePlan:
         Example: ``plan = TilePlan.from_linears(wanda_pruned_model)   # all 2:4: 128 x 128 tiles``
         """
         layers, left, tile = layers_from_linears(model, tile if tile is not None else infer_tile(model))
-        meta = {"source": "from_linears", "tile": list(tile)}
-        # expert slices and transposed (Conv1D) weights, as the job's plans record them: the backend serves a
-        # graph's read of one only in the orientation recorded
-        where = targets.recorded_targets({n: t for n, t in targets.model_matrices(model).items() if n in layers})
-        if where:
-            meta[targets.META_KEY] = where
+        where = {n: t for n, t in targets.model_matrices(model).items() if n in layers}  # recorded as the job's
+        meta = {"source": "from_linears", "tile": list(tile), **targets.recorded_meta(where)}
         return cls(layers=layers, skipped=left, meta=meta)
 
     @classmethod
