@@ -1,4 +1,4 @@
-"""A `patchc.compile`d model traces in as many graphs as the dense one: no graph break in patchc's modules on the
+"""A `patchc.compile`d model traces in one graph, as the dense one does: no graph break in patchc's modules on the
 kernels' path (the GPU's; interpreted here), which a CUDA-graphed decode needs. torch 2.11's dynamo (the GPU
 machines') broke a served MoE into 11 graphs at `bool()` of a ModuleDict, which torch 2.13's traces; a served
 Llama 4 stopped at its shared expert's in-place add into `tile_linear`'s output, a view until it was made none."""
@@ -58,7 +58,7 @@ def _graphs(model, ids) -> tuple[int, list[str]]:
 
 @pytest.mark.parametrize("kind, planned", [("llama", 14), ("qwen3_moe", 8 + 2 * 2 * 4),
                                            ("llama4", 2 * (4 + 3 + 2 * 4))])
-def test_the_compiled_model_traces_in_as_many_graphs_as_the_dense_one(kind, planned, monkeypatch):
+def test_the_compiled_model_traces_in_one_graph_as_the_dense_one_does(kind, planned, monkeypatch):
     if not rt_op.kernels_interpreted():
         pytest.skip("patchc's Triton kernels were not decorated under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
     monkeypatch.setenv("PATCHC_CPU_IMPL", "triton")  # the kernels' path, as on a GPU
@@ -67,8 +67,8 @@ def test_the_compiled_model_traces_in_as_many_graphs_as_the_dense_one(kind, plan
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every planned weight is served
         fast = patchc.compile(model, plan, tune=False)
-    for length in (8, 1):  # a prompt, and a decode step's one row
-        ids = torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(length))
-        dense_count, _ = _graphs(model, ids)
-        count, breaks = _graphs(fast, ids)
-        assert count == dense_count == 1, breaks
+    # a decode step's one row (a prompt traces the same modules; the kernel a length dispatches to is the op's
+    # own choice, inside it); explain runs the interpreted kernels too, which costs most of the test's time
+    ids = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(1))
+    count, breaks = _graphs(fast, ids)
+    assert count == 1, (breaks, f"the dense model: {_graphs(model, ids)[0]} graph(s)")  # traced on failure only
