@@ -53,13 +53,15 @@ def layers_from_weights(
     return layers, skipped, tile
 
 
-def layers_from_linears(model: nn.Module, tile: tuple[int, int] | int) -> Layers:
-    """(layers, left, tile): every weight matrix of `model` the runtime serves (`targets.model_matrices`:
+def layers_from_linears(model: nn.Module, tile: tuple[int, int] | int
+                        ) -> tuple[dict[str, LayerPlan], dict[str, str], tuple[int, int], dict[str, dict]]:
+    """(layers, left, tile, meta): every weight matrix of `model` the runtime serves (`targets.model_matrices`:
     nn.Linear, Conv1D, fused experts' slices) that holds a 2:4 tile, planned from its zeros; `left` names
-    the others and why (see `TilePlan.from_linears`)."""
+    the others and why (see `TilePlan.from_linears`); `meta` records where the expert slices and transposed
+    weights among them live (`targets.recorded_meta`), as the job's plans do."""
     where, slots, left = survey_linears(model, tile)
     layers = {name: layer_from_linear(model, name, where[name], slot.tile) for name, slot in slots.items()}
-    return layers, left, tile_pair(tile, "from_linears")
+    return layers, left, tile_pair(tile, "from_linears"), targets.recorded_meta(where)
 
 
 def survey_linears(model: nn.Module, tile: tuple[int, int] | int) -> tuple[dict[str, targets.Target],

@@ -173,10 +173,8 @@ class TilePlan:
 
         Example: ``plan = TilePlan.from_linears(wanda_pruned_model)   # all 2:4: 128 x 128 tiles``
         """
-        layers, left, tile = layers_from_linears(model, tile if tile is not None else infer_tile(model))
-        where = {n: t for n, t in targets.model_matrices(model).items() if n in layers}  # recorded as the job's
-        meta = {"source": "from_linears", "tile": list(tile), **targets.recorded_meta(where)}
-        return cls(layers=layers, skipped=left, meta=meta)
+        layers, left, tile, where = layers_from_linears(model, tile if tile is not None else infer_tile(model))
+        return cls(layers=layers, skipped=left, meta={"source": "from_linears", "tile": list(tile), **where})
 
     @classmethod
     def from_masks(

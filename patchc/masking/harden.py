@@ -23,8 +23,7 @@ import torch
 
 from patchc.ir import TILE_DENSE, TILE_SPARSE24, LayerPlan, TilePlan
 from patchc.ir.provenance import fingerprint
-from patchc.ir.targets import META_KEY as TARGETS_KEY
-from patchc.ir.targets import recorded_targets
+from patchc.ir.targets import recorded_meta
 
 if TYPE_CHECKING:
     from patchc.masking.hybrid_mask import HybridMask
@@ -110,9 +109,8 @@ def assemble_plan(prog: MaskedProgram, layers: dict[str, tuple[LayerPlan, dict]]
         # plan.apply refuses a model with other weights
         "fingerprints": {name: layers[name][1] for name in prog.layers},
     }
-    where = recorded_targets(prog.plan_targets())
-    if where:  # expert slices / transposed (Conv1D) weights: apply and the fingerprint check read these
-        meta[TARGETS_KEY] = where
+    # expert slices / transposed (Conv1D) weights: apply and the fingerprint check read these
+    meta.update(recorded_meta(prog.plan_targets()))
     plan = TilePlan(layers={name: layers[name][0] for name in prog.layers}, skipped=dict(prog.skipped), meta=meta)
     plan.verify()
     return plan
