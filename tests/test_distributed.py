@@ -133,3 +133,49 @@ def test_ranks_wait_hours_for_rank_0s_solo_work_not_nccls_10_minutes(monkeypatch
         monkeypatch.setenv("PATCHC_DIST_TIMEOUT", bad)
         with pytest.raises(ValueError, match=f"PATCHC_DIST_TIMEOUT='{bad}': give the seconds"):
             distributed.init_distributed("cpu")
+
+
+@pytest.fixture
+def fake_group(monkeypatch) -> dict:
+    """torch.distributed's join / leave, recorded instead of done, under a 2-process torchrun's environment."""
+    import torch.distributed as dist
+
+    state = {"joined": False, "joins": 0, "leaves": 0}
+    monkeypatch.setattr(dist, "is_initialized", lambda: state["joined"])
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: state.update(joined=True,
+                                                                                      joins=state["joins"] + 1))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: state.update(joined=False, leaves=state["leaves"] + 1))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    return state
+
+
+def test_a_job_leaves_the_group_it_joined_when_it_ends_and_no_other(fake_group, monkeypatch):
+    """A gloo group left to the interpreter's exit aborted a rank of a finished `torchrun ... patchc prune` (SIGABRT,
+    "terminate called without an active exception"): the job leaves the group it joined. Not after an exception
+    (another rank may be in a collective: torchrun ends them), nor a group joined before the job."""
+    from patchc.job.distributed import process_group
+
+    with process_group("cpu"):
+        assert fake_group == {"joined": True, "joins": 1, "leaves": 0}
+    assert fake_group == {"joined": False, "joins": 1, "leaves": 1}
+    with pytest.raises(RuntimeError, match="boom"), process_group("cpu"):
+        raise RuntimeError("boom")
+    assert fake_group == {"joined": True, "joins": 2, "leaves": 1}
+    with process_group("cpu"):  # joined before: not this job's to leave
+        pass
+    assert fake_group == {"joined": True, "joins": 2, "leaves": 1}
+    fake_group["joined"] = False
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with process_group("cpu"):
+        pass
+    assert fake_group == {"joined": False, "joins": 2, "leaves": 1}
+
+
+def test_patchc_prune_runs_inside_the_group_and_leaves_it(fake_group, monkeypatch, tmp_path):
+    from patchc.job import prune
+    from patchc.job.options import PruneOptions
+
+    seen = []
+    monkeypatch.setattr(prune, "_prune", lambda opts, command: seen.append(dict(fake_group)) or {"done": True})
+    assert prune.run_prune(PruneOptions(out=str(tmp_path / "run"))) == {"done": True}
+    assert seen == [{"joined": True, "joins": 1, "leaves": 0}] and fake_group["leaves"] == 1

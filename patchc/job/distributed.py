@@ -14,8 +14,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,15 +58,37 @@ def launched_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device: str) -> None:
-    """Join the torchrun process group when launched by torchrun (WORLD_SIZE > 1)."""
-    if launched_size() > 1 and not dist.is_initialized():
-        timeout = dist_timeout()  # checked before anything else
-        if device == "cuda":  # one GPU per rank: "cuda" then means this rank's GPU (model, mesh, NCCL)
-            import torch
+def init_distributed(device: str) -> bool:
+    """Join the torchrun process group when launched by torchrun (WORLD_SIZE > 1); True if this call joined it."""
+    if launched_size() <= 1 or dist.is_initialized():
+        return False
+    timeout = dist_timeout()  # checked before anything else
+    if device == "cuda":  # one GPU per rank: "cuda" then means this rank's GPU (model, mesh, NCCL)
+        import torch
 
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout)
+    return True
+
+
+@contextlib.contextmanager
+def process_group(device: str) -> Iterator[None]:
+    """Join torchrun's process group for a job (`init_distributed`) and leave it when the job ends normally.
+
+    A gloo group left for the interpreter's exit to tear down can abort a rank whose work is done and written
+    (SIGABRT, "terminate called without an active exception": its worker threads outlive Python), and torchrun
+    then fails the whole job. After an exception the group is left as it is: another rank may still be in a
+    collective, and torchrun ends them all. A group this process had already joined is not ours to leave.
+
+    Example:
+        >>> with process_group("cpu"):   # outside torchrun: nothing to join
+        ...     world()
+        (0, 1)
+    """
+    joined = init_distributed(device)
+    yield
+    if joined and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def rank_slice(batch: Any, rank: int, size: int) -> Any:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from patchc.config import PatchConfig
 from patchc.ir import TilePlan
 from patchc.job.corpus import data_record, load_data
-from patchc.job.distributed import init_distributed, say, world
+from patchc.job.distributed import process_group, say, world
 from patchc.job.memory import check_fits
 from patchc.job.model import check_device, load_bundle, with_tile
 from patchc.job.options import ONESHOT_METHODS, PruneOptions
@@ -50,7 +50,12 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
     """
     check_device(opts.device)
     check_out(opts)  # before the model loads and text is generated
-    init_distributed(opts.device)
+    with process_group(opts.device):
+        return _prune(opts, command)
+
+
+def _prune(opts: PruneOptions, command: str | None) -> dict:
+    """`run_prune` once this process has joined torchrun's group (if launched by it)."""
     timings: dict[str, float] = {}
     with timed(timings, "load"):
         bundle = load_bundle(opts)

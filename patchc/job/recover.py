@@ -162,7 +162,7 @@ def run_recover(
     from patchc.job.corpus import data_record, load_data
     import torch.distributed as dist
 
-    from patchc.job.distributed import init_distributed, launched_size, say, world
+    from patchc.job.distributed import launched_size, process_group, say, world
     from patchc.job.prune import cache_dir
     from patchc.job.memory import check_hessian, check_recovery, free_bytes
     from patchc.job.model import load_bundle
@@ -173,57 +173,57 @@ def run_recover(
     check_free(run, overwrite, resume)
     if method != "adam" and launched_size() > 1:
         raise ValueError(f"recover --method {method} updates each layer once, in one process: run it without torchrun")
-    init_distributed(device)  # under torchrun: every rank recovers its shards, rank 0 scores and writes
-    rank, size = world()
-    if resume and method == "adam" and not (run / RECOVER_CHECKPOINT).exists():
-        say(f"{run}: no {RECOVER_CHECKPOINT} to go on from; recovering from the first step")
     recipe = dict(recipe or {})
     if {"data", "split_seed", "eval_fraction", "encoding", "text_field"} & set(recipe):
         raise ValueError("recover: the recipe may change the training text and loss, not the held-out split "
                          f"(got {sorted(recipe)}); recovery is scored on the run's own held-out documents")
-    eval_context = run_eval_context(run) if eval_context is None else eval_context
-    changes = {"device": device, "eval_context": eval_context, "threads": threads, "progress": progress and rank == 0,
-               "fsdp": size > 1, **recipe}
-    opts = recover_options(plan, run, **changes, **({"batch_size": batch_size} if batch_size else {}))
-    started = time.perf_counter()
-    bundle = load_bundle(opts)
-    if method == "adam" and (free := free_bytes(opts.device)) is not None:  # before text is generated
-        check_recovery(bundle.model, sum(layer.numel for layer in plan.layers.values()), free, opts.device,
-                       share=size, hint="Pass --device with more memory, run it on more GPUs (torchrun "
-                       "--nproc_per_node=N -m patchc recover ...), or --method sparsegpt (no training state)")
-    if method == "sparsegpt":
-        check_hessian(plain_layers(bundle.model, opts.patch_config().exclude), opts.device, "--method sparsegpt",
-                      "use --method adam")
-    data = load_data(bundle, opts, cache_dir=cache_dir(opts))  # generated text: the run's cache
-    other_text = (("self_tokens",) * ("train_data" in recipe)  # another --train-data may generate another amount
-                  + ("train_extra_documents",) * ("train_extra" in recipe))
-    check_split(plan, data_record(data, opts), run / PLAN, changed=tuple(recipe) + other_text)
-    scores, dense_ref = {}, None
-    if rank == 0:
-        dense_ref = job.dense_reference(bundle, data)
-        scores = {"dense": job.evaluate(bundle, bundle.model, data, opts, dense_ref)}
-        scores["hardened"] = job.score_copy(bundle, lambda: plan.apply(bundle.reload()), data, opts, dense_ref)
-    model = bundle.reload() if size == 1 else None  # the dense model stays the teacher of a KD loss
-    calib = job.calibrate(bundle, data, opts) if method == "sparsegpt" else None
-    recovered = job.recover_plan(bundle, plan if rank == 0 else None, data, opts, model=model, steps=steps, lr=lr,
-                                 scope=scope, method=method, calib=calib, schedule=schedule, progress=opts.progress,
-                                 checkpoint=run / RECOVER_CHECKPOINT, resume=resume)
-    if rank != 0:
-        dist.barrier()  # leave with rank 0: a rank that exits first can abort the others' process group
-        return {}
-    recovered.meta["command"] = command or ""
-    recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe}
-    recovered.save(run / RECOVERED_PLAN)
-    # the teacher waits in host memory while the recovered copy is scored
-    copy = model if model is not None else bundle.reload()  # sharded: the ranks' copies are gone
-    scores["recovered"] = job.score_copy(bundle, lambda: recovered.apply(copy), data, opts, dense_ref)
-    result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started)
-    write_bytes_atomic(run / RESULT, (json.dumps(result, indent=1) + "\n").encode())
-    remove(run / RECOVER_CHECKPOINT)  # finished: its plan and record are written
-    note_replaced(run, result)
-    if size > 1:
-        dist.barrier()
-    return result
+    with process_group(device):  # under torchrun: every rank recovers its shards, rank 0 scores and writes
+        rank, size = world()
+        if resume and method == "adam" and not (run / RECOVER_CHECKPOINT).exists():
+            say(f"{run}: no {RECOVER_CHECKPOINT} to go on from; recovering from the first step")
+        eval_context = run_eval_context(run) if eval_context is None else eval_context
+        changes = {"device": device, "eval_context": eval_context, "threads": threads,
+                   "progress": progress and rank == 0, "fsdp": size > 1, **recipe}
+        opts = recover_options(plan, run, **changes, **({"batch_size": batch_size} if batch_size else {}))
+        started = time.perf_counter()
+        bundle = load_bundle(opts)
+        if method == "adam" and (free := free_bytes(opts.device)) is not None:  # before text is generated
+            check_recovery(bundle.model, sum(layer.numel for layer in plan.layers.values()), free, opts.device,
+                           share=size, hint="Pass --device with more memory, run it on more GPUs (torchrun "
+                           "--nproc_per_node=N -m patchc recover ...), or --method sparsegpt (no training state)")
+        if method == "sparsegpt":
+            check_hessian(plain_layers(bundle.model, opts.patch_config().exclude), opts.device, "--method sparsegpt",
+                          "use --method adam")
+        data = load_data(bundle, opts, cache_dir=cache_dir(opts))  # generated text: the run's cache
+        other_text = (("self_tokens",) * ("train_data" in recipe)  # another --train-data may generate another amount
+                      + ("train_extra_documents",) * ("train_extra" in recipe))
+        check_split(plan, data_record(data, opts), run / PLAN, changed=tuple(recipe) + other_text)
+        scores, dense_ref = {}, None
+        if rank == 0:
+            dense_ref = job.dense_reference(bundle, data)
+            scores = {"dense": job.evaluate(bundle, bundle.model, data, opts, dense_ref)}
+            scores["hardened"] = job.score_copy(bundle, lambda: plan.apply(bundle.reload()), data, opts, dense_ref)
+        model = bundle.reload() if size == 1 else None  # the dense model stays the teacher of a KD loss
+        calib = job.calibrate(bundle, data, opts) if method == "sparsegpt" else None
+        recovered = job.recover_plan(bundle, plan if rank == 0 else None, data, opts, model=model, steps=steps, lr=lr,
+                                     scope=scope, method=method, calib=calib, schedule=schedule, progress=opts.progress,
+                                     checkpoint=run / RECOVER_CHECKPOINT, resume=resume)
+        if rank != 0:
+            dist.barrier()  # leave with rank 0: a rank that exits first can abort the others' process group
+            return {}
+        recovered.meta["command"] = command or ""
+        recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe}
+        recovered.save(run / RECOVERED_PLAN)
+        # the teacher waits in host memory while the recovered copy is scored
+        copy = model if model is not None else bundle.reload()  # sharded: the ranks' copies are gone
+        scores["recovered"] = job.score_copy(bundle, lambda: recovered.apply(copy), data, opts, dense_ref)
+        result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started)
+        write_bytes_atomic(run / RESULT, (json.dumps(result, indent=1) + "\n").encode())
+        remove(run / RECOVER_CHECKPOINT)  # finished: its plan and record are written
+        note_replaced(run, result)
+        if size > 1:
+            dist.barrier()
+        return result
 
 
 def note_replaced(run: Path, result: dict) -> None:
