@@ -64,7 +64,8 @@ def test_the_vectorised_indexer_selects_the_pools_and_keys_the_loop_selects(leng
 
 
 def test_a_kolibri_exports_trains_masks_and_hardens():
-    """The ones-mask program is the model at two lengths; the hardened plan applied to a copy is the eval
+    """The ones-mask program is the model at two lengths (the training length's graph is the dynamic export's,
+    which holds from length 8 up: no second export at 16); the hardened plan applied to a copy is the eval
     program; and the model decodes with its own indexer after the export."""
     model = _model()
     ids = _ids(1, 12)
@@ -74,4 +75,6 @@ def test_a_kolibri_exports_trains_masks_and_hardens():
     assert "forward" not in next(m for m in model.modules() if hasattr(m, "is_pool_source")).__dict__
     assert any(".mlp.experts.gate_up_proj." in name for name in prog.layers)
     check_ones_and_hardened(prog, model)
+    assert "holds only for lengths 8..128" in prog.seq_graphs.source.reason
+    assert sorted(prog.seq_graphs.graphs) == [16, 23]
     assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), want)

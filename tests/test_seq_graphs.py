@@ -131,6 +131,28 @@ def test_a_graph_that_holds_for_some_lengths_only_falls_back_to_one_graph_per_le
     assert isinstance(export_causal_lm(_Plain().eval(), seq=8), torch.export.ExportedProgram)
 
 
+def test_a_graph_traced_at_the_training_length_is_its_graph_without_a_second_export(monkeypatch):
+    """Traced at 8 (its branch holds for lengths 2..12), the dynamic export is the training length's graph:
+    one export, not two; every other length gets its own."""
+    import patchc.models.hf_export as hf_export
+
+    exports = []
+    export = hf_export._export_ids
+    monkeypatch.setattr(hf_export, "_export_ids", lambda model, ids, dims: exports.append(ids.shape[1]) or
+                        export(model, ids, dims))
+    torch.manual_seed(0)
+    model = WindowedLM().eval()
+    exported = export_causal_lm(model, seq=8, fixed_len=8)
+    assert isinstance(exported, PerLengthExport) and exported.length == 8 and exports == [8]
+    assert "lengths 2..12 of 1..64" in exported.reason
+    prog = patchc.transform(exported, PatchConfig(tile=TILE))
+    with prog.mask_mode("ones"):
+        for t in (8, 5, 16):  # both sides of the branch
+            ids = torch.randint(0, 32, (2, t))
+            torch.testing.assert_close(prog(ids), model(ids), rtol=0, atol=0)
+    assert sorted(prog.seq_graphs.graphs) == [5, 8, 16] and exports == [8, 5, 16]
+
+
 def test_every_length_shares_the_weights_and_the_masks(chunked):
     model, exported = chunked
     prog = patchc.transform(exported, PatchConfig(tile=TILE, sparsity=0.35, init_std=0.5))

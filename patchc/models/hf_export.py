@@ -89,7 +89,9 @@ def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _
                 return ep
             # a branch on the length (DeepSeek-V4's compressed attention: 12..127 when traced at 16)
             reason = f"the graph traced at length {seq} holds only for lengths {low}..{high} of 1..{limit}"
-            first = at_length(fixed_len)
+            # traced at the training length, it holds there (guards beyond the range, as a length divisible by 4,
+            # too): the first graph, with no second export of the model
+            first = ep if fixed_len == seq else at_length(fixed_len)
     log.info("%s: torch.export cannot keep the sequence length symbolic (%s); one graph per length",
              type(model).__name__, reason)
     return PerLengthExport(first, at_length, fixed_len, reason)

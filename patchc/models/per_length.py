@@ -20,8 +20,9 @@ import torch
 
 @dataclass(frozen=True)
 class PerLengthExport:
-    """The export of a model at sequence length `length` (batch dynamic), and `export(T)` for any other
-    length. `reason` says why the length could not be symbolic."""
+    """The export of a model that runs at sequence length `length` (batch dynamic; its length may be symbolic,
+    guarded to a range holding `length`), and `export(T)` for any other length. `reason` says why the length
+    could not be symbolic for every length."""
 
     first: torch.export.ExportedProgram
     export: Callable[[int], torch.export.ExportedProgram]
