@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -225,10 +226,20 @@ def test_fsdp_two_ranks_equal_one_and_resume_sharded(exported, ranks):
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == [f"step{HALF}", f"step{STEPS}"]
     # DCP reshards on load: one process without FSDP reads the 2-rank checkpoint whole.
     single = patchc.transform(exported, _config())
-    loaded = ShardedCheckpointIO().load(out / "ckpt" / f"step{STEPS}", single, make_optimizer(single, LR))
+    optimizer = make_optimizer(single, LR)
+    loaded = ShardedCheckpointIO().load(out / "ckpt" / f"step{STEPS}", single, optimizer)
     assert loaded.step == STEPS and loaded.history == got["history"]
     for key, value in single.state_dict().items():
         assert torch.equal(value, got["straight"][key]), key
+    # `prune --fsdp` in one process saves the same folder, without DCP's warning that it saves alone
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ShardedCheckpointIO().save(out / "alone", single, optimizer, loaded)
+    said = [str(w.message) for w in caught]
+    assert not [m for m in said if "torch.distributed is disabled" in m], said
+    again = patchc.transform(exported, _config())
+    assert ShardedCheckpointIO().load(out / "alone", again, make_optimizer(again, LR)).step == STEPS
+    assert all(torch.equal(v, got["straight"][k]) for k, v in again.state_dict().items())
 
     # (d) The plans hardened block by block are the single-process plans (dense iff logit > 0, and the global
     # top-k budget), with the same weights and fingerprints; the program is left sharded.

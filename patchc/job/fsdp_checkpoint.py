@@ -73,7 +73,10 @@ class ShardedCheckpointIO(CheckpointIO):
             shutil.rmtree(staging, ignore_errors=True)  # a save that died half way
         _barrier()
         model_state, optim_state = get_state_dict(prog, optimizer)
-        dcp.save({"program": model_state, "optimizer": optim_state}, checkpoint_id=str(staging), no_dist=not _joined())
+        with warnings.catch_warnings():  # DCP warns that one process saves alone: intended here (`--fsdp` alone)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"program": model_state, "optimizer": optim_state}, checkpoint_id=str(staging),
+                     no_dist=not _joined())
         if _rank() == 0:
             meta = {"format": CHECKPOINT_FORMAT, "sharded": SHARDED_VERSION, "config": _config_tag(prog),
                     "settings": prog.cfg.to_dict(), "optimizer_kind": optimizer_kind(optimizer),
