@@ -193,6 +193,28 @@ def test_decode_loops_meet_the_static_targets(generated, target, variant):
             or entry["m_min"] > 4
 
 
+def test_sass_is_read_back_for_the_same_cubin_and_tool_only(generated, tmp_path, monkeypatch):
+    """cuobjdump takes ~0.6 s a cubin: a kernel generated again reads its SASS back from the cache folder. Another
+    cubin, or the cache turned off (PATCHC_SASS_CACHE=0), runs the tool; a read-only folder only skips keeping it."""
+    from patchc.codegen import sass
+
+    if sass.cuobjdump() is None:
+        pytest.skip("this Triton ships no cuobjdump: no SASS to cache")
+    runs = []
+    run = sass._run
+    monkeypatch.setattr(sass, "_run", lambda *args: runs.append(args) or run(*args))
+    monkeypatch.setenv("PATCHC_SASS_CACHE", str(tmp_path / "cache"))
+    decode, prefill = (generated / "sm_90" / "mixed.weight" / f"{v}.cubin" for v in ("decode_m1", "prefill"))
+    first = sass.disassemble(decode)
+    assert sass.disassemble(decode) == first and len(runs) == 1 and "Function : decode_kernel" in first
+    assert sass.disassemble(prefill) != first and len(runs) == 2
+    monkeypatch.setenv("PATCHC_SASS_CACHE", "0")
+    assert sass.disassemble(decode) == first and len(runs) == 3
+    (tmp_path / "ro").write_text("a file where the cache folder would be")
+    monkeypatch.setenv("PATCHC_SASS_CACHE", str(tmp_path / "ro"))
+    assert sass.disassemble(decode) == first and len(runs) == 4
+
+
 def test_unrolled_code_has_no_targets_and_unknown_code_is_a_miss_that_says_why():
     """Straight-line SASS (no backward branch) reads a fixed tile or two: no loop targets apply. Loops other
     than the expected ones, or no cuobjdump, leave the cost unknown: a miss naming which."""

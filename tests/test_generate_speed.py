@@ -3,7 +3,9 @@ workers that change nothing in the output; failures that name the layer; no FP-f
 
 Compiles run in one subprocess without TRITON_INTERPRET (this suite's interpreter tests set it) and with
 TRITON_ALWAYS_COMPILE=1, so Triton's own cache cannot make two runs agree by handing back the same bytes
-(the two worker counts; a layer generated alone then reads the cache).
+(the two worker counts; a layer generated alone then reads the cache). The SASS of a cubin compiled again
+to the same bytes is read back from patchc's own cache (`patchc.codegen.sass.disassemble`): cuobjdump runs
+once per distinct cubin, ~0.6 s each.
 """
 
 from __future__ import annotations

@@ -16,10 +16,12 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
 from functools import lru_cache
+from pathlib import Path
 
 # SASS opcodes worth counting, by what they tell about the kernel
 INSTRUCTIONS = {
@@ -82,8 +84,45 @@ def resource_usage(cubin: str | os.PathLike) -> dict[str, int]:
 
 
 def disassemble(cubin: str | os.PathLike) -> str | None:
-    """The SASS text of `cubin` (`cuobjdump -sass`), read once for every count below; None without cuobjdump."""
-    return None if cuobjdump() is None else _run("-sass", cubin)
+    """The SASS text of `cubin` (`cuobjdump -sass`), read once for every count below; None without cuobjdump.
+
+    cuobjdump takes ~0.6 s a cubin whatever its size (as long as the compile it follows, when Triton's cache
+    serves that), so the text is kept beside Triton's cache, by the cubin's and the tool's hashes: generating
+    the same kernels again, with Triton's cache or without (the cubins are the same bytes), reads it back.
+    """
+    tool = cuobjdump()
+    if tool is None:
+        return None
+    cached = _sass_cache_file(tool, Path(cubin).read_bytes())
+    if cached is not None and cached.is_file():
+        return cached.read_text()
+    sass = _run("-sass", cubin)
+    if cached is not None:
+        from patchc.utils.files import write_bytes_atomic
+
+        try:
+            write_bytes_atomic(cached, sass.encode())
+        except OSError:  # a read-only cache folder: the text is still right, only not kept
+            pass
+    return sass
+
+
+def _sass_cache_file(tool: str, cubin: bytes) -> Path | None:
+    """Where the SASS of `cubin` disassembled by `tool` is kept: PATCHC_SASS_CACHE, else `patchc-sass/` in
+    Triton's cache folder; None when caching is off (PATCHC_SASS_CACHE=0) or no folder is known."""
+    folder = os.environ.get("PATCHC_SASS_CACHE", "").strip()
+    if folder == "0":
+        return None
+    if not folder:
+        try:
+            import triton
+
+            folder = os.path.join(triton.knobs.cache.dir, "patchc-sass")
+        except Exception:  # an older Triton without knobs
+            return None
+    stat = os.stat(tool)
+    key = hashlib.sha256(cubin + f"{os.path.realpath(tool)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return Path(folder) / f"{key}.sass"
 
 
 def instruction_mix(sass: str) -> dict[str, int]:
