@@ -132,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
 
         record = environment("cpu", dry_run=False) | {
             "bench": "generate", "target": args.target, "workers": args.workers or os.cpu_count(),
-            "triton_cache": "warm" if args.warm else "cold", "blocks_7b": args.blocks, "rows": rows}
+            "triton_cache": "warm" if args.warm else "cold", "blocks_7b": args.blocks, "rows": rows,
+            # the SASS patchc keeps beside Triton's cache (`patchc.codegen.sass.disassemble`), off with =0
+            "sass_cache": "off" if os.environ.get("PATCHC_SASS_CACHE", "").strip() == "0" else "on"}
         append_jsonl(RESULTS, record)
         print(f"appended to {RESULTS}")
     return 0
