@@ -23,6 +23,8 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
+from patchc.utils.files import write_bytes_atomic
+
 # SASS opcodes worth counting, by what they tell about the kernel
 INSTRUCTIONS = {
     "ldg128": r"\bLDG\.E\.128\b",  # 16-byte global loads (vectorised)
@@ -87,19 +89,18 @@ def disassemble(cubin: str | os.PathLike) -> str | None:
     """The SASS text of `cubin` (`cuobjdump -sass`), read once for every count below; None without cuobjdump.
 
     cuobjdump takes ~0.6 s a cubin whatever its size (as long as the compile it follows, when Triton's cache
-    serves that), so the text is kept beside Triton's cache, by the cubin's and the tool's hashes: generating
+    serves that), so the text is kept in `sass_cache_dir()`, by the cubin's and the tool's hashes: generating
     the same kernels again, with Triton's cache or without (the cubins are the same bytes), reads it back.
     """
     tool = cuobjdump()
     if tool is None:
         return None
-    cached = _sass_cache_file(tool, Path(cubin).read_bytes())
+    folder = sass_cache_dir()
+    cached = None if folder is None else folder / f"{_sass_key(tool, Path(cubin).read_bytes())}.sass"
     if cached is not None and cached.is_file():
         return cached.read_text()
     sass = _run("-sass", cubin)
     if cached is not None:
-        from patchc.utils.files import write_bytes_atomic
-
         try:
             write_bytes_atomic(cached, sass.encode())
         except OSError:  # a read-only cache folder: the text is still right, only not kept
@@ -107,22 +108,26 @@ def disassemble(cubin: str | os.PathLike) -> str | None:
     return sass
 
 
-def _sass_cache_file(tool: str, cubin: bytes) -> Path | None:
-    """Where the SASS of `cubin` disassembled by `tool` is kept: PATCHC_SASS_CACHE, else `patchc-sass/` in
-    Triton's cache folder; None when caching is off (PATCHC_SASS_CACHE=0) or no folder is known."""
+def sass_cache_dir() -> Path | None:
+    """Where `disassemble` keeps SASS: PATCHC_SASS_CACHE, else `patchc-sass/` in Triton's cache folder; None
+    when caching is off (PATCHC_SASS_CACHE=0) or this Triton names no cache folder."""
     folder = os.environ.get("PATCHC_SASS_CACHE", "").strip()
     if folder == "0":
         return None
-    if not folder:
-        try:
-            import triton
+    if folder:
+        return Path(folder)
+    try:
+        import triton
 
-            folder = os.path.join(triton.knobs.cache.dir, "patchc-sass")
-        except Exception:  # an older Triton without knobs
-            return None
+        return Path(triton.knobs.cache.dir) / "patchc-sass"
+    except Exception:  # an older Triton without knobs
+        return None
+
+
+def _sass_key(tool: str, cubin: bytes) -> str:
+    """The cache key of `cubin` disassembled by `tool`: its bytes and the tool's path, size and mtime."""
     stat = os.stat(tool)
-    key = hashlib.sha256(cubin + f"{os.path.realpath(tool)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    return Path(folder) / f"{key}.sass"
+    return hashlib.sha256(cubin + f"{os.path.realpath(tool)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
 
 
 def instruction_mix(sass: str) -> dict[str, int]:
@@ -257,4 +262,4 @@ def static_profile(cubin: str | os.PathLike, sass: str | None = None) -> dict[st
 
 
 __all__ = ["INSTRUCTIONS", "LOOP_COUNTS", "LOOP_TARGETS", "SMALLEST_FAST_TILE", "TARGET_M", "cuobjdump", "target_misses", "disassemble", "instruction_mix", "loop_cost", "loops", "resource_usage",
-           "sass_instructions", "static_profile", "weight_loops"]
+           "sass_cache_dir", "sass_instructions", "static_profile", "weight_loops"]
