@@ -215,6 +215,58 @@ def test_sass_is_read_back_for_the_same_cubin_and_tool_only(generated, tmp_path,
     assert sass.disassemble(decode) == first and len(runs) == 4
 
 
+def test_kernels_disassembled_together_read_as_each_alone(generated, monkeypatch):
+    """nvdisasm's start-up is most of a call's ~0.5 s: every cubin of one target goes into a single call, cut
+    back into one text each. Each reads as cuobjdump reads that cubin alone (instructions, branch targets, so
+    the loops, and the function's name); a batch nvdisasm cannot read falls back to cuobjdump for each."""
+    from patchc.codegen import sass
+
+    if sass.cuobjdump() is None or sass.nvdisasm() is None:
+        pytest.skip("this Triton ships no cuobjdump / nvdisasm: no SASS to read")
+    runs = []
+    run = sass._run
+    monkeypatch.setattr(sass, "_run", lambda *args, tool=None: runs.append((tool, *args)) or run(*args, tool=tool))
+    monkeypatch.setenv("PATCHC_SASS_CACHE", "0")
+    cubins = sorted(generated.rglob("*.cubin"))
+    targets = {c.relative_to(generated).parts[0] for c in cubins}
+    assert len(cubins) >= 10
+    together = sass.disassemble_many(cubins)
+    assert sum(r[0] == sass.nvdisasm() for r in runs) == len(targets)  # one call per target, none per kernel
+    assert not any("-sass" in r for r in runs)
+    picked = [next(c for c in cubins if c.name == name) for name in ("decode_m1.cubin", "prefill.cubin")]
+    picked += [c for c in cubins if "splitk" in c.name][:1]
+    for cubin in picked:
+        alone, text = run("-sass", cubin), together[cubins.index(cubin)]
+        assert sass.sass_instructions(text) == sass.sass_instructions(alone), cubin
+        assert sass.loops(text) == sass.loops(alone) and sass.instruction_mix(text) == sass.instruction_mix(alone)
+        assert re.findall(r"Function : (\w+)", text) == re.findall(r"Function : (\w+)", alone)
+    runs.clear()
+    monkeypatch.setattr(sass, "nvdisasm", lambda: "/bin/false")  # a batch it cannot read
+    same_target = [c for c in cubins if c.parent.parent == picked[0].parent.parent][:2]
+    alone = sass.disassemble_many(same_target)
+    assert sum("-sass" in r for r in runs) == 2 and all("Function :" in text for text in alone)
+    assert [sass.sass_instructions(t) for t in alone] == [sass.sass_instructions(together[cubins.index(c)])
+                                                          for c in same_target]
+
+
+def test_code_addresses_of_kernels_read_together_are_counted_from_each_kernels_start():
+    """Kernel 2 of a batch starts at 0x1b00: its branch, call, convergence and return targets are rebased;
+    other operands (a warp mask, constants) and addresses outside the kernel are left as they are."""
+    from patchc.codegen.sass import _rebased
+
+    def text(line: str) -> str:
+        return line.split("*/", 1)[1].strip()
+
+    assert text(_rebased(0x10, "@P1 BRA 0x2290", 0x1B00, 0x1000)) == "@P1 BRA 0x790 ;"
+    assert text(_rebased(0x20, "BSSY B0, 0x2020", 0x1B00, 0x1000)) == "BSSY B0, 0x520 ;"
+    assert text(_rebased(0x30, "RET.REL.NODEC R20 0x1b00", 0x1B00, 0x1000)) == "RET.REL.NODEC R20 0x0 ;"
+    assert text(_rebased(0x40, "@!P1 CALL.REL.NOINC 0x1c00", 0x1B00, 0x1000)) == "@!P1 CALL.REL.NOINC 0x100 ;"
+    assert text(_rebased(0x50, "WARPSYNC 0x1b10", 0x1B00, 0x1000)) == "WARPSYNC 0x1b10 ;"
+    assert text(_rebased(0x60, "IADD3 R1, R1, 0x1b20, RZ", 0x1B00, 0x1000)) == "IADD3 R1, R1, 0x1b20, RZ ;"
+    assert text(_rebased(0x70, "BRA 0x9000", 0x1B00, 0x1000)) == "BRA 0x9000 ;"
+    assert _rebased(0x80, "EXIT", 0, 0x100).startswith("        /*0080*/")
+
+
 def test_unrolled_code_has_no_targets_and_unknown_code_is_a_miss_that_says_why():
     """Straight-line SASS (no backward branch) reads a fixed tile or two: no loop targets apply. Loops other
     than the expected ones, or no cuobjdump, leave the cost unknown: a miss naming which."""

@@ -4,8 +4,8 @@ workers that change nothing in the output; failures that name the layer; no FP-f
 Compiles run in one subprocess without TRITON_INTERPRET (this suite's interpreter tests set it) and with
 TRITON_ALWAYS_COMPILE=1, so Triton's own cache cannot make two runs agree by handing back the same bytes
 (the two worker counts; a layer generated alone then reads the cache). The SASS of a cubin compiled again
-to the same bytes is read back from patchc's own cache (`patchc.codegen.sass.disassemble`): cuobjdump runs
-once per distinct cubin, ~0.6 s each.
+to the same bytes is read back from patchc's own cache (`patchc.codegen.sass.disassemble_many`): each distinct
+cubin is disassembled once, all of a generation's in one nvdisasm call per target.
 """
 
 from __future__ import annotations

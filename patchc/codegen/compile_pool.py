@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,11 +123,14 @@ def compile_job(job: CompileJob) -> CompiledKernel:
         >>> compile_job(job).entry   # doctest: +SKIP
         'decode_kernel'
     """
+    return profile_all({job: _compile(job)})[job]
+
+
+def _compile(job: CompileJob) -> CompiledKernel:
+    """`triton.compile` of one job; the kernel's profile and loops are left to `profile_all`."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from patchc.codegen.sass import disassemble, static_profile, weight_loops
 
     fn = kernel_function(job.kernel)
     if not isinstance(fn, triton.runtime.JITFunction):
@@ -138,27 +141,39 @@ def compile_job(job: CompileJob) -> CompiledKernel:
     sig = signature | {name: "constexpr" for name in consts}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=pointer_hints(fn.arg_names, signature))
     compiled = triton.compile(src, target=GPUTarget("cuda", job.cc, 32), options=job.options)
-    cubin = compiled.asm["cubin"]
     meta = compiled.metadata
-    with tempfile.TemporaryDirectory(prefix="patchc-sass-") as tmp:  # cuobjdump reads files only
-        path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(cubin)
-        sass = disassemble(path)  # once: the profile and the loop costs both read it
-        profile = static_profile(path, sass)
-    loops = None
-    if job.kernel != "splitk_reduce":
-        elem = _ELEM_BYTES[signature["x_ptr"].lstrip("*")]
-        loops = weight_loops(sass, consts["HAS_DENSE"], consts["HAS_SPARSE"], (consts["BLOCK_N"], consts["BLOCK_K"]),
-                             elem, job.num_warps)
     return CompiledKernel(
         entry=getattr(meta, "name", fn.__name__),
         ptx=compiled.asm["ptx"],
-        cubin=cubin,
+        cubin=compiled.asm["cubin"],
         shared_bytes=int(getattr(meta, "shared", 0) or 0),
         fp_fusion=bool(getattr(meta, "enable_fp_fusion", job.fp_fusion)),
-        profile=profile,
-        loops=loops,
+        profile=None,
+        loops=None,
     )
+
+
+def profile_all(kernels: Mapping[CompileJob, CompiledKernel]) -> dict[CompileJob, CompiledKernel]:
+    """Each kernel with its static profile and weight-loop costs, the SASS of all read together
+    (`patchc.codegen.sass.disassemble_many`: one disassembler call per target, not one per kernel)."""
+    from patchc.codegen.sass import disassemble_many, static_profile, weight_loops
+
+    with tempfile.TemporaryDirectory(prefix="patchc-sass-") as tmp:  # the NVIDIA tools read files only
+        paths = [Path(tmp) / f"{i}.cubin" for i in range(len(kernels))]
+        for path, kernel in zip(paths, kernels.values()):
+            path.write_bytes(kernel.cubin)
+        sasses = disassemble_many(paths)
+        profiles = [static_profile(path, sass) for path, sass in zip(paths, sasses)]
+    done = {}
+    for (job, kernel), sass, profile in zip(kernels.items(), sasses, profiles):
+        loops = None
+        if job.kernel != "splitk_reduce":
+            consts = dict(job.constexprs)
+            elem = _ELEM_BYTES[dict(job.signature)["x_ptr"].lstrip("*")]
+            loops = weight_loops(sass, consts["HAS_DENSE"], consts["HAS_SPARSE"], (consts["BLOCK_N"], consts["BLOCK_K"]),
+                                 elem, job.num_warps)
+        done[job] = replace(kernel, profile=profile, loops=loops)
+    return done
 
 
 def compile_all(
@@ -179,7 +194,7 @@ def compile_all(
     n = min(_worker_count(workers), len(todo))
     bar = dict(total=len(todo), desc=f"compiling {len(todo)} kernels", unit="kernel", disable=not show_progress)
     if n <= 1 or multiprocessing.current_process().daemon:  # a daemon (a pool worker itself) may not fork
-        return {job: _unwrap(job, _try_compile(job), jobs) for job in progress(todo, **bar)}
+        return profile_all({job: _unwrap(job, _try_compile(job), jobs) for job in progress(todo, **bar)})
     done: dict[CompileJob, CompiledKernel] = {}
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker) as pool:
@@ -196,7 +211,7 @@ def compile_all(
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)  # do not keep compiling for a failed generate
             raise
-    return {job: done[job] for job in todo}
+    return profile_all({job: done[job] for job in todo})
 
 
 def _worker_count(workers: int | None) -> int:
@@ -234,9 +249,9 @@ def _init_worker() -> None:
 
 
 def _try_compile(job: CompileJob) -> CompiledKernel | str:
-    """`compile_job`, with a failure returned as text: Triton's exceptions do not all survive pickling."""
+    """`_compile`, with a failure returned as text: Triton's exceptions do not all survive pickling."""
     try:
-        return compile_job(job)
+        return _compile(job)
     except Exception as exc:  # noqa: BLE001 - reported with the layer names by the caller
         return f"{type(exc).__name__}: {exc}"[-_ERROR_CHARS:]
 
@@ -251,4 +266,4 @@ def _unwrap(job: CompileJob, outcome: CompiledKernel | str, jobs: Mapping[Compil
 
 
 __all__ = ["CompileError", "CompileJob", "CompiledKernel", "compile_all", "compile_job", "kernel_function",
-           "pointer_hints"]
+           "pointer_hints", "profile_all"]

@@ -1,7 +1,7 @@
 """What a compiled kernel costs, read from its cubin without a GPU: registers, spills, instruction mix.
 
-Uses the `cuobjdump` that Triton ships with its NVIDIA backend (`-res-usage` for the resource line,
-`-sass` for the machine code). The numbers are what a profiler would show first when a kernel is slow:
+Uses the `cuobjdump` and `nvdisasm` that Triton ships with its NVIDIA backend (`cuobjdump -res-usage` for
+the resource line, nvdisasm for the machine code of many kernels in one call). The numbers are what a profiler would show first when a kernel is slow:
 registers per thread (occupancy), local-memory bytes (spills), and whether the weight loads are 128-bit
 (`LDG.E.128`), pipelined into shared memory (`LDGSTS`, i.e. cp.async) and fed to tensor cores
 (`HMMA` on sm_80, `HGMMA`, i.e. wgmma, on sm_90). For the weight-streaming loops (`weight_loops`): the
@@ -19,7 +19,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import struct
 import subprocess
+import tempfile
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -37,6 +40,10 @@ INSTRUCTIONS = {
 _RESOURCES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 # one SASS instruction line: /*0d30*/  @P1 BRA 0x4c0 ;
 _LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.MULTILINE)
+# instructions whose hex operands are code addresses (rebased when kernels are disassembled together)
+_CODE_ADDRESS = re.compile(r"^(?:@!?U?P\w+\s+)?(?:BRA|BRX|BSSY|CALL|RET|JMP|JMX)\b")
+_HEX = re.compile(r"0x([0-9a-f]+)")
+_FORMAT = "sass-2"  # the cached text's form: bumped when what `disassemble_many` writes changes
 _BRANCH = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
 # per-loop counts: what limits the issue rate of a loop that should stream weights
 LOOP_COUNTS = {
@@ -61,14 +68,27 @@ def cuobjdump() -> str | None:
         return None
 
 
-def _run(*args: str | os.PathLike) -> str:
-    tool = cuobjdump()
+def _run(*args: str | os.PathLike, tool: str | None = None) -> str:
+    """Run `tool` (default cuobjdump) with `args`; its stdout, or a RuntimeError with its stderr's end."""
+    tool = tool or cuobjdump()
     if tool is None:
         raise RuntimeError("cuobjdump not found: this Triton installation ships no NVIDIA tools")
-    proc = subprocess.run([tool, *map(str, args)], check=False, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([tool, *map(str, args)], check=False, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        raise RuntimeError(f"cuobjdump {' '.join(map(str, args))} failed: {proc.stderr.strip()[-500:]}")
+        name = Path(tool).name
+        raise RuntimeError(f"{name} {' '.join(map(str, args))[:300]} failed: {proc.stderr.strip()[-500:]}")
     return proc.stdout
+
+
+@lru_cache(maxsize=1)
+def nvdisasm() -> str | None:
+    """Path of Triton's nvdisasm, or None (then each cubin is read by `cuobjdump -sass` alone)."""
+    try:
+        import triton
+
+        return triton.knobs.nvidia.nvdisasm.path
+    except Exception:  # older Triton without knobs, or a build without the NVIDIA tools
+        return None
 
 
 def resource_usage(cubin: str | os.PathLike) -> dict[str, int]:
@@ -86,26 +106,123 @@ def resource_usage(cubin: str | os.PathLike) -> dict[str, int]:
 
 
 def disassemble(cubin: str | os.PathLike) -> str | None:
-    """The SASS text of `cubin` (`cuobjdump -sass`), read once for every count below; None without cuobjdump.
+    """The SASS text of `cubin`, read once for every count below; None without cuobjdump.
 
-    cuobjdump takes ~0.6 s a cubin whatever its size (as long as the compile it follows, when Triton's cache
-    serves that), so the text is kept in `sass_cache_dir()`, by the cubin's and the tool's hashes: generating
-    the same kernels again, with Triton's cache or without (the cubins are the same bytes), reads it back.
+    Example:
+        >>> "Function : decode_kernel" in disassemble("decode_m1.cubin")   # doctest: +SKIP
+        True
+    """
+    return disassemble_many([cubin])[0]
+
+
+def disassemble_many(cubins: Sequence[str | os.PathLike]) -> list[str | None]:
+    """The SASS text of each cubin file: one nvdisasm call for all those of one architecture.
+
+    Disassembling takes ~0.5 s a call whatever the size, nearly all of it the tool's start-up: one call for
+    all the kernels of a generation (257 of them: 5 s instead of 145 s). Each text is kept in
+    `sass_cache_dir()`, by the cubin's and the tools' hashes, so the same kernels generated again (with
+    Triton's cache or without: the cubins are the same bytes) read it back. Without nvdisasm, or when it
+    cannot read a batch, each cubin is read by `cuobjdump -sass` alone. None for each without cuobjdump.
+
+    Example:
+        >>> decode, prefill = disassemble_many(["decode_m1.cubin", "prefill.cubin"])   # doctest: +SKIP
     """
     tool = cuobjdump()
     if tool is None:
-        return None
+        return [None] * len(cubins)
     folder = sass_cache_dir()
-    cached = None if folder is None else folder / f"{_sass_key(tool, Path(cubin).read_bytes())}.sass"
-    if cached is not None and cached.is_file():
-        return cached.read_text()
-    sass = _run("-sass", cubin)
-    if cached is not None:
-        try:
-            write_bytes_atomic(cached, sass.encode())
-        except OSError:  # a read-only cache folder: the text is still right, only not kept
-            pass
-    return sass
+    blobs = [Path(c).read_bytes() for c in cubins]
+    keys = [_sass_key(blob) for blob in blobs]
+    known = {key: _read_cached(folder, key) for key in keys}
+    todo = {key: path for key, path in zip(keys, cubins) if known[key] is None}  # each distinct cubin once
+    for key, sass in zip(todo, _disassemble_files(list(todo.values()))):
+        known[key] = sass
+        if folder is not None:
+            try:
+                write_bytes_atomic(folder / f"{key}.sass", sass.encode())
+            except OSError:  # a read-only cache folder: the text is still right, only not kept
+                pass
+    return [known[key] for key in keys]
+
+
+def _read_cached(folder: Path | None, key: str) -> str | None:
+    cached = None if folder is None else folder / f"{key}.sass"
+    return cached.read_text() if cached is not None and cached.is_file() else None
+
+
+def _disassemble_files(paths: Sequence[str | os.PathLike]) -> list[str]:
+    """SASS of each cubin: one nvdisasm call per architecture, `cuobjdump -sass` each where that fails."""
+    if len(paths) < 2 or nvdisasm() is None:
+        return [_run("-sass", path) for path in paths]
+    by_arch: dict[str, list[int]] = {}
+    for i, path in enumerate(paths):
+        by_arch.setdefault(_arch(path), []).append(i)
+    out: list[str | None] = [None] * len(paths)
+    for arch, members in by_arch.items():
+        if len(members) > 1:
+            try:
+                texts = _disassemble_together([Path(paths[i]).read_bytes() for i in members], arch)
+            except (RuntimeError, ValueError, struct.error):  # raw mode cannot read one: each alone below
+                texts = [None] * len(members)
+            for i, text in zip(members, texts):
+                out[i] = text
+    return [text if text is not None else _run("-sass", path) for text, path in zip(out, paths)]
+
+
+def _arch(cubin: str | os.PathLike) -> str:
+    """The cubin's architecture as cuobjdump names it ("80", "90a"): the header line of `cuobjdump -elf`."""
+    match = re.search(r"\bsm\s*=\s*(\w+)", _run("-elf", cubin)[:2000])
+    if match is None:
+        raise RuntimeError(f"{cubin}: cuobjdump -elf names no architecture")
+    return match.group(1)
+
+
+def _disassemble_together(cubins: Sequence[bytes], arch: str) -> list[str]:
+    """The code sections of same-architecture cubins one after another, disassembled raw in one nvdisasm
+    call, then cut back into one text each, addresses counted from each function's start as cuobjdump does."""
+    functions = [(i, name, code) for i, cubin in enumerate(cubins) for name, code in _code_sections(cubin)]
+    blob, starts = b"", []
+    for _, _, code in functions:
+        starts.append(len(blob))
+        blob += code
+    with tempfile.TemporaryDirectory(prefix="patchc-sass-") as tmp:
+        path = Path(tmp) / "code.bin"
+        path.write_bytes(blob)
+        raw = _run("-b", f"SM{arch}", path, tool=nvdisasm())
+    lines = [(int(addr, 16), text) for addr, text in _LINE.findall(raw)]
+    texts = [[f"\n\tcode for sm_{arch}"] for _ in cubins]
+    for (i, name, code), start in zip(functions, starts):
+        body = [_rebased(addr - start, text, start, len(code)) for addr, text in lines
+                if start <= addr < start + len(code)]
+        if len(body) * 16 != len(code):  # every 16-byte instruction read, or the cut is not to be trusted
+            raise ValueError(f"nvdisasm read {len(body)} instructions of {name}'s {len(code) // 16}")
+        texts[i] += [f"\t\tFunction : {name}", *body]
+    return ["\n".join(text) + "\n" for text in texts]
+
+
+def _rebased(addr: int, text: str, start: int, size: int) -> str:
+    """One instruction line as cuobjdump prints it, its code-address operands counted from `start`."""
+    if _CODE_ADDRESS.match(text):
+        text = _HEX.sub(lambda m: hex(v - start) if start <= (v := int(m.group(1), 16)) <= start + size
+                        else m.group(0), text)
+    return f"        /*{addr:04x}*/                   {text} ;"
+
+
+def _code_sections(cubin: bytes) -> list[tuple[str, bytes]]:
+    """(function name, machine code) of each `.text.<name>` section of a 64-bit little-endian ELF cubin."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2 or cubin[5] != 1:
+        raise ValueError("not a 64-bit little-endian ELF cubin")
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    entsize, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
+    names_at = headers[names_index][4]
+
+    def name(offset: int) -> str:
+        start = names_at + offset
+        return cubin[start:cubin.index(b"\0", start)].decode()
+
+    return [(name(h[0])[len(".text."):], cubin[h[4]:h[4] + h[5]]) for h in headers
+            if name(h[0]).startswith(".text.")]
 
 
 def sass_cache_dir() -> Path | None:
@@ -124,10 +241,13 @@ def sass_cache_dir() -> Path | None:
         return None
 
 
-def _sass_key(tool: str, cubin: bytes) -> str:
-    """The cache key of `cubin` disassembled by `tool`: its bytes and the tool's path, size and mtime."""
-    stat = os.stat(tool)
-    return hashlib.sha256(cubin + f"{os.path.realpath(tool)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+def _sass_key(cubin: bytes) -> str:
+    """The cache key of `cubin`'s SASS: its bytes and the tools' paths, sizes and mtimes."""
+    tools = []
+    for tool in (cuobjdump(), nvdisasm()):
+        stat = None if tool is None else os.stat(tool)
+        tools.append("-" if stat is None else f"{os.path.realpath(tool)}:{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.sha256(cubin + f"{_FORMAT}|{'|'.join(tools)}".encode()).hexdigest()
 
 
 def instruction_mix(sass: str) -> dict[str, int]:
@@ -261,5 +381,6 @@ def static_profile(cubin: str | os.PathLike, sass: str | None = None) -> dict[st
     return resource_usage(cubin) | instruction_mix(sass if sass is not None else disassemble(cubin))
 
 
-__all__ = ["INSTRUCTIONS", "LOOP_COUNTS", "LOOP_TARGETS", "SMALLEST_FAST_TILE", "TARGET_M", "cuobjdump", "target_misses", "disassemble", "instruction_mix", "loop_cost", "loops", "resource_usage",
-           "sass_cache_dir", "sass_instructions", "static_profile", "weight_loops"]
+__all__ = ["INSTRUCTIONS", "LOOP_COUNTS", "LOOP_TARGETS", "SMALLEST_FAST_TILE", "TARGET_M", "cuobjdump", "disassemble",
+           "disassemble_many", "instruction_mix", "loop_cost", "loops", "nvdisasm", "resource_usage", "sass_cache_dir",
+           "sass_instructions", "static_profile", "target_misses", "weight_loops"]
