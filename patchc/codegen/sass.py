@@ -1,10 +1,10 @@
 """What a compiled kernel costs, read from its cubin without a GPU: registers, spills, instruction mix.
 
 Uses the `cuobjdump` and `nvdisasm` that Triton ships with its NVIDIA backend (`cuobjdump -res-usage` for
-the resource line, nvdisasm for the machine code of many kernels in one call). The numbers are what a profiler would show first when a kernel is slow:
-registers per thread (occupancy), local-memory bytes (spills), and whether the weight loads are 128-bit
-(`LDG.E.128`), pipelined into shared memory (`LDGSTS`, i.e. cp.async) and fed to tensor cores
-(`HMMA` on sm_80, `HGMMA`, i.e. wgmma, on sm_90). For the weight-streaming loops (`weight_loops`): the
+the resource line, nvdisasm for the machine code of many kernels in one call). The numbers are what a
+profiler would show first when a kernel is slow: registers per thread (occupancy), local-memory bytes
+(spills), and whether the weight loads are 128-bit (`LDG.E.128`), pipelined into shared memory (`LDGSTS`,
+i.e. cp.async) and fed to tensor cores (`HMMA` on sm_80, `HGMMA`, i.e. wgmma, on sm_90). For the weight-streaming loops (`weight_loops`): the
 instructions, barriers and shuffles of one iteration, and the warp-instructions issued per weight byte,
 the number that decides whether a decode kernel can reach the memory roofline at all.
 
@@ -86,9 +86,10 @@ def nvdisasm() -> str | None:
     try:
         import triton
 
-        return triton.knobs.nvidia.nvdisasm.path
+        path = triton.knobs.nvidia.nvdisasm.path
     except Exception:  # older Triton without knobs, or a build without the NVIDIA tools
         return None
+    return path if path and os.path.isfile(path) else None
 
 
 def resource_usage(cubin: str | os.PathLike) -> dict[str, int]:
