@@ -170,8 +170,8 @@ def profile_all(kernels: Mapping[CompileJob, CompiledKernel]) -> dict[CompileJob
         if job.kernel != "splitk_reduce":
             consts = dict(job.constexprs)
             elem = _ELEM_BYTES[dict(job.signature)["x_ptr"].lstrip("*")]
-            loops = weight_loops(sass, consts["HAS_DENSE"], consts["HAS_SPARSE"], (consts["BLOCK_N"], consts["BLOCK_K"]),
-                                 elem, job.num_warps)
+            block = (consts["BLOCK_N"], consts["BLOCK_K"])
+            loops = weight_loops(sass, consts["HAS_DENSE"], consts["HAS_SPARSE"], block, elem, job.num_warps)
         done[job] = replace(kernel, profile=profile, loops=loops)
     return done
 

@@ -4,9 +4,10 @@ Uses the `cuobjdump` and `nvdisasm` that Triton ships with its NVIDIA backend (`
 the resource line, nvdisasm for the machine code of many kernels in one call). The numbers are what a
 profiler would show first when a kernel is slow: registers per thread (occupancy), local-memory bytes
 (spills), and whether the weight loads are 128-bit (`LDG.E.128`), pipelined into shared memory (`LDGSTS`,
-i.e. cp.async) and fed to tensor cores (`HMMA` on sm_80, `HGMMA`, i.e. wgmma, on sm_90). For the weight-streaming loops (`weight_loops`): the
-instructions, barriers and shuffles of one iteration, and the warp-instructions issued per weight byte,
-the number that decides whether a decode kernel can reach the memory roofline at all.
+i.e. cp.async) and fed to tensor cores (`HMMA` on sm_80, `HGMMA`, i.e. wgmma, on sm_90). For the
+weight-streaming loops (`weight_loops`): the instructions, barriers and shuffles of one iteration, and the
+warp-instructions issued per weight byte, the number that decides whether a decode kernel can reach the
+memory roofline at all.
 
 Example:
     >>> usage = resource_usage("kernels/sm_90/layer/prefill.cubin")   # doctest: +SKIP
