@@ -227,10 +227,13 @@ def test_weights_smaller_than_the_tile_stay_dense_with_a_reason():
         patchc.transform(export_causal_lm(model, seq=8), PatchConfig(tile=(64, 64)))
 
 
-def test_a_model_exported_per_length_compiles_at_every_length(monkeypatch):
+@pytest.mark.parametrize("dynamic", [False, pytest.param(None, marks=pytest.mark.full)], ids=["static", "auto"])
+def test_a_model_exported_per_length_compiles_at_every_length(monkeypatch, dynamic):
     """Qwen3.5's Gated DeltaNet loops over 64-token chunks (the export needs a graph per length): dynamo
     recompiles across the chunk count on its own, and each graph still serves every planned linear.
-    (Here, after tests/test_families.py, the suite's one export of the model is reused.)"""
+    (Here, after tests/test_families.py, the suite's one export of the model is reused.) The full form
+    compiles as torch.compile does by default, the second graph with symbolic shapes: 12 s of dynamo
+    tracing the two chunks, against 1.7 s for a static graph, which checks the same serving."""
     from tests.test_families import TILE, exported
 
     monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
@@ -240,8 +243,8 @@ def test_a_model_exported_per_length_compiles_at_every_length(monkeypatch):
     served = [name for name, layer in plan.layers.items() if layer.n_sparse]
     torch._dynamo.reset()
     replaced: list[int] = []
-    cm = torch.compile(model, backend="patch", options={"plan": plan, "strict": True, "tune": False,
-                                                        "graph_callback": lambda gm, n: replaced.append(n)})
+    cm = torch.compile(model, backend="patch", dynamic=dynamic, options={
+        "plan": plan, "strict": True, "tune": False, "graph_callback": lambda gm, n: replaced.append(n)})
     with torch.no_grad():
         for length in (8, 70):  # one chunk, then two
             ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(length))
