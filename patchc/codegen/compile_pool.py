@@ -159,7 +159,8 @@ def profile_all(kernels: Mapping[CompileJob, CompiledKernel]) -> dict[CompileJob
     from patchc.codegen.sass import disassemble_many, static_profile, weight_loops
 
     with tempfile.TemporaryDirectory(prefix="patchc-sass-") as tmp:  # the NVIDIA tools read files only
-        paths = [Path(tmp) / f"{i}.cubin" for i in range(len(kernels))]
+        # named by kernel, target and job key: a tool's error names the compile it was reading
+        paths = [Path(tmp) / f"{job.kernel}_sm{job.cc}_{job.key[:12]}.cubin" for job in kernels]
         for path, kernel in zip(paths, kernels.values()):
             path.write_bytes(kernel.cubin)
         sasses = disassemble_many(paths)
