@@ -94,8 +94,8 @@ def test_dry_run_checks_and_times_the_grouped_experts(dry_run):
 def test_dry_run_checks_pass_under_an_older_triton(triton_dir, tmp_path, request):
     """The correctness part under the Triton a GPU machine with torch 2.11 has (3.6), whose kernels take
     their own 2:4 load (`configs.GROUPS_PER_LOAD`): a kernel that only this Triton runs right fails here,
-    not in the rare GPU session. Two mixed (35%) cases, a third of the time of all five (14 s): one checks
-    every variant by its explicit config, the other 16 x 16 tiles in bf16; `--full` adds them in fp16."""
+    not in the rare GPU session. Two of the three mixed (35%) cases (15 s, against 21 s for the three): one
+    checks every variant by its explicit config, the other 16 x 16 tiles in bf16; `--full` adds them in fp16."""
     from patchc.codegen.configs import groups_per_load
 
     version = triton_dir.name.removeprefix("triton-")

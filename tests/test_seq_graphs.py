@@ -231,7 +231,7 @@ def test_weights_smaller_than_the_tile_stay_dense_with_a_reason():
 def test_a_model_exported_per_length_compiles_at_every_length(monkeypatch, dynamic):
     """Qwen3.5's Gated DeltaNet loops over 64-token chunks (the export needs a graph per length): dynamo
     recompiles across the chunk count on its own, and each graph still serves every planned linear.
-    (Here, after tests/test_families.py, the suite's one export of the model is reused.) The full form
+    (When tests/test_families.py ran in the same process, its export of the model is reused.) The full form
     compiles as torch.compile does by default, the second graph with symbolic shapes: 12 s of dynamo
     tracing the two chunks, against 1.7 s for a static graph, which checks the same serving."""
     from tests.test_families import TILE, exported
