@@ -136,8 +136,8 @@ def disassemble_many(cubins: Sequence[str | os.PathLike]) -> list[str | None]:
     blobs = [Path(c).read_bytes() for c in cubins]
     keys = [_sass_key(blob) for blob in blobs]
     known = {key: _read_cached(folder, key) for key in keys}
-    todo = {key: path for key, path in zip(keys, cubins) if known[key] is None}  # each distinct cubin once
-    for key, sass in zip(todo, _disassemble_files(list(todo.values()))):
+    todo = {key: (path, blob) for key, path, blob in zip(keys, cubins, blobs) if known[key] is None}  # each once
+    for key, sass in zip(todo, _disassemble_files(*zip(*todo.values()))):
         known[key] = sass
         if folder is not None:
             try:
@@ -152,8 +152,9 @@ def _read_cached(folder: Path | None, key: str) -> str | None:
     return cached.read_text() if cached is not None and cached.is_file() else None
 
 
-def _disassemble_files(paths: Sequence[str | os.PathLike]) -> list[str]:
-    """SASS of each cubin: one nvdisasm call per architecture, `cuobjdump -sass` each where that fails."""
+def _disassemble_files(paths: Sequence[str | os.PathLike] = (), blobs: Sequence[bytes] = ()) -> list[str]:
+    """SASS of each cubin (its file and its bytes): one nvdisasm call per architecture, `cuobjdump -sass` each
+    where that fails."""
     if len(paths) < 2 or nvdisasm() is None:
         return [_run("-sass", path) for path in paths]
     by_arch: dict[str, list[int]] = {}
@@ -163,7 +164,7 @@ def _disassemble_files(paths: Sequence[str | os.PathLike]) -> list[str]:
     for arch, members in by_arch.items():
         if len(members) > 1:
             try:
-                texts = _disassemble_together([Path(paths[i]).read_bytes() for i in members], arch)
+                texts = _disassemble_together([blobs[i] for i in members], arch)
             except (RuntimeError, ValueError, struct.error):  # raw mode cannot read one: each alone below
                 texts = [None] * len(members)
             for i, text in zip(members, texts):
