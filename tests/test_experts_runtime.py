@@ -134,6 +134,31 @@ def test_experts_dense_fallback_and_kernel_path_in_the_triton_interpreter(build,
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
 
 
+def test_a_pair_at_routing_weight_zero_gives_its_expert_no_row(monkeypatch):
+    """A (token, slot) pair at routing weight 0 adds nothing (LongCat-Flash under transformers 5.25 sends its
+    zero-computation pairs to routed experts so): neither path computes it, so an expert only such pairs hit is
+    not read, and the output is still the module's own."""
+    from patchc.runtime import grouped_op
+
+    experts, plan, path, (x, index, weights) = _tiny_experts()
+    weights = weights.masked_fill(index == 1, 0.0)  # expert 1: every pair it gets is at weight 0
+    fast = experts_module(experts, plan, path)
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
+    read = []
+    real_linear = fast._linear
+    monkeypatch.setattr(fast, "_linear", lambda proj, e, rows: read.append(e) or real_linear(proj, e, rows))
+    with torch.no_grad():
+        want = experts(x, index, weights)
+        torch.testing.assert_close(fast(x, index, weights), want, atol=1e-5, rtol=1e-5)
+    assert read == [0, 0]
+    _spy_grouped(monkeypatch)
+    ends, real = [], grouped_op.launch_grouped
+    monkeypatch.setattr(grouped_op, "launch_grouped", lambda *a, **k: ends.append(a[1].tolist()) or real(*a, **k))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x, index, weights), want, atol=1e-4, rtol=1e-5)
+    assert ends == [[6, 6], [6, 6]]  # 6 rows for expert 0, none for expert 1, none past the last end
+
+
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("build, kind", [(_tiny_experts, TileExperts), (_tiny_bmm_experts, TileBmmExperts)])

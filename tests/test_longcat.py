@@ -10,6 +10,7 @@ the whole path run on it too, the tests of the traced loop only on the earlier f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 
 import patchc
 from patchc.models.hf_export import export_causal_lm
-from patchc.models.traceable import _is_longcat_experts, longcat_experts_grouped
+from patchc.models.traceable import _is_longcat_experts, longcat_experts_grouped, traceable_layers
 from tests.conftest import prune_24, prune_tiny_folder, train_and_harden
 from tests.test_experts_runtime import _spy_grouped
 
@@ -111,6 +112,38 @@ def test_the_grouped_form_passes_the_loops_gradients():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(LOOP_FORM, reason="transformers before 5.25 route the zero-computation pairs in the experts")
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+def test_the_moe_blocks_form_gives_its_experts_the_routed_pairs_only(impl, monkeypatch):
+    """5.25's MoE block sends each zero-computation pair to a routed expert at weight 0; its traced form (export
+    and calibration) runs the grouped mms on the router's own picks: the block's output and gradients, with
+    rows for the routed pairs only."""
+    from transformers.integrations import moe as hf_moe
+
+    model = _model()
+    model.set_experts_implementation(impl)
+    moe = model.model.layers[0].mlp
+    x = torch.randn(21, HIDDEN, generator=torch.Generator().manual_seed(5))
+    rows, grouped = [], hf_moe._grouped_mm
+    monkeypatch.setattr(hf_moe, "_grouped_mm", lambda a, w, offs: rows.append(int(offs[-1])) or grouped(a, w, offs))
+    sent = []
+    moe.experts.register_forward_pre_hook(lambda m, args: sent.append(args[1:]))
+    outs = []
+    for traced in (False, True):
+        moe.zero_grad()
+        xg = x.clone().requires_grad_(True)
+        with traceable_layers(model) if traced else contextlib.nullcontext():
+            y = moe(xg)
+        y.square().sum().backward()
+        outs.append((y, xg.grad, moe.experts.gate_up_proj.grad.clone(), moe.experts.down_proj.grad.clone()))
+    for want, got in zip(*outs):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    picked, ((ids, weights),) = moe.router(x)[-1], sent  # the traced form does not call the experts module
+    assert (picked >= ROUTED).any() and ((ids < ROUTED) & (weights == 0)).sum() == (picked >= ROUTED).sum()
+    routed = int((picked < ROUTED).sum())
+    assert rows[-2:] == [routed, routed] and (impl == "eager" or rows[:-2] == [ids.numel()] * 2)
+
+
 def test_a_longcat_masks_its_routed_experts_only_and_its_plan_runs_in_the_loop():
     """gate_up_proj holds rows for all 8 experts, down_proj for the 4 routed ones: both are planned for those
     4, and the rows past them keep their values through masking and `plan.apply`; the hardened plan applied to
@@ -137,7 +170,8 @@ def test_a_longcat_masks_its_routed_experts_only_and_its_plan_runs_in_the_loop()
 
 
 def test_calibrating_the_model_sees_each_routed_expert_as_the_program_does():
-    """The plain model's own loop and the program's grouped mms give each routed expert the same tokens."""
+    """The plain model's own loop and the program's grouped mms give each routed expert the same tokens: the
+    ones the router picked it for (5.25's MoE block also sends it zero-computation pairs at weight 0)."""
     from patchc.pruning.observe import plain_layers
 
     model = _model()
@@ -147,7 +181,9 @@ def test_calibrating_the_model_sees_each_routed_expert_as_the_program_does():
     plain = patchc.calibrate(model, batches, progress=False)
     prog = patchc.transform(export_causal_lm(model, fixed_len=16), patchc.PatchConfig(tile=(16, 16)))
     traced = patchc.calibrate(prog, batches, progress=False)
-    routed = torch.cat([_routing(model, ids, picked=False) for ids in batches])
+    routed = torch.cat([_routing(model, ids) for ids in batches])
+    sent = torch.cat([_routing(model, ids, picked=False) for ids in batches])
+    assert LOOP_FORM or (sent[routed >= ROUTED] < ROUTED).all()  # 5.25 hands the experts those pairs
     for e in range(ROUTED):
         name = f"{EXPERTS}.gate_up_proj.{e}"
         assert plain[name].n_samples == traced[name].n_samples == int((routed == e).sum())

@@ -35,6 +35,13 @@ grouped mm over `gate_up_proj[:R]` and one over `down_proj`, and the zero-comput
 beyond the last row end, give their token. So each routed expert's slices are plan layers
 (`patchc.passes.find_linears` reads the dim-0 slice) and the rows no token reads are never planned.
 
+transformers 5.25 moves that into LongCat-Flash's MoE block (`LongcatFlashMoE`): its experts hold the routed
+experts only, and the block sends each zero-computation pair to a routed expert at routing weight 0 (spread
+over them), then adds the tokens itself. Those pairs change no output, but an expert computes them, the masks
+train on them, and calibration would count them among the expert's tokens: its SparseGPT / Wanda statistics
+would hold tokens the router never gave it. The block's traced form runs the same grouped mms on the router's
+own picks instead, the zero-computation pairs giving their token.
+
 Example:
     >>> with traceable_layers(model):                     # doctest: +SKIP
     ...     ep = torch.export.export(model, (ids,), kwargs={"use_cache": False})
@@ -195,9 +202,29 @@ def longcat_experts_grouped(experts: nn.Module, original: Callable, hidden_state
                             top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """`LongcatFlashExperts.forward` as two grouped mms over the routed experts; zero-computation experts
     (ids >= `num_routed_experts`) give their token, scaled by its routing weight as the loop does."""
+    return _routed_grouped(experts, experts.num_routed_experts, hidden_states, top_k_index, top_k_weights)
+
+
+def longcat_moe_grouped(moe: nn.Module, original: Callable, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`LongcatFlashMoE.forward` (transformers >= 5.25) as `longcat_experts_grouped` on the router's own picks:
+    each routed expert computes, and is observed on, the tokens routed to it only (the block sends each
+    zero-computation pair to a routed expert at weight 0, then adds the tokens itself). A block whose experts
+    were swapped (a served copy, when the class runs this form) runs its own forward."""
+    if not _is_longcat_moe(moe):
+        return original(hidden_states)
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    _, top_k_weights, top_k_index = moe.router(x)
+    return _routed_grouped(moe.experts, moe.num_routed_experts, x, top_k_index, top_k_weights).reshape(shape)
+
+
+def _routed_grouped(experts: nn.Module, routed: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The routed pairs through two grouped mms over experts 0..routed-1, the others giving their token, each
+    scaled by its routing weight."""
     from transformers.integrations.moe import _grouped_mm  # transformers' dispatch: torch's op or its fallback
 
-    routed, k = experts.num_routed_experts, top_k_index.shape[-1]
+    k = top_k_index.shape[-1]
     ids, order = torch.sort(top_k_index.reshape(-1), stable=True)  # zero-computation pairs sort to the tail
     x = hidden_states[order // k]
     # histc drops the ids past `max`: the row ends cover the routed pairs only
@@ -207,11 +234,29 @@ def longcat_experts_grouped(experts: nn.Module, original: Callable, hidden_state
     # torch's grouped mm leaves the rows past the last end unwritten (possibly NaN), forward and in its input
     # gradient: zeroing them in the input masks that gradient, and `where` (not a product) masks the output
     routed_x = x.masked_fill(~is_routed, 0)
-    gate, up = _grouped_mm(routed_x, experts.gate_up_proj[:routed].transpose(-2, -1), offs).chunk(2, dim=-1)
+    gate_up = experts.gate_up_proj  # whole where it holds only the routed ones: the backend serves a parameter
+    gate_up = gate_up if gate_up.shape[0] == routed else gate_up[:routed]
+    gate, up = _grouped_mm(routed_x, gate_up.transpose(-2, -1), offs).chunk(2, dim=-1)
     y = _grouped_mm(experts.act_fn(gate) * up, experts.down_proj.transpose(-2, -1), offs)
     y = torch.where(is_routed, y, x) * top_k_weights.reshape(-1)[order, None]
     out = torch.zeros_like(hidden_states, dtype=y.dtype)
     return out.index_add(0, order // k, y).to(hidden_states.dtype)
+
+
+def _is_longcat_moe(module: nn.Module) -> bool:
+    """LongcatFlashMoE as transformers 5.25 builds it: zero-computation experts, and experts holding the routed
+    ones as (R, 2F, H) gate_up_proj and (R, H, F) down_proj, with no bias, norm or other gate than act * up."""
+    zero, routed = getattr(module, "zero_expert_num", None), getattr(module, "num_routed_experts", None)
+    experts = getattr(module, "experts", None)
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(zero, int) and zero > 0 and isinstance(routed, int) and hasattr(module, "router")
+            and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and hasattr(experts, "act_fn")):
+        return False
+    plain = not any(getattr(experts, flag, False) for flag in ("has_bias", "has_post_expert_norm", "is_transposed"))
+    gate = getattr(type(experts), "_apply_gate", None)
+    plain = plain and (gate is None or gate.__name__ == "_default_apply_gate")
+    return (plain and gate_up.dim() == 3 and down.dim() == 3 and gate_up.shape[0] == down.shape[0] == routed
+            and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1])
 
 
 def _is_longcat_experts(module: nn.Module) -> bool:
@@ -255,11 +300,13 @@ SUBSTITUTES: dict[str, tuple[Callable[[nn.Module], bool], Callable]] = {
     "Kolibri1_1Indexer": (_is_kolibri_indexer, kolibri_indexer_causal),
     "DbrxExperts": (_is_dbrx_experts, dbrx_experts_dense),
     "LongcatFlashExperts": (_is_longcat_experts, longcat_experts_grouped),
+    "LongcatFlashMoE": (_is_longcat_moe, longcat_moe_grouped),
 }
 
 
-# the experts among them: calibration observes these in their traced form, the matmuls the program reads
-EXPERTS = frozenset({"DbrxExperts", "LongcatFlashExperts"})
+# the experts (and MoE blocks) among them: calibration observes these in their traced form, the matmuls the
+# program reads
+EXPERTS = frozenset({"DbrxExperts", "LongcatFlashExperts", "LongcatFlashMoE"})
 
 
 def substitutable(model: nn.Module, classes: Collection[str] | None = None) -> list[tuple[str, nn.Module]]:
@@ -312,5 +359,5 @@ def _put_back(module: nn.Module, forward: Callable | None) -> None:
 
 
 __all__ = ["EXPERTS", "SUBSTITUTES", "dbrx_experts_dense", "kolibri_indexer_causal", "longcat_experts_grouped",
-           "qsa_block_scores", "qsa_indexer_causal", "qsa_queries_and_blocks", "qsa_selection", "substitutable",
-           "traceable_layers"]
+           "longcat_moe_grouped", "qsa_block_scores", "qsa_indexer_causal", "qsa_queries_and_blocks",
+           "qsa_selection", "substitutable", "traceable_layers"]

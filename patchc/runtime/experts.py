@@ -144,7 +144,7 @@ class TileExperts(nn.Module):
         if not self._grouped(hidden_states):
             return self._forward_dense(hidden_states, top_k_index, top_k_weights)
         k = top_k_index.shape[-1]
-        ids = top_k_index.reshape(-1)
+        ids = self._computed(top_k_index, top_k_weights)
         order = torch.argsort(ids, stable=True)  # (token, slot) pairs sorted by expert, on the device
         expert = ids[order]
         # histc, not bincount: CUDA's bincount reads the ids' range back to the host
@@ -155,17 +155,24 @@ class TileExperts(nn.Module):
         y = self._normed(self._project("down_proj", h, offs, expert), expert)
         if self.zero_experts:  # their pairs sort past the last row end (zeros there): the token itself
             y = torch.where(expert[:, None] < self.num_experts, y, x.to(y.dtype))
-        y = y * top_k_weights.reshape(-1)[order, None]
+        y = y * top_k_weights.reshape(-1)[order, None]  # the pairs skipped: 0 * the zeros past the last end
         unsorted = torch.empty_like(y)
         unsorted[order] = y
         # a fixed-order sum over each token's k experts (index_add_'s atomics would make it run-dependent)
         return unsorted.float().view(-1, k, y.shape[-1]).sum(1).to(hidden_states.dtype)
 
+    def _computed(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Each (token, slot) pair's expert, flat, a pair at routing weight 0 given an id past every expert: it
+        adds nothing, so no expert reads its row (LongCat-Flash under transformers >= 5.25 sends its
+        zero-computation pairs to routed experts at weight 0; an expert only they hit is not read at all)."""
+        skip = self.num_experts + self.zero_experts
+        return top_k_index.reshape(-1).masked_fill(top_k_weights.reshape(-1) == 0, skip)
+
     def _forward_dense(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:
         """CPU: a host loop over the experts, F.linear on each W * M."""
         k = top_k_index.shape[-1]
-        ids, weights = top_k_index.reshape(-1), top_k_weights.reshape(-1)
+        ids, weights = self._computed(top_k_index, top_k_weights), top_k_weights.reshape(-1)
         tokens = torch.arange(ids.numel(), device=ids.device) // k
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         for e in range(self.num_experts):
@@ -176,7 +183,7 @@ class TileExperts(nn.Module):
             y = self._normed(self._linear("down_proj", e, h), ids[rows]) * weights[rows, None]
             out.index_add_(0, tokens[rows], y.float())
         if self.zero_experts:
-            rows = (ids >= self.num_experts).nonzero().squeeze(-1)
+            rows = ((ids >= self.num_experts) & (ids < self.num_experts + self.zero_experts)).nonzero().squeeze(-1)
             out.index_add_(0, tokens[rows], hidden_states[tokens[rows]].float() * weights[rows, None].float())
         return out.to(hidden_states.dtype)
 
