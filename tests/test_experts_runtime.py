@@ -159,6 +159,56 @@ def test_a_pair_at_routing_weight_zero_gives_its_expert_no_row(monkeypatch):
     assert ends == [[6, 6], [6, 6]]  # 6 rows for expert 0, none for expert 1, none past the last end
 
 
+@pytest.mark.parametrize("top_k", [1, None])
+def test_bmm_experts_compute_only_the_rows_the_router_scored(top_k, monkeypatch):
+    """Llama 4's block hands every expert every token, scaled by its router score (0 where not picked): the
+    drop-in computes the scored rows only, so an expert no token picked is not read; with the block's top_k
+    the kernels get T * top_k rows, not E * T. The output is still the module's own, zero rows included."""
+    from transformers.models.llama4.modeling_llama4 import Llama4Router, Llama4TextExperts
+
+    from patchc.runtime import grouped_op
+
+    cfg = transformers.Llama4TextConfig(hidden_size=32, intermediate_size=16, num_local_experts=4,
+                                        num_experts_per_tok=1)
+    experts = Llama4TextExperts(cfg).eval()
+    plan = _plan_into(experts, "feed_forward.experts", stored_kn=True)
+    tokens = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))
+    router = Llama4Router(cfg)
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[:3, :3] = torch.eye(3) * 10  # token t picks expert argmax(tokens[t, :3]): expert 3 never
+        scores, _ = router(tokens)
+        rows = tokens.repeat(4, 1) * scores.transpose(0, 1).reshape(-1, 1)  # as Llama4TextMoe.forward
+        want = experts(rows)
+    picked = scores.ne(0).sum(0).tolist()
+    assert sum(picked) == 5 and picked[3] == 0
+    fast = experts_module(experts, plan, "feed_forward.experts", top_k=top_k)
+    assert type(fast) is TileBmmExperts and fast.rows_per_token == top_k and fast.skips_zero_rows
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
+    read = []
+    real_linear = fast._linear
+    monkeypatch.setattr(fast, "_linear", lambda proj, e, x: read.append(e) or real_linear(proj, e, x))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(rows), want, atol=1e-5, rtol=1e-5)
+    assert sorted(set(read)) == [e for e in range(4) if picked[e]]
+    _spy_grouped(monkeypatch)
+    launches, real = [], grouped_op.launch_grouped
+    monkeypatch.setattr(grouped_op, "launch_grouped",
+                        lambda *a, **k: launches.append((a[0].shape[0], a[1].tolist())) or real(*a, **k))
+    with torch.no_grad():
+        got = fast(rows)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    assert not got[20 - 5:].any()  # expert 3's rows: zeros
+    ends = torch.tensor(picked).cumsum(0).tolist()
+    assert launches == [(5 if top_k else 20, ends)] * 2
+    # a zero row's input gradient is zero too (up(x) * silu(gate(x)) at x = 0): gradients pass as the module's
+    x, x_want, g = rows.clone().requires_grad_(True), rows.clone().requires_grad_(True), torch.randn_like(want)
+    (fast(x) * g).sum().backward()
+    (experts(x_want) * g).sum().backward()
+    assert x_want.grad.abs().sum() > 0 and not x_want.grad[15:].any()
+    torch.testing.assert_close(x.grad, x_want.grad, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("build, kind", [(_tiny_experts, TileExperts), (_tiny_bmm_experts, TileBmmExperts)])
@@ -313,8 +363,8 @@ def test_compiling_a_copy_copies_no_fused_expert_weight_that_leaves(monkeypatch)
 @pytest.mark.parametrize("build, rows", [(_tiny_experts, [3 * 3, 20 * 3]), (_tiny_bmm_experts, [3 * 2, 20 * 2])])
 def test_model_warmup_warms_fused_experts_for_the_rows_their_tokens_route(build, rows, monkeypatch):
     """`patchc.runtime.warmup(model, ms)` runs each projection's grouped kernels at M x top_k rows (top-3
-    routing: the config says so) or M x experts (Llama 4's 2 experts see every token): what a captured graph
-    of M tokens launches."""
+    routing: the config says so) or, for Llama 4's, M x its block's top_k, M x experts where that is not known
+    (its 2 experts see every token): what a captured graph of M tokens launches."""
     experts, plan, path, _ = build()
     fast = experts_module(experts, plan, path)
     model = nn.Module()
@@ -329,8 +379,28 @@ def test_model_warmup_warms_fused_experts_for_the_rows_their_tokens_route(build,
     del model.config
     if isinstance(fast, TileBmmExperts):
         assert patchc.runtime.warmup(model, [1]) == 1  # needs no top_k
+        fast.rows_per_token = 1  # as patchc.compile sets it from the block: only the scored rows are launched
+        warmed.clear()
+        assert patchc.runtime.warmup(model, [3, 20]) == 1 and warmed[0][1] == [3, 20]
     else:
         with pytest.raises(ValueError, match=r"mlp\.experts routes each token.*top_k=K"):
             patchc.runtime.warmup(model, [1])
         warmed.clear()
         assert patchc.runtime.warmup(model, [5], top_k=3) == 1 and warmed[0][1] == [15]
+
+
+def test_bmm_experts_benchmark_runs_both_forms_and_they_agree(capsys):
+    """`benchmarks/bench_bmm_experts.py` at a tiny size: both rows timed, each the transformers module's output."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_bmm_experts.py"
+    spec = importlib.util.spec_from_file_location("bench_bmm_experts", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--experts", "4", "--hidden", "32", "--ffn", "16", "--tokens", "1", "3", "--rounds", "2",
+                       "--device", "cpu", "--threads", str(torch.get_num_threads()), "--no-record"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("T=")]
+    assert len(lines) == 2 and all("every row" in line and "scored rows" in line for line in lines)
+    errors = [float(line.rsplit("error ", 1)[1].rstrip(")")) for line in lines]
+    assert max(errors) < 1e-5

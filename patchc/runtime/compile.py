@@ -154,7 +154,9 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
             continue
         mine = {weight.rpartition(".")[2]: tunings.get(fqn) for weight, fqn in firsts.items()
                 if weight.rpartition(".")[0] == path}
-        setattr(parent, attr, experts_module(module, plan, path, mine, device=device))
+        top_k = getattr(parent, "top_k", None)  # the block's router picks (Llama 4's hands every expert every row)
+        setattr(parent, attr, experts_module(module, plan, path, mine, device=device,
+                                             top_k=top_k if isinstance(top_k, int) else None))
     give_save_pretrained(target)  # save_pretrained writes W * M, not the packed buffers transformers cannot load
     return target
 

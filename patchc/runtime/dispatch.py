@@ -197,8 +197,8 @@ class TileLinear(nn.Module):
 def warmup(model: nn.Module, ms: Iterable[int], top_k: int | None = None) -> int:
     """`TileLinear.warmup(ms)` for every TileLinear in `model` (M = tokens per call: batch x sequence), and
     the grouped kernels of every fused-experts module for the rows M tokens send them: M x top_k (default: the
-    config's `num_experts_per_tok`), M x experts for Llama 4's. Returns how many modules were warmed (0: the
-    model holds none, e.g. it was not patchc.compile'd).
+    config's `num_experts_per_tok`), for Llama 4's M x its block's top_k (M x experts when not known). Returns
+    how many modules were warmed (0: the model holds none, e.g. it was not patchc.compile'd).
 
     Example:
         >>> fast = patchc.runtime.compile(model, plan)                  # doctest: +SKIP
@@ -210,7 +210,8 @@ def warmup(model: nn.Module, ms: Iterable[int], top_k: int | None = None) -> int
     jobs: list[tuple[Any, list[int]]] = [(mod, ms) for mod in mods]
     experts = [m for m in model.modules() if isinstance(m, TileExperts) and m.kernels]
     for mod in experts:
-        per = mod.num_experts if isinstance(mod, TileBmmExperts) else top_k or _experts_per_token(model, mod.path)
+        bmm = isinstance(mod, TileBmmExperts)
+        per = mod.launched_per_token() if bmm else top_k or _experts_per_token(model, mod.path)
         jobs += [(kernels, [m * per for m in ms]) for kernels in mod.kernels.values()]
     compile_ahead_each(jobs)  # every layer's kernels at once: same-shaped layers share them
     for mod, rows in jobs:

@@ -198,36 +198,95 @@ class TileBmmExperts(TileExperts):
     (E, K, N) (Llama 4's `Llama4TextExperts`): forward(hidden_states (E * T, H)) -> (E * T, H), the rows
     already grouped by expert (T per expert); gate_up_proj's output is (gate, up), down_proj reads
     up * act(gate). The experts run as in `TileExperts`.
+
+    Llama 4's MoE block hands every expert every token, scaled by its router score: 0 for the experts the
+    router did not pick (all but `top_k` per token). Without biases an all-zero row gives a zero row, so only
+    the other rows are computed: an expert no token picked is not read at all (at decode, `top_k` of the E
+    experts' weights move). `rows_per_token` (the block's `top_k`, which `patchc.compile` passes) bounds the
+    rows computed to T * top_k, so kernels are picked for that many rows, not E * T; a call with more
+    non-zero rows per token than that is not the block's, and is wrong under it.
     """
 
     STORED_KN = True
 
+    def __init__(self, experts: nn.Module, plan: Any, path: str, tunings: dict[str, LayerTuning | None] | None = None,
+                 dtype: torch.dtype | None = None, device: Any = None, rows_per_token: int | None = None) -> None:
+        super().__init__(experts, plan, path, tunings, dtype=dtype, device=device)
+        if rows_per_token is not None and rows_per_token < 1:
+            raise ValueError(f"{path}: rows_per_token must be at least 1 (the MoE block's top_k), got {rows_per_token}")
+        self.rows_per_token = rows_per_token
+        self.skips_zero_rows = self._zero_in_zero_out()
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         per = hidden_states.shape[0] // self.num_experts
-        if self._grouped(hidden_states):  # the rows are grouped already: offsets from the shape alone
-            device = hidden_states.device
-            offs = torch.arange(1, self.num_experts + 1, device=device, dtype=torch.int32) * per
-            expert = torch.arange(self.num_experts, device=device)[:, None].expand(-1, per).reshape(-1)
-            project = lambda proj, h: self._project(proj, h, offs, expert)  # noqa: E731
-        else:
-            project = lambda proj, h: torch.cat([self._linear(proj, e, part) for e, part in  # noqa: E731
-                                                 enumerate(h.view(self.num_experts, per, -1))])
-        h = project(self.names[0], hidden_states)
+        expert = torch.arange(self.num_experts, device=hidden_states.device).repeat_interleave(per)
+        if not self.skips_zero_rows:
+            offs = (torch.arange(self.num_experts, device=hidden_states.device, dtype=torch.int32) + 1) * per
+            return self._experts(hidden_states, offs, expert)
+        live = hidden_states.ne(0).any(-1)  # the rows the router scored; a zero row gives a zero row
+        if not self._grouped(hidden_states):  # CPU: each expert's live rows (a host read, as its loop does)
+            return self._experts(hidden_states, None, torch.where(live, expert, self.num_experts))
+        key = torch.where(live, expert, self.num_experts)
+        order = torch.argsort(key, stable=True)  # live rows by expert, then the zero rows
+        order = order[:self.launched_per_token() * per]  # every live row: the router scores top_k per token
+        # histc drops key E (> max): the zero rows sort past the last row end, where the kernels write zeros
+        counts = torch.histc(key.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+        y = self._experts(hidden_states[order], counts.cumsum(0).to(torch.int32), key[order])
+        out = hidden_states.new_zeros(hidden_states.shape[0], y.shape[-1])
+        return out.index_copy(0, order, y)
+
+    def _zero_in_zero_out(self) -> bool:
+        """Whether a zero row gives a zero row and a zero input gradient: gated, without biases, act(0) = 0
+        (then up(0) * act(gate(0)) = 0, and its derivative at 0, up' * act(0) + up(0) * ..., is 0 too)."""
+        if self.names[0] != "gate_up_proj" or any(getattr(self, f"{p}_bias") is not None for p in self.names):
+            return False
+        try:
+            return bool(self.act_fn(torch.zeros(1)).eq(0).all())
+        except Exception:  # noqa: BLE001 - an activation that cannot run on a CPU scalar: every row computed
+            return False
+
+    def launched_per_token(self) -> int:
+        """The rows the grouped kernels get per token: the block's top_k, else every expert's."""
+        bounded = self.skips_zero_rows and self.rows_per_token is not None
+        return min(self.rows_per_token, self.num_experts) if bounded else self.num_experts
+
+    def _experts(self, x: torch.Tensor, offs: torch.Tensor | None, expert: torch.Tensor) -> torch.Tensor:
+        """Rows `x` sorted by `expert` (row ends `offs`) through both projections, on the grouped kernels; `offs`
+        None (CPU): x is every row in the module's order, each expert's F.linear on its rows with `expert` < E."""
+        h = self._projected(self.names[0], x, offs, expert)
         if self.names[0] == "gate_up_proj":
             gate, up = h.chunk(2, dim=-1)
             h = up * self.act_fn(gate)
         else:
             h = self.act_fn(h)
-        return project("down_proj", h)
+        return self._projected("down_proj", h, offs, expert)
+
+    def _projected(self, proj: str, x: torch.Tensor, offs: torch.Tensor | None, expert: torch.Tensor) -> torch.Tensor:
+        if offs is not None and self._grouped(x):
+            return self._project(proj, x, offs, expert)
+        out = None
+        for e in range(self.num_experts):
+            rows = (expert == e).nonzero().squeeze(-1)
+            if rows.numel():
+                y = self._linear(proj, e, x[rows])
+                out = x.new_zeros(x.shape[0], y.shape[-1]) if out is None else out
+                out[rows] = y
+        if out is None:  # no row live: the output width from the weight
+            width = getattr(self, f"{proj}_dense").shape[1]
+            out = x.new_zeros(x.shape[0], width)
+        return out
 
 
 def experts_module(experts: nn.Module, plan: Any, path: str, tunings: dict[str, LayerTuning | None] | None = None,
-                   device: Any = None) -> TileExperts:
+                   device: Any = None, top_k: int | None = None) -> TileExperts:
     """The drop-in for a fused-experts module: `TileBmmExperts` when its forward takes the rows alone
     (every expert at once), else `TileExperts` (forward(hidden_states, top_k_index, top_k_weights)).
     `tunings`: {projection: the tuning of its first planned slice}, shared by all its experts; `device`: where
-    its buffers go (default: the experts' weights' device)."""
-    return (TileBmmExperts if bmm_experts(experts) else TileExperts)(experts, plan, path, tunings, device=device)
+    its buffers go (default: the experts' weights' device); `top_k`: the experts the calling block's router
+    scores per token (`TileBmmExperts.rows_per_token`)."""
+    if bmm_experts(experts):
+        return TileBmmExperts(experts, plan, path, tunings, device=device, rows_per_token=top_k)
+    return TileExperts(experts, plan, path, tunings, device=device)
 
 
 __all__ = ["TileBmmExperts", "TileExperts", "experts_module"]
