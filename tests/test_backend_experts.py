@@ -89,6 +89,8 @@ def test_a_compiled_moe_called_with_gradients_on_backpropagates_like_the_pruned_
     torch._dynamo.reset()
     got, want = served.model.embed_tokens.weight.grad, pruned.model.embed_tokens.weight.grad
     assert want.abs().sum() > 0 and sum(n.target is GROUPED for gm in graphs for n in gm.graph.nodes) == 2
+    # with gradients on, Llama 4's bmms keep every row in place: a zero row's input gradient is not zero
+    assert not any(n.target is torch.argsort for gm in graphs for n in gm.graph.nodes)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
 
 
@@ -152,6 +154,8 @@ def test_backend_serves_every_planned_expert_slice(family, dtype, impl):
                    for n in nodes)  # (gpt-oss's biases are still gathered per token: (S, N) rows, not matrices)
     if impl == "batched_mm":  # gate_up_proj and down_proj share the routing: its rows are sorted once
         assert sum(n.target is torch.argsort for n in nodes) == 1
+    if family == "llama4":  # no gradient taken: each bmm sorts the rows not all zero (the experts picked) first
+        assert sum(n.target is torch.argsort for n in nodes) == 2
     served = {n.args[9]: _sparse_experts(n) for n in nodes if n.target is GROUPED}
     for fqn, experts in served.items():  # every planned slice with a 2:4 tile, and only those
         assert experts == [e for e in range(64) if (layer := plan.layers.get(f"{fqn}.{e}")) is not None
@@ -161,13 +165,18 @@ def test_backend_serves_every_planned_expert_slice(family, dtype, impl):
 def test_llama4_bmm_serves_new_lengths_from_the_dynamic_graph(monkeypatch):
     """The bmm's row ends (T, 2T, ...) are built from x's size in the graph: the dynamic graphs dynamo makes
     after the first shapes serve new batch sizes and lengths, and stay the plan-applied model's. Every graph
-    shares the first one's packed experts (`patchc.runtime.packs`)."""
+    shares the first one's packed experts (`patchc.runtime.packs`), and runs the rows of the picked experts
+    only (no gradient taken)."""
     import patchc.runtime.backend as backend
+    from patchc.runtime import grouped_op
 
     case, plan = _family_plan("llama4")
     dense, pruned = copy.deepcopy(case.model), plan.apply(copy.deepcopy(case.model))
     graphs, packed, build = [], [], backend.expert_modules
     monkeypatch.setattr(backend, "expert_modules", lambda *a, **k: packed.append(build(*a, **k)) or packed[-1])
+    ends, segments = [], grouped_op._segments
+    monkeypatch.setattr(grouped_op, "_segments", lambda offs, rows: ends.append((int(offs[-1]), rows)) or
+                        segments(offs, rows))
     torch._dynamo.reset()
     cm = torch.compile(dense, backend="patch", options={"plan": plan, "strict": True, "tune": False,
                                                         "graph_callback": lambda gm, n: graphs.append(gm)})
@@ -176,9 +185,12 @@ def test_llama4_bmm_serves_new_lengths_from_the_dynamic_graph(monkeypatch):
     with torch.no_grad():
         for batch, length in shapes:
             ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(length))
+            ends.clear()
             got, want = cm(ids, use_cache=False).logits, pruned(ids, use_cache=False).logits
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"batch {batch}, length {length}")
             compiled.append(len(graphs))
+            tokens = batch * length  # top-1 of 4 experts: a token's row for each other expert is zero, not run
+            assert ends == [(tokens, 4 * tokens)] * 2, f"batch {batch}, length {length}"
     torch._dynamo.reset()
     assert compiled[-1] == compiled[-3]  # the last two shapes ran on an earlier (dynamic) graph
     assert all(sum(n.target is GROUPED for n in gm.graph.nodes) == 2 for gm in graphs)

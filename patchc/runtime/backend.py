@@ -244,13 +244,15 @@ def _replace_grouped(gm: fx.GraphModule, read: GroupedRead, node_map: dict[fx.No
     remap = lambda a: node_map.get(a, a) if isinstance(a, fx.Node) else a  # noqa: E731
     x, offs, buffers = remap(read.x), remap(read.offs), [attrs[f"{name}_{b}"] for b in BUFFER_NAMES]
     with gm.graph.inserting_before(node):
-        if read.form == "bmm":  # x (E, T, K): every expert over T rows
-            x, offs = bmm_operands(gm.graph, x, mod.num_experts, mod.in_features, mod.values.device)
+        if read.form == "bmm":  # x (E, T, K): every expert over T rows, those not all zero when no gradient
+            # is taken (dynamo guards on grad mode: a call with gradients on traces its own graph)
+            x, offs, order = bmm_operands(gm.graph, x, mod.num_experts, mod.in_features, mod.values.device,
+                                          skip_zero_rows=not torch.is_grad_enabled())
         elif read.form == "gathered":  # row s of x times expert ids[s]: sorted by expert, then put back
             x, offs, order = gathered_operands(gm.graph, x, remap(read.ids), mod.num_experts, mod.in_features, sorts)
         new = gm.graph.call_function(torch.ops.patchc.tile_grouped_mm.default, grouped_args(x, offs, mod, buffers))
         if read.form == "bmm":
-            new = bmm_result(gm.graph, new, mod.num_experts, mod.out_features)
+            new = bmm_result(gm.graph, new, mod.num_experts, mod.out_features, order)
         elif read.form == "gathered":
             new = gathered_result(gm.graph, new, order, read.transposed)
     _swap(gm, node, new)

@@ -11,7 +11,9 @@ hybrid kernels, the offsets read on the device, so the call can be captured in a
 Llama 4 multiplies every expert at once instead: ``bmm(x (E, T, K), W (E, K, N))``, each expert over the
 same T rows (every token, scaled by its router score). That is a grouped mm whose row ends are T, 2T, ...:
 the backend flattens x to (E * T, K), builds those offsets on the device from x's size, and views the
-result back to (E, T, N) (`bmm_operands` / `bmm_result`).
+result back to (E, T, N) (`bmm_operands` / `bmm_result`). A graph traced without gradients sorts the rows
+that are not all zero by expert first and leaves the zero ones past the last end: the rows of the experts a
+token's router did not pick are scaled by 0, so only the picked experts' weights are read.
 
 transformers' ``batched_mm`` experts gather a weight per (token, expert) pair instead:
 ``bmm(W[ids] (S, N, K), x (S, K, 1))``, or ``bmm(x (S, 1, K), W[ids] (S, K, N))`` for experts stored
@@ -202,18 +204,36 @@ def gathered_result(graph: fx.Graph, y: fx.Node, order: fx.Node, transposed: boo
     return graph.call_method("unsqueeze", (unsorted, 1 if transposed else -1))
 
 
-def bmm_operands(graph: fx.Graph, x: fx.Node, num_experts: int, in_features: int,
-                 device: torch.device) -> tuple[fx.Node, fx.Node]:
-    """Nodes (x (E * T, K), row ends T, 2T, ..., E * T (int32, on `device`)) for a bmm's x (E, T, K); call
-    inside `graph.inserting_before(...)`."""
-    rows = graph.call_method("size", (x, 1))
+def bmm_operands(graph: fx.Graph, x: fx.Node, num_experts: int, in_features: int, device: torch.device,
+                 skip_zero_rows: bool = False) -> tuple[fx.Node, fx.Node, fx.Node | None]:
+    """Nodes (x (E * T, K), row ends T, 2T, ..., E * T (int32, on `device`), None) for a bmm's x (E, T, K); call
+    inside `graph.inserting_before(...)`. `skip_zero_rows`: the rows that are not all zero sorted by expert
+    and the zero ones past the last end instead (ends from a histogram), with the sort order: a zero row's
+    product is zero, so an expert whose rows are all zero is not read (Llama 4's block scales the rows of the
+    experts a token's router did not pick by 0). Its input gradient is not zero, hence only for graphs that
+    compute none."""
     flat = graph.call_method("reshape", (x, -1, in_features))
-    ends = graph.call_function(torch.arange, (1, num_experts + 1), {"dtype": torch.int32, "device": device})
-    return flat, graph.call_function(operator.mul, (ends, rows))
+    rows = graph.call_method("size", (x, 1))
+    if not skip_zero_rows:
+        ends = graph.call_function(torch.arange, (1, num_experts + 1), {"dtype": torch.int32, "device": device})
+        return flat, graph.call_function(operator.mul, (ends, rows)), None
+    experts = graph.call_function(torch.arange, (num_experts,), {"device": device})
+    expert = graph.call_method("repeat_interleave", (experts, rows))
+    live = graph.call_method("any", (graph.call_method("ne", (flat, 0)), -1))
+    key = graph.call_function(torch.where, (live, expert, num_experts))
+    order = graph.call_function(torch.argsort, (key,), {"stable": True})
+    counts = graph.call_function(torch.histc, (graph.call_method("float", (key,)),),
+                                 {"bins": num_experts, "min": 0, "max": num_experts - 1})
+    ends = graph.call_method("to", (graph.call_method("cumsum", (counts, 0)), torch.int32))
+    return graph.call_function(operator.getitem, (flat, order)), ends, order
 
 
-def bmm_result(graph: fx.Graph, y: fx.Node, num_experts: int, out_features: int) -> fx.Node:
-    """The node viewing tile_grouped_mm's (E * T, N) back to the bmm's (E, T, N)."""
+def bmm_result(graph: fx.Graph, y: fx.Node, num_experts: int, out_features: int,
+               order: fx.Node | None = None) -> fx.Node:
+    """The node viewing tile_grouped_mm's (E * T, N) back to the bmm's (E, T, N), its rows first put back in
+    their order where `bmm_operands` sorted them (every row is in `order`: the zero ones came out zero)."""
+    if order is not None:
+        y = graph.call_method("index_copy", (graph.call_function(torch.empty_like, (y,)), 0, order, y))
     return graph.call_method("view", (y, num_experts, -1, out_features))
 
 
