@@ -32,9 +32,8 @@ def test_plain_calibration_equals_the_programs_and_oneshot_covers_the_plan(name)
         assert plain[layer].n_samples == via_prog[layer].n_samples, layer
         torch.testing.assert_close(plain[layer].hessian, via_prog[layer].hessian, atol=1e-5, rtol=1e-4)
     experts = [n for n in prog.layers if ".experts." in n and ".gate_up_proj." in n]
-    if experts and name == "llama4":  # every token reaches every expert, scaled by its router score (0: not routed)
-        assert {plain[n].n_samples for n in experts} == {case.ids.numel()}
-    elif experts:  # only the routed tokens count: every token k times over the experts of a layer
+    if experts:  # only the routed tokens count: every token k times over the experts of a layer (Llama 4's
+        # block hands every expert every token, scaled by its router score: it runs in its traced form)
         assert sum(plain[n].n_samples for n in experts) == case.ids.numel() * case.model.config.num_experts_per_tok
         assert len({plain[n].n_samples for n in experts}) > 1  # experts see different numbers of tokens
     for method in ("wanda", "sparsegpt"):

@@ -316,9 +316,11 @@ def test_router_exclusion_can_be_overridden_and_is_explained():
     assert PatchConfig(tile=(4, 16), exclude=()).selects("model.layers.0.mlp.gate.weight", (4, 64)) is None
 
 
-def test_llama4_bmm_experts_are_masked_per_expert_as_stored_k_by_n():
-    """Llama 4 multiplies every expert at once, `torch.bmm(x (E, T, K), W (E, K, N))`: one (N, K) layer per
-    expert slice, recorded as transposed, and calibration sees expert e's rows x[e]."""
+def test_llama4_experts_are_masked_per_expert_as_stored_k_by_n_on_their_routed_tokens():
+    """Llama 4 multiplies every expert at once, `torch.bmm(x (E, T, K), W (E, K, N))`, every token scaled by
+    its router score (0 where not picked); exported in its traced form (the picked pairs through grouped
+    mms): one (N, K) layer per expert slice, recorded as transposed, and expert e sees the tokens routed to
+    it only."""
     from patchc.ir.targets import META_KEY
 
     case, ep = exported("llama4")
@@ -330,10 +332,17 @@ def test_llama4_bmm_experts_are_masked_per_expert_as_stored_k_by_n():
     assert targets[f"{gate_up}.1"] == {"param": gate_up, "expert": 1, "transposed": True}
     seen: dict[str, int] = {}
     with prog.observe_inputs(lambda fqn, x: seen.__setitem__(fqn, seen.get(fqn, 0) + x.shape[0])):
-        case.run(prog)
-    # every token visits every expert (unselected ones with score 0): T rows of K each
-    rows = {n: seen.get(n) for n in prog.layers if n.startswith(gate_up)}
-    assert rows == {f"{gate_up}.{e}": case.ids.numel() for e in range(4)}
+        with prog.mask_mode("ones"):  # the dense model's routing
+            case.run(prog)
+    moe = case.model.model.layers[0].feed_forward
+    picked = []
+    handle = moe.router.register_forward_hook(lambda m, args, out: picked.append(out[1].topk(m.top_k, dim=1).indices))
+    with torch.no_grad():
+        case.run(case.model)
+    handle.remove()
+    rows = {n: seen.get(n, 0) for n in prog.layers if n.startswith(gate_up)}
+    assert rows == {f"{gate_up}.{e}": int((picked[0] == e).sum()) for e in range(4)}
+    assert sum(rows.values()) == case.ids.numel()  # top-1: one row per token, not one per expert
 
 
 def test_a_3d_weight_broadcast_by_bmm_is_skipped_not_taken_for_experts():

@@ -12,8 +12,9 @@ They are the layers `patchc.transform` masks, under the same plan layer names (`
                                                        token, `patchc.models.traceable`), the matmul
                                                        reading the whole flat weight
 
-so an expert's statistics hold only the tokens routed to it (Llama 4 hands every expert every token,
-scaled by its router score: 0 where not routed; so does DBRX's traced form). Embeddings, tied LM heads and
+so an expert's statistics hold only the tokens routed to it (Llama 4's block runs in its traced form, the
+picked pairs only, each row scaled by its router score; DBRX's traced form hands every expert every token,
+scaled by its routing weight: 0 where not routed). Embeddings, tied LM heads and
 anything matched by `exclude` (routers among them) are left out.
 
 Example:
@@ -166,8 +167,8 @@ def observing_plain(model: nn.Module, names: set[str], callback: Callable[[str, 
 def _traced_form(model: nn.Module):
     """Experts with a traced form run in it (`patchc.models.traceable`), reading what the program's matmuls read:
     DBRX's flat weights whole, by every token (their own loop reads one expert's slice); LongCat-Flash's routed
-    experts in one grouped mm, so an expert no calibration token picks is seen with no rows (its own loop
-    skips it)."""
+    experts and Llama 4's picked ones in grouped mms, so an expert no calibration token picks is seen with no
+    rows (LongCat's own loop skips it; Llama 4's bmm would give it every token at weight 0)."""
     from patchc.models.traceable import EXPERTS, traceable_layers
 
     return traceable_layers(model, classes=EXPERTS)
