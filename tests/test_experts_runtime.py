@@ -209,6 +209,36 @@ def test_bmm_experts_compute_only_the_rows_the_router_scored(top_k, monkeypatch)
     torch.testing.assert_close(x.grad, x_want.grad, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_a_served_llama4_block_runs_the_routers_picks_only(path, monkeypatch):
+    """`patchc.compile` serves Llama 4's MoE block as `TileLlama4Moe`: the router's picks sorted by expert go to
+    the experts' kernels (T x top_k rows), never the block's E x T rows, and the logits are the plan-applied
+    model's, on the CPU path and the grouped kernels' (interpreted)."""
+    from patchc.runtime import grouped_op
+    from patchc.runtime.experts import TileLlama4Moe
+    from tests.test_backend_experts import _family_plan
+
+    case, plan = _family_plan("llama4")
+    pruned = plan.apply(copy.deepcopy(case.model))
+    if path == "triton":
+        _spy_grouped(monkeypatch)
+    else:
+        monkeypatch.setenv("PATCHC_CPU_IMPL", path)
+    launches, real = [], grouped_op.launch_grouped
+    monkeypatch.setattr(grouped_op, "launch_grouped", lambda *a, **k: launches.append(a[0].shape[0]) or real(*a, **k))
+    every_row = []
+    monkeypatch.setattr(TileBmmExperts, "forward", lambda self, x: every_row.append(x.shape) or None)
+    with torch.no_grad():
+        want = case.run(pruned)
+        fast = patchc.compile(case.model, plan, tune=False)
+        block = fast.model.layers[0].feed_forward
+        assert type(block) is TileLlama4Moe and type(block.experts) is TileBmmExperts
+        assert set(dict(block.named_children())) == {"router", "shared_expert", "experts"}  # the block's names
+        torch.testing.assert_close(case.run(fast), want, atol=1e-5, rtol=1e-5)
+    assert not every_row
+    assert launches == ([case.ids.numel() * case.model.config.num_experts_per_tok] * 2 if path == "triton" else [])
+
+
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("build, kind", [(_tiny_experts, TileExperts), (_tiny_bmm_experts, TileBmmExperts)])

@@ -7,9 +7,9 @@ the pruned dense model exactly; a weight only the replaced modules read is skipp
 them), tune (see `tune`), then replace each
 nn.Linear / Conv1D whose weight is planned (every user of a tied weight) with a `TileLinear`, and each
 fused-experts module with planned expert slices with a `TileExperts` (`TileBmmExperts` for Llama 4's,
-which multiply every expert's rows at once; `TileFlatExperts` for DBRX's, whose flat plans are cut per
-expert). Layers without a 2:4 tile stay nn.Linear (cuBLAS); other planned weights only get the pruned
-values, and a warning lists them.
+which multiply every expert's rows at once, their block becoming a `TileLlama4Moe` that hands them the
+router's picks only; `TileFlatExperts` for DBRX's, whose flat plans are cut per expert). Layers without a
+2:4 tile stay nn.Linear (cuBLAS); other planned weights only get the pruned values, and a warning lists them.
 
 Fused experts get one tuning per projection, that of its first planned slice (the slices share a shape).
 
@@ -35,7 +35,8 @@ from torch import nn
 
 from patchc.ir.targets import held_experts, is_conv1d, why_experts_unserved
 from patchc.runtime.dispatch import TileLinear, report_unreplaced
-from patchc.runtime.experts import TileExperts, experts_module
+from patchc.models.traceable_experts import _is_llama4_moe
+from patchc.runtime.experts import TileBmmExperts, TileExperts, TileLlama4Moe, experts_module
 from patchc.runtime.flat_experts import TileFlatExperts, flat_layers, flat_owner, flat_slices, is_flat, why_unserved
 from patchc.runtime.saving import give_save_pretrained
 from patchc.runtime.timing import TimeFn
@@ -69,7 +70,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
     `cache` / `time_fn`: passed to `tune_plan`.
     Replaced: nn.Linear (and subclasses, e.g. Falcon's `x @ W.T`), transformers' `Conv1D` (K x N
     storage), every module sharing a tied planned weight, and fused MoE experts (`TileExperts`,
-    `TileBmmExperts`).
+    `TileBmmExperts`; Llama 4's block with them, `TileLlama4Moe`).
     Planned layers with a 2:4 tile that could not be replaced are listed in a warning
     (`strict=True`: a ValueError); they keep the plan's pruned values in place either way.
     A model whose weights are not the plan's source is refused (`plan.apply`); `force=True` writes anyway.
@@ -155,8 +156,13 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
         mine = {weight.rpartition(".")[2]: tunings.get(fqn) for weight, fqn in firsts.items()
                 if weight.rpartition(".")[0] == path}
         top_k = getattr(parent, "top_k", None)  # the block's router picks (Llama 4's hands every expert every row)
-        setattr(parent, attr, experts_module(module, plan, path, mine, device=device,
-                                             top_k=top_k if isinstance(top_k, int) else None))
+        llama4_block = _is_llama4_moe(parent)  # read before the swap: it checks the experts' own weights
+        served = experts_module(module, plan, path, mine, device=device,
+                                top_k=top_k if isinstance(top_k, int) else None)
+        setattr(parent, attr, served)
+        if llama4_block and isinstance(served, TileBmmExperts):  # the router's picks only, not E x T rows
+            owner_path, _, name = parent_path.rpartition(".")
+            setattr(target.get_submodule(owner_path) if owner_path else target, name, TileLlama4Moe(parent, served))
     give_save_pretrained(target)  # save_pretrained writes W * M, not the packed buffers transformers cannot load
     return target
 

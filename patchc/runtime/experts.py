@@ -235,6 +235,14 @@ class TileBmmExperts(TileExperts):
         out = hidden_states.new_zeros(hidden_states.shape[0], y.shape[-1])
         return out.index_copy(0, order, y)
 
+    def run_sorted(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Rows already sorted by `expert` (ids < E) through both projections: the routed form
+        `TileLlama4Moe` calls, with no zero rows to skip."""
+        if not self._grouped(rows):
+            return self._experts(rows, None, expert)
+        counts = torch.histc(expert.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+        return self._experts(rows, counts.cumsum(0).to(torch.int32), expert)
+
     def _zero_in_zero_out(self) -> bool:
         """Whether a zero row gives a zero row and a zero input gradient: gated, without biases, act(0) = 0
         (then up(0) * act(gate(0)) = 0, and its derivative at 0, up' * act(0) + up(0) * ..., is 0 too)."""
@@ -277,6 +285,36 @@ class TileBmmExperts(TileExperts):
         return out
 
 
+class TileLlama4Moe(nn.Module):
+    """Drop-in for Llama 4's MoE block once its experts are a `TileBmmExperts`: the router's picks only, never the
+    block's E x T rows. The block hands every expert every token, `hidden.repeat(E, 1) * scores`, then sums E x T
+    output rows; at prefill that is E times the activations (128 for Maverick). Here each picked (token, expert)
+    pair's row, scaled by its router score as the block scales it, is sorted by expert on the device and runs
+    through the experts' kernels (`TileBmmExperts.run_sorted`), then each token's top_k rows are summed in a
+    fixed order, plus the shared expert. The submodules keep their names: the state dict is the block's.
+
+    forward(hidden_states (..., H)) -> (out (T, H), router_logits (T, E)), as the block.
+    """
+
+    def __init__(self, block: nn.Module, experts: TileBmmExperts) -> None:
+        super().__init__()
+        self.hidden_dim, self.top_k, self.num_experts = block.hidden_dim, block.router.top_k, experts.num_experts
+        self.router, self.shared_expert, self.experts = block.router, block.shared_expert, experts
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        scores, logits = self.router(x)
+        picked = torch.topk(logits, self.top_k, dim=1).indices  # the router's own picks: every other score is 0
+        ids, order = torch.sort(picked.reshape(-1), stable=True)
+        rows = x[order // self.top_k] * scores.gather(1, picked).reshape(-1)[order, None]
+        y = self.experts.run_sorted(rows, ids)
+        unsorted = torch.empty_like(y)
+        unsorted[order] = y
+        # a fixed-order sum over each token's top_k rows (index_add_'s atomics would make it run-dependent)
+        routed = unsorted.float().view(-1, self.top_k, y.shape[-1]).sum(1)
+        return self.shared_expert(x) + routed.to(x.dtype), logits
+
+
 def experts_module(experts: nn.Module, plan: Any, path: str, tunings: dict[str, LayerTuning | None] | None = None,
                    device: Any = None, top_k: int | None = None) -> TileExperts:
     """The drop-in for a fused-experts module: `TileBmmExperts` when its forward takes the rows alone
@@ -289,4 +327,4 @@ def experts_module(experts: nn.Module, plan: Any, path: str, tunings: dict[str, 
     return TileExperts(experts, plan, path, tunings, device=device)
 
 
-__all__ = ["TileBmmExperts", "TileExperts", "experts_module"]
+__all__ = ["TileBmmExperts", "TileExperts", "TileLlama4Moe", "experts_module"]
