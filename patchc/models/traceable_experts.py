@@ -157,8 +157,9 @@ def llama4_moe_routed(moe: nn.Module, original: Callable, hidden_states: torch.T
 
 def _is_llama4_moe(module: nn.Module) -> bool:
     """Llama4TextMoe as transformers 5 builds it: a router returning (scores (T, E), logits) for `top_k` experts,
-    and experts that run every expert on every row by bmm over (E, K, 2F) gate_up_proj and (E, F, K) down_proj.
-    (transformers 4's router returned its scores in another layout: its block keeps its own forward.)"""
+    and experts that run every expert on every row by bmm over (E, K, 2F) gate_up_proj and (E, F, K) down_proj,
+    with no biases (so a row the router scored 0 gives 0, and the routed forms may leave it out). (transformers
+    4's router returned its scores in another layout: its block keeps its own forward.)"""
     from patchc.ir.targets import bmm_experts
     from patchc.models.hf import transformers_major
 
@@ -166,7 +167,8 @@ def _is_llama4_moe(module: nn.Module) -> bool:
         return False
     experts, router = getattr(module, "experts", None), getattr(module, "router", None)
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and bmm_experts(experts)
+    biased = any(isinstance(getattr(experts, f"{p}_bias", None), torch.Tensor) for p in ("gate_up_proj", "down_proj"))
+    if biased or not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and bmm_experts(experts)
             and isinstance(getattr(router, "top_k", None), int) and isinstance(getattr(module, "hidden_dim", None), int)
             and hasattr(module, "shared_expert") and hasattr(experts, "act_fn")):
         return False
