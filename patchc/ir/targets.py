@@ -355,7 +355,21 @@ def recorded_meta(targets: Mapping[str, Target]) -> dict[str, dict]:
     return {META_KEY: recorded} if recorded else {}
 
 
+def row_ends(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The row ends grouped matmuls take (`offs`: transformers' grouped mm, patchc's grouped kernels) for rows
+    sorted by expert id: each expert's cumulative row end (int32), on the ids' device with no host read (histc,
+    not bincount: CUDA's bincount reads the ids' range back). Ids >= `num_experts` (skipped pairs, sorted
+    last) are not counted, so their rows lie past the last end.
+
+    Example:
+        >>> row_ends(torch.tensor([0, 0, 2, 4]), 3).tolist()
+        [2, 2, 3]
+    """
+    counts = torch.histc(ids.float(), bins=num_experts, min=0, max=num_experts - 1)
+    return counts.cumsum(0).to(torch.int32)
+
+
 __all__ = ["EXPERT_PROJECTIONS", "META_KEY", "PEFT_PREFIX", "WRAPPED_EXPERTS", "Target", "bmm_experts",
            "expert_projections", "find_param", "held_experts", "is_conv1d", "layer_name", "matrix", "model_matrices",
            "peft_free", "post_expert_norm", "read", "recorded_meta", "recorded_targets", "resolve", "resolve_layers",
-           "served_call", "stored_kn", "weight_names", "why_experts_unserved", "zero_computation_experts"]
+           "row_ends", "served_call", "stored_kn", "weight_names", "why_experts_unserved", "zero_computation_experts"]

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from patchc.ir.targets import bmm_experts, row_ends
+
 
 def dbrx_experts_dense(experts: nn.Module, original: Callable, hidden_states: torch.Tensor,
                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -80,9 +82,7 @@ def _routed_grouped(experts: nn.Module, routed: int, hidden_states: torch.Tensor
     k = top_k_index.shape[-1]
     ids, order = torch.sort(top_k_index.reshape(-1), stable=True)  # zero-computation pairs sort to the tail
     x = hidden_states[order // k]
-    # histc drops the ids past `max`: the row ends cover the routed pairs only
-    counts = torch.histc(ids.float(), bins=routed, min=0, max=routed - 1)
-    offs = counts.cumsum(0).to(torch.int32)
+    offs = row_ends(ids, routed)  # the routed pairs only: the zero-computation ones lie past the last end
     is_routed = (ids < routed).unsqueeze(-1)
     # torch's grouped mm leaves the rows past the last end unwritten (possibly NaN), forward and in its input
     # gradient: zeroing them in the input masks that gradient, and `where` (not a product) masks the output
@@ -140,19 +140,26 @@ def llama4_moe_routed(moe: nn.Module, original: Callable, hidden_states: torch.T
 
     if not _is_llama4_moe(moe):
         return original(hidden_states)
-    experts, k = moe.experts, moe.router.top_k
+    experts = moe.experts
     x = hidden_states.reshape(-1, moe.hidden_dim)
-    scores, logits = moe.router(x)
-    picked = torch.topk(logits, k, dim=1).indices  # the router's own picks: every other score is 0
-    ids, order = torch.sort(picked.reshape(-1), stable=True)
-    tokens = order // k
-    rows = x[tokens] * scores.gather(1, picked).reshape(-1)[order, None]
-    offs = torch.histc(ids.float(), bins=experts.num_experts, min=0, max=experts.num_experts - 1)
-    offs = offs.cumsum(0).to(torch.int32)
+    rows, ids, order, logits = llama4_picked_rows(moe.router, x)
+    tokens = order // moe.router.top_k
+    offs = row_ends(ids, experts.num_experts)
     gate, up = _grouped_mm(rows, experts.gate_up_proj, offs).chunk(2, dim=-1)
     y = _grouped_mm(up * experts.act_fn(gate), experts.down_proj, offs)
     routed = torch.zeros(x.shape[0], y.shape[-1], dtype=y.dtype, device=y.device).index_add(0, tokens, y)
     return moe.shared_expert(x) + routed.to(x.dtype), logits
+
+
+def llama4_picked_rows(router: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(rows, their expert ids, the sort order, router logits) for Llama 4's block: each (token, expert) pair
+    its router picks, sorted by expert (`order[i] // top_k` is row i's token), the token scaled by its score as
+    the block scales it. Every other score is 0: those pairs add nothing."""
+    scores, logits = router(x)
+    picked = torch.topk(logits, router.top_k, dim=1).indices  # the router's own picks
+    ids, order = torch.sort(picked.reshape(-1), stable=True)
+    rows = x[order // router.top_k] * scores.gather(1, picked).reshape(-1)[order, None]
+    return rows, ids, order, logits
 
 
 def _is_llama4_moe(module: nn.Module) -> bool:
@@ -160,7 +167,6 @@ def _is_llama4_moe(module: nn.Module) -> bool:
     and experts that run every expert on every row by bmm over (E, K, 2F) gate_up_proj and (E, F, K) down_proj,
     with no biases (so a row the router scored 0 gives 0, and the routed forms may leave it out). (transformers
     4's router returned its scores in another layout: its block keeps its own forward.)"""
-    from patchc.ir.targets import bmm_experts
     from patchc.models.hf import transformers_major
 
     if transformers_major() < 5:
@@ -176,4 +182,5 @@ def _is_llama4_moe(module: nn.Module) -> bool:
             and gate_up.shape[1] == down.shape[2] == module.hidden_dim and gate_up.shape[2] == 2 * down.shape[1])
 
 
-__all__ = ["dbrx_experts_dense", "llama4_moe_routed", "longcat_experts_grouped", "longcat_moe_grouped"]
+__all__ = ["dbrx_experts_dense", "llama4_moe_routed", "llama4_picked_rows", "longcat_experts_grouped",
+           "longcat_moe_grouped"]

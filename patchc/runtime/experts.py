@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patchc.ir.targets import (EXPERT_PROJECTIONS, bmm_experts, held_experts, post_expert_norm,
+from patchc.ir.targets import (EXPERT_PROJECTIONS, bmm_experts, held_experts, post_expert_norm, row_ends,
                                 zero_computation_experts)
+from patchc.models.traceable_experts import llama4_picked_rows
 from patchc.runtime import op as _op
 from patchc.runtime.tuner import LayerTuning
 
@@ -147,9 +148,7 @@ class TileExperts(nn.Module):
         ids = self._computed(top_k_index, top_k_weights)
         order = torch.argsort(ids, stable=True)  # (token, slot) pairs sorted by expert, on the device
         expert = ids[order]
-        # histc, not bincount: CUDA's bincount reads the ids' range back to the host
-        counts = torch.histc(ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
-        offs = counts.cumsum(0).to(torch.int32)
+        offs = row_ends(ids, self.num_experts)
         x = hidden_states[order // k]
         h = self._activate(self._project(self.names[0], x, offs, expert))
         y = self._normed(self._project("down_proj", h, offs, expert), expert)
@@ -229,19 +228,17 @@ class TileBmmExperts(TileExperts):
         key = torch.where(live, expert, self.num_experts)
         order = torch.argsort(key, stable=True)  # live rows by expert, then the zero rows
         order = order[:self.launched_per_token() * per]  # every live row: the router scores top_k per token
-        # histc drops key E (> max): the zero rows sort past the last row end, where the kernels write zeros
-        counts = torch.histc(key.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
-        y = self._experts(hidden_states[order], counts.cumsum(0).to(torch.int32), key[order])
+        y = self.run_sorted(hidden_states[order], key[order])
         out = hidden_states.new_zeros(hidden_states.shape[0], y.shape[-1])
         return out.index_copy(0, order, y)
 
     def run_sorted(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """Rows already sorted by `expert` (ids < E) through both projections: the routed form
-        `TileLlama4Moe` calls, with no zero rows to skip."""
+        """Rows already sorted by `expert` through both projections, on the grouped kernels (the routed form
+        `TileLlama4Moe` calls). Rows of id E (zero rows, sorted last) lie past the last row end, where the
+        kernels write zeros."""
         if not self._grouped(rows):
             return self._experts(rows, None, expert)
-        counts = torch.histc(expert.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
-        return self._experts(rows, counts.cumsum(0).to(torch.int32), expert)
+        return self._experts(rows, row_ends(expert, self.num_experts), expert)
 
     def _zero_in_zero_out(self) -> bool:
         """Whether a zero row gives a zero row and a zero input gradient: gated, without biases, act(0) = 0
@@ -298,15 +295,12 @@ class TileLlama4Moe(nn.Module):
 
     def __init__(self, block: nn.Module, experts: TileBmmExperts) -> None:
         super().__init__()
-        self.hidden_dim, self.top_k, self.num_experts = block.hidden_dim, block.router.top_k, experts.num_experts
+        self.hidden_dim, self.top_k = block.hidden_dim, block.router.top_k
         self.router, self.shared_expert, self.experts = block.router, block.shared_expert, experts
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = hidden_states.reshape(-1, self.hidden_dim)
-        scores, logits = self.router(x)
-        picked = torch.topk(logits, self.top_k, dim=1).indices  # the router's own picks: every other score is 0
-        ids, order = torch.sort(picked.reshape(-1), stable=True)
-        rows = x[order // self.top_k] * scores.gather(1, picked).reshape(-1)[order, None]
+        rows, ids, order, logits = llama4_picked_rows(self.router, x)
         y = self.experts.run_sorted(rows, ids)
         unsorted = torch.empty_like(y)
         unsorted[order] = y
