@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from patchc.ir.targets import row_ends
 from patchc.runtime import grouped_op as _grouped_op  # noqa: F401  (registers torch.ops.patchc.tile_grouped_mm)
 from patchc.runtime.matmul_reads import reads_attribute
 
@@ -185,13 +186,11 @@ def gathered_operands(graph: fx.Graph, x: fx.Node, ids: fx.Node, num_experts: in
                       sorts: dict[fx.Node, tuple[fx.Node, fx.Node]]) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Nodes (x (S, K) sorted by expert, row ends (int32), the sort order) for a gathered read's x (S, K, 1)
     or (S, 1, K) and ids (S,); call inside `graph.inserting_before(...)`. The ends come from a histogram on
-    the device (CUDA's bincount reads the ids' range back to the host). `sorts` keeps each ids node's
+    the device (`row_ends`). `sorts` keeps each ids node's
     (order, ends) for the graph's later reads of the same routing (gate_up_proj, then down_proj)."""
     if ids not in sorts:
         order = graph.call_function(torch.argsort, (ids,), {"stable": True})
-        counts = graph.call_function(torch.histc, (graph.call_method("float", (ids,)),),
-                                     {"bins": num_experts, "min": 0, "max": num_experts - 1})
-        sorts[ids] = (order, graph.call_method("to", (graph.call_method("cumsum", (counts, 0)), torch.int32)))
+        sorts[ids] = (order, graph.call_function(row_ends, (ids, num_experts)))
     order, ends = sorts[ids]
     rows = graph.call_method("reshape", (x, -1, in_features))
     return graph.call_function(operator.getitem, (rows, order)), ends, order
@@ -222,9 +221,7 @@ def bmm_operands(graph: fx.Graph, x: fx.Node, num_experts: int, in_features: int
     live = graph.call_method("any", (graph.call_method("ne", (flat, 0)), -1))
     key = graph.call_function(torch.where, (live, expert, num_experts))
     order = graph.call_function(torch.argsort, (key,), {"stable": True})
-    counts = graph.call_function(torch.histc, (graph.call_method("float", (key,)),),
-                                 {"bins": num_experts, "min": 0, "max": num_experts - 1})
-    ends = graph.call_method("to", (graph.call_method("cumsum", (counts, 0)), torch.int32))
+    ends = graph.call_function(row_ends, (key, num_experts))
     return graph.call_function(operator.getitem, (flat, order)), ends, order
 
 
