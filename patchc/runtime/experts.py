@@ -155,10 +155,7 @@ class TileExperts(nn.Module):
         if self.zero_experts:  # their pairs sort past the last row end (zeros there): the token itself
             y = torch.where(expert[:, None] < self.num_experts, y, x.to(y.dtype))
         y = y * top_k_weights.reshape(-1)[order, None]  # the pairs skipped: 0 * the zeros past the last end
-        unsorted = torch.empty_like(y)
-        unsorted[order] = y
-        # a fixed-order sum over each token's k experts (index_add_'s atomics would make it run-dependent)
-        return unsorted.float().view(-1, k, y.shape[-1]).sum(1).to(hidden_states.dtype)
+        return per_token_sum(y, order, k).to(hidden_states.dtype)
 
     def _computed(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Each (token, slot) pair's expert, flat, a pair at routing weight 0 given an id past every expert: it
@@ -301,12 +298,17 @@ class TileLlama4Moe(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = hidden_states.reshape(-1, self.hidden_dim)
         rows, ids, order, logits = llama4_picked_rows(self.router, x)
-        y = self.experts.run_sorted(rows, ids)
-        unsorted = torch.empty_like(y)
-        unsorted[order] = y
-        # a fixed-order sum over each token's top_k rows (index_add_'s atomics would make it run-dependent)
-        routed = unsorted.float().view(-1, self.top_k, y.shape[-1]).sum(1)
+        routed = per_token_sum(self.experts.run_sorted(rows, ids), order, self.top_k)
         return self.shared_expert(x) + routed.to(x.dtype), logits
+
+
+def per_token_sum(y: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """fp32 (T, N): the rows `y` of each token's k (token, slot) pairs, sorted by `order` (row i is pair
+    order[i], pair p is token p // k's), put back and summed in a fixed order (index_add_'s atomics would
+    make the sum run-dependent)."""
+    unsorted = torch.empty_like(y)
+    unsorted[order] = y
+    return unsorted.float().view(-1, k, y.shape[-1]).sum(1)
 
 
 def experts_module(experts: nn.Module, plan: Any, path: str, tunings: dict[str, LayerTuning | None] | None = None,
