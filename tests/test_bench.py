@@ -32,7 +32,7 @@ from tests.conftest import in_fresh_thread, older_triton_env, older_triton_param
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU form of the harness")
-CHECKED_VARIANTS = {"auto", "runtime", "gemv", "gemv_splitk", "dot", "prefill", "prefill_splitk"}  # every one
+CHECKED_VARIANTS = {"auto", "runtime", "gemv", "gemv_splitk", "dot", "prefill", "prefill_splitk", "unpacked"}  # all
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +67,13 @@ def test_dry_run_times_against_dense_and_runs_the_model(dry_run):
     speed = record["speed"]["rows"]
     assert speed and all(r["dense_ms"] > 0 and r["tile_ms"] > 0 for r in speed)
     assert all(r["ceiling"] > 1.3 for r in speed if r["M"] <= 16)  # 35% and all-2:4 layers move fewer bytes
+    # each row names the kernel that served it (untuned: the decode buckets, then the hybrid prefill)
+    assert all(r["route"] == ("decode" if r["M"] <= 64 else "prefill") for r in speed)
     e2e = record["e2e"]["rows"]
     assert {r["batch"] for r in e2e} == {1, 16} and all(r["logits_ok"] for r in e2e)
     md = next(out.glob("*.md")).read_text()
-    assert "DRY RUN" in md and "| gemv |" in md and "End to end" in md and "Fused MoE experts" in md
+    assert "DRY RUN" in md and "| gemv |" in md and "| unpacked |" in md and "End to end" in md
+    assert "Fused MoE experts" in md and "| configs | kernel |" in md
 
 
 @needs_cpu
@@ -317,7 +320,8 @@ def test_check_compiles_every_variant_ahead_with_the_configs_it_runs(monkeypatch
     xs = {m: make_input(m, 160, torch.float16, "cpu", m) for m in case.ms}
     compile_case_ahead(case, packed, xs, "sm_90", threads=4)
     want = [resolve_config(c, packed, m, "sm_90") for m in case.ms for c in variants(m, True).values() if c != "runtime"]
-    assert seen == want and len(seen) == 12  # M=1 and 4: auto, gemv, gemv_splitk, dot; M=17: auto, dot, 2 prefills
+    # M=1 and 4: auto, gemv, gemv_splitk, dot; M=17: auto, dot, 2 prefills, unpacked
+    assert seen == want and len(seen) == 13
     seen.clear()
     compile_case_ahead(case, packed, xs, "sm_90", threads=1)
     assert seen == []
@@ -385,6 +389,9 @@ def test_speed_times_every_case_with_defaults_before_tuning_any(monkeypatch):
 
         def __call__(self, x):
             return torch.zeros(x.shape[0], self.n)
+
+        def route(self, m):
+            return "decode" if m <= 16 else "prefill"
 
     def runtime_layer(layer, dtype, device, tune, time_limit=None):
         events.append(tune)

@@ -11,8 +11,9 @@ result as cuBLAS, plus one rounding of the output. One misplaced 2:4 value moves
 |w| |x| ~ 1/sqrt(K), several times that bound.
 
 Variants: "auto" (`tile_linear`'s own choice), "gemv" / "gemv_splitk" (decode with block_m = M <= 4,
-tokens padded to 8), "dot" (decode with block_m 16, M <= 64), "prefill" / "prefill_splitk" (M >= 16), and "runtime" (`TileLinear` with its
-default buckets, through the custom op). The explicit variants run on the cases marked `explicit`
+tokens padded to 8), "dot" (decode with block_m 16, M <= 64), "prefill" / "prefill_splitk" (M >= 16),
+"unpacked" (M >= 16: W*M unpacked on the device, then cuBLAS) and "runtime" (`TileLinear` with its default
+buckets, through the custom op). The explicit variants run on the cases marked `explicit`
 (fp16, 128 x 128 tiles); every case runs "auto" and "runtime".
 
 Example:
@@ -49,6 +50,7 @@ def variants(m: int, explicit: bool) -> dict[str, Any]:
         out["dot"] = KernelConfig(kernel="decode", block_m=16, split_k=1)
     if m >= 16:
         out["prefill"] = KernelConfig(kernel="prefill")
+        out["unpacked"] = KernelConfig(kernel="unpacked")
         if m <= 128:
             out["prefill_splitk"] = KernelConfig(kernel="prefill", split_k=2)
     return out

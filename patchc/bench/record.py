@@ -132,11 +132,12 @@ def _check_md(c: dict[str, Any]) -> list[str]:
 
 def _speed_md(s: dict[str, Any]) -> list[str]:
     out = ["## Layer speed (runtime TileLinear vs cuBLAS dense, same run)", "",
-           "| layer | M | configs | dense us | patchc us | speedup | bytes ceiling | of ceiling | GB/s | of peak "
-           "| cuSPARSELt us |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| layer | M | configs | kernel | dense us | patchc us | speedup | bytes ceiling | of ceiling | GB/s "
+           "| of peak | cuSPARSELt us |",
+           "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in s["rows"]:
         out.append(f"| {r['case']} | {r['M']} | {r.get('tuning') or ('tuned' if r.get('tuned') else 'default')} "
+                   f"| {r.get('route', '-')} "
                    f"| {_fmt(1e3 * r['dense_ms'], '.1f')} | {_fmt(1e3 * r['tile_ms'], '.1f')} "
                    f"| {r['speedup']:.2f}x | {_fmt(r.get('ceiling'), '.2f')} | {_fmt(r.get('of_ceiling'), '.0%')} "
                    f"| {r['tile_GBps']:.0f} | {_fmt(r.get('of_peak'), '.0%')} "

@@ -81,7 +81,7 @@ def time_case(case: LayerCase, device: str, timer: Callable[[Callable[[], Any]],
         x = make_input(m, k, dtype, device, seed + m)
         io = (m * k + m * n) * elem
         row: dict[str, Any] = {"case": case.label, "shape": [n, k], "kinds": case.kinds, "M": m,
-                               "dtype": case.dtype, "tuned": tune, "tuning": source}
+                               "dtype": case.dtype, "tuned": tune, "tuning": source, "route": mod.route(m)}
         base = baselines.get((case.label, m)) if baselines is not None else None
         if base is None:
             base = {"dense_ms": timer(lambda: F.linear(x, w)),

@@ -34,7 +34,7 @@ from typing import Any
 
 from patchc.utils.progress import progress
 
-KERNEL_NAMES = ("decode", "prefill", "splitk_reduce", "grouped_decode", "grouped_prefill")
+KERNEL_NAMES = ("decode", "prefill", "splitk_reduce", "grouped_decode", "grouped_prefill", "unpack")
 _ALIGN_HINT = ["tt.divisibility", 16]
 _ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 _ERROR_CHARS = 3000  # Triton's compiler errors quote whole kernels: keep the end, where the cause is
@@ -102,9 +102,12 @@ class CompiledKernel:
 
 
 def kernel_function(name: str) -> Any:
-    """The @triton.jit function of a kernel name (`KERNEL_NAMES`; "grouped_*": fused MoE experts)."""
-    from patchc.codegen import grouped_kernels, kernels
+    """The @triton.jit function of a kernel name (`KERNEL_NAMES`; "grouped_*": fused MoE experts; "unpack":
+    W * M unpacked for cuBLAS)."""
+    from patchc.codegen import grouped_kernels, kernels, unpack_kernel
 
+    if name == "unpack":
+        return unpack_kernel.unpack_kernel
     if name.startswith("grouped_"):
         return grouped_kernels.GROUPED_KERNELS[name.removeprefix("grouped_")]
     return kernels.splitk_reduce_kernel if name == "splitk_reduce" else kernels.KERNELS[name]
@@ -168,7 +171,7 @@ def profile_all(kernels: Mapping[CompileJob, CompiledKernel]) -> dict[CompileJob
     done = {}
     for (job, kernel), sass, profile in zip(kernels.items(), sasses, profiles):
         loops = None
-        if job.kernel != "splitk_reduce":
+        if job.kernel not in ("splitk_reduce", "unpack"):  # no weight loop: one block per program
             consts = dict(job.constexprs)
             elem = _ELEM_BYTES[dict(job.signature)["x_ptr"].lstrip("*")]
             block = (consts["BLOCK_N"], consts["BLOCK_K"])

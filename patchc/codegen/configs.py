@@ -15,14 +15,15 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-KERNEL_KINDS = ("auto", "decode", "prefill")
+KERNEL_KINDS = ("auto", "decode", "prefill", "unpacked")
 
 
 @dataclass(frozen=True)
 class KernelConfig:
     """Launch parameters of one tile_linear call; None fields are filled from the architecture table.
 
-    kernel: "decode" (small M, weights on the dot M side), "prefill" (tiled GEMM) or "auto" (by M).
+    kernel: "decode" (small M, weights on the dot M side), "prefill" (tiled GEMM), "unpacked" (W * M unpacked
+    on the device, then cuBLAS: `unpack_kernel`; only block_n / block_k and num_warps matter) or "auto" (by M).
     block_m: tokens per program (decode: padded to >= 8 for tl.dot; one weight pass serves them all).
     block_n / block_k: must equal the packed block (the layout is cut to it); None = the packed block.
     split_k: programs sharing one block row's K range (fp32 partial sums, deterministic reduction).
@@ -173,7 +174,9 @@ def resolve_config(config: KernelConfig | None, packed: Any, m: int, arch: str) 
             f"{packed.block}; re-pack with pack(plan, fqn, block=({cfg.block_n}, {cfg.block_k}))"
         )
     kernel = cfg.kernel if cfg.kernel != "auto" else choose_kernel(m, arch)
-    if kernel == "decode":
+    if kernel == "unpacked":  # one program per block, no tokens, no pipeline: the GEMM is cuBLAS's
+        block_m, warps, stages = cfg.block_m or 1, 4, 1
+    elif kernel == "decode":
         block_m = cfg.block_m or (_pow2_at_least(m) if m <= d.small_m else d.decode_block_m)
         least = d.decode_warps if block_m < 16 else d.decode_warps_m16
         warps = min(8, max(least, bn * bk // d.decode_elems_per_warp))

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from patchc.codegen import kernels
@@ -170,8 +171,10 @@ def launch(
         ...            per_row_counts(packed), KernelConfig(kernel="decode"))   # doctest: +SKIP
     """
     n, m = shape[0], x2.shape[0]
-    kernel, grid, cfg, y, part, consts, args = _prepare_layer(x2, buffers, bias, shape, block, per_row, cfg)
     where = f"layer {name!r}" if name else f"layer of shape (N={n}, K={shape[1]})"
+    if cfg.kernel == "unpacked":  # W * M unpacked on the device, then cuBLAS (`unpack_kernel`)
+        return F.linear(x2, unpack(buffers, shape, block, num_warps=cfg.num_warps, name=name), bias)
+    kernel, grid, cfg, y, part, consts, args = _prepare_layer(x2, buffers, bias, shape, block, per_row, cfg)
     _check_grid(grid, cfg, m)
     _run(cfg.kernel, kernel, grid, args, consts, where, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _reduce(part, y, bias, cfg, where)
@@ -190,7 +193,43 @@ def warm(
     """Compile what `launch` with these arguments would run, without running it (Triton's `warmup`): under
     Triton's AsyncCompileMode the compiles of many configs then run in parallel threads (the tuner).
     A no-op under the interpreter, which compiles nothing."""
+    if cfg.kernel == "unpacked":  # compiled for the output's dtype and alignment: a small one will do
+        kernel, grid, args, consts = _prepare_unpack(buffers, shape, block, (16,))
+        if isinstance(kernel, triton.runtime.JITFunction):
+            kernel.warmup(*args, grid=grid, **consts, num_warps=cfg.num_warps, num_stages=1)
+        return
     _warm(*_prepare_layer(x2, buffers, bias, shape, block, per_row, cfg), bias)
+
+
+def unpack(buffers: tuple[torch.Tensor, ...], shape: tuple[int, int], block: tuple[int, int], *,
+           num_warps: int = 4, name: str | None = None) -> torch.Tensor:
+    """W * M (N, K) in the packed values' dtype, unpacked from the seven buffers on their device by
+    `unpack_kernel.unpack_kernel` (reads no tensor value on the host: CUDA-graph safe).
+
+    Example:
+        >>> w = unpack(kernel_buffers(packed), packed.shape, packed.block)   # doctest: +SKIP
+    """
+    kernel, grid, args, consts = _prepare_unpack(buffers, shape, block)
+    where = f"layer {name!r}" if name else f"layer of shape (N={shape[0]}, K={shape[1]})"
+    _run("unpack", kernel, grid, args, consts, where, num_warps=num_warps, num_stages=1)
+    return args[0]
+
+
+def _prepare_unpack(buffers: tuple[torch.Tensor, ...], shape: tuple[int, int], block: tuple[int, int],
+                    out_shape: tuple[int, ...] | None = None):
+    """(kernel, grid, arguments with the allocated output ((N, K), or `out_shape` to compile only) first,
+    constexprs) of an unpack launch."""
+    from patchc.codegen.unpack_kernel import unpack_grid, unpack_kernel
+
+    dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols = buffers
+    like = values if sparse_cols.numel() else dense
+    out = torch.empty(out_shape or shape, dtype=like.dtype, device=like.device)
+    args = [out, _or_dummy(dense, like), _or_dummy(values, like), _or_dummy(meta, like, torch.uint8), dense_rowptr,
+            _or_dummy(dense_cols, like, torch.int32), sparse_rowptr, _or_dummy(sparse_cols, like, torch.int32)]
+    consts = {"N": shape[0], "K": shape[1], "BLOCK_N": block[0], "BLOCK_K": block[1],
+              "HAS_DENSE": dense_cols.numel() > 0, "HAS_SPARSE": sparse_cols.numel() > 0,
+              "EVEN": shape[0] % block[0] == 0 and shape[1] % block[1] == 0}
+    return unpack_kernel, unpack_grid(shape, block), args, consts
 
 
 def _prepare_layer(x2: torch.Tensor, buffers: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
@@ -343,9 +382,9 @@ def _run(kind: str, kernel: Any, grid: tuple[int, ...], args: list[Any], consts:
     key = (kind, str(args[0].device), tuple(_spec(a) for a in args), tuple(sorted(consts.items())),
            tuple(sorted(options.items())))
     if key not in _LAUNCHED and _capturing():
-        m = args[-1]
+        m = f"M={args[-1]} " if isinstance(args[-1], int) else ""  # the token count, last of the hybrid kernels' args
         raise RuntimeError(
-            f"{where}: M={m} needs a {kind} kernel variant that has not run in this process, and the current "
+            f"{where}: {m}needs a {kind} kernel variant that has not run in this process, and the current "
             f"CUDA stream is capturing a graph (compiling and loading a kernel during capture fails with an "
             f"opaque CUDA error). Run the model once with the same M outside capture (warm-up) before "
             f"capturing, or call {_WARMUP_HINT.get(kind.split('_')[0], _WARMUP_HINT['*'])} for every M you capture."

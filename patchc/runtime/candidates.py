@@ -22,7 +22,7 @@ import torch
 from patchc.codegen import launch as _launch
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig
 
-SPACE_VERSION = 4  # bump when candidate tables change: old cache entries then miss
+SPACE_VERSION = 5  # bump when candidate tables change: old cache entries then miss (5: prefill unpacked)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ above; see `patchc.runtime.tuner` for how they are found) without any host synch
 
 For an all-2:4 layer whose tuning picked torch's semi-structured sparse kernels for prefill, the module
 also holds that weight (`semi_weight`, GPU only, not a buffer: it does not follow `.to()`); M above the
-threshold then goes to `F.linear(x, semi_weight)` (a shape test, no synchronisation).
+threshold then goes to `F.linear(x, semi_weight)` (a shape test, no synchronisation). A layer whose
+tuning found cuBLAS faster at prefill carries a prefill config of kernel "unpacked": the op unpacks W * M
+on the device (`codegen.unpack_kernel`) and runs `F.linear` on it (`TileLinear.route(m)` says which).
 
 Before capturing a CUDA graph, run every M the graph will see once (`TileLinear.warmup(ms)`, or
 `warmup(model, ms)` for a whole model): a kernel's first launch compiles and loads it, which cannot
@@ -179,6 +181,20 @@ class TileLinear(nn.Module):
             out.append(functools.partial(warm, x, tuple(getattr(self, n) for n in BUFFER_NAMES), self.bias,
                                          (self.out_features, self.in_features), self.block, self.per_row, cfg))
         return out
+
+    def route(self, m: int) -> str:
+        """What serves M tokens on a GPU: "decode" (M's bucket), "prefill" (the hybrid GEMM), "unpacked" (W * M
+        unpacked on the device, then cuBLAS) or "semi_structured" (torch's 2:4 kernels).
+
+        Example:
+            >>> mod.route(1), mod.route(2048)   # doctest: +SKIP
+            ('decode', 'unpacked')
+        """
+        if m <= self.threshold:
+            return "decode"
+        if self.semi_weight is not None:
+            return "semi_structured"
+        return _op.decode_config(self.prefill_cfg).kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         semi = self.semi_weight

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from patchc.codegen.configs import KernelConfig, arch_of, choose_block
+from patchc.codegen.configs import ARCH_TABLE, KernelConfig, arch_of, choose_block, resolve_config
 from patchc.codegen.grouped_layout import experts_from_buffers, pack_dense, stack_experts
 from patchc.codegen.launch import launch_grouped, warm_grouped
 from patchc.codegen.layout import BUFFER_NAMES, pack
@@ -186,6 +186,7 @@ class TileGroupedLinear(nn.Module):
         self.name, self.num_experts = stacked.name, int(num_experts)
         self.out_features, self.in_features = shape
         self.block, self.per_row = tuple(stacked.block), tuple(per_row)
+        tuning = _without_unpacked(tuning, stacked, arch_of(device))
         self.decode_buckets = encode_buckets(list(tuning.buckets)) if tuning.buckets else encode_config(tuning.decode)
         self.prefill_cfg = encode_config(tuning.prefill)
         self.threshold = int(tuning.threshold)
@@ -262,4 +263,16 @@ def _cast(packed: Any, dtype: torch.dtype) -> Any:
     return replace(packed, dtype=dtype, dense=packed.dense.to(dtype), values=packed.values.to(dtype))
 
 
+def _without_unpacked(tuning: LayerTuning, stacked: Any, arch: str) -> LayerTuning:
+    """`tuning` (tuned on one expert slice as a single layer), its prefill on the hybrid kernel's default config
+    where it chose the unpacked route: unpacking every expert's weight for a grouped GEMM would hold E dense
+    weights at once."""
+    if tuning.prefill.kernel != "unpacked":
+        return tuning
+    prefill = resolve_config(KernelConfig(kernel="prefill"), stacked, ARCH_TABLE[arch].prefill_block_m, arch)
+    return replace(tuning, prefill=prefill, prefill_backend="triton",
+                   notes=(*tuning.notes, "prefill: the hybrid kernel (no unpacked route for grouped experts)"))
+
+
 __all__ = ["TileGroupedLinear", "tile_grouped_mm"]
+

@@ -11,14 +11,14 @@ The op receives the packed layout (see `patchc.codegen.layout`) as real tensors 
 * on CPU otherwise it runs a plain-PyTorch reference: W_hat rebuilt from the packed buffers, F.linear.
 
 The op has a backward to x (and to a bias read from the model): dL/dx = dL/dy @ W_hat through the opaque
-`patchc::tile_linear_grad_x` (the reference path); the packed weights are frozen. Without it, a compiled
-model called with gradients on fails in aot_autograd.
+`patchc::tile_linear_grad_x` (W_hat unpacked on the device on the kernels' path); the packed weights are
+frozen. Without it, a compiled model called with gradients on fails in aot_autograd.
 
-A launch config travels as 6 ints (see `encode_config`): kernel (0 decode, 1 prefill), block_m, split_k,
-num_warps, num_stages, group_m. The decode side may be bucketed by M (`encode_buckets`): records of
-7 ints, the bucket's largest M then its config, in increasing M; the first bucket that holds M serves it
-(the last one serves any larger M up to the threshold), so M = 1, 2-4, 5-8, ... each get a config that
-reads the weights once.
+A launch config travels as 6 ints (see `encode_config`): kernel (0 decode, 1 prefill, 2 unpacked: W_hat
+unpacked on the device, then cuBLAS), block_m, split_k, num_warps, num_stages, group_m. The decode side may
+be bucketed by M (`encode_buckets`): records of 7 ints, the bucket's largest M then its config, in
+increasing M; the first bucket that holds M serves it (the last one serves any larger M up to the
+threshold), so M = 1, 2-4, 5-8, ... each get a config that reads the weights once.
 
 Example:
     >>> import torch, patchc.runtime.op  # registers torch.ops.patchc.tile_linear
@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from patchc.codegen.configs import KernelConfig
-from patchc.codegen.launch import launch
+from patchc.codegen.launch import launch, unpack
 from patchc.codegen.layout import dense_from_buffers
 
-KERNEL_CODES = {"decode": 0, "prefill": 1}
+KERNEL_CODES = {"decode": 0, "prefill": 1, "unpacked": 2}
 CONFIG_FIELDS = ("kernel", "block_m", "split_k", "num_warps", "num_stages", "group_m")
 # How CPU tensors are served: "auto" = Triton iff the kernels module runs in the interpreter,
 # "reference" = always plain PyTorch, "triton" = always Triton (needs TRITON_INTERPRET=1 on CPU).
@@ -53,7 +53,7 @@ def encode_config(cfg: KernelConfig) -> list[int]:
         [0, 16, 2, 4, 3, 8]
     """
     if cfg.kernel not in KERNEL_CODES:
-        raise ValueError(f"encode_config: kernel must be 'decode' or 'prefill' (resolved), got {cfg.kernel!r}")
+        raise ValueError(f"encode_config: kernel must be one of {tuple(KERNEL_CODES)} (resolved), got {cfg.kernel!r}")
     vals = [cfg.block_m, cfg.split_k, cfg.num_warps, cfg.num_stages, cfg.group_m]
     if any(v is None for v in vals):
         raise ValueError(f"encode_config: every field must be set (use resolve_config first), got {cfg}")
@@ -102,7 +102,7 @@ def decode_config(ints: list[int]) -> KernelConfig:
         raise ValueError(f"a launch config has {len(CONFIG_FIELDS)} ints {CONFIG_FIELDS}, got {list(ints)}")
     kernel = {v: k for k, v in KERNEL_CODES.items()}.get(int(ints[0]))
     if kernel is None:
-        raise ValueError(f"unknown kernel code {ints[0]} (0 decode, 1 prefill)")
+        raise ValueError(f"unknown kernel code {ints[0]} (0 decode, 1 prefill, 2 unpacked)")
     bm, sk, nw, ns, gm = (int(v) for v in ints[1:])
     return KernelConfig(kernel=kernel, block_m=bm, split_k=sk, num_warps=nw, num_stages=ns, group_m=gm)
 
@@ -190,9 +190,11 @@ def _(x, dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_co
 def tile_linear_grad_x(grad: torch.Tensor, dense: torch.Tensor, values: torch.Tensor, meta: torch.Tensor,
                        dense_rowptr: torch.Tensor, dense_cols: torch.Tensor, sparse_rowptr: torch.Tensor,
                        sparse_cols: torch.Tensor, shape: list[int], block: list[int]) -> torch.Tensor:
-    """dL/dx (..., K) = dL/dy (..., N) @ W_hat: W_hat rebuilt from the packed buffers (a reference path)."""
+    """dL/dx (..., K) = dL/dy (..., N) @ W_hat: W_hat unpacked on the kernels' path (`launch.unpack`: no host
+    synchronisation), else rebuilt by the reference."""
     buffers = (dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols)
-    w = dense_from_buffers(buffers, (int(shape[0]), int(shape[1])), (block[0], block[1]))
+    n_k, blk = (int(shape[0]), int(shape[1])), (int(block[0]), int(block[1]))
+    w = unpack(buffers, n_k, blk) if use_triton(grad) else dense_from_buffers(buffers, n_k, blk)
     return grad @ w.to(grad.dtype)
 
 

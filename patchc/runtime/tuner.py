@@ -12,6 +12,9 @@ Order (the paper's appendix on STOICC integration):
    and the lower of those wins (one packed copy is kept, so one block). At
    large M, torch's ``to_sparse_semi_structured`` (cuSPARSELt / CUTLASS) is also timed and used for
    prefill when it is faster (GPU, fp16/bf16 only).
+   Every layer's prefill is also timed unpacked: W * M unpacked on the device (a copy of the weight's
+   bytes, `codegen.unpack_kernel`), then cuBLAS; it serves prefill where it is faster than the hybrid
+   kernel (stock Triton has no sparse tensor-core instruction, so at prefill sizes cuBLAS may win).
 4. All-dense layers are not tuned: they stay ``F.linear`` (cuBLAS).
 5. Dispatch threshold: the decode configs serve M <= threshold, the prefill config above. Starting at the
    batch size, M is doubled while the tuned decode config is not slower than the tuned prefill config;
@@ -55,7 +58,7 @@ from patchc.utils.progress import progress as progress_bar
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("triton", "semi_structured")
+BACKENDS = ("triton", "semi_structured", "unpacked")
 ALL_24_BLOCKS_SEARCHED = 2  # all-2:4 layers: the blocks whose default configs time best, searched in full
 SHARE_STEP = 0.125  # 2:4 tile share per tuning class: one step moves a layer's weight bytes by <= 5.5%
 
@@ -67,7 +70,8 @@ class LayerTuning:
     block: the packed block (BLOCK_N, BLOCK_K); decode / prefill: resolved KernelConfigs (decode: the one
     tuned at the batch size, which chose the block); buckets: ((largest M, decode config), ...) by M,
     each tuned at its largest M (empty: `decode` serves every M up to the threshold); threshold: decode
-    serves M <= threshold; prefill_backend: "triton" or "semi_structured" (all-2:4 layers, GPU only);
+    serves M <= threshold; prefill_backend: "triton", "unpacked" (with a prefill config of kernel "unpacked":
+    W * M unpacked, then cuBLAS) or "semi_structured" (all-2:4 layers, GPU only);
     source: "tuned", "cache", "default", "shared" (another layer's tuning, `tuning_class`) or "partial"
     (a search `tune_plan`'s time limit cut short).
 
@@ -108,6 +112,12 @@ class LayerTuning:
             raise ValueError(f"{where}: threshold must be >= 0, got {self.threshold}")
         if self.prefill_backend not in BACKENDS:
             raise ValueError(f"{where}: prefill_backend must be one of {BACKENDS}, got {self.prefill_backend!r}")
+        if self.prefill.kernel not in ("prefill", "unpacked"):
+            raise ValueError(f"{where}: the prefill config must be of kernel 'prefill' or 'unpacked', "
+                             f"got {self.prefill.kernel!r}")
+        if (self.prefill.kernel == "unpacked") != (self.prefill_backend == "unpacked"):
+            raise ValueError(f"{where}: prefill_backend 'unpacked' goes with a prefill config of kernel 'unpacked' "
+                             f"(got {self.prefill_backend!r} with {self.prefill.kernel!r})")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (for reports and the `patchc tune` command)."""
@@ -259,9 +269,13 @@ def _tune_prefill(t: LayerTimer, block: tuple[int, int], dec: KernelConfig) -> t
     """Prefill config at M = batch * prefill_len with the decode block, its backend, and the threshold."""
     m_pre = t.s.batch_size * t.s.prefill_len
     pre, pms = t.best("prefill", m_pre, block)
+    backend = "triton"
+    unpacked = t.start("unpacked", m_pre, block)
+    ums = t.time(unpacked, m_pre)
+    if ums < pms:
+        pre, pms, backend = unpacked, ums, "unpacked"
     if pre is None:
         raise TuneError(f"layer {t.layer.name!r}: every prefill candidate with block {block} failed or was pruned")
-    backend = "triton"
     if t.all_sparse:
         sms = _semi_structured_ms(t, m_pre)
         if sms < pms:

@@ -1,0 +1,70 @@
+"""Triton kernel that unpacks a hybrid layer's packed buffers into its dense W * M (N, K) on the device.
+
+Why: at prefill sizes a GEMM is bound by compute, and stock Triton has no sparse tensor-core instruction, so
+the hybrid prefill kernel can at best match cuBLAS. Unpacking the weight (reading its packed bytes once,
+writing N * K dense values) and handing it to cuBLAS costs a copy of the weight, against a GEMM that at M =
+2048 reads it many times over: the tuner times this route ("unpacked", `KernelConfig(kernel="unpacked")`)
+beside the hybrid prefill kernel and keeps the faster (`patchc.runtime.tuner`). The same unpacking serves the
+op's backward on the kernels' path: no host synchronisation, unlike the indexing reference
+(`layout.dense_from_buffers`, against which the tests check it bit for bit).
+
+grid = (cdiv(N, BN), cdiv(K, BK)): program (row, j) writes the j-th block of block row `row` in CSR order,
+its dense blocks first, then its 2:4 blocks (every block of the grid is one or the other). 2:4 blocks are
+expanded in registers by `kernels.load_sparse_block`, the hybrid kernels' own expansion, and stored in its
+column order (`sparse_columns`).
+
+Example:
+    >>> w = unpack(kernel_buffers(packed), packed.shape, packed.block)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from patchc.codegen.kernels import load_dense_block, load_sparse_block, sparse_columns
+
+
+@triton.jit
+def store_block(out_ptr, w, offs_n, offs_k, N: tl.constexpr, K: tl.constexpr, EVEN: tl.constexpr):
+    """w (BN, BK) into the row-major (N, K) output at rows `offs_n`, columns `offs_k` (masked at the edges)."""
+    ptrs = out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+    if EVEN:
+        tl.store(ptrs, w)
+    else:
+        tl.store(ptrs, w, mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))
+
+
+@triton.jit
+def unpack_kernel(
+    out_ptr, dense_ptr, vals_ptr, meta_ptr,
+    dense_rowptr_ptr, dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr,
+    N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_DENSE: tl.constexpr, HAS_SPARSE: tl.constexpr, EVEN: tl.constexpr,
+):
+    """out (N, K) = W * M from the seven packed buffers. grid = (cdiv(N, BN), cdiv(K, BK))."""
+    row = tl.program_id(0)
+    j = tl.program_id(1)
+    offs_n = row * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_dense = 0
+    if HAS_DENSE:
+        first = tl.load(dense_rowptr_ptr + row)
+        n_dense = tl.load(dense_rowptr_ptr + row + 1) - first
+        if j < n_dense:
+            i = first + j
+            cols = tl.load(dense_cols_ptr + i) * BLOCK_K + tl.arange(0, BLOCK_K)
+            store_block(out_ptr, load_dense_block(dense_ptr, i, BLOCK_N, BLOCK_K), offs_n, cols, N, K, EVEN)
+    if HAS_SPARSE:
+        if j >= n_dense:
+            i = tl.load(sparse_rowptr_ptr + row) + j - n_dense
+            cols = tl.load(sparse_cols_ptr + i) * BLOCK_K + sparse_columns(vals_ptr, BLOCK_K)
+            w = load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K)
+            store_block(out_ptr, w, offs_n, cols, N, K, EVEN)
+
+
+def unpack_grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    """(block rows, blocks per row): one program per block of the padded grid."""
+    return triton.cdiv(shape[0], block[0]), triton.cdiv(shape[1], block[1])
+
+
+__all__ = ["store_block", "unpack_grid", "unpack_kernel"]
