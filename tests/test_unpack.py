@@ -142,6 +142,24 @@ def test_fused_experts_given_an_unpacked_tuning_prefill_on_the_hybrid_kernel(mon
     torch.testing.assert_close(y.double(), ref, **TOL[torch.float32])
 
 
+@interpreter
+@pytest.mark.interpreter
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_a_tile_linears_weight_is_unpacked_where_the_op_runs_the_kernels(impl, monkeypatch):
+    """`TileLinear.weight` (HF code reads it; saving writes it) is W * M either way: by the unpack kernel where
+    the op runs the kernels, else by the indexing reference."""
+    import patchc.runtime.dispatch as dispatch
+    from patchc.runtime import TileLinear
+
+    monkeypatch.setenv("PATCHC_CPU_IMPL", impl)
+    calls = []
+    monkeypatch.setattr(dispatch, "unpack", lambda *a, _u=dispatch.unpack, **k: calls.append(1) or _u(*a, **k))
+    layer = random_layer_plan(40, 96, (16, 32), "mixed", dtype=torch.bfloat16, seed=8)
+    mod = TileLinear.from_plan(layer, dtype=torch.bfloat16)
+    assert torch.equal(mod.weight, layerplan_to_dense(layer, torch.bfloat16)) and mod.weight.dtype == torch.bfloat16
+    assert len(calls) == (impl == "triton")  # once: the dense weight is cached
+
+
 def _timer(unpacked_ms: float):
     """Decode 1 ms; the hybrid prefill 2 ms (+ a little per warp); the unpacked route `unpacked_ms`."""
     def time_fn(fn) -> float:

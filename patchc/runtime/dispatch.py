@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from patchc.codegen.configs import arch_of, choose_block
-from patchc.codegen.launch import warm
+from patchc.codegen.launch import unpack, warm
 from patchc.codegen.layout import BUFFER_NAMES, dense_from_buffers, pack
 from patchc.runtime import op as _op  # registers torch.ops.patchc.tile_linear
 from patchc.runtime.experts import TileBmmExperts, TileExperts
@@ -41,9 +41,13 @@ from patchc.runtime.tuner import LayerTuning, default_tuning
 
 
 def packed_dense(module: nn.Module, shape: tuple[int, int]) -> torch.Tensor:
-    """W * M (`shape`) in the module's dtype, rebuilt from its packed buffers (`BUFFER_NAMES`, `block`)."""
-    return dense_from_buffers(tuple(getattr(module, n) for n in BUFFER_NAMES), shape, module.block,
-                              module.values.dtype)
+    """W * M (`shape`) in the module's dtype, rebuilt from its packed buffers (`BUFFER_NAMES`, `block`): where the
+    op runs the kernels (a GPU) by the unpack kernel, with no host synchronisation and nothing allocated beside
+    W * M."""
+    buffers = tuple(getattr(module, n) for n in BUFFER_NAMES)
+    if _op.use_triton(module.values):
+        return unpack(buffers, shape, module.block)
+    return dense_from_buffers(buffers, shape, module.block, module.values.dtype)
 
 
 class TileLinear(nn.Module):
