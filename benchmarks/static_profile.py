@@ -4,6 +4,7 @@
     python benchmarks/static_profile.py --target sm_90 --sparsity 0.45
     python benchmarks/static_profile.py --issue-matrix        # the decode issue's grid: its static targets
     python benchmarks/static_profile.py --by-triton           # table of the records by Triton version (`make compat`)
+    python benchmarks/static_profile.py --unpack              # the unpack kernel of the prefill route "unpacked"
 
 For each shape, sparsity (random tile map, as in `patchc bench`) and target, compiles the layer's kernels
 with `patchc.codegen.generate` and prints, per variant, what a profiler would show first: registers per
@@ -90,6 +91,23 @@ def by_triton(path: Path) -> str:
     return "\n".join(lines)
 
 
+def unpack_rows(args: argparse.Namespace) -> list[dict]:
+    """`unpack_kernel.static_cost` per target, dtype, block and with / without dense blocks, printed."""
+    from patchc.codegen.configs import normalize_target
+    from patchc.codegen.unpack_kernel import static_cost
+
+    blocks = sorted({(side, side) for side in args.tile} | {(128, 64)})
+    rows = []
+    for target, dtype, block, dense in itertools.product(args.target, args.dtype, blocks, (True, False)):
+        r = {"target": target, "kernel": "unpack", **static_cost(int(normalize_target(target)[3:]), dtype, block, dense)}
+        rows.append(r)
+        print(f"{target} unpack {dtype} block {block} {'dense + 2:4' if dense else '2:4 only':<11} "
+              f"regs {r.get('registers', '?'):>3} spill {r.get('spill_bytes', '?')} B  LDG.128 {r.get('ldg128', '?')} "
+              f"STG.128 {r.get('stg128', '?')}  {r.get('instructions', '?')} instr: "
+              f"{r.get('w_instr_per_byte', float('nan')):.3f} w-instr/B of a 2:4 block", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", nargs="+", default=["sm_80", "sm_90"])
@@ -101,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the decode issue's grid: 4096x4096 and 4096x11008, mixed 45%% and all-2:4, fp16 and bf16, "
                          "tiles 128 and 64, sm_80 and sm_90; exits 1 when a static target is missed")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "static_profile.jsonl")
+    ap.add_argument("--unpack", action="store_true",
+                    help="profile the unpack kernel (W*M written dense for cuBLAS) for --target x --dtype x --tile "
+                         "blocks (128 x 64 besides), with and without dense blocks")
     ap.add_argument("--by-triton", action="store_true",
                     help="print a markdown table of the 2:4 loops in --out's records, by Triton version and target")
     args = ap.parse_args(argv)
@@ -115,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     from patchc.codegen.reference import random_layer_plan
     from patchc.utils.env import versions
 
-    rows = []
+    rows = unpack_rows(args) if args.unpack else []
     with tempfile.TemporaryDirectory() as tmp:
         for target, (n, k), s, dtype, side in itertools.product(args.target, shapes, args.sparsity, args.dtype,
-                                                                 args.tile):
+                                                                 args.tile) if not args.unpack else ():
             tile = (side, side)
             gen = torch.Generator().manual_seed(0)
             name = f"s{round(100 * s)}_{n}x{k}_{dtype}_t{side}.weight"

@@ -210,26 +210,10 @@ def test_layer_tuning_holds_the_unpacked_route_and_its_config_together():
 
 SASS_SCRIPT = r"""
 import json, sys
-from patchc.codegen.compile_pool import CompileJob, compile_job
-from patchc.codegen.sass import disassemble_many, sass_instructions
-import pathlib, tempfile
-out = []
-for cc in map(int, sys.argv[1:]):
-    for dt, (bn, bk), dense in (("fp16", (128, 64), True), ("bf16", (128, 128), True), ("fp16", (64, 64), False)):
-        sig = (("out_ptr", "*" + dt), ("dense_ptr", "*" + dt), ("vals_ptr", "*" + dt), ("meta_ptr", "*u8"),
-               ("dense_rowptr_ptr", "*i32"), ("dense_cols_ptr", "*i32"), ("sparse_rowptr_ptr", "*i32"),
-               ("sparse_cols_ptr", "*i32"))
-        consts = (("N", 4096), ("K", 4096), ("BLOCK_N", bn), ("BLOCK_K", bk), ("HAS_DENSE", dense),
-                  ("HAS_SPARSE", True), ("EVEN", True))
-        k = compile_job(CompileJob("unpack", sig, consts, 4, 1, cc))
-        path = pathlib.Path(tempfile.mkdtemp()) / "unpack.cubin"
-        path.write_bytes(k.cubin)
-        (sass,) = disassemble_many([path])
-        # the opcode of each instruction, past its predicate ("@P0 STG.E.128 [R2.64], R4 ;")
-        ops = [text.split()[1] if text.startswith("@") else text.split()[0]
-               for _, text in sass_instructions(sass)] if sass else None
-        out.append(dict(cc=cc, dtype=dt, block=[bn, bk], profile=k.profile, ops=ops))
-print(json.dumps(out))
+from patchc.codegen.unpack_kernel import static_cost
+print(json.dumps([static_cost(int(cc), dtype, block, dense) for cc in sys.argv[1:]
+                  for dtype, block, dense in (("fp16", (128, 64), True), ("bf16", (128, 128), True),
+                                              ("fp16", (64, 64), False))]))
 """
 
 
@@ -247,14 +231,10 @@ def test_unpack_compiles_to_wide_copies_within_the_bandwidth_budget(triton_dir):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in json.loads(proc.stdout.splitlines()[-1]):
-        if r["profile"] is None or r["ops"] is None:
-            assert cuobjdump() is None, "the profile is missing although cuobjdump is there"
+        if not r["sass"]:
+            assert cuobjdump() is None, "no SASS although cuobjdump is there"
             pytest.skip("this Triton ships no cuobjdump: no SASS to read")
         where = f"sm_{r['cc']} {r['dtype']} block {r['block']}"
-        assert r["profile"]["spill_bytes"] == 0 and r["profile"]["stack_bytes"] == 0, where
-        assert any(op.startswith("STG.E.128") for op in r["ops"]), f"{where}: no 128-bit stores"
-        assert any(op.startswith("LDG.E.128") for op in r["ops"]), f"{where}: no 128-bit loads"
-        bn, bk = r["block"]
-        moved = bn * bk * 2 + bn * bk + bn * bk // 8  # a 2:4 block: values + metadata read, dense written
-        issued = 4 * sum(not op.startswith("NOP") for op in r["ops"])  # 4 warps
-        assert issued / moved < 0.1, f"{where}: {issued / moved:.3f} warp-instructions per byte"
+        assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, where
+        assert r["stg128"] > 0 and r["ldg128"] > 0, f"{where}: no 128-bit stores or loads"
+        assert r["w_instr_per_byte"] < 0.1, f"{where}: {r['w_instr_per_byte']:.3f} warp-instructions per byte"

@@ -67,4 +67,44 @@ def unpack_grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, in
     return triton.cdiv(shape[0], block[0]), triton.cdiv(shape[1], block[1])
 
 
-__all__ = ["store_block", "unpack_grid", "unpack_kernel"]
+def static_cost(cc: int, dtype: str = "fp16", block: tuple[int, int] = (128, 64), has_dense: bool = True,
+                num_warps: int = 4) -> dict:
+    """The kernel compiled for sm_<cc> (no GPU; not under TRITON_INTERPRET) and read from its SASS: registers,
+    spill bytes, 128-bit loads / stores, its instructions and the warp-instructions they issue per byte one
+    2:4 block moves (packed bytes read, dense bytes written), counting the whole code, both block kinds: an
+    upper bound (an H100 stops being memory bound near 0.28). {"sass": None, ...} without NVIDIA's tools.
+
+    Example:
+        >>> static_cost(90, "bf16", (128, 128))["w_instr_per_byte"] < 0.1   # doctest: +SKIP
+        True
+    """
+    import tempfile
+    from pathlib import Path
+
+    from patchc.codegen.compile_pool import CompileJob, compile_job
+    from patchc.codegen.sass import disassemble_many, sass_instructions
+
+    names = ("out_ptr", "dense_ptr", "vals_ptr", "meta_ptr", "dense_rowptr_ptr", "dense_cols_ptr",
+             "sparse_rowptr_ptr", "sparse_cols_ptr")
+    types = (f"*{dtype}",) * 3 + ("*u8",) + ("*i32",) * 4
+    consts = (("N", 4096), ("K", 4096), ("BLOCK_N", block[0]), ("BLOCK_K", block[1]), ("HAS_DENSE", has_dense),
+              ("HAS_SPARSE", True), ("EVEN", True))
+    kernel = compile_job(CompileJob("unpack", tuple(zip(names, types)), consts, num_warps, 1, cc))
+    with tempfile.TemporaryDirectory(prefix="patchc-unpack-") as tmp:
+        path = Path(tmp) / "unpack.cubin"
+        path.write_bytes(kernel.cubin)
+        (sass,) = disassemble_many([path])
+    out = {"cc": cc, "dtype": dtype, "block": list(block), "has_dense": has_dense, "num_warps": num_warps,
+           "sass": sass is not None, **(kernel.profile or {})}
+    if sass is None:
+        return out
+    # the opcode of each instruction, past its predicate ("@P0 STG.E.128 [R2.64], R4 ;")
+    ops = [text.split()[1] if text.startswith("@") else text.split()[0] for _, text in sass_instructions(sass)]
+    issued = [op for op in ops if not op.startswith("NOP")]
+    moved = block[0] * block[1] * (2 + 1 + 1 / 8) if dtype in ("fp16", "bf16") else block[0] * block[1] * (4 + 2 + 1 / 8)
+    return out | {"instructions": len(issued), "ldg128": sum(op.startswith("LDG.E.128") for op in ops),
+                  "stg128": sum(op.startswith("STG.E.128") for op in ops),
+                  "w_instr_per_byte": num_warps * len(issued) / moved}
+
+
+__all__ = ["static_cost", "store_block", "unpack_grid", "unpack_kernel"]
