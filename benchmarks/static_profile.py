@@ -99,7 +99,8 @@ def unpack_rows(args: argparse.Namespace) -> list[dict]:
     blocks = sorted({(side, side) for side in args.tile} | {(128, 64)})
     rows = []
     for target, dtype, block, dense in itertools.product(args.target, args.dtype, blocks, (True, False)):
-        r = {"target": target, "kernel": "unpack", **static_cost(int(normalize_target(target)[3:]), dtype, block, dense)}
+        cc = int(normalize_target(target).removeprefix("sm_"))
+        r = {"target": target, "kernel": "unpack", **static_cost(cc, dtype, block, dense)}
         rows.append(r)
         print(f"{target} unpack {dtype} block {block} {'dense + 2:4' if dense else '2:4 only':<11} "
               f"regs {r.get('registers', '?'):>3} spill {r.get('spill_bytes', '?')} B  LDG.128 {r.get('ldg128', '?')} "

@@ -101,7 +101,8 @@ def static_cost(cc: int, dtype: str = "fp16", block: tuple[int, int] = (128, 64)
     # the opcode of each instruction, past its predicate ("@P0 STG.E.128 [R2.64], R4 ;")
     ops = [text.split()[1] if text.startswith("@") else text.split()[0] for _, text in sass_instructions(sass)]
     issued = [op for op in ops if not op.startswith("NOP")]
-    moved = block[0] * block[1] * (2 + 1 + 1 / 8) if dtype in ("fp16", "bf16") else block[0] * block[1] * (4 + 2 + 1 / 8)
+    elem = 2 if dtype in ("fp16", "bf16") else 4
+    moved = block[0] * block[1] * (elem + elem / 2 + 1 / 8)  # dense written; kept values and metadata read
     return out | {"instructions": len(issued), "ldg128": sum(op.startswith("LDG.E.128") for op in ops),
                   "stg128": sum(op.startswith("STG.E.128") for op in ops),
                   "w_instr_per_byte": num_warps * len(issued) / moved}
