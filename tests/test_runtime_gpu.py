@@ -19,8 +19,10 @@ def test_tuning_differs_between_decode_and_prefill_on_llama7b_shapes(tmp_path):
     })
     tunings = rt.tune_plan(plan, batch_size=16, prefill_len=128, cache=tmp_path / "t.json", progress=False)
     for fqn, t in tunings.items():
-        assert t.decode.kernel == "decode" and t.prefill.kernel == "prefill", fqn
-        assert (t.decode.block_m, t.decode.split_k) != (t.prefill.block_m, t.prefill.split_k), fqn
+        assert t.decode.kernel == "decode" and t.prefill.kernel in ("prefill", "unpacked"), fqn
+        assert (t.prefill.kernel == "unpacked") == (t.prefill_backend == "unpacked"), fqn  # cuBLAS where it won
+        if t.prefill.kernel == "prefill":
+            assert (t.decode.block_m, t.decode.split_k) != (t.prefill.block_m, t.prefill.split_k), fqn
         assert t.threshold >= 16
 
 
@@ -72,3 +74,33 @@ def test_cuda_graph_capture_after_warmup_and_refusal_without():
     g.replay()
     for m, y in ys.items():
         torch.testing.assert_close(y, torch.nn.functional.linear(xs[m], w), atol=2e-2, rtol=2e-2)
+
+
+def test_unpacked_prefill_is_the_plans_weight_and_captures_in_a_cuda_graph():
+    """The unpack kernel writes the plan's own W * M bit for bit (an independent rebuild from the plan's tensors);
+    a layer routed to it at prefill, warmed, runs inside a CUDA graph and matches F.linear on that weight."""
+    import dataclasses
+
+    from patchc.codegen import KernelConfig, pack
+    from patchc.codegen.launch import unpack
+    from patchc.codegen.layout import kernel_buffers
+    from patchc.codegen.reference import layerplan_to_dense
+    from patchc.runtime.tuner import default_tuning
+
+    plan = random_tile_plan({"0.weight": dict(n=1000, k=3000, tile=(64, 64), kinds=0.35, dtype=torch.bfloat16)})
+    layer = plan.layers["0.weight"]
+    packed = pack(layer, block=(64, 64))
+    w = layerplan_to_dense(layer, torch.bfloat16).cuda()
+    assert torch.equal(unpack(kernel_buffers(packed.to("cuda")), packed.shape, packed.block), w)
+    tuning = default_tuning(layer, packed, 16, 128, "sm_90")
+    tuning = dataclasses.replace(tuning, prefill=KernelConfig("unpacked", 1, 64, 64, 1, 4, 1, 1),
+                                 prefill_backend="unpacked")
+    mod = rt.TileLinear(packed, tuning, dtype=torch.bfloat16, device="cuda").warmup([200])
+    assert mod.route(200) == "unpacked"
+    x = torch.randn(200, 3000, device="cuda", dtype=torch.bfloat16)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = mod(x)
+    g.replay()
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    torch.testing.assert_close(y.double(), ref, atol=1e-2 * float(ref.abs().max()), rtol=1e-2)  # bf16 output
