@@ -192,6 +192,32 @@ def test_tuner_serves_prefill_unpacked_only_where_it_is_faster(unpacked_ms, rout
         assert mod.route(256) == route
 
 
+@interpreter
+@pytest.mark.interpreter
+def test_a_compiled_llama_tuned_to_the_unpacked_route_generates_the_pruned_models_tokens(monkeypatch):
+    """`patchc.compile` with a timer under which cuBLAS wins at prefill: every layer prefills unpacked (the prompt's
+    24 tokens are past the threshold), decodes on the hybrid kernels, and greedy generation gives the tokens
+    and logits of the plan-applied model."""
+    import copy
+
+    import patchc
+    from patchc.runtime import TileLinear
+    from tests.conftest import tiny_llama_and_24_plan
+
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "triton")
+    model, plan = tiny_llama_and_24_plan()
+    fast = patchc.compile(model, plan, tune=True, time_fn=_timer(0.5), cache=False)
+    layers = [m for m in fast.modules() if isinstance(m, TileLinear)]
+    assert len(layers) == 14 and all(m.route(1) == "decode" and m.route(24) == "unpacked" for m in layers)
+    pruned = plan.apply(copy.deepcopy(model))
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=2, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    got, want = fast.generate(ids, **kw), pruned.generate(ids, **kw)  # the prefill, then a decode step
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_layer_tuning_holds_the_unpacked_route_and_its_config_together():
     """prefill_backend "unpacked" and a prefill config of kernel "unpacked" go together; the op's int form of
     that config decodes back to it."""
