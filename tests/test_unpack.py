@@ -8,6 +8,7 @@ with an injected timer; the compiled kernel's SASS for sm_80 / sm_90 (a subproce
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -170,6 +171,18 @@ def _timer(unpacked_ms: float):
     return time_fn
 
 
+def test_an_all_24_layer_where_cusparselt_wins_keeps_the_unpacked_route_for_the_op(monkeypatch):
+    """cuSPARSELt faster still than the unpacked route: the tuning says semi_structured (the module's own path on
+    a GPU) and keeps the unpacked config for the op, which serves where torch's 2:4 kernels cannot."""
+    import patchc.runtime.tuner as tuner
+
+    monkeypatch.setattr(tuner, "_semi_structured_ms", lambda t, m: 0.1)
+    plan = random_tile_plan({"sparse.weight": dict(n=64, k=256, tile=(64, 64), kinds="sparse")})
+    (t,) = tuner.tune_plan(plan, batch_size=4, prefill_len=64, dtype=torch.float16, device="cpu", progress=False,
+                           arch="sm_90", cache=False, time_fn=_timer(1.5)).values()
+    assert (t.prefill_backend, t.prefill.kernel, t.prefill_ms) == ("semi_structured", "unpacked", 0.1)
+
+
 @pytest.mark.parametrize("unpacked_ms,route", [(1.5, "unpacked"), (3.0, "prefill")])
 def test_tuner_serves_prefill_unpacked_only_where_it_is_faster(unpacked_ms, route, tmp_path):
     """The unpacked route is timed at the prefill M beside the hybrid kernel's best and kept when faster, for
@@ -228,8 +241,11 @@ def test_layer_tuning_holds_the_unpacked_route_and_its_config_together():
     packed = pack(layer)
     good = _unpacked_tuning(layer, packed)
     assert decode_config(encode_config(good.prefill)) == KernelConfig("unpacked", 1, None, None, 1, 4, 1, 1)
-    with pytest.raises(ValueError, match="goes with a prefill config of kernel 'unpacked'"):
+    with pytest.raises(ValueError, match="'triton' does not go with a prefill config of kernel 'unpacked'"):
         LayerTuning(**{**good.__dict__, "prefill_backend": "triton"})
+    with pytest.raises(ValueError, match="'unpacked' does not go with a prefill config of kernel 'prefill'"):
+        LayerTuning(**{**good.__dict__, "prefill": dataclasses.replace(good.prefill, kernel="prefill", block_m=64)})
+    assert LayerTuning(**{**good.__dict__, "prefill_backend": "semi_structured"}).prefill.kernel == "unpacked"
     with pytest.raises(ValueError, match="must be of kernel 'prefill' or 'unpacked'"):
         LayerTuning(**{**good.__dict__, "prefill": good.decode, "prefill_backend": "triton"})
 

@@ -160,6 +160,7 @@ def launch(
     name: str | None = None,
 ) -> torch.Tensor:
     """Allocate, build the grid and launch for a contiguous (M, K) x and a resolved config; returns (M, N).
+    A config of kernel "unpacked" unpacks W * M (`unpack`) and hands it to F.linear (cuBLAS).
 
     Takes the packed layer as its seven tensors plus ints fixed at pack time, and never reads a
     tensor value on the host: the custom op calls it under CUDA-graph capture. `cfg.split_k` is lowered

@@ -5,8 +5,8 @@ the hybrid prefill kernel can at best match cuBLAS. Unpacking the weight (readin
 writing N * K dense values) and handing it to cuBLAS costs a copy of the weight, against a GEMM that at M =
 2048 reads it many times over: the tuner times this route ("unpacked", `KernelConfig(kernel="unpacked")`)
 beside the hybrid prefill kernel and keeps the faster (`patchc.runtime.tuner`). The same unpacking serves the
-op's backward on the kernels' path: no host synchronisation, unlike the indexing reference
-(`layout.dense_from_buffers`, against which the tests check it bit for bit).
+op's backward and `TileLinear.weight` on the kernels' path: no host synchronisation, unlike the indexing
+reference (`layout.dense_from_buffers`); the tests check it bit for bit against the plan's own weight.
 
 grid = (cdiv(N, BN), cdiv(K, BK)): program (row, j) writes the j-th block of block row `row` in CSR order,
 its dense blocks first, then its 2:4 blocks (every block of the grid is one or the other). 2:4 blocks are

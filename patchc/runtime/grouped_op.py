@@ -275,4 +275,3 @@ def _without_unpacked(tuning: LayerTuning, stacked: Any, arch: str) -> LayerTuni
 
 
 __all__ = ["TileGroupedLinear", "tile_grouped_mm"]
-

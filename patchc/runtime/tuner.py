@@ -115,9 +115,11 @@ class LayerTuning:
         if self.prefill.kernel not in ("prefill", "unpacked"):
             raise ValueError(f"{where}: the prefill config must be of kernel 'prefill' or 'unpacked', "
                              f"got {self.prefill.kernel!r}")
-        if (self.prefill.kernel == "unpacked") != (self.prefill_backend == "unpacked"):
-            raise ValueError(f"{where}: prefill_backend 'unpacked' goes with a prefill config of kernel 'unpacked' "
-                             f"(got {self.prefill_backend!r} with {self.prefill.kernel!r})")
+        # semi_structured keeps either config: the op's own route where torch's 2:4 kernels cannot serve
+        if {"triton": "prefill", "unpacked": "unpacked"}.get(self.prefill_backend, self.prefill.kernel) \
+                != self.prefill.kernel:
+            raise ValueError(f"{where}: prefill_backend {self.prefill_backend!r} does not go with a prefill config of "
+                             f"kernel {self.prefill.kernel!r} ('triton': 'prefill', 'unpacked': 'unpacked')")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (for reports and the `patchc tune` command)."""
