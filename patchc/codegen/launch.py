@@ -218,8 +218,7 @@ def unpack(buffers: tuple[torch.Tensor, ...], shape: tuple[int, int], block: tup
 
 def _prepare_unpack(buffers: tuple[torch.Tensor, ...], shape: tuple[int, int], block: tuple[int, int],
                     out_shape: tuple[int, ...] | None = None):
-    """(kernel, grid, arguments with the allocated output ((N, K), or `out_shape` to compile only) first,
-    constexprs) of an unpack launch."""
+    """(kernel, grid, arguments with the output ((N, K); `out_shape` to compile only) first, constexprs)."""
     from patchc.codegen.unpack_kernel import unpack_grid, unpack_kernel
 
     dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols = buffers
