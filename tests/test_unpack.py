@@ -231,6 +231,33 @@ def test_a_compiled_llama_tuned_to_the_unpacked_route_generates_the_pruned_model
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@interpreter
+@pytest.mark.interpreter
+def test_the_backend_tuned_to_the_unpacked_route_puts_it_in_the_graph(monkeypatch):
+    """`torch.compile(backend="patch")` with the same timer: each planned weight's op in the graph carries the
+    unpacked prefill config (op code 2), and a 24-token prompt gives the plan-applied model's logits."""
+    import copy
+
+    from tests.conftest import tiny_llama_and_24_plan
+
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "triton")
+    torch._dynamo.reset()
+    model, plan = tiny_llama_and_24_plan()
+    pruned = plan.apply(copy.deepcopy(model))
+    graphs = []
+    cm = torch.compile(pruned, backend="patch", options={"plan": plan, "tune": True, "time_fn": _timer(0.5),
+                                                         "cache": False, "inner": "eager",
+                                                         "graph_callback": lambda gm, n: graphs.append(gm)})
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = cm(ids).logits, pruned(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    ops = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.patchc.tile_linear.default]
+    # prefill_cfg of kernel "unpacked" (op code 2), and the 24 tokens above the threshold: that route ran
+    assert len(ops) == 14 and all(n.args[14][0] == 2 and n.args[15] < 24 for n in ops)
+    torch._dynamo.reset()
+
+
 def test_layer_tuning_holds_the_unpacked_route_and_its_config_together():
     """prefill_backend "unpacked" and a prefill config of kernel "unpacked" go together; the op's int form of
     that config decodes back to it."""
