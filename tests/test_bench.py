@@ -71,9 +71,12 @@ def test_dry_run_times_against_dense_and_runs_the_model(dry_run):
     assert all(r["route"] == ("decode" if r["M"] <= 64 else "prefill") for r in speed)
     e2e = record["e2e"]["rows"]
     assert {r["batch"] for r in e2e} == {1, 16} and all(r["logits_ok"] for r in e2e)
+    # one prompt's prefill timed for both models, in the same run
+    assert all(r["prefill_tokens"] == 64 and r["dense_prefill_ms"] > 0 and r["long_prefill_ms"] > 0
+               and r["prefill_speedup"] == r["dense_prefill_ms"] / r["long_prefill_ms"] for r in e2e)
     md = next(out.glob("*.md")).read_text()
     assert "DRY RUN" in md and "| gemv |" in md and "| unpacked |" in md and "End to end" in md
-    assert "Fused MoE experts" in md and "| configs | kernel |" in md
+    assert "Fused MoE experts" in md and "| configs | kernel |" in md and "| 64 tokens: " in md
 
 
 @needs_cpu

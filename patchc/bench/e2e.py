@@ -4,7 +4,9 @@ One random plan per linear shape (tiles 128 x 128, 2:4 tiles placed at random fo
 every block; `patchc.compile` swaps the block linears for `TileLinear`s, on the default configs first and
 then (with tuning, on a GPU) tuned: one tuning for batch 16 serves batch 1 through its M buckets. Both
 models prefill a prompt, then generate `tokens` tokens, one decode step per CUDA-graph replay (on CPU:
-plain calls). Correctness first: the compiled model's logits
+plain calls); and each prefills a 2048-token prompt alone (M = 2048, the layer speed part's prefill size),
+where the tuned layers take the route they timed fastest there (the hybrid kernel or cuBLAS on the weight
+unpacked). Correctness first: the compiled model's logits
 are compared with an independent dense copy that holds the same pruned weights (`plan.apply`), run by
 cuBLAS, never with the object that was patched.
 
@@ -26,6 +28,7 @@ from patchc.bench.llama import Llama, LlamaShape
 from patchc.bench.options import BenchOptions, LayerCase
 
 PROMPT = 16
+LONG_PROMPT = 2048  # one prompt's prefill, M = 2048 tokens in each layer (the dry run: 64)
 SPARSITIES = (0.45, 0.35)
 
 
@@ -68,6 +71,25 @@ def decode_speed(model: Llama, batch: int, tokens: int, graphed: bool) -> dict[s
     _sync(dev)
     t2 = time.perf_counter()
     return {"prefill_ms": (t1 - t0) * 1e3, "decode_ms": (t2 - t1) * 1e3, "decode_tok_s": batch * tokens / (t2 - t1)}
+
+
+@torch.no_grad()
+def prefill_ms(model: Llama, length: int) -> float:
+    """ms of one forward over a `length`-token prompt at batch 1 (the best of 3, after a warm-up forward that
+    compiles its kernels); the cache is sized to the prompt."""
+    dev = model.embed.weight.device
+    model.reset_cache(1, length)
+    ids = torch.randint(0, model.s.vocab, (1, length), generator=torch.Generator().manual_seed(2)).to(dev)
+    pos = torch.arange(length, device=dev)
+    model(ids, pos)
+    best = float("inf")
+    for _ in range(3):
+        _sync(dev)
+        t0 = time.perf_counter()
+        model(ids, pos)
+        _sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
 
 
 def _graphed_step(model: Llama, tok: torch.Tensor, pos: torch.Tensor) -> Any:
@@ -135,10 +157,12 @@ def run_e2e(opts: BenchOptions, device: str, deadline: Deadline, progress: bool 
     dtype = torch.float16 if cuda else torch.float32
     tile = (128, 128) if not opts.dry_run else (32, 32)
     tokens = opts.e2e_tokens if not opts.dry_run else 3
+    long_prompt = LONG_PROMPT if not opts.dry_run else 64
     torch.manual_seed(opts.seed)
     base = Llama(shape, 1, PROMPT).to(device=device, dtype=dtype).eval()
     rows, skipped = [], []
     dense_speed = {b: decode_speed(base, b, tokens, cuda) for b in opts.e2e_batches}
+    dense_prefill = prefill_ms(base, long_prompt)
     for tuned, sparsity in runs(opts, cuda):
         if deadline.over():
             skipped.append(f"{sparsity:.0%}{' (tuned)' if tuned else ''}")
@@ -154,16 +178,19 @@ def run_e2e(opts: BenchOptions, device: str, deadline: Deadline, progress: bool 
                               tune="cached" if tuned else False, progress=progress, force=True)
         mods = [m for m in fast.modules() if isinstance(m, TileLinear)]
         # every kernel the prompts, decode steps and the logits check will launch, compiled in parallel
-        compile_ahead(mods, sorted({b * n for b in opts.e2e_batches for n in (1, PROMPT)} | {2 * PROMPT}))
+        compile_ahead(mods, sorted({b * n for b in opts.e2e_batches for n in (1, PROMPT)} | {2 * PROMPT, long_prompt}))
         tuned_layers = f"{sum(m.tuning.source != 'default' for m in mods)}/{len(mods)}"
         pruned = copy.deepcopy(base)
         plan.apply(pruned, force=True)
         err = logits_error(fast, pruned, shape.vocab, device)
         del pruned
+        prefill = {"prefill_tokens": long_prompt, "dense_prefill_ms": dense_prefill,
+                   "long_prefill_ms": prefill_ms(fast, long_prompt)}
+        prefill["prefill_speedup"] = dense_prefill / prefill["long_prefill_ms"]
         for b in opts.e2e_batches:
             r = decode_speed(fast, b, tokens, cuda)
             rows.append({"sparsity": sparsity, "tuned": tuned, "tuned_layers": tuned_layers, "batch": b,
-                         "layers": shape.layers, "tokens": tokens, **err,
+                         "layers": shape.layers, "tokens": tokens, **err, **prefill,
                          "dense_tok_s": dense_speed[b]["decode_tok_s"], **r,
                          "speedup": r["decode_tok_s"] / dense_speed[b]["decode_tok_s"], "cuda_graphs": cuda})
         del fast

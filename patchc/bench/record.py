@@ -151,13 +151,16 @@ def _e2e_md(e: dict[str, Any]) -> list[str]:
     sh = e["shape"]
     out = [f"## End to end: LLaMA-shaped ({sh['layers']} blocks, dim {sh['dim']}, hidden {sh['hidden']}), "
            "decode tokens/s", "",
-           "| sparsity | configs | batch | dense tok/s | patchc tok/s | speedup | logits max err (scale) |",
-           "|---:|---|---:|---:|---:|---:|---:|"]
+           "| sparsity | configs | batch | dense tok/s | patchc tok/s | speedup "
+           "| one prompt's prefill, dense / patchc ms | logits max err (scale) |",
+           "|---:|---|---:|---:|---:|---:|---|---:|"]
     for r in e["rows"]:
         configs = f"tuned ({r.get('tuned_layers')} layers)" if r.get("tuned") else "default"
+        prefill = ("-" if r.get("prefill_speedup") is None else f"{r['prefill_tokens']} tokens: "
+                   f"{r['dense_prefill_ms']:.1f} / {r['long_prefill_ms']:.1f} ({r['prefill_speedup']:.2f}x)")
         out.append(f"| {r['sparsity']:.0%} | {configs} | {r['batch']} "
                    f"| {r['dense_tok_s']:.1f} | {r['decode_tok_s']:.1f} "
-                   f"| {r['speedup']:.2f}x | {_fmt(r['logits_max_err'])} ({_fmt(r['logits_max'])})"
+                   f"| {r['speedup']:.2f}x | {prefill} | {_fmt(r['logits_max_err'])} ({_fmt(r['logits_max'])})"
                    f"{'' if r['logits_ok'] else ' FAILED'} |")
     if e["skipped"]:
         out.append(f"\nNot run (time budget): {', '.join(e['skipped'])}")
