@@ -74,7 +74,7 @@ def by_triton(path: Path) -> str:
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         groups = rec.get("groups_per_load") or groups_per_load(rec["triton"])
-        for target in {r["target"] for r in rec["results"]}:
+        for target in {r["target"] for r in rec["results"] if "loops" in r}:  # not `--unpack`'s records
             newest[(rec["triton"], groups, target)] = rec  # later lines win
     classes = list(dict.fromkeys(VARIANT_CLASS.values()))
     lines = ["| Triton | groups per load | target | " + " | ".join(f"{c}: w-instr/B, barriers" for c in classes) + " |",

@@ -307,3 +307,17 @@ def test_unpack_compiles_to_wide_copies_within_the_bandwidth_budget(triton_dir):
         assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, where
         assert r["stg128"] > 0 and r["ldg128"] > 0, f"{where}: no 128-bit stores or loads"
         assert r["w_instr_per_byte"] < 0.1, f"{where}: {r['w_instr_per_byte']:.3f} warp-instructions per byte"
+
+
+def test_unpack_records_leave_the_loop_table_of_their_triton_alone(tmp_path):
+    """`static_profile.py --by-triton` tables the newest record with weight loops per Triton and target: an
+    `--unpack` record appended after it (no loops) must not take its place and blank the row."""
+    from tests.conftest import load_benchmark
+
+    sp = load_benchmark("static_profile")
+    loops = {"2:4": {"warp_instr_per_byte": 0.1, "barriers": 2}}
+    path = tmp_path / "static_profile.jsonl"
+    path.write_text("\n".join(json.dumps({"triton": "3.9.0", "groups_per_load": 1, "results": results}) for results in (
+        [{"target": "sm_90", "variant": "decode_m1", "loops": loops}],
+        [{"target": "sm_90", "kernel": "unpack", "w_instr_per_byte": 0.05}])) + "\n")
+    assert "| 3.9.0 | 1 | sm_90 | 0.100–0.100, 2–2 |" in sp.by_triton(path)
