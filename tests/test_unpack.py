@@ -149,12 +149,12 @@ def test_fused_experts_given_an_unpacked_tuning_prefill_on_the_hybrid_kernel(mon
 def test_a_tile_linears_weight_is_unpacked_where_the_op_runs_the_kernels(impl, monkeypatch):
     """`TileLinear.weight` (HF code reads it; saving writes it) is W * M either way: by the unpack kernel where
     the op runs the kernels, else by the indexing reference."""
-    import patchc.runtime.dispatch as dispatch
+    import patchc.runtime.op as op
     from patchc.runtime import TileLinear
 
     monkeypatch.setenv("PATCHC_CPU_IMPL", impl)
     calls = []
-    monkeypatch.setattr(dispatch, "unpack", lambda *a, _u=dispatch.unpack, **k: calls.append(1) or _u(*a, **k))
+    monkeypatch.setattr(op, "unpack", lambda *a, _u=op.unpack, **k: calls.append(1) or _u(*a, **k))
     layer = random_layer_plan(40, 96, (16, 32), "mixed", dtype=torch.bfloat16, seed=8)
     mod = TileLinear.from_plan(layer, dtype=torch.bfloat16)
     assert torch.equal(mod.weight, layerplan_to_dense(layer, torch.bfloat16)) and mod.weight.dtype == torch.bfloat16

@@ -196,9 +196,7 @@ def warm(
     A no-op under the interpreter, which compiles nothing."""
     if cfg.kernel == "unpacked":  # compiled for the output's dtype and alignment: a small one will do
         kernel, grid, args, consts = _prepare_unpack(buffers, shape, block, (16,))
-        if isinstance(kernel, triton.runtime.JITFunction):
-            kernel.warmup(*args, grid=grid, **consts, num_warps=cfg.num_warps, num_stages=1)
-        return
+        return _warm(kernel, grid, replace(cfg, num_stages=1), args[0], None, consts, args, None)  # as `unpack` runs
     _warm(*_prepare_layer(x2, buffers, bias, shape, block, per_row, cfg), bias)
 
 

@@ -78,11 +78,12 @@ def static_cost(cc: int, dtype: str = "fp16", block: tuple[int, int] = (128, 64)
         >>> static_cost(90, "bf16", (128, 128))["w_instr_per_byte"] < 0.1   # doctest: +SKIP
         True
     """
+    import re
     import tempfile
     from pathlib import Path
 
     from patchc.codegen.compile_pool import CompileJob, compile_job
-    from patchc.codegen.sass import disassemble_many, sass_instructions
+    from patchc.codegen.sass import disassemble_many, loop_cost, sass_instructions
 
     names = ("out_ptr", "dense_ptr", "vals_ptr", "meta_ptr", "dense_rowptr_ptr", "dense_cols_ptr",
              "sparse_rowptr_ptr", "sparse_cols_ptr")
@@ -94,18 +95,17 @@ def static_cost(cc: int, dtype: str = "fp16", block: tuple[int, int] = (128, 64)
         path = Path(tmp) / "unpack.cubin"
         path.write_bytes(kernel.cubin)
         (sass,) = disassemble_many([path])
+    # the profile (`sass.static_profile`) holds registers, spills and the 128-bit loads (`ldg128`)
     out = {"cc": cc, "dtype": dtype, "block": list(block), "has_dense": has_dense, "num_warps": num_warps,
            "sass": sass is not None, **(kernel.profile or {})}
     if sass is None:
         return out
-    # the opcode of each instruction, past its predicate ("@P0 STG.E.128 [R2.64], R4 ;")
-    ops = [text.split()[1] if text.startswith("@") else text.split()[0] for _, text in sass_instructions(sass)]
-    issued = [op for op in ops if not op.startswith("NOP")]
+    code = [text for _, text in sass_instructions(sass)]
+    issued = sum(not re.search(r"\bNOP\b", t) for t in code)  # the padding after the exit is never issued
     elem = 2 if dtype in ("fp16", "bf16") else 4
     moved = block[0] * block[1] * (elem + elem / 2 + 1 / 8)  # dense written; kept values and metadata read
-    return out | {"instructions": len(issued), "ldg128": sum(op.startswith("LDG.E.128") for op in ops),
-                  "stg128": sum(op.startswith("STG.E.128") for op in ops),
-                  "w_instr_per_byte": num_warps * len(issued) / moved}
+    return out | {"instructions": issued, "stg128": sum(bool(re.search(r"\bSTG\.E\.128\b", t)) for t in code),
+                  "w_instr_per_byte": loop_cost({"instructions": issued}, num_warps, moved)}
 
 
 __all__ = ["static_cost", "store_block", "unpack_grid", "unpack_kernel"]

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from patchc.codegen.configs import arch_of, choose_block
-from patchc.codegen.launch import unpack, warm
-from patchc.codegen.layout import BUFFER_NAMES, dense_from_buffers, pack
+from patchc.codegen.launch import warm
+from patchc.codegen.layout import BUFFER_NAMES, pack
 from patchc.runtime import op as _op  # registers torch.ops.patchc.tile_linear
 from patchc.runtime.experts import TileBmmExperts, TileExperts
 from patchc.runtime.op import encode_buckets, encode_config
@@ -41,13 +41,9 @@ from patchc.runtime.tuner import LayerTuning, default_tuning
 
 
 def packed_dense(module: nn.Module, shape: tuple[int, int]) -> torch.Tensor:
-    """W * M (`shape`) in the module's dtype, rebuilt from its packed buffers (`BUFFER_NAMES`, `block`): where the
-    op runs the kernels (a GPU) by the unpack kernel, with no host synchronisation and nothing allocated beside
-    W * M."""
-    buffers = tuple(getattr(module, n) for n in BUFFER_NAMES)
-    if _op.use_triton(module.values):
-        return unpack(buffers, shape, module.block)
-    return dense_from_buffers(buffers, shape, module.block, module.values.dtype)
+    """W * M (`shape`) in the module's dtype, rebuilt from its packed buffers (`BUFFER_NAMES`, `block`): on the
+    kernels' path (a GPU) by the unpack kernel (`op.w_hat`)."""
+    return _op.w_hat(tuple(getattr(module, n) for n in BUFFER_NAMES), shape, module.block, module.values)
 
 
 class TileLinear(nn.Module):

@@ -134,6 +134,15 @@ def use_triton(x: torch.Tensor) -> bool:
     return mode == "triton" or (mode == "auto" and kernels_interpreted())
 
 
+def w_hat(buffers: tuple[torch.Tensor, ...], shape: tuple[int, int], block: tuple[int, int],
+          like: torch.Tensor) -> torch.Tensor:
+    """W_hat (N, K) in the packed values' dtype: by the unpack kernel where calls on `like` run the kernels
+    (`use_triton`: no host synchronisation, nothing allocated beside W_hat), else by the indexing reference."""
+    if use_triton(like):
+        return unpack(buffers, shape, block)
+    return dense_from_buffers(buffers, shape, block)
+
+
 @torch.library.custom_op("patchc::tile_linear", mutates_args=())
 def tile_linear(
     x: torch.Tensor,
@@ -193,8 +202,7 @@ def tile_linear_grad_x(grad: torch.Tensor, dense: torch.Tensor, values: torch.Te
     """dL/dx (..., K) = dL/dy (..., N) @ W_hat: W_hat unpacked on the kernels' path (`launch.unpack`: no host
     synchronisation), else rebuilt by the reference."""
     buffers = (dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols)
-    n_k, blk = (int(shape[0]), int(shape[1])), (int(block[0]), int(block[1]))
-    w = unpack(buffers, n_k, blk) if use_triton(grad) else dense_from_buffers(buffers, n_k, blk)
+    w = w_hat(buffers, (int(shape[0]), int(shape[1])), (int(block[0]), int(block[1])), grad)
     return grad @ w.to(grad.dtype)
 
 
