@@ -9,6 +9,7 @@ and kernels decorated under it cannot be compiled).
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -19,19 +20,21 @@ import pytest
 from tests.conftest import OLDER_TRITONS, older_triton_env
 
 ROOT = Path(__file__).resolve().parents[1]
+GENERATED = ("mixed.weight", "sparse.weight", "wide.weight", "wide24.weight")  # SCRIPT's layers with kernels
 
-SCRIPT = r"""
-import sys, torch
-from patchc.codegen import generate
-from patchc.codegen.reference import random_tile_plan
-plan = random_tile_plan({
+LAYERS = """{
     "mixed.weight": dict(n=256, k=320, tile=(128, 64), kinds="mixed", dtype=torch.float16, bias=True),
     "sparse.weight": dict(n=192, k=256, tile=(64, 128), kinds="sparse", dtype=torch.bfloat16),
     "dense.weight": dict(n=64, k=64, tile=(32, 32), kinds="dense", dtype=torch.float16),
     # a 7B model's 4096 x 4096 layer, mixed and all-2:4 (rows this long keep the weight loops loops)
     "wide.weight": dict(n=4096, k=4096, tile=(128, 128), kinds="mixed", dtype=torch.float16),
     "wide24.weight": dict(n=4096, k=4096, tile=(128, 128), kinds="sparse", dtype=torch.float16),
-})
+}"""  # the plan's layers, as source: the compiling subprocess and the interpreter test build the same plan
+SCRIPT = r"""
+import sys, torch
+from patchc.codegen import generate
+from patchc.codegen.reference import random_tile_plan
+plan = random_tile_plan(""" + LAYERS + """)
 # workers=1: compiled in this process, since pytest's other worker has the other core (test_generate_speed
 # covers the worker pool)
 for target in sys.argv[2:]:
@@ -91,7 +94,8 @@ def test_every_kernel_compiles(generated, triton_dir, target):
         man = _manifest(generated / target / entry["manifest"])
         assert man["layer"] == fqn and man["target"] == target
         names = [v["name"] for v in man["variants"]]
-        assert {"decode_m1", "decode_m4", "decode", "prefill"} <= set(names)
+        assert {"decode_m1", "decode_m4", "decode", "prefill", "unpack"} <= set(names)
+        assert entry["variants"] == names
         for v in man["variants"]:
             ptx = (generated / target / fqn / v["files"]["ptx"]).read_text()
             cubin = (generated / target / fqn / v["files"]["cubin"]).read_bytes()
@@ -102,7 +106,7 @@ def test_every_kernel_compiles(generated, triton_dir, target):
             assert v["grid"] and v["args"] and v["num_warps"] >= 1
             if v["kernel"] != "splitk_reduce":
                 assert v["constexprs"]["N"] == man["shape"][0] and v["constexprs"]["K"] == man["shape"][1]
-                if v["split_k"] > 1:
+                if v.get("split_k", 1) > 1:
                     assert v["reduce"] in names
 
 
@@ -116,7 +120,9 @@ def test_prefill_uses_tensor_cores(generated, target, instr):
 def test_all_24_layer_has_no_dense_loop(generated):
     man = _manifest(generated / "sm_90" / "sparse.weight" / "manifest.json")
     for v in man["variants"]:
-        if v["kernel"] != "splitk_reduce":
+        if v["kernel"] == "unpack":
+            assert v["constexprs"]["HAS_DENSE"] is False and v["constexprs"]["HAS_SPARSE"] is True
+        elif v["kernel"] != "splitk_reduce":
             per_row = -(-man["shape"][1] // man["block"][1])
             assert v["constexprs"]["HAS_DENSE"] is False and v["constexprs"]["SPARSE_PER_ROW"] == per_row
 
@@ -164,6 +170,9 @@ def test_sass_uses_tensor_cores_and_wide_loads(generated, target, opcode):
         assert profiles["prefill"][opcode] > 0 and profiles["decode"][opcode] > 0, f"{target} {fqn}: no {opcode}"
         assert profiles["prefill"]["ldgsts"] > 0, f"{target} {fqn}: prefill loads are not pipelined (no LDGSTS)"
         assert profiles["decode_m1"]["ldg128"] > 0, f"{target} {fqn}: decode_m1 has no 128-bit loads"
+        # the unpack kernel copies at memory speed: 128-bit loads and stores, few instructions a byte
+        unpack = profiles["unpack"]
+        assert unpack["ldg128"] > 0 and unpack["stg128"] > 0 and unpack["w_instr_per_byte"] < 0.1, (target, fqn, unpack)
 
 
 # The decode-kernel issue's static targets (patchc.codegen.sass.LOOP_TARGETS), enforced on the SASS of a
@@ -322,10 +331,14 @@ def test_generate_summary_reports_each_variants_worst_loop(generated):
     # no loop: named below the table, not counted as a miss
     unrolled = _variant(generated, "sparse.weight", "decode_m1")
     assert unrolled["loops"] == [] and unrolled["target_misses"] == [] and unrolled["split_k"] == 4
-    assert lines[5].startswith("1 layer(s) have decode kernels without a weight loop") and len(lines) == 6
+    assert lines[5].startswith("1 layer(s) have decode kernels without a weight loop") and len(lines) == 7
+    worst_unpack = max(_variant(generated, fqn, "unpack")["profile"]["w_instr_per_byte"] for fqn in GENERATED)
+    regs = max(_variant(generated, fqn, "unpack")["profile"]["registers"] for fqn in GENERATED)
+    assert lines[6] == (f"unpack (the other prefill route: W * M for cuBLAS), 4 layer(s): at most {worst_unpack:.3f} "
+                        f"warp-instructions per byte a 2:4 block moves, {regs} registers, 0 spill bytes")
     assert rows["decode_m1"][-1] == "ok" and rows["prefill"][-1] == "-" and int(rows["decode_m1"][-2]) >= 1
     worst = 0.0
-    for fqn in ("mixed.weight", "sparse.weight", "wide.weight", "wide24.weight"):
+    for fqn in GENERATED:
         for v in _manifest(generated / "sm_90" / fqn / "manifest.json")["variants"]:
             if v["name"] == "decode_m1":
                 worst = max([worst] + [lp["warp_instr_per_byte"] for lp in v["loops"] or [] if lp["loop"] == "2:4"])
@@ -340,10 +353,15 @@ def _variant(generated: Path, fqn: str, name: str, target: str = "sm_90") -> dic
 def test_manifest_states_each_variants_launch_assumptions(generated, target):
     """Every pointer compiled with the 16-byte hint, its dtype, the bias dtype, contiguity: in the manifest."""
     for fqn, dtype, bias in (("mixed.weight", "float16", "float16"), ("sparse.weight", "bfloat16", None)):
-        for v in _manifest(generated / target / fqn / "manifest.json")["variants"]:
+        man = _manifest(generated / target / fqn / "manifest.json")
+        for v in man["variants"]:
             a, where = v["assumes"], f"{target} {fqn} {v['name']}"
             pointers = [arg["name"] for arg in v["args"] if arg["type"].startswith("*")]
             assert a["aligned_16"] == pointers and a["contiguous"] == pointers, where
+            if v["kernel"] == "unpack":  # writes W * M; F.linear adds the bias
+                assert a["dtypes"]["out_ptr"] == a["dtypes"]["vals_ptr"] == dtype and a["bias_dtype"] is None, where
+                assert a["dtypes"]["meta_ptr"] == "uint8" and v["output"] == {"shape": man["shape"], "dtype": dtype}
+                continue
             assert set(a["dtypes"]) == set(pointers) and a["bias_dtype"] == bias, where
             assert a["dtypes"]["y_ptr"] == dtype and a["dtypes"]["part_ptr"] == "float32", where
             if v["kernel"] != "splitk_reduce":
@@ -449,3 +467,37 @@ def test_the_jit_compiles_m_1_launches(triton_dir):
     proc = subprocess.run([sys.executable, "-c", JIT_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs a generated source in Triton's interpreter")
+@pytest.mark.parametrize("fqn", ["mixed.weight", "sparse.weight"])
+def test_generated_unpack_source_alone_writes_the_plans_weight(generated, fqn, tmp_path):
+    """The unpack variant's .py, imported from the folder (under the interpreter) and launched as its manifest
+    says (grid rule, constexprs, the packed buffers it lists), writes the plan's W * M bit for bit: the file
+    holds every helper the kernel calls, and the manifest is enough to run it."""
+    import importlib.util
+
+    import torch
+    import triton
+
+    from patchc.codegen import pack
+    from patchc.codegen.layout import BUFFER_NAMES, kernel_buffers
+    from patchc.codegen.reference import layerplan_to_dense, random_tile_plan
+
+    man = _manifest(generated / "sm_90" / fqn / "manifest.json")
+    v = _variant(generated, fqn, "unpack")
+    spec = importlib.util.spec_from_file_location(f"generated_unpack_{fqn.split('.')[0]}", generated / "sm_90" / fqn /
+                                                  v["files"]["py"])
+    source = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(source)
+    assert source.CONSTEXPRS == v["constexprs"] and source.KERNEL.__name__ == v["function"] == "unpack_kernel"
+
+    layer = random_tile_plan(eval(LAYERS, {"torch": torch})).layers[fqn]
+    packed = pack(layer, block=tuple(man["block"]))
+    buffers = dict(zip(BUFFER_NAMES, kernel_buffers(packed)))  # the kernel's argument order after out_ptr
+    assert {k: list(t.shape) for k, t in buffers.items()} == {k: man["buffers"][k]["shape"] for k in BUFFER_NAMES}
+    out = torch.full(v["output"]["shape"], float("nan"), dtype=getattr(torch, v["output"]["dtype"]))
+    grid = eval(v["grid"], {"cdiv": triton.cdiv}, dict(v["constexprs"]))
+    source.KERNEL[grid](out, *buffers.values(), **source.CONSTEXPRS)
+    assert torch.equal(out, layerplan_to_dense(layer, out.dtype))

@@ -97,7 +97,7 @@ class CompiledKernel:
     cubin: bytes
     shared_bytes: int
     fp_fusion: bool  # as compiled (TRITON_FORCE_DISABLE_FP_FUSION can override the request)
-    profile: dict[str, int] | None  # registers, spills, instruction mix (None without cuobjdump)
+    profile: dict[str, Any] | None  # registers, spills, instruction mix (None without cuobjdump); + unpack's cost
     loops: list[dict] | None  # weight-loop costs of decode / prefill kernels (None for the reduction)
 
 
@@ -159,6 +159,7 @@ def _compile(job: CompileJob) -> CompiledKernel:
 def profile_all(kernels: Mapping[CompileJob, CompiledKernel]) -> dict[CompileJob, CompiledKernel]:
     """Each kernel with its static profile and weight-loop costs, the SASS of all read together
     (`patchc.codegen.sass.disassemble_many`: one disassembler call per target, not one per kernel)."""
+    from patchc.codegen import unpack_kernel
     from patchc.codegen.sass import disassemble_many, static_profile, weight_loops
 
     with tempfile.TemporaryDirectory(prefix="patchc-sass-") as tmp:  # the NVIDIA tools read files only
@@ -171,10 +172,12 @@ def profile_all(kernels: Mapping[CompileJob, CompiledKernel]) -> dict[CompileJob
     done = {}
     for (job, kernel), sass, profile in zip(kernels.items(), sasses, profiles):
         loops = None
-        if job.kernel not in ("splitk_reduce", "unpack"):  # no weight loop: one block per program
-            consts = dict(job.constexprs)
+        consts = dict(job.constexprs)
+        block = (consts.get("BLOCK_N"), consts.get("BLOCK_K"))
+        if job.kernel == "unpack" and profile is not None and sass is not None:  # no loop: one block a program
+            profile = profile | unpack_kernel.code_cost(sass, dict(job.signature)["out_ptr"][1:], block, job.num_warps)
+        elif job.kernel not in ("splitk_reduce", "unpack"):
             elem = _ELEM_BYTES[dict(job.signature)["x_ptr"].lstrip("*")]
-            block = (consts["BLOCK_N"], consts["BLOCK_K"])
             loops = weight_loops(sass, consts["HAS_DENSE"], consts["HAS_SPARSE"], block, elem, job.num_warps)
         done[job] = replace(kernel, profile=profile, loops=loops)
     return done

@@ -9,7 +9,9 @@ Layout of `out_dir`::
     out_dir/<layer>/<variant>.ptx|.cubin       compiled for the target
     (each variant's manifest entry carries its static profile: registers, spill bytes, SASS instruction mix,
      and per weight loop its instructions, barriers and warp-instructions per weight byte)
-    (variant = decode_m1, decode_m4, decode, prefill, and splitk_reduce_s<S> when a variant splits K)
+    (variant = decode_m1, decode_m4, decode, prefill, unpack, and splitk_reduce_s<S> when a variant splits K;
+     unpack writes W * M (N, K) for `F.linear`: the other prefill route, which the runtime times against
+     the prefill variant at the prefill M, keeping the faster)
     (each variant's "assumes": the argument dtypes, bias dtype, 16-byte aligned and contiguous pointers it
      was compiled for; a loader checks its tensors with `patchc.codegen.offline.check_launch` first)
 
@@ -42,13 +44,14 @@ from typing import Any
 import torch
 import triton
 
-from patchc.codegen import kernels
+from patchc.codegen import kernels, unpack_kernel
 from patchc.codegen.compile_pool import CompiledKernel, CompileJob, compile_all, kernel_function, pointer_hints
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, choose_block, normalize_target, resolve_config, variants
 from patchc.codegen.launch import GRID_RULES, KERNEL_ARGS, REDUCE_BLOCK, specialisation
 from patchc.codegen.layout import PackedLayer
 from patchc.codegen.offline import assumptions
-from patchc.codegen.sass import SMALLEST_FAST_TILE, target_misses
+from patchc.codegen.sass import target_misses
+from patchc.codegen.summary import summary
 from patchc.codegen.skeleton import pack_skeleton
 from patchc.utils.files import write_bytes_atomic
 from patchc.utils.progress import progress
@@ -56,6 +59,8 @@ from patchc.utils.progress import progress
 MANIFEST_FORMAT = "patchc.kernels"
 MANIFEST_VERSION = 1
 _TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_UNPACK_ROUTE = ("prefill, instead of the prefill variant: out = W * M, then y = F.linear(x, out, bias) (cuBLAS); "
+                 "time both at the prefill M on the GPU and keep the faster, as patchc's tuner does")
 
 
 def generate(
@@ -139,74 +144,6 @@ def serving_dtype(plan: Any, name: str = "auto") -> torch.dtype | None:
     return torch.bfloat16 if {layer.dtype for layer in plan.layers.values()} == {torch.float32} else None
 
 
-def summary(out_dir: str | os.PathLike) -> str:
-    """Per variant, over every generated layer: the worst weight-loop cost and what limits it.
-
-    Warp-instructions per weight byte of the dense and 2:4 loops (an H100 stops being memory bound above
-    ~0.28), barriers per iteration, registers and spill bytes, the longest loop body, the fewest 128-bit
-    loads in a loop, and whether the decode targets (`sass.LOOP_TARGETS`) hold in every layer; "-" where
-    the code has no such loop.
-
-    Example:
-        >>> print(summary("kernels/"))                                    # doctest: +SKIP
-        variant     layers  warps  regs  spills  dense w-instr/B  2:4 w-instr/B  barriers  loop instrs  LDG.128/iter  targets
-        decode_m1       35      4    72       0            0.020          0.123         2          148             4       ok
-    """
-    out = Path(out_dir)
-    index = json.loads((out / "manifest.json").read_text())
-    rows: dict[str, dict[str, Any]] = {}
-    missed_blocks: set[tuple[int, int]] = set()
-    for entry in index["layers"].values():
-        if entry.get("route") != "patchc":
-            continue
-        manifest = json.loads((out / entry["manifest"]).read_text())
-        for v in manifest["variants"]:
-            if v.get("target_misses"):
-                missed_blocks.add(tuple(manifest["block"]))
-            if v["kernel"] == "splitk_reduce":
-                continue
-            r = rows.setdefault(v["name"], {"layers": 0, "warps": set(), "regs": 0, "spills": 0, "dense": None,
-                                            "2:4": None, "barriers": 0, "instrs": 0, "ldg128": None, "misses": 0,
-                                            "unrolled": 0})
-            r["layers"] += 1
-            r["warps"].add(v["num_warps"])
-            prof = v.get("profile") or {}
-            r["regs"] = max(r["regs"], prof.get("registers", 0))
-            r["spills"] += prof.get("spill_bytes", 0)
-            for lp in v.get("loops") or []:
-                r[lp["loop"]] = max(r[lp["loop"]] or 0.0, lp["warp_instr_per_byte"])
-                r["barriers"] = max(r["barriers"], lp["barriers"])
-                r["instrs"] = max(r["instrs"], lp["instructions"])
-                r["ldg128"] = lp["ldg128"] if r["ldg128"] is None else min(r["ldg128"], lp["ldg128"])
-            r["misses"] += bool(v.get("target_misses"))
-            r["unrolled"] += v.get("loops") == []
-    head = (f"{'variant':<10} {'layers':>6} {'warps':>6} {'regs':>5} {'spills':>7} {'dense w-instr/B':>16} "
-            f"{'2:4 w-instr/B':>14} {'barriers':>9} {'loop instrs':>12} {'LDG.128/iter':>13} {'targets':>8}")
-    lines = [head]
-    for name, r in rows.items():
-        cost = {k: "-" if r[k] is None else f"{r[k]:.3f}" for k in ("dense", "2:4")}
-        warps = "/".join(map(str, sorted(r["warps"])))
-        wide = "-" if r["ldg128"] is None else str(r["ldg128"])
-        # targets: "ok", "miss:<layers>" or "-" (prefill and decode beyond M = 16 have none; nor has
-        # unrolled code: "n/a" where no layer has a loop)
-        held = ("-" if name == "prefill" else f"miss:{r['misses']}" if r["misses"]
-                else "n/a" if r["unrolled"] == r["layers"] else "ok")
-        lines.append(f"{name:<10} {r['layers']:>6} {warps:>6} {r['regs']:>5} {r['spills']:>7} {cost['dense']:>16} "
-                     f"{cost['2:4']:>14} {r['barriers']:>9} {r['instrs']:>12} {wide:>13} {held:>8}")
-    unrolled = max((r["unrolled"] for name, r in rows.items() if name != "prefill"), default=0)
-    if unrolled:
-        lines.append(f"{unrolled} layer(s) have decode kernels without a weight loop: each program reads a fixed "
-                     "tile or two (split-K cuts a short row), unrolled by the compiler: no loop whose cost grows with "
-                     "the layer, so the loop targets do not apply")
-    small = sorted(b for b in missed_blocks if min(b) < SMALLEST_FAST_TILE)
-    if small:
-        sizes = ", ".join(f"{b1}x{b2}" for b1, b2 in small)
-        lines.append(f"targets missed with {sizes} tiles: a loop iteration moves one tile, too few bytes to stream "
-                     f"weights at the memory limit; they hold from {SMALLEST_FAST_TILE}x{SMALLEST_FAST_TILE} tiles up "
-                     f"(patchc prune --tile {SMALLEST_FAST_TILE} {SMALLEST_FAST_TILE}, or the paper's 128 128)")
-    return "\n".join(lines)
-
-
 def _layer_jobs(packed: PackedLayer, arch: str, cc: int, fp_fusion: bool) -> list[tuple[Any, CompileJob]]:
     """(variant or split count, job) per kernel of a layer: its variants, then one reduction per split_k."""
     dtype = packed.dtype
@@ -222,6 +159,9 @@ def _layer_jobs(packed: PackedLayer, arch: str, cc: int, fp_fusion: bool) -> lis
         if cfg.split_k > 1:
             splits.add(cfg.split_k)
     t = _TRITON_TYPES[dtype]
+    unpack_consts = unpack_kernel.constexprs(packed.shape, packed.block, packed.n_dense > 0, packed.n_sparse > 0)
+    jobs.append(("unpack", CompileJob("unpack", unpack_kernel.signature(t), tuple(unpack_consts.items()), 4, 1, cc,
+                                      fp_fusion)))
     reduce_sig = (("part_ptr", "*fp32"), ("y_ptr", f"*{t}"), ("bias_ptr", f"*{t}"), ("M", "i32"), ("N", "i32"))
     for s in sorted(splits):
         consts = (("SPLIT_K", s), ("HAS_BIAS", has_bias), ("BLOCK", REDUCE_BLOCK))
@@ -230,8 +170,8 @@ def _layer_jobs(packed: PackedLayer, arch: str, cc: int, fp_fusion: bool) -> lis
 
 
 def _stem(item: Any) -> str:
-    """File stem of a layer's kernel: the variant name, or splitk_reduce_s<S> for a reduction."""
-    return f"splitk_reduce_s{item}" if isinstance(item, int) else item[0].name
+    """File stem of a layer's kernel: the variant name, "unpack", or splitk_reduce_s<S> for a reduction."""
+    return f"splitk_reduce_s{item}" if isinstance(item, int) else item if isinstance(item, str) else item[0].name
 
 
 def _write_layer(packed: PackedLayer, jobs: list[tuple[Any, CompileJob]], compiled: dict[CompileJob, CompiledKernel],
@@ -244,6 +184,10 @@ def _write_layer(packed: PackedLayer, jobs: list[tuple[Any, CompileJob]], compil
         files += new
         if isinstance(item, int):
             entry.update(name=stem, layer=packed.name, kernel="splitk_reduce", grid=GRID_RULES["splitk_reduce"])
+        elif item == "unpack":
+            entry.update(name=stem, layer=packed.name, kernel="unpack", grid=unpack_kernel.GRID_RULE,
+                         output={"shape": list(packed.shape), "dtype": str(packed.dtype).replace("torch.", "")},
+                         serves=_UNPACK_ROUTE)
         else:
             var, cfg = item
             # the weight loops' cost: warp-instructions per weight byte decide whether decode can be memory bound
@@ -328,8 +272,9 @@ def _signature(dtype: torch.dtype) -> dict[str, str]:
 
 
 def _specialised_source(fn, sig, consts, options, stem: str) -> str:
-    """The kernels module (self-contained: every helper it calls) + the bindings that specialise it."""
-    body = _kernels_source()
+    """The kernels module (self-contained: every helper it calls; with the unpack kernel appended for it)
+    + the bindings that specialise it."""
+    body = _kernels_source(fn.__name__ == unpack_kernel.unpack_kernel.__name__)
     return (
         f"{body}\n\n# ---- specialisation (generated by patchc.codegen.generate: {stem}) ----\n"
         f"KERNEL = {fn.__name__}\n"
@@ -340,9 +285,15 @@ def _specialised_source(fn, sig, consts, options, stem: str) -> str:
     ).replace(": true", ": True").replace(": false", ": False").replace(": null", ": None")
 
 
-@lru_cache(maxsize=1)
-def _kernels_source() -> str:
-    return inspect.getsource(kernels)
+@lru_cache(maxsize=2)
+def _kernels_source(with_unpack: bool = False) -> str:
+    body = inspect.getsource(kernels)
+    if not with_unpack:
+        return body
+    # its imports of the helpers defined above go, and the __future__ import that may only open a file
+    drop = r"^from (patchc\.codegen\.kernels|__future__) import .*$\n"
+    extra = re.sub(drop, "", inspect.getsource(unpack_kernel), flags=re.M)
+    return f"{body}\n\n# ---- patchc/codegen/unpack_kernel.py ----\n{extra}"
 
 
 def _header(arch: str, cc: int, fp_fusion: bool) -> dict[str, Any]:
@@ -381,3 +332,6 @@ def _write_text(path: Path, text: str) -> Path:
 
 def _write_bytes(path: Path, data: bytes) -> Path:
     return write_bytes_atomic(path, data)
+
+
+__all__ = ["generate", "serving_dtype", "summary"]  # summary: patchc.codegen.summary, what `patchc generate` prints

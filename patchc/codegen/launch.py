@@ -217,16 +217,14 @@ def unpack(buffers: tuple[torch.Tensor, ...], shape: tuple[int, int], block: tup
 def _prepare_unpack(buffers: tuple[torch.Tensor, ...], shape: tuple[int, int], block: tuple[int, int],
                     out_shape: tuple[int, ...] | None = None):
     """(kernel, grid, arguments with the output ((N, K); `out_shape` to compile only) first, constexprs)."""
-    from patchc.codegen.unpack_kernel import unpack_grid, unpack_kernel
+    from patchc.codegen.unpack_kernel import constexprs, unpack_grid, unpack_kernel
 
     dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols = buffers
     like = values if sparse_cols.numel() else dense
     out = torch.empty(out_shape or shape, dtype=like.dtype, device=like.device)
     args = [out, _or_dummy(dense, like), _or_dummy(values, like), _or_dummy(meta, like, torch.uint8), dense_rowptr,
             _or_dummy(dense_cols, like, torch.int32), sparse_rowptr, _or_dummy(sparse_cols, like, torch.int32)]
-    consts = {"N": shape[0], "K": shape[1], "BLOCK_N": block[0], "BLOCK_K": block[1],
-              "HAS_DENSE": dense_cols.numel() > 0, "HAS_SPARSE": sparse_cols.numel() > 0,
-              "EVEN": shape[0] % block[0] == 0 and shape[1] % block[1] == 0}
+    consts = constexprs(shape, block, dense_cols.numel() > 0, sparse_cols.numel() > 0)
     return unpack_kernel, unpack_grid(shape, block), args, consts
 
 

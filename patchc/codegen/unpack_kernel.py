@@ -62,50 +62,62 @@ def unpack_kernel(
             store_block(out_ptr, w, offs_n, cols, N, K, EVEN)
 
 
+UNPACK_ARGS = ("out_ptr", "dense_ptr", "vals_ptr", "meta_ptr", "dense_rowptr_ptr", "dense_cols_ptr",
+               "sparse_rowptr_ptr", "sparse_cols_ptr")
+GRID_RULE = "(cdiv(N, BLOCK_N), cdiv(K, BLOCK_K))"
+_ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
 def unpack_grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
-    """(block rows, blocks per row): one program per block of the padded grid."""
+    """(block rows, blocks per row): one program per block of the padded grid (`GRID_RULE`)."""
     return triton.cdiv(shape[0], block[0]), triton.cdiv(shape[1], block[1])
+
+
+def signature(dtype: str) -> tuple[tuple[str, str], ...]:
+    """The kernel's runtime arguments and their Triton types for weights of `dtype` ("fp16", "bf16", "fp32")."""
+    return tuple(zip(UNPACK_ARGS, (f"*{dtype}",) * 3 + ("*u8",) + ("*i32",) * 4))
+
+
+def constexprs(shape: tuple[int, int], block: tuple[int, int], has_dense: bool, has_sparse: bool) -> dict:
+    """The constants that specialise the kernel to a layer (shared by the launcher and offline generation)."""
+    return {"N": shape[0], "K": shape[1], "BLOCK_N": block[0], "BLOCK_K": block[1], "HAS_DENSE": has_dense,
+            "HAS_SPARSE": has_sparse, "EVEN": shape[0] % block[0] == 0 and shape[1] % block[1] == 0}
+
+
+def code_cost(sass: str, dtype: str, block: tuple[int, int], num_warps: int) -> dict:
+    """What the kernel's SASS issues per byte one 2:4 block moves (kept values and metadata read, dense
+    written), counting the whole code, both block kinds: an upper bound, since a program runs one of them
+    once and has no loop (an H100 stops being memory bound near 0.28). Also its 128-bit stores."""
+    import re
+
+    from patchc.codegen.sass import loop_cost, sass_instructions
+
+    code = [text for _, text in sass_instructions(sass)]
+    issued = sum(not re.search(r"\bNOP\b", t) for t in code)  # the padding after the exit is never issued
+    elem = _ELEM_BYTES[dtype]
+    moved = block[0] * block[1] * (elem + elem / 2 + 1 / 8)
+    return {"instructions": issued, "stg128": sum(bool(re.search(r"\bSTG\.E\.128\b", t)) for t in code),
+            "w_instr_per_byte": loop_cost({"instructions": issued}, num_warps, moved)}
 
 
 def static_cost(cc: int, dtype: str = "fp16", block: tuple[int, int] = (128, 64), has_dense: bool = True,
                 num_warps: int = 4) -> dict:
-    """The kernel compiled for sm_<cc> (no GPU; not under TRITON_INTERPRET) and read from its SASS: registers,
-    spill bytes, 128-bit loads / stores, its instructions and the warp-instructions they issue per byte one
-    2:4 block moves (packed bytes read, dense bytes written), counting the whole code, both block kinds: an
-    upper bound (an H100 stops being memory bound near 0.28). {"sass": None, ...} without NVIDIA's tools.
+    """The kernel compiled for sm_<cc> (no GPU; not under TRITON_INTERPRET) for a 4096 x 4096 layer, and
+    read from its SASS: registers, spill bytes, 128-bit loads / stores and `code_cost`. {"sass": False, ...}
+    without NVIDIA's tools.
 
     Example:
         >>> static_cost(90, "bf16", (128, 128))["w_instr_per_byte"] < 0.1   # doctest: +SKIP
         True
     """
-    import re
-    import tempfile
-    from pathlib import Path
-
     from patchc.codegen.compile_pool import CompileJob, compile_job
-    from patchc.codegen.sass import disassemble_many, loop_cost, sass_instructions
 
-    names = ("out_ptr", "dense_ptr", "vals_ptr", "meta_ptr", "dense_rowptr_ptr", "dense_cols_ptr",
-             "sparse_rowptr_ptr", "sparse_cols_ptr")
-    types = (f"*{dtype}",) * 3 + ("*u8",) + ("*i32",) * 4
-    consts = (("N", 4096), ("K", 4096), ("BLOCK_N", block[0]), ("BLOCK_K", block[1]), ("HAS_DENSE", has_dense),
-              ("HAS_SPARSE", True), ("EVEN", True))
-    kernel = compile_job(CompileJob("unpack", tuple(zip(names, types)), consts, num_warps, 1, cc))
-    with tempfile.TemporaryDirectory(prefix="patchc-unpack-") as tmp:
-        path = Path(tmp) / "unpack.cubin"
-        path.write_bytes(kernel.cubin)
-        (sass,) = disassemble_many([path])
-    # the profile (`sass.static_profile`) holds registers, spills and the 128-bit loads (`ldg128`)
-    out = {"cc": cc, "dtype": dtype, "block": list(block), "has_dense": has_dense, "num_warps": num_warps,
-           "sass": sass is not None, **(kernel.profile or {})}
-    if sass is None:
-        return out
-    code = [text for _, text in sass_instructions(sass)]
-    issued = sum(not re.search(r"\bNOP\b", t) for t in code)  # the padding after the exit is never issued
-    elem = 2 if dtype in ("fp16", "bf16") else 4
-    moved = block[0] * block[1] * (elem + elem / 2 + 1 / 8)  # dense written; kept values and metadata read
-    return out | {"instructions": issued, "stg128": sum(bool(re.search(r"\bSTG\.E\.128\b", t)) for t in code),
-                  "w_instr_per_byte": loop_cost({"instructions": issued}, num_warps, moved)}
+    consts = constexprs((4096, 4096), block, has_dense, True)
+    kernel = compile_job(CompileJob("unpack", signature(dtype), tuple(consts.items()), num_warps, 1, cc))
+    # the profile (`compile_pool.profile_all`) holds registers, spills, 128-bit loads and `code_cost`
+    return {"cc": cc, "dtype": dtype, "block": list(block), "has_dense": has_dense, "num_warps": num_warps,
+            "sass": kernel.profile is not None, **(kernel.profile or {})}
 
 
-__all__ = ["static_cost", "store_block", "unpack_grid", "unpack_kernel"]
+__all__ = ["GRID_RULE", "UNPACK_ARGS", "code_cost", "constexprs", "signature", "static_cost", "store_block",
+           "unpack_grid", "unpack_kernel"]
