@@ -104,3 +104,30 @@ def test_unpacked_prefill_is_the_plans_weight_and_captures_in_a_cuda_graph():
     g.replay()
     ref = torch.nn.functional.linear(x.double(), w.double())
     torch.testing.assert_close(y.double(), ref, atol=1e-2 * float(ref.abs().max()), rtol=1e-2)  # bf16 output
+
+
+def test_fused_experts_backward_to_x_captures_in_a_cuda_graph():
+    """dL/dx of fused experts reads nothing on the host: after one eager call (which compiles the kernels) the
+    call captures in a CUDA graph, and gives each expert's rows of dL/dy times its plan weight (float64 from
+    the plan's tensors); rows past the last offset stay zero."""
+    from patchc.codegen import pack
+    from patchc.codegen.grouped_layout import stack_experts
+    from patchc.codegen.layout import kernel_buffers
+    from patchc.codegen.reference import layerplan_to_dense, random_layer_plan
+
+    n, k, tile = 1024, 768, (64, 64)
+    layers = [random_layer_plan(n, k, tile, 0.35, dtype=torch.bfloat16, seed=e) for e in range(8)]
+    stacked = stack_experts([pack(layer, block=tile) for layer in layers]).to("cuda")
+    ends = [100, 100, 350, 400, 700, 701, 900, 1000]
+    grad = torch.randn(1024, n, device="cuda", dtype=torch.bfloat16)
+    args = (torch.tensor(ends, dtype=torch.int32, device="cuda"), *kernel_buffers(stacked), [n, k], 8, list(tile))
+    torch.ops.patchc.tile_grouped_mm_grad_x(grad, *args)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = torch.ops.patchc.tile_grouped_mm_grad_x(grad, *args)
+    g.replay()
+    want = torch.zeros(1024, k, dtype=torch.float64, device="cuda")
+    for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+        want[start:end] = grad[start:end].double() @ layerplan_to_dense(layers[e], torch.float64).cuda()
+    assert not got[1000:].any()
+    torch.testing.assert_close(got.double(), want, atol=1e-2 * float(want.abs().max()), rtol=1e-2)  # bf16 output

@@ -86,6 +86,34 @@ def _stack_rowptr(rowptrs: list[torch.Tensor]) -> torch.Tensor:
     return out.to(torch.int32)
 
 
+def stack_transposed(w: torch.Tensor, block: tuple[int, int], name: str = "<transposed experts>") -> PackedLayer:
+    """Every expert's transpose W_e^T (K, N), of w (E, N, K), as all-dense blocks of one stacked layout: what
+    `stack_experts([pack_dense(w[e].t(), block) for e in range(E)])` gives, built on w's device by copies
+    alone (no value read on the host). The grouped kernels then multiply rows by W_e, as the fused experts'
+    backward to x needs.
+
+    Example:
+        >>> stack_transposed(torch.ones(2, 20, 16), (16, 16)).shape   # 2 experts x 1 block row, 20 columns
+        (32, 20)
+    """
+    if w.dim() != 3:
+        raise PackError(f"{name}: stack_transposed needs (E, N, K) weights, got shape {tuple(w.shape)}")
+    e, n, k = w.shape
+    bn, bk = block
+    rb, cb = tile_grid((k, n), block)
+    padded = w.new_zeros(e, rb * bn, cb * bk)
+    padded[:, :k, :n] = w.transpose(1, 2)
+    dense = padded.reshape(e * rb, bn, cb, bk).permute(0, 2, 1, 3).reshape(e * rb * cb, bn, bk)
+    ints = dict(dtype=torch.int32, device=w.device)
+    return PackedLayer(
+        name=name, shape=(e * rb * bn, n), block=block, dtype=w.dtype,
+        kinds=torch.full((e * rb, cb), TILE_DENSE, dtype=torch.uint8, device=w.device),
+        dense=dense, values=w.new_zeros(0, bn, bk // 2), meta=torch.zeros(0, bn, bk // 8, dtype=torch.uint8, device=w.device),
+        dense_rowptr=torch.arange(e * rb + 1, **ints) * cb, dense_cols=torch.arange(cb, **ints).repeat(e * rb),
+        sparse_rowptr=torch.zeros(e * rb + 1, **ints), sparse_cols=torch.zeros(0, **ints), per_row=(cb, 0),
+    )
+
+
 def experts_from_buffers(buffers: tuple[torch.Tensor, ...], num_experts: int, shape: tuple[int, int],
                          block: tuple[int, int]) -> torch.Tensor:
     """(E, N, K) W_hat of every expert from the stacked buffers (reads index tensors: a reference path)."""
@@ -95,4 +123,4 @@ def experts_from_buffers(buffers: tuple[torch.Tensor, ...], num_experts: int, sh
     return stacked.reshape(num_experts, rows, k)[:, :n]
 
 
-__all__ = ["experts_from_buffers", "pack_dense", "stack_experts"]
+__all__ = ["experts_from_buffers", "pack_dense", "stack_experts", "stack_transposed"]

@@ -10,8 +10,11 @@ with their dense and 2:4 tiles, the others as dense blocks of their weight. The 
   the op can be captured in a CUDA graph;
 * on CPU otherwise a plain-PyTorch reference (W_hat of every expert rebuilt, one matmul per expert).
 
-The backward to x (`tile_grouped_mm_grad_x`) is a reference path that reads the offsets on the host; it
-carries torch's ``cudagraph_unsafe`` tag.
+The backward to x (`tile_grouped_mm_grad_x`) reads nothing on the host either where the kernels run: one
+launch unpacks every expert's W_hat (`launch.unpack` over the stacked layout), their transposes are laid out
+as dense blocks on the device (`grouped_layout.stack_transposed`), and the grouped kernels multiply each
+expert's rows of dL/dy by its W_hat, holding the experts' dense weights twice meanwhile. The CPU reference
+reads the offsets on the host and runs one matmul per expert.
 
 Example:
     >>> mod = TileGroupedLinear.from_plan(plan, "mlp.experts.down_proj", w_nk)     # doctest: +SKIP
@@ -28,15 +31,14 @@ import torch
 from torch import nn
 
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, arch_of, choose_block, resolve_config
-from patchc.codegen.grouped_layout import experts_from_buffers, pack_dense, stack_experts
-from patchc.codegen.launch import launch_grouped, warm_grouped
-from patchc.codegen.layout import BUFFER_NAMES, pack
+from patchc.codegen.grouped_layout import experts_from_buffers, pack_dense, stack_experts, stack_transposed
+from patchc.codegen.launch import launch_grouped, unpack, warm_grouped
+from patchc.codegen.layout import BUFFER_NAMES, kernel_buffers, pack
+from patchc.ir import tile_grid
 from patchc.runtime.op import decode_config, encode_buckets, encode_config, pick_decode, use_triton
 from patchc.runtime.timing import compile_ahead, packed_buffers
 from patchc.runtime.tuner import LayerTuning, default_tuning
 
-# The backward's host read of the offsets cannot be captured; the tag is missing from older torch builds.
-_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
 @torch.library.custom_op("patchc::tile_grouped_mm", mutates_args=())
@@ -113,7 +115,7 @@ def _segments(offs: torch.Tensor, rows: int):
         start = max(start, end)
 
 
-@torch.library.custom_op("patchc::tile_grouped_mm_grad_x", mutates_args=(), tags=_TAGS)
+@torch.library.custom_op("patchc::tile_grouped_mm_grad_x", mutates_args=())
 def tile_grouped_mm_grad_x(grad: torch.Tensor, offs: torch.Tensor, dense: torch.Tensor, values: torch.Tensor,
                            meta: torch.Tensor, dense_rowptr: torch.Tensor, dense_cols: torch.Tensor,
                            sparse_rowptr: torch.Tensor, sparse_cols: torch.Tensor, shape: list[int], num_experts: int,
@@ -121,11 +123,33 @@ def tile_grouped_mm_grad_x(grad: torch.Tensor, offs: torch.Tensor, dense: torch.
     """dL/dx (S, K): each expert's rows of dL/dy (S, N) times its W_hat (N, K)."""
     n, k = int(shape[0]), int(shape[1])
     buffers = (dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols)
+    if grad.shape[0] == 0:
+        return grad.new_zeros((0, k))
+    if use_triton(grad):
+        return _grad_x_by_kernels(grad, offs, buffers, (n, k), num_experts, (block[0], block[1]))
     w = experts_from_buffers(buffers, num_experts, (n, k), (block[0], block[1])).to(grad.dtype)
     out = grad.new_zeros((grad.shape[0], k))
     for e, start, end in _segments(offs, grad.shape[0]):
         out[start:end] = grad[start:end] @ w[e]
     return out
+
+
+def _grad_x_by_kernels(grad: torch.Tensor, offs: torch.Tensor, buffers: tuple[torch.Tensor, ...],
+                       shape: tuple[int, int], num_experts: int, block: tuple[int, int]) -> torch.Tensor:
+    """dL/dx on the kernels' path, nothing read on the host: W_hat of every expert unpacked in one launch,
+    their transposes as dense blocks, the grouped kernels on dL/dy (see the module docstring)."""
+    n, k = shape
+    rows = tile_grid(shape, block)[0] * block[0]  # an expert's block rows in the stacked layout
+    w = unpack(buffers, (num_experts * rows, k), block).view(num_experts, rows, k)[:, :n].to(grad.dtype)
+    arch = arch_of(grad.device)
+    # blocks of W_hat^T (K, N): the architecture's, no wider than the padded sides (dense: any block serves)
+    pref = ARCH_TABLE[arch].block
+    tb = (min(pref[0], max(16, 1 << (k - 1).bit_length())), min(pref[1], max(16, 1 << (n - 1).bit_length())))
+    wt = stack_transposed(w, tb, name="<experts' W_hat^T>")
+    del w
+    # split_k 1: the experts' rows fill the GPU together (a training step's backward has many)
+    cfg = resolve_config(KernelConfig(split_k=1), wt, grad.shape[0], arch)
+    return launch_grouped(grad, offs, kernel_buffers(wt), (k, n), num_experts, tb, wt.per_row, cfg)
 
 
 @tile_grouped_mm_grad_x.register_fake
