@@ -92,6 +92,16 @@ def test_kernel_matches_float64_reference(kernel, preset, m, tile, split_k, bias
     _check(y, reference_tile_linear(x, layer), torch.float32)
 
 
+@pytest.mark.parametrize("m", [256, 300])
+def test_prefill_with_256_token_tiles(m):
+    """sm_90's default prefill tile: 256 tokens a program, one whole tile or one and a partial (300 = 256 + 44)."""
+    layer = random_layer_plan(72, 96, tile=(32, 32), kinds="mixed", bias=True, seed=11)
+    packed = pack(layer)
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+    cfg = KernelConfig(kernel="prefill", block_m=256, num_warps=8, num_stages=3)
+    _check(tile_linear(x, packed, config=cfg), reference_tile_linear(x, layer), torch.float32)
+
+
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
 def test_explicit_bias_overrides_and_no_bias(kernel):
     layer = random_layer_plan(40, 48, tile=(16, 16), kinds="mixed", bias=True, seed=3)

@@ -178,7 +178,8 @@ def profile_all(kernels: Mapping[CompileJob, CompiledKernel]) -> dict[CompileJob
             profile = profile | unpack_kernel.code_cost(sass, dict(job.signature)["out_ptr"][1:], block, job.num_warps)
         elif job.kernel not in ("splitk_reduce", "unpack"):
             elem = _ELEM_BYTES[dict(job.signature)["x_ptr"].lstrip("*")]
-            loops = weight_loops(sass, consts["HAS_DENSE"], consts["HAS_SPARSE"], block, elem, job.num_warps)
+            block_m = consts["BLOCK_M"] if job.kernel.endswith("prefill") else None  # bound by compute: per FLOP
+            loops = weight_loops(sass, consts["HAS_DENSE"], consts["HAS_SPARSE"], block, elem, job.num_warps, block_m)
         done[job] = replace(kernel, profile=profile, loops=loops)
     return done
 

@@ -306,14 +306,15 @@ def loop_cost(loop: dict[str, int], num_warps: int, weight_bytes: int) -> float:
 
 
 def weight_loops(sass: str | None, has_dense: bool, has_sparse: bool, block: tuple[int, int],
-                 elem_bytes: int, num_warps: int) -> list[dict] | None:
+                 elem_bytes: int, num_warps: int, block_m: int | None = None) -> list[dict] | None:
     """The cost of a hybrid kernel's two weight loops: [{"loop": "dense" | "2:4", ..., "warp_instr_per_byte"}].
 
     patchc's kernels walk a block row's dense blocks, then its 2:4 blocks; an iteration reads one block:
     BLOCK_N * BLOCK_K elements dense, half of them plus 1/8 byte per element of metadata 2:4. `sass` is
     `disassemble(cubin)`. [] when the code has no loop at all: a program reads a fixed tile or two
     (a small layer cut by split-K) and the compiler unrolled them. None without SASS (no cuobjdump) or
-    when the code does not have exactly the expected loops (then nothing is claimed).
+    when the code does not have exactly the expected loops (then nothing is claimed). With `block_m` (prefill,
+    bound by compute) each loop also gets "warp_instr_per_kflop", to hold against `MMA_ISSUE_BUDGET`.
 
     Example:
         >>> [(lp["loop"], round(lp["warp_instr_per_byte"], 3)) for lp in weight_loops(
@@ -327,9 +328,19 @@ def weight_loops(sass: str | None, has_dense: bool, has_sparse: bool, block: tup
     found = loops(sass)
     if len(found) != len(kinds):
         return None if found else []
-    return [{"loop": kind, "weight_bytes": nbytes, **lp,
-             "warp_instr_per_byte": round(loop_cost(lp, num_warps, nbytes), 4)}
-            for (kind, nbytes), lp in zip(kinds, found)]
+    out = []
+    for (kind, nbytes), lp in zip(kinds, found):
+        row = {"loop": kind, "weight_bytes": nbytes, **lp, "warp_instr_per_byte": round(loop_cost(lp, num_warps, nbytes), 4)}
+        if block_m:  # one iteration multiplies BLOCK_M x BLOCK_K tokens by the BLOCK_N x BLOCK_K block
+            row["warp_instr_per_kflop"] = round(lp["instructions"] * num_warps * 1e3 / (2 * block_m * bn * bk), 4)
+        out.append(row)
+    return out
+
+
+# Warp-instructions an SM issues (4 a cycle) per 1,000 FLOPs its tensor cores do at their dense fp16 / bf16
+# peak: H100 / H200 4,096 FLOP a cycle (989 TFLOPS, 132 SMs, 1.83 GHz), A100 2,048 (312, 108, 1.41 GHz).
+# A prefill loop near or above it is bound by issuing instructions, not by the tensor cores.
+MMA_ISSUE_BUDGET = {"sm_80": 4e3 / 2048, "sm_90": 4e3 / 4096}
 
 
 # The decode-kernel issue's static targets, for every decode variant that serves M <= 16: warp-instructions
@@ -384,6 +395,6 @@ def static_profile(cubin: str | os.PathLike, sass: str | None = None) -> dict[st
     return resource_usage(cubin) | instruction_mix(sass if sass is not None else disassemble(cubin))
 
 
-__all__ = ["INSTRUCTIONS", "LOOP_COUNTS", "LOOP_TARGETS", "SMALLEST_FAST_TILE", "TARGET_M", "cuobjdump", "disassemble",
-           "disassemble_many", "instruction_mix", "loop_cost", "loops", "nvdisasm", "resource_usage", "sass_cache_dir",
+__all__ = ["INSTRUCTIONS", "LOOP_COUNTS", "LOOP_TARGETS", "MMA_ISSUE_BUDGET", "SMALLEST_FAST_TILE", "TARGET_M",
+           "cuobjdump", "disassemble", "disassemble_many", "instruction_mix", "loop_cost", "loops", "nvdisasm", "resource_usage", "sass_cache_dir",
            "sass_instructions", "static_profile", "target_misses", "weight_loops"]

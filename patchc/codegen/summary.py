@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from patchc.codegen.sass import SMALLEST_FAST_TILE
+from patchc.codegen.sass import MMA_ISSUE_BUDGET, SMALLEST_FAST_TILE
 
 
 def summary(out_dir: str | os.PathLike) -> str:
@@ -32,6 +32,7 @@ def summary(out_dir: str | os.PathLike) -> str:
     index = json.loads((out / "manifest.json").read_text())
     rows: dict[str, dict[str, Any]] = {}
     unpacks: list[dict[str, Any]] = []
+    per_kflop: dict[str, float] = {}  # the prefill loops' worst warp-instructions per kFLOP
     missed_blocks: set[tuple[int, int]] = set()
     for entry in index["layers"].values():
         if entry.get("route") != "patchc":
@@ -53,6 +54,8 @@ def summary(out_dir: str | os.PathLike) -> str:
             r["regs"] = max(r["regs"], prof.get("registers", 0))
             r["spills"] += prof.get("spill_bytes", 0)
             for lp in v.get("loops") or []:
+                if "warp_instr_per_kflop" in lp:
+                    per_kflop[lp["loop"]] = max(per_kflop.get(lp["loop"], 0.0), lp["warp_instr_per_kflop"])
                 r[lp["loop"]] = max(r[lp["loop"]] or 0.0, lp["warp_instr_per_byte"])
                 r["barriers"] = max(r["barriers"], lp["barriers"])
                 r["instrs"] = max(r["instrs"], lp["instructions"])
@@ -77,6 +80,11 @@ def summary(out_dir: str | os.PathLike) -> str:
         lines.append(f"{unrolled} layer(s) have decode kernels without a weight loop: each program reads a fixed "
                      "tile or two (split-K cuts a short row), unrolled by the compiler: no loop whose cost grows with "
                      "the layer, so the loop targets do not apply")
+    if per_kflop:
+        budget = MMA_ISSUE_BUDGET[index["target"]]
+        worst = ", ".join(f"{kind} {v:.2f}" for kind, v in per_kflop.items())
+        lines.append(f"prefill, bound by compute: at most {worst} warp-instructions per kFLOP of its products "
+                     f"({index['target']} issues ~{budget:.2f} while its tensor cores run at peak)")
     if unpacks:
         worst = max((u.get("w_instr_per_byte", -1.0) for u in unpacks), default=-1.0)
         cost = f"at most {worst:.3f} warp-instructions per byte a 2:4 block moves" if worst >= 0 else "no SASS read"

@@ -88,13 +88,19 @@ def grouped_config(decode_cfg: list[int], prefill_cfg: list[int], threshold: int
     """The launch config for `rows` routed rows, from shapes alone (no host synchronisation): a slice's config
     for M = rows (its decode bucket up to the threshold, else prefill), its split-K divided among the up to
     min(E, rows) experts that receive rows, since they fill the GPU together where the slice's split-K was
-    chosen for one layer alone.
+    chosen for one layer alone. A prefill tile over 128 tokens is cut to what an expert gets on average (at
+    least 128): each expert's rows are padded to whole tiles.
 
     Example:
         >>> grouped_config([0, 16, 8, 4, 1, 8], [1, 64, 1, 8, 3, 8], 64, 4, 128).split_k
         2
+        >>> grouped_config([0, 16, 8, 4, 1, 8], [1, 256, 1, 8, 3, 8], 64, 4096, 64).block_m   # 64 rows each
+        128
     """
     cfg = decode_config(pick_decode(decode_cfg, rows) if rows <= threshold else prefill_cfg)
+    if cfg.kernel == "prefill" and cfg.block_m > 128:
+        per_expert = -(-rows // max(1, min(num_experts, rows)))
+        cfg = replace(cfg, block_m=min(cfg.block_m, max(128, 1 << (per_expert - 1).bit_length())))
     return replace(cfg, split_k=max(1, cfg.split_k // max(1, min(num_experts, rows))))
 
 
