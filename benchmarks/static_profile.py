@@ -53,8 +53,8 @@ def profile_layer(layer, target: str, work: Path) -> tuple[list[dict], dict]:
     return [
         {"variant": v["name"], "num_warps": v["num_warps"], "num_stages": v["num_stages"],
          "split_k": v.get("split_k"), "block": man["block"], **(v["profile"] or {}),
-         "loops": {lp["loop"]: {k: lp[k] for k in ("warp_instr_per_byte", "instructions", "weight_bytes", "barriers",
-                                                    "shuffles", "ldg128")}
+         "loops": {lp["loop"]: {k: lp[k] for k in ("warp_instr_per_byte", "warp_instr_per_kflop", "instructions",
+                                                    "weight_bytes", "barriers", "shuffles", "ldg128") if k in lp}
                    for lp in v.get("loops") or []},
          **({"target_misses": v["target_misses"]} if "target_misses" in v else {})}
         for v in man["variants"]
@@ -67,7 +67,8 @@ VARIANT_CLASS = {"decode_m1": "decode, M <= 4", "decode_m4": "decode, M <= 4", "
 
 def by_triton(path: Path) -> str:
     """Markdown: per (Triton, groups per load, target), the range of the 2:4 loops' warp-instructions per weight
-    byte and barriers over the newest record of each, per variant class."""
+    byte and barriers over the newest record of each, per variant class; and the prefill 2:4 loop's per kFLOP
+    (bound by compute: what counts there; "-" in records from before it was recorded)."""
     from patchc.codegen.configs import groups_per_load
 
     newest: dict[tuple, dict] = {}
@@ -77,8 +78,8 @@ def by_triton(path: Path) -> str:
         for target in {r["target"] for r in rec["results"] if "loops" in r}:  # not `--unpack`'s records
             newest[(rec["triton"], groups, target)] = rec  # later lines win
     classes = list(dict.fromkeys(VARIANT_CLASS.values()))
-    lines = ["| Triton | groups per load | target | " + " | ".join(f"{c}: w-instr/B, barriers" for c in classes) + " |",
-             "|---|---:|---|" + "---|" * len(classes)]
+    lines = ["| Triton | groups per load | target | " + " | ".join(f"{c}: w-instr/B, barriers" for c in classes)
+             + " | prefill: w-instr/kFLOP |", "|---|---:|---|" + "---|" * (len(classes) + 1)]
     for (triton, groups, target), rec in sorted(newest.items()):
         cells = []
         for c in classes:
@@ -87,6 +88,9 @@ def by_triton(path: Path) -> str:
             w = [lp["warp_instr_per_byte"] for lp in loops]
             b = [lp["barriers"] for lp in loops]
             cells.append(f"{min(w):.3f}–{max(w):.3f}, {min(b)}–{max(b)}" if loops else "-")
+        kflop = [r["loops"]["2:4"]["warp_instr_per_kflop"] for r in rec["results"] if r["target"] == target
+                 and "warp_instr_per_kflop" in r.get("loops", {}).get("2:4", {})]
+        cells.append(f"{min(kflop):.2f}–{max(kflop):.2f}" if kflop else "-")
         lines.append(f"| {triton} | {groups} | {target} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -154,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 loops = "  ".join(f"{kind} loop {lp['warp_instr_per_byte']:.3f} w-instr/B ({lp['instructions']} instr, "
                                   f"{lp['weight_bytes']} B, {lp['barriers']} bar, {lp['ldg128']} LDG.128)"
-                                  for kind, lp in v["loops"].items())
+                                  + (f" {lp['warp_instr_per_kflop']:.2f} w-instr/kFLOP" if "warp_instr_per_kflop" in lp
+                                     else "") for kind, lp in v["loops"].items())
                 if v.get("target_misses"):
                     loops += "  MISSES: " + "; ".join(v["target_misses"])
                 print(f"{target} {n:>5}x{k:<5} s={s:.2f} {dtype} tile {side:<3} {v['variant']:<17} block {v['block']} "

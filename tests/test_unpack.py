@@ -317,7 +317,10 @@ def test_unpack_records_leave_the_loop_table_of_their_triton_alone(tmp_path):
     sp = load_benchmark("static_profile")
     loops = {"2:4": {"warp_instr_per_byte": 0.1, "barriers": 2}}
     path = tmp_path / "static_profile.jsonl"
+    prefill = {"2:4": {"warp_instr_per_byte": 0.2, "barriers": 4, "warp_instr_per_kflop": 0.42}}
     path.write_text("\n".join(json.dumps({"triton": "3.9.0", "groups_per_load": 1, "results": results}) for results in (
-        [{"target": "sm_90", "variant": "decode_m1", "loops": loops}],
+        [{"target": "sm_90", "variant": "decode_m1", "loops": loops},
+         {"target": "sm_90", "variant": "prefill", "loops": prefill}],
         [{"target": "sm_90", "kernel": "unpack", "w_instr_per_byte": 0.05}])) + "\n")
-    assert "| 3.9.0 | 1 | sm_90 | 0.100–0.100, 2–2 |" in sp.by_triton(path)
+    # the prefill 2:4 loop per weight byte, then per kFLOP (its own column)
+    assert "| 3.9.0 | 1 | sm_90 | 0.100–0.100, 2–2 | - | 0.200–0.200, 4–4 | 0.42–0.42 |" in sp.by_triton(path)
