@@ -332,10 +332,12 @@ def test_generate_summary_reports_each_variants_worst_loop(generated):
     unrolled = _variant(generated, "sparse.weight", "decode_m1")
     assert unrolled["loops"] == [] and unrolled["target_misses"] == [] and unrolled["split_k"] == 4
     assert lines[5].startswith("1 layer(s) have decode kernels without a weight loop") and len(lines) == 8
-    kflop = {kind: max(lp["warp_instr_per_kflop"] for fqn in GENERATED for lp in _variant(generated, fqn, "prefill")["loops"]
-                       if lp["loop"] == kind) for kind in ("dense", "2:4")}
+    prefill_loops = [lp for fqn in GENERATED for lp in _variant(generated, fqn, "prefill")["loops"]]
+    kflop = {kind: max(lp["warp_instr_per_kflop"] for lp in prefill_loops if lp["loop"] == kind)
+             for kind in ("dense", "2:4")}
     assert lines[6] == (f"prefill, bound by compute: at most dense {kflop['dense']:.2f}, 2:4 {kflop['2:4']:.2f} "
-                        "warp-instructions per kFLOP of its products (sm_90 issues ~0.98 while its tensor cores run at peak)")
+                        "warp-instructions per kFLOP of its products (sm_90 issues ~0.98 while its tensor cores run "
+                        "at peak)")
     worst_unpack = max(_variant(generated, fqn, "unpack")["profile"]["w_instr_per_byte"] for fqn in GENERATED)
     regs = max(_variant(generated, fqn, "unpack")["profile"]["registers"] for fqn in GENERATED)
     assert lines[7] == (f"unpack (the other prefill route: W * M for cuBLAS), 4 layer(s): at most {worst_unpack:.3f} "

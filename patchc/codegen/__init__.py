@@ -11,7 +11,8 @@ Modules: `layout` (pack, PackedLayer), `kernels` (@triton.jit), `launch` (tile_l
 `grouped_layout` / `grouped_kernels` (fused MoE experts stacked into one layout, one launch), `unpack_kernel`
 (W * M unpacked on the device, for cuBLAS at prefill sizes: `launch.unpack`), `configs`
 (KernelConfig, per-architecture tables), `generate` (offline compile; `summary`, what it prints), `offline`
-(what an offline cubin assumes: check_launch), `sass` (static profile of a cubin), `reference` (plain PyTorch), `interpreter`
+(what an offline cubin assumes: check_launch), `sass` (static profile of a cubin), `reference` (plain PyTorch),
+`interpreter`
 (Triton's interpreter, which runs the kernels on a CPU, without its per-helper-call overhead).
 """
 

@@ -108,7 +108,8 @@ def stack_transposed(w: torch.Tensor, block: tuple[int, int], name: str = "<tran
     return PackedLayer(
         name=name, shape=(e * rb * bn, n), block=block, dtype=w.dtype,
         kinds=torch.full((e * rb, cb), TILE_DENSE, dtype=torch.uint8, device=w.device),
-        dense=dense, values=w.new_zeros(0, bn, bk // 2), meta=torch.zeros(0, bn, bk // 8, dtype=torch.uint8, device=w.device),
+        dense=dense, values=w.new_zeros(0, bn, bk // 2),
+        meta=torch.zeros(0, bn, bk // 8, dtype=torch.uint8, device=w.device),
         dense_rowptr=torch.arange(e * rb + 1, **ints) * cb, dense_cols=torch.arange(cb, **ints).repeat(e * rb),
         sparse_rowptr=torch.zeros(e * rb + 1, **ints), sparse_cols=torch.zeros(0, **ints), per_row=(cb, 0),
     )

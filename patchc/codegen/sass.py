@@ -330,16 +330,16 @@ def weight_loops(sass: str | None, has_dense: bool, has_sparse: bool, block: tup
         return None if found else []
     out = []
     for (kind, nbytes), lp in zip(kinds, found):
-        row = {"loop": kind, "weight_bytes": nbytes, **lp, "warp_instr_per_byte": round(loop_cost(lp, num_warps, nbytes), 4)}
+        row = {"loop": kind, "weight_bytes": nbytes, **lp,
+               "warp_instr_per_byte": round(loop_cost(lp, num_warps, nbytes), 4)}
         if block_m:  # one iteration multiplies BLOCK_M x BLOCK_K tokens by the BLOCK_N x BLOCK_K block
             row["warp_instr_per_kflop"] = round(lp["instructions"] * num_warps * 1e3 / (2 * block_m * bn * bk), 4)
         out.append(row)
     return out
 
 
-# Warp-instructions an SM issues (4 a cycle) per 1,000 FLOPs its tensor cores do at their dense fp16 / bf16
-# peak: H100 / H200 4,096 FLOP a cycle (989 TFLOPS, 132 SMs, 1.83 GHz), A100 2,048 (312, 108, 1.41 GHz).
-# A prefill loop near or above it is bound by issuing instructions, not by the tensor cores.
+# Warp-instructions an SM issues (4 a cycle) per 1,000 FLOPs of its tensor cores at dense fp16 peak (a prefill
+# loop near it is bound by issue): H100 / H200 do 4,096 FLOP a cycle (989 TFLOPS, 132 SMs, 1.83 GHz), A100 2,048.
 MMA_ISSUE_BUDGET = {"sm_80": 4e3 / 2048, "sm_90": 4e3 / 4096}
 
 
@@ -396,5 +396,5 @@ def static_profile(cubin: str | os.PathLike, sass: str | None = None) -> dict[st
 
 
 __all__ = ["INSTRUCTIONS", "LOOP_COUNTS", "LOOP_TARGETS", "MMA_ISSUE_BUDGET", "SMALLEST_FAST_TILE", "TARGET_M",
-           "cuobjdump", "disassemble", "disassemble_many", "instruction_mix", "loop_cost", "loops", "nvdisasm", "resource_usage", "sass_cache_dir",
-           "sass_instructions", "static_profile", "target_misses", "weight_loops"]
+           "cuobjdump", "disassemble", "disassemble_many", "instruction_mix", "loop_cost", "loops", "nvdisasm",
+           "resource_usage", "sass_cache_dir", "sass_instructions", "static_profile", "target_misses", "weight_loops"]
