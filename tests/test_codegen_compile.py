@@ -351,20 +351,25 @@ def test_generate_summary_reports_each_variants_worst_loop(generated):
     assert rows["decode_m1"][1] == "4" and float(rows["decode_m1"][6]) == round(worst, 3)
 
 
-def test_sm90_prefill_issues_well_within_what_its_tensor_cores_leave(generated):
-    """sm_90's prefill takes 256 tokens a program: its 2:4 loop issues at most ~half of what an SM issues while
-    the tensor cores run at peak (`sass.MMA_ISSUE_BUDGET`), its dense loop about a third (0.74 / 0.44 of 0.98
-    with 128 tokens): issue does not bound it. 7B-shaped layers, mixed and all-2:4; no spills at 204 registers."""
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+def test_prefill_loops_wait_on_no_global_load_and_sm90_fits_the_issue_budget(generated, target):
+    """The prefill's weight loops read everything through Triton's cp.async pipeline: no synchronous global load
+    in either loop (the 2:4 metadata comes as 32-bit words; as bytes, every iteration of a program, its warps
+    held at one barrier, waited on them). On sm_90 the loops issue within what an SM issues while its tensor
+    cores run at peak (`sass.MMA_ISSUE_BUDGET`): 2:4 ~0.8 of it, dense ~0.45, at 128 tokens a program.
+    7B-shaped layers, mixed and all-2:4."""
     from patchc.codegen.sass import MMA_ISSUE_BUDGET
 
     for fqn in ("wide.weight", "wide24.weight"):
-        v = _variant(generated, fqn, "prefill")
+        v = _variant(generated, fqn, "prefill", target)
         if v["loops"] is None:
             pytest.skip("this Triton ships no cuobjdump: no SASS to count")
-        assert v["constexprs"]["BLOCK_M"] == 256 and v["profile"]["spill_bytes"] == 0, (fqn, v["profile"])
+        assert v["profile"]["spill_bytes"] == 0, (target, fqn, v["profile"])
         for lp in v["loops"]:
-            share = lp["warp_instr_per_kflop"] / MMA_ISSUE_BUDGET["sm_90"]
-            assert share <= {"dense": 0.35, "2:4": 0.5}[lp["loop"]], (fqn, lp)
+            assert lp["ldg"] == 0, (target, fqn, lp)
+            if target == "sm_90":
+                share = lp["warp_instr_per_kflop"] / MMA_ISSUE_BUDGET["sm_90"]
+                assert share <= {"dense": 0.5, "2:4": 0.85}[lp["loop"]], (fqn, lp)
 
 
 def _variant(generated: Path, fqn: str, name: str, target: str = "sm_90") -> dict:

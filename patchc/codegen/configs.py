@@ -87,14 +87,13 @@ ARCH_TABLE: dict[str, ArchDefaults] = {
         # 8 warps: with 4, the 128 x 64 fp32 accumulator plus the in-register 2:4 expansion hit 255 registers
         prefill_block_m=128, prefill_warps=8, prefill_stages=3, group_m=8,
     ),
-    # Hopper: more SMs and shared memory; wgmma wants 8 warps (two warp groups). Prefill takes 256 tokens a
-    # program: the 2:4 expansion's instructions are per weight block, so twice the tokens halve them per FLOP
-    # (a 128 x 64 block's 2:4 loop: 0.74 -> 0.42 warp-instructions per kFLOP, dense 0.44 -> 0.29, against the
-    # ~0.98 an SM issues while its tensor cores run at peak; 204 registers, no spills; Triton 3.6 and 3.9).
+    # Hopper: more SMs and shared memory; wgmma wants 8 warps (two warp groups) for 128-row tiles. Prefill stays
+    # at 128 tokens (128 registers: two programs an SM, one's 2:4 expansion beside the other's products); the
+    # tuner also times 256 (half the expansion's instructions per FLOP, but 215 registers: one program an SM).
     "sm_90": ArchDefaults(
         sm_count=132, block=(128, 64), decode_max_m=64, decode_buckets=(1, 4, 8, 16, 64), small_m=4, decode_block_m=16,
         decode_warps=4, decode_warps_m16=4, decode_elems_per_warp=2048, decode_stages=1, decode_waves=4.0,
-        max_split_k=16, prefill_block_m=256, prefill_warps=8, prefill_stages=3, group_m=8,
+        max_split_k=16, prefill_block_m=128, prefill_warps=8, prefill_stages=3, group_m=8,
     ),
 }
 

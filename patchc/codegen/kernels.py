@@ -119,8 +119,9 @@ def _pick(pair, sel):
 def expand_words(pair, byte, r0, r1):
     """(lo, hi) int32 words: positions 0, 1 and 2, 3 of each group (see `_EXPAND_ASM`)."""
     if INTERPRETED:  # no inline PTX in the interpreter: the same selector arithmetic in plain ops
-        s0 = (((byte >> r0) | (byte << ((32 - r0) & 31))) & 0x18)
-        s1 = (((byte >> r1) | (byte << ((32 - r1) & 31))) & 0x18)
+        u = byte.to(tl.uint32, bitcast=True)  # rotate: a logical shift (the word's top bit may be set)
+        s0 = (((u >> r0) | (u << ((32 - r0) & 31))) & 0x18).to(tl.int32, bitcast=True)
+        s1 = (((u >> r1) | (u << ((32 - r1) & 31))) & 0x18).to(tl.int32, bitcast=True)
         sel = (0x44 << s0) ^ (0x66 << s1) ^ 0x54545454
         return _pick(pair, sel), _pick(pair, (sel >> 16) & 0xFFFF)
     else:
@@ -137,20 +138,24 @@ def halves(w, dtype: tl.constexpr):
 
 
 @triton.jit
-def load_sparse_block(vals_ptr, meta_ptr, t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def load_sparse_block(vals_ptr, meta_ptr, t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      WIDE_META: tl.constexpr = False):
     """Load 2:4 block number `t` compressed and expand it: (BN, BK). 16-bit values: two PRMTs per group
     (`expand_words`), its kept pair loaded alone (`expand_groups`) or beside the next group's
     (`expand_group_pairs`, `GROUPS_PER_LOAD`; its columns come in `sparse_columns` order); fp32 values (not
-    bandwidth critical): `expand_24`."""
+    bandwidth critical): `expand_24`. WIDE_META (prefill): metadata in 32-bit words where a row has them
+    (BK >= 32), which Triton's pipeline copies with cp.async like the values; byte loads it cannot, so each
+    iteration waited on them in global memory before its expansion (decode keeps bytes: fewer instructions,
+    its latency hidden by its many programs)."""
     rn = tl.arange(0, BLOCK_N)
     t64 = tl.cast(t, tl.int64)
     vbase = vals_ptr + t64 * (BLOCK_N * BLOCK_K // 2)
     mbase = meta_ptr + t64 * (BLOCK_N * BLOCK_K // 8)
     if vals_ptr.dtype.element_ty.primitive_bitwidth == 16:
         if GROUPS_PER_LOAD == 2:
-            return expand_group_pairs(vbase, mbase, BLOCK_N, BLOCK_K)
+            return expand_group_pairs(vbase, mbase, BLOCK_N, BLOCK_K, WIDE_META and BLOCK_K >= 32)
         else:
-            return expand_groups(vbase, mbase, rn, BLOCK_N, BLOCK_K)
+            return expand_groups(vbase, mbase, rn, BLOCK_N, BLOCK_K, WIDE_META and BLOCK_K >= 32)
     else:
         rv = tl.arange(0, BLOCK_K // 2)
         rm = tl.arange(0, BLOCK_K // 8)
@@ -160,14 +165,19 @@ def load_sparse_block(vals_ptr, meta_ptr, t, BLOCK_N: tl.constexpr, BLOCK_K: tl.
 
 
 @triton.jit
-def expand_groups(vbase, mbase, rn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """16-bit 2:4 block -> (BN, BK): each group's kept pair one 32-bit element, beside its metadata byte."""
+def expand_groups(vbase, mbase, rn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+    """16-bit 2:4 block -> (BN, BK): each group's kept pair one 32-bit element, beside its metadata byte (or
+    the 32-bit word holding it: WORDS)."""
     G: tl.constexpr = BLOCK_K // 4
     rg = tl.arange(0, G)[None, :]
     pair = tl.load(vbase.to(tl.pointer_type(tl.int32)) + rn[:, None] * G + rg)  # (BN, G) kept pairs
-    byte = tl.load(mbase + rn[:, None] * (BLOCK_K // 8) + rg // 2).to(tl.int32)  # the group's metadata byte
-    sh = (rg & 1) * 4
-    lo, hi = expand_words(pair, byte, (sh + 29) & 31, (sh + 31) & 31)
+    if WORDS:  # 4 metadata bytes, 8 groups: the group's nibble at 8 * (its byte in the word) + 4 * (g odd)
+        bits = tl.load(mbase.to(tl.pointer_type(tl.int32)) + rn[:, None] * (BLOCK_K // 32) + rg // 8)
+        sh = ((rg // 2) % 4) * 8 + (rg & 1) * 4
+    else:
+        bits = tl.load(mbase + rn[:, None] * (BLOCK_K // 8) + rg // 2).to(tl.int32)
+        sh = (rg & 1) * 4
+    lo, hi = expand_words(pair, bits, (sh + 29) & 31, (sh + 31) & 31)
     dense = halves(tl.join(lo, hi), vbase.dtype.element_ty)  # (BN, G, word, half): column 4g + 2 word + half
     return tl.reshape(dense, (BLOCK_N, BLOCK_K))
 
@@ -180,7 +190,7 @@ def pair_lanes(block_k):
 
 
 @triton.jit
-def expand_group_pairs(vbase, mbase, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def expand_group_pairs(vbase, mbase, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
     """16-bit 2:4 block -> (BN, BK) with its columns in `sparse_columns` order, loaded straight into the
     registers of the tl.dot operand (mma.sync A, m16n8k16): Triton 3.6 would move a load in its own
     coalesced layout there through shared memory (4 more barriers per iteration).
@@ -200,9 +210,14 @@ def expand_group_pairs(vbase, mbase, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
     off = (row_hi * 16 + row_mid * 8 + row_lo) * (BLOCK_K // 8) + lane * REGS + reg
     off = tl.max_contiguous(off, [1, 1, 1, 1, REGS])  # vectorise along r only, never across lanes
     pairs = tl.load(vbase.to(tl.pointer_type(tl.int64)) + off)
-    byte = tl.load(mbase + off).to(tl.int32)
-    lo0, hi0 = expand_words((pairs & 0xFFFFFFFF).to(tl.int32), byte, 29, 31)  # group 2b: the low nibble
-    lo1, hi1 = expand_words((pairs >> 32).to(tl.int32), byte, 1, 3)  # group 2b + 1: the high nibble
+    if WORDS:  # metadata byte b in its 32-bit word (the byte's offset is `off`): rotate 8 * (b % 4) further
+        bits = tl.load(mbase.to(tl.pointer_type(tl.int32)) + off // 4)
+        at = (off % 4) * 8
+    else:
+        bits = tl.load(mbase + off).to(tl.int32)
+        at = 0
+    lo0, hi0 = expand_words((pairs & 0xFFFFFFFF).to(tl.int32), bits, (at + 29) & 31, (at + 31) & 31)  # 2b: low nibble
+    lo1, hi1 = expand_words((pairs >> 32).to(tl.int32), bits, at + 1, at + 3)  # group 2b + 1: the high nibble
     words = tl.join(tl.join(lo0, lo1), tl.join(hi0, hi1))  # (..., group, word)
     dense = halves(words, vbase.dtype.element_ty)  # column 8b + 4 group + 2 word + half
     dense = tl.permute(dense, (2, 3, 1, 4, 0, 5, 6, 7))  # (row // 16, row // 8 % 2, row % 8, r, lane, 8 columns)
@@ -387,7 +402,7 @@ def prefill_tile(
         for i in range(lo, hi):
             col = tl.load(sparse_cols_ptr + i)
             x = load_x(x_ptr, offs_m, col * BLOCK_K + cols, m_end, K, EVEN_K)
-            w = opaque(load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K))
+            w = opaque(load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K, WIDE_META=True))
             acc = mma(x, tl.trans(w), acc, DOT_PRECISION)
     store_out(acc, offs_m, offs_n, offs_m < m_end, y_ptr, part_ptr, bias_ptr, split, M, N, HAS_BIAS, SPLIT_K)
 

@@ -71,7 +71,7 @@ SPACES: dict[str, CandidateSpace] = {
         prefill_stages=(3, 4), group_m=8, smem_bytes=163 * 1024, min_k_per_split=256, min_blocks_per_split=2,
     ),
     # Hopper (H100/H200: 227 KiB, 132 SMs): more SMs want more split-K at decode; deeper pipelines fit, and
-    # 256-token prefill tiles (fewer instructions per FLOP: `configs.ARCH_TABLE`).
+    # 256-token prefill tiles (half the 2:4 expansion's instructions per FLOP, one program an SM: timed).
     "sm_90": CandidateSpace(
         blocks=_BLOCKS, decode_block_m=(16, 32, 64), decode_split_k=(1, 2, 4, 8, 16), decode_warps=(4, 8),
         decode_stages=(1, 3, 4), prefill_block_m=(64, 128, 256), prefill_split_k=(1, 2), prefill_warps=(4, 8),
