@@ -40,7 +40,6 @@ from patchc.runtime.timing import compile_ahead, packed_buffers
 from patchc.runtime.tuner import LayerTuning, default_tuning
 
 
-
 @torch.library.custom_op("patchc::tile_grouped_mm", mutates_args=())
 def tile_grouped_mm(
     x: torch.Tensor,
