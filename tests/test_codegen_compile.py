@@ -499,7 +499,7 @@ def test_the_jit_compiles_m_1_launches(triton_dir):
 @pytest.mark.interpreter
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs a generated source in Triton's interpreter")
 @pytest.mark.parametrize("fqn", ["mixed.weight", "sparse.weight"])
-def test_generated_unpack_source_alone_writes_the_plans_weight(generated, fqn, tmp_path):
+def test_generated_unpack_source_alone_writes_the_plans_weight(generated, fqn):
     """The unpack variant's .py, imported from the folder (under the interpreter) and launched as its manifest
     says (grid rule, constexprs, the packed buffers it lists), writes the plan's W * M bit for bit: the file
     holds every helper the kernel calls, and the manifest is enough to run it."""
