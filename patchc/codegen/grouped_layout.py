@@ -31,9 +31,7 @@ def pack_dense(weight: torch.Tensor, block: tuple[int, int], name: str = "<dense
         raise PackError(f"layer {name!r}: pack_dense needs an (N, K) weight, got shape {tuple(weight.shape)}")
     (n, k), (bn, bk) = weight.shape, block
     rb, cb = tile_grid((n, k), block)
-    padded = weight.detach().new_zeros(rb * bn, cb * bk)
-    padded[:n, :k] = weight.detach()
-    blocks = padded.reshape(rb, bn, cb, bk).permute(0, 2, 1, 3).reshape(rb * cb, bn, bk).contiguous()
+    blocks = _dense_blocks(weight.detach()[None], block)
     counts = torch.arange(rb + 1, dtype=torch.int32) * cb
     return PackedLayer(
         name=name, shape=(n, k), block=block, dtype=weight.dtype,
@@ -101,9 +99,7 @@ def stack_transposed(w: torch.Tensor, block: tuple[int, int], name: str = "<tran
     e, n, k = w.shape
     bn, bk = block
     rb, cb = tile_grid((k, n), block)
-    padded = w.new_zeros(e, rb * bn, cb * bk)
-    padded[:, :k, :n] = w.transpose(1, 2)
-    dense = padded.reshape(e * rb, bn, cb, bk).permute(0, 2, 1, 3).reshape(e * rb * cb, bn, bk)
+    dense = _dense_blocks(w.transpose(1, 2), block)
     ints = dict(dtype=torch.int32, device=w.device)
     return PackedLayer(
         name=name, shape=(e * rb * bn, n), block=block, dtype=w.dtype,
@@ -113,6 +109,17 @@ def stack_transposed(w: torch.Tensor, block: tuple[int, int], name: str = "<tran
         dense_rowptr=torch.arange(e * rb + 1, **ints) * cb, dense_cols=torch.arange(cb, **ints).repeat(e * rb),
         sparse_rowptr=torch.zeros(e * rb + 1, **ints), sparse_cols=torch.zeros(0, **ints), per_row=(cb, 0),
     )
+
+
+def _dense_blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """(E, R, C) weights as the kernel layout's dense blocks, (E * RB * CB, BN, BK) on w's device: each
+    weight's block rows in turn, a row's blocks in column order, the edge blocks zero padded."""
+    e, r, c = w.shape
+    bn, bk = block
+    rb, cb = tile_grid((r, c), block)
+    padded = w.new_zeros(e, rb * bn, cb * bk)
+    padded[:, :r, :c] = w
+    return padded.reshape(e * rb, bn, cb, bk).permute(0, 2, 1, 3).reshape(e * rb * cb, bn, bk)
 
 
 def experts_from_buffers(buffers: tuple[torch.Tensor, ...], num_experts: int, shape: tuple[int, int],

@@ -28,6 +28,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 import torch
+import triton
 from torch import nn
 
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, arch_of, choose_block, resolve_config
@@ -99,7 +100,7 @@ def grouped_config(decode_cfg: list[int], prefill_cfg: list[int], threshold: int
     cfg = decode_config(pick_decode(decode_cfg, rows) if rows <= threshold else prefill_cfg)
     if cfg.kernel == "prefill" and cfg.block_m > 128:
         per_expert = -(-rows // max(1, min(num_experts, rows)))
-        cfg = replace(cfg, block_m=min(cfg.block_m, max(128, 1 << (per_expert - 1).bit_length())))
+        cfg = replace(cfg, block_m=min(cfg.block_m, max(128, triton.next_power_of_2(per_expert))))
     return replace(cfg, split_k=max(1, cfg.split_k // max(1, min(num_experts, rows))))
 
 
@@ -149,7 +150,7 @@ def _grad_x_by_kernels(grad: torch.Tensor, offs: torch.Tensor, buffers: tuple[to
     arch = arch_of(grad.device)
     # blocks of W_hat^T (K, N): the architecture's, no wider than the padded sides (dense: any block serves)
     pref = ARCH_TABLE[arch].block
-    tb = (min(pref[0], max(16, 1 << (k - 1).bit_length())), min(pref[1], max(16, 1 << (n - 1).bit_length())))
+    tb = (min(pref[0], max(16, triton.next_power_of_2(k))), min(pref[1], max(16, triton.next_power_of_2(n))))
     wt = stack_transposed(w, tb, name="<experts' W_hat^T>")
     del w
     # split_k 1: the experts' rows fill the GPU together (a training step's backward has many)
