@@ -20,13 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels only
 
-ARGS = ["x_ptr", "y_ptr", "part_ptr", "bias_ptr", "dense_ptr", "vals_ptr", "meta_ptr", "dense_rowptr_ptr",
-        "dense_cols_ptr", "sparse_rowptr_ptr", "sparse_cols_ptr"]
-
 
 def signature(dtype: str, grouped: bool) -> tuple[tuple[str, str], ...]:
-    types = {"part_ptr": "*fp32", "meta_ptr": "*u8"} | {a: "*i32" for a in ARGS if "rowptr" in a or "cols" in a}
-    sig = [(a, types.get(a, f"*{dtype}")) for a in ARGS]
+    from patchc.codegen.specialise import KERNEL_ARGS
+
+    args = [a for a in KERNEL_ARGS if a != "M"]
+    types = {"part_ptr": "*fp32", "count_ptr": "*i32", "meta_ptr": "*u8"} | {
+        a: "*i32" for a in args if "rowptr" in a or "cols" in a}
+    sig = [(a, types.get(a, f"*{dtype}")) for a in args]
     return tuple(sig + ([("offs_ptr", "*i32")] if grouped else []) + [("M", "i32")])
 
 
@@ -35,7 +36,7 @@ def profile(kernel: str, dtype: str, cc: int, shape: tuple[int, int], experts: i
 
     decode = kernel.endswith("decode")
     consts = dict(N=shape[0], K=shape[1], BLOCK_M=16 if decode else 128, BLOCK_N=128, BLOCK_K=64,
-                  SPLIT_K=2 if decode else 1, HAS_DENSE=True, HAS_SPARSE=True, DENSE_PER_ROW=-1, SPARSE_PER_ROW=-1,
+                  SPLIT_K=2 if decode else 1, FIXUP=decode, HAS_DENSE=True, HAS_SPARSE=True, DENSE_PER_ROW=-1, SPARSE_PER_ROW=-1,
                   HAS_BIAS=False, EVEN_K=shape[1] % 64 == 0, DOT_PRECISION="tf32")
     if not decode:
         consts["GROUP_M"] = 8

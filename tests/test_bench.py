@@ -32,7 +32,8 @@ from tests.conftest import in_fresh_thread, older_triton_env, older_triton_param
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU form of the harness")
-CHECKED_VARIANTS = {"auto", "runtime", "gemv", "gemv_splitk", "dot", "prefill", "prefill_splitk", "unpacked"}  # all
+CHECKED_VARIANTS = {"auto", "runtime", "gemv", "gemv_splitk", "gemv_splitk_launch", "dot", "prefill", "prefill_splitk",
+                    "unpacked"}  # all
 
 
 @pytest.fixture(scope="module")
@@ -323,8 +324,9 @@ def test_check_compiles_every_variant_ahead_with_the_configs_it_runs(monkeypatch
     xs = {m: make_input(m, 160, torch.float16, "cpu", m) for m in case.ms}
     compile_case_ahead(case, packed, xs, "sm_90", threads=4)
     want = [resolve_config(c, packed, m, "sm_90") for m in case.ms for c in variants(m, True).values() if c != "runtime"]
-    # M=1 and 4: auto, gemv, gemv_splitk, dot; M=17: auto, dot, 2 prefills, unpacked
-    assert seen == want and len(seen) == 13
+    # M=1 and 4: auto, gemv, gemv_splitk (added in the kernel and by a second launch), dot; M=17: auto, dot,
+    # 2 prefills, unpacked
+    assert seen == want and len(seen) == 15
     seen.clear()
     compile_case_ahead(case, packed, xs, "sm_90", threads=1)
     assert seen == []

@@ -233,8 +233,9 @@ def test_tune_with_a_time_limit_says_what_it_left(tmp_path, capsys, monkeypatch)
 
     def fake_tune(plan, **kw):
         seen.update(kw)
-        partial = rt.LayerTuning("a.weight", (16, 16), KernelConfig("decode", 16, 16, 16, 1, 4, 1, 8),
-                                 KernelConfig("prefill", 16, 16, 16, 1, 4, 2, 8), 16, source="partial")
+        partial = rt.LayerTuning("a.weight", (16, 16), KernelConfig("decode", 16, 16, 16, 1, 4, 1, 8, "fixup"),
+                                 KernelConfig("prefill", 16, 16, 16, 1, 4, 2, 8, "fixup"), 16,
+                                 source="partial")
         return {"a.weight": partial, "b.weight": None, "c.weight": None}
 
     monkeypatch.setattr(rt, "tune_plan", fake_tune)

@@ -106,8 +106,8 @@ def test_every_kernel_compiles(generated, triton_dir, target):
             assert v["grid"] and v["args"] and v["num_warps"] >= 1
             if v["kernel"] != "splitk_reduce":
                 assert v["constexprs"]["N"] == man["shape"][0] and v["constexprs"]["K"] == man["shape"][1]
-                if v.get("split_k", 1) > 1:
-                    assert v["reduce"] in names
+                if v.get("split_k", 1) > 1:  # partial sums added in the kernel (counters) or by a named one
+                    assert (v["reduce"] in names) != ("counters" in v) and ("counters" in v) == v["constexprs"]["FIXUP"]
 
 
 @pytest.mark.parametrize("target,instr", [("sm_80", "mma.sync"), ("sm_90", "wgmma")])
@@ -427,10 +427,31 @@ def test_check_launch_passes_good_tensors_and_names_what_is_wrong(generated):
     with pytest.raises(ValueError, match=r"layer 'sparse.weight'.*without a bias"):
         check_launch(no_bias, bias=torch.randn(192, dtype=torch.bfloat16))
     check_launch(no_bias, x=torch.randn(2, 256, dtype=torch.bfloat16), bias=None)
-    reduce = _variant(generated, "mixed.weight", entry["reduce"])
-    check_launch(reduce, part=good["part"], y=good["y"], bias=good["bias"])
+    assert entry["reduce"] is None and entry["counters"]["arg"] == "count_ptr"  # split-K added in the kernel
+    check_launch(entry, count=torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"count is torch.int64"):
+        check_launch(entry, count=torch.zeros(8, dtype=torch.int64))
     with pytest.raises(ValueError, match="regenerate"):
         check_launch({k: v for k, v in entry.items() if k != "assumes"}, x=good["x"])
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+def test_split_k_fixup_publishes_partial_sums_before_counting_in(generated, target):
+    """The in-kernel split-K reduction's ordering, read from the PTX: every thread's partial-sum stores,
+    then a barrier, then one acq_rel atomic at GPU scope on the tile's counter, its result broadcast
+    through a barrier; the last split reads the partial sums past L1 (.cg) and stores the counter back."""
+    v = _variant(generated, "mixed.weight", "decode", target)
+    assert v["constexprs"]["SPLIT_K"] > 1 and v["constexprs"]["FIXUP"]
+    lines = (generated / target / "mixed.weight" / v["files"]["ptx"]).read_text().splitlines()
+    ptx = [line.strip() for line in lines if line.strip() and not line.strip().startswith((".", "//", "$"))]
+    atoms = [i for i, line in enumerate(ptx) if "atom.global" in line]
+    assert len(atoms) == 1 and "atom.global.gpu.acq_rel.add" in ptx[atoms[0]], [ptx[i] for i in atoms]
+    before, after = ptx[: atoms[0]], ptx[atoms[0] + 1 :]
+    last_store = max(i for i, line in enumerate(before) if "st.global" in line)
+    assert any(line.startswith("bar.sync") for line in before[last_store:]), "no barrier between stores and atomic"
+    assert any(line.startswith("bar.sync") for line in after[:4]), "the atomic's result is not broadcast"
+    assert sum("ld.global.cg" in line for line in after) >= v["constexprs"]["SPLIT_K"]
+    assert not any("ld.global.cg" in line for line in before), "the weights or x read past L1"
 
 
 JIT_SCRIPT = r"""
@@ -460,10 +481,12 @@ def jit_compile(fn, args, kwargs):
 layer = random_layer_plan(256, 512, tile=(64, 64), kinds="mixed", dtype=torch.float16, bias=True, seed=0)
 packed = pack(layer, block=(64, 64))
 x = torch.randn(1, 512, dtype=torch.float16)
-cfg = resolve_config(KernelConfig(kernel="decode", split_k=4), packed, 1, "sm_90")
-cfg, y, part, consts, args = L._prepare(x, kernel_buffers(packed), packed.bias, packed.shape, packed.block,
-                                         per_row_counts(packed), cfg, zeros=False)
-jit_compile(kernels.decode_kernel, [*args, 1], {**consts, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+for reduce in ("fixup", "launch"):  # split-K added in the kernel, or by a second one
+    cfg = resolve_config(KernelConfig(kernel="decode", split_k=4, reduce=reduce), packed, 1, "sm_90")
+    cfg, y, part, consts, args = L._prepare(x, kernel_buffers(packed), packed.bias, packed.shape, packed.block,
+                                             per_row_counts(packed), cfg, False, 0, "fc")
+    assert consts["FIXUP"] == (reduce == "fixup")
+    jit_compile(kernels.decode_kernel, [*args, 1], {**consts, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 jit_compile(kernels.splitk_reduce_kernel, [part, y, packed.bias, 1],
             {"N": 256, "SPLIT_K": cfg.split_k, "HAS_BIAS": True, "BLOCK": L.REDUCE_BLOCK})
 # fused experts: grouped decode (split-K) at one token and grouped prefill, as launch_grouped binds them

@@ -350,10 +350,15 @@ def test_cpu_impl_setting(monkeypatch):
 
 
 def test_config_roundtrip():
-    ints = [0, 16, 4, 4, 3, 8]
-    assert rt_op.encode_config(rt_op.decode_config(ints)) == ints
-    with pytest.raises(ValueError, match="6 ints|kernel code"):
-        rt_op.decode_config([5, 1, 1, 1, 1, 1])
+    for ints in ([0, 16, 4, 4, 3, 8, 0], [1, 64, 2, 8, 3, 8, 1]):
+        assert rt_op.encode_config(rt_op.decode_config(ints)) == ints
+    assert rt_op.decode_config([0, 16, 4, 4, 3, 8, 1]).reduce == "launch"
+    with pytest.raises(ValueError, match="kernel code"):
+        rt_op.decode_config([5, 1, 1, 1, 1, 1, 0])
+    with pytest.raises(ValueError, match="reduce code 2"):
+        rt_op.decode_config([0, 16, 4, 4, 3, 8, 2])
+    with pytest.raises(ValueError, match=r"7 ints \('kernel'.*'reduce'\), got \[0, 16, 4, 4, 3, 8\]"):
+        rt_op.decode_config([0, 16, 4, 4, 3, 8])  # the form before reduce: a cache of it is stale
 
 
 def test_compile_rejects_bad_tune(tiny_mlp):
@@ -398,33 +403,39 @@ def record_launches(monkeypatch) -> list[tuple[str, tuple[int, ...], dict]]:
 def test_launch_path_has_no_host_sync(monkeypatch):
     """The op's Triton path (dispatch by M, allocation, grid, launch, split-K reduce) reads no tensor value
     on the host, so it can run under CUDA-graph capture. The kernels are replaced by recorders: what is
-    checked is everything around them, for a decode call with split-K and a prefill call."""
+    checked is everything around them, for decode calls with split-K (added in the kernel, whose counters
+    are allocated on the first call, or by a second launch) and a prefill call."""
     launched = record_launches(monkeypatch)
     monkeypatch.setattr(rt_op, "use_triton", lambda x: True)
     layer = random_layer_plan(256, 512, tile=(64, 64), kinds="mixed", bias=True, name="fc.weight")
     mod = rt.TileLinear.from_plan(layer)
-    assert mod.decode_cfg[2] > 1, "the decode config should split K here, to cover the reduce launch"
+    assert mod.decode_cfg[2] > 1, "the decode config should split K here, to cover the reductions"
     with _NoHostSync():
         mod(torch.randn(2, 512))
         mod(torch.randn(3, 40, 512))
+        width = len(rt_op.CONFIG_FIELDS) + 1  # every bucket's reduction: a second launch
+        mod.decode_buckets = [rt_op.REDUCE_CODES["launch"] if i % width == width - 1 else v
+                              for i, v in enumerate(mod.decode_buckets)]
+        mod(torch.randn(2, 512))
     kinds = [k for k, _, _ in launched]
-    assert kinds == ["decode", "splitk_reduce", "prefill"], launched
+    assert kinds == ["decode", "prefill", "decode", "splitk_reduce"], launched
     with pytest.raises(AssertionError, match="host synchronisation"), _NoHostSync():
         torch.ones(3).sum().item()  # the guard itself catches a read
 
 
 
 def bucketed_module(n=48, k=64, tile=(16, 32), threshold=16):
-    """small_module with decode buckets M=1 (block_m 1), 2-4 (block_m 4), 5-16 (block_m 16, split-K 2), prefill above."""
+    """small_module with decode buckets M=1 (block_m 1), 2-4 (block_m 4), 5-16 (block_m 16, split-K 2 added by
+    a second launch), prefill above."""
     from patchc.codegen.configs import KernelConfig
 
     _, mod = small_module(n=n, k=k, tile=tile, threshold=threshold)
     mod.decode_buckets = rt_op.encode_buckets([
-        (1, KernelConfig("decode", 1, None, None, 1, 4, 2, 8)),
-        (4, KernelConfig("decode", 4, None, None, 1, 4, 2, 8)),
-        (16, KernelConfig("decode", 16, None, None, 2, 4, 2, 8)),
+        (1, KernelConfig("decode", 1, None, None, 1, 4, 2, 8, "fixup")),
+        (4, KernelConfig("decode", 4, None, None, 1, 4, 2, 8, "fixup")),
+        (16, KernelConfig("decode", 16, None, None, 2, 4, 2, 8, "launch")),
     ])
-    mod.prefill_cfg = rt_op.encode_config(KernelConfig("prefill", 16, None, None, 1, 4, 2, 8))
+    mod.prefill_cfg = rt_op.encode_config(KernelConfig("prefill", 16, None, None, 1, 4, 2, 8, "fixup"))
     return mod
 
 
@@ -460,7 +471,7 @@ def test_capture_refuses_a_kernel_that_never_ran(capture):
     x2 = torch.randn(40, 64)
     with pytest.raises(RuntimeError, match=r"layer of shape \(N=48, K=64\): M=40"):  # no name: the shape
         launch_mod.launch(x2, tuple(getattr(mod, b) for b in rt.dispatch.BUFFER_NAMES), None, (48, 64),
-                          mod.block, mod.per_row, KernelConfig("prefill", 16, *mod.block, 1, 4, 2, 8))
+                          mod.block, mod.per_row, KernelConfig("prefill", 16, *mod.block, 1, 4, 2, 8, "fixup"))
 
 
 def test_warmup_covers_decode_buckets_and_prefill(capture):

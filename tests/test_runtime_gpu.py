@@ -93,7 +93,7 @@ def test_unpacked_prefill_is_the_plans_weight_and_captures_in_a_cuda_graph():
     w = layerplan_to_dense(layer, torch.bfloat16).cuda()
     assert torch.equal(unpack(kernel_buffers(packed.to("cuda")), packed.shape, packed.block), w)
     tuning = default_tuning(layer, packed, 16, 128, "sm_90")
-    tuning = dataclasses.replace(tuning, prefill=KernelConfig("unpacked", 1, 64, 64, 1, 4, 1, 1),
+    tuning = dataclasses.replace(tuning, prefill=KernelConfig("unpacked", 1, 64, 64, 1, 4, 1, 1, "fixup"),
                                  prefill_backend="unpacked")
     mod = rt.TileLinear(packed, tuning, dtype=torch.bfloat16, device="cuda").warmup([200])
     assert mod.route(200) == "unpacked"

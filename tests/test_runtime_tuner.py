@@ -208,14 +208,15 @@ def test_cache_default_path(monkeypatch, tmp_path):
 def test_pick_decode_serves_each_m_from_its_bucket():
     from patchc.runtime.op import encode_buckets, pick_decode
 
-    one = KernelConfig("decode", 1, 32, 64, 2, 4, 4, 8)
-    four = KernelConfig("decode", 4, 32, 64, 2, 4, 4, 8)
-    dot = KernelConfig("decode", 16, 32, 64, 8, 4, 4, 8)
+    one = KernelConfig("decode", 1, 32, 64, 2, 4, 4, 8, "fixup")
+    four = KernelConfig("decode", 4, 32, 64, 2, 4, 4, 8, "launch")
+    dot = KernelConfig("decode", 16, 32, 64, 8, 4, 4, 8, "fixup")
     flat = encode_buckets([(1, one), (4, four), (16, dot)])
-    assert flat[:7] == [1, 0, 1, 2, 4, 4, 8] and len(flat) == 21
+    assert flat[:8] == [1, 0, 1, 2, 4, 4, 8, 0] and len(flat) == 24
     assert [pick_decode(flat, m)[1] for m in (1, 2, 3, 4, 5, 16, 17, 500)] == [1, 4, 4, 4, 16, 16, 16, 16]
-    assert pick_decode([0, 16, 2, 4, 4, 8], 3) == [0, 16, 2, 4, 4, 8]  # one config for every M (no buckets)
-    with pytest.raises(ValueError, match="6 ints or buckets of 7"):
+    assert [pick_decode(flat, m)[-1] for m in (1, 3, 16)] == [0, 1, 0]  # each bucket keeps its own reduction
+    assert pick_decode([0, 16, 2, 4, 4, 8, 1], 3) == [0, 16, 2, 4, 4, 8, 1]  # one config for every M (no buckets)
+    with pytest.raises(ValueError, match="7 ints or buckets of 8"):
         pick_decode(flat[:10], 1)
     with pytest.raises(ValueError, match="increasing"):
         encode_buckets([(4, four), (1, one)])

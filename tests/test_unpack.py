@@ -88,7 +88,7 @@ def _unpacked_tuning(layer, packed, threshold=4):
     from patchc.runtime.tuner import default_tuning
 
     tuning = default_tuning(layer, packed, 4, 8, "sm_80")
-    unpacked = KernelConfig("unpacked", 1, *packed.block, 1, 4, 1, 1)
+    unpacked = KernelConfig("unpacked", 1, *packed.block, 1, 4, 1, 1, "fixup")
     return tuning.__class__(**{**tuning.__dict__, "prefill": unpacked, "prefill_backend": "unpacked",
                                "threshold": threshold})
 
@@ -267,7 +267,7 @@ def test_layer_tuning_holds_the_unpacked_route_and_its_config_together():
     layer = random_layer_plan(64, 64, (16, 16), "mixed", seed=0)
     packed = pack(layer)
     good = _unpacked_tuning(layer, packed)
-    assert decode_config(encode_config(good.prefill)) == KernelConfig("unpacked", 1, None, None, 1, 4, 1, 1)
+    assert decode_config(encode_config(good.prefill)) == KernelConfig("unpacked", 1, None, None, 1, 4, 1, 1, "fixup")
     with pytest.raises(ValueError, match="'triton' does not go with a prefill config of kernel 'unpacked'"):
         LayerTuning(**{**good.__dict__, "prefill_backend": "triton"})
     with pytest.raises(ValueError, match="'unpacked' does not go with a prefill config of kernel 'prefill'"):

@@ -10,8 +10,8 @@ with u the dtype's unit roundoff (2^-11 fp16, 2^-8 bf16): it may be at most twic
 result as cuBLAS, plus one rounding of the output. One misplaced 2:4 value moves an output by about
 |w| |x| ~ 1/sqrt(K), several times that bound.
 
-Variants: "auto" (`tile_linear`'s own choice), "gemv" / "gemv_splitk" (decode with block_m = M <= 4,
-tokens padded to 8), "dot" (decode with block_m 16, M <= 64), "prefill" / "prefill_splitk" (M >= 16),
+Variants: "auto" (`tile_linear`'s own choice), "gemv" / "gemv_splitk" / "gemv_splitk_launch" (decode with
+block_m = M <= 4, tokens padded to 8; split-K added in the kernel or by a second launch), "dot" (decode with block_m 16, M <= 64), "prefill" / "prefill_splitk" (M >= 16),
 "unpacked" (M >= 16: W*M unpacked on the device, then cuBLAS) and "runtime" (`TileLinear` with its default
 buckets, through the custom op). The explicit variants run on the cases marked `explicit`
 (fp16, 128 x 128 tiles); every case runs "auto" and "runtime".
@@ -46,6 +46,7 @@ def variants(m: int, explicit: bool) -> dict[str, Any]:
         bm = 1 << (m - 1).bit_length()
         out["gemv"] = KernelConfig(kernel="decode", block_m=bm, split_k=1)
         out["gemv_splitk"] = KernelConfig(kernel="decode", block_m=bm, split_k=4)
+        out["gemv_splitk_launch"] = KernelConfig(kernel="decode", block_m=bm, split_k=4, reduce="launch")
     if m <= 64:
         out["dot"] = KernelConfig(kernel="decode", block_m=16, split_k=1)
     if m >= 16:

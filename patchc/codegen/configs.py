@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 KERNEL_KINDS = ("auto", "decode", "prefill", "unpacked")
+REDUCE_KINDS = ("fixup", "launch")
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,12 @@ class KernelConfig:
     block_m: tokens per program (decode: padded to >= 8 for tl.dot; one weight pass serves them all).
     block_n / block_k: must equal the packed block (the layout is cut to it); None = the packed block.
     split_k: programs sharing one block row's K range (fp32 partial sums, deterministic reduction).
+    reduce: how split-K's partial sums are added: "fixup" (in the kernel, by each output tile's last split)
+    or "launch" (a second kernel); the same bits either way, and nothing to add when split_k is 1.
 
     Example:
         >>> KernelConfig(kernel="prefill", block_m=64, num_warps=4)
-        KernelConfig(kernel='prefill', block_m=64, block_n=None, block_k=None, split_k=None, num_warps=4, num_stages=None, group_m=None)
+        KernelConfig(kernel='prefill', block_m=64, block_n=None, block_k=None, split_k=None, num_warps=4, num_stages=None, group_m=None, reduce=None)
     """
 
     kernel: str = "auto"
@@ -41,10 +44,14 @@ class KernelConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     group_m: int | None = None
+    reduce: str | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNEL_KINDS:
             raise ValueError(f"KernelConfig.kernel must be one of {KERNEL_KINDS}, got {self.kernel!r}")
+        if self.reduce not in (None, *REDUCE_KINDS):
+            raise ValueError(f"KernelConfig.reduce must be one of {REDUCE_KINDS} (or None for the table's), "
+                             f"got {self.reduce!r}")
         for name in ("block_m", "block_n", "block_k", "num_warps"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
@@ -73,6 +80,7 @@ class ArchDefaults:
     decode_stages: int  # 1: no cp.async ring, 2 barriers per iteration; latency is hidden by split-K programs
     decode_waves: float  # aim for this many programs per SM when choosing split_k
     max_split_k: int
+    reduce: str  # how split-K's partial sums are added by default (KernelConfig.reduce)
     prefill_block_m: int
     prefill_warps: int
     prefill_stages: int
@@ -83,7 +91,7 @@ ARCH_TABLE: dict[str, ArchDefaults] = {
     "sm_80": ArchDefaults(
         sm_count=108, block=(128, 64), decode_max_m=64, decode_buckets=(1, 4, 8, 16, 64), small_m=4, decode_block_m=16,
         decode_warps=4, decode_warps_m16=2, decode_elems_per_warp=2048, decode_stages=1, decode_waves=4.0,
-        max_split_k=16,
+        max_split_k=16, reduce="fixup",
         # 8 warps: with 4, the 128 x 64 fp32 accumulator plus the in-register 2:4 expansion hit 255 registers
         prefill_block_m=128, prefill_warps=8, prefill_stages=3, group_m=8,
     ),
@@ -93,7 +101,7 @@ ARCH_TABLE: dict[str, ArchDefaults] = {
     "sm_90": ArchDefaults(
         sm_count=132, block=(128, 64), decode_max_m=64, decode_buckets=(1, 4, 8, 16, 64), small_m=4, decode_block_m=16,
         decode_warps=4, decode_warps_m16=4, decode_elems_per_warp=2048, decode_stages=1, decode_waves=4.0,
-        max_split_k=16, prefill_block_m=128, prefill_warps=8, prefill_stages=3, group_m=8,
+        max_split_k=16, reduce="fixup", prefill_block_m=128, prefill_warps=8, prefill_stages=3, group_m=8,
     ),
 }
 
@@ -205,6 +213,7 @@ def resolve_config(config: KernelConfig | None, packed: Any, m: int, arch: str) 
         num_warps=cfg.num_warps or warps,
         num_stages=cfg.num_stages or stages,
         group_m=cfg.group_m or d.group_m,
+        reduce=cfg.reduce or d.reduce,
     )
 
 

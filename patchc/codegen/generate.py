@@ -9,7 +9,8 @@ Layout of `out_dir`::
     out_dir/<layer>/<variant>.ptx|.cubin       compiled for the target
     (each variant's manifest entry carries its static profile: registers, spill bytes, SASS instruction mix,
      and per weight loop its instructions, barriers and warp-instructions per weight byte)
-    (variant = decode_m1, decode_m4, decode, prefill, unpack, and splitk_reduce_s<S> when a variant splits K;
+    (variant = decode_m1, decode_m4, decode, prefill, unpack, and splitk_reduce_s<S> when a variant splits K
+     and leaves its partial sums to a second launch; one that adds them itself (FIXUP) needs "counters";
      unpack writes W * M (N, K) for `F.linear`: the other prefill route, which the runtime times against
      the prefill variant at the prefill M, keeping the faster)
     (each variant's "assumes": the argument dtypes, bias dtype, 16-byte aligned and contiguous pointers it
@@ -47,12 +48,13 @@ import triton
 from patchc.codegen import kernels, unpack_kernel
 from patchc.codegen.compile_pool import CompiledKernel, CompileJob, compile_all, kernel_function, pointer_hints
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, choose_block, normalize_target, resolve_config, variants
-from patchc.codegen.launch import GRID_RULES, KERNEL_ARGS, REDUCE_BLOCK, specialisation
+from patchc.codegen.launch import REDUCE_BLOCK
 from patchc.codegen.layout import PackedLayer
 from patchc.codegen.offline import assumptions
 from patchc.codegen.sass import target_misses
 from patchc.codegen.summary import summary
 from patchc.codegen.skeleton import pack_skeleton
+from patchc.codegen.specialise import GRID_RULES, KERNEL_ARGS, fixes_up, specialisation
 from patchc.utils.files import write_bytes_atomic
 from patchc.utils.progress import progress
 
@@ -156,7 +158,7 @@ def _layer_jobs(packed: PackedLayer, arch: str, cc: int, fp_fusion: bool) -> lis
         consts = tuple(specialisation(packed, cfg, dtype, has_bias).items())
         jobs.append(((var, cfg), CompileJob(var.kernel, signature, consts, cfg.num_warps, cfg.num_stages, cc,
                                             fp_fusion)))
-        if cfg.split_k > 1:
+        if cfg.split_k > 1 and not fixes_up(cfg):
             splits.add(cfg.split_k)
     t = _TRITON_TYPES[dtype]
     unpack_consts = unpack_kernel.constexprs(packed.shape, packed.block, packed.n_dense > 0, packed.n_sparse > 0)
@@ -200,8 +202,11 @@ def _write_layer(packed: PackedLayer, jobs: list[tuple[Any, CompileJob]], compil
                 m_max=var.m_max,
                 grid=GRID_RULES[var.kernel],
                 split_k=cfg.split_k,
-                reduce=f"splitk_reduce_s{cfg.split_k}" if cfg.split_k > 1 else None,
+                # the kernel to launch after this one, if its partial sums are left to one
+                reduce=f"splitk_reduce_s{cfg.split_k}" if cfg.split_k > 1 and not fixes_up(cfg) else None,
             )
+            if fixes_up(cfg):
+                entry["counters"] = _COUNTERS
             if var.kernel == "decode":  # the decode issue's static targets (sass.LOOP_TARGETS): what it misses
                 entry["target_misses"] = target_misses(var.m_min, entry["loops"], entry.get("profile"))
         entries.append(entry)
@@ -259,10 +264,16 @@ def _write_kernel(job: CompileJob, kernel: CompiledKernel, layer_dir: Path, stem
     return entry, files
 
 
+# What count_ptr must hold for a variant that adds its split-K partial sums itself (`kernels.fixup`).
+_COUNTERS = {"arg": "count_ptr", "dtype": "int32", "length": "at least cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M)",
+             "values": "zeros before each launch; the kernel leaves them zero, so one buffer serves a stream's "
+                       "launches one after another (not two at once)"}
+
+
 def _signature(dtype: torch.dtype) -> dict[str, str]:
     t = _TRITON_TYPES[dtype]
     types = {
-        "x_ptr": f"*{t}", "y_ptr": f"*{t}", "part_ptr": "*fp32", "bias_ptr": f"*{t}",
+        "x_ptr": f"*{t}", "y_ptr": f"*{t}", "part_ptr": "*fp32", "count_ptr": "*i32", "bias_ptr": f"*{t}",
         "dense_ptr": f"*{t}", "vals_ptr": f"*{t}", "meta_ptr": "*u8",
         "dense_rowptr_ptr": "*i32", "dense_cols_ptr": "*i32", "sparse_rowptr_ptr": "*i32", "sparse_cols_ptr": "*i32",
         "M": "i32",

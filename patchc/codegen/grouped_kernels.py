@@ -44,12 +44,12 @@ def expert_tile(offs_ptr, t, M, NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.conste
 
 @triton.jit(do_not_specialize=NOT_SPECIALISED)
 def grouped_decode_kernel(
-    x_ptr, y_ptr, part_ptr, bias_ptr,
+    x_ptr, y_ptr, part_ptr, count_ptr, bias_ptr,
     dense_ptr, vals_ptr, meta_ptr,
     dense_rowptr_ptr, dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr,
     offs_ptr, M,
     N: tl.constexpr, K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr,
     HAS_DENSE: tl.constexpr, HAS_SPARSE: tl.constexpr,
     DENSE_PER_ROW: tl.constexpr, SPARSE_PER_ROW: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -60,20 +60,20 @@ def grouped_decode_kernel(
     e, m0, m_end = expert_tile(offs_ptr, tl.program_id(2), M, NUM_EXPERTS, EXPERTS_P2, BLOCK_M)
     if e < NUM_EXPERTS:
         rows_per_expert: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-        decode_tile(x_ptr, y_ptr, part_ptr, bias_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr,
+        decode_tile(x_ptr, y_ptr, part_ptr, count_ptr, bias_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr,
                     dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr, M, row, e * rows_per_expert + row,
-                    tl.program_id(1), m0, m_end, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, HAS_DENSE, HAS_SPARSE,
-                    DENSE_PER_ROW, SPARSE_PER_ROW, HAS_BIAS, EVEN_K, DOT_PRECISION)
+                    tl.program_id(1), m0, m_end, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, HAS_DENSE,
+                    HAS_SPARSE, DENSE_PER_ROW, SPARSE_PER_ROW, HAS_BIAS, EVEN_K, DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=NOT_SPECIALISED)
 def grouped_prefill_kernel(
-    x_ptr, y_ptr, part_ptr, bias_ptr,
+    x_ptr, y_ptr, part_ptr, count_ptr, bias_ptr,
     dense_ptr, vals_ptr, meta_ptr,
     dense_rowptr_ptr, dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr,
     offs_ptr, M,
     N: tl.constexpr, K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr,
     HAS_DENSE: tl.constexpr, HAS_SPARSE: tl.constexpr,
     DENSE_PER_ROW: tl.constexpr, SPARSE_PER_ROW: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -84,10 +84,10 @@ def grouped_prefill_kernel(
     t, row = swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M) + NUM_EXPERTS, rows_per_expert, GROUP_M)
     e, m0, m_end = expert_tile(offs_ptr, t, M, NUM_EXPERTS, EXPERTS_P2, BLOCK_M)
     if e < NUM_EXPERTS:
-        prefill_tile(x_ptr, y_ptr, part_ptr, bias_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr,
+        prefill_tile(x_ptr, y_ptr, part_ptr, count_ptr, bias_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr,
                      dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr, M, row, e * rows_per_expert + row,
-                     tl.program_id(1), m0, m_end, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, HAS_DENSE, HAS_SPARSE,
-                     DENSE_PER_ROW, SPARSE_PER_ROW, HAS_BIAS, EVEN_K, DOT_PRECISION)
+                     tl.program_id(1), m0, m_end, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, HAS_DENSE,
+                     HAS_SPARSE, DENSE_PER_ROW, SPARSE_PER_ROW, HAS_BIAS, EVEN_K, DOT_PRECISION)
 
 
 GROUPED_KERNELS = {"decode": grouped_decode_kernel, "prefill": grouped_prefill_kernel}

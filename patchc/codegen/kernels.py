@@ -18,10 +18,13 @@ and expanded to the dense (BN, BK) operand in registers: for fp16 / bf16 each gr
 instructions per group of 4 weights, no layout conversion; under Triton 3.6 two groups per 64-bit element,
 loaded straight into the mma operand's registers with the block's columns reordered, `GROUPS_PER_LOAD`);
 fp32 uses the generic `expand_24`.
-Accumulation is fp32. With SPLIT_K > 1 each split writes fp32 partial sums to a (SPLIT_K, M, N) workspace
-and `splitk_reduce_kernel` adds them in split order: the result is deterministic (bitwise reproducible run
-to run), unlike fp32 atomics whose summation order depends on scheduling; the cost is one extra small pass
-over M*N*SPLIT_K fp32, negligible at decode sizes.
+Accumulation is fp32. With SPLIT_K > 1 each split writes fp32 partial sums to a (SPLIT_K, M, N) workspace,
+added in split order either by the last split of each output tile to finish (FIXUP: `fixup`, one launch,
+an int32 counter per tile) or by a second launch, `splitk_reduce_kernel`. Both give the same bits, run to
+run (unlike fp32 atomics, whose summation order depends on scheduling). A second launch adds a kernel
+boundary (launch latency, ramp and tail) to a decode layer that streams its weights in a few microseconds;
+FIXUP instead makes each tile's last split read the partial sums back from L2. FIXUP is the default and
+the tuner times both (`KernelConfig.reduce`).
 
 Why this file is long: `generate()` ships this module's source beside every compiled kernel as its
 self-contained, recompilable source, so every helper the kernels call lives here (the grouped MoE kernels
@@ -29,7 +32,7 @@ in `grouped_kernels` reuse `decode_tile` / `prefill_tile`, the bodies of the two
 
 Per-layer specialisation: N, K, the block sizes, the per-row block counts when uniform (DENSE_PER_ROW /
 SPARSE_PER_ROW, -1 when they vary), HAS_DENSE / HAS_SPARSE (an all-2:4 layer has no dense loop), HAS_BIAS,
-SPLIT_K and EVEN_K are `tl.constexpr`. x and y are contiguous, so their strides are K and N.
+SPLIT_K, FIXUP and EVEN_K are `tl.constexpr`. x and y are contiguous, so their strides are K and N.
 """
 
 from __future__ import annotations
@@ -297,9 +300,10 @@ def decode_mac(acc, w, x_ptr, m0, col, cols, M, K: tl.constexpr,
 
 
 @triton.jit
-def store_out(acc, offs_m, offs_n, keep_m, y_ptr, part_ptr, bias_ptr, split, M, N: tl.constexpr,
-              HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Epilogue for an acc[BM, BN] tile (rows where `keep_m`): bias + cast + store, or a split's fp32 partial sum."""
+def store_out(acc, offs_m, offs_n, keep_m, y_ptr, part_ptr, count_ptr, bias_ptr, split, M, N: tl.constexpr,
+              HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr):
+    """Epilogue for an acc[BM, BN] tile (rows where `keep_m`): bias + cast + store, or a split's fp32 partial
+    sum; with FIXUP the tile's last split to finish then adds the partial sums itself (`fixup`)."""
     mask = keep_m[:, None] & (offs_n[None, :] < N)
     offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     if SPLIT_K == 1:
@@ -308,16 +312,42 @@ def store_out(acc, offs_m, offs_n, keep_m, y_ptr, part_ptr, bias_ptr, split, M, 
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptr + split.to(tl.int64) * M * N + offs, acc, mask=mask)
+        if FIXUP:
+            fixup(offs, offs_n, mask, y_ptr, part_ptr, count_ptr, bias_ptr, M, N, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def fixup(offs, offs_n, mask, y_ptr, part_ptr, count_ptr, bias_ptr, M, N: tl.constexpr,
+          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Split-K without a second launch: each split counts itself in on its output tile's counter once its
+    partial sum is stored; the last one in adds the SPLIT_K partial sums in split order (so y is bitwise
+    the reduce kernel's) and sets the counter back to 0 for the next launch.
+
+    Ordering as CUTLASS's semaphore: a barrier puts every thread's stores before one thread's acq_rel
+    atomic at GPU scope, whose result reaches the program's threads through shared memory and a barrier;
+    the partial sums are then read past L1 (.cg). A tile is (axis 0, axis 2) of the grid: the splits of
+    one tile differ only in axis 1, so counters hold num_programs(0) * num_programs(2) entries."""
+    tl.debug_barrier()
+    tile = tl.program_id(0) + tl.program_id(2) * tl.num_programs(0)
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        total = tl.zeros(offs.shape, dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(part_ptr + s * M.to(tl.int64) * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(count_ptr + tile, 0)
 
 
 @triton.jit
 def decode_tile(
-    x_ptr, y_ptr, part_ptr, bias_ptr,
+    x_ptr, y_ptr, part_ptr, count_ptr, bias_ptr,
     dense_ptr, vals_ptr, meta_ptr,
     dense_rowptr_ptr, dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr,
     M, row, block_row, split, m0, m_end,
     N: tl.constexpr, K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr,
     HAS_DENSE: tl.constexpr, HAS_SPARSE: tl.constexpr,
     DENSE_PER_ROW: tl.constexpr, SPARSE_PER_ROW: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -342,18 +372,18 @@ def decode_tile(
             col = tl.load(sparse_cols_ptr + i)
             w = load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K)
             acc = decode_mac(acc, w, x_ptr, m0, col, cols, m_end, K, TOK, BLOCK_K, EVEN_K, DOT_PRECISION)
-    store_out(tl.trans(acc), offs_m, offs_n, offs_m < m_end, y_ptr, part_ptr, bias_ptr, split, M, N, HAS_BIAS,
-              SPLIT_K)
+    store_out(tl.trans(acc), offs_m, offs_n, offs_m < m_end, y_ptr, part_ptr, count_ptr, bias_ptr, split, M, N,
+              HAS_BIAS, SPLIT_K, FIXUP)
 
 
 @triton.jit(do_not_specialize=NOT_SPECIALISED)
 def decode_kernel(
-    x_ptr, y_ptr, part_ptr, bias_ptr,
+    x_ptr, y_ptr, part_ptr, count_ptr, bias_ptr,
     dense_ptr, vals_ptr, meta_ptr,
     dense_rowptr_ptr, dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr,
     M,
     N: tl.constexpr, K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr,
     HAS_DENSE: tl.constexpr, HAS_SPARSE: tl.constexpr,
     DENSE_PER_ROW: tl.constexpr, SPARSE_PER_ROW: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -363,20 +393,20 @@ def decode_kernel(
     row = tl.program_id(0)
     m0 = tl.program_id(2) * BLOCK_M
     m_end = tl.minimum(M, m0 + BLOCK_M)  # padding rows and the next program's tokens read as zeros
-    decode_tile(x_ptr, y_ptr, part_ptr, bias_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr, dense_cols_ptr,
-                sparse_rowptr_ptr, sparse_cols_ptr, M, row, row, tl.program_id(1), m0, m_end, N, K, BLOCK_M,
-                BLOCK_N, BLOCK_K, SPLIT_K, HAS_DENSE, HAS_SPARSE, DENSE_PER_ROW, SPARSE_PER_ROW, HAS_BIAS, EVEN_K,
+    decode_tile(x_ptr, y_ptr, part_ptr, count_ptr, bias_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr,
+                dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr, M, row, row, tl.program_id(1), m0, m_end, N, K,
+                BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, HAS_DENSE, HAS_SPARSE, DENSE_PER_ROW, SPARSE_PER_ROW, HAS_BIAS, EVEN_K,
                 DOT_PRECISION)
 
 
 @triton.jit
 def prefill_tile(
-    x_ptr, y_ptr, part_ptr, bias_ptr,
+    x_ptr, y_ptr, part_ptr, count_ptr, bias_ptr,
     dense_ptr, vals_ptr, meta_ptr,
     dense_rowptr_ptr, dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr,
     M, row, block_row, split, m0, m_end,
     N: tl.constexpr, K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr,
     HAS_DENSE: tl.constexpr, HAS_SPARSE: tl.constexpr,
     DENSE_PER_ROW: tl.constexpr, SPARSE_PER_ROW: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -404,7 +434,8 @@ def prefill_tile(
             x = load_x(x_ptr, offs_m, col * BLOCK_K + cols, m_end, K, EVEN_K)
             w = opaque(load_sparse_block(vals_ptr, meta_ptr, i, BLOCK_N, BLOCK_K, WIDE_META=True))
             acc = mma(x, tl.trans(w), acc, DOT_PRECISION)
-    store_out(acc, offs_m, offs_n, offs_m < m_end, y_ptr, part_ptr, bias_ptr, split, M, N, HAS_BIAS, SPLIT_K)
+    store_out(acc, offs_m, offs_n, offs_m < m_end, y_ptr, part_ptr, count_ptr, bias_ptr, split, M, N, HAS_BIAS,
+              SPLIT_K, FIXUP)
 
 
 @triton.jit
@@ -419,21 +450,21 @@ def swizzle(pid, num_pid_m, num_pid_n: tl.constexpr, GROUP_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=NOT_SPECIALISED)
 def prefill_kernel(
-    x_ptr, y_ptr, part_ptr, bias_ptr,
+    x_ptr, y_ptr, part_ptr, count_ptr, bias_ptr,
     dense_ptr, vals_ptr, meta_ptr,
     dense_rowptr_ptr, dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr,
     M,
     N: tl.constexpr, K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr,
     HAS_DENSE: tl.constexpr, HAS_SPARSE: tl.constexpr,
     DENSE_PER_ROW: tl.constexpr, SPARSE_PER_ROW: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Large-M tiled GEMM. grid = (ceil(M/BM) * ceil(N/BN), SPLIT_K), grouped program order."""
     pid_m, row = swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
-    prefill_tile(x_ptr, y_ptr, part_ptr, bias_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr, dense_cols_ptr,
-                 sparse_rowptr_ptr, sparse_cols_ptr, M, row, row, tl.program_id(1), pid_m * BLOCK_M, M, N, K,
-                 BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, HAS_DENSE, HAS_SPARSE, DENSE_PER_ROW, SPARSE_PER_ROW, HAS_BIAS,
+    prefill_tile(x_ptr, y_ptr, part_ptr, count_ptr, bias_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr,
+                 dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr, M, row, row, tl.program_id(1), pid_m * BLOCK_M, M,
+                 N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, HAS_DENSE, HAS_SPARSE, DENSE_PER_ROW, SPARSE_PER_ROW, HAS_BIAS,
                  EVEN_K, DOT_PRECISION)
 
 

@@ -18,8 +18,10 @@ import triton
 
 from patchc.codegen import kernels
 from patchc.codegen.configs import KernelConfig, arch_of, resolve_config
+from patchc.codegen.counters import counters
 from patchc.codegen.interpreter import reuse_launch_patches
 from patchc.codegen.layout import PackedLayer, kernel_buffers, per_row_counts
+from patchc.codegen.specialise import constexprs, fixes_up, grid_of
 
 if kernels.INTERPRETED.value:  # on a CPU: helper calls stop re-patching Triton's language (a third of the time)
     reuse_launch_patches()
@@ -30,69 +32,6 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions y and z
 # Split-K keeps (split_k, M, N) fp32 partial sums; at prefill M that reaches GBs. Large M fills the GPU
 # without splitting K, so the launcher lowers split_k to keep the workspace within this bound.
 MAX_WORKSPACE_BYTES = 64 * 1024 * 1024
-
-# Runtime (non-constexpr) arguments of decode_kernel / prefill_kernel, in order.
-KERNEL_ARGS = (
-    "x_ptr", "y_ptr", "part_ptr", "bias_ptr",
-    "dense_ptr", "vals_ptr", "meta_ptr",
-    "dense_rowptr_ptr", "dense_cols_ptr", "sparse_rowptr_ptr", "sparse_cols_ptr",
-    "M",
-)
-
-
-def constexprs(
-    shape: tuple[int, int],
-    block: tuple[int, int],
-    per_row: tuple[int, int],
-    has_dense: bool,
-    has_sparse: bool,
-    cfg: KernelConfig,
-    dtype: torch.dtype,
-    has_bias: bool,
-) -> dict[str, Any]:
-    """The constexpr arguments that specialise a kernel to a layer and config (plain ints: no tensor reads)."""
-    n, k = shape
-    bn, bk = block
-    consts: dict[str, Any] = {
-        "N": n,
-        "K": k,
-        "BLOCK_M": cfg.block_m,
-        "BLOCK_N": bn,
-        "BLOCK_K": bk,
-        "SPLIT_K": cfg.split_k,
-        "HAS_DENSE": has_dense,
-        "HAS_SPARSE": has_sparse,
-        "DENSE_PER_ROW": per_row[0],
-        "SPARSE_PER_ROW": per_row[1],
-        "HAS_BIAS": has_bias,
-        "EVEN_K": k % bk == 0,
-        # fp32 inputs: exact fp32 products (tf32 would break the fp32 tolerances); ignored for fp16/bf16
-        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-    }
-    if cfg.kernel == "prefill":
-        consts["GROUP_M"] = cfg.group_m
-    return consts
-
-
-def specialisation(packed: PackedLayer, cfg: KernelConfig, dtype: torch.dtype, has_bias: bool) -> dict[str, Any]:
-    """`constexprs` of a packed layer (what generate() bakes into each compiled kernel)."""
-    return constexprs(packed.shape, packed.block, per_row_counts(packed), packed.n_dense > 0, packed.n_sparse > 0,
-                      cfg, dtype, has_bias)
-
-
-def grid_of(cfg: KernelConfig, block_rows: int, m: int) -> tuple[int, ...]:
-    """Launch grid; the rule is recorded in generate()'s manifest as GRID_RULES."""
-    if cfg.kernel == "decode":
-        return (block_rows, cfg.split_k, math.ceil(m / cfg.block_m))
-    return (math.ceil(m / cfg.block_m) * block_rows, cfg.split_k)
-
-
-GRID_RULES = {
-    "decode": "(cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))",
-    "prefill": "(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K)",
-    "splitk_reduce": "(cdiv(M * N, 1024),)  [only when SPLIT_K > 1; BLOCK=1024]",
-}
-
 
 def workspace_split_k(split_k: int, m: int, n: int) -> int:
     """The split_k launched for an (M, N) output: `split_k`, lowered until the fp32 workspace fits
@@ -175,7 +114,7 @@ def launch(
     where = f"layer {name!r}" if name else f"layer of shape (N={n}, K={shape[1]})"
     if cfg.kernel == "unpacked":  # W * M unpacked on the device, then cuBLAS (`unpack_kernel`)
         return F.linear(x2, unpack(buffers, shape, block, num_warps=cfg.num_warps, name=name), bias)
-    kernel, grid, cfg, y, part, consts, args = _prepare_layer(x2, buffers, bias, shape, block, per_row, cfg)
+    kernel, grid, cfg, y, part, consts, args = _prepare_layer(x2, buffers, bias, shape, block, per_row, cfg, where)
     _check_grid(grid, cfg, m)
     _run(cfg.kernel, kernel, grid, args, consts, where, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _reduce(part, y, bias, cfg, where)
@@ -229,10 +168,11 @@ def _prepare_unpack(buffers: tuple[torch.Tensor, ...], shape: tuple[int, int], b
 
 
 def _prepare_layer(x2: torch.Tensor, buffers: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
-                   shape: tuple[int, int], block: tuple[int, int], per_row: tuple[int, int], cfg: KernelConfig):
+                   shape: tuple[int, int], block: tuple[int, int], per_row: tuple[int, int], cfg: KernelConfig,
+                   where: str = "a layer"):
     """(kernel, grid, config, y, split-K workspace or None, constexprs, arguments) of a single-layer launch."""
     m = x2.shape[0]
-    cfg, y, part, consts, args = _prepare(x2, buffers, bias, shape, block, per_row, cfg, zeros=False)
+    cfg, y, part, consts, args = _prepare(x2, buffers, bias, shape, block, per_row, cfg, False, 0, where)
     return kernels.KERNELS[cfg.kernel], grid_of(cfg, math.ceil(shape[0] / block[0]), m), cfg, y, part, consts, [*args, m]
 
 
@@ -243,7 +183,7 @@ def _warm(kernel: Any, grid: tuple[int, ...], cfg: KernelConfig, y: torch.Tensor
     if not isinstance(kernel, triton.runtime.JITFunction):
         return
     kernel.warmup(*args, grid=grid, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if part is not None:
+    if part is not None and not consts["FIXUP"]:
         m, n = y.shape
         kernels.splitk_reduce_kernel.warmup(part, y, _or_dummy(bias, y), m, grid=(1,), N=n, SPLIT_K=cfg.split_k,
                                             HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK)
@@ -271,9 +211,9 @@ def launch_grouped(
         ...                    KernelConfig("decode", 16, 64, 64, 1, 4, 1, 8))   # doctest: +SKIP
     """
     n, s = shape[0], x2.shape[0]
-    kernel, grid, cfg, y, part, consts, args = _prepare_grouped(x2, offs, buffers, shape, num_experts, block,
-                                                                per_row, cfg)
     where = f"experts {name!r}" if name else f"experts of shape (N={n}, K={shape[1]})"
+    kernel, grid, cfg, y, part, consts, args = _prepare_grouped(x2, offs, buffers, shape, num_experts, block,
+                                                                per_row, cfg, where)
     _check_grid(grid, cfg, s)
     _run(f"grouped_{cfg.kernel}", kernel, grid, args, consts, where, num_warps=cfg.num_warps,
          num_stages=cfg.num_stages)
@@ -296,13 +236,14 @@ def warm_grouped(
 
 
 def _prepare_grouped(x2: torch.Tensor, offs: torch.Tensor, buffers: tuple[torch.Tensor, ...], shape: tuple[int, int],
-                     num_experts: int, block: tuple[int, int], per_row: tuple[int, int], cfg: KernelConfig):
+                     num_experts: int, block: tuple[int, int], per_row: tuple[int, int], cfg: KernelConfig,
+                     where: str = "experts"):
     """(kernel, grid, config, y, split-K workspace or None, constexprs, arguments) of a grouped launch."""
     from patchc.codegen import grouped_kernels
 
     n, s = shape[0], x2.shape[0]
     # zeros: rows no expert owns stay zero, in the output and in every split's partial sums
-    cfg, y, part, consts, args = _prepare(x2, buffers, None, shape, block, per_row, cfg, zeros=True)
+    cfg, y, part, consts, args = _prepare(x2, buffers, None, shape, block, per_row, cfg, True, num_experts, where)
     consts.update(NUM_EXPERTS=num_experts, EXPERTS_P2=grouped_kernels.experts_pow2(num_experts))
     tiles = math.ceil(s / cfg.block_m) + num_experts  # token tiles: an upper bound for any routing
     rows = math.ceil(n / block[0])
@@ -311,9 +252,11 @@ def _prepare_grouped(x2: torch.Tensor, offs: torch.Tensor, buffers: tuple[torch.
 
 
 def _prepare(x2: torch.Tensor, buffers: tuple[torch.Tensor, ...], bias: torch.Tensor | None, shape: tuple[int, int],
-             block: tuple[int, int], per_row: tuple[int, int], cfg: KernelConfig, zeros: bool):
+             block: tuple[int, int], per_row: tuple[int, int], cfg: KernelConfig, zeros: bool, extra_tiles: int,
+             where: str):
     """(config with split_k fitted to the workspace bound, y, split-K workspace or None, constexprs, the
-    kernel's pointer arguments): what both launchers allocate and pass."""
+    kernel's pointer arguments): what both launchers allocate and pass. The grids hold ceil(N / BN) x
+    (ceil(M / BM) + extra_tiles) output tiles (`extra_tiles`: the experts' token tiles bound)."""
     dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols = buffers
     n, m = shape[0], x2.shape[0]
     if cfg.kernel == "prefill" and cfg.block_m < 16:
@@ -326,8 +269,13 @@ def _prepare(x2: torch.Tensor, buffers: tuple[torch.Tensor, ...], bias: torch.Te
     part = alloc((cfg.split_k, m, n), dtype=torch.float32, device=x2.device) if cfg.split_k > 1 else None
     consts = constexprs(shape, block, per_row, dense_cols.shape[0] > 0, sparse_cols.shape[0] > 0, cfg, x2.dtype,
                         bias is not None)
+    count = None
+    if consts["FIXUP"]:
+        tiles = math.ceil(n / block[0]) * (math.ceil(m / cfg.block_m) + extra_tiles)
+        count = counters(x2.device, tiles, _capturing(), where)
     args = [
-        x2, y, _or_dummy(part, x2, torch.float32), _or_dummy(bias, x2), _or_dummy(dense, x2),
+        x2, y, _or_dummy(part, x2, torch.float32), _or_dummy(count, x2, torch.int32), _or_dummy(bias, x2),
+        _or_dummy(dense, x2),
         _or_dummy(values, x2), _or_dummy(meta, x2, torch.uint8), dense_rowptr,
         _or_dummy(dense_cols, x2, torch.int32), sparse_rowptr, _or_dummy(sparse_cols, x2, torch.int32),
     ]
@@ -341,8 +289,8 @@ def _check_grid(grid: tuple[int, ...], cfg: KernelConfig, m: int) -> None:
 
 
 def _reduce(part: torch.Tensor | None, y: torch.Tensor, bias: torch.Tensor | None, cfg: KernelConfig, where: str) -> None:
-    """y = the splits' partial sums (+ bias), in split order, when the kernel ran with split-K."""
-    if part is None:
+    """y = the splits' partial sums (+ bias), in split order, when the kernel ran with split-K and left them."""
+    if part is None or fixes_up(cfg):
         return
     m, n = y.shape
     _run("splitk_reduce", kernels.splitk_reduce_kernel, (triton.cdiv(m * n, REDUCE_BLOCK),),

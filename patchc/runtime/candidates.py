@@ -5,6 +5,7 @@ shared memory limit). `candidates(regime, ...)` expands a table for a layer and 
 (`prune_reason`), blocks that do not divide the plan tile or exceed the layer, configs whose estimated
 shared memory exceeds the device limit, split-K that leaves too little K per split, and split-K whose
 fp32 workspace at the tuned M exceeds the launcher's bound (it would launch fewer splits than timed).
+Split-K configs come twice, adding their partial sums in the kernel and in a second launch (`reduce`).
 
 Example:
     >>> cands = candidates("decode", (4096, 4096), (128, 128), 16, torch.float16, "sm_90")
@@ -20,9 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from patchc.codegen import launch as _launch
-from patchc.codegen.configs import ARCH_TABLE, KernelConfig
+from patchc.codegen.configs import ARCH_TABLE, REDUCE_KINDS, KernelConfig
 
-SPACE_VERSION = 6  # bump when candidate tables change: old cache entries then miss (6: sm_90 prefill block_m 256)
+# bump when candidate tables change: old cache entries then miss (6: sm_90 prefill block_m 256; 7: reduce)
+SPACE_VERSION = 7
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,8 @@ def candidates(
             for sk in sks:
                 for nw in warps:
                     for ns in stages:
-                        cfg = KernelConfig(regime, bm, bn, bk, sk, nw, ns, space.group_m)
-                        if prune_reason(cfg, shape, tile, dtype, space, smem_limit, m) is None:
-                            out.append(cfg)
+                        for red in REDUCE_KINDS if sk > 1 else (ARCH_TABLE[arch].reduce,):
+                            cfg = KernelConfig(regime, bm, bn, bk, sk, nw, ns, space.group_m, red)
+                            if prune_reason(cfg, shape, tile, dtype, space, smem_limit, m) is None:
+                                out.append(cfg)
     return out

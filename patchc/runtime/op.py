@@ -14,9 +14,10 @@ The op has a backward to x (and to a bias read from the model): dL/dx = dL/dy @ 
 `patchc::tile_linear_grad_x` (W_hat unpacked on the device on the kernels' path); the packed weights are
 frozen. Without it, a compiled model called with gradients on fails in aot_autograd.
 
-A launch config travels as 6 ints (see `encode_config`): kernel (0 decode, 1 prefill, 2 unpacked: W_hat
-unpacked on the device, then cuBLAS), block_m, split_k, num_warps, num_stages, group_m. The decode side may
-be bucketed by M (`encode_buckets`): records of 7 ints, the bucket's largest M then its config, in
+A launch config travels as 7 ints (see `encode_config`): kernel (0 decode, 1 prefill, 2 unpacked: W_hat
+unpacked on the device, then cuBLAS), block_m, split_k, num_warps, num_stages, group_m, reduce (0 fixup: in
+the kernel, 1 launch: a second kernel). The decode side may
+be bucketed by M (`encode_buckets`): records of 8 ints, the bucket's largest M then its config, in
 increasing M; the first bucket that holds M serves it (the last one serves any larger M up to the
 threshold), so M = 1, 2-4, 5-8, ... each get a config that reads the weights once.
 
@@ -39,33 +40,34 @@ from patchc.codegen.launch import launch, unpack
 from patchc.codegen.layout import dense_from_buffers
 
 KERNEL_CODES = {"decode": 0, "prefill": 1, "unpacked": 2}
-CONFIG_FIELDS = ("kernel", "block_m", "split_k", "num_warps", "num_stages", "group_m")
+REDUCE_CODES = {"fixup": 0, "launch": 1}
+CONFIG_FIELDS = ("kernel", "block_m", "split_k", "num_warps", "num_stages", "group_m", "reduce")
 # How CPU tensors are served: "auto" = Triton iff the kernels module runs in the interpreter,
 # "reference" = always plain PyTorch, "triton" = always Triton (needs TRITON_INTERPRET=1 on CPU).
 CPU_IMPLS = ("auto", "reference", "triton")
 
 
 def encode_config(cfg: KernelConfig) -> list[int]:
-    """A fully resolved KernelConfig -> the op's 6-int form.
+    """A fully resolved KernelConfig -> the op's 7-int form.
 
     Example:
-        >>> encode_config(KernelConfig(kernel="decode", block_m=16, split_k=2, num_warps=4, num_stages=3, group_m=8))
-        [0, 16, 2, 4, 3, 8]
+        >>> encode_config(KernelConfig("decode", 16, split_k=2, num_warps=4, num_stages=3, group_m=8, reduce="fixup"))
+        [0, 16, 2, 4, 3, 8, 0]
     """
     if cfg.kernel not in KERNEL_CODES:
         raise ValueError(f"encode_config: kernel must be one of {tuple(KERNEL_CODES)} (resolved), got {cfg.kernel!r}")
-    vals = [cfg.block_m, cfg.split_k, cfg.num_warps, cfg.num_stages, cfg.group_m]
+    vals = [cfg.block_m, cfg.split_k, cfg.num_warps, cfg.num_stages, cfg.group_m, cfg.reduce]
     if any(v is None for v in vals):
         raise ValueError(f"encode_config: every field must be set (use resolve_config first), got {cfg}")
-    return [KERNEL_CODES[cfg.kernel], *(int(v) for v in vals)]
+    return [KERNEL_CODES[cfg.kernel], *(int(v) for v in vals[:-1]), REDUCE_CODES[cfg.reduce]]
 
 
 def encode_buckets(buckets: list[tuple[int, KernelConfig]]) -> list[int]:
-    """[(largest M, config), ...] in increasing M -> the op's flat decode_cfg (7 ints per bucket).
+    """[(largest M, config), ...] in increasing M -> the op's flat decode_cfg (8 ints per bucket).
 
     Example:
-        >>> encode_buckets([(1, KernelConfig("decode", 1, None, None, 4, 4, 4, 8))])
-        [1, 0, 1, 4, 4, 4, 8]
+        >>> encode_buckets([(1, KernelConfig("decode", 1, None, None, 4, 4, 4, 8, "fixup"))])
+        [1, 0, 1, 4, 4, 4, 8, 0]
     """
     bounds = [int(m) for m, _ in buckets]
     if not bounds or bounds != sorted(set(bounds)) or bounds[0] < 1:
@@ -74,17 +76,17 @@ def encode_buckets(buckets: list[tuple[int, KernelConfig]]) -> list[int]:
 
 
 def pick_decode(decode_cfg: list[int], m: int) -> list[int]:
-    """The 6-int decode config that serves M: decode_cfg itself (6 ints) or its first bucket holding M.
+    """The 7-int decode config that serves M: decode_cfg itself (7 ints) or its first bucket holding M.
 
     Example:
-        >>> pick_decode([1, 0, 1, 4, 4, 4, 8, 4, 0, 4, 4, 4, 4, 8], 3)
-        [0, 4, 4, 4, 4, 8]
+        >>> pick_decode([1, 0, 1, 4, 4, 4, 8, 0, 4, 0, 4, 4, 4, 4, 8, 1], 3)
+        [0, 4, 4, 4, 4, 8, 1]
     """
     width = len(CONFIG_FIELDS) + 1
     if len(decode_cfg) == len(CONFIG_FIELDS):
         return list(decode_cfg)
     if not decode_cfg or len(decode_cfg) % width:
-        raise ValueError(f"decode_cfg holds 6 ints or buckets of {width}, got {len(decode_cfg)} ints")
+        raise ValueError(f"decode_cfg holds {len(CONFIG_FIELDS)} ints or buckets of {width}, got {len(decode_cfg)} ints")
     for start in range(0, len(decode_cfg), width):
         if m <= decode_cfg[start]:
             break
@@ -92,10 +94,10 @@ def pick_decode(decode_cfg: list[int], m: int) -> list[int]:
 
 
 def decode_config(ints: list[int]) -> KernelConfig:
-    """The op's 6-int form -> KernelConfig (the inverse of `encode_config`).
+    """The op's 7-int form -> KernelConfig (the inverse of `encode_config`).
 
     Example:
-        >>> decode_config([1, 64, 1, 8, 3, 8]).kernel
+        >>> decode_config([1, 64, 1, 8, 3, 8, 0]).kernel
         'prefill'
     """
     if len(ints) != len(CONFIG_FIELDS):
@@ -103,8 +105,11 @@ def decode_config(ints: list[int]) -> KernelConfig:
     kernel = {v: k for k, v in KERNEL_CODES.items()}.get(int(ints[0]))
     if kernel is None:
         raise ValueError(f"unknown kernel code {ints[0]} (0 decode, 1 prefill, 2 unpacked)")
-    bm, sk, nw, ns, gm = (int(v) for v in ints[1:])
-    return KernelConfig(kernel=kernel, block_m=bm, split_k=sk, num_warps=nw, num_stages=ns, group_m=gm)
+    reduce = {v: k for k, v in REDUCE_CODES.items()}.get(int(ints[-1]))
+    if reduce is None:
+        raise ValueError(f"unknown reduce code {ints[-1]} (0 fixup, 1 launch)")
+    bm, sk, nw, ns, gm = (int(v) for v in ints[1:-1])
+    return KernelConfig(kernel=kernel, block_m=bm, split_k=sk, num_warps=nw, num_stages=ns, group_m=gm, reduce=reduce)
 
 
 def cpu_impl() -> str:
@@ -166,7 +171,7 @@ def tile_linear(
 
     Example:
         >>> y = torch.ops.patchc.tile_linear(x, *bufs, None, "fc.weight", [N, K], [16, 16], [-1, -1],
-        ...                                   [0, 16, 1, 4, 4, 8], [1, 64, 1, 8, 3, 8], 64)  # doctest: +SKIP
+        ...                                   [0, 16, 1, 4, 4, 8, 0], [1, 64, 1, 8, 3, 8, 0], 64)  # doctest: +SKIP
     """
     n, k = _check(x, dense, values, bias, name, shape)
     lead = x.shape[:-1]

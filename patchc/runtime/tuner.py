@@ -76,8 +76,9 @@ class LayerTuning:
     (a search `tune_plan`'s time limit cut short).
 
     Example:
-        >>> t = LayerTuning("fc.weight", (64, 64), KernelConfig("decode", 16, 64, 64, 4, 4, 4, 8),
-        ...                 KernelConfig("prefill", 128, 64, 64, 1, 8, 3, 8), threshold=64)
+        >>> t = LayerTuning("fc.weight", (64, 64), KernelConfig("decode", 16, 64, 64, 4, 4, 4, 8, "fixup"),
+        ...                 KernelConfig("prefill", 128, 64, 64, 1, 8, 3, 8, "fixup"),
+        ...                 threshold=64)
         >>> t.threshold
         64
     """
@@ -211,7 +212,7 @@ def _semi_structured_ms(t: LayerTimer, m: int) -> float:
 
 
 def _record_cfg(rec: Mapping[str, Any], name: str, block: tuple[int, int]) -> KernelConfig:
-    """A cached 6-int config plus the block it was tuned with (the ints do not carry the block)."""
+    """A cached 7-int config plus the block it was tuned with (the ints do not carry the block)."""
     return dataclasses.replace(decode_config(list(rec[name])), block_n=int(block[0]), block_k=int(block[1]))
 
 
