@@ -70,6 +70,8 @@ def test_dry_run_times_against_dense_and_runs_the_model(dry_run):
     assert all(r["ceiling"] > 1.3 for r in speed if r["M"] <= 16)  # 35% and all-2:4 layers move fewer bytes
     # each row names the kernel that served it (untuned: the decode buckets, then the hybrid prefill)
     assert all(r["route"] == ("decode" if r["M"] <= 64 else "prefill") for r in speed)
+    # and its config: the decode rows split K and add the splits up in the kernel (the default)
+    assert all(r["config"]["split_k"] > 1 and r["config"]["reduce"] == "fixup" for r in speed if r["M"] <= 4)
     e2e = record["e2e"]["rows"]
     assert {r["batch"] for r in e2e} == {1, 16} and all(r["logits_ok"] for r in e2e)
     # one prompt's prefill timed for both models, in the same run
@@ -77,6 +79,7 @@ def test_dry_run_times_against_dense_and_runs_the_model(dry_run):
                and r["prefill_speedup"] == r["dense_prefill_ms"] / r["long_prefill_ms"] for r in e2e)
     md = next(out.glob("*.md")).read_text()
     assert "DRY RUN" in md and "| gemv |" in md and "| unpacked |" in md and "End to end" in md
+    assert "| decode " in md and "-way fixup |" in md  # the speed table's kernel column: splits, how added
     assert "Fused MoE experts" in md and "| configs | kernel |" in md and "| 64 tokens: " in md
 
 
@@ -397,6 +400,10 @@ def test_speed_times_every_case_with_defaults_before_tuning_any(monkeypatch):
 
         def route(self, m):
             return "decode" if m <= 16 else "prefill"
+
+        def config(self, m):
+            return types.SimpleNamespace(block_m=16, split_k=4 if m <= 16 else 1, reduce="fixup", num_warps=4,
+                                         num_stages=1)
 
     def runtime_layer(layer, dtype, device, tune, time_limit=None):
         events.append(tune)

@@ -137,7 +137,7 @@ def _speed_md(s: dict[str, Any]) -> list[str]:
            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in s["rows"]:
         out.append(f"| {r['case']} | {r['M']} | {r.get('tuning') or ('tuned' if r.get('tuned') else 'default')} "
-                   f"| {r.get('route', '-')} "
+                   f"| {_kernel_cell(r)} "
                    f"| {_fmt(1e3 * r['dense_ms'], '.1f')} | {_fmt(1e3 * r['tile_ms'], '.1f')} "
                    f"| {r['speedup']:.2f}x | {_fmt(r.get('ceiling'), '.2f')} | {_fmt(r.get('of_ceiling'), '.0%')} "
                    f"| {r['tile_GBps']:.0f} | {_fmt(r.get('of_peak'), '.0%')} "
@@ -145,6 +145,14 @@ def _speed_md(s: dict[str, Any]) -> list[str]:
     if s["skipped"]:
         out.append(f"\nNot timed (time budget): {', '.join(s['skipped'])}")
     return out + [""]
+
+
+def _kernel_cell(r: dict[str, Any]) -> str:
+    """The route, and for a split-K launch its splits and how they were added ("decode 16-way fixup")."""
+    cfg = r.get("config") or {}
+    if cfg.get("split_k", 1) > 1:
+        return f"{r.get('route')} {cfg['split_k']}-way {cfg.get('reduce')}"
+    return r.get("route", "-")
 
 
 def _e2e_md(e: dict[str, Any]) -> list[str]:

@@ -82,6 +82,9 @@ def time_case(case: LayerCase, device: str, timer: Callable[[Callable[[], Any]],
         io = (m * k + m * n) * elem
         row: dict[str, Any] = {"case": case.label, "shape": [n, k], "kinds": case.kinds, "M": m,
                                "dtype": case.dtype, "tuned": tune, "tuning": source, "route": mod.route(m)}
+        if row["route"] in ("decode", "prefill"):  # what our kernel ran with: split-K and how it adds up, ...
+            cfg = mod.config(m)
+            row["config"] = {f: getattr(cfg, f) for f in ("block_m", "split_k", "reduce", "num_warps", "num_stages")}
         base = baselines.get((case.label, m)) if baselines is not None else None
         if base is None:
             base = {"dense_ms": timer(lambda: F.linear(x, w)),

@@ -305,19 +305,22 @@ def store_out(acc, offs_m, offs_n, keep_m, y_ptr, part_ptr, count_ptr, bias_ptr,
     """Epilogue for an acc[BM, BN] tile (rows where `keep_m`): bias + cast + store, or a split's fp32 partial
     sum; with FIXUP the tile's last split to finish then adds the partial sums itself (`fixup`)."""
     mask = keep_m[:, None] & (offs_n[None, :] < N)
-    offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     if SPLIT_K == 1:
+        offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(part_ptr + split.to(tl.int64) * M * N + offs, acc, mask=mask)
+        # int32: the launcher keeps SPLIT_K * M * N under 2**31 (`launch.MAX_WORKSPACE_BYTES`), and 64-bit
+        # offsets kept live to the fixup cost registers
+        offs = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + split * M * N + offs, acc, mask=mask)
         if FIXUP:
-            fixup(offs, offs_n, mask, y_ptr, part_ptr, count_ptr, bias_ptr, M, N, HAS_BIAS, SPLIT_K)
+            fixup(offs_m, offs_n, keep_m, y_ptr, part_ptr, count_ptr, bias_ptr, M, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
-def fixup(offs, offs_n, mask, y_ptr, part_ptr, count_ptr, bias_ptr, M, N: tl.constexpr,
+def fixup(offs_m, offs_n, keep_m, y_ptr, part_ptr, count_ptr, bias_ptr, M, N: tl.constexpr,
           HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
     """Split-K without a second launch: each split counts itself in on its output tile's counter once its
     partial sum is stored; the last one in adds the SPLIT_K partial sums in split order (so y is bitwise
@@ -331,9 +334,11 @@ def fixup(offs, offs_n, mask, y_ptr, part_ptr, count_ptr, bias_ptr, M, N: tl.con
     tile = tl.program_id(0) + tl.program_id(2) * tl.num_programs(0)
     arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLIT_K - 1:
+        offs = offs_m[:, None] * N + offs_n[None, :]  # recomputed: cheaper than keeping them live
+        mask = keep_m[:, None] & (offs_n[None, :] < N)
         total = tl.zeros(offs.shape, dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            total += tl.load(part_ptr + s * M.to(tl.int64) * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in range(SPLIT_K):  # a loop, not unrolled: SPLIT_K tiles of loads in flight cost registers
+            total += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
         if HAS_BIAS:
             total += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)

@@ -4,10 +4,9 @@ Uses the `cuobjdump` and `nvdisasm` that Triton ships with its NVIDIA backend (`
 the resource line, nvdisasm for the machine code of many kernels in one call). The numbers are what a
 profiler would show first when a kernel is slow: registers per thread (occupancy), local-memory bytes
 (spills), and whether the weight loads are 128-bit (`LDG.E.128`), pipelined into shared memory (`LDGSTS`,
-i.e. cp.async) and fed to tensor cores (`HMMA` on sm_80, `HGMMA`, i.e. wgmma, on sm_90). For the
-weight-streaming loops (`weight_loops`): the instructions, barriers and shuffles of one iteration, and the
-warp-instructions issued per weight byte, the number that decides whether a decode kernel can reach the
-memory roofline at all.
+i.e. cp.async) and fed to tensor cores (`HMMA` on sm_80, `HGMMA`, i.e. wgmma, on sm_90). For the weight
+loops (`weight_loops`): one iteration's instructions, barriers and shuffles, and the warp-instructions
+issued per weight byte, which decide whether a decode kernel can reach the memory roofline at all.
 
 Example:
     >>> usage = resource_usage("kernels/sm_90/layer/prefill.cubin")   # doctest: +SKIP
@@ -55,6 +54,8 @@ LOOP_COUNTS = {
     "lds": r"\bLDS\b",
     "sts": r"\bSTS\b",
     "ffma": INSTRUCTIONS["ffma"],
+    "ldg_past_l1": r"\bLDG\.E[\w.]*\.STRONG\.GPU\b",  # ld.global.cg: split-K's fixup, never a weight load
+    "local": r"\b(?:LDL|STL)\b",  # stack or spill traffic: per iteration when inside a loop
 }
 
 
@@ -325,7 +326,7 @@ def weight_loops(sass: str | None, has_dense: bool, has_sparse: bool, block: tup
         return None
     bn, bk = block
     kinds = [("dense", bn * bk * elem_bytes)] * has_dense + [("2:4", bn * bk // 2 * elem_bytes + bn * bk // 8)] * has_sparse
-    found = loops(sass)
+    found = [lp for lp in loops(sass) if not lp["ldg_past_l1"]]  # the fixup's loop over splits is no weight loop
     if len(found) != len(kinds):
         return None if found else []
     out = []
@@ -343,9 +344,9 @@ def weight_loops(sass: str | None, has_dense: bool, has_sparse: bool, block: tup
 MMA_ISSUE_BUDGET = {"sm_80": 4e3 / 2048, "sm_90": 4e3 / 4096}
 
 
-# The decode-kernel issue's static targets, for every decode variant that serves M <= 16: warp-instructions
-# per weight byte of each weight loop, barriers per iteration where the variant serves M <= 4, no spills,
-# 128-bit weight loads. Above ~0.28 w-instr/B an H100 cannot be memory bound; these leave room for the rest.
+# The decode-kernel issue's static targets, for every decode variant that serves M <= 16: warp-instructions per
+# weight byte of each weight loop, barriers per iteration where the variant serves M <= 4, no spills, no local
+# memory in a loop, 128-bit weight loads. Above ~0.28 w-instr/B an H100 cannot be memory bound: room for the rest.
 LOOP_TARGETS = {"dense": 0.08, "2:4": 0.14}
 ISSUE_CEILING = 0.93e12 / 3.35e12  # H100 warp-instructions per HBM byte: a loop above it cannot be memory bound
 TARGET_M = 16  # variants serving M up to this are held to LOOP_TARGETS
@@ -358,9 +359,8 @@ SMALLEST_FAST_TILE = 64
 
 def target_misses(m_min: int, loops: list[dict] | None, profile: dict | None) -> list[str]:
     """The static targets a decode variant serving M >= `m_min` misses ([] = all hold; `loops` as
-    `weight_loops` returns them, `profile` as `static_profile`). Variants from M > 16 on have no targets,
-    nor has unrolled code (`loops == []`): a program reading a fixed tile or two has no loop whose cost
-    grows with the layer.
+    `weight_loops` returns them, `profile` as `static_profile`). Variants from M > 16 on have none, nor has
+    unrolled code (`loops == []`); a stack slot misses only inside a weight loop (ptxas may park one across them).
 
     Example:
         >>> target_misses(1, [{"loop": "2:4", "warp_instr_per_byte": 0.2, "barriers": 2, "ldg128": 2}],
@@ -382,9 +382,9 @@ def target_misses(m_min: int, loops: list[dict] | None, profile: dict | None) ->
             misses.append(f"{kind} loop {lp['barriers']} barriers per iteration > {SMALL_M_BARRIERS[1]}")
         if lp["ldg128"] < 1:
             misses.append(f"{kind} loop has no 128-bit weight load")
-    if profile.get("spill_bytes", 0) or profile.get("stack_bytes", 0):
-        misses.append(f"spills {profile.get('spill_bytes', 0)} B")
-    return misses
+        if lp.get("local", 0):
+            misses.append(f"{kind} loop touches local memory ({lp['local']} LDL / STL per iteration)")
+    return misses + [f"spills {profile['spill_bytes']} B"] * bool(profile.get("spill_bytes", 0))
 
 
 def static_profile(cubin: str | os.PathLike, sass: str | None = None) -> dict[str, int] | None:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from patchc.codegen.configs import arch_of, choose_block
+from patchc.codegen.configs import KernelConfig, arch_of, choose_block
 from patchc.codegen.launch import warm
 from patchc.codegen.layout import BUFFER_NAMES, pack
 from patchc.runtime import op as _op  # registers torch.ops.patchc.tile_linear
@@ -177,10 +177,19 @@ class TileLinear(nn.Module):
             if self.semi_weight is not None and m > self.threshold:
                 continue  # torch's semi-structured kernels serve it
             x = torch.zeros(m, self.in_features, dtype=self.values.dtype, device=self.values.device)
-            cfg = _op.decode_config(_op.pick_decode(self.decode_buckets, m) if m <= self.threshold else self.prefill_cfg)
             out.append(functools.partial(warm, x, tuple(getattr(self, n) for n in BUFFER_NAMES), self.bias,
-                                         (self.out_features, self.in_features), self.block, self.per_row, cfg))
+                                         (self.out_features, self.in_features), self.block, self.per_row,
+                                         self.config(m)))
         return out
+
+    def config(self, m: int) -> KernelConfig:
+        """The launch config of our kernels for M tokens: M's decode bucket, or the prefill config.
+
+        Example:
+            >>> mod.config(1).split_k, mod.config(1).reduce   # doctest: +SKIP
+            (16, 'fixup')
+        """
+        return _op.decode_config(_op.pick_decode(self.decode_buckets, m) if m <= self.threshold else self.prefill_cfg)
 
     def route(self, m: int) -> str:
         """What serves M tokens on a GPU: "decode" (M's bucket), "prefill" (the hybrid GEMM), "unpacked" (W * M
@@ -194,7 +203,7 @@ class TileLinear(nn.Module):
             return "decode"
         if self.semi_weight is not None:
             return "semi_structured"
-        return _op.decode_config(self.prefill_cfg).kernel
+        return self.config(m).kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         semi = self.semi_weight
