@@ -180,6 +180,34 @@ def test_check_reports_a_failing_kernel_instead_of_crashing(monkeypatch):
     assert exit_status({"check": {"failed": auto}}) == 1
 
 
+@needs_cpu
+@pytest.mark.interpreter
+def test_speed_times_copies_of_the_layer_in_turn_so_its_weights_come_from_hbm(monkeypatch):
+    """With `cold_copies` copies (on a GPU: twice the L2 of weights), each timed call runs every copy of the
+    layer once, of the dense weight and of patchc's layer alike, and the time is divided by their number."""
+    from patchc.bench import speed
+    from patchc.runtime.dispatch import TileLinear
+
+    monkeypatch.setattr(speed, "cold_copies", lambda nbytes, device: 3)
+    seen, real_forward, real_linear = [], TileLinear.forward, speed.F.linear
+    monkeypatch.setattr(TileLinear, "forward", lambda self, x: seen.append(("tile", id(self))) or real_forward(self, x))
+    monkeypatch.setattr(speed.F, "linear", lambda x, w, *a: seen.append(("dense", w.data_ptr())) or real_linear(x, w, *a))
+
+    calls = []
+
+    def timer(fn):
+        seen.clear()
+        fn()
+        calls.append(list(seen))
+        return 6.0
+
+    rows = speed.time_case(LayerCase((64, 96), 0.35, (32, 32), "fp16", (1,)), "cpu", timer, False, 0)
+    assert [r["copies"] for r in rows] == [3] and rows[0]["dense_ms"] == rows[0]["tile_ms"] == 2.0
+    dense, tile = calls  # one timing each: three distinct weights, three distinct layers
+    assert {kind for kind, _ in dense} == {"dense"} and len({ptr for _, ptr in dense}) == 3
+    assert {kind for kind, _ in tile} == {"tile"} and len({who for _, who in tile}) == 3
+
+
 def test_error_bound_is_twice_cublas_plus_one_rounding():
     assert error_bound(1e-3, 4.0, torch.float16) == pytest.approx(2e-3 + 4.0 * 2**-11)
     assert error_bound(0.0, 1.0, torch.bfloat16) == pytest.approx(2**-8)

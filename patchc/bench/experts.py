@@ -8,7 +8,9 @@ Correctness: `TileGroupedLinear` against the float64 loop over the experts, with
 the same loop in the dtype (cuBLAS). Speed, both timed with CUDA graphs in the same run: the grouped
 launch against the dense baseline, ``torch._grouped_mm`` where it runs (transformers' own path: bf16 on
 sm_90) or else an F.linear per routed expert. At decode the bound is the weight bytes of the experts that
-receive tokens: `ceiling` = their dense bytes / their hybrid bytes.
+receive tokens: `ceiling` = their dense bytes / their hybrid bytes. As in the speed part, each timing
+calls copies of the experts in turn (`cold_copies` of one token's experts), so a graph replay reads them
+from HBM, not from an L2 that still holds them from the replay before.
 
 Example:
     >>> rows = run_experts(expert_cases(BenchOptions(dry_run=True)), "cpu", cpu_timer(), 0, Deadline(60))  # doctest: +SKIP
@@ -16,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from patchc.bench.check import error_bound
-from patchc.bench.layers import DTYPES, Deadline, make_layer, run_cases, weight_bytes
+from patchc.bench.layers import DTYPES, Deadline, cold_copies, in_turn, make_layer, run_cases, weight_bytes
 from patchc.bench.options import BenchOptions, LayerCase
 
 DISTINCT_PLANS = 2  # experts cycle through this many random plans (building 128 costs minutes, moves no bytes)
@@ -123,13 +126,17 @@ def run_case(case: ExpertCase, device: str, timer: Callable[[Callable[[], Any]],
     compile_ahead([mod], [tokens * case.top_k for tokens in case.tokens])  # every routed row count (GPU only)
     elem = torch.empty((), dtype=dtype).element_size()
     hybrid_b, dense_b = weight_bytes(layer, elem)  # per expert: the distinct plans share the sparsity
+    copies = cold_copies(case.top_k * hybrid_b, device)
+    mods = [mod] + [copy.deepcopy(mod) for _ in range(copies - 1)]
+    slice_sets = [slices] + [slices.clone() for _ in range(copies - 1)]
     rows = []
     for tokens in case.tokens:
         offs, counts = routing(tokens, case, device, seed + tokens)
         s, active = sum(counts), sum(c > 0 for c in counts)
         x = (torch.randn(s, case.shape[1], generator=torch.Generator().manual_seed(seed)) / case.shape[1] ** 0.5)
         x = x.to(device=device, dtype=dtype)
-        row: dict[str, Any] = {"case": case.label, "tokens": tokens, "rows": s, "active_experts": active}
+        row: dict[str, Any] = {"case": case.label, "tokens": tokens, "rows": s, "active_experts": active,
+                               "copies": copies}
         with torch.no_grad():
             if tokens in case.check_tokens:
                 ref = dense_loop(x, slices, counts, torch.float64)
@@ -137,9 +144,10 @@ def run_case(case: ExpertCase, device: str, timer: Callable[[Callable[[], Any]],
                 bound = error_bound((dense_loop(x, slices, counts).double() - ref).abs().max().item(),
                                     ref.abs().max().item(), dtype)
                 row.update(err=err, bound=bound, ok=err <= bound)
-            row["baseline"], dense_fn = dense_baseline(x, slices, offs, counts)
-            row["dense_ms"] = timer(dense_fn)
-            row["tile_ms"] = timer(lambda: mod(x, offs))
+            baselines = [dense_baseline(x, si, offs, counts) for si in slice_sets]
+            row["baseline"] = baselines[0][0]
+            row["dense_ms"] = timer(in_turn([fn for _, fn in baselines])) / copies
+            row["tile_ms"] = timer(in_turn([lambda mi=mi: mi(x, offs) for mi in mods])) / copies
         row["speedup"] = row["dense_ms"] / row["tile_ms"]
         row["tile_GBps"] = active * hybrid_b / row["tile_ms"] / 1e6
         if tokens <= 16:  # decode: bound by the routed experts' weight bytes

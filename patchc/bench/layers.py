@@ -101,6 +101,30 @@ def gpu_timer(cuda_graph: bool = True) -> Callable[[Callable[[], Any]], float]:
     return timer
 
 
+def cold_copies(nbytes: int, device: str) -> int:
+    """Copies of a layer whose `nbytes` of weights, called in turn, hold twice the device's L2 (1 off CUDA):
+    a CUDA graph replaying one small layer would find its weights in L2 and time L2, not HBM.
+
+    Example:
+        >>> cold_copies(18 << 20, "cpu")
+        1
+    """
+    if torch.device(device).type != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(torch.device(device)), "L2_cache_size", 0) or 50 << 20
+    return max(1, math.ceil(2 * l2 / max(1, nbytes)))
+
+
+def in_turn(fns: list[Callable[[], Any]]) -> Callable[[], None]:
+    """One call that calls each of `fns` once, in order (timing copies of a layer: `cold_copies`)."""
+
+    def run() -> None:
+        for fn in fns:
+            fn()
+
+    return run
+
+
 def cpu_timer(reps: int = 3, warmup: int = 1) -> Callable[[Callable[[], Any]], float]:
     """ms of fn on CPU: the median of `reps` calls after `warmup` (dry runs: the numbers mean nothing)."""
 
