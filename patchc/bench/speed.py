@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable
 
 import torch
@@ -69,6 +68,7 @@ def time_case(case: LayerCase, device: str, timer: Callable[[Callable[[], Any]],
     """Rows of one speed case: one per M, all timings from this run. `baselines` memoises the dense and
     cuSPARSELt timings by (case, M): a second pass over the same cases times only patchc. Tuning stops at
     `deadline` (rows say "partial")."""
+    from patchc.runtime import TileLinear
     from patchc.runtime.timing import compile_ahead
 
     dtype = DTYPES[case.dtype]
@@ -80,7 +80,8 @@ def time_case(case: LayerCase, device: str, timer: Callable[[Callable[[], Any]],
     elem = torch.empty((), dtype=dtype).element_size()
     hybrid_b, dense_b = weight_bytes(layer, elem)
     copies = cold_copies(hybrid_b, device)
-    mods = [mod] + [copy.deepcopy(mod) for _ in range(copies - 1)]
+    # rebuilt from the plan with the same tuning (torch's 2:4 weight, where it serves prefill, does not deepcopy)
+    mods = [mod] + [TileLinear.from_plan(layer, mod.tuning, dtype=dtype, device=device) for _ in range(copies - 1)]
     ws = [w] + [w.clone() for _ in range(copies - 1)]
     semis = [semi_structured(wi) for wi in ws] if case.kinds == "2:4" and not _timed(baselines, case) else None
     n, k = case.shape
