@@ -78,6 +78,28 @@ def test_fixup_equals_the_reduce_launch_bit_for_bit(kernel, m, block_m, split_k,
     assert torch.equal(again, fixed) and _counters_are_zero()
 
 
+def test_whichever_split_finishes_last_adds_them_all(monkeypatch):
+    """On a GPU any split of a tile may finish last; the interpreter runs them in grid order, so the last is
+    always the highest. Run the splits (and the block rows) in reverse: the last one in is now split 0,
+    and it must still add every split's partial sum, in split order."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    layer = random_layer_plan(70, 200, tile=(16, 16), kinds="mixed", bias=True, seed=8)
+    packed = pack(layer)
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(8))
+    cfg = KernelConfig(kernel="decode", block_m=4, split_k=5, reduce="fixup")
+    want = tile_linear(x, packed, config=replace(cfg, reduce="launch"))
+    real, ran = InterpreterBuilder.set_grid_idx, []
+
+    def reversed_order(self, px, py, pz):
+        ran.append((self.grid_dim[0] - 1 - px, self.grid_dim[1] - 1 - py))
+        return real(self, *ran[-1], pz)
+
+    monkeypatch.setattr(InterpreterBuilder, "set_grid_idx", reversed_order)
+    assert torch.equal(tile_linear(x, packed, config=cfg), want) and _counters_are_zero()
+    assert ran[:2] == [(4, 4), (4, 3)] and ran[-1] == (0, 0)  # 5 block rows x 5 splits, last to first
+
+
 def test_fused_experts_fixup_equals_the_reduce_launch(monkeypatch):
     """Grouped decode: programs past the last token tile count in nowhere, and the rows no expert owns
     stay zero (the reduce launch read them from zeroed partial sums)."""
