@@ -96,30 +96,62 @@ def stack_transposed(w: torch.Tensor, block: tuple[int, int], name: str = "<tran
     """
     if w.dim() != 3:
         raise PackError(f"{name}: stack_transposed needs (E, N, K) weights, got shape {tuple(w.shape)}")
-    e, n, k = w.shape
-    bn, bk = block
+    out = transposed_layout(w.shape[0], tuple(w.shape[1:]), block, w.dtype, w.device, name)
+    fill_transposed(out, w, 0)
+    return out
+
+
+def transposed_layout(num_experts: int, shape: tuple[int, int], block: tuple[int, int], dtype: torch.dtype,
+                      device: torch.device, name: str = "<transposed experts>") -> PackedLayer:
+    """The all-dense stacked layout of E experts' (K, N) transposes of (N, K) weights, its blocks zeros:
+    `fill_transposed` writes them, a few experts at a time if need be.
+
+    Example:
+        >>> transposed_layout(2, (20, 16), (16, 16), torch.float32, torch.device("cpu")).dense.shape
+        torch.Size([4, 16, 16])
+    """
+    (n, k), (bn, bk) = shape, block
     rb, cb = tile_grid((k, n), block)
-    dense = _dense_blocks(w.transpose(1, 2), block)
-    ints = dict(dtype=torch.int32, device=w.device)
+    ints = dict(dtype=torch.int32, device=device)
     return PackedLayer(
-        name=name, shape=(e * rb * bn, n), block=block, dtype=w.dtype,
-        kinds=torch.full((e * rb, cb), TILE_DENSE, dtype=torch.uint8, device=w.device),
-        dense=dense, values=w.new_zeros(0, bn, bk // 2),
-        meta=torch.zeros(0, bn, bk // 8, dtype=torch.uint8, device=w.device),
-        dense_rowptr=torch.arange(e * rb + 1, **ints) * cb, dense_cols=torch.arange(cb, **ints).repeat(e * rb),
-        sparse_rowptr=torch.zeros(e * rb + 1, **ints), sparse_cols=torch.zeros(0, **ints), per_row=(cb, 0),
+        name=name, shape=(num_experts * rb * bn, n), block=block, dtype=dtype,
+        kinds=torch.full((num_experts * rb, cb), TILE_DENSE, dtype=torch.uint8, device=device),
+        dense=torch.zeros(num_experts * rb * cb, bn, bk, dtype=dtype, device=device),
+        values=torch.zeros(0, bn, bk // 2, dtype=dtype, device=device),
+        meta=torch.zeros(0, bn, bk // 8, dtype=torch.uint8, device=device),
+        dense_rowptr=torch.arange(num_experts * rb + 1, **ints) * cb,
+        dense_cols=torch.arange(cb, **ints).repeat(num_experts * rb),
+        sparse_rowptr=torch.zeros(num_experts * rb + 1, **ints), sparse_cols=torch.zeros(0, **ints), per_row=(cb, 0),
     )
 
 
-def _dense_blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def fill_transposed(layout: PackedLayer, w: torch.Tensor, first: int) -> None:
+    """Write experts first .. first + len(w) - 1 of a `transposed_layout`: their W_e^T blocks, of w (E', N, K)."""
+    rb, cb = tile_grid((w.shape[2], w.shape[1]), layout.block)
+    blocks = layout.dense[first * rb * cb : (first + w.shape[0]) * rb * cb]
+    _dense_blocks(w.transpose(1, 2), layout.block, out=blocks)
+
+
+def _dense_blocks(w: torch.Tensor, block: tuple[int, int], out: torch.Tensor | None = None) -> torch.Tensor:
     """(E, R, C) weights as the kernel layout's dense blocks, (E * RB * CB, BN, BK) on w's device: each
-    weight's block rows in turn, a row's blocks in column order, the edge blocks zero padded."""
+    weight's block rows in turn, a row's blocks in column order, the edge blocks zero padded. Written into
+    `out` (zeros, or new) by strided copies of w's views, so nothing but `out` is allocated (a padded copy
+    and its permuted copy held the weights three times over)."""
     e, r, c = w.shape
     bn, bk = block
     rb, cb = tile_grid((r, c), block)
-    padded = w.new_zeros(e, rb * bn, cb * bk)
-    padded[:, :r, :c] = w
-    return padded.reshape(e * rb, bn, cb, bk).permute(0, 2, 1, 3).reshape(e * rb * cb, bn, bk)
+    out = w.new_zeros(e * rb * cb, bn, bk) if out is None else out
+    dst = out.view(e, rb, cb, bn, bk).permute(0, 1, 3, 2, 4)  # (E, RB, BN, CB, BK): rows and columns of w
+    fr, fc, tr, tc = r // bn, c // bk, r % bn, c % bk  # full block rows / columns, then the tails
+    if fr and fc:
+        dst[:, :fr, :, :fc].copy_(w[:, : fr * bn, : fc * bk].unflatten(1, (fr, bn)).unflatten(3, (fc, bk)))
+    if fr and tc:
+        dst[:, :fr, :, fc, :tc].copy_(w[:, : fr * bn, fc * bk :].unflatten(1, (fr, bn)))
+    if tr and fc:
+        dst[:, fr, :tr, :fc].copy_(w[:, fr * bn :, : fc * bk].unflatten(2, (fc, bk)))
+    if tr and tc:
+        dst[:, fr, :tr, fc, :tc].copy_(w[:, fr * bn :, fc * bk :])
+    return out
 
 
 def experts_from_buffers(buffers: tuple[torch.Tensor, ...], num_experts: int, shape: tuple[int, int],
@@ -131,4 +163,5 @@ def experts_from_buffers(buffers: tuple[torch.Tensor, ...], num_experts: int, sh
     return stacked.reshape(num_experts, rows, k)[:, :n]
 
 
-__all__ = ["experts_from_buffers", "pack_dense", "stack_experts", "stack_transposed"]
+__all__ = ["experts_from_buffers", "fill_transposed", "pack_dense", "stack_experts", "stack_transposed",
+           "transposed_layout"]

@@ -10,11 +10,12 @@ with their dense and 2:4 tiles, the others as dense blocks of their weight. The 
   the op can be captured in a CUDA graph;
 * on CPU otherwise a plain-PyTorch reference (W_hat of every expert rebuilt, one matmul per expert).
 
-The backward to x (`tile_grouped_mm_grad_x`) reads nothing on the host either where the kernels run: one
-launch unpacks every expert's W_hat (`launch.unpack` over the stacked layout), their transposes are laid out
-as dense blocks on the device (`grouped_layout.stack_transposed`), and the grouped kernels multiply each
-expert's rows of dL/dy by its W_hat, holding the experts' dense weights twice meanwhile. The CPU reference
-reads the offsets on the host and runs one matmul per expert.
+The backward to x (`tile_grouped_mm_grad_x`) reads nothing on the host either where the kernels run: the
+experts' W_hat are unpacked a few experts at a time (`launch.unpack` over a slice of the stacked layout's
+block rows, `UNPACK_CHUNKS` launches) and their transposes written as dense blocks into one stacked layout on
+the device (`grouped_layout.fill_transposed`), so the experts' dense weights are held once, plus one
+chunk; then the grouped kernels multiply each expert's rows of dL/dy by its W_hat. The CPU reference reads
+the offsets on the host and runs one matmul per expert.
 
 Example:
     >>> mod = TileGroupedLinear.from_plan(plan, "mlp.experts.down_proj", w_nk)     # doctest: +SKIP
@@ -32,7 +33,8 @@ import triton
 from torch import nn
 
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, arch_of, choose_block, resolve_config
-from patchc.codegen.grouped_layout import experts_from_buffers, pack_dense, stack_experts, stack_transposed
+from patchc.codegen.grouped_layout import (experts_from_buffers, fill_transposed, pack_dense, stack_experts,
+                                           transposed_layout)
 from patchc.codegen.launch import launch_grouped, unpack, warm_grouped
 from patchc.codegen.layout import BUFFER_NAMES, kernel_buffers, pack
 from patchc.ir import tile_grid
@@ -140,19 +142,32 @@ def tile_grouped_mm_grad_x(grad: torch.Tensor, offs: torch.Tensor, dense: torch.
     return out
 
 
+UNPACK_CHUNKS = 8  # the backward holds W_hat of 1/8 of the experts beside their transposes
+
+
+def _expert_rows(buffers: tuple[torch.Tensor, ...], start: int, end: int) -> tuple[torch.Tensor, ...]:
+    """The stacked buffers of block rows [start, end): views of the row pointers (their entries index the
+    whole buffers, which stay as they are)."""
+    dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols = buffers
+    return dense, values, meta, dense_rowptr[start : end + 1], dense_cols, sparse_rowptr[start : end + 1], sparse_cols
+
+
 def _grad_x_by_kernels(grad: torch.Tensor, offs: torch.Tensor, buffers: tuple[torch.Tensor, ...],
                        shape: tuple[int, int], num_experts: int, block: tuple[int, int]) -> torch.Tensor:
-    """dL/dx on the kernels' path, nothing read on the host: W_hat of every expert unpacked in one launch,
-    their transposes as dense blocks, the grouped kernels on dL/dy (see the module docstring)."""
+    """dL/dx on the kernels' path, nothing read on the host: W_hat unpacked a chunk of experts at a time, their
+    transposes written as dense blocks, the grouped kernels on dL/dy (see the module docstring)."""
     n, k = shape
-    rows = tile_grid(shape, block)[0] * block[0]  # an expert's block rows in the stacked layout
-    w = unpack(buffers, (num_experts * rows, k), block).view(num_experts, rows, k)[:, :n].to(grad.dtype)
+    rb = tile_grid(shape, block)[0]  # an expert's block rows in the stacked layout
     arch = arch_of(grad.device)
     # blocks of W_hat^T (K, N): the architecture's, no wider than the padded sides (dense: any block serves)
     pref = ARCH_TABLE[arch].block
     tb = (min(pref[0], max(16, triton.next_power_of_2(k))), min(pref[1], max(16, triton.next_power_of_2(n))))
-    wt = stack_transposed(w, tb, name="<experts' W_hat^T>")
-    del w
+    wt = transposed_layout(num_experts, shape, tb, grad.dtype, grad.device, name="<experts' W_hat^T>")
+    per = -(-num_experts // UNPACK_CHUNKS)
+    for first in range(0, num_experts, per):
+        count = min(per, num_experts - first)
+        w = unpack(_expert_rows(buffers, first * rb, (first + count) * rb), (count * rb * block[0], k), block)
+        fill_transposed(wt, w.view(count, rb * block[0], k)[:, :n].to(grad.dtype), first)
     # split_k 1: the experts' rows fill the GPU together (a training step's backward has many)
     cfg = resolve_config(KernelConfig(split_k=1), wt, grad.shape[0], arch)
     return launch_grouped(grad, offs, kernel_buffers(wt), (k, n), num_experts, tb, wt.per_row, cfg)
