@@ -242,7 +242,7 @@ def _prepare_grouped(x2: torch.Tensor, offs: torch.Tensor, buffers: tuple[torch.
     from patchc.codegen import grouped_kernels
 
     n, s = shape[0], x2.shape[0]
-    # zeros: rows no expert owns stay zero, in the output and in every split's partial sums
+    # zeros: rows no expert owns stay zero in the output (and, for a reduce launch, in the partial sums)
     cfg, y, part, consts, args = _prepare(x2, buffers, None, shape, block, per_row, cfg, True, num_experts, where)
     consts.update(NUM_EXPERTS=num_experts, EXPERTS_P2=grouped_kernels.experts_pow2(num_experts))
     tiles = math.ceil(s / cfg.block_m) + num_experts  # token tiles: an upper bound for any routing
@@ -266,6 +266,8 @@ def _prepare(x2: torch.Tensor, buffers: tuple[torch.Tensor, ...], bias: torch.Te
         cfg = replace(cfg, split_k=split_k)
     alloc = torch.zeros if zeros else torch.empty
     y = alloc((m, n), dtype=x2.dtype, device=x2.device)
+    # the reduce launch adds every row of the partial sums; the fixup only the rows its programs wrote
+    alloc = torch.zeros if zeros and not fixes_up(cfg) else torch.empty
     part = alloc((cfg.split_k, m, n), dtype=torch.float32, device=x2.device) if cfg.split_k > 1 else None
     consts = constexprs(shape, block, per_row, dense_cols.shape[0] > 0, sparse_cols.shape[0] > 0, cfg, x2.dtype,
                         bias is not None)
