@@ -90,3 +90,30 @@ def test_split_k_fixup_is_exact_launch_after_launch_and_in_a_cuda_graph(compiled
             torch.cuda.synchronize()
             assert torch.equal(y, want), f"M={m}: a graph replay added its splits up differently"
     assert all(int(buf.abs().sum()) == 0 for buf in counters._BUFFERS.values())
+
+
+def test_split_k_counters_made_in_a_cudagraph_trees_warm_up_stay_outside_its_pool(compiled_kernels):
+    """torch.compile(mode="reduce-overhead"): cudagraph trees send their eager warm-up's allocations to their
+    pool, and the first split-K launch of the process makes the counters there. They must not come from that
+    pool (which would hand their memory to the graphs' tensors): M = 1 and 4 in turn, ten replays each,
+    all within tolerance of cuBLAS on W*M and equal to the first."""
+    from patchc.codegen import counters
+    from patchc.codegen.reference import random_layer_plan
+    from patchc.runtime import TileLinear
+
+    counters._BUFFERS.clear()  # the first split-K launch below, inside the trees' warm-up, makes them
+    dtype = torch.float16
+    layer = random_layer_plan(4096, 4096, tile=(128, 128), kinds=0.1, dtype=dtype, bias=True, seed=2)
+    mod = TileLinear.from_plan(layer, dtype=dtype, device="cuda")
+    assert mod.config(1).split_k > 1 and mod.config(1).reduce == "fixup"
+    w, bias = layer.to_dense().to("cuda"), layer.bias.to("cuda")
+    xs = {m: (torch.randn(m, 4096, device="cuda") / 64).to(dtype) for m in (1, 4)}
+    step = torch.compile(mod, mode="reduce-overhead")
+    first = {}
+    for _ in range(10):
+        for m, x in xs.items():
+            y = step(x).clone()
+            first.setdefault(m, y)
+            torch.testing.assert_close(y, F.linear(x, w, bias), **TOL[dtype])
+            assert torch.equal(y, first[m]), f"M={m}: a replay differs from the first"
+    assert all(int(buf.abs().sum()) == 0 for buf in counters._BUFFERS.values())
