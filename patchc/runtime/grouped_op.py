@@ -168,6 +168,7 @@ def _grad_x_by_kernels(grad: torch.Tensor, offs: torch.Tensor, buffers: tuple[to
         count = min(per, num_experts - first)
         w = unpack(_expert_rows(buffers, first * rb, (first + count) * rb), (count * rb * block[0], k), block)
         fill_transposed(wt, w.view(count, rb * block[0], k)[:, :n].to(grad.dtype), first)
+        del w  # before the next chunk is unpacked: one chunk at a time
     # split_k 1: the experts' rows fill the GPU together (a training step's backward has many)
     cfg = resolve_config(KernelConfig(split_k=1), wt, grad.shape[0], arch)
     return launch_grouped(grad, offs, kernel_buffers(wt), (k, n), num_experts, tb, wt.per_row, cfg)
