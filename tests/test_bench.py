@@ -70,8 +70,10 @@ def test_dry_run_times_against_dense_and_runs_the_model(dry_run):
     assert all(r["ceiling"] > 1.3 for r in speed if r["M"] <= 16)  # 35% and all-2:4 layers move fewer bytes
     # each row names the kernel that served it (untuned: the decode buckets, then the hybrid prefill)
     assert all(r["route"] == ("decode" if r["M"] <= 64 else "prefill") for r in speed)
-    # and its config: the decode rows split K and add the splits up in the kernel (the default)
+    # and its config: the decode rows split K and add the splits up in the kernel (the default), and are timed
+    # again adding them in a second launch
     assert all(r["config"]["split_k"] > 1 and r["config"]["reduce"] == "fixup" for r in speed if r["M"] <= 4)
+    assert all(r["other_reduce"] == "launch" and r["other_reduce_ms"] > 0 for r in speed if r["M"] <= 4)
     e2e = record["e2e"]["rows"]
     assert {r["batch"] for r in e2e} == {1, 16} and all(r["logits_ok"] for r in e2e)
     # one prompt's prefill timed for both models, in the same run
@@ -79,7 +81,7 @@ def test_dry_run_times_against_dense_and_runs_the_model(dry_run):
                and r["prefill_speedup"] == r["dense_prefill_ms"] / r["long_prefill_ms"] for r in e2e)
     md = next(out.glob("*.md")).read_text()
     assert "DRY RUN" in md and "| gemv |" in md and "| unpacked |" in md and "End to end" in md
-    assert "| decode " in md and "-way fixup |" in md  # the speed table's kernel column: splits, how added
+    assert "| decode " in md and "-way fixup (launch " in md  # the kernel column: splits, how added, the other
     assert "Fused MoE experts" in md and "| configs | kernel |" in md and "| 64 tokens: " in md
 
 
@@ -203,9 +205,10 @@ def test_speed_times_copies_of_the_layer_in_turn_so_its_weights_come_from_hbm(mo
 
     rows = speed.time_case(LayerCase((64, 96), 0.35, (32, 32), "fp16", (1,)), "cpu", timer, False, 0)
     assert [r["copies"] for r in rows] == [3] and rows[0]["dense_ms"] == rows[0]["tile_ms"] == 2.0
-    dense, tile = calls  # one timing each: three distinct weights, three distinct layers
+    dense, tile, other = calls  # one timing each (the last: split-K added the other way), every copy once
     assert {kind for kind, _ in dense} == {"dense"} and len({ptr for _, ptr in dense}) == 3
     assert {kind for kind, _ in tile} == {"tile"} and len({who for _, who in tile}) == 3
+    assert {kind for kind, _ in other} == {"tile"} and len({who for _, who in other}) == 3
 
 
 def test_error_bound_is_twice_cublas_plus_one_rounding():
@@ -430,8 +433,7 @@ def test_speed_times_every_case_with_defaults_before_tuning_any(monkeypatch):
             return "decode" if m <= 16 else "prefill"
 
         def config(self, m):
-            return types.SimpleNamespace(block_m=16, split_k=4 if m <= 16 else 1, reduce="fixup", num_warps=4,
-                                         num_stages=1)
+            return types.SimpleNamespace(block_m=16, split_k=1, reduce="fixup", num_warps=4, num_stages=1)
 
     def runtime_layer(layer, dtype, device, tune, time_limit=None):
         events.append(tune)

@@ -224,6 +224,23 @@ def small_module(kinds="mixed", bias=True, n=48, k=64, tile=(16, 32), threshold=
     return layer, mod
 
 
+def test_retuned_shares_the_weights_and_changes_only_the_configs():
+    from patchc.codegen import pack
+
+    _, mod = small_module()
+    t = mod.tuning
+    flipped = dataclasses.replace(t, decode=dataclasses.replace(t.decode, split_k=2, reduce="launch"), buckets=())
+    other = mod.retuned(flipped)
+    assert other.config(1).reduce == "launch" and other.config(1).split_k == 2 and mod.tuning is t
+    assert all(getattr(other, b) is getattr(mod, b) for b in rt.dispatch.BUFFER_NAMES)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(other(x), mod(x))
+    layer, _ = small_module()
+    at_16 = rt.tuner.default_tuning(layer, pack(layer, block=(16, 16)), 2, 8, "sm_80")
+    with pytest.raises(ValueError, match=r"keeps the packed block \(16, 32\).*got block \(16, 16\)"):
+        mod.retuned(at_16)
+
+
 def test_opcheck_custom_op():
     _, mod = small_module()
     for shape in [(3, 64), (2, 5, 64)]:

@@ -148,11 +148,13 @@ def _speed_md(s: dict[str, Any]) -> list[str]:
 
 
 def _kernel_cell(r: dict[str, Any]) -> str:
-    """The route, and for a split-K launch its splits and how they were added ("decode 16-way fixup")."""
+    """The route, and for a split-K launch its splits, how they were added and the other way's time against
+    it ("decode 16-way fixup (launch 1.08x)": the second launch took 8% longer)."""
     cfg = r.get("config") or {}
-    if cfg.get("split_k", 1) > 1:
-        return f"{r.get('route')} {cfg['split_k']}-way {cfg.get('reduce')}"
-    return r.get("route", "-")
+    if cfg.get("split_k", 1) <= 1:
+        return r.get("route", "-")
+    other = f" ({r['other_reduce']} {r['other_reduce_ms'] / r['tile_ms']:.2f}x)" if r.get("other_reduce_ms") else ""
+    return f"{r.get('route')} {cfg['split_k']}-way {cfg.get('reduce')}{other}"
 
 
 def _e2e_md(e: dict[str, Any]) -> list[str]:

@@ -6,7 +6,9 @@ timed against `F.linear` on the dense weight, and for all-2:4 layers against
 `triton.testing.do_bench_cudagraph`, so microsecond decode kernels are not drowned in launch overhead.
 A graph replaying one layer would find a small layer's weights in L2 (an H100's 50 MB holds a 4096 x 4096
 fp16 layer) and time L2, not HBM; so each timing calls copies of the layer in turn, enough to hold twice
-the L2 (`cold_copies`), and divides by their number, for patchc, cuBLAS and cuSPARSELt alike.
+the L2 (`cold_copies`), and divides by their number, for patchc, cuBLAS and cuSPARSELt alike. A decode row
+whose kernel splits K is timed again with the splits added up the other way (`other_reduce_ms`: in the
+kernel or by a second launch, `KernelConfig.reduce`), so one run says which is faster even untuned.
 
 With `tune`, every case is timed first with the architecture's default configs (at most
 `UNTUNED_SHARE` of the part's time: a few compiles per case), then tuned, until the deadline: a run cut
@@ -48,6 +50,17 @@ def runtime_layer(layer: Any, dtype: torch.dtype, device: str, tune: bool, time_
         plan = TilePlan(layers={layer.name: layer}, skipped={}, meta={})
         tuning = tune_plan(plan, 16, 128, dtype, device, progress=False, time_limit=time_limit)[layer.name]
     return TileLinear.from_plan(layer, tuning, dtype=dtype, device=device, batch_size=16, prefill_len=128)
+
+
+def flip_reduce(mod: Any) -> Any:
+    """`mod` (its buffers shared) with its decode configs adding split-K's partial sums the other way."""
+    from dataclasses import replace
+
+    def flip(cfg: Any) -> Any:
+        return replace(cfg, reduce="launch" if cfg.reduce == "fixup" else "fixup") if cfg.split_k > 1 else cfg
+
+    t = mod.tuning
+    return mod.retuned(replace(t, decode=flip(t.decode), buckets=tuple((m, flip(c)) for m, c in t.buckets)))
 
 
 def semi_structured(w: torch.Tensor) -> torch.Tensor | None:
@@ -105,6 +118,10 @@ def time_case(case: LayerCase, device: str, timer: Callable[[Callable[[], Any]],
                 baselines[(case.label, m)] = base
         row.update(base)
         row["tile_ms"] = timer(in_turn([lambda mi=mi: mi(x) for mi in mods])) / copies
+        if row["route"] == "decode" and row["config"]["split_k"] > 1:
+            other = [flip_reduce(mi) for mi in mods]
+            row["other_reduce"] = other[0].config(m).reduce
+            row["other_reduce_ms"] = timer(in_turn([lambda mi=mi: mi(x) for mi in other])) / copies
         row["speedup"] = row["dense_ms"] / row["tile_ms"]
         row["tile_GBps"] = (hybrid_b + io) / row["tile_ms"] / 1e6
         row["dense_GBps"] = (dense_b + io) / row["dense_ms"] / 1e6

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from typing import Any, Callable, Iterable
@@ -72,13 +73,31 @@ class TileLinear(nn.Module):
         self.out_features, self.in_features = packed.shape
         self.block = tuple(packed.block)
         self.per_row = tuple(per_row)
+        self._set_tuning(tuning)
+        self.semi_weight = semi_weight
+
+    def _set_tuning(self, tuning: LayerTuning) -> None:
         self.decode_cfg = encode_config(tuning.decode)
         # what the op dispatches on: one decode config per M bucket (or the one config when untuned buckets)
         self.decode_buckets = encode_buckets(list(tuning.buckets)) if tuning.buckets else list(self.decode_cfg)
         self.prefill_cfg = encode_config(tuning.prefill)
         self.threshold = int(tuning.threshold)
         self.tuning = tuning
-        self.semi_weight = semi_weight
+
+    def retuned(self, tuning: LayerTuning) -> TileLinear:
+        """This layer under other launch configs of the same block, its buffers shared (to time two tunings).
+
+        Example:
+            >>> other = mod.retuned(dataclasses.replace(mod.tuning, threshold=4))   # doctest: +SKIP
+        """
+        semi = tuning.prefill_backend == "semi_structured"
+        if tuple(tuning.block) != self.block or semi != (self.semi_weight is not None):
+            raise ValueError(f"layer {self.name!r}: a retuning keeps the packed block {self.block} and whether "
+                             f"torch's 2:4 weight serves prefill; got block {tuple(tuning.block)}, prefill backend "
+                             f"{tuning.prefill_backend!r}: build it with TileLinear.from_plan instead")
+        other = copy.copy(self)  # a new attribute dict; the buffer dict (the weights) is shared
+        other._set_tuning(tuning)
+        return other
 
     @classmethod
     def from_plan(
