@@ -36,8 +36,8 @@ def profile(kernel: str, dtype: str, cc: int, shape: tuple[int, int], experts: i
 
     decode = kernel.endswith("decode")
     consts = dict(N=shape[0], K=shape[1], BLOCK_M=16 if decode else 128, BLOCK_N=128, BLOCK_K=64,
-                  SPLIT_K=2 if decode else 1, FIXUP=decode, HAS_DENSE=True, HAS_SPARSE=True, DENSE_PER_ROW=-1, SPARSE_PER_ROW=-1,
-                  HAS_BIAS=False, EVEN_K=shape[1] % 64 == 0, DOT_PRECISION="tf32")
+                  SPLIT_K=2 if decode else 1, FIXUP=decode, HAS_DENSE=True, HAS_SPARSE=True, DENSE_PER_ROW=-1,
+                  SPARSE_PER_ROW=-1, HAS_BIAS=False, EVEN_K=shape[1] % 64 == 0, DOT_PRECISION="tf32")
     if not decode:
         consts["GROUP_M"] = 8
     if kernel.startswith("grouped"):

@@ -193,7 +193,8 @@ def test_speed_times_copies_of_the_layer_in_turn_so_its_weights_come_from_hbm(mo
     monkeypatch.setattr(speed, "cold_copies", lambda nbytes, device: 3)
     seen, real_forward, real_linear = [], TileLinear.forward, speed.F.linear
     monkeypatch.setattr(TileLinear, "forward", lambda self, x: seen.append(("tile", id(self))) or real_forward(self, x))
-    monkeypatch.setattr(speed.F, "linear", lambda x, w, *a: seen.append(("dense", w.data_ptr())) or real_linear(x, w, *a))
+    monkeypatch.setattr(speed.F, "linear",
+                        lambda x, w, *a: seen.append(("dense", w.data_ptr())) or real_linear(x, w, *a))
 
     calls = []
 

@@ -126,8 +126,8 @@ from patchc.codegen.compile_pool import CompileJob, compile_all
 sig = [("x_ptr", "*fp16"), ("y_ptr", "*fp16"), ("part_ptr", "*fp32"), ("count_ptr", "*i32"), ("bias_ptr", "*fp16"),
        ("dense_ptr", "*fp16"), ("vals_ptr", "*fp16"), ("meta_ptr", "*u8"), ("dense_rowptr_ptr", "*i32"),
        ("dense_cols_ptr", "*i32"), ("sparse_rowptr_ptr", "*i32"), ("sparse_cols_ptr", "*i32")]
-consts = dict(N=4096, K=4096, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, SPLIT_K=2, FIXUP=True, HAS_DENSE=True, HAS_SPARSE=True,
-              DENSE_PER_ROW=-1, SPARSE_PER_ROW=-1, HAS_BIAS=False, EVEN_K=True, DOT_PRECISION="tf32")
+consts = dict(N=4096, K=4096, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, SPLIT_K=2, FIXUP=True, HAS_DENSE=True,
+              HAS_SPARSE=True, DENSE_PER_ROW=-1, SPARSE_PER_ROW=-1, HAS_BIAS=False, EVEN_K=True, DOT_PRECISION="tf32")
 jobs = {}
 for cc in (80, 90):
     for kernel, extra_sig, extra in (("decode", [], {}),

@@ -11,7 +11,8 @@ result as cuBLAS, plus one rounding of the output. One misplaced 2:4 value moves
 |w| |x| ~ 1/sqrt(K), several times that bound.
 
 Variants: "auto" (`tile_linear`'s own choice), "gemv" / "gemv_splitk" / "gemv_splitk_launch" (decode with
-block_m = M <= 4, tokens padded to 8; split-K added in the kernel or by a second launch), "dot" (decode with block_m 16, M <= 64), "prefill" / "prefill_splitk" (M >= 16),
+block_m = M <= 4, tokens padded to 8; split-K added in the kernel or by a second launch), "dot" (decode
+with block_m 16, M <= 64), "prefill" / "prefill_splitk" (M >= 16),
 "unpacked" (M >= 16: W*M unpacked on the device, then cuBLAS) and "runtime" (`TileLinear` with its default
 buckets, through the custom op). The explicit variants run on the cases marked `explicit`
 (fp16, 128 x 128 tiles); every case runs "auto" and "runtime".

@@ -9,7 +9,8 @@ the launcher (and offline cubins) to the runtime (`patchc.runtime`).
 
 Modules: `layout` (pack, PackedLayer), `kernels` (@triton.jit), `launch` (tile_linear, launch_grouped),
 `specialise` (a launch's arguments, constexprs and grid, shared with `generate`), `counters` (the split-K
-tile counters the kernels' in-kernel reduction keeps), `grouped_layout` / `grouped_kernels` (fused MoE experts stacked into one layout, one launch), `unpack_kernel`
+tile counters the kernels' in-kernel reduction keeps), `grouped_layout` / `grouped_kernels` (fused MoE
+experts stacked into one layout, one launch), `unpack_kernel`
 (W * M unpacked on the device, for cuBLAS at prefill sizes: `launch.unpack`), `configs`
 (KernelConfig, per-architecture tables), `generate` (offline compile; `summary`, what it prints), `offline`
 (what an offline cubin assumes: check_launch), `sass` (static profile of a cubin), `reference` (plain PyTorch),

@@ -406,8 +406,8 @@ def decode_kernel(
     m_end = tl.minimum(M, m0 + BLOCK_M)  # padding rows and the next program's tokens read as zeros
     decode_tile(x_ptr, y_ptr, part_ptr, count_ptr, bias_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr,
                 dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr, M, row, row, tl.program_id(1), m0, m_end, N, K,
-                BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, HAS_DENSE, HAS_SPARSE, DENSE_PER_ROW, SPARSE_PER_ROW, HAS_BIAS, EVEN_K,
-                DOT_PRECISION)
+                BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, HAS_DENSE, HAS_SPARSE, DENSE_PER_ROW, SPARSE_PER_ROW,
+                HAS_BIAS, EVEN_K, DOT_PRECISION)
 
 
 @triton.jit
@@ -475,8 +475,8 @@ def prefill_kernel(
     pid_m, row = swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
     prefill_tile(x_ptr, y_ptr, part_ptr, count_ptr, bias_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr,
                  dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr, M, row, row, tl.program_id(1), pid_m * BLOCK_M, M,
-                 N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, HAS_DENSE, HAS_SPARSE, DENSE_PER_ROW, SPARSE_PER_ROW, HAS_BIAS,
-                 EVEN_K, DOT_PRECISION)
+                 N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FIXUP, HAS_DENSE, HAS_SPARSE, DENSE_PER_ROW, SPARSE_PER_ROW,
+                 HAS_BIAS, EVEN_K, DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=NOT_SPECIALISED)

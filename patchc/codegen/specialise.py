@@ -4,7 +4,8 @@
 and constants the runtime passes.
 
 Example:
-    >>> specialisation(packed, resolve_config(None, packed, 1, "sm_90"), torch.float16, has_bias=False)["FIXUP"]   # doctest: +SKIP
+    >>> cfg = resolve_config(None, packed, 1, "sm_90")                              # doctest: +SKIP
+    >>> specialisation(packed, cfg, torch.float16, has_bias=False)["FIXUP"]        # doctest: +SKIP
     True
 """
 

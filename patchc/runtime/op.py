@@ -86,7 +86,8 @@ def pick_decode(decode_cfg: list[int], m: int) -> list[int]:
     if len(decode_cfg) == len(CONFIG_FIELDS):
         return list(decode_cfg)
     if not decode_cfg or len(decode_cfg) % width:
-        raise ValueError(f"decode_cfg holds {len(CONFIG_FIELDS)} ints or buckets of {width}, got {len(decode_cfg)} ints")
+        raise ValueError(f"decode_cfg holds {len(CONFIG_FIELDS)} ints or buckets of {width}, "
+                         f"got {len(decode_cfg)} ints")
     for start in range(0, len(decode_cfg), width):
         if m <= decode_cfg[start]:
             break
