@@ -92,7 +92,7 @@ def test_split_k_fixup_is_exact_launch_after_launch_and_in_a_cuda_graph(compiled
     assert all(int(buf.abs().sum()) == 0 for buf in counters._BUFFERS.values())
 
 
-def test_split_k_counters_made_in_a_cudagraph_trees_warm_up_stay_outside_its_pool(compiled_kernels):
+def test_split_k_counters_made_in_a_cudagraph_trees_warm_up_stay_outside_its_pool(compiled_kernels, monkeypatch):
     """torch.compile(mode="reduce-overhead"): cudagraph trees send their eager warm-up's allocations to their
     pool, and the first split-K launch of the process makes the counters there. They must not come from that
     pool (which would hand their memory to the graphs' tensors): M = 1 and 4 in turn, ten replays each,
@@ -101,7 +101,7 @@ def test_split_k_counters_made_in_a_cudagraph_trees_warm_up_stay_outside_its_poo
     from patchc.codegen.reference import random_layer_plan
     from patchc.runtime import TileLinear
 
-    counters._BUFFERS.clear()  # the first split-K launch below, inside the trees' warm-up, makes them
+    monkeypatch.setattr(counters, "_BUFFERS", {})  # the first split-K launch below, in the trees' warm-up, makes them
     dtype = torch.float16
     layer = random_layer_plan(4096, 4096, tile=(128, 128), kinds=0.1, dtype=dtype, bias=True, seed=2)
     mod = TileLinear.from_plan(layer, dtype=dtype, device="cuda")

@@ -141,10 +141,14 @@ def test_counters_grow_outside_capture_and_refuse_to_under_it(monkeypatch):
     assert torch.equal(tile_linear(x, packed, config=cfg), y) and _counters_are_zero()
 
 
-def test_split_k_1_and_workspace_lowered_launches_use_no_counters():
+def test_split_k_1_and_workspace_lowered_launches_use_no_counters(monkeypatch):
     layer = random_layer_plan(32, 256, tile=(16, 16), kinds="mixed", seed=2)
-    tile_linear(torch.randn(2, 256), pack(layer), config=KernelConfig(kernel="decode", block_m=16, split_k=1))
+    x = torch.randn(2, 256)
+    tile_linear(x, pack(layer), config=KernelConfig(kernel="decode", block_m=16, split_k=1))
+    monkeypatch.setattr(launch_mod, "MAX_WORKSPACE_BYTES", 4 * 2 * 32)  # room for one split: split_k 4 -> 1
+    y = tile_linear(x, pack(layer), config=KernelConfig(kernel="decode", block_m=16, split_k=4))
     assert counters_mod._BUFFERS == {}
+    torch.testing.assert_close(y.double(), reference_tile_linear(x, layer), **TOL[torch.float32])
 
 
 def test_tuner_times_both_reductions_for_split_k_only():
