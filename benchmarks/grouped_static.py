@@ -22,12 +22,10 @@ os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels only
 
 
 def signature(dtype: str, grouped: bool) -> tuple[tuple[str, str], ...]:
-    from patchc.codegen.specialise import KERNEL_ARGS
+    """The single-layer kernels' arguments (`specialise.signature`); the grouped ones take offs_ptr before M."""
+    from patchc.codegen.specialise import signature as kernel_signature
 
-    args = [a for a in KERNEL_ARGS if a != "M"]
-    types = {"part_ptr": "*fp32", "count_ptr": "*i32", "meta_ptr": "*u8"} | {
-        a: "*i32" for a in args if "rowptr" in a or "cols" in a}
-    sig = [(a, types.get(a, f"*{dtype}")) for a in args]
+    sig = [(a, t) for a, t in kernel_signature(dtype).items() if a != "M"]
     return tuple(sig + ([("offs_ptr", "*i32")] if grouped else []) + [("M", "i32")])
 
 

@@ -175,7 +175,8 @@ def profile_all(kernels: Mapping[CompileJob, CompiledKernel]) -> dict[CompileJob
         consts = dict(job.constexprs)
         block = (consts.get("BLOCK_N"), consts.get("BLOCK_K"))
         if job.kernel == "unpack" and profile is not None and sass is not None:  # no loop: one block a program
-            profile = profile | unpack_kernel.code_cost(sass, dict(job.signature)["out_ptr"][1:], block, job.num_warps)
+            elem = _ELEM_BYTES[dict(job.signature)["out_ptr"].lstrip("*")]
+            profile = profile | unpack_kernel.code_cost(sass, elem, block, job.num_warps)
         elif job.kernel not in ("splitk_reduce", "unpack"):
             elem = _ELEM_BYTES[dict(job.signature)["x_ptr"].lstrip("*")]
             block_m = consts["BLOCK_M"] if job.kernel.endswith("prefill") else None  # bound by compute: per FLOP

@@ -54,7 +54,8 @@ from patchc.codegen.offline import assumptions
 from patchc.codegen.sass import target_misses
 from patchc.codegen.summary import summary
 from patchc.codegen.skeleton import pack_skeleton
-from patchc.codegen.specialise import GRID_RULES, KERNEL_ARGS, fixes_up, specialisation
+from patchc.codegen.specialise import GRID_RULES, fixes_up, specialisation
+from patchc.codegen.specialise import signature as kernel_signature
 from patchc.utils.files import write_bytes_atomic
 from patchc.utils.progress import progress
 
@@ -150,7 +151,7 @@ def _layer_jobs(packed: PackedLayer, arch: str, cc: int, fp_fusion: bool) -> lis
     """(variant or split count, job) per kernel of a layer: its variants, then one reduction per split_k."""
     dtype = packed.dtype
     has_bias = packed.bias is not None
-    signature = tuple(_signature(dtype).items())
+    signature = tuple(kernel_signature(_TRITON_TYPES[dtype]).items())
     jobs: list[tuple[Any, CompileJob]] = []
     splits: set[int] = set()
     for var in variants(arch):
@@ -268,18 +269,6 @@ def _write_kernel(job: CompileJob, kernel: CompiledKernel, layer_dir: Path, stem
 _COUNTERS = {"arg": "count_ptr", "dtype": "int32", "length": "at least cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M)",
              "values": "zeros before each launch; the kernel leaves them zero, so one buffer serves a stream's "
                        "launches one after another (not two at once)"}
-
-
-def _signature(dtype: torch.dtype) -> dict[str, str]:
-    t = _TRITON_TYPES[dtype]
-    types = {
-        "x_ptr": f"*{t}", "y_ptr": f"*{t}", "part_ptr": "*fp32", "count_ptr": "*i32", "bias_ptr": f"*{t}",
-        "dense_ptr": f"*{t}", "vals_ptr": f"*{t}", "meta_ptr": "*u8",
-        "dense_rowptr_ptr": "*i32", "dense_cols_ptr": "*i32", "sparse_rowptr_ptr": "*i32", "sparse_cols_ptr": "*i32",
-        "M": "i32",
-    }
-    assert tuple(types) == KERNEL_ARGS
-    return types
 
 
 def _specialised_source(fn, sig, consts, options, stem: str) -> str:

@@ -156,14 +156,14 @@ def unpack(buffers: tuple[torch.Tensor, ...], shape: tuple[int, int], block: tup
 def _prepare_unpack(buffers: tuple[torch.Tensor, ...], shape: tuple[int, int], block: tuple[int, int],
                     out_shape: tuple[int, ...] | None = None):
     """(kernel, grid, arguments with the output ((N, K); `out_shape` to compile only) first, constexprs)."""
-    from patchc.codegen.unpack_kernel import constexprs, unpack_grid, unpack_kernel
+    from patchc.codegen.unpack_kernel import constexprs as unpack_constexprs, unpack_grid, unpack_kernel
 
     dense, values, meta, dense_rowptr, dense_cols, sparse_rowptr, sparse_cols = buffers
     like = values if sparse_cols.numel() else dense
     out = torch.empty(out_shape or shape, dtype=like.dtype, device=like.device)
     args = [out, _or_dummy(dense, like), _or_dummy(values, like), _or_dummy(meta, like, torch.uint8), dense_rowptr,
             _or_dummy(dense_cols, like, torch.int32), sparse_rowptr, _or_dummy(sparse_cols, like, torch.int32)]
-    consts = constexprs(shape, block, dense_cols.numel() > 0, sparse_cols.numel() > 0)
+    consts = unpack_constexprs(shape, block, dense_cols.numel() > 0, sparse_cols.numel() > 0)
     return unpack_kernel, unpack_grid(shape, block), args, consts
 
 

@@ -28,6 +28,23 @@ KERNEL_ARGS = (
 )
 
 
+def signature(dtype: str) -> dict[str, str]:
+    """`KERNEL_ARGS` with their Triton types for weights and activations of `dtype` ("fp16", "bf16", "fp32").
+
+    Example:
+        >>> signature("bf16")["count_ptr"], signature("bf16")["vals_ptr"]
+        ('*i32', '*bf16')
+    """
+    types = {
+        "x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "part_ptr": "*fp32", "count_ptr": "*i32", "bias_ptr": f"*{dtype}",
+        "dense_ptr": f"*{dtype}", "vals_ptr": f"*{dtype}", "meta_ptr": "*u8",
+        "dense_rowptr_ptr": "*i32", "dense_cols_ptr": "*i32", "sparse_rowptr_ptr": "*i32", "sparse_cols_ptr": "*i32",
+        "M": "i32",
+    }
+    assert tuple(types) == KERNEL_ARGS
+    return types
+
+
 def constexprs(
     shape: tuple[int, int],
     block: tuple[int, int],

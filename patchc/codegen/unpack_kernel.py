@@ -65,7 +65,6 @@ def unpack_kernel(
 UNPACK_ARGS = ("out_ptr", "dense_ptr", "vals_ptr", "meta_ptr", "dense_rowptr_ptr", "dense_cols_ptr",
                "sparse_rowptr_ptr", "sparse_cols_ptr")
 GRID_RULE = "(cdiv(N, BLOCK_N), cdiv(K, BLOCK_K))"
-_ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
 def unpack_grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
@@ -84,7 +83,7 @@ def constexprs(shape: tuple[int, int], block: tuple[int, int], has_dense: bool, 
             "HAS_SPARSE": has_sparse, "EVEN": shape[0] % block[0] == 0 and shape[1] % block[1] == 0}
 
 
-def code_cost(sass: str, dtype: str, block: tuple[int, int], num_warps: int) -> dict:
+def code_cost(sass: str, elem_bytes: int, block: tuple[int, int], num_warps: int) -> dict:
     """What the kernel's SASS issues per byte one 2:4 block moves (kept values and metadata read, dense
     written), counting the whole code, both block kinds: an upper bound, since a program runs one of them
     once and has no loop (an H100 stops being memory bound near 0.28). Also its 128-bit stores."""
@@ -94,8 +93,7 @@ def code_cost(sass: str, dtype: str, block: tuple[int, int], num_warps: int) -> 
 
     code = [text for _, text in sass_instructions(sass)]
     issued = sum(not re.search(r"\bNOP\b", t) for t in code)  # the padding after the exit is never issued
-    elem = _ELEM_BYTES[dtype]
-    moved = block[0] * block[1] * (elem + elem / 2 + 1 / 8)
+    moved = block[0] * block[1] * (elem_bytes + elem_bytes / 2 + 1 / 8)
     return {"instructions": issued, "stg128": sum(bool(re.search(r"\bSTG\.E\.128\b", t)) for t in code),
             "w_instr_per_byte": loop_cost({"instructions": issued}, num_warps, moved)}
 
