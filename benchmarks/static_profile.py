@@ -5,6 +5,7 @@
     python benchmarks/static_profile.py --issue-matrix        # the decode issue's grid: its static targets
     python benchmarks/static_profile.py --by-triton           # table of the records by Triton version (`make compat`)
     python benchmarks/static_profile.py --unpack              # the unpack kernel of the prefill route "unpacked"
+    python benchmarks/static_profile.py --prefill-kernels     # the GEMM and the decode kernel at prefill tiles
 
 For each shape, sparsity (random tile map, as in `patchc bench`) and target, compiles the layer's kernels
 with `patchc.codegen.generate` and prints, per variant, what a profiler would show first: registers per
@@ -75,7 +76,8 @@ def by_triton(path: Path) -> str:
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         groups = rec.get("groups_per_load") or groups_per_load(rec["triton"])
-        for target in {r["target"] for r in rec["results"] if "loops" in r}:  # not `--unpack`'s records
+        # the generated variants' records, not `--unpack`'s or `--prefill-kernels`' (rows without a variant)
+        for target in {r["target"] for r in rec["results"] if "loops" in r and "variant" in r}:
             newest[(rec["triton"], groups, target)] = rec  # later lines win
     classes = list(dict.fromkeys(VARIANT_CLASS.values()))
     lines = ["| Triton | groups per load | target | " + " | ".join(f"{c}: w-instr/B, barriers" for c in classes)
@@ -113,6 +115,55 @@ def unpack_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+PREFILL_TILES = ((128, 8), (256, 8))  # (tokens a program, warps) timed at prefill sizes by both kernels
+
+
+def prefill_kernel_rows(args: argparse.Namespace) -> list[dict]:
+    """Both hybrid kernels that can serve prefill (the tiled GEMM and the decode kernel, weights on the product's
+    M side) at prefill tiles, per --target x --shape x --sparsity x --dtype x --tile: each weight loop's
+    warp-instructions per 1,000 FLOPs against the target's issue budget (`sass.MMA_ISSUE_BUDGET`), printed."""
+    from patchc.codegen.compile_pool import CompileJob, compile_all
+    from patchc.codegen.configs import KernelConfig, choose_block, normalize_target, resolve_config
+    from patchc.codegen.reference import random_layer_plan
+    from patchc.codegen.sass import MMA_ISSUE_BUDGET
+    from patchc.codegen.skeleton import pack_skeleton
+    from patchc.codegen.specialise import signature, specialisation
+    from patchc.ir import TilePlan
+
+    shapes = [(4096, 4096)] if args.shape is None else [tuple(int(v) for v in s.lower().split("x")) for s in args.shape]
+    jobs: dict[CompileJob, list[str]] = {}
+    rows = []
+    for target, (n, k), s, dtype, side in itertools.product(args.target, shapes, args.sparsity, args.dtype, args.tile):
+        arch, tile = normalize_target(target), (side, side)
+        layer = random_layer_plan(n, k, tile=tile, kinds=tile_kinds(n, k, tile, s, torch.Generator().manual_seed(0)),
+                                  dtype=DTYPES[dtype], name="w.weight")
+        skel = pack_skeleton(TilePlan({layer.name: layer}), layer.name, block=choose_block(tile, arch))
+        for kernel, (bm, warps) in itertools.product(("prefill", "decode"), PREFILL_TILES):
+            cfg = resolve_config(KernelConfig(kernel, bm, split_k=1, num_warps=warps, num_stages=3), skel, 2048, arch)
+            job = CompileJob(kernel, tuple(signature(dtype).items()),
+                             tuple(specialisation(skel, cfg, DTYPES[dtype], False).items()), warps, 3,
+                             int(arch.removeprefix("sm_")))
+            jobs.setdefault(job, [])
+            rows.append({"target": target, "N": n, "K": k, "sparsity": s, "dtype": dtype, "tile": side,
+                         "kernel": kernel, "block_m": bm, "num_warps": warps, "block": list(skel.block), "job": job})
+    compiled = compile_all(jobs, show_progress=False)
+    for r in rows:
+        kern = compiled[r.pop("job")]
+        flops = 2 * r["block_m"] * r["block"][0] * r["block"][1]  # one iteration: tokens x block
+        r.update(registers=(kern.profile or {}).get("registers"), spill_bytes=(kern.profile or {}).get("spill_bytes"),
+                 budget=round(MMA_ISSUE_BUDGET[normalize_target(r["target"])], 3),
+                 loops={lp["loop"]: {"instructions": lp["instructions"], "barriers": lp["barriers"],
+                                     "warp_instr_per_kflop": round(lp["instructions"] * r["num_warps"] * 1e3 / flops,
+                                                                   3)}
+                        for lp in kern.loops or []})
+        loops = "  ".join(f"{kind} {lp['warp_instr_per_kflop']:.2f} w-instr/kFLOP ({lp['instructions']} instr, "
+                          f"{lp['barriers']} bar)" for kind, lp in r["loops"].items())
+        print(f"{r['target']} {r['N']}x{r['K']} s={r['sparsity']:.2f} {r['dtype']} tile {r['tile']} {r['kernel']:<7} "
+              f"{r['block_m']} tokens, {r['num_warps']} warps: regs {r['registers']} spill {r['spill_bytes']} B  "
+              f"{loops}  (budget {r['budget']})", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", nargs="+", default=["sm_80", "sm_90"])
@@ -127,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unpack", action="store_true",
                     help="profile the unpack kernel (W*M written dense for cuBLAS) for --target x --dtype x --tile "
                          "blocks (128 x 64 besides), with and without dense blocks")
+    ap.add_argument("--prefill-kernels", action="store_true",
+                    help="compile both kernels that can serve prefill (the tiled GEMM, the decode kernel) at 128 and "
+                         "256 tokens a program and print each loop's warp-instructions per 1,000 FLOPs (default "
+                         "shape 4096x4096)")
     ap.add_argument("--by-triton", action="store_true",
                     help="print a markdown table of the 2:4 loops in --out's records, by Triton version and target")
     args = ap.parse_args(argv)
@@ -141,10 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     from patchc.codegen.reference import random_layer_plan
     from patchc.utils.env import versions
 
-    rows = unpack_rows(args) if args.unpack else []
+    rows = unpack_rows(args) if args.unpack else prefill_kernel_rows(args) if args.prefill_kernels else []
     with tempfile.TemporaryDirectory() as tmp:
         for target, (n, k), s, dtype, side in itertools.product(args.target, shapes, args.sparsity, args.dtype,
-                                                                 args.tile) if not args.unpack else ():
+                                                                 args.tile) if not rows else ():
             tile = (side, side)
             gen = torch.Generator().manual_seed(0)
             name = f"s{round(100 * s)}_{n}x{k}_{dtype}_t{side}.weight"

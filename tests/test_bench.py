@@ -32,8 +32,8 @@ from tests.conftest import in_fresh_thread, older_triton_env, older_triton_param
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU form of the harness")
-CHECKED_VARIANTS = {"auto", "runtime", "gemv", "gemv_splitk", "gemv_splitk_launch", "dot", "prefill", "prefill_splitk",
-                    "unpacked"}  # all
+CHECKED_VARIANTS = {"auto", "runtime", "gemv", "gemv_splitk", "gemv_splitk_launch", "dot", "dot_prefill", "prefill",
+                    "prefill_splitk", "unpacked"}  # all
 
 
 @pytest.fixture(scope="module")
@@ -360,8 +360,8 @@ def test_check_compiles_every_variant_ahead_with_the_configs_it_runs(monkeypatch
     compile_case_ahead(case, packed, xs, "sm_90", threads=4)
     want = [resolve_config(c, packed, m, "sm_90") for m in case.ms for c in variants(m, True).values() if c != "runtime"]
     # M=1 and 4: auto, gemv, gemv_splitk (added in the kernel and by a second launch), dot; M=17: auto, dot,
-    # 2 prefills, unpacked
-    assert seen == want and len(seen) == 15
+    # the decode kernel at a prefill tile, 2 prefills, unpacked
+    assert seen == want and len(seen) == 16
     seen.clear()
     compile_case_ahead(case, packed, xs, "sm_90", threads=1)
     assert seen == []
@@ -434,7 +434,8 @@ def test_speed_times_every_case_with_defaults_before_tuning_any(monkeypatch):
             return "decode" if m <= 16 else "prefill"
 
         def config(self, m):
-            return types.SimpleNamespace(block_m=16, split_k=1, reduce="fixup", num_warps=4, num_stages=1)
+            return types.SimpleNamespace(kernel="decode", block_m=16, split_k=1, reduce="fixup", num_warps=4,
+                                         num_stages=1)
 
     def runtime_layer(layer, dtype, device, tune, time_limit=None):
         events.append(tune)

@@ -12,7 +12,8 @@ result as cuBLAS, plus one rounding of the output. One misplaced 2:4 value moves
 
 Variants: "auto" (`tile_linear`'s own choice), "gemv" / "gemv_splitk" / "gemv_splitk_launch" (decode with
 block_m = M <= 4, tokens padded to 8; split-K added in the kernel or by a second launch), "dot" (decode
-with block_m 16, M <= 64), "prefill" / "prefill_splitk" (M >= 16),
+with block_m 16, M <= 64), "dot_prefill" (M >= 16: the decode kernel at a prefill tile, 64 tokens a
+program below M = 128 and 128 from it, as the tuner may pick it), "prefill" / "prefill_splitk" (M >= 16),
 "unpacked" (M >= 16: W*M unpacked on the device, then cuBLAS) and "runtime" (`TileLinear` with its default
 buckets, through the custom op). The explicit variants run on the cases marked `explicit`
 (fp16, 128 x 128 tiles); every case runs "auto" and "runtime".
@@ -51,6 +52,8 @@ def variants(m: int, explicit: bool) -> dict[str, Any]:
     if m <= 64:
         out["dot"] = KernelConfig(kernel="decode", block_m=16, split_k=1)
     if m >= 16:
+        out["dot_prefill"] = KernelConfig(kernel="decode", block_m=64 if m < 128 else 128, split_k=1, num_warps=8,
+                                          num_stages=3)
         out["prefill"] = KernelConfig(kernel="prefill")
         out["unpacked"] = KernelConfig(kernel="unpacked")
         if m <= 128:

@@ -148,13 +148,17 @@ def _speed_md(s: dict[str, Any]) -> list[str]:
 
 
 def _kernel_cell(r: dict[str, Any]) -> str:
-    """The route, and for a split-K launch its splits, how they were added and the other way's time against
-    it ("decode 16-way fixup (launch 1.08x)": the second launch took 8% longer)."""
+    """The route (with the decode kernel named where it serves prefill), and for a split-K launch its splits,
+    how they were added and the other way's time against it ("decode 16-way fixup (launch 1.08x)": the second
+    launch took 8% longer)."""
     cfg = r.get("config") or {}
+    route = r.get("route", "-")
+    if route == "prefill" and cfg.get("kernel") == "decode":
+        route = f"prefill on the decode kernel ({cfg['block_m']} tokens)"
     if cfg.get("split_k", 1) <= 1:
-        return r.get("route", "-")
+        return route
     other = f" ({r['other_reduce']} {r['other_reduce_ms'] / r['tile_ms']:.2f}x)" if r.get("other_reduce_ms") else ""
-    return f"{r.get('route')} {cfg['split_k']}-way {cfg.get('reduce')}{other}"
+    return f"{route} {cfg['split_k']}-way {cfg.get('reduce')}{other}"
 
 
 def _e2e_md(e: dict[str, Any]) -> list[str]:

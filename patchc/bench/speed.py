@@ -107,7 +107,8 @@ def time_case(case: LayerCase, device: str, timer: Callable[[Callable[[], Any]],
                                "copies": copies}
         if row["route"] in ("decode", "prefill"):  # what our kernel ran with: split-K and how it adds up, ...
             cfg = mod.config(m)
-            row["config"] = {f: getattr(cfg, f) for f in ("block_m", "split_k", "reduce", "num_warps", "num_stages")}
+            row["config"] = {f: getattr(cfg, f) for f in ("kernel", "block_m", "split_k", "reduce", "num_warps",
+                                                          "num_stages")}
         base = baselines.get((case.label, m)) if baselines is not None else None
         if base is None:
             dense = in_turn([lambda wi=wi: F.linear(x, wi) for wi in ws])

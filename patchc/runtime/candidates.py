@@ -1,11 +1,15 @@
 """The tuner's candidate space: per GPU generation, the kernel configs worth timing, pruned before any timing.
 
 One `CandidateSpace` table per generation (sm_80 / sm_90: blocks, block_m, split-K, warps, stages, the
-shared memory limit). `candidates(regime, ...)` expands a table for a layer and drops, with a reason
+shared memory limit, the kernels timed at prefill sizes). `candidates(regime, ...)` expands a table for a layer
+and drops, with a reason
 (`prune_reason`), blocks that do not divide the plan tile or exceed the layer, configs whose estimated
 shared memory exceeds the device limit, split-K that leaves too little K per split, and split-K whose
 fp32 workspace at the tuned M exceeds the launcher's bound (it would launch fewer splits than timed).
 Split-K configs come twice, adding their partial sums in the kernel and in a second launch (`reduce`).
+Prefill configs come for both hybrid kernels: the tiled GEMM ("prefill") and the decode kernel, whose weights
+sit on the product's M side (on sm_80 its 2:4 loop issues 1.6 warp-instructions per 1,000 FLOPs against the
+GEMM's 2.2, above the A100's budget of 1.95; on sm_90 0.87 against 0.77): which is faster is timed.
 
 Example:
     >>> cands = candidates("decode", (4096, 4096), (128, 128), 16, torch.float16, "sm_90")
@@ -15,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -23,8 +28,10 @@ import torch
 from patchc.codegen import launch as _launch
 from patchc.codegen.configs import ARCH_TABLE, REDUCE_KINDS, KernelConfig
 
-# bump when candidate tables change: old cache entries then miss (6: sm_90 prefill block_m 256; 7: reduce)
-SPACE_VERSION = 7
+# bump when candidate tables change: old cache entries then miss (6: sm_90 prefill block_m 256; 7: reduce;
+# 8: the decode kernel at prefill sizes)
+SPACE_VERSION = 8
+PREFILL_KERNELS = ("prefill", "decode")  # the hybrid kernels that can serve prefill sizes
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,12 @@ class CandidateSpace:
     smem_bytes: int  # opt-in shared memory per block of the generation's reference part
     min_k_per_split: int  # K elements each split must keep (below it the reduction pass dominates)
     min_blocks_per_split: int
+    prefill_kernels: tuple[str, ...] = PREFILL_KERNELS  # the kernels timed at prefill sizes, first the default
 
     def __post_init__(self) -> None:
+        if not self.prefill_kernels or not set(self.prefill_kernels) <= set(PREFILL_KERNELS):
+            raise ValueError(f"CandidateSpace.prefill_kernels must name some of {PREFILL_KERNELS}, "
+                             f"got {self.prefill_kernels}")
         for name in ("decode_block_m", "prefill_block_m", "decode_warps", "prefill_warps"):
             if any(v < 1 or v & (v - 1) for v in getattr(self, name)):
                 raise ValueError(f"CandidateSpace.{name} must hold powers of two, got {getattr(self, name)}")
@@ -176,17 +187,15 @@ def candidates(
         # M <= 4: block_m = M rounded up (tokens padded to 8 inside the kernel) or the smallest block_m of 16
         bms = (_pow2_ceil(m), *dot_bms[:1]) if m <= ARCH_TABLE[arch].small_m else dot_bms
         sks, warps, stages = space.decode_split_k, space.decode_warps, space.decode_stages
+        kernels: tuple[str, ...] = ("decode",)
     else:
         bms = tuple(b for b in space.prefill_block_m if b <= max(16, _pow2_ceil(m))) or (16,)
         sks, warps, stages = space.prefill_split_k, space.prefill_warps, space.prefill_stages
+        kernels = space.prefill_kernels
     out = []
-    for (bn, bk) in blocks:
-        for bm in bms:
-            for sk in sks:
-                for nw in warps:
-                    for ns in stages:
-                        for red in REDUCE_KINDS if sk > 1 else (ARCH_TABLE[arch].reduce,):
-                            cfg = KernelConfig(regime, bm, bn, bk, sk, nw, ns, space.group_m, red)
-                            if prune_reason(cfg, shape, tile, dtype, space, smem_limit, m) is None:
-                                out.append(cfg)
+    for kernel, (bn, bk), bm, sk, nw, ns in itertools.product(kernels, blocks, bms, sks, warps, stages):
+        for red in REDUCE_KINDS if sk > 1 else (ARCH_TABLE[arch].reduce,):
+            cfg = KernelConfig(kernel, bm, bn, bk, sk, nw, ns, space.group_m, red)
+            if prune_reason(cfg, shape, tile, dtype, space, smem_limit, m) is None:
+                out.append(cfg)
     return out

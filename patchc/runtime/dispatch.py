@@ -211,8 +211,9 @@ class TileLinear(nn.Module):
         return _op.decode_config(_op.pick_decode(self.decode_buckets, m) if m <= self.threshold else self.prefill_cfg)
 
     def route(self, m: int) -> str:
-        """What serves M tokens on a GPU: "decode" (M's bucket), "prefill" (the hybrid GEMM), "unpacked" (W * M
-        unpacked on the device, then cuBLAS) or "semi_structured" (torch's 2:4 kernels).
+        """What serves M tokens on a GPU: "decode" (M's bucket), "prefill" (a hybrid kernel with the prefill
+        config: the tiled GEMM, or the decode kernel where it timed faster), "unpacked" (W * M unpacked on the
+        device, then cuBLAS) or "semi_structured" (torch's 2:4 kernels).
 
         Example:
             >>> mod.route(1), mod.route(2048)   # doctest: +SKIP
@@ -222,7 +223,7 @@ class TileLinear(nn.Module):
             return "decode"
         if self.semi_weight is not None:
             return "semi_structured"
-        return self.config(m).kernel
+        return "unpacked" if self.config(m).kernel == "unpacked" else "prefill"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         semi = self.semi_weight

@@ -232,7 +232,7 @@ class TileGroupedLinear(nn.Module):
         self.name, self.num_experts = stacked.name, int(num_experts)
         self.out_features, self.in_features = shape
         self.block, self.per_row = tuple(stacked.block), tuple(per_row)
-        tuning = _without_unpacked(tuning, stacked, arch_of(device))
+        tuning = _grouped_prefill(tuning, stacked, arch_of(device))
         self.decode_buckets = encode_buckets(list(tuning.buckets)) if tuning.buckets else encode_config(tuning.decode)
         self.prefill_cfg = encode_config(tuning.prefill)
         self.threshold = int(tuning.threshold)
@@ -309,15 +309,18 @@ def _cast(packed: Any, dtype: torch.dtype) -> Any:
     return replace(packed, dtype=dtype, dense=packed.dense.to(dtype), values=packed.values.to(dtype))
 
 
-def _without_unpacked(tuning: LayerTuning, stacked: Any, arch: str) -> LayerTuning:
-    """`tuning` (tuned on one expert slice as a single layer), its prefill on the hybrid kernel's default config
-    where it chose the unpacked route: unpacking every expert's weight for a grouped GEMM would hold E dense
-    weights at once."""
-    if tuning.prefill.kernel != "unpacked":
+def _grouped_prefill(tuning: LayerTuning, stacked: Any, arch: str) -> LayerTuning:
+    """`tuning` (tuned on one expert slice as a single layer), its prefill on the tiled GEMM's default config
+    where it chose another route: unpacking every expert's weight for a grouped GEMM would hold E dense weights
+    at once, and the decode kernel's win at prefill sizes was timed on one weight, not on E experts' rows."""
+    kernel = tuning.prefill.kernel
+    if kernel == "prefill":
         return tuning
+    why = ("no unpacked route for grouped experts" if kernel == "unpacked"
+           else "the decode kernel was timed on one slice")
     prefill = resolve_config(KernelConfig(kernel="prefill"), stacked, ARCH_TABLE[arch].prefill_block_m, arch)
     return replace(tuning, prefill=prefill, prefill_backend="triton",
-                   notes=(*tuning.notes, "prefill: the hybrid kernel (no unpacked route for grouped experts)"))
+                   notes=(*tuning.notes, f"prefill: the hybrid GEMM ({why})"))
 
 
 __all__ = ["TileGroupedLinear", "tile_grouped_mm"]

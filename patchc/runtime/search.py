@@ -4,7 +4,8 @@ Timing every candidate is out of reach on a real GPU: sm_90's table holds ~750 d
 LLaMA-2-7B layer at M = 1, and each distinct config is a Triton compile (~1 s) before its timing. Cost is
 close to separable in the axes (block shape, block_m, split-K and how its sums are added, warps, stages),
 so the search starts at the config the untuned path would run (`resolve_config`), tries every value of one
-axis with the others held, moves to the fastest, and goes round the axes again until a round changes
+axis with the others held (the kernel is an axis too: at prefill sizes the decode kernel competes), moves
+to the fastest, and goes round the axes again until a round changes
 nothing (at most `max_rounds`).
 Each round times about the sum of the axis sizes (~20 on sm_90), not their product, and the result is
 never slower than the default as measured. Only if the default and all its neighbours fail (compile
@@ -22,7 +23,7 @@ from typing import Callable
 from patchc.codegen.configs import KernelConfig
 
 # the axes, in the order they are walked: what sets occupancy and bytes per load first
-AXES: tuple[tuple[str, ...], ...] = (("block_n", "block_k"), ("block_m",), ("split_k",), ("reduce",),
+AXES: tuple[tuple[str, ...], ...] = (("block_n", "block_k"), ("block_m",), ("kernel",), ("split_k",), ("reduce",),
                                      ("num_warps",), ("num_stages",))
 MAX_ROUNDS = 3
 

@@ -6,7 +6,7 @@ Order (the paper's appendix on STOICC integration):
    Candidates vary the block shape (BLOCK_N, BLOCK_K), split-K, warps and stages.
 2. The block shape of the decode winner fixes the packed layout (the order and cut of the compressed
    buffers), which both regimes must share; prefill (M = batch * prefill length) is then tuned over the
-   remaining parameters (block_m, split-K, warps, stages) with that block.
+   rest (kernel: the tiled GEMM or the decode kernel; block_m, split-K, warps, stages) with that block.
 3. All-2:4 layers are tuned without that coupling: every block's default configs are timed in both
    regimes, the two blocks with the lowest ``prefill_len * t_decode + t_prefill`` are searched in full,
    and the lower of those wins (one packed copy is kept, so one block). At
@@ -52,7 +52,8 @@ import torch.nn.functional as F
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, resolve_config
 from patchc.codegen.layout import PackedLayer
 from patchc.runtime.cache import TuneCache, drop_stale
-from patchc.runtime.op import decode_config, encode_buckets, encode_config
+from patchc.runtime.candidates import PREFILL_KERNELS
+from patchc.runtime.op import KERNEL_CODES, decode_config, encode_buckets, encode_config
 from patchc.runtime.timing import LayerTimer, Setup, TimeFn, TuneError, score, setup
 from patchc.utils.progress import progress as progress_bar
 
@@ -68,7 +69,8 @@ class LayerTuning:
     """Tuned (or default) launch choices of one layer.
 
     block: the packed block (BLOCK_N, BLOCK_K); decode / prefill: resolved KernelConfigs (decode: the one
-    tuned at the batch size, which chose the block); buckets: ((largest M, decode config), ...) by M,
+    tuned at the batch size, which chose the block; prefill: the GEMM kernel or the decode kernel, whichever
+    timed faster, or "unpacked"); buckets: ((largest M, decode config), ...) by M,
     each tuned at its largest M (empty: `decode` serves every M up to the threshold); threshold: decode
     serves M <= threshold; prefill_backend: "triton", "unpacked" (with a prefill config of kernel "unpacked":
     W * M unpacked, then cuBLAS) or "semi_structured" (all-2:4 layers, GPU only);
@@ -113,14 +115,12 @@ class LayerTuning:
             raise ValueError(f"{where}: threshold must be >= 0, got {self.threshold}")
         if self.prefill_backend not in BACKENDS:
             raise ValueError(f"{where}: prefill_backend must be one of {BACKENDS}, got {self.prefill_backend!r}")
-        if self.prefill.kernel not in ("prefill", "unpacked"):
-            raise ValueError(f"{where}: the prefill config must be of kernel 'prefill' or 'unpacked', "
-                             f"got {self.prefill.kernel!r}")
-        # semi_structured keeps either config: the op's own route where torch's 2:4 kernels cannot serve
-        if {"triton": "prefill", "unpacked": "unpacked"}.get(self.prefill_backend, self.prefill.kernel) \
-                != self.prefill.kernel:
+        # semi_structured keeps any config: the op's own route where torch's 2:4 kernels cannot serve
+        kernels = {"triton": PREFILL_KERNELS, "unpacked": ("unpacked",)}.get(self.prefill_backend, KERNEL_CODES)
+        if self.prefill.kernel not in kernels:
             raise ValueError(f"{where}: prefill_backend {self.prefill_backend!r} does not go with a prefill config of "
-                             f"kernel {self.prefill.kernel!r} ('triton': 'prefill', 'unpacked': 'unpacked')")
+                             f"kernel {self.prefill.kernel!r} ('triton': one of {PREFILL_KERNELS}, 'unpacked': "
+                             "'unpacked')")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (for reports and the `patchc tune` command)."""
