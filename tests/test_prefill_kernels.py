@@ -14,8 +14,11 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from patchc.codegen import KernelConfig, pack
+from patchc.codegen.kernels import DECODE_GROUP_ROWS, swizzle_runtime
 from patchc.codegen.reference import layerplan_to_dense, random_layer_plan, random_tile_plan
 from patchc.runtime.cache import TuneCache
 from patchc.runtime.candidates import PREFILL_KERNELS, CandidateSpace, candidate_space, candidates
@@ -80,14 +83,16 @@ def test_the_tuner_serves_prefill_on_whichever_kernel_times_faster(per_token, ke
 @interpreter
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_decode_kernel_serves_prefill_sizes_with_token_tails(dtype, monkeypatch):
+@pytest.mark.parametrize("n,k,tile", [(96, 128, (32, 32)), (176, 64, (16, 16))])
+def test_the_decode_kernel_serves_prefill_sizes_with_token_tails(dtype, n, k, tile, monkeypatch):
     """A prefill config of the decode kernel at 64 tokens a program (split-K 2, added in the kernel): M = 67 and
-    130 leave partial token blocks; M <= the threshold still goes to the decode buckets."""
+    130 leave partial token blocks, taken in grouped order (176 rows in blocks of 16: a group of 8 block rows and
+    a partial one of 3); M <= the threshold still goes to the decode buckets."""
     from patchc.runtime import TileLinear
     from patchc.runtime.tuner import default_tuning
 
     monkeypatch.setenv("PATCHC_CPU_IMPL", "triton")
-    layer = random_layer_plan(96, 128, (32, 32), "mixed", dtype=torch.float32, bias=True, seed=7)
+    layer = random_layer_plan(n, k, tile, "mixed", dtype=torch.float32, bias=True, seed=7)
     packed = pack(layer)
     tuning = default_tuning(layer, packed, 4, 32, "sm_90")
     prefill = KernelConfig("decode", 64, *packed.block, 2, 4, 1, 8, "fixup")
@@ -95,11 +100,34 @@ def test_the_decode_kernel_serves_prefill_sizes_with_token_tails(dtype, monkeypa
     mod = TileLinear.from_plan(layer, tuning, dtype=dtype)
     w64, b64 = layerplan_to_dense(layer, torch.float64), layer.bias.double()
     for m in (67, 130, 9):
-        x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m)).to(dtype)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
         assert mod.config(m).kernel == "decode" and mod.config(m).block_m == (64 if m > 16 else 16)
         y = mod(x)
         torch.testing.assert_close(y.double(), F.linear(x.double(), w64.to(dtype).double(), b64.to(dtype).double()),
                                    **TOL[dtype])
+
+
+@triton.jit
+def _order_kernel(out_ptr, rows, toks, GROUP: tl.constexpr):
+    """Each program writes the (token block, block row) the decode kernel's grouped order gives it."""
+    pid = tl.program_id(0)
+    tok, row = swizzle_runtime(pid, rows, toks, GROUP)
+    tl.store(out_ptr + 2 * pid, tok)
+    tl.store(out_ptr + 2 * pid + 1, row)
+
+
+@interpreter
+@pytest.mark.interpreter
+def test_grouped_order_visits_every_output_tile_once():
+    """The decode kernel's grouped program order (from 64 tokens a program) is a bijection of the tiles, with
+    each group of 8 block rows sweeping every token block before the next group starts."""
+    for rows, toks in ((11, 3), (8, 16), (3, 5), (1, 1)):
+        out = torch.full((rows * toks, 2), -1, dtype=torch.int32)
+        _order_kernel[(rows * toks,)](out, rows, toks, DECODE_GROUP_ROWS)
+        order = [tuple(p) for p in out.tolist()]
+        assert sorted(order) == [(t, r) for t in range(toks) for r in range(rows)]
+        group = min(rows, DECODE_GROUP_ROWS.value)
+        assert {r for _, r in order[: group * toks]} == set(range(group))
 
 
 def test_fused_experts_keep_the_gemm_where_their_slice_chose_the_decode_kernel():

@@ -56,6 +56,9 @@ GROUPS_PER_LOAD = tl.constexpr(groups_in_use(triton.__version__))
 # int 1 (so `M.to(...)` fails to compile: every split-K decode at M = 1 did on the first GPU run) and
 # compile another variant per M % 16; unspecialised, the JIT builds what `generate` compiles and profiles.
 NOT_SPECIALISED = ["M"]
+# The decode kernel at 64 or more tokens a program (prefill sizes, where the tuner may pick it): block rows per
+# group of its grouped program order, which sweeps the token blocks while a group's weights sit in L2
+DECODE_GROUP_ROWS = tl.constexpr(8)
 
 
 @triton.jit
@@ -400,9 +403,15 @@ def decode_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Small-M kernel. grid = (ceil(N/BN), SPLIT_K, ceil(M/BM)): acc[BN, TOK] += W @ x^T with the weights
-    on the tl.dot M side, BLOCK_M tokens padded to TOK >= 8 (an mma's N side); one weight pass per program."""
-    row = tl.program_id(0)
-    m0 = tl.program_id(2) * BLOCK_M
+    on the tl.dot M side, BLOCK_M tokens padded to TOK >= 8 (an mma's N side); one weight pass per program.
+    From 64 tokens a program, grouped order: DECODE_GROUP_ROWS block rows sweep every token block while their
+    weights sit in L2 (in launch order a layer larger than the L2 would be read again per wave of token blocks);
+    below, the order of the grid, and no divisions before the weight loops."""
+    row, tok = tl.program_id(0), tl.program_id(2)
+    if BLOCK_M >= 64:
+        tok, row = swizzle_runtime(tl.program_id(0) + tl.program_id(2) * tl.num_programs(0), tl.num_programs(0),
+                                   tl.num_programs(2), DECODE_GROUP_ROWS)
+    m0 = tok * BLOCK_M
     m_end = tl.minimum(M, m0 + BLOCK_M)  # padding rows and the next program's tokens read as zeros
     decode_tile(x_ptr, y_ptr, part_ptr, count_ptr, bias_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr,
                 dense_cols_ptr, sparse_rowptr_ptr, sparse_cols_ptr, M, row, row, tl.program_id(1), m0, m_end, N, K,
@@ -457,6 +466,16 @@ def swizzle(pid, num_pid_m, num_pid_n: tl.constexpr, GROUP_M: tl.constexpr):
     first_m = (pid // group_size) * GROUP_M
     rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
     return first_m + (pid % group_size) % rows_in_group, (pid % group_size) // rows_in_group
+
+
+@triton.jit
+def swizzle_runtime(pid, num_rows, num_toks, GROUP: tl.constexpr):
+    """(token block, block row) of linear program `pid` in grouped order: GROUP block rows share one sweep over
+    the `num_toks` token blocks (L2 reuse of the weights). A bijection of [0, num_rows * num_toks)."""
+    group_size = GROUP * num_toks
+    first_row = (pid // group_size) * GROUP
+    rows_in_group = tl.minimum(num_rows - first_row, GROUP)
+    return (pid % group_size) // rows_in_group, first_row + (pid % group_size) % rows_in_group
 
 
 @triton.jit(do_not_specialize=NOT_SPECIALISED)
