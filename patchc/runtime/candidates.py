@@ -1,15 +1,15 @@
 """The tuner's candidate space: per GPU generation, the kernel configs worth timing, pruned before any timing.
 
 One `CandidateSpace` table per generation (sm_80 / sm_90: blocks, block_m, split-K, warps, stages, the
-shared memory limit, the kernels timed at prefill sizes). `candidates(regime, ...)` expands a table for a layer
-and drops, with a reason
-(`prune_reason`), blocks that do not divide the plan tile or exceed the layer, configs whose estimated
-shared memory exceeds the device limit, split-K that leaves too little K per split, and split-K whose
-fp32 workspace at the tuned M exceeds the launcher's bound (it would launch fewer splits than timed).
+shared memory limit, the kernels timed at prefill sizes). `candidates(regime, ...)` expands a table for a
+layer and drops, with a reason (`prune_reason`), blocks that do not divide the plan tile or exceed the
+layer, configs whose estimated shared memory exceeds the device limit, split-K that leaves too little K per
+split, and split-K whose fp32 workspace at the tuned M exceeds the launcher's bound (it would launch fewer
+splits than timed).
 Split-K configs come twice, adding their partial sums in the kernel and in a second launch (`reduce`).
 Prefill configs come for both hybrid kernels: the tiled GEMM ("prefill") and the decode kernel, whose weights
-sit on the product's M side (on sm_80 its 2:4 loop issues 1.6 warp-instructions per 1,000 FLOPs against the
-GEMM's 2.2, above the A100's budget of 1.95; on sm_90 0.87 against 0.77): which is faster is timed.
+sit on the product's M side (on sm_80 its 2:4 loop issues 1.6 warp-instructions per 1,000 FLOPs, under the
+A100's budget of 1.95, against the GEMM's 2.2; on sm_90 0.87 against 0.77): which is faster is timed.
 
 Example:
     >>> cands = candidates("decode", (4096, 4096), (128, 128), 16, torch.float16, "sm_90")

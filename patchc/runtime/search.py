@@ -2,11 +2,11 @@
 
 Timing every candidate is out of reach on a real GPU: sm_90's table holds ~750 decode configs for a
 LLaMA-2-7B layer at M = 1, and each distinct config is a Triton compile (~1 s) before its timing. Cost is
-close to separable in the axes (block shape, block_m, split-K and how its sums are added, warps, stages),
-so the search starts at the config the untuned path would run (`resolve_config`), tries every value of one
-axis with the others held (the kernel is an axis too: at prefill sizes the decode kernel competes), moves
-to the fastest, and goes round the axes again until a round changes
-nothing (at most `max_rounds`).
+close to separable in the axes (block shape, block_m, kernel, split-K and how its sums are added, warps,
+stages), so the search starts at the config the untuned path would run (`resolve_config`), tries every
+value of one axis with the others held (at prefill sizes the kernel is an axis: the decode kernel competes
+with the tiled GEMM), moves to the fastest, and goes round the axes again until a round changes nothing
+(at most `max_rounds`).
 Each round times about the sum of the axis sizes (~20 on sm_90), not their product, and the result is
 never slower than the default as measured. Only if the default and all its neighbours fail (compile
 errors, out of resources) are the remaining candidates timed one by one.
