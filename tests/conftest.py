@@ -149,6 +149,23 @@ def load_benchmark(name: str):
     return module
 
 
+def tune_twice(tmp_path, time_fn):
+    """A mixed and an all-2:4 layer tuned for sm_90 with `time_fn` into a cache, then read back from it:
+    (plan, tuned, cached). Fails if reading back timed anything."""
+    from patchc.codegen.reference import random_tile_plan
+    from patchc.runtime.cache import TuneCache
+    from patchc.runtime.tuner import tune_plan
+
+    plan = random_tile_plan({"mixed.weight": dict(n=128, k=256, tile=(64, 64), kinds="mixed"),
+                             "sparse.weight": dict(n=64, k=256, tile=(64, 64), kinds="sparse")})
+    kw = dict(batch_size=4, prefill_len=64, dtype=torch.float16, device="cpu", progress=False, arch="sm_90")
+    tuned = tune_plan(plan, cache=TuneCache(tmp_path / "t.json"), time_fn=time_fn, **kw)
+    untimed = []  # a cached tuning times nothing
+    cached = tune_plan(plan, cache=TuneCache(tmp_path / "t.json"), cached_only=True, time_fn=untimed.append, **kw)
+    assert not untimed
+    return plan, tuned, cached
+
+
 def in_fresh_thread(fn, *args, **kwargs):
     """fn(*args, **kwargs) on a new thread: its Python frames start on a fresh data stack. CPython 3.11 maps
     frame stack chunks of 16 KiB as they fill and unmaps them as they empty; deep under pytest's frames, the

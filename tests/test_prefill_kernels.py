@@ -19,9 +19,9 @@ import triton.language as tl
 
 from patchc.codegen import KernelConfig, pack
 from patchc.codegen.kernels import DECODE_GROUP_ROWS, swizzle_runtime
-from patchc.codegen.reference import layerplan_to_dense, random_layer_plan, random_tile_plan
-from patchc.runtime.cache import TuneCache
+from patchc.codegen.reference import layerplan_to_dense, random_layer_plan
 from patchc.runtime.candidates import PREFILL_KERNELS, CandidateSpace, candidate_space, candidates
+from tests.conftest import tune_twice
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3)}
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
@@ -64,15 +64,8 @@ def test_the_tuner_serves_prefill_on_whichever_kernel_times_faster(per_token, ke
     """The search walks from the GEMM's default config and takes the decode kernel where it times faster at the
     prefill M; the choice survives the cache, and the module built from it serves it on the "prefill" route."""
     from patchc.runtime import TileLinear
-    from patchc.runtime.tuner import tune_plan
 
-    plan = random_tile_plan({"mixed.weight": dict(n=128, k=256, tile=(64, 64), kinds="mixed"),
-                             "sparse.weight": dict(n=64, k=256, tile=(64, 64), kinds="sparse")})
-    kw = dict(batch_size=4, prefill_len=64, dtype=torch.float16, device="cpu", progress=False, arch="sm_90")
-    tuned = tune_plan(plan, cache=TuneCache(tmp_path / "t.json"), time_fn=_timer(per_token), **kw)
-    untimed = []  # a cached tuning times nothing
-    cached = tune_plan(plan, cache=TuneCache(tmp_path / "t.json"), cached_only=True, time_fn=untimed.append, **kw)
-    assert not untimed
+    plan, tuned, cached = tune_twice(tmp_path, _timer(per_token))
     for name, t in tuned.items():
         assert t.prefill.kernel == kernel and t.prefill_backend == "triton" and t.prefill.block_m >= 64, name
         assert cached[name].prefill == t.prefill

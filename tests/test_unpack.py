@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from patchc.codegen import KernelConfig, pack, tile_linear
 from patchc.codegen.layout import kernel_buffers
 from patchc.codegen.reference import layerplan_to_dense, random_layer_plan, random_tile_plan
-from tests.conftest import older_triton_env, older_triton_params
+from tests.conftest import older_triton_env, older_triton_params, tune_twice
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3),
@@ -189,16 +189,8 @@ def test_tuner_serves_prefill_unpacked_only_where_it_is_faster(unpacked_ms, rout
     """The unpacked route is timed at the prefill M beside the hybrid kernel's best and kept when faster, for
     mixed and all-2:4 layers; the choice survives the cache, and the module built from it routes by it."""
     from patchc.runtime import TileLinear
-    from patchc.runtime.cache import TuneCache
-    from patchc.runtime.tuner import tune_plan
 
-    plan = random_tile_plan({"mixed.weight": dict(n=128, k=256, tile=(64, 64), kinds="mixed"),
-                             "sparse.weight": dict(n=64, k=256, tile=(64, 64), kinds="sparse")})
-    kw = dict(batch_size=4, prefill_len=64, dtype=torch.float16, device="cpu", progress=False, arch="sm_90")
-    tuned = tune_plan(plan, cache=TuneCache(tmp_path / "t.json"), time_fn=_timer(unpacked_ms), **kw)
-    untimed = []  # a cached tuning times nothing
-    cached = tune_plan(plan, cache=TuneCache(tmp_path / "t.json"), cached_only=True, time_fn=untimed.append, **kw)
-    assert not untimed
+    plan, tuned, cached = tune_twice(tmp_path, _timer(unpacked_ms))
     for name, t in tuned.items():
         assert t.prefill.kernel == route and t.prefill_backend == ("unpacked" if route == "unpacked" else "triton")
         assert cached[name].prefill == t.prefill and cached[name].prefill_backend == t.prefill_backend
