@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from patchc.codegen import KernelConfig, pack
-from patchc.codegen.kernels import DECODE_GROUP_ROWS, swizzle_runtime
+from patchc.codegen.kernels import DECODE_GROUP_ROWS, swizzle
 from patchc.codegen.reference import layerplan_to_dense, random_layer_plan
 from patchc.runtime.candidates import PREFILL_KERNELS, CandidateSpace, candidate_space, candidates
 from tests.conftest import tune_twice
@@ -104,7 +104,7 @@ def test_the_decode_kernel_serves_prefill_sizes_with_token_tails(dtype, n, k, ti
 def _order_kernel(out_ptr, rows, toks, GROUP: tl.constexpr):
     """Each program writes the (token block, block row) the decode kernel's grouped order gives it."""
     pid = tl.program_id(0)
-    tok, row = swizzle_runtime(pid, rows, toks, GROUP)
+    row, tok = swizzle(pid, rows, toks, GROUP)
     tl.store(out_ptr + 2 * pid, tok)
     tl.store(out_ptr + 2 * pid + 1, row)
 

@@ -409,8 +409,8 @@ def decode_kernel(
     below, the order of the grid, and no divisions before the weight loops."""
     row, tok = tl.program_id(0), tl.program_id(2)
     if BLOCK_M >= 64:
-        tok, row = swizzle_runtime(tl.program_id(0) + tl.program_id(2) * tl.num_programs(0), tl.num_programs(0),
-                                   tl.num_programs(2), DECODE_GROUP_ROWS)
+        row, tok = swizzle(tl.program_id(0) + tl.program_id(2) * tl.num_programs(0), tl.num_programs(0),
+                           tl.num_programs(2), DECODE_GROUP_ROWS)
     m0 = tok * BLOCK_M
     m_end = tl.minimum(M, m0 + BLOCK_M)  # padding rows and the next program's tokens read as zeros
     decode_tile(x_ptr, y_ptr, part_ptr, count_ptr, bias_ptr, dense_ptr, vals_ptr, meta_ptr, dense_rowptr_ptr,
@@ -459,23 +459,15 @@ def prefill_tile(
 
 
 @triton.jit
-def swizzle(pid, num_pid_m, num_pid_n: tl.constexpr, GROUP_M: tl.constexpr):
-    """(m tile, block row) of program `pid` in grouped order: GROUP_M m tiles share one sweep over the weight
-    block rows (L2 reuse of x)."""
-    group_size: tl.constexpr = GROUP_M * num_pid_n
+def swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(m, n) of linear program `pid` in grouped order, a bijection of [0, num_pid_m * num_pid_n): GROUP_M
+    consecutive m share one sweep over every n (the prefill GEMM: m tiles over the weight block rows, L2 reuse
+    of x; the decode kernel at prefill sizes: block rows over the token blocks, L2 reuse of the weights). A
+    constexpr `num_pid_n` stays one, so its divisions fold."""
+    group_size = GROUP_M * num_pid_n
     first_m = (pid // group_size) * GROUP_M
     rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
     return first_m + (pid % group_size) % rows_in_group, (pid % group_size) // rows_in_group
-
-
-@triton.jit
-def swizzle_runtime(pid, num_rows, num_toks, GROUP: tl.constexpr):
-    """(token block, block row) of linear program `pid` in grouped order: GROUP block rows share one sweep over
-    the `num_toks` token blocks (L2 reuse of the weights). A bijection of [0, num_rows * num_toks)."""
-    group_size = GROUP * num_toks
-    first_row = (pid // group_size) * GROUP
-    rows_in_group = tl.minimum(num_rows - first_row, GROUP)
-    return (pid % group_size) // rows_in_group, first_row + (pid % group_size) % rows_in_group
 
 
 @triton.jit(do_not_specialize=NOT_SPECIALISED)
