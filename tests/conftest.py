@@ -269,6 +269,14 @@ def tiny_mlp() -> TinyMLP:
     return TinyMLP()
 
 
+def assert_close_fp32(got: torch.Tensor, want: torch.Tensor, ulps: float = 16.0) -> None:
+    """fp32 results of one computation summed in another order: within `ulps` float32 steps of the largest
+    |want|. A fixed atol is not a tolerance here: outputs of ~200 differ by ~2e-5 between vector kernels
+    (AVX2 against AVX-512), while a wrong row or expert is off by the output's own size."""
+    atol = ulps * torch.finfo(torch.float32).eps * float(want.detach().abs().max())
+    torch.testing.assert_close(got, want, atol=atol, rtol=1e-5)
+
+
 def prune_24(w: torch.Tensor) -> torch.Tensor:
     """`w` (..., K) keeping the 2 largest magnitudes of every group of 4 along K (a 2:4 magnitude pruning)."""
     mags = w.abs().reshape(*w.shape[:-1], -1, 4)

@@ -15,7 +15,7 @@ from torch import nn
 import patchc
 from patchc.runtime.experts import TileBmmExperts, TileExperts, experts_module
 from patchc.runtime.grouped_op import TileGroupedLinear
-from tests.conftest import prune_24
+from tests.conftest import assert_close_fp32, prune_24
 
 transformers = pytest.importorskip("transformers")
 
@@ -126,7 +126,7 @@ def test_experts_dense_fallback_and_kernel_path_in_the_triton_interpreter(build,
     assert type(fast) is kind and all(isinstance(k, TileGroupedLinear) for k in fast.kernels.values())
     monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
     with torch.no_grad():
-        torch.testing.assert_close(fast(*args), experts(*args), atol=1e-5, rtol=1e-5)
+        assert_close_fp32(fast(*args), experts(*args))
     launched = _spy_grouped(monkeypatch)
     with torch.no_grad():
         got, want = fast(*args), experts(*args)
@@ -149,7 +149,7 @@ def test_a_pair_at_routing_weight_zero_gives_its_expert_no_row(monkeypatch):
     monkeypatch.setattr(fast, "_linear", lambda proj, e, rows: read.append(e) or real_linear(proj, e, rows))
     with torch.no_grad():
         want = experts(x, index, weights)
-        torch.testing.assert_close(fast(x, index, weights), want, atol=1e-5, rtol=1e-5)
+        assert_close_fp32(fast(x, index, weights), want)
     assert read == [0, 0]
     _spy_grouped(monkeypatch)
     ends, real = [], grouped_op.launch_grouped
@@ -189,7 +189,7 @@ def test_bmm_experts_compute_only_the_rows_the_router_scored(top_k, monkeypatch)
     real_linear = fast._linear
     monkeypatch.setattr(fast, "_linear", lambda proj, e, x: read.append(e) or real_linear(proj, e, x))
     with torch.no_grad():
-        torch.testing.assert_close(fast(rows), want, atol=1e-5, rtol=1e-5)
+        assert_close_fp32(fast(rows), want)
     assert sorted(set(read)) == [e for e in range(4) if picked[e]]
     _spy_grouped(monkeypatch)
     launches, real = [], grouped_op.launch_grouped
@@ -234,7 +234,7 @@ def test_a_served_llama4_block_runs_the_routers_picks_only(path, monkeypatch):
         block = fast.model.layers[0].feed_forward
         assert type(block) is TileLlama4Moe and type(block.experts) is TileBmmExperts
         assert set(dict(block.named_children())) == {"router", "shared_expert", "experts"}  # the block's names
-        torch.testing.assert_close(case.run(fast), want, atol=1e-5, rtol=1e-5)
+        assert_close_fp32(case.run(fast), want)
     assert not every_row
     assert launches == ([case.ids.numel() * case.model.config.num_experts_per_tok] * 2 if path == "triton" else [])
 
@@ -354,7 +354,7 @@ def test_compile_tunes_one_slice_per_fused_weight_and_every_expert_shares_it(mon
     assert all(k.threshold == 7 and k.tuning.fqn == f"{path}.{p}.0" for p, k in fast.mlp.experts.kernels.items())
     monkeypatch.setenv("PATCHC_CPU_IMPL", "reference")
     with torch.no_grad():
-        torch.testing.assert_close(fast.mlp.experts(*args), experts(*args), atol=1e-5, rtol=1e-5)
+        assert_close_fp32(fast.mlp.experts(*args), experts(*args))
 
 
 def test_compiling_a_copy_copies_no_fused_expert_weight_that_leaves(monkeypatch):
@@ -387,7 +387,7 @@ def test_compiling_a_copy_copies_no_fused_expert_weight_that_leaves(monkeypatch)
     assert experts_3d == [(4, 32, 48)], f"only the fused weight with an unplanned slice is copied, got {experts_3d}"
     assert all(isinstance(fast.model.layers[i].mlp.experts, TileExperts) for i in (0, 1))
     with torch.no_grad():
-        torch.testing.assert_close(fast(ids).logits, want, atol=1e-5, rtol=1e-5)
+        assert_close_fp32(fast(ids).logits, want)
 
 
 @pytest.mark.parametrize("build, rows", [(_tiny_experts, [3 * 3, 20 * 3]), (_tiny_bmm_experts, [3 * 2, 20 * 2])])

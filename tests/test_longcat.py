@@ -19,7 +19,7 @@ import torch
 import patchc
 from patchc.models.hf_export import export_causal_lm
 from patchc.models.traceable import _is_longcat_experts, longcat_experts_grouped, traceable_layers
-from tests.conftest import prune_24, prune_tiny_folder, train_and_harden
+from tests.conftest import assert_close_fp32, prune_24, prune_tiny_folder, train_and_harden
 from tests.test_experts_runtime import _spy_grouped
 
 transformers = pytest.importorskip("transformers")
@@ -109,7 +109,7 @@ def test_the_grouped_form_passes_the_loops_gradients():
         forward(xg, index, weights).square().sum().backward()
         grads.append((xg.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()))
     for want, got in zip(*grads):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert_close_fp32(got, want)
 
 
 @pytest.mark.skipif(LOOP_FORM, reason="transformers before 5.25 route the zero-computation pairs in the experts")
@@ -137,7 +137,7 @@ def test_the_moe_blocks_form_gives_its_experts_the_routed_pairs_only(impl, monke
         y.square().sum().backward()
         outs.append((y, xg.grad, moe.experts.gate_up_proj.grad.clone(), moe.experts.down_proj.grad.clone()))
     for want, got in zip(*outs):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert_close_fp32(got, want)
     picked, ((ids, weights),) = moe.router(x)[-1], sent  # the traced form does not call the experts module
     assert (picked >= ROUTED).any() and ((ids < ROUTED) & (weights == 0)).sum() == (picked >= ROUTED).sum()
     routed = int((picked < ROUTED).sum())
@@ -211,7 +211,7 @@ def test_a_two_four_longcat_compiles_with_its_experts_served(path, monkeypatch, 
         fast = patchc.compile(model, tune=False)
         served = fast.get_submodule(EXPERTS)
         assert type(served) is TileExperts and (served.num_experts, served.zero_experts) == (ROUTED, EXPERT_ZEROS)
-        torch.testing.assert_close(fast(ids).logits, want, atol=1e-5, rtol=1e-5)
+        assert_close_fp32(fast(ids).logits, want)
     if path == "triton":
         assert f"{EXPERTS}.gate_up_proj" in launched and f"{EXPERTS}.down_proj" in launched
         return
@@ -221,7 +221,7 @@ def test_a_two_four_longcat_compiles_with_its_experts_served(path, monkeypatch, 
     assert torch.equal(gate_up[:ROUTED], model.get_parameter(f"{EXPERTS}.gate_up_proj")[:ROUTED])
     assert not gate_up[ROUTED:].any()
     with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, want, atol=1e-5, rtol=1e-5)
+        assert_close_fp32(loaded(ids).logits, want)
 
 
 @pytest.mark.gpu
