@@ -1,9 +1,11 @@
 """`patchc.codegen.interpreter`: under TRITON_INTERPRET=1 a kernel's helper calls reuse the patches of
-their launch (Triton patches `triton.language` once per launch, not once per helper call), with the same
-results, under this Triton and the older one GPU machines have."""
+their launch (Triton patches `triton.language` once per launch, not once per helper call), and integer ops
+skip the overflow checks no assert reads, with the same results, under this Triton and the older one GPU
+machines have."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -57,10 +59,48 @@ print(triton.__version__, installed, before, after, _state["patched"] is None)
 """
 
 
-def _counts(env: dict[str, str]) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+# Launches a kernel of int32 index and value arithmetic (the last add wraps around), counting the signed
+# `<=` compares the interpreter builds (the overflow check makes one per int32 add or mul; the kernel none),
+# with the checks on and then skipped; prints both counts, the outputs and torch's own int32 result.
+OVERFLOW_SCRIPT = r"""
+import json, torch, triton, triton.language as tl
+from triton.runtime import interpreter
+
+@triton.jit
+def kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(y_ptr + offs, v * 3 + 2147483000, mask=offs < n)
+
+compares = [0]
+sle = interpreter.InterpreterBuilder.create_icmpSLE
+def counted(self, *args):
+    compares[0] += 1
+    return sle(self, *args)
+interpreter.InterpreterBuilder.create_icmpSLE = counted
+
+def run():
+    x = torch.arange(-300, 300, 20, dtype=torch.int32)
+    y = torch.full_like(x, -1)
+    compares[0] = 0
+    kernel[(4,)](x, y, x.numel(), BLOCK=8)
+    return compares[0], y.tolist(), (x * 3 + 2147483000).tolist()
+
+before = run()
+from patchc.codegen.interpreter import skip_unasserted_overflow_checks
+installed = skip_unasserted_overflow_checks()
+print(json.dumps([triton.__version__, installed, before, run()]))
+"""
+
+
+def _run(script: str, env: dict[str, str]) -> str:
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.split()
+    return done.stdout
+
+
+def _counts(env: dict[str, str]) -> list[str]:
+    return _run(SCRIPT, env).split()
 
 
 def _check(words: list[str]) -> None:
@@ -78,6 +118,19 @@ def test_helper_calls_reuse_the_launchs_patches_and_give_the_same_output():
 @pytest.mark.parametrize("triton_dir", older_triton_params())
 def test_the_same_under_an_older_triton(triton_dir):
     _check(_counts(older_triton_env(triton_dir, TRITON_INTERPRET="1")))
+
+
+def _check_overflow(out: str) -> None:
+    version, installed, (checks_on, got_on, want), (checks_off, got_off, _) = json.loads(out)
+    assert installed, f"Triton {version}: the overflow checks were not skipped"
+    assert checks_on >= 4 * 4 and checks_off == 0, (version, checks_on, checks_off)  # 4 programs x 4 int32 ops
+    assert got_on == got_off == want  # wraps around as int32 does, checked or not
+    assert any(v < 0 for v in want[-5:])  # the last values did wrap
+
+
+@pytest.mark.parametrize("triton_dir", [pytest.param(None, id="this-triton"), *older_triton_params()])
+def test_integer_ops_skip_the_overflow_checks_no_assert_reads(triton_dir):
+    _check_overflow(_run(OVERFLOW_SCRIPT, older_triton_env(triton_dir, TRITON_INTERPRET="1")))
 
 
 def test_a_failed_launch_leaves_no_record_behind():
