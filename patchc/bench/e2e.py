@@ -50,14 +50,16 @@ def make_plan(model: Llama, sparsity: float, tile: tuple[int, int], seed: int) -
 
 
 @torch.no_grad()
-def decode_speed(model: Llama, batch: int, tokens: int, graphed: bool) -> dict[str, float]:
-    """Prefill PROMPT tokens, then `tokens` greedy decode steps; tokens/s of the decode steps."""
+def decode_speed(model: Llama, batch: int, tokens: int, graphed: bool, warmup: bool = True) -> dict[str, float]:
+    """Prefill PROMPT tokens, then `tokens` greedy decode steps; tokens/s of the decode steps. `warmup`: a
+    first prefill compiles the kernels (the interpreter of a dry run has nothing to compile)."""
     dev = model.embed.weight.device
     model.reset_cache(batch, PROMPT + tokens)
     prompt = torch.randint(0, model.s.vocab, (batch, PROMPT), device=dev)
     tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
     pos = torch.zeros(1, dtype=torch.long, device=dev)
-    model(prompt, torch.arange(PROMPT, device=dev))  # warm-up: compiles every prefill kernel
+    if warmup:  # compiles every prefill kernel
+        model(prompt, torch.arange(PROMPT, device=dev))
     step = _graphed_step(model, tok, pos) if graphed else (lambda: model(tok, pos))
     t0 = time.perf_counter()
     first = model(prompt, torch.arange(PROMPT, device=dev))
@@ -74,16 +76,17 @@ def decode_speed(model: Llama, batch: int, tokens: int, graphed: bool) -> dict[s
 
 
 @torch.no_grad()
-def prefill_ms(model: Llama, length: int) -> float:
-    """ms of one forward over a `length`-token prompt at batch 1 (the best of 3, after a warm-up forward that
-    compiles its kernels); the cache is sized to the prompt."""
+def prefill_ms(model: Llama, length: int, reps: int = 3, warmup: bool = True) -> float:
+    """ms of one forward over a `length`-token prompt at batch 1 (the best of `reps`, after a warm-up forward
+    that compiles its kernels); the cache is sized to the prompt."""
     dev = model.embed.weight.device
     model.reset_cache(1, length)
     ids = torch.randint(0, model.s.vocab, (1, length), generator=torch.Generator().manual_seed(2)).to(dev)
     pos = torch.arange(length, device=dev)
-    model(ids, pos)
+    if warmup:
+        model(ids, pos)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(reps):
         _sync(dev)
         t0 = time.perf_counter()
         model(ids, pos)
@@ -158,11 +161,13 @@ def run_e2e(opts: BenchOptions, device: str, deadline: Deadline, progress: bool 
     tile = (128, 128) if not opts.dry_run else (32, 32)
     tokens = opts.e2e_tokens if not opts.dry_run else 3
     long_prompt = LONG_PROMPT if not opts.dry_run else 64
+    # the interpreter compiles nothing and its timings mean nothing: each forward once (a third of the part)
+    timing = dict(warmup=False) if opts.dry_run else {}
     torch.manual_seed(opts.seed)
     base = Llama(shape, 1, PROMPT).to(device=device, dtype=dtype).eval()
     rows, skipped = [], []
-    dense_speed = {b: decode_speed(base, b, tokens, cuda) for b in opts.e2e_batches}
-    dense_prefill = prefill_ms(base, long_prompt)
+    dense_speed = {b: decode_speed(base, b, tokens, cuda, **timing) for b in opts.e2e_batches}
+    dense_prefill = prefill_ms(base, long_prompt, reps=1 if opts.dry_run else 3, **timing)
     for tuned, sparsity in runs(opts, cuda):
         if deadline.over():
             skipped.append(f"{sparsity:.0%}{' (tuned)' if tuned else ''}")
@@ -185,10 +190,10 @@ def run_e2e(opts: BenchOptions, device: str, deadline: Deadline, progress: bool 
         err = logits_error(fast, pruned, shape.vocab, device)
         del pruned
         prefill = {"prefill_tokens": long_prompt, "dense_prefill_ms": dense_prefill,
-                   "long_prefill_ms": prefill_ms(fast, long_prompt)}
+                   "long_prefill_ms": prefill_ms(fast, long_prompt, reps=1 if opts.dry_run else 3, **timing)}
         prefill["prefill_speedup"] = dense_prefill / prefill["long_prefill_ms"]
         for b in opts.e2e_batches:
-            r = decode_speed(fast, b, tokens, cuda)
+            r = decode_speed(fast, b, tokens, cuda, **timing)
             rows.append({"sparsity": sparsity, "tuned": tuned, "tuned_layers": tuned_layers, "batch": b,
                          "layers": shape.layers, "tokens": tokens, **err, **prefill,
                          "dense_tok_s": dense_speed[b]["decode_tok_s"], **r,
