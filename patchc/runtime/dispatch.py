@@ -36,7 +36,7 @@ from patchc.codegen.launch import warm
 from patchc.codegen.layout import BUFFER_NAMES, pack
 from patchc.runtime import op as _op  # registers torch.ops.patchc.tile_linear
 from patchc.runtime.experts import TileBmmExperts, TileExperts
-from patchc.runtime.op import encode_buckets, encode_config
+from patchc.runtime.op import encode_config, encode_tuning
 from patchc.runtime.timing import compile_ahead, compile_ahead_each, packed_buffers
 from patchc.runtime.tuner import LayerTuning, default_tuning
 
@@ -78,10 +78,7 @@ class TileLinear(nn.Module):
 
     def _set_tuning(self, tuning: LayerTuning) -> None:
         self.decode_cfg = encode_config(tuning.decode)
-        # what the op dispatches on: one decode config per M bucket (or the one config when untuned buckets)
-        self.decode_buckets = encode_buckets(list(tuning.buckets)) if tuning.buckets else list(self.decode_cfg)
-        self.prefill_cfg = encode_config(tuning.prefill)
-        self.threshold = int(tuning.threshold)
+        self.decode_buckets, self.prefill_cfg, self.threshold = encode_tuning(tuning)
         self.tuning = tuning
 
     def retuned(self, tuning: LayerTuning) -> TileLinear:

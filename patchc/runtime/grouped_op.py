@@ -38,7 +38,7 @@ from patchc.codegen.grouped_layout import (experts_from_buffers, fill_transposed
 from patchc.codegen.launch import launch_grouped, unpack, warm_grouped
 from patchc.codegen.layout import BUFFER_NAMES, kernel_buffers, pack
 from patchc.ir import tile_grid
-from patchc.runtime.op import decode_config, encode_buckets, encode_config, pick_decode, use_triton
+from patchc.runtime.op import decode_config, encode_tuning, pick_decode, use_triton
 from patchc.runtime.timing import compile_ahead, packed_buffers
 from patchc.runtime.tuner import LayerTuning, default_tuning
 
@@ -233,9 +233,7 @@ class TileGroupedLinear(nn.Module):
         self.out_features, self.in_features = shape
         self.block, self.per_row = tuple(stacked.block), tuple(per_row)
         tuning = _grouped_prefill(tuning, stacked, arch_of(device))
-        self.decode_buckets = encode_buckets(list(tuning.buckets)) if tuning.buckets else encode_config(tuning.decode)
-        self.prefill_cfg = encode_config(tuning.prefill)
-        self.threshold = int(tuning.threshold)
+        self.decode_buckets, self.prefill_cfg, self.threshold = encode_tuning(tuning)
         self.tuning = tuning
 
     @classmethod

@@ -30,7 +30,7 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,17 @@ def encode_buckets(buckets: list[tuple[int, KernelConfig]]) -> list[int]:
     if not bounds or bounds != sorted(set(bounds)) or bounds[0] < 1:
         raise ValueError(f"decode buckets need increasing largest-M bounds >= 1, got {bounds}")
     return [v for m, cfg in buckets for v in (int(m), *encode_config(cfg))]
+
+
+def encode_tuning(tuning: Any) -> tuple[list[int], list[int], int]:
+    """A `LayerTuning` -> what the op dispatches on: (decode configs, one per M bucket, or the one config where
+    the tuning has no buckets; the prefill config; the largest M that decodes).
+
+    Example:
+        >>> decode, prefill, threshold = encode_tuning(mod.tuning)   # doctest: +SKIP
+    """
+    decode = encode_buckets(list(tuning.buckets)) if tuning.buckets else encode_config(tuning.decode)
+    return decode, encode_config(tuning.prefill), int(tuning.threshold)
 
 
 def pick_decode(decode_cfg: list[int], m: int) -> list[int]:
