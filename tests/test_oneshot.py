@@ -288,6 +288,42 @@ def test_calibrate_module_shares_stats_and_bounds_memory():
         calibrate(model, batches, layers=["nope.weight"], progress=False)
 
 
+def test_weights_reading_one_input_share_one_sparsegpt_factor(monkeypatch):
+    """q and k read one input (one InputStats): inside `oneshot`, and a prior that prunes each weight twice, its
+    Hessian is factored once, with masks and OBS-updated weights equal to the bit to each layer pruned alone;
+    an update of the statistics factors again, and nothing is held after the block."""
+    import importlib
+
+    import patchc
+
+    sg = importlib.import_module("patchc.pruning.sparsegpt")  # the package's `sparsegpt` is the function
+    torch.manual_seed(0)
+    model = _Block()
+    calib = calibrate(model, [torch.randint(0, 16, (2, 5)) for _ in range(3)], progress=False)
+    alone = {f: prune_weight(model.get_parameter(f).detach(), "sparsegpt", "2:4", calib[f], update_weights=True)
+             for f in calib}
+    factored = []
+    real = sg.inverse_cholesky
+    monkeypatch.setattr(sg, "inverse_cholesky", lambda h, name="weight": factored.append(name) or real(h, name))
+    pruned = copy.deepcopy(model)
+    masks = oneshot(pruned, "sparsegpt", "2:4", calib=calib, update_weights=True, progress=False)
+    assert len(factored) == 3 and sg._SHARED["factor"] is None  # q and k share one; up, down
+    for f, (mask, weight) in alone.items():
+        assert torch.equal(masks[f], mask) and torch.equal(pruned.get_parameter(f).detach(), weight), f
+    factored.clear()
+    with sg.shared_factors():
+        first = prune_weight(model.q.weight.detach(), "sparsegpt", "2:4", calib["q.weight"])
+        calib["q.weight"].update(torch.randn(4, 8))  # new inputs: a new Hessian
+        again = prune_weight(model.q.weight.detach(), "sparsegpt", "2:4", calib["q.weight"])
+    assert factored == ["weight", "weight"] and sg._SHARED["key"] is None
+    assert torch.equal(again, prune_weight(model.q.weight.detach(), "sparsegpt", "2:4", calib["q.weight"]))
+    assert not torch.equal(first, again)  # else the update changed nothing and the count proves little
+    factored.clear()
+    cfg = patchc.PatchConfig(tile=(4, 4), sparsity=0.35, prior="sparsegpt")
+    patchc.transform(model, cfg, example_inputs=(torch.randint(0, 16, (2, 5)),), calib=calib)
+    assert len(factored) == 3  # 4 weights, 2:4 and unstructured each: 8 prunings, 3 inputs
+
+
 def test_calibrate_stores_each_pass_once_it_is_done(monkeypatch):
     """`store` moves a pass's statistics off the model's device before the next pass runs (a GPU then holds
     at most `max_hessian_bytes` of Hessians); shared statistics move once and stay shared."""

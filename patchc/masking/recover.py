@@ -364,18 +364,19 @@ def update_sparsegpt(plan: TilePlan, model: nn.Module, views: dict[str, tg.Targe
 
     Layers the calibration has no Hessian for keep the hardened W * M, with a warning naming them.
     """
-    from patchc.pruning.sparsegpt import sparsegpt
+    from patchc.pruning.sparsegpt import factor_of, shared_factors, sparsegpt
 
     missing = []
-    for fqn in progress_bar(list(plan.layers), desc="recovery (sparsegpt)", disable=not progress):
-        stats = calib[fqn] if fqn in calib else None
-        if stats is None or not getattr(stats, "has_hessian", False):
-            missing.append(fqn)
-            continue
-        layer = plan.layers[fqn]
-        mask = layer.mask().to(dense[fqn].device)
-        _, updated = sparsegpt(dense[fqn], stats.hessian, mask=mask, name=fqn)
-        tg.read(model, views[fqn]).copy_(updated.masked_fill(~mask, 0.0))
+    with shared_factors():  # layers reading one input factor its Hessian once
+        for fqn in progress_bar(list(plan.layers), desc="recovery (sparsegpt)", disable=not progress):
+            stats = calib[fqn] if fqn in calib else None
+            if stats is None or not getattr(stats, "has_hessian", False):
+                missing.append(fqn)
+                continue
+            mask = plan.layers[fqn].mask().to(dense[fqn].device)
+            factor = factor_of(stats, stats.hessian, dense[fqn].device, 0.01, fqn)
+            _, updated = sparsegpt(dense[fqn], stats.hessian, mask=mask, name=fqn, factor=factor)
+            tg.read(model, views[fqn]).copy_(updated.masked_fill(~mask, 0.0))
     if missing:
         warnings.warn(f"recover(method='sparsegpt'): no calibration Hessian for {len(missing)} layer(s), "
                       f"left as hardened: {missing[:5]}", stacklevel=3)

@@ -90,33 +90,37 @@ def build_masks(
 ) -> dict[str, nn.Module]:
     """One mask module per masked parameter (graph order): a HybridMask, or a ParamMask holding one
     HybridMask per expert / over the transpose; each initialised N(0, init_std) + prior (unless not `prior`)."""
+    from patchc.pruning.sparsegpt import shared_factors
+
     gen = torch.Generator().manual_seed(cfg.seed)
     masks: dict[str, nn.Module] = {}
     count = 0
     fallback: list[str] = []
-    for site in sites:
-        if site.fqn in masks:
-            continue
-        param = gm.get_parameter(site.fqn)
-        hybrids = []
-        for e, name in enumerate(site.names):
-            target = Target(name, site.fqn, e if site.experts is not None else None, site.transposed)
-            mask = HybridMask(name, site.shape, cfg.tile, cfg.variant, index=count, seed=cfg.seed, hard=cfg.hard,
-                              nm_param=cfg.nm_param)
-            count += 1
-            mask.init_logits(cfg.init_std, gen)
-            if cfg.prior != "random" and prior:
-                layer_cfg = cfg
-                if _uncalibrated(site, name, cfg, calib):
-                    layer_cfg = cfg.replace(prior="magnitude")
-                    fallback.append(name)
-                nm_prior, tile_prior = prior_logits(name, matrix(param, target), layer_cfg, calib, prior_masks)
-                # add_prior keeps the prior's choice as the argmax, so the "tile" variant's frozen 2:4
-                # logits harden to exactly the one-shot pattern.
-                mask.add_prior(nm_prior, tile_prior, cfg.init_std * cfg.prior_strength)
-            hybrids.append(mask.to(param.device))
-        plain = site.experts is None and not site.transposed
-        masks[site.fqn] = hybrids[0] if plain else ParamMask(site.fqn, hybrids, site.experts is not None, site.transposed)
+    with shared_factors():  # a SparseGPT prior factors each input's Hessian once (q, k, v; 2:4, unstructured)
+        for site in sites:
+            if site.fqn in masks:
+                continue
+            param = gm.get_parameter(site.fqn)
+            hybrids = []
+            for e, name in enumerate(site.names):
+                target = Target(name, site.fqn, e if site.experts is not None else None, site.transposed)
+                mask = HybridMask(name, site.shape, cfg.tile, cfg.variant, index=count, seed=cfg.seed, hard=cfg.hard,
+                                  nm_param=cfg.nm_param)
+                count += 1
+                mask.init_logits(cfg.init_std, gen)
+                if cfg.prior != "random" and prior:
+                    layer_cfg = cfg
+                    if _uncalibrated(site, name, cfg, calib):
+                        layer_cfg = cfg.replace(prior="magnitude")
+                        fallback.append(name)
+                    nm_prior, tile_prior = prior_logits(name, matrix(param, target), layer_cfg, calib, prior_masks)
+                    # add_prior keeps the prior's choice as the argmax, so the "tile" variant's frozen 2:4
+                    # logits harden to exactly the one-shot pattern.
+                    mask.add_prior(nm_prior, tile_prior, cfg.init_std * cfg.prior_strength)
+                hybrids.append(mask.to(param.device))
+            plain = site.experts is None and not site.transposed
+            masks[site.fqn] = hybrids[0] if plain else ParamMask(site.fqn, hybrids, site.experts is not None,
+                                                                   site.transposed)
     if fallback:
         warnings.warn(f"patchc.transform: no calibration statistics for {len(fallback)} expert / Conv1D layer(s) "
                       f"(calibrate this model, or the program, with their plan names: patchc.calibrate(model, batches) "

@@ -35,7 +35,7 @@ from patchc.pruning.magnitude import magnitude_scores
 from patchc.pruning.observe import layer_matrix
 from patchc.pruning.patterns import check_sparsity, check_tile, mask_24, mask_unstructured, merge_tiles
 from patchc.pruning.priors import dense_tiles
-from patchc.pruning.sparsegpt import sparsegpt
+from patchc.pruning.sparsegpt import factor_of, shared_factors, sparsegpt
 from patchc.pruning.wanda import wanda_scores
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
@@ -119,7 +119,10 @@ def prune_weight(
         # view (a Conv1D weight, an experts module with is_transposed): it would write the model.
         w = w.contiguous()
         hessian = _hessian(stats, name)
-        kw = dict(blocksize=blocksize, percdamp=percdamp, name=name)
+        if tuple(hessian.shape) != (w.shape[1],) * 2:
+            raise ValueError(f"{name}: Hessian shape {tuple(hessian.shape)} does not match in_features K={w.shape[1]}")
+        factor = factor_of(stats, hessian, w.device, percdamp, name)
+        kw = dict(blocksize=blocksize, percdamp=percdamp, name=name, factor=factor)
         if pattern == "tiles":
             tile = check_tile(tile)
             loose, _ = sparsegpt(w, hessian, "unstructured", sparsity, **kw)
@@ -225,22 +228,23 @@ def oneshot(
         bad = int((~torch.isfinite(_weight_of(model, fqn).detach())).sum())
         if bad:
             raise ValueError(f"oneshot: layer {fqn}: the weight holds {bad:,} NaN/inf values; fix the model first")
-    for fqn in tqdm(names, desc=f"oneshot {method} {pattern}", disable=not progress, leave=False):
-        param = _weight_of(model, fqn)
-        if pattern in ("2:4", "tiles") and param.shape[-1] % 4 and not explicit:
-            skipped.append(fqn)
-            continue
-        stats = calib[fqn] if method in NEEDS_CALIB else None
-        out = prune_weight(
-            param, method, pattern, stats, sparsity, tile, update_weights, blocksize, percdamp, name=fqn
-        )
-        if update_weights:
-            mask, new = out
-            with torch.no_grad():
-                param.copy_(new.to(param.dtype))
-        else:
-            mask = out
-        masks[fqn] = mask
+    with shared_factors():  # q, k, v (gate, up) share their input's statistics: one SparseGPT factor
+        for fqn in tqdm(names, desc=f"oneshot {method} {pattern}", disable=not progress, leave=False):
+            param = _weight_of(model, fqn)
+            if pattern in ("2:4", "tiles") and param.shape[-1] % 4 and not explicit:
+                skipped.append(fqn)
+                continue
+            stats = calib[fqn] if method in NEEDS_CALIB else None
+            out = prune_weight(
+                param, method, pattern, stats, sparsity, tile, update_weights, blocksize, percdamp, name=fqn
+            )
+            if update_weights:
+                mask, new = out
+                with torch.no_grad():
+                    param.copy_(new.to(param.dtype))
+            else:
+                mask = out
+            masks[fqn] = mask
     if skipped:
         warnings.warn(f"oneshot: skipped layers whose in_features is not a multiple of 4: {skipped}", stacklevel=2)
     return masks

@@ -23,7 +23,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from typing import Any, Iterator
 
 import torch
 
@@ -66,6 +68,52 @@ def inverse_cholesky(h: torch.Tensor, name: str = "weight") -> torch.Tensor:
     raise ValueError(f"{name}: the damped Hessian is not positive definite even after extra damping {extra:.3g}")
 
 
+def hessian_factor(hessian: torch.Tensor, percdamp: float = 0.01,
+                   name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """(U float64 with U^T U = (damped H)^-1, dead (K,) bool): what `sparsegpt` prunes with."""
+    h, dead = damped_hessian(hessian, percdamp)
+    return inverse_cholesky(h, name), dead
+
+
+# The last factor while `shared_factors` is open: (stats, n_samples, percdamp, device) -> factor
+_SHARED: dict[str, Any] = {"open": 0, "key": None, "factor": None}
+
+
+@contextlib.contextmanager
+def shared_factors() -> Iterator[None]:
+    """Inside the block, weights pruned one after another with the same calibration statistics (q, k and v read
+    one input, as do gate and up; a prior prunes each weight twice, 2:4 then unstructured) share one Hessian
+    factor: one Cholesky and one triangular inverse, not up to six. Only the last factor is held (K x K
+    float64 on the weights' device), and it is dropped on leaving.
+
+    Example:
+        >>> with shared_factors():
+        ...     masks = [prune_weight(w, "sparsegpt", "2:4", calib[fqn]) for fqn, w in weights]  # doctest: +SKIP
+    """
+    _SHARED["open"] += 1
+    try:
+        yield
+    finally:
+        _SHARED["open"] -= 1
+        if not _SHARED["open"]:
+            _SHARED["key"] = _SHARED["factor"] = None
+
+
+def factor_of(stats: Any, hessian: torch.Tensor, device: torch.device, percdamp: float,
+              name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hessian_factor` of `stats`'s Hessian on `device`, from `shared_factors`'s last factor when it is the same
+    statistics object, unchanged since (a Hessian passed as a bare tensor is factored every time)."""
+    if not _SHARED["open"] or isinstance(stats, torch.Tensor):
+        return hessian_factor(hessian.to(device), percdamp, name)
+    key = (stats, getattr(stats, "n_samples", None), float(percdamp), str(device))
+    last = _SHARED["key"]
+    if last is None or last[0] is not stats or last[1:] != key[1:]:
+        _SHARED["key"], _SHARED["factor"] = None, None  # free the old factor before building the next
+        _SHARED["factor"] = hessian_factor(hessian.to(device), percdamp, name)
+        _SHARED["key"] = key
+    return _SHARED["factor"]
+
+
 def sparsegpt(
     weight: torch.Tensor,
     hessian: torch.Tensor,
@@ -75,6 +123,7 @@ def sparsegpt(
     percdamp: float = 0.01,
     mask: torch.Tensor | None = None,
     name: str = "weight",
+    factor: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prune `weight` (N, K) with SparseGPT; returns (keep mask bool (N, K), OBS-updated weight).
 
@@ -86,6 +135,7 @@ def sparsegpt(
         percdamp: damping, as a fraction of the mean Hessian diagonal.
         mask: a fixed keep mask; then only the weights are updated.
         name: the weight FQN, for messages.
+        factor: `hessian_factor(hessian, percdamp)` on the weight's device, where the caller has it already.
 
     The updated weight has the input's dtype, with pruned entries exactly 0.
     """
@@ -109,9 +159,8 @@ def sparsegpt(
         raise ValueError(f"{name}: blocksize={blocksize} must be >= 1")
 
     dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    h, dead = damped_hessian(hessian.to(weight.device), percdamp)
-    u = inverse_cholesky(h, name).to(dtype)
-    del h
+    u, dead = factor if factor is not None else hessian_factor(hessian.to(weight.device), percdamp, name)
+    u = u.to(dtype)
     # Work on W^T (K, N): column c of W is the contiguous row wt[c], so every rank-1 and lazy
     # update writes contiguous memory.
     wt = weight.detach().to(dtype).T.contiguous()
