@@ -374,8 +374,9 @@ def update_sparsegpt(plan: TilePlan, model: nn.Module, views: dict[str, tg.Targe
                 missing.append(fqn)
                 continue
             mask = plan.layers[fqn].mask().to(dense[fqn].device)
-            factor = factor_of(stats, stats.hessian, dense[fqn].device, 0.01, fqn)
-            _, updated = sparsegpt(dense[fqn], stats.hessian, mask=mask, name=fqn, factor=factor)
+            hessian = stats.hessian  # a fresh K x K tensor each read
+            factor = factor_of(stats, hessian, dense[fqn].device, 0.01, fqn)  # sparsegpt's default damping
+            _, updated = sparsegpt(dense[fqn], hessian, mask=mask, name=fqn, factor=factor)
             tg.read(model, views[fqn]).copy_(updated.masked_fill(~mask, 0.0))
     if missing:
         warnings.warn(f"recover(method='sparsegpt'): no calibration Hessian for {len(missing)} layer(s), "
