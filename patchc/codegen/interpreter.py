@@ -93,7 +93,8 @@ def skip_unasserted_overflow_checks() -> bool:
         return False
     builder = getattr(interpreter, "interpreter_builder", None)
     options = getattr(builder, "options", None)
-    if not dataclasses.is_dataclass(options) or not hasattr(options, "sanitize_overflow") or getattr(options, "debug", True):
+    known = dataclasses.is_dataclass(options) and hasattr(options, "sanitize_overflow")
+    if not known or getattr(options, "debug", True):
         return False
     if options.sanitize_overflow:
         builder.options = dataclasses.replace(options, sanitize_overflow=False)
