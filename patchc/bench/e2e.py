@@ -163,11 +163,12 @@ def run_e2e(opts: BenchOptions, device: str, deadline: Deadline, progress: bool 
     long_prompt = LONG_PROMPT if not opts.dry_run else 64
     # the interpreter compiles nothing and its timings mean nothing: each forward once (a third of the part)
     timing = dict(warmup=False) if opts.dry_run else {}
+    reps = 1 if opts.dry_run else 3
     torch.manual_seed(opts.seed)
     base = Llama(shape, 1, PROMPT).to(device=device, dtype=dtype).eval()
     rows, skipped = [], []
     dense_speed = {b: decode_speed(base, b, tokens, cuda, **timing) for b in opts.e2e_batches}
-    dense_prefill = prefill_ms(base, long_prompt, reps=1 if opts.dry_run else 3, **timing)
+    dense_prefill = prefill_ms(base, long_prompt, reps=reps, **timing)
     for tuned, sparsity in runs(opts, cuda):
         if deadline.over():
             skipped.append(f"{sparsity:.0%}{' (tuned)' if tuned else ''}")
@@ -190,7 +191,7 @@ def run_e2e(opts: BenchOptions, device: str, deadline: Deadline, progress: bool 
         err = logits_error(fast, pruned, shape.vocab, device)
         del pruned
         prefill = {"prefill_tokens": long_prompt, "dense_prefill_ms": dense_prefill,
-                   "long_prefill_ms": prefill_ms(fast, long_prompt, reps=1 if opts.dry_run else 3, **timing)}
+                   "long_prefill_ms": prefill_ms(fast, long_prompt, reps=reps, **timing)}
         prefill["prefill_speedup"] = dense_prefill / prefill["long_prefill_ms"]
         for b in opts.e2e_batches:
             r = decode_speed(fast, b, tokens, cuda, **timing)

@@ -375,7 +375,7 @@ def update_sparsegpt(plan: TilePlan, model: nn.Module, views: dict[str, tg.Targe
                 continue
             mask = plan.layers[fqn].mask().to(dense[fqn].device)
             hessian = stats.hessian  # a fresh K x K tensor each read
-            factor = factor_of(stats, hessian, dense[fqn].device, 0.01, fqn)  # sparsegpt's default damping
+            factor = factor_of(stats, hessian, dense[fqn].device, name=fqn)  # sparsegpt's default damping
             _, updated = sparsegpt(dense[fqn], hessian, mask=mask, name=fqn, factor=factor)
             tg.read(model, views[fqn]).copy_(updated.masked_fill(~mask, 0.0))
     if missing:

@@ -35,7 +35,7 @@ from patchc.pruning.magnitude import magnitude_scores
 from patchc.pruning.observe import layer_matrix
 from patchc.pruning.patterns import check_sparsity, check_tile, mask_24, mask_unstructured, merge_tiles
 from patchc.pruning.priors import dense_tiles
-from patchc.pruning.sparsegpt import factor_of, shared_factors, sparsegpt
+from patchc.pruning.sparsegpt import check_hessian, factor_of, shared_factors, sparsegpt
 from patchc.pruning.wanda import wanda_scores
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
@@ -119,8 +119,7 @@ def prune_weight(
         # view (a Conv1D weight, an experts module with is_transposed): it would write the model.
         w = w.contiguous()
         hessian = _hessian(stats, name)
-        if tuple(hessian.shape) != (w.shape[1],) * 2:
-            raise ValueError(f"{name}: Hessian shape {tuple(hessian.shape)} does not match in_features K={w.shape[1]}")
+        check_hessian(hessian, w.shape[1], name)  # before factoring it
         factor = factor_of(stats, hessian, w.device, percdamp, name)
         kw = dict(blocksize=blocksize, percdamp=percdamp, name=name, factor=factor)
         if pattern == "tiles":

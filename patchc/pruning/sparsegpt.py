@@ -68,6 +68,12 @@ def inverse_cholesky(h: torch.Tensor, name: str = "weight") -> torch.Tensor:
     raise ValueError(f"{name}: the damped Hessian is not positive definite even after extra damping {extra:.3g}")
 
 
+def check_hessian(hessian: torch.Tensor, k: int, name: str = "weight") -> None:
+    """A (K, K) Hessian for a weight of K input features, or a ValueError naming the layer."""
+    if tuple(hessian.shape) != (k, k):
+        raise ValueError(f"{name}: Hessian shape {tuple(hessian.shape)} does not match in_features K={k}")
+
+
 def hessian_factor(hessian: torch.Tensor, percdamp: float = 0.01,
                    name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """(U float64 with U^T U = (damped H)^-1, dead (K,) bool): what `sparsegpt` prunes with."""
@@ -99,8 +105,8 @@ def shared_factors() -> Iterator[None]:
             _SHARED["key"] = _SHARED["factor"] = None
 
 
-def factor_of(stats: Any, hessian: torch.Tensor, device: torch.device, percdamp: float,
-              name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def factor_of(stats: Any, hessian: torch.Tensor, device: torch.device, percdamp: float = 0.01,
+              name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """`hessian_factor` of `stats`'s Hessian on `device`, from `shared_factors`'s last factor when it is the same
     statistics object, unchanged since (a Hessian passed as a bare tensor is factored every time)."""
     if not _SHARED["open"] or isinstance(stats, torch.Tensor):
@@ -142,8 +148,7 @@ def sparsegpt(
     if weight.dim() != 2:
         raise ValueError(f"{name}: SparseGPT needs a 2-D weight, got shape {tuple(weight.shape)}")
     n, k = weight.shape
-    if tuple(hessian.shape) != (k, k):
-        raise ValueError(f"{name}: Hessian shape {tuple(hessian.shape)} does not match in_features K={k}")
+    check_hessian(hessian, k, name)
     if mask is None:
         if pattern not in SPARSEGPT_PATTERNS:
             raise ValueError(f"{name}: SparseGPT pattern {pattern!r}: choose one of {SPARSEGPT_PATTERNS}")
