@@ -53,7 +53,9 @@ def test_a_recovery_that_dies_goes_on_to_the_straight_runs_weights(setup, tmp_pa
     with pytest.raises(Dies):
         run(plan, dense, batches, tmp_path, at=13)
     saved = torch.load(tmp_path / "recover.ckpt", weights_only=True)["step"]
-    assert 5 <= saved <= 12  # the first save at 5; the next after 10 or later, as saving's cost spaces them
+    # the first save at 5; the next after 10 or later, as saving's cost spaces them: at 13 at the latest (the 13
+    # steps done before step 13's batch raised; it was 13 where steps ran fast beside the save)
+    assert 5 <= saved <= 13
     seen = []
     get = batches_that_die(batches, None)
     model = copy.deepcopy(dense)
