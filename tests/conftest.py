@@ -32,11 +32,17 @@ if "patch" not in torch._dynamo.list_backends(exclude_tags=()):
 # hands whole files to 2 workers in collection order (--dist loadfile --no-loadscope-reorder), and a long
 # file drawn last is a tail one worker runs alone. xdist's own order (most tests first) put the one-test
 # real-model and multi-process files last: two minutes of tail.
-LONGEST_FIRST = ("test_bench.py", "test_codegen_compile.py", "test_families.py", "test_quality_minilm.py",
-                 "test_quality_stories.py", "test_codegen_interp.py", "test_backend_experts.py", "test_runs.py",
-                 "test_cli.py", "test_distributed.py", "test_import_sparse.py", "test_generate_speed.py",
-                 "test_runtime.py", "test_fsdp.py", "test_job_device_memory.py", "test_hf_models.py",
-                 "test_grouped_kernels.py", "test_seq_graphs.py")
+LONGEST_FIRST = ("test_backend_experts.py", "test_families.py", "test_bench.py", "test_fsdp_recover.py",
+                 "test_runtime.py", "test_codegen_compile.py", "test_runs.py", "test_cli.py",
+                 "test_quality_stories.py", "test_quality_minilm.py", "test_hf_models.py", "test_seq_graphs.py",
+                 "test_distributed.py", "test_codegen_interp.py", "test_fsdp.py", "test_generate_speed.py",
+                 "test_report.py", "test_backend_packs.py", "test_peft.py", "test_grouped_grad.py",
+                 "test_kolibri.py", "test_fsdp_per_length.py", "test_resume_rows.py", "test_job_device_memory.py",
+                 "test_recover_resume.py", "test_family_sweep.py", "test_calibrate_experts.py",
+                 "test_grouped_kernels.py", "test_one_graph.py", "test_ergo.py", "test_interpreter_patches.py",
+                 "test_stopping.py", "test_unpack.py", "test_import_sparse.py", "test_experts_runtime.py",
+                 "test_hf_compile_config.py", "test_recover.py", "test_transform.py", "test_splitk_fixup.py",
+                 "test_longcat.py")
 
 
 def pytest_addoption(parser):
