@@ -3,8 +3,8 @@
 #   make test VENV_ARGS=--system-site-packages TORCH=
 # The venvs are made from python3's own version, in the distribution's build where one can make venvs
 # (/usr/bin/python3.X): distributions build CPython with PGO and LTO, pyenv's default build has neither,
-# and the suite's Python-bound work (dynamo, torch.export, Triton's interpreter) ran 21% slower under it
-# on the same machine. PYTHON=... chooses another.
+# and the suite (dynamo, torch.export, Triton's interpreter: Python-bound) did 16% more work under it, side by
+# side on one machine. PYTHON=... chooses another.
 SYSTEM_PYTHON := $(shell python3 -c 'import sys; print("/usr/bin/python%d.%d" % sys.version_info[:2])' 2>/dev/null)
 PYTHON ?= $(if $(shell $(SYSTEM_PYTHON) -c 'import ensurepip, venv' 2>/dev/null && echo yes),$(SYSTEM_PYTHON),python3)
 # `make gpu` runs on the machine's own torch, wherever python3 has it.
