@@ -32,6 +32,9 @@ from patchc.utils.files import atomic_path
 from patchc.utils.progress import progress as progress_bar
 
 CACHE_FORMAT = "patchc.selfdata"
+# The sampling method, in the cache key: 2 since vocabularies past NUCLEUS_FIRST tokens are drawn by inverse
+# CDF (2026-12-07; their earlier text is not reused, a smaller vocabulary's is regenerated the same)
+SAMPLER = 2
 
 
 @dataclass(frozen=True)
@@ -69,36 +72,79 @@ class SelfDataSpec:
         return -(-self.tokens // (self.block_len + 1))
 
 
-# Tokens looked at first for the nucleus: a sort of a whole 50K-150K vocabulary per row and step cost
-# more than the model's step; a row whose top tokens do not reach top_p is sorted whole.
+# Tokens looked at first for the nucleus, then 16 times as many, then the whole row: a sort of a whole
+# 50K-150K vocabulary per row and step costs more than the model's step (500 ms for 64 rows of 152K tokens on
+# 2 cores, top 1,024 25 ms, top 16,384 100 ms), and hot sampling (--self-temperature 1.2) often needs more
+# than the first 1,024.
 NUCLEUS_FIRST = 1024
+NUCLEUS_GROWTH = 16
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
-    """(B, V) logits -> (B, 1) token ids, sampled at `temperature` from the smallest set of tokens whose
-    probability reaches `top_p` (nucleus sampling)."""
+    """(B, V) logits (any device) -> (B, 1) token ids on the CPU, sampled at `temperature` from the smallest set
+    of tokens whose probability reaches `top_p` (nucleus sampling), with `gen` (a CPU generator).
+
+    A vocabulary of up to `NUCLEUS_FIRST` tokens (stories260K's 512) is drawn by `torch.multinomial` on the
+    CPU, as it always was, so its text (and every number measured on it) stays the same. A larger one is drawn
+    on the logits' device by one uniform per row (from `gen`) over the nucleus's cumulative mass:
+    `torch.multinomial` draws an exponential for every token of every row, and a GPU's logits would cross to
+    the CPU every step (39 MB for 64 rows of 152K tokens).
+    """
+    if logits.shape[-1] <= NUCLEUS_FIRST:
+        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+        return torch.multinomial(nucleus(probs, top_p) if top_p < 1.0 else probs, 1, generator=gen)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        probs = nucleus(probs, top_p)
-    return torch.multinomial(probs, 1, generator=gen)
+    # one uniform per row, whichever group the row falls in: the text depends on the seed, not on the groups
+    u = torch.rand(probs.shape[0], 1, generator=gen, dtype=torch.float64).to(probs.device)
+    if top_p >= 1.0:
+        return pick(probs, u).cpu()
+    ids = torch.empty(probs.shape[0], 1, dtype=torch.long, device=probs.device)
+    for rows, kept, tokens in nucleus_groups(probs, top_p):
+        ids[rows] = tokens.gather(-1, pick(kept, u[rows]))
+    return ids.cpu()
+
+
+def pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(B, 1) indices drawn from each row of (B, V) non-negative `weights` (not normalised) by inverse CDF at
+    `u` (B, 1) uniforms in [0, 1): the first index whose cumulative weight exceeds u * the row's total, so a
+    zero weight is never drawn."""
+    cum = weights.double().cumsum(-1)
+    ids = torch.searchsorted(cum, u * cum[:, -1:], right=True)
+    # u * total can round up to the total itself: that row takes its most likely token
+    return torch.where(ids < weights.shape[-1], ids, weights.argmax(-1, keepdim=True))
+
+
+def nucleus_groups(probs: torch.Tensor, top_p: float) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The top-p nucleus of each row of (B, V) probabilities, most likely first, as (rows, kept (R, W), their
+    token ids (R, W)) groups, 0 past a row's nucleus: the rows whose nucleus lies in their top `NUCLEUS_FIRST`
+    tokens, then in their top `NUCLEUS_GROWTH` times as many, ..., then the others, sorted whole. W is the
+    group's longest nucleus.
+
+    Keeps a token while the mass of the tokens before it is below top_p, so the most likely token always
+    stays. Exact: a row whose top tokens reach top_p has its nucleus inside them (the mass before every later
+    token is at least theirs).
+    """
+    vocab, groups = probs.shape[-1], []
+    rows, part, width = torch.arange(probs.shape[0], device=probs.device), probs, min(NUCLEUS_FIRST, vocab)
+    while len(rows):
+        last = width >= vocab and part is not probs  # the first look is a top-k even of a short vocabulary
+        top, order = part.sort(dim=-1, descending=True) if last else part.topk(width, dim=-1)
+        mass = top.cumsum(-1)  # the same sums as a whole sort's first columns
+        fits = torch.ones_like(rows, dtype=torch.bool) if last else mass[:, -1] >= top_p
+        if fits.any():
+            kept = top[fits].masked_fill((mass - top)[fits] >= top_p, 0.0)
+            size = int((kept > 0).sum(-1).max())  # the kept tokens lead each row: no more columns than that
+            groups.append((rows[fits], kept[:, :size], order[fits][:, :size]))
+        rows = rows[~fits]
+        part, width = probs[rows], min(width * NUCLEUS_GROWTH, vocab)
+    return groups
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """(B, V) probabilities with every token outside the top-p nucleus set to 0 (the rest unnormalised).
-
-    Keeps a token while the mass of the tokens before it (most likely first) is below top_p, so the most
-    likely token always stays. Exact: the nucleus of a row whose top `NUCLEUS_FIRST` tokens reach top_p
-    lies inside them (the mass before every later token is at least theirs); other rows are sorted whole.
-    """
+    """(B, V) probabilities with every token outside the top-p nucleus set to 0 (the rest unnormalised)."""
     out = torch.zeros_like(probs)
-    top, order = probs.topk(min(NUCLEUS_FIRST, probs.shape[-1]), dim=-1)
-    mass = top.cumsum(-1)  # the same sums as a whole sort's first columns
-    out.scatter_(-1, order, top.masked_fill(mass - top >= top_p, 0.0))
-    short = torch.nonzero(mass[:, -1] < top_p).flatten()
-    if len(short):
-        whole, whole_order = probs[short].sort(dim=-1, descending=True)
-        kept = whole.masked_fill(whole.cumsum(-1) - whole >= top_p, 0.0)
-        out[short] = torch.zeros_like(whole).scatter_(-1, whole_order, kept)
+    for rows, kept, tokens in nucleus_groups(probs, top_p):
+        out[rows] = torch.zeros_like(probs[rows]).scatter_(-1, tokens, kept)
     return out
 
 
@@ -138,8 +184,8 @@ def generate_blocks(bundle: Any, spec: SelfDataSpec, prompts: torch.Tensor, prog
     """(n_blocks, block_len + 1) token ids sampled from the dense model, each row continuing one prompt.
 
     `prompts`: (P, L) ids, each a BOS followed by a training document's first tokens. Rows are generated
-    in batches of `spec.batch`; sampling runs on CPU from one seeded generator, so the text depends only
-    on (model, spec, prompts), not on the device or the batch's timing.
+    in batches of `spec.batch`; the random numbers come from one seeded CPU generator, so the text depends
+    only on (model, spec, prompts) and the device's arithmetic, not on the batch's timing.
     """
     gen = torch.Generator().manual_seed(spec.seed)
     order = torch.randperm(prompts.shape[0], generator=gen)
@@ -155,7 +201,7 @@ def generate_blocks(bundle: Any, spec: SelfDataSpec, prompts: torch.Tensor, prog
             ids = prompt_batch(prompts, start, min(spec.batch, spec.n_blocks - start))
             logits, state = step(ids.to(device), None)
             while ids.shape[1] < spec.block_len + 1:
-                nxt = sample_next(logits.cpu(), spec.temperature, spec.top_p, gen)
+                nxt = sample_next(logits, spec.temperature, spec.top_p, gen)
                 ids = torch.cat([ids, nxt], dim=1)
                 if ids.shape[1] < spec.block_len + 1:
                     logits, state = step(nxt.to(device), state)
@@ -178,9 +224,9 @@ def prompts_from(docs: list[str], tokenizer: Any, prompt_len: int, bos: bool = T
 
 
 def cache_key(model_id: str, spec: SelfDataSpec, prompts: torch.Tensor) -> str:
-    """Everything that changes the generated text: the model, the sampling settings, the prompts."""
+    """Everything that changes the generated text: the model, the sampling settings and method, the prompts."""
     h = hashlib.sha256()
-    h.update(json.dumps({"model": model_id, **asdict(spec)}, sort_keys=True).encode())
+    h.update(json.dumps({"model": model_id, "sampler": SAMPLER, **asdict(spec)}, sort_keys=True).encode())
     h.update(prompts.numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -221,4 +267,4 @@ def self_generated_blocks(bundle: Any, spec: SelfDataSpec, prompts: torch.Tensor
     return blocks, False
 
 
-__all__ = ["SelfDataSpec", "sample_next", "nucleus", "generate_blocks", "prompts_from", "self_generated_blocks"]
+__all__ = ["SelfDataSpec", "sample_next", "nucleus", "nucleus_groups", "pick", "generate_blocks", "prompts_from", "self_generated_blocks"]

@@ -1,0 +1,149 @@
+"""How long sampling the dense model's own text takes a step: the nucleus draw against a whole-row multinomial.
+
+`patchc prune` trains on text the dense model writes (65,536 tokens by default: 64 rows a batch, one token a
+step). Each step samples the next token of every row at `--self-temperature` from its top-p nucleus, on the
+CPU from one seeded generator. "whole row" is how every vocabulary was sampled before 2026-12-07 and how
+vocabularies of up to 1,024 tokens still are (stories260K's 512): softmax, the nucleus, `torch.multinomial`
+over the whole row, which draws an exponential per token of every row. "nucleus draw" is `sample_next` for
+larger ones: softmax and top-k on the logits' device, one uniform per row over the nucleus's cumulative mass.
+
+Rows: (1) one step on Gaussian logits of 64 rows, "peaked" (standard deviation 4: each row's nucleus lies in
+its top 1,024 tokens) and "flat" (1: every row sorted whole), at vocabularies of 32,000 and 151,936;
+(2) `generate_blocks` end to end, one batch of 64 rows x 64 tokens from a tiny random Llama (2 layers, hidden
+64) whose LM head gives peaked logits, with each sampler.
+
+    .venv/bin/python benchmarks/bench_selfdata.py                 # both, 2 torch threads
+    .venv/bin/python benchmarks/bench_selfdata.py --vocab 32000 --no-record
+
+Prints a table and appends a JSON line to benchmarks/results/selfdata.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "selfdata.jsonl"
+TEMPERATURE, TOP_P, ROWS = 1.2, 0.95, 64  # the job's defaults
+
+
+def whole_row(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+    """The sampler before 2026-12-07 at every vocabulary size: the nucleus from the top 1,024 tokens or a whole
+    sort, on the CPU, then `torch.multinomial` over the whole row."""
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    out = torch.zeros_like(probs)
+    top, order = probs.topk(min(1024, probs.shape[-1]), dim=-1)
+    mass = top.cumsum(-1)
+    out.scatter_(-1, order, top.masked_fill(mass - top >= top_p, 0.0))
+    short = torch.nonzero(mass[:, -1] < top_p).flatten()
+    if len(short):
+        whole, whole_order = probs[short].sort(dim=-1, descending=True)
+        kept = whole.masked_fill(whole.cumsum(-1) - whole >= top_p, 0.0)
+        out[short] = torch.zeros_like(whole).scatter_(-1, whole_order, kept)
+    return torch.multinomial(out, 1, generator=gen)
+
+
+def tiers(probs: torch.Tensor) -> list[float]:
+    """The share of rows whose nucleus lies in their top 1,024 tokens, in their top 16,384, in neither."""
+    from patchc.job.selfdata import NUCLEUS_FIRST, NUCLEUS_GROWTH
+
+    vocab, shares, left = probs.shape[-1], [], torch.ones(probs.shape[0], dtype=torch.bool)
+    for width in (NUCLEUS_FIRST, NUCLEUS_FIRST * NUCLEUS_GROWTH):
+        fits = left & (probs.topk(min(width, vocab), dim=-1).values.sum(-1) >= TOP_P)
+        shares.append(float(fits.float().mean()))
+        left &= ~fits
+    return [*shares, float(left.float().mean())]
+
+
+def timed(fn, rounds: int) -> float:
+    """Median seconds per call, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def step_rows(vocabs: list[int], rounds: int) -> list[dict]:
+    """One sampling step of 64 rows, both samplers, on peaked and flat Gaussian logits."""
+    from patchc.job.selfdata import sample_next
+
+    out = []
+    for vocab in vocabs:
+        for shape, std in (("peaked", 4.0), ("flat", 1.0)):
+            logits = torch.randn(ROWS, vocab, generator=torch.Generator().manual_seed(0)) * std
+            probs = torch.softmax(logits / TEMPERATURE, dim=-1)
+            shares = tiers(probs)
+            row = {"vocab": vocab, "logits": shape, "std": std, "nucleus_in_top_1024_16384_whole": shares}
+            for name, fn in (("whole row", whole_row), ("nucleus draw", sample_next)):
+                gen = torch.Generator().manual_seed(0)
+                row[name] = timed(lambda fn=fn, gen=gen: fn(logits, TEMPERATURE, TOP_P, gen), rounds) * 1e3
+            row["speedup"] = row["whole row"] / row["nucleus draw"]
+            out.append(row)
+            print(f"V={vocab:7d} {shape:6s} (nucleus in top 1K/16K/all: {'/'.join(f'{x:.0%}' for x in shares):12s})"
+                  f"  whole row {row['whole row']:7.1f} ms"
+                  f"  nucleus draw {row['nucleus draw']:6.1f} ms  x{row['speedup']:.1f}")
+    return out
+
+
+def generation_row(vocab: int, tokens: int) -> dict:
+    """`generate_blocks` for one batch of 64 rows from a tiny Llama with peaked logits, each sampler."""
+    import transformers
+
+    import patchc.job.selfdata as selfdata
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=vocab)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # the final norm gives unit-scale states: logits of standard deviation ~4
+        model.lm_head.weight.normal_(std=4.0 / cfg.hidden_size**0.5)
+    bundle = type("Bundle", (), {"model": model, "logits": staticmethod(lambda m, ids: m(ids).logits)})()
+    spec = selfdata.SelfDataSpec(tokens=ROWS * (tokens + 1), block_len=tokens, temperature=TEMPERATURE, top_p=TOP_P,
+                                 batch=ROWS)
+    prompts = torch.randint(0, vocab, (ROWS, 5), generator=torch.Generator().manual_seed(0))
+    row = {"vocab": vocab, "rows": ROWS, "tokens": tokens}
+    real = selfdata.sample_next
+    try:
+        for name, fn in (("whole row", whole_row), ("nucleus draw", real)):
+            selfdata.sample_next = fn
+            start = time.perf_counter()
+            selfdata.generate_blocks(bundle, spec, prompts)
+            row[name] = time.perf_counter() - start
+    finally:
+        selfdata.sample_next = real
+    row["speedup"] = row["whole row"] / row["nucleus draw"]
+    print(f"generate_blocks V={vocab} {ROWS} rows x {tokens} tokens: whole row {row['whole row']:.1f} s, "
+          f"nucleus draw {row['nucleus draw']:.1f} s  x{row['speedup']:.1f}")
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936])
+    p.add_argument("--tokens", type=int, default=64, help="tokens a row generated end to end")
+    p.add_argument("--rounds", type=int, default=10, help="steps timed per row (median)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results/selfdata.jsonl")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    record = {"temperature": TEMPERATURE, "top_p": TOP_P, "threads": torch.get_num_threads(),
+              "steps": step_rows(args.vocab, args.rounds), "generate": generation_row(args.vocab[0], args.tokens)}
+    if not args.no_record:
+        from patchc.bench.record import append_jsonl, environment
+
+        append_jsonl(RESULTS, {**environment("cpu", dry_run=False), "bench": "selfdata", **record})
+        print(f"appended to {RESULTS.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
