@@ -267,4 +267,5 @@ def self_generated_blocks(bundle: Any, spec: SelfDataSpec, prompts: torch.Tensor
     return blocks, False
 
 
-__all__ = ["SelfDataSpec", "sample_next", "nucleus", "nucleus_groups", "pick", "generate_blocks", "prompts_from", "self_generated_blocks"]
+__all__ = ["SelfDataSpec", "sample_next", "nucleus", "nucleus_groups", "pick", "generate_blocks", "prompts_from",
+           "self_generated_blocks"]
