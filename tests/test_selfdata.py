@@ -145,6 +145,18 @@ def test_a_large_vocabulary_draws_from_its_nucleus_in_proportion(monkeypatch, to
         assert torch.equal(again, selfdata.sample_next(some, 1.0, top_p, torch.Generator().manual_seed(7)))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_large_vocabulary_samples_on_the_gpu_as_on_the_cpu():
+    """The nucleus draw runs on the logits' device with the CPU generator's uniforms: the same tokens from CUDA
+    logits as from the same logits on the CPU, float rounding at a nucleus or CDF edge apart."""
+    logits = torch.randn(512, 32000, generator=torch.Generator().manual_seed(0)) * 4
+    cpu = sample_next(logits, 1.2, 0.95, torch.Generator().manual_seed(3))
+    cuda = sample_next(logits.cuda(), 1.2, 0.95, torch.Generator().manual_seed(3))
+    assert cuda.device.type == "cpu" and cuda.shape == cpu.shape == (512, 1)
+    assert (cpu == cuda).float().mean() >= 0.99
+
+
 def test_pick_never_draws_a_zero_weight():
     from patchc.job.selfdata import pick
 
