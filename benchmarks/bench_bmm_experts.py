@@ -16,9 +16,7 @@ Prints a table and appends a JSON line to benchmarks/results/bmm_experts.jsonl.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -59,13 +57,9 @@ def timed(fn, rounds: int, device: str) -> float:
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-    fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    from patchc.bench.layers import cpu_timer
+
+    return cpu_timer(reps=rounds)(fn) / 1e3
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -21,7 +21,6 @@ Prints a table and appends a JSON line to benchmarks/results/selfdata.jsonl.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -61,22 +60,12 @@ def tiers(probs: torch.Tensor) -> list[float]:
     return [*shares, float(left.float().mean())]
 
 
-def timed(fn, rounds: int) -> float:
-    """Median seconds per call, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def step_rows(vocabs: list[int], rounds: int) -> list[dict]:
     """One sampling step of 64 rows, both samplers, on peaked and flat Gaussian logits."""
+    from patchc.bench.layers import cpu_timer
     from patchc.job.selfdata import sample_next
 
-    out = []
+    timer, out = cpu_timer(reps=rounds), []
     for vocab in vocabs:
         for shape, std in (("peaked", 4.0), ("flat", 1.0)):
             logits = torch.randn(ROWS, vocab, generator=torch.Generator().manual_seed(0)) * std
@@ -85,7 +74,7 @@ def step_rows(vocabs: list[int], rounds: int) -> list[dict]:
             row = {"vocab": vocab, "logits": shape, "std": std, "nucleus_in_top_1024_16384_whole": shares}
             for name, fn in (("whole row", whole_row), ("nucleus draw", sample_next)):
                 gen = torch.Generator().manual_seed(0)
-                row[name] = timed(lambda fn=fn, gen=gen: fn(logits, TEMPERATURE, TOP_P, gen), rounds) * 1e3
+                row[name] = timer(lambda fn=fn, gen=gen: fn(logits, TEMPERATURE, TOP_P, gen))  # ms
             row["speedup"] = row["whole row"] / row["nucleus draw"]
             out.append(row)
             print(f"V={vocab:7d} {shape:6s} (nucleus in top 1K/16K/all: {'/'.join(f'{x:.0%}' for x in shares):12s})"

@@ -357,3 +357,22 @@ def test_lm_kd_loss_kinds(bundle):
     student.zero_grad()
     make_lm_loss(bundle, bundle.model, LossSpec("kd"))(student, ids).backward()
     assert student.lm_head.weight.grad.abs().sum() > 0 and bundle.model.lm_head.weight.grad is None
+
+
+def test_the_sampling_benchmark_runs_and_its_baseline_draws_the_nucleus(capsys):
+    """`benchmarks/bench_selfdata.py` at a tiny size; its "whole row" baseline (the sampler before) keeps to the
+    nucleus as `sample_next` does, so the two time the same work."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_selfdata.py"
+    spec = importlib.util.spec_from_file_location("bench_selfdata", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--vocab", "2048", "--tokens", "6", "--rounds", "1", "--threads",
+                       str(torch.get_num_threads()), "--no-record"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("nucleus draw") == 3 and "generate_blocks V=2048" in out
+    logits = torch.tensor([[2.0, 1.0, 0.5, -4.0, -5.0]]).expand(4000, 5)
+    draws = bench.whole_row(logits, 1.0, 0.9, torch.Generator().manual_seed(0)).flatten()
+    keep = torch.softmax(logits[0], -1).cumsum(0) - torch.softmax(logits[0], -1) < 0.9
+    assert set(draws.tolist()) == set(torch.nonzero(keep).flatten().tolist())
