@@ -72,6 +72,21 @@ def test_generation_is_seeded_and_continues_the_prompts(bundle, prompts):
     assert int(a.max()) < bundle.tokenizer.vocab_size
 
 
+def test_logits_that_are_not_finite_stop_generation_with_the_models_name(bundle, prompts, monkeypatch):
+    import patchc.job.selfdata as selfdata
+
+    real, calls = selfdata.stepper(bundle), []
+
+    def overflowing(ids, state):  # the logits after the prompt's 5 tokens and 2 more overflow, as float16 can
+        logits, state = real(ids, state)
+        calls.append(ids.shape[1])
+        return (logits.fill_(float("nan")) if len(calls) == 3 else logits), state
+
+    monkeypatch.setattr(selfdata, "stepper", lambda b: overflowing)
+    with pytest.raises(FloatingPointError, match=rf"{bundle.name}: NaN or inf in its logits at token 7 .*--dtype"):
+        generate_blocks(bundle, SelfDataSpec(tokens=2 * 17, block_len=16, seed=0), prompts)
+
+
 def test_generated_text_is_the_models_distribution(bundle, prompts):
     """The dense model scores its own samples far better than it scores uniform noise (sanity of sampling)."""
     from patchc.job.evaluate import perplexity

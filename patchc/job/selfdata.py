@@ -201,6 +201,11 @@ def generate_blocks(bundle: Any, spec: SelfDataSpec, prompts: torch.Tensor, prog
             ids = prompt_batch(prompts, start, min(spec.batch, spec.n_blocks - start))
             logits, state = step(ids.to(device), None)
             while ids.shape[1] < spec.block_len + 1:
+                if not bool(torch.isfinite(logits).all()):  # sampling would pick tokens at random, or fail obscurely
+                    raise FloatingPointError(
+                        f"{getattr(bundle, 'name', 'the model')}: NaN or inf in its logits at token {ids.shape[1]} of "
+                        "the text it writes for training; float16 overflows in some models (try --dtype bfloat16 "
+                        "or float32), or pass --train-data real to train on real text alone")
                 nxt = sample_next(logits, spec.temperature, spec.top_p, gen)
                 ids = torch.cat([ids, nxt], dim=1)
                 if ids.shape[1] < spec.block_len + 1:
