@@ -7,8 +7,8 @@ vocabularies of up to 1,024 tokens still are (stories260K's 512): softmax, the n
 over the whole row, which draws an exponential per token of every row. "nucleus draw" is `sample_next` for
 larger ones: softmax and top-k on the logits' device, one uniform per row over the nucleus's cumulative mass.
 
-Rows: (1) one step on Gaussian logits of 64 rows, "peaked" (standard deviation 4: each row's nucleus lies in
-its top 1,024 tokens) and "flat" (1: every row sorted whole), at vocabularies of 32,000 and 151,936;
+Rows: (1) one step on Gaussian logits of 64 rows, "peaked" (standard deviation 4: at temperature 1.2 the
+nuclei hold 1K-16K tokens) and "flat" (1: past 16K, sorted whole), at vocabularies of 32,000 and 151,936;
 (2) `generate_blocks` end to end, one batch of 64 rows x 64 tokens from a tiny random Llama (2 layers, hidden
 64) whose LM head gives peaked logits, with each sampler.
 

@@ -124,10 +124,12 @@ def nucleus_groups(probs: torch.Tensor, top_p: float) -> list[tuple[torch.Tensor
     stays. Exact: a row whose top tokens reach top_p has its nucleus inside them (the mass before every later
     token is at least theirs).
     """
-    vocab, groups = probs.shape[-1], []
+    vocab, groups, first = probs.shape[-1], [], True
     rows, part, width = torch.arange(probs.shape[0], device=probs.device), probs, min(NUCLEUS_FIRST, vocab)
     while len(rows):
-        last = width >= vocab and part is not probs  # the first look is a top-k even of a short vocabulary
+        # the first look is a top-k even of a whole short vocabulary, as it always was: a sort could order tied
+        # tokens otherwise, and change which of them a nucleus keeps (and stories260K's text)
+        last = width >= vocab and not first
         top, order = part.sort(dim=-1, descending=True) if last else part.topk(width, dim=-1)
         mass = top.cumsum(-1)  # the same sums as a whole sort's first columns
         fits = torch.ones_like(rows, dtype=torch.bool) if last else mass[:, -1] >= top_p
@@ -135,7 +137,7 @@ def nucleus_groups(probs: torch.Tensor, top_p: float) -> list[tuple[torch.Tensor
             kept = top[fits].masked_fill((mass - top)[fits] >= top_p, 0.0)
             size = int((kept > 0).sum(-1).max())  # the kept tokens lead each row: no more columns than that
             groups.append((rows[fits], kept[:, :size], order[fits][:, :size]))
-        rows = rows[~fits]
+        rows, first = rows[~fits], False
         part, width = probs[rows], min(width * NUCLEUS_GROWTH, vocab)
     return groups
 
