@@ -358,6 +358,33 @@ def test_kd_loss_is_temperature_scaled_kl():
         kd_loss(s, t[:, :2])
 
 
+def test_kd_loss_at_temperature_1_divides_nothing_and_gives_the_same_bits():
+    """At T = 1 (the default) the logits are not divided: no copy of two (tokens, vocab) tensors, and the loss
+    and its gradient are the division form's to the bit (so every recorded run stands)."""
+    gen = torch.Generator().manual_seed(0)
+    s, t = torch.randn(3, 5, 700, generator=gen) * 3, torch.randn(3, 5, 700, generator=gen) * 3
+
+    def divisions(node, seen=None) -> int:
+        seen = set() if seen is None else seen
+        if node is not None and node not in seen:
+            seen.add(node)
+            for child, _ in node.next_functions:
+                divisions(child, seen)
+        return sum(type(n).__name__ == "DivBackward0" for n in seen)
+
+    count = {}
+    for temp in (1.0, 2.0):
+        a, b = s.clone().requires_grad_(), s.clone().requires_grad_()
+        fast = kd_loss(a, t, temp)
+        divided = F.kl_div(F.log_softmax(b / temp, -1).flatten(0, 1), F.log_softmax(t / temp, -1).flatten(0, 1),
+                           log_target=True, reduction="batchmean") * temp**2
+        (fast + F.cross_entropy(a.flatten(0, 1), t.argmax(-1).flatten())).backward()
+        (divided + F.cross_entropy(b.flatten(0, 1), t.argmax(-1).flatten())).backward()
+        assert fast.item() == divided.item() and torch.equal(a.grad, b.grad)
+        count[temp] = divisions(fast.grad_fn)
+    assert count[2.0] - count[1.0] == 1  # the student's logits divided at 2 only (batchmean divides at both)
+
+
 def test_lm_kd_loss_kinds(bundle):
     ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
     student = load_model(PruneOptions().model).model
@@ -391,3 +418,17 @@ def test_the_sampling_benchmark_runs_and_its_baseline_draws_the_nucleus(capsys):
     draws = bench.whole_row(logits, 1.0, 0.9, torch.Generator().manual_seed(0)).flatten()
     keep = torch.softmax(logits[0], -1).cumsum(0) - torch.softmax(logits[0], -1) < 0.9
     assert set(draws.tolist()) == set(torch.nonzero(keep).flatten().tolist())
+
+
+def test_the_kd_loss_benchmark_runs_and_times_the_same_loss_both_ways(capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kd_loss.py"
+    spec = importlib.util.spec_from_file_location("bench_kd_loss", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--vocab", "64", "--tokens", "8", "--rounds", "1", "--threads",
+                       str(torch.get_num_threads()), "--no-record"]) == 0
+    assert "V=     64 x 8 tokens: divided" in capsys.readouterr().out
+    s, t = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(0)).unbind(0)
+    assert bench.divided(s[None], t[None]).item() == kd_loss(s[None], t[None]).item()

@@ -33,8 +33,10 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1
     if student.shape != teacher.shape:
         raise ValueError(f"kd_loss: student logits {tuple(student.shape)} and teacher logits "
                          f"{tuple(teacher.shape)} differ in shape")
-    s = F.log_softmax(student.float().flatten(0, -2) / temperature, dim=-1)
-    t = F.log_softmax(teacher.float().flatten(0, -2) / temperature, dim=-1)
+    s, t = student.float().flatten(0, -2), teacher.float().flatten(0, -2)
+    if temperature != 1.0:  # at 1 a division would copy both (tokens, vocab) tensors, and the gradient once more
+        s, t = s / temperature, t / temperature
+    s, t = F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1)
     return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
 
 
