@@ -421,13 +421,9 @@ def test_model_warmup_warms_fused_experts_for_the_rows_their_tokens_route(build,
 
 def test_bmm_experts_benchmark_runs_both_forms_and_they_agree(capsys):
     """`benchmarks/bench_bmm_experts.py` at a tiny size: both rows timed, each the transformers module's output."""
-    import importlib.util
-    from pathlib import Path
+    from tests.conftest import load_benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_bmm_experts.py"
-    spec = importlib.util.spec_from_file_location("bench_bmm_experts", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_bmm_experts")
     assert bench.main(["--experts", "4", "--hidden", "32", "--ffn", "16", "--tokens", "1", "3", "--rounds", "2",
                        "--device", "cpu", "--threads", str(torch.get_num_threads()), "--no-record"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("T=")]

@@ -15,6 +15,7 @@ from patchc.job.losses import LossSpec, kd_loss, make_lm_loss
 from patchc.job.options import DEFAULT_DATA, PruneOptions
 from patchc.job.selfdata import SelfDataSpec, generate_blocks, prompts_from, sample_next, self_generated_blocks
 from patchc.models import load_model
+from tests.conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -404,12 +405,7 @@ def test_lm_kd_loss_kinds(bundle):
 def test_the_sampling_benchmark_runs_and_its_baseline_draws_the_nucleus(capsys):
     """`benchmarks/bench_selfdata.py` at a tiny size; its "whole row" baseline (the sampler before) keeps to the
     nucleus as `sample_next` does, so the two time the same work."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_selfdata.py"
-    spec = importlib.util.spec_from_file_location("bench_selfdata", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_selfdata")
     assert bench.main(["--vocab", "2048", "--tokens", "6", "--rounds", "1", "--threads",
                        str(torch.get_num_threads()), "--no-record"]) == 0
     out = capsys.readouterr().out
@@ -421,12 +417,7 @@ def test_the_sampling_benchmark_runs_and_its_baseline_draws_the_nucleus(capsys):
 
 
 def test_the_kd_loss_benchmark_runs_and_times_the_same_loss_both_ways(capsys):
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kd_loss.py"
-    spec = importlib.util.spec_from_file_location("bench_kd_loss", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_kd_loss")
     assert bench.main(["--vocab", "64", "--tokens", "8", "--rounds", "1", "--threads",
                        str(torch.get_num_threads()), "--no-record"]) == 0
     assert "V=     64 x 8 tokens: divided" in capsys.readouterr().out
