@@ -45,10 +45,10 @@ def make_lm_loss(bundle: Any, teacher: torch.nn.Module, spec: LossSpec) -> Calla
 
     def loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
         inputs = ids[:, :-1]
-        logits = bundle.logits(model, inputs)
-        total = logits.new_zeros((), dtype=torch.float32)
+        logits = bundle.logits(model, inputs).float()  # once for both terms: a bf16 model's are upcast here
+        total = logits.new_zeros(())
         if spec.kind in ("lm", "lm+kd"):
-            total = total + F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+            total = total + F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
         if spec.kind in ("kd", "lm+kd"):
             with torch.no_grad():
                 target = bundle.logits(teacher, inputs)
