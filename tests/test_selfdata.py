@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -359,19 +360,22 @@ def test_kd_loss_is_temperature_scaled_kl():
         kd_loss(s, t[:, :2])
 
 
+def autograd_ops(loss: torch.Tensor) -> Counter:
+    """How many nodes of each kind (by class name) the autograd graph behind `loss` holds."""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo += [child for child, _ in node.next_functions]
+    return Counter(type(node).__name__ for node in seen)
+
+
 def test_kd_loss_at_temperature_1_divides_nothing_and_gives_the_same_bits():
     """At T = 1 (the default) the logits are not divided: no copy of two (tokens, vocab) tensors, and the loss
     and its gradient are the division form's to the bit (so every recorded run stands)."""
     gen = torch.Generator().manual_seed(0)
     s, t = torch.randn(3, 5, 700, generator=gen) * 3, torch.randn(3, 5, 700, generator=gen) * 3
-
-    def divisions(node, seen=None) -> int:
-        seen = set() if seen is None else seen
-        if node is not None and node not in seen:
-            seen.add(node)
-            for child, _ in node.next_functions:
-                divisions(child, seen)
-        return sum(type(n).__name__ == "DivBackward0" for n in seen)
 
     count = {}
     for temp in (1.0, 2.0):
@@ -382,7 +386,7 @@ def test_kd_loss_at_temperature_1_divides_nothing_and_gives_the_same_bits():
         (fast + F.cross_entropy(a.flatten(0, 1), t.argmax(-1).flatten())).backward()
         (divided + F.cross_entropy(b.flatten(0, 1), t.argmax(-1).flatten())).backward()
         assert fast.item() == divided.item() and torch.equal(a.grad, b.grad)
-        count[temp] = divisions(fast.grad_fn)
+        count[temp] = autograd_ops(fast)["DivBackward0"]
     assert count[2.0] - count[1.0] == 1  # the student's logits divided at 2 only (batchmean divides at both)
 
 
@@ -427,13 +431,7 @@ def test_lm_kd_loss_upcasts_a_bf16_models_logits_once():
     bundle = SimpleNamespace(logits=lambda m, ids: m(ids))
     ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
     loss = make_lm_loss(bundle, teacher, LossSpec("lm+kd"))(student, ids)
-    nodes, todo = set(), [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and node not in nodes:
-            nodes.add(node)
-            todo += [child for child, _ in node.next_functions]
-    assert loss.dtype == torch.float32 and sum(type(n).__name__ == "ToCopyBackward0" for n in nodes) == 1
+    assert loss.dtype == torch.float32 and autograd_ops(loss)["ToCopyBackward0"] == 1
     logits = student(ids[:, :-1]).float()
     with torch.no_grad():
         want = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()) + kd_loss(logits, teacher(ids[:, :-1]))
