@@ -5,6 +5,7 @@
     memory.py         will the model, the mask state fit on the device? refused up front, with the leaner modes
     data.py           text files -> documents -> train / held-out split by document -> token blocks, batches
     records.py        JSON Lines / JSON / Parquet records -> documents (a text field, or a chat)
+    sampling.py       nucleus sampling of next-token logits, on their device (binned past 1,024 tokens)
     selfdata.py       text the dense model writes itself (seeded, cached)
     corpus.py         the job's text: real + generated training blocks, held-out ids, extra scored files
     losses.py         LM, distillation from the dense model, or both

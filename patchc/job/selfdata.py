@@ -28,13 +28,15 @@ from typing import Any
 
 import torch
 
+from patchc.job.sampling import nucleus, sample_next
 from patchc.utils.files import atomic_path
 from patchc.utils.progress import progress as progress_bar
 
 CACHE_FORMAT = "patchc.selfdata"
-# The sampling method, in the cache key: 2 since vocabularies past NUCLEUS_FIRST tokens are drawn by inverse
-# CDF (2026-12-07; their earlier text is not reused, a smaller vocabulary's is regenerated the same)
-SAMPLER = 2
+# The sampling method (patchc.job.sampling), in the cache key: 2 since vocabularies past NUCLEUS_FIRST tokens
+# are drawn by inverse CDF, 3 since a nucleus past them is found by binning, in fp64 (both 2026-12-07; a larger
+# vocabulary's earlier text is not reused, a smaller one's is regenerated the same)
+SAMPLER = 3
 
 
 @dataclass(frozen=True)
@@ -70,84 +72,6 @@ class SelfDataSpec:
     @property
     def n_blocks(self) -> int:
         return -(-self.tokens // (self.block_len + 1))
-
-
-# Tokens looked at first for the nucleus, then 16 times as many, then the whole row: a sort of a whole
-# 50K-150K vocabulary per row and step costs more than the model's step (500 ms for 64 rows of 152K tokens on
-# 2 cores, top 1,024 25 ms, top 16,384 100 ms), and hot sampling (--self-temperature 1.2) often needs more
-# than the first 1,024.
-NUCLEUS_FIRST = 1024
-NUCLEUS_GROWTH = 16
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
-    """(B, V) logits (any device) -> (B, 1) token ids on the CPU, sampled at `temperature` from the smallest set
-    of tokens whose probability reaches `top_p` (nucleus sampling), with `gen` (a CPU generator).
-
-    A vocabulary of up to `NUCLEUS_FIRST` tokens (stories260K's 512) is drawn by `torch.multinomial` on the
-    CPU, as it always was, so its text (and every number measured on it) stays the same. A larger one is drawn
-    on the logits' device by one uniform per row (from `gen`) over the nucleus's cumulative mass:
-    `torch.multinomial` draws an exponential for every token of every row, and a GPU's logits would cross to
-    the CPU every step (39 MB for 64 rows of 152K tokens).
-    """
-    if logits.shape[-1] <= NUCLEUS_FIRST:
-        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-        return torch.multinomial(nucleus(probs, top_p) if top_p < 1.0 else probs, 1, generator=gen)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    # one uniform per row, whichever group the row falls in: the text depends on the seed, not on the groups
-    u = torch.rand(probs.shape[0], 1, generator=gen, dtype=torch.float64).to(probs.device)
-    if top_p >= 1.0:
-        return pick(probs, u).cpu()
-    ids = torch.empty(probs.shape[0], 1, dtype=torch.long, device=probs.device)
-    for rows, kept, tokens in nucleus_groups(probs, top_p):
-        ids[rows] = tokens.gather(-1, pick(kept, u[rows]))
-    return ids.cpu()
-
-
-def pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """(B, 1) indices drawn from each row of (B, V) non-negative `weights` (not normalised) by inverse CDF at
-    `u` (B, 1) uniforms in [0, 1): the first index whose cumulative weight exceeds u * the row's total, so a
-    zero weight is never drawn."""
-    cum = weights.double().cumsum(-1)
-    ids = torch.searchsorted(cum, u * cum[:, -1:], right=True)
-    # u * total can round up to the total itself: that row takes its most likely token
-    return torch.where(ids < weights.shape[-1], ids, weights.argmax(-1, keepdim=True))
-
-
-def nucleus_groups(probs: torch.Tensor, top_p: float) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The top-p nucleus of each row of (B, V) probabilities, most likely first, as (rows, kept (R, W), their
-    token ids (R, W)) groups, 0 past a row's nucleus: the rows whose nucleus lies in their top `NUCLEUS_FIRST`
-    tokens, then in their top `NUCLEUS_GROWTH` times as many, ..., then the others, sorted whole. W is the
-    group's longest nucleus.
-
-    Keeps a token while the mass of the tokens before it is below top_p, so the most likely token always
-    stays. Exact: a row whose top tokens reach top_p has its nucleus inside them (the mass before every later
-    token is at least theirs).
-    """
-    vocab, groups, first = probs.shape[-1], [], True
-    rows, part, width = torch.arange(probs.shape[0], device=probs.device), probs, min(NUCLEUS_FIRST, vocab)
-    while len(rows):
-        # the first look is a top-k even of a whole short vocabulary, as it always was: a sort could order tied
-        # tokens otherwise, and change which of them a nucleus keeps (and stories260K's text)
-        last = width >= vocab and not first
-        top, order = part.sort(dim=-1, descending=True) if last else part.topk(width, dim=-1)
-        mass = top.cumsum(-1)  # the same sums as a whole sort's first columns
-        fits = torch.ones_like(rows, dtype=torch.bool) if last else mass[:, -1] >= top_p
-        if fits.any():
-            kept = top[fits].masked_fill((mass - top)[fits] >= top_p, 0.0)
-            size = int((kept > 0).sum(-1).max())  # the kept tokens lead each row: no more columns than that
-            groups.append((rows[fits], kept[:, :size], order[fits][:, :size]))
-        rows, first = rows[~fits], False
-        part, width = probs[rows], min(width * NUCLEUS_GROWTH, vocab)
-    return groups
-
-
-def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """(B, V) probabilities with every token outside the top-p nucleus set to 0 (the rest unnormalised)."""
-    out = torch.zeros_like(probs)
-    for rows, kept, tokens in nucleus_groups(probs, top_p):
-        out[rows] = torch.zeros_like(probs[rows]).scatter_(-1, tokens, kept)
-    return out
 
 
 def prompt_batch(prompts: torch.Tensor, start: int, size: int) -> torch.Tensor:
@@ -274,5 +198,4 @@ def self_generated_blocks(bundle: Any, spec: SelfDataSpec, prompts: torch.Tensor
     return blocks, False
 
 
-__all__ = ["SelfDataSpec", "sample_next", "nucleus", "nucleus_groups", "pick", "generate_blocks", "prompts_from",
-           "self_generated_blocks"]
+__all__ = ["SelfDataSpec", "sample_next", "nucleus", "generate_blocks", "prompts_from", "self_generated_blocks"]
