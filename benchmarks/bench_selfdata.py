@@ -3,14 +3,17 @@
 `patchc prune` trains on text the dense model writes (65,536 tokens by default: 64 rows a batch, one token a
 step). Each step samples the next token of every row at `--self-temperature` from its top-p nucleus, on the
 CPU from one seeded generator. "whole row" is how every vocabulary was sampled before 2026-12-07 and how
-vocabularies of up to 1,024 tokens still are (stories260K's 512): softmax, the nucleus, `torch.multinomial`
-over the whole row, which draws an exponential per token of every row. "nucleus draw" is `sample_next` for
-larger ones: softmax and top-k on the logits' device, one uniform per row over the nucleus's cumulative mass.
+vocabularies of up to 1,024 tokens still are (stories260K's 512): softmax, the nucleus (a whole sort where
+the top 1,024 tokens do not hold it), `torch.multinomial` over the whole row, which draws an exponential per
+token of every row. "nucleus draw" is `patchc.job.sampling.sample_next` for larger ones: on the logits'
+device, one uniform per row by inverse CDF over the nucleus, found in the top 1,024 tokens or by binning the
+row by probability.
 
 Rows: (1) one step on Gaussian logits of 64 rows, "peaked" (standard deviation 4: at temperature 1.2 the
-nuclei hold 1K-16K tokens) and "flat" (1: past 16K, sorted whole), at vocabularies of 32,000 and 151,936;
-(2) `generate_blocks` end to end, one batch of 64 rows x 64 tokens from a tiny random Llama (2 layers, hidden
-64) whose LM head gives peaked logits, with each sampler.
+nuclei hold 1K-16K tokens) and "flat" (1: tens of thousands, as any random-initialised model's), at
+vocabularies of 32,000 and 151,936; (2) `generate_blocks` end to end, one batch of 64 rows x 64 tokens from a
+tiny random Llama (2 layers, hidden 64), with its LM head as initialised (flat logits) and scaled to give
+peaked ones, with each sampler.
 
     .venv/bin/python benchmarks/bench_selfdata.py                 # both, 2 torch threads
     .venv/bin/python benchmarks/bench_selfdata.py --vocab 32000 --no-record
@@ -48,43 +51,34 @@ def whole_row(logits: torch.Tensor, temperature: float, top_p: float, gen: torch
     return torch.multinomial(out, 1, generator=gen)
 
 
-def tiers(probs: torch.Tensor) -> list[float]:
-    """The share of rows whose nucleus lies in their top 1,024 tokens, in their top 16,384, in neither."""
-    from patchc.job.selfdata import NUCLEUS_FIRST, NUCLEUS_GROWTH
-
-    vocab, shares, left = probs.shape[-1], [], torch.ones(probs.shape[0], dtype=torch.bool)
-    for width in (NUCLEUS_FIRST, NUCLEUS_FIRST * NUCLEUS_GROWTH):
-        fits = left & (probs.topk(min(width, vocab), dim=-1).values.sum(-1) >= TOP_P)
-        shares.append(float(fits.float().mean()))
-        left &= ~fits
-    return [*shares, float(left.float().mean())]
-
-
 def step_rows(vocabs: list[int], rounds: int) -> list[dict]:
     """One sampling step of 64 rows, both samplers, on peaked and flat Gaussian logits."""
     from patchc.bench.layers import cpu_timer
-    from patchc.job.selfdata import sample_next
+    from patchc.job.sampling import nucleus, sample_next, top_nucleus
 
     timer, out = cpu_timer(reps=rounds), []
     for vocab in vocabs:
         for shape, std in (("peaked", 4.0), ("flat", 1.0)):
             logits = torch.randn(ROWS, vocab, generator=torch.Generator().manual_seed(0)) * std
             probs = torch.softmax(logits / TEMPERATURE, dim=-1)
-            shares = tiers(probs)
-            row = {"vocab": vocab, "logits": shape, "std": std, "nucleus_in_top_1024_16384_whole": shares}
+            share = float(top_nucleus(probs, TOP_P)[0].float().mean())  # the others are binned
+            row = {"vocab": vocab, "logits": shape, "std": std, "nucleus_in_top_1024": share,
+                   "nucleus_tokens_median": float((nucleus(probs, TOP_P) > 0).sum(-1).float().median())}
             for name, fn in (("whole row", whole_row), ("nucleus draw", sample_next)):
                 gen = torch.Generator().manual_seed(0)
                 row[name] = timer(lambda fn=fn, gen=gen: fn(logits, TEMPERATURE, TOP_P, gen))  # ms
             row["speedup"] = row["whole row"] / row["nucleus draw"]
             out.append(row)
-            print(f"V={vocab:7d} {shape:6s} (nucleus in top 1K/16K/all: {'/'.join(f'{x:.0%}' for x in shares):12s})"
+            print(f"V={vocab:7d} {shape:6s} (nucleus in the top 1K: {share:4.0%}, median "
+                  f"{row['nucleus_tokens_median']:6.0f} tokens)"
                   f"  whole row {row['whole row']:7.1f} ms"
                   f"  nucleus draw {row['nucleus draw']:6.1f} ms  x{row['speedup']:.1f}")
     return out
 
 
-def generation_row(vocab: int, tokens: int) -> dict:
-    """`generate_blocks` for one batch of 64 rows from a tiny Llama with peaked logits, each sampler."""
+def generation_rows(vocab: int, tokens: int) -> list[dict]:
+    """`generate_blocks` for one batch of 64 rows from a tiny random Llama, each sampler: its LM head as
+    initialised (flat logits, as a random model's), then scaled to give peaked ones."""
     import transformers
 
     import patchc.job.selfdata as selfdata
@@ -93,26 +87,29 @@ def generation_row(vocab: int, tokens: int) -> dict:
                                    num_key_value_heads=2, vocab_size=vocab)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # the final norm gives unit-scale states: logits of standard deviation ~4
-        model.lm_head.weight.normal_(std=4.0 / cfg.hidden_size**0.5)
     bundle = type("Bundle", (), {"model": model, "logits": staticmethod(lambda m, ids: m(ids).logits)})()
     spec = selfdata.SelfDataSpec(tokens=ROWS * (tokens + 1), block_len=tokens, temperature=TEMPERATURE, top_p=TOP_P,
                                  batch=ROWS)
     prompts = torch.randint(0, vocab, (ROWS, 5), generator=torch.Generator().manual_seed(0))
-    row = {"vocab": vocab, "rows": ROWS, "tokens": tokens}
-    real = selfdata.sample_next
-    try:
-        for name, fn in (("whole row", whole_row), ("nucleus draw", real)):
-            selfdata.sample_next = fn
-            start = time.perf_counter()
-            selfdata.generate_blocks(bundle, spec, prompts)
-            row[name] = time.perf_counter() - start
-    finally:
-        selfdata.sample_next = real
-    row["speedup"] = row["whole row"] / row["nucleus draw"]
-    print(f"generate_blocks V={vocab} {ROWS} rows x {tokens} tokens: whole row {row['whole row']:.1f} s, "
-          f"nucleus draw {row['nucleus draw']:.1f} s  x{row['speedup']:.1f}")
-    return row
+    out, real = [], selfdata.sample_next
+    for shape in ("flat", "peaked"):
+        if shape == "peaked":
+            with torch.no_grad():  # the final norm gives unit-scale states: logits of standard deviation ~4
+                model.lm_head.weight.normal_(std=4.0 / cfg.hidden_size**0.5)
+        row = {"vocab": vocab, "logits": shape, "rows": ROWS, "tokens": tokens}
+        try:
+            for name, fn in (("whole row", whole_row), ("nucleus draw", real)):
+                selfdata.sample_next = fn
+                start = time.perf_counter()
+                selfdata.generate_blocks(bundle, spec, prompts)
+                row[name] = time.perf_counter() - start
+        finally:
+            selfdata.sample_next = real
+        row["speedup"] = row["whole row"] / row["nucleus draw"]
+        out.append(row)
+        print(f"generate_blocks V={vocab} {shape:6s} {ROWS} rows x {tokens} tokens: whole row {row['whole row']:.1f} s,"
+              f" nucleus draw {row['nucleus draw']:.1f} s  x{row['speedup']:.1f}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     record = {"temperature": TEMPERATURE, "top_p": TOP_P, "threads": torch.get_num_threads(),
-              "steps": step_rows(args.vocab, args.rounds), "generate": generation_row(args.vocab[0], args.tokens)}
+              "steps": step_rows(args.vocab, args.rounds), "generate": generation_rows(args.vocab[0], args.tokens)}
     if not args.no_record:
         from patchc.bench.record import append_jsonl, environment
 
