@@ -92,6 +92,18 @@ def test_a_wrong_out_fails_before_the_model_loads(tmp_path, capsys, monkeypatch,
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written
 
 
+@pytest.mark.parametrize("flag", ["--data", "--eval-data", "--train-extra"])
+def test_a_missing_text_file_fails_before_the_model_loads(tmp_path, capsys, monkeypatch, flag):
+    def load(*_):
+        raise AssertionError("the model was loaded before the text files were checked")
+
+    monkeypatch.setattr("patchc.job.prune.load_bundle", load)
+    missing = tmp_path / "notes.txt"
+    assert main(["prune", flag, str(missing), "--no-progress", "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"{flag} {missing}: no such file")
+    assert not (tmp_path / "run").exists()
+
+
 @needs_shared
 def test_concurrent_prunes_pick_distinct_folders(tmp_path):
     """Two `patchc prune` processes started together (default --out) end in two folders, both finished."""

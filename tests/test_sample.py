@@ -56,6 +56,8 @@ def test_refuses_before_any_work(tmp_path, capsys):
     assert "is a folder" in capsys.readouterr().err
     assert main(["sample", "--out", str(tmp_path / "t.txt"), "--top-p", "0", *SMALL]) == 2
     assert "--self-top-p" in capsys.readouterr().err
+    assert main(["sample", "--out", str(tmp_path / "t.txt"), *SMALL, "--data", str(tmp_path / "none.txt")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--data {tmp_path / 'none.txt'}: no such file")
     # stories260K has 512 positions: a longer sample is refused before generating (shared model checks)
     assert main(["sample", "--out", str(tmp_path / "t.txt"), *SMALL, "--block-len", "600"]) == 2
     assert "--block-len 600 is longer than the 512 positions" in capsys.readouterr().err

@@ -22,10 +22,12 @@ from patchc.job.options import PruneOptions
 from patchc.job.records import Chat, chat_renderer
 
 
-def check_files(paths: tuple[str, ...], flag: str) -> None:
-    for path in paths:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"{flag} {path}: no such file")
+def check_text_files(opts: PruneOptions) -> None:
+    """Every text file the options name exists: checked before the model loads (minutes, for a large one)."""
+    for flag, paths in (("--data", opts.data), ("--eval-data", opts.eval_data), ("--train-extra", opts.train_extra)):
+        for path in paths:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"{flag} {path}: no such file")
 
 
 def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None, training: bool = True) -> dict[str, Any]:
@@ -36,9 +38,7 @@ def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None, tr
     """
     from patchc.job.data import doc_hashes, pack_documents
 
-    check_files(opts.data, "--data")
-    check_files(opts.eval_data, "--eval-data")
-    check_files(opts.train_extra, "--train-extra")
+    check_text_files(opts)
     chat = chat_renderer(bundle.tokenizer)
     docs_train, docs_eval = split_data(opts, chat)
     if not docs_eval:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from patchc.config import PatchConfig
 from patchc.ir import TilePlan
-from patchc.job.corpus import data_record, load_data
+from patchc.job.corpus import check_text_files, data_record, load_data
 from patchc.job.distributed import process_group, say, world
 from patchc.job.memory import check_fits
 from patchc.job.model import check_device, load_bundle, with_tile
@@ -50,6 +50,7 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
     """
     check_device(opts.device)
     check_out(opts)  # before the model loads and text is generated
+    check_text_files(opts)
     with process_group(opts.device):
         return _prune(opts, command)
 

@@ -159,7 +159,7 @@ def run_recover(
     """
     from patchc.ir import TilePlan
     from patchc.job import stages as job
-    from patchc.job.corpus import data_record, load_data
+    from patchc.job.corpus import check_text_files, data_record, load_data
     import torch.distributed as dist
 
     from patchc.job.distributed import launched_size, process_group, say, world
@@ -186,6 +186,7 @@ def run_recover(
                    "progress": progress and rank == 0, "fsdp": size > 1, **recipe}
         opts = recover_options(plan, run, **changes, **({"batch_size": batch_size} if batch_size else {}))
         started = time.perf_counter()
+        check_text_files(opts)  # before the model loads
         bundle = load_bundle(opts)
         if method == "adam" and (free := free_bytes(opts.device)) is not None:  # before text is generated
             check_recovery(bundle.model, sum(layer.numel for layer in plan.layers.values()), free, opts.device,

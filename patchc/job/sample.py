@@ -52,10 +52,12 @@ def sample_texts(bundle: Any, opts: PruneOptions) -> list[str]:
 
 def write_samples(opts: PruneOptions, out: str | os.PathLike, overwrite: bool = False) -> dict[str, Any]:
     """Generate with `opts.model` and write the samples to `out` atomically; returns what was written."""
+    from patchc.job.corpus import check_text_files
     from patchc.job.model import load_bundle
 
     out = Path(out)
     check_out(opts, out, overwrite)
+    check_text_files(opts)  # before the model loads
     start = time.perf_counter()
     bundle = load_bundle(opts)
     texts = sample_texts(bundle, opts)
