@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from patchc.job.sampling import nucleus, sample_next
+from patchc.job.sampling import sample_next
 from patchc.utils.files import atomic_path
 from patchc.utils.progress import progress as progress_bar
 
@@ -198,4 +198,4 @@ def self_generated_blocks(bundle: Any, spec: SelfDataSpec, prompts: torch.Tensor
     return blocks, False
 
 
-__all__ = ["SelfDataSpec", "sample_next", "nucleus", "generate_blocks", "prompts_from", "self_generated_blocks"]
+__all__ = ["SelfDataSpec", "generate_blocks", "prompts_from", "self_generated_blocks"]
