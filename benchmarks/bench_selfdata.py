@@ -61,7 +61,7 @@ def step_rows(vocabs: list[int], rounds: int) -> list[dict]:
         for shape, std in (("peaked", 4.0), ("flat", 1.0)):
             logits = torch.randn(ROWS, vocab, generator=torch.Generator().manual_seed(0)) * std
             probs = torch.softmax(logits / TEMPERATURE, dim=-1)
-            share = float(top_nucleus(probs, TOP_P)[0].float().mean())  # the others are binned
+            share = len(top_nucleus(probs, TOP_P)[0]) / ROWS  # the others are binned
             row = {"vocab": vocab, "logits": shape, "std": std, "nucleus_in_top_1024": share,
                    "nucleus_tokens_median": float((nucleus(probs, TOP_P) > 0).sum(-1).float().median())}
             for name, fn in (("whole row", whole_row), ("nucleus draw", sample_next)):
