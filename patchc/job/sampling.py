@@ -172,7 +172,7 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """(B, V) probabilities with every token outside the top-p nucleus set to 0 (the rest unnormalised)."""
     rows, kept, tokens = top_nucleus(probs, top_p)
     out = torch.zeros_like(probs)
-    out[rows] = torch.zeros_like(probs[rows]).scatter_(-1, tokens, kept)
+    out[rows] = probs.new_zeros((len(rows), probs.shape[-1])).scatter_(-1, tokens, kept)
     rest = others(rows, probs.shape[0])
     if len(rest):
         part = probs[rest]
