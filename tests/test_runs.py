@@ -93,15 +93,38 @@ def test_a_wrong_out_fails_before_the_model_loads(tmp_path, capsys, monkeypatch,
 
 
 @pytest.mark.parametrize("flag", ["--data", "--eval-data", "--train-extra"])
-def test_a_missing_text_file_fails_before_the_model_loads(tmp_path, capsys, monkeypatch, flag):
+@pytest.mark.parametrize("kind", ["missing", "folder", "device"])
+def test_a_text_file_that_is_not_one_fails_before_the_model_loads(tmp_path, capsys, monkeypatch, flag, kind):
     def load(*_):
         raise AssertionError("the model was loaded before the text files were checked")
 
     monkeypatch.setattr("patchc.job.prune.load_bundle", load)
-    missing = tmp_path / "notes.txt"
-    assert main(["prune", flag, str(missing), "--no-progress", "--out", str(tmp_path / "run")]) == 2
-    assert capsys.readouterr().err.strip().endswith(f"{flag} {missing}: no such file")
+    path, why = {"missing": (tmp_path / "notes.txt", "no such file"),
+                 "folder": (tmp_path, f"is a folder; name its files (e.g. {tmp_path / '*.txt'})"),
+                 "device": ("/dev/null", "is not a regular file")}[kind]
+    assert main(["prune", flag, str(path), "--no-progress", "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"{flag} {path}: {why}")
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_names_its_text_files_by_its_own_flags(tmp_path, capsys, monkeypatch):
+    """`patchc eval` checks its files as `prune` does, before the model loads, naming --text for the files
+    it scores whole and the plan's training files beside a --data it cannot find."""
+    def load(*_, **__):
+        raise AssertionError("the model was loaded before the text files were checked")
+
+    monkeypatch.setattr("patchc.job.model.load_bundle", load)
+    plan = tmp_path / "plan.patch"
+    TilePlan(meta={"data": {"files": [str(tmp_path / "gone.txt")]}}).save(plan)
+    assert main(["eval", str(plan), "--data", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"--data {tmp_path}: is a folder; name its files (e.g. {tmp_path / '*.txt'}) (the plan was trained on {tmp_path})")
+    assert main(["eval", str(plan)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"--data {tmp_path / 'gone.txt'}: no such file (the plan was trained on {tmp_path / 'gone.txt'})")
+    (tmp_path / "real.txt").write_text("one story\n\nanother story\n")
+    assert main(["eval", str(plan), "--data", str(tmp_path / "real.txt"), "--text", str(tmp_path / "wiki.txt")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--text {tmp_path / 'wiki.txt'}: no such file")
 
 
 @needs_shared

@@ -22,12 +22,25 @@ from patchc.job.options import PruneOptions
 from patchc.job.records import Chat, chat_renderer
 
 
-def check_text_files(opts: PruneOptions) -> None:
-    """Every text file the options name exists: checked before the model loads (minutes, for a large one)."""
-    for flag, paths in (("--data", opts.data), ("--eval-data", opts.eval_data), ("--train-extra", opts.train_extra)):
+def check_text_files(opts: PruneOptions, eval_flag: str = "--eval-data", data_note: str = "") -> None:
+    """Every text file the options name is a readable file: checked before the model loads (minutes, for a large
+    one). `eval_flag` is the flag the eval files came from (`patchc eval` names them --text); `data_note` ends
+    the message of a --data file."""
+    for flag, paths, note in (("--data", opts.data, data_note), (eval_flag, opts.eval_data, ""),
+                              ("--train-extra", opts.train_extra, "")):
         for path in paths:
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"{flag} {path}: no such file")
+            if why := not_a_text_file(path):
+                raise FileNotFoundError(f"{flag} {path}: {why}{note}")
+
+
+def not_a_text_file(path: str | Path) -> str:
+    """Why `path` cannot be read as a text file ("" when it can)."""
+    path = Path(path)
+    if path.is_file():
+        return ""
+    if path.is_dir():
+        return f"is a folder; name its files (e.g. {path / '*.txt'})"
+    return "is not a regular file" if path.exists() else "no such file"
 
 
 def load_data(bundle: Any, opts: PruneOptions, cache_dir: Path | None = None, training: bool = True) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, PruneOptions
@@ -69,19 +68,14 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     the plan applied to it; "held_out" is how many tokens (a causal LM's) or sentences (an encoder's) of
     held-out text were scored, "scored" the same per --text file."""
     from patchc.ir import TilePlan
-    from patchc.job.corpus import read_documents, scored_texts, split_data, text_size
+    from patchc.job.corpus import check_text_files, read_documents, scored_texts, split_data, text_size
     from patchc.job.model import load_bundle
     from patchc.job.records import chat_renderer
     from patchc.job.stages import dense_reference, evaluate, score_copy
 
     plan = TilePlan.load(plan_path)
     opts = eval_options(plan, **options)
-    for path in opts.data:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"--data {path}: no such file (the plan was trained on {', '.join(opts.data)})")
-    for path in opts.eval_data:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"--text {path}: no such file")
+    check_text_files(opts, eval_flag="--text", data_note=f" (the plan was trained on {', '.join(opts.data)})")
     bundle = load_bundle(opts, training=False)
     chat = chat_renderer(bundle.tokenizer)  # a chat record's text is what the model's template makes of it
     _, eval_docs = split_data(opts, chat)
