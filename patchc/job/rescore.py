@@ -75,7 +75,9 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
 
     plan = TilePlan.load(plan_path)
     opts = eval_options(plan, **options)
-    check_text_files(opts, eval_flag="--text", data_note=f" (the plan was trained on {', '.join(opts.data)})")
+    trained_on = recorded_split(plan).get("files")
+    check_text_files(opts, eval_flag="--text", data_note=f" (the plan was trained on {', '.join(trained_on)})"
+                     if trained_on else "")
     bundle = load_bundle(opts, training=False)
     chat = chat_renderer(bundle.tokenizer)  # a chat record's text is what the model's template makes of it
     _, eval_docs = split_data(opts, chat)
