@@ -137,6 +137,19 @@ def test_a_large_vocabulary_draws_from_its_nucleus_in_proportion(monkeypatch, to
         assert torch.equal(again, sample_next(some, 1.0, top_p, torch.Generator().manual_seed(7)))
 
 
+@pytest.mark.parametrize("top_p", [0.95, 1.0])
+def test_a_cpu_draws_a_few_rows_at_a_time_as_it_would_all_at_once(monkeypatch, top_p):
+    """On a CPU the rows are drawn a few at a time (`rows_at_once`): the same tokens as all together, for runs
+    of rows that all fit the first look, all binned, and mixed; a GPU draws them all at once."""
+    logits = rows([8.0] * 3 + [1.0] * 3 + [8.0, 1.0, 8.0, 1.0], 2048)
+    if top_p < 1:  # the runs of three: peaked, flat, mixed
+        assert top_nucleus(torch.softmax(logits / 1.2, -1), top_p)[0].tolist() == [0, 1, 2, 6, 8]
+    whole = sample_next(logits, 1.2, top_p, torch.Generator().manual_seed(5))
+    monkeypatch.setattr(sampling, "CPU_ROW_ELEMENTS", 3 * 2048 + 5)
+    assert sampling.rows_at_once(logits) == 3 and sampling.rows_at_once(logits.to("meta")) == 10
+    assert torch.equal(sample_next(logits, 1.2, top_p, torch.Generator().manual_seed(5)), whole)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_large_vocabulary_samples_on_the_gpu_as_on_the_cpu():
