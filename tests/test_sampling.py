@@ -150,6 +150,19 @@ def test_a_cpu_draws_a_few_rows_at_a_time_as_it_would_all_at_once(monkeypatch, t
     assert torch.equal(sample_next(logits, 1.2, top_p, torch.Generator().manual_seed(5)), whole)
 
 
+def test_a_row_draws_the_same_token_in_any_batch():
+    """A binned row's draw depends on its logits and its uniform alone: tied probabilities are taken in token
+    order, where topk's order of ties depended on the batch's fullest bin. Clustered rows are full of ties."""
+    probs = torch.softmax(rows([0.01] * 12 + [1.0] * 4, 50257), -1)
+    u = torch.rand(16, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    whole = draw_binned(probs, u, 0.95)
+    assert torch.equal(torch.cat([draw_binned(probs[i:i + 1], u[i:i + 1], 0.95) for i in range(16)]), whole)
+    assert torch.equal(torch.cat([draw_binned(probs[i:i + 5], u[i:i + 5], 0.95) for i in range(0, 16, 5)]), whole)
+    vals, ids = Histogram.of(probs).tokens(probs, torch.full((16, 1), int(Histogram.of(probs[:1]).bins[0, 0])))
+    tied = (vals[:, 1:] == vals[:, :-1]) & (vals[:, 1:] > 0)
+    assert tied.any() and bool((ids[:, 1:] > ids[:, :-1])[tied].all())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_large_vocabulary_samples_on_the_gpu_as_on_the_cpu():

@@ -12,7 +12,9 @@ inverse CDF, one uniform per row from the seeded CPU generator:
    rows of 152K tokens took 0.9 s on 2 cores, and most of a tiny random model's `patchc prune`.
 
 Both draw from the nucleus in order of probability, most likely first, so they give the token a whole sort
-would (float rounding at an edge and the order of tied tokens apart).
+would (float rounding at an edge and the order of tied tokens apart). A binned row takes its tied tokens in
+token order, so it draws the same token in any batch, and a CPU draws its rows a few at a time
+(`rows_at_once`).
 
 Example:
     >>> sample_next(torch.randn(64, 50257), temperature=1.2, top_p=0.95, gen=torch.Generator().manual_seed(0))
@@ -161,11 +163,15 @@ class Histogram(NamedTuple):
         return cls(bins, mass.flip(-1).cumsum(-1).flip(-1), counts)
 
     def tokens(self, probs: torch.Tensor, which: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tokens of bin `which` (B, 1) of each row, most likely first: (probabilities as fp64 (B, n), 0
+        """The tokens of bin `which` (B, 1) of each row, most likely first, ties by token id: (probabilities as fp64 (B, n), 0
         past the row's last, ids (B, n)); n is the fullest row's count."""
         n = max(int(self.counts.gather(1, which).max()), 1)
         vals, ids = torch.where(self.bins == which, probs, -1.0).topk(n, dim=-1)
-        return vals.double().clamp_(min=0.0), ids
+        # tied probabilities in token order: topk's order of ties depends on n, the fullest row's count, so a
+        # row would draw another of its tied tokens in another batch
+        ids, by_id = ids.sort(dim=-1)
+        vals, order = vals.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+        return vals.double().clamp_(min=0.0), ids.gather(1, order)
 
 
 def binned_cut(probs: torch.Tensor, hist: Histogram, top_p: float) -> tuple[torch.Tensor, ...]:

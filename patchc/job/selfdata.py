@@ -34,9 +34,10 @@ from patchc.utils.progress import progress as progress_bar
 
 CACHE_FORMAT = "patchc.selfdata"
 # The sampling method (patchc.job.sampling), in the cache key: 2 since vocabularies past NUCLEUS_FIRST tokens
-# are drawn by inverse CDF, 3 since a nucleus past them is found by binning, in fp64 (both 2026-12-07; a larger
-# vocabulary's earlier text is not reused, a smaller one's is regenerated the same)
-SAMPLER = 3
+# are drawn by inverse CDF, 3 since a nucleus past them is found by binning, in fp64, 4 since its tied tokens
+# are taken in token order (all 2026-12-07; a larger vocabulary's earlier text is not reused, a smaller one's
+# is regenerated the same)
+SAMPLER = 4
 
 
 @dataclass(frozen=True)
