@@ -163,8 +163,8 @@ class Histogram(NamedTuple):
         return cls(bins, mass.flip(-1).cumsum(-1).flip(-1), counts)
 
     def tokens(self, probs: torch.Tensor, which: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tokens of bin `which` (B, 1) of each row, most likely first, ties by token id: (probabilities as fp64 (B, n), 0
-        past the row's last, ids (B, n)); n is the fullest row's count."""
+        """The tokens of bin `which` (B, 1) of each row, most likely first, ties by token id: (probabilities as
+        fp64 (B, n), 0 past the row's last, ids (B, n)); n is the fullest row's count."""
         n = max(int(self.counts.gather(1, which).max()), 1)
         vals, ids = torch.where(self.bins == which, probs, -1.0).topk(n, dim=-1)
         # tied probabilities in token order: topk's order of ties depends on n, the fullest row's count, so a
