@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from patchc.job.data import load_documents, tokenize_documents
+from patchc.job import evaluate
 from patchc.job.evaluate import perplexity
 from patchc.models import (
     SHARED_DIR,
@@ -316,6 +317,17 @@ def test_perplexity_random_init_is_bad(model, sample_ids):
     torch.manual_seed(0)
     ppl = perplexity(Llama(model.config), sample_ids[:4096], context=256)
     assert ppl > 100  # ~508 for seed 0 (SOURCES.md: about 516 on the whole sample)
+
+
+def test_token_nll_scores_a_few_positions_at_a_time_as_at_once(monkeypatch):
+    """On a CPU the NLL is taken a few positions at a time (chunks of 7 here, with a tail): the same numbers,
+    bit for bit, as one cross-entropy over the batch's non-contiguous slice of logits."""
+    gen = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(3, 20, 100, generator=gen) * 4, torch.randint(0, 100, (3, 19), generator=gen)
+    whole = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 100), targets.flatten(), reduction="none")
+    monkeypatch.setattr(evaluate, "CPU_ROW_ELEMENTS", 7 * 100 + 3)
+    got = evaluate.token_nll(logits[:, :-1], targets)
+    assert got.shape == (3, 19) and torch.equal(got, whole.view(3, 19))
 
 
 class _Oracle:
