@@ -23,7 +23,7 @@ from patchc.job.records import Chat, chat_renderer
 
 
 def check_text_files(opts: PruneOptions, eval_flag: str = "--eval-data", data_note: str = "") -> None:
-    """Every text file the options name is a readable file: checked before the model loads (minutes, for a large
+    """Every text file the options name is a file: checked before the model loads (minutes, for a large
     one). `eval_flag` is the flag the eval files came from (`patchc eval` names them --text); `data_note` ends
     the message of a --data file."""
     for flag, paths, note in (("--data", opts.data, data_note), (eval_flag, opts.eval_data, ""),

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 # Tokens looked at first for the nucleus: the top 1,024 of 152K cost ~25 ms for 64 rows on 2 cores, binning
-# the rows 150-220 ms
+# the rows 80-100 ms
 NUCLEUS_FIRST = 1024
 # The most elements (rows x vocabulary) a CPU draws at once: an int64 temporary of 8 MiB (`rows_at_once`)
 CPU_ROW_ELEMENTS = 1 << 20
@@ -63,8 +63,8 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
 def rows_at_once(logits: torch.Tensor) -> int:
     """How many rows of (B, V) logits `sample_next` draws together: all on a GPU; on a CPU as many as keep
     each temporary to `CPU_ROW_ELEMENTS`, which glibc then serves from its heap, where a larger one is mapped
-    afresh and zeroed page by page every step (half the step's time: 64 rows of 152K tokens in 162 ms at once,
-    57 ms 6 at a time)."""
+    afresh and zeroed page by page every step (64 rows of 152K tokens in 205-220 ms at once, 81-97 ms 6 at a
+    time: `benchmarks/bench_selfdata.py`)."""
     return logits.shape[0] if logits.device.type != "cpu" else max(1, CPU_ROW_ELEMENTS // logits.shape[-1])
 
 
