@@ -11,6 +11,7 @@ import torch
 
 from patchc.job.data import load_documents, tokenize_documents
 from patchc.job import evaluate
+from patchc.utils import chunks
 from patchc.job.evaluate import perplexity
 from patchc.models import (
     SHARED_DIR,
@@ -325,7 +326,7 @@ def test_token_nll_scores_a_few_positions_at_a_time_as_at_once(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     logits, targets = torch.randn(3, 20, 100, generator=gen) * 4, torch.randint(0, 100, (3, 19), generator=gen)
     whole = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 100), targets.flatten(), reduction="none")
-    monkeypatch.setattr(evaluate, "CPU_ROW_ELEMENTS", 7 * 100 + 3)
+    monkeypatch.setattr(chunks, "CPU_ROW_ELEMENTS", 7 * 100 + 3)
     got = evaluate.token_nll(logits[:, :-1], targets)
     assert got.shape == (3, 19) and torch.equal(got, whole.view(3, 19))
 

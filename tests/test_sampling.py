@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import patchc.job.sampling as sampling
+import patchc.utils.chunks as chunks
 from patchc.job.sampling import Histogram, draw_binned, nucleus, pick, sample_next, top_nucleus
 
 
@@ -145,8 +146,8 @@ def test_a_cpu_draws_a_few_rows_at_a_time_as_it_would_all_at_once(monkeypatch, t
     if top_p < 1:  # the runs of three: peaked, flat, mixed
         assert top_nucleus(torch.softmax(logits / 1.2, -1), top_p)[0].tolist() == [0, 1, 2, 6, 8]
     whole = sample_next(logits, 1.2, top_p, torch.Generator().manual_seed(5))
-    monkeypatch.setattr(sampling, "CPU_ROW_ELEMENTS", 3 * 2048 + 5)
-    assert sampling.rows_at_once(logits) == 3 and sampling.rows_at_once(logits.to("meta")) == 10
+    monkeypatch.setattr(chunks, "CPU_ROW_ELEMENTS", 3 * 2048 + 5)
+    assert chunks.rows_at_once(logits) == 3 and chunks.rows_at_once(logits.to("meta")) == 10
     assert torch.equal(sample_next(logits, 1.2, top_p, torch.Generator().manual_seed(5)), whole)
 
 

@@ -20,20 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from patchc.models.outputs import device_of, logits_of
-
-
-# The most logits (positions x vocabulary) a CPU scores at once: the log-softmax's temporaries then stay small
-# enough for glibc to reuse, where a batch's whole (8 x 255 x 50K tokens: 411 MB apiece) were mapped and zeroed
-# afresh each time (`token_nll`)
-CPU_ROW_ELEMENTS = 1 << 20
+from patchc.utils.chunks import rows_at_once
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(B, T) next-token NLL of (B, T, V) logits at (B, T) targets: on a CPU a few positions at a time (the
-    same numbers; 8 windows of 256 of a 50K vocabulary in 0.07-0.1 s rather than 0.35), elsewhere at once."""
+    """(B, T) next-token NLL of (B, T, V) logits at (B, T) targets: on a CPU a few positions at a time
+    (`rows_at_once`; the same numbers: 8 windows of 256 of a 50K vocabulary in 0.07-0.1 s rather than 0.35,
+    where the whole batch's temporaries, 411 MB apiece, were mapped and zeroed afresh), elsewhere at once."""
     if logits.device.type != "cpu":
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
-    n = max(1, CPU_ROW_ELEMENTS // logits.shape[-1])
+    n = rows_at_once(logits[0])
     return torch.stack([torch.cat([F.cross_entropy(row[i:i + n], target[i:i + n], reduction="none")
                                    for i in range(0, len(target), n)]) for row, target in zip(logits, targets)])
 

@@ -14,7 +14,7 @@ inverse CDF, one uniform per row from the seeded CPU generator:
 Both draw from the nucleus in order of probability, most likely first, so they give the token a whole sort
 would (float rounding at an edge and the order of tied tokens apart). A binned row takes its tied tokens in
 token order, so it draws the same token in any batch, and a CPU draws its rows a few at a time
-(`rows_at_once`).
+(`patchc.utils.chunks.rows_at_once`).
 
 Example:
     >>> sample_next(torch.randn(64, 50257), temperature=1.2, top_p=0.95, gen=torch.Generator().manual_seed(0))
@@ -28,11 +28,11 @@ from typing import NamedTuple
 
 import torch
 
+from patchc.utils.chunks import rows_at_once
+
 # Tokens looked at first for the nucleus: the top 1,024 of 152K cost ~25 ms for 64 rows on 2 cores, binning
 # the rows 80-100 ms
 NUCLEUS_FIRST = 1024
-# The most elements (rows x vocabulary) a CPU draws at once: an int64 temporary of 8 MiB (`rows_at_once`)
-CPU_ROW_ELEMENTS = 1 << 20
 # A non-negative float32's high 16 bits (its exponent and 7 mantissa bits) order it as the float does: they
 # bin probabilities 128 to an octave. Bins start at 2**-OCTAVES and end at 1.0 in bin TOP_BIN; bin 0 holds
 # every smaller probability (together under 7e-5 even at 262K tokens: a nucleus below top_p 0.9999 ends above
@@ -56,16 +56,9 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
         return torch.multinomial(nucleus(probs, top_p) if top_p < 1.0 else probs, 1, generator=gen)
     # one uniform per row, whichever way the row is drawn: the text depends on the seed, not on the split
     u = torch.rand(logits.shape[0], 1, generator=gen, dtype=torch.float64).to(logits.device)
+    # on a CPU a few rows at a time (64 rows of 152K tokens: 205-220 ms at once, 81-97 ms 6 at a time)
     n = rows_at_once(logits)
     return torch.cat([draw(logits[i:i + n], u[i:i + n], temperature, top_p) for i in range(0, len(u), n)]).cpu()
-
-
-def rows_at_once(logits: torch.Tensor) -> int:
-    """How many rows of (B, V) logits `sample_next` draws together: all on a GPU; on a CPU as many as keep
-    each temporary to `CPU_ROW_ELEMENTS`, which glibc then serves from its heap, where a larger one is mapped
-    afresh and zeroed page by page every step (64 rows of 152K tokens in 205-220 ms at once, 81-97 ms 6 at a
-    time: `benchmarks/bench_selfdata.py`)."""
-    return logits.shape[0] if logits.device.type != "cpu" else max(1, CPU_ROW_ELEMENTS // logits.shape[-1])
 
 
 def draw(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
