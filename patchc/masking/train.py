@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -33,6 +34,7 @@ from patchc.masking.hybrid_mask import HybridMask
 from patchc.masking.optim import MaskOptimConfig, StepInBackward, clip_each_, make_mask_optimizer
 from patchc.masking.recompute import recompute_masked_weights
 from patchc.models.outputs import logits_of
+from patchc.utils.chunks import piecewise
 from patchc.utils.files import atomic_path
 from patchc.utils.stopping import stop_now, stop_requested, stoppable
 
@@ -353,8 +355,14 @@ def lm_loss(
         >>> patchc.train_masks(prog, blocks, loss_fn, steps=300)
     """
     out = prog(ids[:, :-1]) if logits is None else logits(prog, ids[:, :-1])
-    out = logits_of(out)  # an HF export returns a ModelOutput; the program passes its use_cache=False
-    return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), ids[:, 1:].flatten())
+    rows = logits_of(out).flatten(0, 1)  # an HF export returns a ModelOutput; the program passes its use_cache=False
+    # a few positions at a time: the gradient of one cross-entropy, bit for bit, with no (B * T, V) temporaries
+    return piecewise(functools.partial(_lm_share, count=len(rows)), rows, ids[:, 1:].flatten())
+
+
+def _lm_share(logits: torch.Tensor, targets: torch.Tensor, count: int) -> torch.Tensor:
+    """A piece's share of the mean next-token cross-entropy over `count` positions (none ignored)."""
+    return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum") / count
 
 
 __all__ = ["TrainResult", "CheckpointIO", "MaskOptimConfig", "train_masks", "lm_loss", "save_checkpoint",
