@@ -2,10 +2,11 @@
 
 Mask training's loss per step is next-token cross-entropy plus the KL divergence to the dense model's
 next-token distribution, both over (tokens, vocab) logits: at a 152K vocabulary and the job's 8 x 128 tokens,
-each such tensor is 622 MB in fp32. "divided" is `kd_loss` before 2026-12-07, which divided both logits by the
-temperature even at 1 (two copies forward, one more in backward); "now" is `patchc.job.losses.kd_loss`. Both
-give the same bits (`tests/test_selfdata.py`). The student's logits are a leaf here, so the time is the loss's
-alone, not the LM head's.
+each such tensor is 622 MB in fp32. "whole" is the loss before 2026-12-07's second change, one expression over
+the whole batch (a dozen such tensors, each mapped and zeroed afresh by the kernel on a CPU); "now" is
+`patchc.job.losses.task_loss`, a few positions at a time (`patchc.utils.chunks.piecewise`). Both give each
+position the same gradient, bit for bit (`tests/test_task_loss.py`). The student's logits are a leaf here, so
+the time is the loss's alone, not the LM head's. (The first change, the same day, stopped dividing by T = 1.)
 
     .venv/bin/python benchmarks/bench_kd_loss.py                    # vocab 32,000 and 151,936, 2 threads
     .venv/bin/python benchmarks/bench_kd_loss.py --vocab 32000 --no-record
@@ -26,22 +27,28 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "kd_loss.jsonl"
 
 
-def divided(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """`kd_loss` before 2026-12-07: both logits divided by the temperature, whatever it is."""
-    s = F.log_softmax(student.float().flatten(0, -2) / temperature, dim=-1)
-    t = F.log_softmax(teacher.float().flatten(0, -2) / temperature, dim=-1)
-    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
+def whole(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """LM + KD at T = 1 as one expression over the whole batch: the loss before it was taken in pieces."""
+    s = student.float().flatten(0, -2)
+    kd = F.kl_div(F.log_softmax(s, dim=-1), F.log_softmax(teacher.float().flatten(0, -2), dim=-1), log_target=True,
+                  reduction="batchmean")
+    return F.cross_entropy(s, targets.flatten()) + kd
 
 
-def step(kd, logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor) -> None:
-    """LM + KD forward and backward, as `make_lm_loss` with `--loss lm+kd`."""
-    student = logits.detach().requires_grad_()
-    (F.cross_entropy(student.flatten(0, 1), targets.flatten()) + kd(student, teacher)).backward()
+def now(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The job's loss: `task_loss` with `--loss lm+kd`."""
+    from patchc.job.losses import LossSpec, task_loss
+
+    return task_loss(student, targets, teacher, LossSpec("lm+kd"))
+
+
+def step(loss, logits: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor) -> None:
+    """Forward and backward of `loss`, as a step of mask training runs it."""
+    loss(logits.detach().requires_grad_(), teacher, targets).backward()
 
 
 def run(vocabs: list[int], tokens: int, rounds: int) -> list[dict]:
     from patchc.bench.layers import cpu_timer
-    from patchc.job.losses import kd_loss
 
     timer, rows = cpu_timer(reps=rounds), []
     for vocab in vocabs:
@@ -50,11 +57,11 @@ def run(vocabs: list[int], tokens: int, rounds: int) -> list[dict]:
         teacher = torch.randn(1, tokens, vocab, generator=gen) * 3
         targets = torch.randint(0, vocab, (1, tokens), generator=gen)
         row = {"vocab": vocab, "tokens": tokens}
-        for name, kd in (("divided", divided), ("now", kd_loss)):
-            row[name] = timer(lambda kd=kd: step(kd, logits, teacher, targets))  # ms
-        row["speedup"] = row["divided"] / row["now"]
+        for name, loss in (("whole", whole), ("now", now)):
+            row[name] = timer(lambda loss=loss: step(loss, logits, teacher, targets))  # ms
+        row["speedup"] = row["whole"] / row["now"]
         rows.append(row)
-        print(f"V={vocab:7d} x {tokens} tokens: divided {row['divided']:8.1f} ms  now {row['now']:8.1f} ms"
+        print(f"V={vocab:7d} x {tokens} tokens: whole {row['whole']:8.1f} ms  now {row['now']:8.1f} ms"
               f"  x{row['speedup']:.2f}")
     return rows
 
