@@ -74,7 +74,9 @@ def test_generation_is_seeded_and_continues_the_prompts(bundle, prompts):
     assert int(a.max()) < bundle.tokenizer.vocab_size
 
 
-def test_logits_that_are_not_finite_stop_generation_with_the_models_name(bundle, prompts, monkeypatch):
+@pytest.mark.parametrize("where", [slice(None), (1, 300)], ids=["all", "one"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_logits_that_are_not_finite_stop_generation_with_the_models_name(bundle, prompts, monkeypatch, where, bad):
     import patchc.job.selfdata as selfdata
 
     real, calls = selfdata.stepper(bundle), []
@@ -82,7 +84,9 @@ def test_logits_that_are_not_finite_stop_generation_with_the_models_name(bundle,
     def overflowing(ids, state):  # the logits after the prompt's 5 tokens and 2 more overflow, as float16 can
         logits, state = real(ids, state)
         calls.append(ids.shape[1])
-        return (logits.fill_(float("nan")) if len(calls) == 3 else logits), state
+        if len(calls) == 3:
+            logits[where] = bad
+        return logits, state
 
     monkeypatch.setattr(selfdata, "stepper", lambda b: overflowing)
     with pytest.raises(FloatingPointError, match=rf"{bundle.name}: NaN or inf in its logits at token 7 .*--dtype"):
