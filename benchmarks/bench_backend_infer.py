@@ -67,7 +67,7 @@ def main() -> None:
     import torch
 
     import patchc.runtime.backend as backend
-    from patchc.bench.record import append_jsonl, environment
+    from patchc.bench.record import record_run
 
     model = build(args.hidden, args.intermediate, args.layers, args.vocab)
     stats: dict[str, list[float]] = {"infer": [], "rewrite": []}
@@ -87,7 +87,7 @@ def main() -> None:
           f"plan inference {sum(stats['infer']):.2f} s ({', '.join(f'{s:.2f}' for s in stats['infer'])}), "
           f"rewrite {sum(stats['rewrite']):.2f} s ({', '.join(f'{s:.2f}' for s in stats['rewrite'])})")
     if not args.no_record:
-        print(append_jsonl(RESULTS, {**environment("cpu", False), "bench": "backend_infer", "rows": [row]}))
+        record_run(RESULTS, {"bench": "backend_infer", "rows": [row]})
 
 
 if __name__ == "__main__":

@@ -100,10 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     record = run(args)
     if not args.no_record:
-        from patchc.bench.record import append_jsonl, environment
+        from patchc.bench.record import record_run
 
-        append_jsonl(RESULTS, {**environment(args.device, dry_run=False), **record})
-        print(f"appended to {RESULTS.relative_to(ROOT)}")
+        record_run(RESULTS, record, device=args.device)
     return 0
 
 

@@ -128,16 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if not args.no_record:
-        from patchc.bench.record import append_jsonl, environment
+        from patchc.bench.record import record_run
         from patchc.codegen.sass import sass_cache_dir
 
-        record = environment("cpu", dry_run=False) | {
+        record_run(RESULTS, {
             "bench": "generate", "target": args.target, "workers": args.workers or os.cpu_count(),
             "triton_cache": "warm" if args.warm else "cold", "blocks_7b": args.blocks, "rows": rows,
             # the SASS patchc keeps beside Triton's cache (`patchc.codegen.sass.disassemble`)
-            "sass_cache": "off" if sass_cache_dir() is None else "on"}
-        append_jsonl(RESULTS, record)
-        print(f"appended to {RESULTS}")
+            "sass_cache": "off" if sass_cache_dir() is None else "on"})
     return 0
 
 

@@ -16,7 +16,6 @@ Prints a table and appends a JSON line to benchmarks/results/kd_loss.jsonl.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -67,20 +66,18 @@ def run(vocabs: list[int], tokens: int, rounds: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from patchc.bench.record import cpu_bench_parser
+
+    p = cpu_bench_parser(__doc__, RESULTS, rounds=5)
     p.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936])
     p.add_argument("--tokens", type=int, default=1024, help="tokens a step (the job's 8 x 128)")
-    p.add_argument("--rounds", type=int, default=5, help="steps timed per row (median)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results/kd_loss.jsonl")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     record = {"threads": torch.get_num_threads(), "rows": run(args.vocab, args.tokens, args.rounds)}
     if not args.no_record:
-        from patchc.bench.record import append_jsonl, environment
+        from patchc.bench.record import record_run
 
-        append_jsonl(RESULTS, {**environment("cpu", dry_run=False), "bench": "kd_loss", **record})
-        print(f"appended to {RESULTS.relative_to(ROOT)}")
+        record_run(RESULTS, {"bench": "kd_loss", **record})
     return 0
 
 

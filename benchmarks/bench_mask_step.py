@@ -209,15 +209,13 @@ def main(argv: list[str] | None = None) -> None:
     result = run(config, rows, seq, args.rounds, args.impls, variants)
     print_table(result)
     if not args.no_record:
-        from patchc.bench.record import append_jsonl, environment
+        from patchc.bench.record import record_run
 
         import transformers
 
-        record = {"bench": "mask_step", **environment("cpu", dry_run=False), "transformers": transformers.__version__,
-                  "threads": args.threads, "model": config, "batch": [rows, seq], **result,
-                  "command": " ".join(["benchmarks/bench_mask_step.py", *(argv if argv is not None else sys.argv[1:])])}
-        append_jsonl(RESULTS, record)
-        print(f"appended to {RESULTS}")
+        record_run(RESULTS, {"bench": "mask_step", "transformers": transformers.__version__, "threads": args.threads,
+                             "model": config, "batch": [rows, seq], **result, "command": " ".join(
+                                 ["benchmarks/bench_mask_step.py", *(argv if argv is not None else sys.argv[1:])])})
 
 
 # -- pytest-benchmark: the small model, one call each under --benchmark-disable -------------------

@@ -23,7 +23,6 @@ Prints a table and appends a JSON line to benchmarks/results/selfdata.jsonl.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -113,21 +112,19 @@ def generation_rows(vocab: int, tokens: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from patchc.bench.record import cpu_bench_parser
+
+    p = cpu_bench_parser(__doc__, RESULTS, rounds=10)
     p.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936])
     p.add_argument("--tokens", type=int, default=64, help="tokens a row generated end to end")
-    p.add_argument("--rounds", type=int, default=10, help="steps timed per row (median)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results/selfdata.jsonl")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     record = {"temperature": TEMPERATURE, "top_p": TOP_P, "threads": torch.get_num_threads(),
               "steps": step_rows(args.vocab, args.rounds), "generate": generation_rows(args.vocab[0], args.tokens)}
     if not args.no_record:
-        from patchc.bench.record import append_jsonl, environment
+        from patchc.bench.record import record_run
 
-        append_jsonl(RESULTS, {**environment("cpu", dry_run=False), "bench": "selfdata", **record})
-        print(f"appended to {RESULTS.relative_to(ROOT)}")
+        record_run(RESULTS, {"bench": "selfdata", **record})
     return 0
 
 

@@ -26,7 +26,7 @@ from patchc.bench import BenchOptions, exit_status
 from patchc.bench.check import check_case, error_bound
 from patchc.bench.layers import make_layer, peak_bandwidth, tile_kinds, weight_bytes
 from patchc.bench.options import PART_WEIGHTS, LayerCase, check_cases, speed_cases
-from patchc.bench.record import append_jsonl, slug
+from patchc.bench.record import append_jsonl, record_run, slug
 from patchc.job.cli import main
 from tests.conftest import in_fresh_thread, older_triton_env, older_triton_params
 
@@ -267,6 +267,17 @@ def test_records_append_and_name_the_device(tmp_path):
     assert [json.loads(line) for line in path.read_text().splitlines()] == [{"old": 1}, {"new": 2}]
     assert slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert peak_bandwidth("NVIDIA H200") == 4.8e12 and peak_bandwidth("cpu") is None
+
+
+def test_a_benchmarks_record_follows_its_environment(tmp_path, capsys):
+    path = tmp_path / "kd_loss.jsonl"
+    assert record_run(path, {"bench": "kd_loss", "rows": [{"now": 1.0}]}) == path
+    assert record_run(path, {"bench": "kd_loss", "rows": []}) == path
+    first, second = [json.loads(line) for line in path.read_text().splitlines()]
+    assert first["rows"] == [{"now": 1.0}] and second["rows"] == [] and first["bench"] == "kd_loss"
+    assert {"date", "device", "torch", "triton", "git_sha", "source_digest"} <= first.keys()
+    assert first["device"].startswith("cpu") and not first["dry_run"]
+    assert capsys.readouterr().out == f"appended to {path}\n" * 2
 
 
 @needs_cpu

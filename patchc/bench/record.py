@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import hashlib
 import json
@@ -81,6 +82,33 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> Path:
     if old and not old.endswith(b"\n"):
         old += b"\n"
     return write_bytes_atomic(path, old + (json.dumps(record) + "\n").encode())
+
+
+def cpu_bench_parser(doc: str, results: Path, rounds: int) -> argparse.ArgumentParser:
+    """A CPU benchmark's command line with --rounds (timed per row), --threads (2) and --no-record (of
+    `results`); the benchmark adds its own flags. `doc`: its module docstring, whose first paragraph describes."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=rounds, help="steps timed per row (median)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--no-record", action="store_true", help=f"do not append to {_shown(results)}")
+    return p
+
+
+def record_run(path: Path, record: dict[str, Any], device: str = "cpu") -> Path:
+    """A benchmark's `record` appended to its history at `path`, after `environment(device)`; says where.
+
+    Example:
+        >>> record_run(ROOT / "benchmarks/results/kd_loss.jsonl", {"bench": "kd_loss", "rows": rows})
+        appended to benchmarks/results/kd_loss.jsonl
+    """
+    out = append_jsonl(path, {**environment(device, dry_run=False), **record})
+    print(f"appended to {_shown(out)}")
+    return out
+
+
+def _shown(path: Path) -> Path:
+    """`path` as a reader in the project's root would type it."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
 
 def _fmt(v: Any, spec: str = ".3g") -> str:
