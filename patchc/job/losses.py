@@ -49,7 +49,7 @@ def task_loss(logits: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor
               spec: LossSpec) -> torch.Tensor:
     """`spec`'s loss of (B, T, V) `logits`: cross-entropy at (B, T) `targets`, KD to (B, T, V) `teacher` logits,
     or both, in fp32, a few positions at a time: each position's gradient is the one of the whole batch's
-    `F.cross_entropy` and `kd_loss`, bit for bit, but no (B * T, V) temporary is built (`piecewise`)."""
+    `F.cross_entropy` and `kd_loss`, bit for bit, with no temporary larger than a piece (`piecewise`)."""
     kd = spec.kind in ("kd", "lm+kd")
     if kd and (teacher is None or teacher.shape != logits.shape):
         raise ValueError(f"task_loss: --loss {spec.kind} needs teacher logits of the student's shape "

@@ -6,5 +6,5 @@
     names.py               reading structure from weight names (which transformer block a weight belongs to)
     progress.py            tqdm progress bars where tqdm is installed
     lazy.py                a package's names imported on first use (`patchc --help` without torch)
-    chunks.py              how many rows of wide tensors (logits) a CPU works on at once (reused memory)
+    chunks.py              wide tensors (logits) a few rows at a time: loops, and a loss with its gradient
 """
