@@ -320,15 +320,18 @@ def test_perplexity_random_init_is_bad(model, sample_ids):
     assert ppl > 100  # ~508 for seed 0 (SOURCES.md: about 516 on the whole sample)
 
 
-def test_token_nll_scores_a_few_positions_at_a_time_as_at_once(monkeypatch):
-    """On a CPU the NLL is taken a few positions at a time (chunks of 7 here, with a tail): the same numbers,
-    bit for bit, as one cross-entropy over the batch's non-contiguous slice of logits."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_nll_scores_a_few_positions_at_a_time_as_at_once(monkeypatch, dtype):
+    """On a CPU the NLL is taken a few positions at a time (chunks of 7 here, with a tail), each upcast on its
+    own: the same fp32 numbers, bit for bit, as one cross-entropy over the batch's upcast slice of logits."""
     gen = torch.Generator().manual_seed(0)
     logits, targets = torch.randn(3, 20, 100, generator=gen) * 4, torch.randint(0, 100, (3, 19), generator=gen)
-    whole = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 100), targets.flatten(), reduction="none")
+    logits = logits.to(dtype)
+    whole = torch.nn.functional.cross_entropy(logits.float()[:, :-1].reshape(-1, 100), targets.flatten(),
+                                              reduction="none")
     monkeypatch.setattr(chunks, "CPU_ROW_ELEMENTS", 7 * 100 + 3)
     got = evaluate.token_nll(logits[:, :-1], targets)
-    assert got.shape == (3, 19) and torch.equal(got, whole.view(3, 19))
+    assert got.shape == (3, 19) and got.dtype == torch.float32 and torch.equal(got, whole.view(3, 19))
 
 
 class _Oracle:

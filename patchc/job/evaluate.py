@@ -20,17 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from patchc.models.outputs import device_of, logits_of
-from patchc.utils.chunks import rows_at_once
+from patchc.utils.chunks import GPU_LOSS_ELEMENTS, rows_at_once
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(B, T) next-token NLL of (B, T, V) logits at (B, T) targets: on a CPU a few positions at a time
-    (`rows_at_once`; the same numbers: 8 windows of 256 of a 50K vocabulary in 0.07-0.1 s rather than 0.35,
-    where the whole batch's temporaries, 411 MB apiece, were mapped and zeroed afresh), elsewhere at once."""
-    if logits.device.type != "cpu":
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
-    n = rows_at_once(logits[0])
-    return torch.stack([torch.cat([F.cross_entropy(row[i:i + n], target[i:i + n], reduction="none")
+    """(B, T) next-token NLL in fp32 of (B, T, V) logits of any float dtype at (B, T) targets, a few positions
+    at a time, each upcast on its own (`rows_at_once`; on a GPU `GPU_LOSS_ELEMENTS`): the same numbers as one
+    cross-entropy of the upcast batch, whose two fp32 copies of the logits (411 MB apiece for 8 windows of 256
+    of a 50K vocabulary; 5 GB at 8 x 1,024 of 152K) were mapped and zeroed afresh on a CPU every batch."""
+    n = rows_at_once(logits[0], GPU_LOSS_ELEMENTS)
+    return torch.stack([torch.cat([F.cross_entropy(row[i:i + n].float(), target[i:i + n], reduction="none")
                                    for i in range(0, len(target), n)]) for row, target in zip(logits, targets)])
 
 
@@ -115,7 +114,7 @@ def perplexity(
             for i in range(0, len(group), batch_size):
                 chunk = group[i : i + batch_size]
                 x = torch.stack([ids[b:e] for b, e, _ in chunk])
-                nll = token_nll(logits_of(model(x)).float()[:, :-1], x[:, 1:])
+                nll = token_nll(logits_of(model(x))[:, :-1], x[:, 1:])
                 for row, (_, _, scored) in enumerate(chunk):
                     nll_sum += nll[row, length - 1 - scored :].double().sum().item()
                     count += scored
