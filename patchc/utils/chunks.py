@@ -4,8 +4,9 @@ glibc maps every allocation past 32 MB afresh and the kernel zeroes it page by p
 (64 x 152K) temporaries pays their size in page faults every time (half of a sampling step, most of a
 perplexity batch's cross-entropy). Pieces of at most `CPU_ROW_ELEMENTS` elements are served from glibc's
 heap and reused. A GPU's caching allocator reuses its blocks anyway: there a loop takes all the rows, but a
-loss (`piecewise`) takes pieces of `GPU_LOSS_ELEMENTS`, for memory: a whole batch's log-softmaxes, KL terms
-and their gradients are about ten fp32 tensors of the logits' size (1.2 GB apiece at 8 x 255 x 152K).
+loss (`piecewise`, `patchc.job.evaluate.token_nll`) takes pieces of `GPU_LOSS_ELEMENTS`, for memory: a whole
+batch's log-softmaxes, KL terms and their gradients are about ten fp32 tensors of the logits' size (1.2 GB
+apiece at 8 x 255 x 152K).
 
 Example:
     >>> rows_at_once(torch.empty(64, 151936))   # on a CPU
