@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import patchc
-from patchc.job.losses import LossSpec, make_lm_loss, task_loss
+from patchc.job.losses import LossSpec, _task_share, make_lm_loss, task_loss
 from patchc.utils import chunks
 from patchc.utils.chunks import GPU_LOSS_ELEMENTS, piecewise, rows_at_once
 
@@ -151,3 +151,19 @@ def test_a_gpu_takes_the_loss_in_pieces_of_gpu_loss_elements():
     assert rows_at_once(logits, GPU_LOSS_ELEMENTS) == GPU_LOSS_ELEMENTS // 151936 == 441
     assert rows_at_once(logits) == 8 * 255  # a loop that only reads takes all the rows
     assert rows_at_once(torch.empty(5, 10**9, device="meta"), GPU_LOSS_ELEMENTS) == 1
+
+
+def test_off_the_cpu_the_loss_runs_in_pieces_with_a_whole_gradient():
+    """The path a GPU takes, on meta tensors: 8 x 255 positions of a 152K vocabulary in pieces of 441 rows
+    (4 and a tail of 276), bf16 teacher logits, a gradient of the logits' shape."""
+    seen = []
+
+    def share(x, t, teacher):
+        seen.append(len(x))
+        return _task_share(x, t, teacher, spec=LossSpec("lm+kd"), count=8 * 255)
+
+    logits = torch.empty(8 * 255, 151936, device="meta", requires_grad=True)
+    teacher = torch.empty(8 * 255, 151936, device="meta", dtype=torch.bfloat16)
+    loss = piecewise(share, logits, torch.zeros(8 * 255, dtype=torch.long, device="meta"), teacher)
+    loss.backward()
+    assert seen == [441] * 4 + [276] and loss.shape == () and logits.grad.shape == logits.shape
