@@ -26,8 +26,9 @@ from patchc.utils.chunks import GPU_LOSS_ELEMENTS, rows_at_once
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(B, T) next-token NLL in fp32 of (B, T, V) logits of any float dtype at (B, T) targets, a few positions
     at a time, each upcast on its own (`rows_at_once`; on a GPU `GPU_LOSS_ELEMENTS`): the same numbers as one
-    cross-entropy of the upcast batch, whose two fp32 copies of the logits (411 MB apiece for 8 windows of 256
-    of a 50K vocabulary; 5 GB at 8 x 1,024 of 152K) were mapped and zeroed afresh on a CPU every batch."""
+    cross-entropy of the upcast batch, without its fp32 temporaries of the batch's size (a bf16 model's logits
+    upcast, the log-softmax: 411 MB apiece for 8 windows of 256 of a 50K vocabulary, 5 GB at 8 x 1,024 of
+    152K), which a CPU would also map and zero afresh every batch."""
     n = rows_at_once(logits[0], GPU_LOSS_ELEMENTS)
     return torch.stack([torch.cat([F.cross_entropy(row[i:i + n].float(), target[i:i + n], reduction="none")
                                    for i in range(0, len(target), n)]) for row, target in zip(logits, targets)])
