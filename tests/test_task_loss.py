@@ -28,7 +28,7 @@ def whole_batch_loss(logits: torch.Tensor, targets: torch.Tensor, teacher: torch
         if spec.temperature != 1.0:
             s, t = s / spec.temperature, t / spec.temperature
         kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="batchmean")
-        total = total + spec.kd_weight * kl * spec.temperature**2
+        total = total + spec.kd_weight * (kl * spec.temperature**2)  # as the job's kd_loss, then its weight
     return total
 
 
@@ -41,8 +41,8 @@ def draw(dtype: torch.dtype, b: int = 3, t: int = 7):
 
 @pytest.mark.parametrize("rows", [1, 4, 1000])  # a row a piece, pieces of 4 with a tail of 1, one piece
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("spec", [LossSpec("lm"), LossSpec("kd"), LossSpec("lm+kd", 2.0, kd_weight=0.5)],
-                         ids=["lm", "kd", "lm+kd-T2"])
+@pytest.mark.parametrize("spec", [LossSpec("lm"), LossSpec("kd"), LossSpec("lm+kd", 2.0, kd_weight=0.5),
+                                  LossSpec("lm+kd", 3.0, kd_weight=0.3)], ids=["lm", "kd", "lm+kd-T2", "lm+kd-T3"])
 def test_each_position_gets_the_whole_batchs_gradient_bit_for_bit(monkeypatch, rows, dtype, spec):
     monkeypatch.setattr(chunks, "CPU_ROW_ELEMENTS", rows * V)
     logits, targets, teacher = draw(dtype)
