@@ -1,15 +1,17 @@
 """Does the learned tile choice matter? One PATCH run, then other choices of which tiles stay dense.
 
-    python benchmarks/tile_choice.py --seed 0     # the README's numbers (about 2 min)
+    python benchmarks/tile_choice.py --seed 0                   # the README's numbers (about 2 min)
+    python benchmarks/tile_choice.py --seed 0 --sparsity 0.05   # 90% of the tiles dense
 
-Trains PATCH 35% with the main job's stages and recipe, then keeps the run's learned 2:4 pattern in
-every group and its number of dense tiles per layer, and changes only which tiles are dense:
+Trains PATCH (35% by default) with the main job's stages and recipe, then keeps the run's learned 2:4
+pattern in every group and its number of dense tiles per layer, and changes only which tiles are dense:
 
 - learned: the run's own choice (what the job's plan keeps: the top tile logits within the budget);
 - random: a uniformly random choice per layer (three draws);
 - Hessian: the tiles whose 2:4 pruning costs most in the layer's output, sum over the tile's rows of
   e H e^T with e the weights the 2:4 pattern drops and H = X^T X from calibration (SparseGPT's
-  statistic); and the reverse of that ranking.
+  statistic); and the reverse of that ranking;
+- the learned choice again, over SparseGPT's one-shot 2:4 patterns instead of the learned ones.
 
 Then the other way round: the learned choice of dense tiles over the 2:4 patterns of a learned 2:4
 run (same recipe), which were learned without any dense tile.
@@ -30,7 +32,7 @@ from patchc.job.corpus import load_data
 from patchc.job.options import PruneOptions
 from patchc.job.model import choose_threads, with_tile
 from patchc.job.prune import cache_dir
-from patchc.job.stages import calibrate, evaluate, train, train_program
+from patchc.job.stages import calibrate, evaluate, oneshot_masks, train, train_program
 from patchc.masking.harden import budget_tiles
 from patchc.models import load_model
 from patchc.pruning import apply_masks
@@ -54,11 +56,12 @@ def top(scores: torch.Tensor, count: int) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sparsity", type=float, default=PruneOptions.sparsity)
     parser.add_argument("--tile-lr", type=float, default=PruneOptions.tile_lr)
     parser.add_argument("--lambda-norm", type=float, default=PruneOptions.lambda_norm)
     args = parser.parse_args()
-    opts = PruneOptions(seed=args.seed, tile_lr=args.tile_lr, lambda_norm=args.lambda_norm, eval_data=(),
-                        progress=False)
+    opts = PruneOptions(seed=args.seed, sparsity=args.sparsity, tile_lr=args.tile_lr, lambda_norm=args.lambda_norm,
+                        eval_data=(), progress=False)
     bundle = load_model(opts.model)
     choose_threads(opts, bundle.model)
     opts = with_tile(opts, bundle)
@@ -89,6 +92,8 @@ def main() -> None:
              for f, m in layers.items()}
     print(f"  Hessian 2:4 error, top  {score({f: top(e, counts[f]) for f, e in error.items()}):8.3f}")
     print(f"  Hessian 2:4 error, last {score({f: top(-e, counts[f]) for f, e in error.items()}):8.3f}")
+    sparsegpt = {f: m.bool() for f, m in oneshot_masks(bundle, "sparsegpt", calib).items()}
+    print(f"  learned choice over SparseGPT's patterns {score(learned, sparsegpt):8.3f}")
 
     nm_opts = dataclasses.replace(opts, variant="nm", sparsity=0.5)
     nm_plan, _ = train(bundle, nm_opts.patch_config(), data, nm_opts, calib, None, False)
