@@ -1,4 +1,5 @@
-"""The README's quality table is printed by benchmarks/quality_table.py --summary: its arithmetic."""
+"""The README's quality numbers: the arithmetic of benchmarks/quality_table.py --summary, its picture, and of
+benchmarks/gap_by_sparsity.py."""
 
 from __future__ import annotations
 
@@ -82,3 +83,41 @@ def test_plot_quality_draws_the_latest_recipe_and_skips_missing_rows(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     assert [p.name for p in out.parent.iterdir()] == ["quality.png"]  # written atomically: no temp file left
+
+
+def _gap_record(seed: int, nm: float, patch: dict[float, float]) -> dict:
+    rows = [{"name": "dense", "sparsity": 0.0, "perplexity": 5.0, "wikitext2": 100.0},
+            {"name": "learned 2:4", "sparsity": 0.5, "perplexity": nm, "wikitext2": 140.0}]
+    rows += [{"name": f"PATCH joint {s:.0%}", "sparsity": s, "perplexity": p, "wikitext2": 120.0 + seed}
+             for s, p in patch.items()]
+    return {"seed": seed, "rows": rows}
+
+
+def test_gap_by_sparsity_closes_each_seeds_own_gap_and_keeps_5_apart_from_15_25_35_45(tmp_path):
+    """benchmarks/gap_by_sparsity.py: a row's share is taken against its own seed's learned 2:4, and a 5% row
+    is never read as part of the 15% / 25% / 35% / 45% rows (whose names end in "5%" too)."""
+    gap = load_benchmark("gap_by_sparsity")
+    records = [
+        _gap_record(0, 9.0, {0.05: 5.1, 0.15: 6.0, 0.35: 8.0}),  # old seed-0 run: superseded below
+        _gap_record(0, 9.0, {0.05: 5.4, 0.15: 6.0, 0.35: 7.0}),
+        _gap_record(1, 13.0, {0.05: 5.8, 0.15: 7.0, 0.35: 10.2}),
+    ]
+    # seed 0: gap 4 -> 90%, 75%, 50%; seed 1: gap 8 -> 90%, 75%, 35%
+    shares = gap.closed(records[1]["rows"])
+    assert {n: s for n, (s, _) in shares.items()} == {"PATCH joint 5%": 0.05, "PATCH joint 15%": 0.15,
+                                                      "PATCH joint 35%": 0.35}
+    assert [x for _, x in shares.values()] == pytest.approx([0.9, 0.75, 0.5])
+    path = tmp_path / "gap.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    kept = gap.read(path)
+    assert [r["seed"] for r in kept] == [0, 1] and kept[0] == records[1]
+    text = gap.table(kept)
+    assert "| PATCH joint 5% | 5.600 ± 0.200 | 120.5 | 90.0% ± 0.0% |" in text
+    assert "| PATCH joint 15% | 6.500 ± 0.500 | 120.5 | 75.0% ± 0.0% |" in text
+    assert "| PATCH joint 35% | 8.600 ± 1.600 | 120.5 | 42.5% ± 7.5% |" in text
+    assert "| learned 2:4 | 11.000 ± 2.000 | 140.0 |  |" in text
+    out = tmp_path / "pic" / "gap.png"
+    out.parent.mkdir()
+    gap.draw(kept, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert [p.name for p in out.parent.iterdir()] == ["gap.png"]
