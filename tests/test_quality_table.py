@@ -88,7 +88,7 @@ def test_plot_quality_draws_the_latest_recipe_and_skips_missing_rows(tmp_path):
 def _gap_record(seed: int, nm: float, patch: dict[float, float]) -> dict:
     rows = [{"name": "dense", "sparsity": 0.0, "perplexity": 5.0, "wikitext2": 100.0},
             {"name": "learned 2:4", "sparsity": 0.5, "perplexity": nm, "wikitext2": 140.0}]
-    rows += [{"name": f"PATCH joint {s:.0%}", "sparsity": s, "perplexity": p, "wikitext2": 120.0 + seed}
+    rows += [{"name": f"PATCH joint {s * 100:g}%", "sparsity": s, "perplexity": p, "wikitext2": 120.0 + seed}
              for s, p in patch.items()]
     return {"seed": seed, "rows": rows}
 
@@ -116,8 +116,12 @@ def test_gap_by_sparsity_closes_each_seeds_own_gap_and_keeps_5_apart_from_15_25_
     assert "| PATCH joint 15% | 6.500 ± 0.500 | 120.5 | 75.0% ± 0.0% |" in text
     assert "| PATCH joint 35% | 8.600 ± 1.600 | 120.5 | 42.5% ± 7.5% |" in text
     assert "| learned 2:4 | 11.000 ± 2.000 | 140.0 |  |" in text
+    later = _gap_record(2, 9.0, {0.125: 6.0})  # a seed that ran another sparsity: its row alone, no KeyError
+    text = gap.table(kept + [later])
+    assert "| PATCH joint 12.5% | 6.000 ± 0.000 | 122.0 | 75.0% ± 0.0% |" in text
+    assert "| PATCH joint 5% | 5.600 ± 0.200 | 120.5 | 90.0% ± 0.0% |" in text
     out = tmp_path / "pic" / "gap.png"
     out.parent.mkdir()
-    gap.draw(kept, out)
+    gap.draw(kept + [later], out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert [p.name for p in out.parent.iterdir()] == ["gap.png"]
