@@ -119,6 +119,8 @@ def draw(records: list[dict], path: Path = PICTURE) -> None:
 
 def read(path: Path) -> list[dict]:
     """The newest record of each seed."""
+    if not path.exists():
+        raise SystemExit(f"{path}: no records yet (run benchmarks/gap_by_sparsity.py without --summary first)")
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return sorted({r["seed"]: r for r in records}.values(), key=lambda r: r["seed"])
 
