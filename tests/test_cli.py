@@ -37,6 +37,7 @@ def test_prune_writes_every_output_and_consistent_numbers(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     plan = TilePlan.load(out / "plan.patch")
     assert report["plan"]["density"] == pytest.approx(plan.density, abs=1e-12)
+    assert report["train"]["lr"] == 1e-3 and report["train"]["tile_lr"] == 3e-2  # both groups' rates
     # no --tile: the model's own (stories260K is 64 wide), recorded for --resume and `patchc recover`
     assert {lp.tile for lp in plan.layers.values()} == {(16, 16)}
     assert json.loads((out / "run.json").read_text())["settings"]["tile"] == [16, 16]

@@ -10,8 +10,15 @@ from patchc.utils import env
 
 
 def test_cpu_device_name_says_model_isa_and_threads():
-    name = env.device_name("cpu")
-    assert name.startswith("cpu (") and name.endswith(f", {torch.get_num_threads()} threads)")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        name = env.device_name("cpu")
+        torch.set_num_threads(1)
+        one = env.device_name("cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert name.startswith("cpu (") and name.endswith(", 2 threads)") and one.endswith(", 1 thread)")
     assert f", {torch.backends.cpu.get_cpu_capability()}, " in name  # AVX2 and AVX512 runs differ in the last digits
     assert env.cpu_model() in name and env.cpu_model()
 

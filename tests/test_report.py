@@ -319,6 +319,9 @@ def test_render_markdown_causal() -> None:
     assert "sparsity 34.97%, target 35.00%" in md and "35 layers planned in 16 × 16 tiles" in md
     assert "`tok_embeddings.weight`: excluded by include()" in md
     assert "300 steps, batch 8, lr 0.001, 42.2 s" in md or "300 steps, batch 8, lr 0.001, 42.3 s" in md
+    report = causal_report()
+    report["train"]["tile_lr"] = 0.03  # recorded since 2026-12-07: the tile logits train at their own lr
+    assert "300 steps, batch 8, lr 0.001 (tile logits 0.03), 42." in render_markdown(report)
     assert "loss 2.346" in md
     assert "![sparsity per block](sparsity_per_block.png)" in md
     assert "![tile map block0 q](tile_map_block0_q.png)" in md

@@ -59,7 +59,7 @@ def run_report(bundle, data: dict, cfg: PatchConfig, opts: PruneOptions, plan, t
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_dict().items()},
         "recover": recover,
         "train": {"steps": opts.steps, "schedule_steps": cfg.steps, "batch_size": opts.batch_size, "lr": opts.lr,
-                  "loss": opts.loss if bundle.kind == "causal" else "distil embeddings",
+                  "tile_lr": opts.tile_lr, "loss": opts.loss if bundle.kind == "causal" else "distil embeddings",
                   "kd_temperature": opts.kd_temperature, "seed": opts.seed, "processes": world()[1],
                   "seconds": round(trained.seconds, 2), "final": trained.history[-1] if trained.history else {}},
         "plan": {"path": str(out / "plan.patch"), "density": plan.density, "sparsity": plan.sparsity,

@@ -4,7 +4,7 @@ Example:
     >>> versions()["torch"] == torch.__version__
     True
     >>> device_name("cpu")  # doctest: +SKIP
-    'cpu (AMD EPYC, AVX512, 1 threads)'
+    'cpu (AMD EPYC, AVX512, 2 threads)'
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def device_name(device: str | torch.device) -> str:
     device = str(device)
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
-    return f"cpu ({cpu_model()}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"cpu ({cpu_model()}, {torch.backends.cpu.get_cpu_capability()}, {threads} thread{'s' * (threads != 1)})"
 
 
 def proc_bytes(path: str | Path, field: str) -> int | None:

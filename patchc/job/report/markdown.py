@@ -253,7 +253,8 @@ def _training(report: Mapping[str, Any]) -> list[str]:
         if train.get("batch_size") is not None:
             bits.append(f"batch {train['batch_size']}")
         if train.get("lr") is not None:
-            bits.append(f"lr {_fmt_value(train['lr'])}")
+            tiles = train.get("tile_lr")  # the tile logits' own group (runs before 2026-12-07 did not record it)
+            bits.append(f"lr {_fmt_value(train['lr'])}" + (f" (tile logits {_fmt_value(tiles)})" if tiles else ""))
         if train.get("processes") not in (None, 1):
             bits.append(f"{train['processes']} processes")
         if train.get("seconds") is not None:
