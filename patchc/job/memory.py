@@ -16,6 +16,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +28,8 @@ from patchc.job.options import PruneOptions
 from patchc.masking.optim import STATE_DTYPES, MaskOptimConfig
 from patchc.pruning.observe import layer_matrix, plain_layers
 from patchc.utils.env import proc_bytes
+
+log = logging.getLogger(__name__)
 
 # (flags, the option changes they make), leanest last: what the refusal offers
 MODES = (("--low-memory", dict(low_memory=True)),
@@ -58,15 +62,20 @@ def logits_per_weight(opts: PruneOptions) -> float:
 
 
 def masked_weights(model: nn.Module, cfg: PatchConfig, layers: dict[str, int] | None = None) -> int:
-    """How many weights `patchc.transform` masks under `cfg`: the layers it masks by default
-    (`plain_layers`: nn.Linear, Conv1D, each expert's slice; no tied LM head) that `cfg.selects`, with 2:4
-    groups (K a multiple of 4). `layers`: `plain_layers(model, cfg.exclude)`, when already listed."""
-    total = 0
+    """How many weights `patchc.transform` masks under `cfg` (`masked_layers`)."""
+    return sum(layer_matrix(model, name).numel() for name in masked_layers(model, cfg, layers))
+
+
+def masked_layers(model: nn.Module, cfg: PatchConfig, layers: dict[str, int] | None = None) -> list[str]:
+    """The layers `patchc.transform` masks under `cfg`: those it masks by default (`plain_layers`: nn.Linear,
+    Conv1D, each expert's slice; no tied LM head) that `cfg.selects`, with 2:4 groups (K a multiple of 4).
+    `layers`: `plain_layers(model, cfg.exclude)`, when already listed."""
+    out = []
     for name in plain_layers(model, cfg.exclude) if layers is None else layers:
         w = layer_matrix(model, name)
         if cfg.selects(name, tuple(w.shape)) is None and w.shape[1] % 4 == 0:
-            total += w.numel()
-    return total
+            out.append(name)
+    return out
 
 
 def model_bytes(model: nn.Module) -> int:
@@ -81,25 +90,55 @@ def free_bytes(device: str) -> int | None:
     return proc_bytes("/proc/meminfo", "MemAvailable")
 
 
-def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: int = 1) -> None:
+def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: int = 1, probe: bool = False) -> None:
     """ValueError when what mask training (and --recover's weight training) certainly holds beyond the
-    loaded model exceeds what `opts.device` has free now; `ranks`: FSDP ranks sharing the mask state."""
+    loaded model exceeds what `opts.device` has free now; `ranks`: FSDP ranks sharing the mask state.
+    `probe` (a causal LM): also measure what a step keeps for backward (`patchc.job.activations`) and warn
+    when the masks and a step together exceed the free memory."""
     free = free_bytes(opts.device)
     if free is None:
         return
     layers = plain_layers(model, cfg.exclude)  # listed once: seconds for a model of many experts
-    weights, share = masked_weights(model, cfg, layers), ranks if opts.fsdp else 1
+    names = masked_layers(model, cfg, layers)
+    weights, share = sum(layer_matrix(model, n).numel() for n in names), ranks if opts.fsdp else 1
     free_masks, held = free, "with the model loaded"
     if share > 1 and opts.device.startswith("cuda"):  # the ranks train from 1/N of it, the rest is `parked`
         dense = model_bytes(model)
         free_masks, held = free + dense * (1 - 1 / share), f"with 1/{share} of the model's weights"
     check_masks(weights, free_masks, opts, share, held)
+    if probe:
+        warn_step(model, names, opts, weights, free_masks, ranks)
     check_hessians(model, cfg, opts, layers)
     if opts.recover:
         check_recovery(model, weights, free, opts.device, share=share, hint=(
             "Prune without --recover and recover the run later where more memory is free (patchc recover RUN "
             "--device ...)" + ("" if share > 1 else ", or shard it: torchrun --nproc_per_node=N -m patchc prune "
                                "--fsdp --recover ...")))
+
+
+def warn_step(model: nn.Module, names: list[str], opts: PruneOptions, weights: int, free: float, ranks: int) -> None:
+    """Warn when the masks' floor plus what a step keeps (`step_bytes`, measured) for the masked layers `names`
+    (`weights` of them; `ranks` processes, which share the masks' state under --fsdp) exceeds `free`: an
+    estimate, so a warning before minutes of text generation and calibration, not a refusal."""
+    from patchc.job.activations import step_bytes
+
+    try:
+        step = step_bytes(model, names, opts, ranks)
+    except Exception as exc:  # an estimate: a model the probe cannot run still trains
+        log.debug("no step-memory estimate: %s", exc)
+        return
+    share = ranks if opts.fsdp else 1
+    floor = weights * bytes_per_weight(opts.mask_optim(), logits_per_weight(opts)) / share
+    if floor + step.total <= free:
+        return
+    where = f"each of {share} ranks" if share > 1 else opts.device
+    redraw = "" if opts.low_memory or opts.fsdp else ", --low-memory (redraws W * M in backward)"
+    warnings.warn(
+        f"mask training will likely run out of memory on {where}: the masks need {_size(floor)} and a step of "
+        f"{step.tokens:,} tokens keeps about {_size(step.total)} more (activations {_size(step.activations)}, "
+        f"W * M {_size(step.masked_weights)}, logits {_size(step.logits)}; measured on this model), against "
+        f"{_size(free)} free. Try a smaller --batch-size or --block-len{redraw}, or --fsdp under torchrun.",
+        stacklevel=2)
 
 
 def check_hessians(model: nn.Module, cfg: PatchConfig, opts: PruneOptions,
@@ -255,4 +294,5 @@ def _size(n: float) -> str:
 
 
 __all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_hessian", "check_hessians", "check_loads",
-           "check_masks", "check_recovery", "free_bytes", "masked_weights", "model_bytes", "out_of_memory"]
+           "check_masks", "check_recovery", "free_bytes", "masked_layers", "masked_weights", "model_bytes", "out_of_memory",
+           "warn_step"]

@@ -61,7 +61,8 @@ def _prune(opts: PruneOptions, command: str | None) -> dict:
     with timed(timings, "load"):
         bundle = load_bundle(opts)
         opts = with_tile(opts, bundle)  # --tile, else the model's own (`auto_tile`), before run.json records it
-        check_fits(bundle.model, opts.patch_config(), opts, ranks=world()[1])  # before text is generated
+        check_fits(bundle.model, opts.patch_config(), opts, ranks=world()[1],  # before text is generated
+                   probe=bundle.kind == "causal")
         data = load_data(bundle, opts, cache_dir=cache_dir(opts))
     out, schedule_steps = claim_folder(bundle, opts)
     failed = True
