@@ -6,8 +6,10 @@ gradient until the step: a number of bytes per masked weight that follows from t
 (`bytes_per_weight`, see `patchc.masking.optim`), 24 by default and 6.5 in the leanest mode. When that
 floor alone exceeds the memory free on the device, the run cannot succeed, and `check_fits` says so at
 once, with what each memory mode would need, instead of failing with an out-of-memory error at the first
-step after minutes of generating text and calibrating on a 7B model. Activations and W * M come on top of
-the floor, so a run that passes can still run out; one that fails would always have.
+step after minutes of generating text and calibrating on a 7B model. Activations, W * M and the logits come
+on top of the floor, so a run that passes can still run out; one that fails would always have. For a causal
+LM they are measured on the loaded model (`patchc.job.activations`), and a run whose floor and step together
+exceed the free memory is warned, not refused: that part is an estimate.
 
 Example:
     >>> check_fits(bundle.model, opts.patch_config(), opts)   # ValueError when the masks cannot fit
