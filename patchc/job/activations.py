@@ -6,8 +6,8 @@ three short forwards of the loaded causal LM (1 x 16, 32 and 64 tokens), with th
 requiring grad as W * M does in training, count the bytes autograd saves (each storage once; parameters
 and buffers not at all), and a quadratic in the length (attention that keeps its T x T scores) carries
 them to --block-len. On top come each masked layer's W * M, which the matmul keeps for its input's
-gradient unless the low-memory mode redraws it in backward (not under --fsdp, whose ranks keep every
-block's gathered W * M), and the (tokens, vocab) student logits, teacher logits and their gradient in fp32.
+gradient unless the low-memory mode redraws it in backward (under --fsdp too), and the (tokens, vocab)
+student logits, teacher logits and their gradient in fp32.
 
 On a Llama of hidden 512 x 4 layers, batch 8 x 128 tokens, the estimate (164.7 MiB of activations + 44.3 MiB
 of W * M) is 1.1% above what the trained program's own step saves (206.6 MiB, logits and the mask draw's
@@ -103,8 +103,7 @@ def step_bytes(model: nn.Module, layers: Iterable[str], opts: PruneOptions, rank
         params[id(p)] = p
     batch = math.ceil(opts.batch_size / ranks)  # each rank trains on its share of the batch
     activations = batch * per_sequence(model, list(params.values()), opts.block_len)
-    redrawn = opts.mask_optim().recompute and not opts.fsdp
-    masked = 0 if redrawn else sum(p.numel() * p.element_size() for p in params.values())
+    masked = 0 if opts.mask_optim().recompute else sum(p.numel() * p.element_size() for p in params.values())
     tokens = batch * opts.block_len
     return StepBytes(activations, masked, 3 * tokens * vocab_size(model) * 4, tokens)
 

@@ -215,6 +215,8 @@ def shard_program(prog: MaskedProgram, mesh=None, *, reshard_after_forward: bool
     shards = group_blocks(prog)
     for shard in shards.values():
         fully_shard(shard, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        for mask in shard.hybrids():  # the low-memory mode redraws W * M in backward: from the gathered block
+            mask.regather = shard.unshard
     fully_shard(gm, mesh=mesh, reshard_after_forward=reshard_after_forward)  # root: embeddings, norms, biases
     prog.fsdp_shards = shards
     prog.kept_source = functools.partial(_expected_kept, list(shards.values()))

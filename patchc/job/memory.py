@@ -134,7 +134,7 @@ def warn_step(model: nn.Module, names: list[str], opts: PruneOptions, weights: i
     if floor + step.total <= free:
         return
     where = f"each of {share} ranks" if share > 1 else opts.device
-    redraw = "" if opts.low_memory or opts.fsdp else ", --low-memory (redraws W * M in backward)"
+    redraw = "" if opts.low_memory else ", --low-memory (redraws W * M in backward)"
     warnings.warn(
         f"mask training will likely run out of memory on {where}: the masks need {_size(floor)} and a step of "
         f"{step.tokens:,} tokens keeps about {_size(step.total)} more (activations {_size(step.activations)}, "

@@ -96,6 +96,7 @@ class HybridMask(nn.Module):
         self.name, self.shape, self.tile, self.variant = name, (n, k), tuple(tile), variant
         self.index, self.seed, self.hard, self.nm_param = index, seed, hard, nm_param
         self.impl = impl
+        self.regather = None  # FSDP2 (`shard_program`): gathers this mask's block again for a redraw in backward
         self.grid = tile_grid((n, k), self.tile)
         self.mode = "sample"
         # Set by the owning program before each forward from its step counter.
@@ -315,12 +316,18 @@ def sample_fused(m: HybridMask, weight: torch.Tensor, want_sq: bool):
     out, sq = draw(p)
     if recompute.active():
         recompute.register(out, functools.partial(_redraw, m.name, draw, None if p is None else p.detach(), nm, nm._version,
-                                                  weight))
+                                                  weight, m.regather))
     return out, (sq if want_sq else None), total
 
 
-def _redraw(name: str, draw, p: torch.Tensor | None, nm: torch.Tensor, version: int, weight: torch.Tensor) -> torch.Tensor:
-    """The same draw again, for backward (`patchc.masking.recompute`)."""
+def _redraw(name: str, draw, p: torch.Tensor | None, nm: torch.Tensor, version: int, weight: torch.Tensor,
+            regather=None) -> torch.Tensor:
+    """The same draw again, for backward (`patchc.masking.recompute`). Under FSDP2 the matmul's backward runs
+    before its block's own pre-backward gather (the block's outputs are the W * M it consumes), so a freed weight
+    is gathered here (`regather`, into the same storage: FSDP2 keeps the tensors and their version counters);
+    every rank unpacks in the same order, so every rank enters the same collective."""
+    if regather is not None and weight.untyped_storage().nbytes() == 0:
+        regather()
     if weight.untyped_storage().nbytes() < weight.numel() * weight.element_size():
         raise RuntimeError(f"{name}: its weight was freed after forward (FSDP reshards it), so W * M cannot be "
                            "recomputed in backward; train without recompute (MaskOptimConfig(recompute=False))")

@@ -32,6 +32,7 @@ import torch
 from patchc.masking.cadence import Cadence
 from patchc.masking.hybrid_mask import HybridMask
 from patchc.masking.optim import MaskOptimConfig, StepInBackward, clip_each_, make_mask_optimizer
+from patchc.masking.param_mask import hybrid_masks
 from patchc.masking.recompute import recompute_masked_weights
 from patchc.models.outputs import logits_of
 from patchc.utils.chunks import piecewise
@@ -239,9 +240,11 @@ def train_masks(
     bar = tqdm(range(result.step, steps), initial=result.step, total=steps, desc=desc, disable=not progress)
     cadence = Cadence(checkpoint_every if checkpoint is not None else 0, last=result.step)
     hooks = StepInBackward(optimizer, params, grad_clip) if in_backward else contextlib.nullcontext()
-    # FSDP2 frees each block's gathered weights after its forward: there is nothing to redraw from.
+    # FSDP2 frees each block's gathered weights after its forward: a redraw gathers them again, where
+    # `shard_program` said how (`HybridMask.regather`); other sharding keeps W * M.
     sharded = any(hasattr(p, "to_local") for p in params)
-    redraw = recompute_masked_weights() if optim.recompute and not sharded else contextlib.nullcontext()
+    regathers = all(m.regather is not None for m in hybrid_masks(prog.layers.values()))
+    redraw = recompute_masked_weights() if optim.recompute and (regathers or not sharded) else contextlib.nullcontext()
     optimizer.zero_grad(set_to_none=True)
     with hooks, redraw, stoppable() as handled:
         for t in bar:
