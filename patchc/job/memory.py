@@ -108,14 +108,14 @@ def check_fits(model: nn.Module, cfg: PatchConfig, opts: PruneOptions, ranks: in
         dense = model_bytes(model)
         free_masks, held = free + dense * (1 - 1 / share), f"with 1/{share} of the model's weights"
     check_masks(weights, free_masks, opts, share, held)
-    if probe:
-        warn_step(model, names, opts, weights, free_masks, ranks)
     check_hessians(model, cfg, opts, layers)
     if opts.recover:
         check_recovery(model, weights, free, opts.device, share=share, hint=(
             "Prune without --recover and recover the run later where more memory is free (patchc recover RUN "
             "--device ...)" + ("" if share > 1 else ", or shard it: torchrun --nproc_per_node=N -m patchc prune "
                                "--fsdp --recover ...")))
+    if probe:  # last: a run refused above needs no forward of the model
+        warn_step(model, names, opts, weights, free_masks, ranks)
 
 
 def warn_step(model: nn.Module, names: list[str], opts: PruneOptions, weights: int, free: float, ranks: int) -> None:
