@@ -59,8 +59,9 @@ def main() -> None:
         for tokens in args.tokens:
             block, rest = block_bytes(shape, tokens)
             blocks = SHAPES[shape][4]
+            whole = 8 * (blocks * block + rest) / 1e9  # the default batch of 8 sequences
             rows.append({"shape": shape, "tokens": tokens, "block_kb_per_token": round(block / tokens / 1e3, 1),
-                         "rest_bytes": int(rest), "model_gb_at_8_sequences": round(8 * (blocks * block + rest) / 1e9, 2)})
+                         "rest_bytes": int(rest), "model_gb_at_8_sequences": round(whole, 2)})
             print(rows[-1], flush=True)
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": device_name("cpu"), "versions": versions(), "dtype": "bfloat16", "rows": rows}

@@ -296,5 +296,5 @@ def _size(n: float) -> str:
 
 
 __all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_hessian", "check_hessians", "check_loads",
-           "check_masks", "check_recovery", "free_bytes", "masked_layers", "masked_weights", "model_bytes", "out_of_memory",
-           "warn_step"]
+           "check_masks", "check_recovery", "free_bytes", "masked_layers", "masked_weights", "model_bytes",
+           "out_of_memory", "warn_step"]
