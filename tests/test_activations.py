@@ -3,6 +3,7 @@ the loaded model against what the trained program itself saves, and the warning 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -66,7 +67,8 @@ def test_the_estimate_is_what_the_trained_program_saves(low_memory):
     step = step_bytes(model, _layers(model), opts)
     weights = sum(model.get_parameter(n).numel() * 4 for n in _layers(model))
     assert step.masked_weights == (0 if low_memory else weights)
-    assert step.tokens == 4 * 96 and step.logits == 3 * 4 * 96 * 256 * 4
+    assert step.tokens == 4 * 96 and step.logits == 3 * 4 * 96 * 256 * 4  # student, its gradient, the teacher
+    assert step_bytes(model, _layers(model), dataclasses.replace(opts, loss="lm")).logits == 2 * 4 * 96 * 256 * 4
     program = _program_saves(model, 4, 96, low_memory)
     assert program <= step.activations + step.masked_weights <= program * 1.12
 

@@ -7,7 +7,7 @@ requiring grad as W * M does in training, count the bytes autograd saves (each s
 and buffers not at all), and a quadratic in the length (attention that keeps its T x T scores) carries
 them to --block-len. On top come each masked layer's W * M, which the matmul keeps for its input's
 gradient unless the low-memory mode redraws it in backward (under --fsdp too), and the (tokens, vocab)
-student logits, teacher logits and their gradient in fp32.
+student logits, their gradient and (distilling) the teacher's logits, in fp32.
 
 On a Llama of hidden 512 x 4 layers, batch 8 x 128 tokens, the estimate (164.7 MiB of activations + 44.3 MiB
 of W * M) is 1.1% above what the trained program's own step saves (206.6 MiB, logits and the mask draw's
@@ -39,7 +39,7 @@ class StepBytes:
 
     activations: float  # what autograd saves through the model at the step's batch and length
     masked_weights: float  # W * M of every masked layer, kept for backward (0 where redrawn)
-    logits: float  # student and teacher logits and the logits' gradient, fp32
+    logits: float  # the student's logits and their gradient, and a KD teacher's logits, fp32
     tokens: int  # this rank's tokens a step
 
     @property
@@ -105,7 +105,8 @@ def step_bytes(model: nn.Module, layers: Iterable[str], opts: PruneOptions, rank
     activations = batch * per_sequence(model, list(params.values()), opts.block_len)
     masked = 0 if opts.mask_optim().recompute else sum(p.numel() * p.element_size() for p in params.values())
     tokens = batch * opts.block_len
-    return StepBytes(activations, masked, 3 * tokens * vocab_size(model) * 4, tokens)
+    copies = 2 if opts.loss == "lm" else 3  # the student's logits and their gradient; a teacher's for KD
+    return StepBytes(activations, masked, copies * tokens * vocab_size(model) * 4, tokens)
 
 
 __all__ = ["PROBE_LENGTHS", "StepBytes", "per_sequence", "saved_bytes", "step_bytes", "vocab_size"]
