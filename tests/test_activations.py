@@ -11,7 +11,7 @@ import torch
 
 import patchc
 from patchc.job import memory
-from patchc.job.activations import PROBE_LENGTHS, per_sequence, saved_bytes, step_bytes
+from patchc.job.activations import PROBE_LENGTHS, per_sequence, probe_lengths, saved_bytes, step_bytes
 from patchc.job.options import PruneOptions
 from patchc.masking import fused, recompute
 from patchc.models.hf_export import export_causal_lm
@@ -82,6 +82,17 @@ def test_quadratic_attention_is_carried_to_the_length():
     assert per_sequence(model, names, 200) == pytest.approx(at, rel=0.01)
     line = saved_bytes(model, names, PROBE_LENGTHS[-1]) * 200 / PROBE_LENGTHS[-1]
     assert line < 0.95 * at
+
+
+def test_a_model_of_fewer_positions_is_probed_within_them():
+    model = _llama()
+    model.config.max_position_embeddings = 40
+    assert probe_lengths(model) == (10, 20, 40)
+    names = [model.get_parameter(n) for n in _layers(model)]
+    assert per_sequence(model, names, 40) == pytest.approx(saved_bytes(model, names, 40))
+    model.config.max_position_embeddings = 3
+    with pytest.raises(ValueError, match="3 positions is too short"):
+        probe_lengths(model)
 
 
 def test_a_probe_leaves_the_model_and_the_random_stream_as_they_were():

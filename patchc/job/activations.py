@@ -1,13 +1,14 @@
 """What one mask step keeps for backward beyond the masks' own state: measured on the loaded model.
 
-`patchc.job.memory.check_fits` refuses a run whose masks alone cannot fit. The rest of a step's memory
-grows with --batch-size x --block-len and depends on the architecture, so it is measured, not modelled:
-three short forwards of the loaded causal LM (1 x 16, 32 and 64 tokens), with the masked layers' weights
-requiring grad as W * M does in training, count the bytes autograd saves (each storage once; parameters
-and buffers not at all), and a quadratic in the length (attention that keeps its T x T scores) carries
-them to --block-len. On top come each masked layer's W * M, which the matmul keeps for its input's
-gradient unless the low-memory mode redraws it in backward (under --fsdp too), and the (tokens, vocab)
-student logits, their gradient and (distilling) the teacher's logits, in fp32.
+`patchc.job.memory.check_fits` refuses a run whose masks alone cannot fit. The rest of a step's memory grows
+with --batch-size x --block-len and depends on the architecture, so it is measured, not modelled: three short
+forwards of the loaded causal LM (1 x 16, 32 and 64 tokens, or fewer positions where the model has fewer:
+`probe_lengths`), with the masked layers' weights requiring grad as W * M does in training, count the bytes
+autograd saves (each storage once; parameters and buffers not at all), and a quadratic in the length
+(attention that keeps its T x T scores) carries them to --block-len. On top come each masked layer's W * M,
+which the matmul keeps for its input's gradient unless the low-memory mode redraws it in backward (under
+--fsdp too), and the (tokens, vocab) student logits, their gradient and (distilling) the teacher's logits, in
+fp32.
 
 On a Llama of hidden 512 x 4 layers, batch 8 x 128 tokens, the estimate (164.7 MiB of activations + 44.3 MiB
 of W * M) is 1.1% above what the trained program's own step saves (206.6 MiB, logits and the mask draw's
@@ -77,13 +78,26 @@ def saved_bytes(model: nn.Module, params: Iterable[nn.Parameter], length: int) -
 
 
 def per_sequence(model: nn.Module, params: list[nn.Parameter], length: int) -> float:
-    """Bytes saved for one sequence of `length` tokens: `saved_bytes` at `PROBE_LENGTHS`, fitted as
+    """Bytes saved for one sequence of `length` tokens: `saved_bytes` at `probe_lengths`, fitted as
     a + b t + c t^2 (exact through the three), at `length`; never less than the longest probe scaled linearly."""
-    t = torch.tensor(PROBE_LENGTHS, dtype=torch.float64)
-    y = torch.tensor([float(saved_bytes(model, params, n)) for n in PROBE_LENGTHS], dtype=torch.float64)
+    lengths = probe_lengths(model)
+    t = torch.tensor(lengths, dtype=torch.float64)
+    y = torch.tensor([float(saved_bytes(model, params, n)) for n in lengths], dtype=torch.float64)
     a, b, c = torch.linalg.solve(torch.stack([torch.ones_like(t), t, t * t], dim=1), y).tolist()
     fitted = a + b * length + max(c, 0.0) * length * length
-    return max(fitted, y[-1].item() * length / PROBE_LENGTHS[-1])
+    return max(fitted, y[-1].item() * length / lengths[-1])
+
+
+def probe_lengths(model: nn.Module) -> tuple[int, int, int]:
+    """`PROBE_LENGTHS`, or a quarter, half and all of a shorter model's positions (ValueError below 4)."""
+    from patchc.models.hf import max_positions
+
+    limit = max_positions(getattr(model, "config", None), default=PROBE_LENGTHS[-1])
+    if limit >= PROBE_LENGTHS[-1]:
+        return PROBE_LENGTHS
+    if limit < 4:
+        raise ValueError(f"a model of {limit} positions is too short to probe at three lengths")
+    return limit // 4, limit // 2, limit
 
 
 def vocab_size(model: nn.Module) -> int:
@@ -109,4 +123,4 @@ def step_bytes(model: nn.Module, layers: Iterable[str], opts: PruneOptions, rank
     return StepBytes(activations, masked, copies * tokens * vocab_size(model) * 4, tokens)
 
 
-__all__ = ["PROBE_LENGTHS", "StepBytes", "per_sequence", "saved_bytes", "step_bytes", "vocab_size"]
+__all__ = ["PROBE_LENGTHS", "StepBytes", "per_sequence", "probe_lengths", "saved_bytes", "step_bytes", "vocab_size"]
