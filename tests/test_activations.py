@@ -59,9 +59,9 @@ def _program_saves(model, batch: int, length: int, low_memory: bool) -> int:
 
 @pytest.mark.parametrize("low_memory", [False, True], ids=["default", "low-memory"])
 def test_the_estimate_is_what_the_trained_program_saves(low_memory):
-    """Measured 9.9% above the program's own in both modes on this 2-layer model (the eager forward keeps
-    a few more hidden-sized tensors, the program (T, T) masks and repeated K / V heads); 1.1% on 4 layers of
-    hidden 512 (`patchc.job.activations`)."""
+    """Measured 5.4% (default) and 8.0% (low-memory) below the program's own: the exported graph keeps GQA's
+    K / V repeated per head and an explicit (T, T) mask per attention, which the eager forward does not
+    (9.5% on 4 layers of hidden 512); `warn_step` allows `STEP_MARGIN` for it."""
     model = _llama()
     opts = PruneOptions(tile=(16, 16), batch_size=4, block_len=96, low_memory=low_memory)
     step = step_bytes(model, _layers(model), opts)
@@ -70,7 +70,7 @@ def test_the_estimate_is_what_the_trained_program_saves(low_memory):
     assert step.tokens == 4 * 96 and step.logits == 3 * 4 * 96 * 256 * 4  # student, its gradient, the teacher
     assert step_bytes(model, _layers(model), dataclasses.replace(opts, loss="lm")).logits == 2 * 4 * 96 * 256 * 4
     program = _program_saves(model, 4, 96, low_memory)
-    assert program <= step.activations + step.masked_weights <= program * 1.12
+    assert program * 0.9 <= step.activations + step.masked_weights <= program
 
 
 def test_quadratic_attention_is_carried_to_the_length():
@@ -121,11 +121,12 @@ def test_check_fits_warns_when_masks_and_a_step_exceed_the_free_memory(monkeypat
     cfg = opts.patch_config()
     floor = memory.masked_weights(model, cfg) * memory.bytes_per_weight(opts.mask_optim(), 6 / 4)
     step = step_bytes(model, _layers(model), opts)
-    monkeypatch.setattr(memory, "free_bytes", lambda device: int(floor + step.total * 0.9))
+    # room for the measured step but not for the program's extra (`STEP_MARGIN`): warned
+    monkeypatch.setattr(memory, "free_bytes", lambda device: int(floor + step.total * 1.05))
     with pytest.warns(UserWarning, match=r"will likely run out of memory on cpu: the masks need .* a step of 1,024 "
                       r"tokens keeps about .* W \* M .*--block-len, --low-memory"):
         memory.check_fits(model, cfg, opts, probe=True)
-    monkeypatch.setattr(memory, "free_bytes", lambda device: int(floor + step.total * 1.1))
+    monkeypatch.setattr(memory, "free_bytes", lambda device: int(floor + step.total * 1.15))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         memory.check_fits(model, cfg, opts, probe=True)

@@ -10,9 +10,11 @@ which the matmul keeps for its input's gradient unless the low-memory mode redra
 --fsdp too), and the (tokens, vocab) student logits, their gradient and (distilling) the teacher's logits, in
 fp32.
 
-On a Llama of hidden 512 x 4 layers, batch 8 x 128 tokens, the estimate (164.7 MiB of activations + 44.3 MiB
-of W * M) is 1.1% above what the trained program's own step saves (206.6 MiB, logits and the mask draw's
-Gumbel bank aside); on 2 layers of hidden 128, 9.9% above (`tests/test_activations.py`).
+The exported program the masks train keeps a little more than this eager forward: GQA's K / V repeated per
+head and an explicit (T, T) mask per attention. On a Llama of hidden 512 x 4 layers (8 heads, 4 K / V heads),
+batch 8 x 128 tokens, the estimate (142.7 MiB of activations + 44.3 MiB of W * M) is 9.5% below what the
+program's own step keeps (206.6 MiB, logits and the mask draw's Gumbel bank aside); 5-8% below on 2 layers of
+hidden 128 (`tests/test_activations.py`). `patchc.job.memory.warn_step` allows 10% for it.
 
 Example:
     >>> step = step_bytes(bundle.model, ["model.layers.0.mlp.up_proj.weight", ...], opts)   # doctest: +SKIP
@@ -50,7 +52,8 @@ class StepBytes:
 
 def saved_bytes(model: nn.Module, params: Iterable[nn.Parameter], length: int) -> int:
     """Bytes autograd keeps for backward in a forward of one random `length`-token sequence through `model`
-    while `params` require grad: each storage once, the model's parameters and buffers not at all."""
+    while `params`, and no other parameter, require grad: each storage once, the model's parameters and
+    buffers not at all."""
     params = list(params)
     own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     kept: dict[int, int] = {}
@@ -63,16 +66,18 @@ def saved_bytes(model: nn.Module, params: Iterable[nn.Parameter], length: int) -
 
     device = next(model.parameters()).device
     ids = torch.randint(0, vocab_size(model), (1, length), generator=torch.Generator().manual_seed(0)).to(device)
-    flags = [p.requires_grad for p in params]
+    training = {id(p) for p in params}
+    every = list(model.parameters())
+    flags = [p.requires_grad for p in every]
     try:
-        for p in params:
-            p.requires_grad_(True)
+        for p in every:  # as in mask training: only the masked weights' W * M carry a gradient
+            p.requires_grad_(id(p) in training)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(ids)  # fork_rng: a model in train mode draws dropout, and the job's draws stay its own
         del out  # the logits: counted apart (`StepBytes.logits`)
     finally:
-        for p, flag in zip(params, flags):
+        for p, flag in zip(every, flags):
             p.requires_grad_(flag)
     return sum(kept.values())
 
