@@ -1,6 +1,6 @@
 """What a mask step keeps for backward per token and block, on random bf16 Llamas of real shapes (CPU).
 
-    python benchmarks/step_memory.py                     # LLaMA-2-7B and -70B shapes, ~3 min, ~6 GB of host memory
+    python benchmarks/step_memory.py                     # LLaMA-2-7B and -70B shapes, 3-4 min, ~6 GB of host memory
     python benchmarks/step_memory.py --shapes 7b --tokens 128 4096
 
 A block's share is the difference between the model with 2 blocks and with 1 (`patchc.job.activations.saved_bytes`:
@@ -11,8 +11,6 @@ benchmarks/results/step_memory.jsonl; the README's "Mask training at scale" quot
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from patchc.job.activations import saved_bytes  # noqa: E402
 from patchc.job.memory import masked_layers  # noqa: E402
 from patchc.job.options import PruneOptions  # noqa: E402
-from patchc.utils.env import device_name, versions  # noqa: E402
+from patchc.bench.record import record_run  # noqa: E402
 
 # name: (hidden, intermediate, heads, kv heads, blocks of the real model)
 SHAPES = {"7b": (4096, 11008, 32, 32, 32), "70b": (8192, 28672, 64, 8, 80)}
@@ -63,10 +61,7 @@ def main() -> None:
             rows.append({"shape": shape, "tokens": tokens, "block_kb_per_token": round(block / tokens / 1e3, 1),
                          "rest_bytes": int(rest), "model_gb_at_8_sequences": round(whole, 2)})
             print(rows[-1], flush=True)
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": device_name("cpu"), "versions": versions(), "dtype": "bfloat16", "rows": rows}
-    with args.results.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    record_run(args.results, {"bench": "step_memory", "dtype": "bfloat16", "rows": rows})
 
 
 if __name__ == "__main__":
