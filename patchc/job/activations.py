@@ -3,8 +3,9 @@
 `patchc.job.memory.check_fits` refuses a run whose masks alone cannot fit. The rest of a step's memory grows
 with --batch-size x --block-len and depends on the architecture, so it is measured, not modelled: three short
 forwards of the loaded causal LM (1 x 16, 32 and 64 tokens, or fewer positions where the model has fewer:
-`probe_lengths`), with the masked layers' weights requiring grad as W * M does in training, count the bytes
-autograd saves (each storage once; parameters and buffers not at all), and a quadratic in the length
+`probe_lengths`) in the form the export traces (`program_form`: DBRX's experts run every expert on every
+token, as in the program), with the masked layers' weights requiring grad as W * M does in training, count the
+bytes autograd saves (each storage once; parameters and buffers not at all), and a quadratic in the length
 (attention that keeps its T x T scores) carries them to --block-len. On top come each masked layer's W * M,
 which the matmul keeps for its input's gradient unless the low-memory mode redraws it in backward (under
 --fsdp too), and the (tokens, vocab) student logits, their gradient and (distilling) the teacher's logits, in
@@ -32,6 +33,7 @@ from torch import nn
 
 from patchc.ir import targets
 from patchc.job.options import PruneOptions
+from patchc.models.hf_export import program_form
 
 PROBE_LENGTHS = (16, 32, 64)
 
@@ -73,7 +75,7 @@ def saved_bytes(model: nn.Module, params: Iterable[nn.Parameter], length: int) -
         for p in every:  # as in mask training: only the masked weights' W * M carry a gradient
             p.requires_grad_(id(p) in training)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                program_form(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(ids)  # fork_rng: a model in train mode draws dropout, and the job's draws stay its own
         del out  # the logits: counted apart (`StepBytes.logits`)
     finally:

@@ -16,6 +16,7 @@ import io
 import logging
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -156,8 +157,23 @@ def _export_ids(model: nn.Module, ids: torch.Tensor, dims: dict) -> torch.export
     ``**kwargs``); its program is then called as ``m(ids)``. Layers with a traceable form
     (`patchc.models.traceable`: Qwen4-Exp's QSA indexer, DBRX's experts) are traced in that form.
     """
-    with _grouped_experts(model), traceable_layers(model):
+    with program_form(model):
         return _export_ids_as_is(model, ids, dims)
+
+
+@contextlib.contextmanager
+def program_form(model: nn.Module) -> Iterator[None]:
+    """Run `model` inside the block as its export traces it: fused experts as one grouped mm, layers with a
+    traceable form (`patchc.models.traceable`) in that form. What the exported program computes, and keeps
+    for backward, is then what the model computes eagerly (`patchc.job.activations` probes it so: DBRX's
+    traced experts run every expert on every token).
+
+    Example:
+        >>> with program_form(model):   # doctest: +SKIP
+        ...     logits = model(ids).logits
+    """
+    with _grouped_experts(model), traceable_layers(model):
+        yield
 
 
 @contextlib.contextmanager
@@ -229,4 +245,4 @@ def export_encoder(wrapper: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _
     return torch.export.export(wrapper, (ids, mask), dynamic_shapes={"input_ids": dims, "attention_mask": dims})
 
 
-__all__ = ["export_causal_lm", "export_encoder"]
+__all__ = ["export_causal_lm", "export_encoder", "program_form"]
