@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -43,6 +44,21 @@ def parse_size(size: int | str) -> int:
     if n <= 0:
         raise ValueError(f"max_shard_size {size!r}: must be positive")
     return n
+
+
+def add_shard_argument(p: argparse.ArgumentParser) -> None:
+    """--max-shard-size on a command line (`patchc export`, `patchc import`), checked as it is read: before any
+    long stage."""
+
+    def size(text: str) -> int:
+        try:
+            return parse_size(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    p.add_argument("--max-shard-size", type=size, default=DEFAULT_MAX_SHARD, metavar="SIZE",
+                   help="split the weights into shards of at most SIZE (e.g. 5GB, 2GiB; default %(default)s, "
+                        "as transformers' save_pretrained) with model.safetensors.index.json")
 
 
 def split(sizes: list[int], limit: int) -> list[list[int]]:
@@ -91,4 +107,4 @@ def read_index(path: Path, error: type[Exception]) -> dict[str, list[str]]:
     return files
 
 
-__all__ = ["DEFAULT_MAX_SHARD", "INDEX", "parse_size", "read_index", "shard_name", "split", "write_index"]
+__all__ = ["DEFAULT_MAX_SHARD", "INDEX", "add_shard_argument", "parse_size", "read_index", "shard_name", "split", "write_index"]

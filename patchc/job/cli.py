@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from patchc.bench.options import add_bench_arguments
+from patchc.export.shards import add_shard_argument
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, LOSSES, PruneOptions
 from patchc.job.prune_args import add_prune_arguments, prune_options
 from patchc.job.runs import check_plan_path, check_served_path, find_plan, resolve_plan
@@ -32,6 +33,7 @@ from patchc.job.runs import check_plan_path, check_served_path, find_plan, resol
 
 # Errors that mean "the input is wrong", shown as one line; anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, OSError, RuntimeError, NotImplementedError, FloatingPointError, KeyError)
+OFFLOAD_HELP = "a model larger than the GPU: its blocks wait in host memory, each copied to --device for its forward"
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -70,7 +72,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     r = rescore(resolve_plan(args.plan), allow_overlap=args.allow_overlap, force=args.force, model=args.model,
                 data=args.data, seed=args.split_seed, eval_fraction=args.eval_fraction, eval_context=args.eval_context,
                 device=args.device, encoding=args.encoding, text_field=args.text_field, texts=args.text,
-                eval_tokens=args.eval_tokens)
+                eval_tokens=args.eval_tokens, offload=args.offload)
     print(format_rescore(r, args.plan))
     return 0
 
@@ -95,7 +97,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
                         eval_fraction=args.eval_fraction, train_data="self", self_tokens=args.tokens,
                         self_temperature=args.temperature, self_top_p=args.top_p, block_len=args.block_len,
                         encoding=args.encoding, text_field=args.text_field, bos=args.bos, device=args.device,
-                        threads=args.threads, progress=args.progress)
+                        threads=args.threads, progress=args.progress, offload=args.offload)
     info = write_samples(opts, args.out, overwrite=args.overwrite)
     print(f"wrote {info['documents']} samples ({info['tokens']:,} tokens, {info['characters']:,} characters) of "
           f"{args.model} to {Path(info['out']).resolve()} in {info['seconds']:.0f} s")
@@ -220,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default=None, metavar="FIELD",
                    help="records files (JSON Lines, Parquet): the text field (default: the plan's)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--offload", action="store_true", help=OFFLOAD_HELP)
     p.add_argument("--allow-overlap", action="store_true", help="score even on documents the plan was trained on")
     p.add_argument("--force", action="store_true", help="apply the plan even if the model's weights are not its source")
     p.set_defaults(handler=cmd_eval, paths={"plan": check_plan_path})
@@ -274,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="records files (JSON Lines, Parquet): the text field (default: 'text', else a chat)")
     p.add_argument("--no-bos", dest="bos", action="store_false", help="prompts without BOS (tokenizers without one)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--offload", action="store_true", help=OFFLOAD_HELP)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: automatic)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
@@ -342,21 +346,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(p)
     p.set_defaults(handler=cmd_bench)
     return parser
-
-
-def add_shard_argument(p: argparse.ArgumentParser) -> None:
-    """--max-shard-size, checked as the command line is read (before any long stage)."""
-    from patchc.export.shards import DEFAULT_MAX_SHARD, parse_size
-
-    def size(text: str) -> int:
-        try:
-            return parse_size(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    p.add_argument("--max-shard-size", type=size, default=DEFAULT_MAX_SHARD, metavar="SIZE",
-                   help="split the weights into shards of at most SIZE (e.g. 5GB, 2GiB; default %(default)s, "
-                        "as transformers' save_pretrained) with model.safetensors.index.json")
 
 
 def main(argv: list[str] | None = None) -> int:

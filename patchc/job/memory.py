@@ -172,21 +172,49 @@ def check_hessian(layers: dict[str, int], device: str, user: str, remedy: str) -
                              f"free; {remedy}")
 
 
-def check_loads(opts: PruneOptions, dtype: torch.dtype) -> None:
+def check_loads(opts: PruneOptions, dtype: torch.dtype, host_copies: int = 1) -> None:
     """ValueError before loading when the model's weights alone (`weight_bytes`, in `dtype`) exceed the memory
-    free on `opts.device`, a GPU: a clear refusal instead of an out-of-memory error after minutes of reading."""
+    free on `opts.device`, a GPU: a clear refusal instead of an out-of-memory error after minutes of reading.
+    With --offload, `host_copies` of the weights must fit in host memory instead (`patchc eval` scores a pruned
+    copy beside the dense model: 2) and the GPU must hold what streaming keeps there (`check_streams`)."""
     if not opts.device.startswith("cuda"):
         return
     from patchc.ir.file_format import dtype_name
     from patchc.models.spec import weight_bytes
 
+    if opts.offload:
+        check_streams(opts, dtype, host_copies)
+        return
     free, need = free_bytes(opts.device), weight_bytes(opts.model, dtype)
     if free is None or need is None or need <= free:
         return
     raise ValueError(f"--model {opts.model}: its weights take {_size(need)} in {dtype_name(dtype)} and "
                      f"{opts.device} has {_size(free)} free. patchc loads the whole model onto each GPU (--fsdp shards "
                      "it once the masks train, not before), so it must fit on one; use a GPU with more free memory, "
-                     "or --device cpu")
+                     "or --device cpu (`patchc eval` and `patchc sample` take --offload)")
+
+
+def check_streams(opts: PruneOptions, dtype: torch.dtype, host_copies: int = 1) -> None:
+    """--offload's refusals before loading: `host_copies` of the weights beyond host memory's MemAvailable, or
+    the parts outside the blocks plus the largest block beyond the GPU's free memory."""
+    from patchc.ir.file_format import dtype_name
+    from patchc.models.offload import device_share
+    from patchc.models.spec import meta_model, weight_bytes
+
+    weights, host = weight_bytes(opts.model, dtype), free_bytes("cpu")
+    if weights is not None and host is not None and host_copies * weights > host:
+        copies = f"{host_copies} copies of its weights" if host_copies > 1 else "its weights"
+        raise ValueError(f"--model {opts.model} --offload: {copies} take {_size(host_copies * weights)} in "
+                         f"{dtype_name(dtype)} and host memory has {_size(host)} available; --offload keeps them "
+                         "there, so use a machine with more memory")
+    model, free = meta_model(opts.model), free_bytes(opts.device)
+    if model is None or free is None:
+        return
+    resident, block = device_share(model)
+    need = (resident + block) * dtype.itemsize
+    if need > free:
+        raise ValueError(f"--model {opts.model} --offload: the parts outside its blocks and its largest block take "
+                         f"{_size(need)} in {dtype_name(dtype)} on {opts.device}, which has {_size(free)} free")
 
 
 def calibration_memory(opts: PruneOptions) -> tuple[int | None, str | None]:
@@ -300,5 +328,5 @@ def _size(n: float) -> str:
 
 
 __all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_hessian", "check_hessians", "check_loads",
-           "check_masks", "check_recovery", "free_bytes", "masked_layers", "masked_weights", "model_bytes",
-           "out_of_memory", "warn_step"]
+           "check_masks", "check_recovery", "check_streams", "free_bytes", "masked_layers", "masked_weights",
+           "model_bytes", "out_of_memory", "warn_step"]

@@ -24,21 +24,28 @@ from patchc.job.options import PruneOptions
 AUTO_TILES = (128, 64, 32, 16)
 
 
-def load_bundle(opts: PruneOptions, training: bool = True):
+def load_bundle(opts: PruneOptions, training: bool = True, host_copies: int = 1):
     """`opts.model` loaded onto `opts.device` in its weight dtype, checked, with the thread count set.
-    `training=False` (`patchc eval`): --block-len is not checked, since nothing is trained."""
+    `training=False` (`patchc eval`): --block-len is not checked, since nothing is trained. With --offload
+    the weights load into host memory and stream to the device block by block (`patchc.models.offload`);
+    `host_copies`: how many copies of them the command holds there at once (checked before loading)."""
     from patchc.models import load_model
 
     from patchc.job.memory import check_loads
 
     check_device(opts.device)
     dtype = weight_dtype(opts)
-    check_loads(opts, dtype)
+    check_loads(opts, dtype, host_copies)
     # loaded in the weights' dtype (an fp32 copy of a bf16-served model would take twice the GPU memory), then
     # cast whole: a module transformers keeps in fp32 (`_keep_in_fp32_modules`) is cast too, as it always was
-    bundle = cast_bundle(load_model(opts.model, device=opts.device, dtype=dtype, progress=opts.progress), dtype)
+    where = "cpu" if opts.offload else opts.device  # --offload: into host memory, then streamed block by block
+    bundle = cast_bundle(load_model(opts.model, device=where, dtype=dtype, progress=opts.progress), dtype)
     check_model(bundle, opts, training)
     choose_threads(opts, bundle.model)
+    if opts.offload:
+        from patchc.models.offload import stream_blocks
+
+        stream_blocks(bundle.model, opts.device)  # `bundle.reload()` still gives whole host copies (plan.apply)
     return bundle
 
 
@@ -120,6 +127,16 @@ def parked(model: torch.nn.Module, when: bool = True) -> Iterator[torch.nn.Modul
         >>> with parked(bundle.model, when=fsdp):
         ...     patchc.train_masks(prog, ...)
     """
+    from patchc.models.offload import streaming
+
+    stream = streaming(model)
+    if stream is not None and when:  # --offload: only the parts outside the blocks are on the device
+        stream.park()
+        try:
+            yield model
+        finally:
+            stream.unpark()
+        return
     device = next(iter(model.parameters()), torch.empty(0)).device
     if not when or device.type in ("cpu", "meta"):
         yield model

@@ -143,6 +143,9 @@ class PruneOptions:
     split_seed: int = 0  # which documents are held out (and the self-generated text): fixed across --seed
     device: str = "cpu"
     fsdp: bool = False  # under torchrun: FSDP2 shards each block's weights + logits; sharded checkpoint folder
+    # blocks in host memory, each copied to the device for its forward (`patchc.models.offload`): `patchc eval`
+    # and `patchc sample` of a model larger than the GPU; mask training and recovery need it on the device
+    offload: bool = False
     dtype: str = "auto"  # weights: "auto" = bfloat16 on CUDA, float32 on CPU; logits are always fp32
     threads: int = 0
     resume: bool = False

@@ -49,6 +49,9 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
     and released however the run ends.
     """
     check_device(opts.device)
+    if opts.offload:
+        raise ValueError("--offload streams a model for scoring and sampling (patchc eval, patchc sample); mask "
+                         "training needs its weights on the device: spread them over GPUs with --fsdp instead")
     check_out(opts)  # before the model loads and text is generated
     check_text_files(opts)
     with process_group(opts.device):

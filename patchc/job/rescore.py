@@ -28,10 +28,11 @@ def recorded_split(plan: Any) -> dict:
 def eval_options(plan: Any, model: str | None = None, data: list[str] | None = None, seed: int | None = None,
                  eval_fraction: float | None = None, eval_context: int = 256, device: str = "cpu",
                  encoding: str | None = None, text_field: str | None = None,
-                 texts: list[str] | None = None, eval_tokens: int = PruneOptions.eval_tokens) -> PruneOptions:
+                 texts: list[str] | None = None, eval_tokens: int = PruneOptions.eval_tokens,
+                 offload: bool = False) -> PruneOptions:
     """The options `patchc eval` runs with: each one given, else the plan's recorded one, else the default.
     `seed` is the data split's seed; `texts` are files scored unsplit, on their first `eval_tokens` tokens
-    (`--text`)."""
+    (`--text`); `offload`: stream the blocks from host memory (`patchc.models.offload`)."""
     split = recorded_split(plan)
     if not split and (data is None or seed is None or eval_fraction is None):
         warnings.warn("the plan records no data split (made outside `patchc prune` or by an older patchc): "
@@ -44,7 +45,7 @@ def eval_options(plan: Any, model: str | None = None, data: list[str] | None = N
         train_data="real", eval_data=tuple(texts or ()), eval_tokens=eval_tokens,
         encoding=pick(encoding, "encoding", "utf-8"), text_field=pick(text_field, "text_field", None),
         bos=split.get("bos", True), eval_context=eval_context,
-        device=device,
+        device=device, offload=offload,
     )
 
 
@@ -78,7 +79,7 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     trained_on = recorded_split(plan).get("files")
     check_text_files(opts, eval_flag="--text", data_note=f" (the plan was trained on {', '.join(trained_on)})"
                      if trained_on else "")
-    bundle = load_bundle(opts, training=False)
+    bundle = load_bundle(opts, training=False, host_copies=2)  # --offload: the plan's copy beside the dense model
     chat = chat_renderer(bundle.tokenizer)  # a chat record's text is what the model's template makes of it
     _, eval_docs = split_data(opts, chat)
     overlap = check_overlap(plan, eval_docs, allow_overlap)

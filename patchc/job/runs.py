@@ -46,7 +46,7 @@ REPORT = ("report.json", "report.md")
 # PruneOptions fields that do not change the plan or its training: free to differ on --resume.
 FREE = ("out", "eval_context", "baselines", "device", "threads", "resume", "overwrite", "progress", "plots",
         "steps", "eval_data", "eval_tokens", "recover", "recover_loss", "recover_lr", "recover_scope",
-        "recover_splice")  # mask checkpoint unchanged
+        "recover_splice", "offload")  # mask checkpoint unchanged
 
 
 # What a run did before these options existed: a run.json without them was trained that way.

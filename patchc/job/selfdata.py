@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from patchc.job.sampling import sample_next
+from patchc.models.outputs import device_of
 from patchc.utils.files import atomic_path
 from patchc.utils.progress import progress as progress_bar
 
@@ -117,7 +118,7 @@ def generate_blocks(bundle: Any, spec: SelfDataSpec, prompts: torch.Tensor, prog
     gen = torch.Generator().manual_seed(spec.seed)
     order = torch.randperm(prompts.shape[0], generator=gen)
     prompts, rows = prompts[order], []
-    device = next(bundle.model.parameters()).device
+    device = device_of(bundle.model)
     step = stepper(bundle)
     was_training = bundle.model.training
     bundle.model.eval()

@@ -14,6 +14,7 @@ it for `patchc.transform` and how to read its logits or embeddings.
     outputs.py            logits of any model call, a model's device
     per_length.py         `PerLengthExport`: a model torch.export traces only at fixed sequence lengths
     dims.py               dynamic export dimensions that every supported torch keeps symbolic
+    offload.py            --offload: a model's blocks in host memory, each copied to the GPU for its forward
 
 Example:
     >>> from patchc.models import load_llama2c, load_tokenizer, STORIES260K_DIR
@@ -33,6 +34,7 @@ _LAZY = {
     **names_of("patchc.models.hf", "EncoderWrapper", "HFLoadError", "minilm_dir"),
     **names_of("patchc.models.hf_export", "export_causal_lm", "export_encoder"),
     **names_of("patchc.models.spec", "load_model"),
+    **names_of("patchc.models.offload", "stream_blocks"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 

@@ -33,8 +33,12 @@ def logits_of(out: Any) -> torch.Tensor:
 
 
 def device_of(model: Any, fallback: str | torch.device = "cpu") -> torch.device:
-    """Device of a module's first parameter (or buffer); `fallback` for anything else."""
+    """Device of a module's first parameter (or buffer), or the device a streamed model runs on
+    (`patchc.models.offload`); `fallback` for anything else."""
     if isinstance(model, nn.Module):
+        stream = getattr(model, "_patchc_stream", None)
+        if stream is not None:
+            return stream.device
         for t in model.parameters():
             return t.device
         for t in model.buffers():

@@ -148,14 +148,24 @@ def weight_bytes(spec: str | os.PathLike, dtype: torch.dtype) -> int | None:
     if path.is_dir() and not (path / "config.json").is_file():
         ckpts = _llama2c_in_folder(path)
         return ckpts[0].stat().st_size * dtype.itemsize // 4 if len(ckpts) == 1 else None
+    model = meta_model(spec)
+    return None if model is None else sum(p.numel() for p in model.parameters()) * dtype.itemsize
+
+
+def meta_model(spec: str | os.PathLike) -> torch.nn.Module | None:
+    """A transformers model `spec` built on the meta device from its config (no weights read); None for a
+    llama2.c checkpoint or a config this cannot build (the loader then says why)."""
+    raw = str(spec)
+    path = Path(raw).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file() or path.is_file() and path.name != "config.json":
+        return None
     folder = _hf.minilm_dir() if _hf.is_minilm_alias(raw) else path.parent if path.is_file() else path
     try:
         config = _hf.hf_config(str(folder) if folder.exists() else raw)
         with torch.device("meta"):
-            model = _hf.auto_class(config).from_config(config)
+            return _hf.auto_class(config).from_config(config)
     except Exception:  # noqa: BLE001 - a config this cannot build is the loader's to explain, not this estimate's
         return None
-    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
 
-__all__ = ["load_model", "weight_bytes"]
+__all__ = ["load_model", "meta_model", "weight_bytes"]

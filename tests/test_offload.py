@@ -1,0 +1,210 @@
+"""--offload (`patchc.models.offload`): a model's blocks wait in host memory and each is copied to the device for
+its own forward. On CPU the copies are host-to-host, so these tests check the mechanism (one block's copy at a
+time, the host tensors stay the weights, the same numbers); the GPU test checks where the bytes are."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import patchc
+from patchc.job import memory
+from patchc.job.options import PruneOptions
+from patchc.models.offload import BlockStream, blocks_of, device_share, stream_blocks, streaming
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(tied: bool = True, layers: int = 3, hidden: int = 64) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=tied)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _ids(batch: int = 2, length: int = 20) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def _watch(model: nn.Module, stream: BlockStream) -> list[tuple[str, list[str], bool]]:
+    """Inside each block's attention: (block, blocks with a copy now, whether its weights are copies)."""
+    host = {n: p.data_ptr() for n, p in model.named_parameters()}
+    seen = []
+    for path, block in blocks_of(model):
+        def look(module, args, path=path, block=block):
+            names = [f"{path}.{n}" for n, _ in block.named_parameters()]
+            copied = all(model.get_parameter(n).data_ptr() != host[n] for n in names)
+            seen.append((path, list(stream.on_device), copied))
+        block.self_attn.register_forward_pre_hook(look)
+    return seen
+
+
+def test_a_streamed_model_gives_its_own_logits_with_one_block_copied_at_a_time():
+    model = _llama()
+    ids = _ids()
+    dense = model(ids).logits
+    host = {n: p.data_ptr() for n, p in model.named_parameters()}
+    stream = stream_blocks(model, "cpu")
+    assert streaming(model) is stream and stream_blocks(model, "cpu") is stream  # streamed once
+    assert [p for p, _ in stream.blocks] == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    # outside the blocks: the tied embedding / head, the final norm; rotary's inv_freq sits outside too
+    assert {id(t) for t in stream.resident} == {id(model.model.embed_tokens.weight), id(model.model.norm.weight),
+                                                  id(model.model.rotary_emb.inv_freq),
+                                                  id(model.model.rotary_emb.original_inv_freq)}
+    seen = _watch(model, stream)
+    assert torch.equal(model(ids).logits, dense)
+    assert seen == [(f"model.layers.{i}", [f"model.layers.{i}"], True) for i in range(3)]
+    assert stream.on_device == [] and stream.copies_made == 3
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == host  # the copies were dropped, not kept
+    stream.remove()
+    assert streaming(model) is None and torch.equal(model(ids).logits, dense) and stream.copies_made == 3
+
+
+def test_generation_with_a_kv_cache_matches_the_model():
+    model = _llama(tied=False)
+    prompt = _ids(1, 6)
+    tokens = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    stream = stream_blocks(model, "cpu")
+    assert id(model.lm_head.weight) in {id(t) for t in stream.resident}
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), tokens)
+    assert stream.copies_made == 3 * 6  # every block once per forward: the prompt, then 5 decode steps
+
+
+def test_a_block_that_fails_still_drops_its_copy(monkeypatch):
+    model = _llama()
+    stream = stream_blocks(model, "cpu")
+    host = {n: p.data_ptr() for n, p in model.named_parameters()}
+    monkeypatch.setattr(model.model.layers[1].mlp, "forward", lambda x: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        model(_ids())
+    assert stream.on_device == [] and {n: p.data_ptr() for n, p in model.named_parameters()} == host
+
+
+class _TiedInside(nn.Module):
+    """A head tied to a weight inside the first block: the shared tensor must stay on the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 8, bias=False)
+        self.head.weight = self.layers[0].weight
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_weight_tied_across_a_block_boundary_stays_resident_and_a_model_without_blocks_is_named():
+    model = _TiedInside()
+    x = torch.randn(3, 8)
+    out = model(x)
+    stream = stream_blocks(model, "cpu")
+    assert {id(t) for t in stream.resident} == {id(model.head.weight)}
+    assert torch.equal(model(x), out)
+    with pytest.raises(ValueError, match="--offload: Sequential has no transformer blocks"):
+        stream_blocks(nn.Sequential(nn.Linear(4, 4)), "cpu")
+    with pytest.raises(ValueError, match="streamed to cpu already, not meta"):
+        stream_blocks(model, "meta")
+
+
+def test_the_device_holds_the_parts_outside_the_blocks_and_one_block():
+    with torch.device("meta"):
+        model = _llama(tied=False, layers=4, hidden=128)
+    resident, block = device_share(model)
+    rotary = sum(b.numel() for b in model.model.rotary_emb.buffers())  # inv_freq and its original: 16 + 16
+    assert resident == 2 * 256 * 128 + 128 + rotary and rotary == 32  # embedding, head, final norm, rotary
+    assert block == sum(p.numel() for p in model.model.layers[0].parameters())
+
+
+def _plan():
+    """A magnitude 2:4 plan of stories260K (16 x 16 tiles), as `patchc eval` reads plans."""
+    bundle = patchc.models.load_model(PruneOptions().model)
+    masks = patchc.oneshot(bundle.model, method="magnitude", pattern="2:4")
+    return patchc.TilePlan.from_masks(bundle.model, masks, tile=(16, 16))
+
+
+def test_eval_and_sample_score_and_write_what_they_do_without_it(tmp_path, monkeypatch):
+    from patchc.job.rescore import rescore
+    from patchc.job.sample import write_samples
+
+    streams = []
+    install = BlockStream.install
+    monkeypatch.setattr(BlockStream, "install", lambda self: streams.append(self) or install(self))
+    _plan().save(tmp_path / "plan.patch")
+    split = {"data": list(PruneOptions().data), "seed": 0, "eval_fraction": 0.2}
+    plain = rescore(tmp_path / "plan.patch", **split)
+    assert streams == []
+    streamed = rescore(tmp_path / "plan.patch", offload=True, **split)
+    assert streamed["dense"] == plain["dense"] and streamed["pruned"] == plain["pruned"]
+    assert plain["pruned"]["perplexity"] > plain["dense"]["perplexity"]  # the plan was applied
+    assert len(streams) == 2 and all(s.copies_made > 0 for s in streams)  # the dense model, then the plan's copy
+    opts = PruneOptions(train_data="self", self_tokens=60, block_len=19, threads=1, progress=False)
+    write_samples(opts, tmp_path / "a.txt")
+    write_samples(dataclasses.replace(opts, offload=True), tmp_path / "b.txt")
+    assert (tmp_path / "a.txt").read_text() == (tmp_path / "b.txt").read_text()
+    assert len(streams) == 3 and streams[-1].copies_made % 5 == 0 and streams[-1].copies_made > 5  # decode steps
+
+
+def test_the_job_loads_into_host_memory_and_streams(monkeypatch):
+    from patchc.job.model import load_bundle, parked
+
+    bundle = load_bundle(PruneOptions(offload=True, threads=1))
+    stream = streaming(bundle.model)
+    assert stream is not None and len(stream.blocks) == 5
+    assert streaming(bundle.reload()) is None  # a plain host copy: `plan.apply` writes it, then it is streamed
+    parks = []
+    monkeypatch.setattr(stream, "park", lambda: parks.append("park"))
+    monkeypatch.setattr(stream, "unpark", lambda: parks.append("unpark"))
+    with parked(bundle.model):
+        pass
+    assert parks == ["park", "unpark"]
+    from patchc.job.prune import run_prune
+
+    with pytest.raises(ValueError, match="--offload streams a model for scoring and sampling"):
+        run_prune(PruneOptions(offload=True))
+
+
+def test_offload_refuses_what_host_or_gpu_cannot_hold(tmp_path, monkeypatch):
+    _llama(tied=False, layers=4, hidden=128).config.save_pretrained(tmp_path)
+    block = sum(p.numel() for p in _llama(False, 1, 128).model.layers[0].parameters())
+    weights = 2 * 256 * 128 + 128 + 4 * block  # parameters: what `weight_bytes` counts
+    on_gpu = (2 * 256 * 128 + 128 + 32 + block) * 2  # bf16, rotary's buffers with the resident parts
+    opts = PruneOptions(model=str(tmp_path), device="cuda", offload=True)
+    free = {"cpu": 2 * weights * 2, "cuda": on_gpu}
+    monkeypatch.setattr(memory, "free_bytes", lambda device: free[device.split(":")[0]])
+    memory.check_loads(opts, torch.bfloat16, host_copies=2)  # both just fit
+    free["cuda"] = on_gpu - 1
+    with pytest.raises(ValueError, match=r"the parts outside its blocks and its largest block take .* on cuda"):
+        memory.check_loads(opts, torch.bfloat16)
+    free.update(cuda=on_gpu, cpu=2 * weights * 2 - 1)
+    with pytest.raises(ValueError, match=r"--offload: 2 copies of its weights take .* host memory has"):
+        memory.check_loads(opts, torch.bfloat16, host_copies=2)
+    memory.check_loads(opts, torch.bfloat16)  # one copy (`patchc sample`) fits
+    free["cuda"] = 0  # without --offload the whole model must fit, and the refusal names --offload
+    with pytest.raises(ValueError, match=r"`patchc eval` and `patchc sample` take --offload"):
+        memory.check_loads(PruneOptions(model=str(tmp_path), device="cuda"), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the blocks are copied to it")
+def test_on_a_gpu_only_one_block_and_the_resident_parts_take_device_memory():
+    model = _llama(tied=False, layers=8, hidden=1024).to(torch.bfloat16)
+    ids = _ids(1, 64)
+    with torch.no_grad():
+        dense = model.float()(ids).logits  # an independent fp32 computation on the CPU
+    model.to(torch.bfloat16)
+    resident, block = device_share(model)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    stream = stream_blocks(model, "cuda")
+    with torch.no_grad():
+        logits = model(ids.cuda()).logits.float().cpu()
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak < (resident + 2 * block) * 2 + 64 * 2**20  # bf16 weights; activations of 64 tokens are small
+    assert all(p.device.type == "cpu" for _, b in stream.blocks for p in b.parameters())
+    assert (logits - dense).abs().max() < 0.05 * dense.abs().max()
