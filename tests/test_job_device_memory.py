@@ -129,6 +129,6 @@ def test_score_copy_evaluates_the_copy_with_the_dense_model_parked_and_drops_it(
 
     monkeypatch.setattr(stages, "parked", parked)
     monkeypatch.setattr(stages, "evaluate", evaluate)
-    assert stages.score_copy(types.SimpleNamespace(model=dense), make, {}, None) == {"perplexity": 1.0}
+    assert stages.score_copy(types.SimpleNamespace(model=dense), make, {}, _options()) == {"perplexity": 1.0}
     assert [event for event, _ in log] == ["park", "evaluate", "back"] and log[0][1] is dense
     assert copies[0]() is None  # nothing holds the copy once its scores are back
