@@ -142,12 +142,27 @@ def test_eval_and_sample_score_and_write_what_they_do_without_it(tmp_path, monke
     streamed = rescore(tmp_path / "plan.patch", offload=True, **split)
     assert streamed["dense"] == plain["dense"] and streamed["pruned"] == plain["pruned"]
     assert plain["pruned"]["perplexity"] > plain["dense"]["perplexity"]  # the plan was applied
-    assert len(streams) == 2 and all(s.copies_made > 0 for s in streams)  # the dense model, then the plan's copy
+    assert len(streams) == 2  # the dense model, then the plan's copy
+    # 2,920 tokens: 11 windows of 256 and a shorter one, in 2 forwards of the 5 blocks (3 at 8 windows a forward)
+    assert [s.copies_made for s in streams] == [5 * 2, 5 * 2]
     opts = PruneOptions(train_data="self", self_tokens=60, block_len=19, threads=1, progress=False)
     write_samples(opts, tmp_path / "a.txt")
     write_samples(dataclasses.replace(opts, offload=True), tmp_path / "b.txt")
     assert (tmp_path / "a.txt").read_text() == (tmp_path / "b.txt").read_text()
     assert len(streams) == 3 and streams[-1].copies_made % 5 == 0 and streams[-1].copies_made > 5  # decode steps
+
+
+def test_an_offloaded_forward_scores_as_many_windows_as_2_gb_of_logits_hold():
+    from patchc.job.stages import EVAL_BATCH, eval_batch
+
+    with torch.device("meta"):
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4))
+    assert eval_batch(PruneOptions(), llama) == EVAL_BATCH == 8
+    assert eval_batch(PruneOptions(offload=True), llama) == 2 * 10**9 // (256 * 32000 * 4) == 61
+    assert eval_batch(PruneOptions(offload=True, eval_context=32), llama) == 64
+    llama.config.vocab_size = 250_000  # Gemma's: no fewer than without --offload
+    assert eval_batch(PruneOptions(offload=True), llama) == 8
 
 
 def test_the_job_loads_into_host_memory_and_streams(monkeypatch):
