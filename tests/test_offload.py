@@ -139,7 +139,8 @@ def test_eval_and_sample_score_and_write_what_they_do_without_it(tmp_path, monke
     split = {"data": list(PruneOptions().data), "seed": 0, "eval_fraction": 0.2}
     plain = rescore(tmp_path / "plan.patch", **split)
     assert streams == []
-    streamed = rescore(tmp_path / "plan.patch", offload=True, **split)
+    with pytest.warns(UserWarning, match="--offload on cpu: the weights are in host memory already"):
+        streamed = rescore(tmp_path / "plan.patch", offload=True, **split)
     assert streamed["dense"] == plain["dense"] and streamed["pruned"] == plain["pruned"]
     assert plain["pruned"]["perplexity"] > plain["dense"]["perplexity"]  # the plan was applied
     assert len(streams) == 2  # the dense model, then the plan's copy
@@ -147,7 +148,8 @@ def test_eval_and_sample_score_and_write_what_they_do_without_it(tmp_path, monke
     assert [s.copies_made for s in streams] == [5 * 2, 5 * 2]
     opts = PruneOptions(train_data="self", self_tokens=60, block_len=19, threads=1, progress=False)
     write_samples(opts, tmp_path / "a.txt")
-    write_samples(dataclasses.replace(opts, offload=True), tmp_path / "b.txt")
+    with pytest.warns(UserWarning, match="--offload on cpu"):
+        write_samples(dataclasses.replace(opts, offload=True), tmp_path / "b.txt")
     assert (tmp_path / "a.txt").read_text() == (tmp_path / "b.txt").read_text()
     assert len(streams) == 3 and streams[-1].copies_made % 5 == 0 and streams[-1].copies_made > 5  # decode steps
 
@@ -168,7 +170,8 @@ def test_an_offloaded_forward_scores_as_many_windows_as_2_gb_of_logits_hold():
 def test_the_job_loads_into_host_memory_and_streams(monkeypatch):
     from patchc.job.model import load_bundle, parked
 
-    bundle = load_bundle(PruneOptions(offload=True, threads=1))
+    with pytest.warns(UserWarning, match="--offload on cpu"):
+        bundle = load_bundle(PruneOptions(offload=True, threads=1))
     stream = streaming(bundle.model)
     assert stream is not None and len(stream.blocks) == 5
     assert streaming(bundle.reload()) is None  # a plain host copy: `plan.apply` writes it, then it is streamed

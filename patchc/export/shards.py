@@ -107,4 +107,5 @@ def read_index(path: Path, error: type[Exception]) -> dict[str, list[str]]:
     return files
 
 
-__all__ = ["DEFAULT_MAX_SHARD", "INDEX", "add_shard_argument", "parse_size", "read_index", "shard_name", "split", "write_index"]
+__all__ = ["DEFAULT_MAX_SHARD", "INDEX", "add_shard_argument", "parse_size", "read_index", "shard_name", "split",
+           "write_index"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 
@@ -45,6 +46,9 @@ def load_bundle(opts: PruneOptions, training: bool = True, host_copies: int = 1)
     if opts.offload:
         from patchc.models.offload import stream_blocks
 
+        if opts.device == "cpu":
+            warnings.warn("--offload on cpu: the weights are in host memory already, so streaming only copies each "
+                          "block for its forward; it is meant for --device cuda", stacklevel=2)
         stream_blocks(bundle.model, opts.device)  # `bundle.reload()` still gives whole host copies (plan.apply)
     return bundle
 

@@ -198,7 +198,7 @@ EVAL_BATCH, OFFLOAD_BATCH, OFFLOAD_LOGITS = 8, 64, 2 * 10**9
 
 def eval_batch(opts: PruneOptions, model: torch.nn.Module) -> int:
     """How many --eval-context windows one forward of causal LM `model` scores: `EVAL_BATCH`, more under
-    --offload (61 for a 32,000-token vocabulary at 256 tokens, 8 from 250,000 tokens up)."""
+    --offload (61 for a 32,000-token vocabulary at 256 tokens; 8 past 244,000 tokens, such as Gemma's 262,144)."""
     if not opts.offload:
         return EVAL_BATCH
     from patchc.job.activations import vocab_size
