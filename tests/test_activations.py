@@ -74,27 +74,14 @@ def test_the_estimate_is_what_the_trained_program_saves(low_memory):
     assert program * 0.9 <= step.activations + step.masked_weights <= program
 
 
-def _dbrx() -> torch.nn.Module:
-    """A DBRX whose experts outweigh its attention: 8 experts of 128, 2 picked per token."""
-    config = transformers.DbrxConfig(
-        d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=128,
-        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-        ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 8, "moe_top_k": 2, "hidden_size": 64})
-    torch.manual_seed(0)
-    model = transformers.DbrxForCausalLM(config).eval()
-    with torch.no_grad():  # transformers leaves the flat expert weights as torch.empty made them
-        for block in model.transformer.blocks:
-            for w in (block.ffn.experts.mlp.w1, block.ffn.experts.mlp.v1, block.ffn.experts.mlp.w2):
-                w.normal_(0, 0.1)
-    return model
-
-
 @pytest.mark.parametrize("low_memory", [False, True], ids=["default", "low-memory"])
 def test_a_traced_moe_is_probed_as_its_program_runs_it(low_memory, monkeypatch):
     """DBRX's experts loop over the experts picked; the program runs every expert on every token
     (`patchc.models.traceable`), and so does the probe (`program_form`): 98.8% / 92.8% of the program's bytes,
     where the model's own loop gave 44% / 32%."""
-    model = _dbrx()
+    from tests.test_dbrx import _model
+
+    model = _model(experts=8, ffn=128)  # experts that outweigh the attention: 8 of 128, 2 picked per token
     opts = PruneOptions(tile=(16, 16), batch_size=4, block_len=48, low_memory=low_memory)
     program = _program_saves(model, 4, 48, low_memory)
     step = step_bytes(model, _layers(model), opts)

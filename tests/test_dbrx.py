@@ -22,11 +22,11 @@ dbrx = pytest.importorskip("transformers.models.dbrx.modeling_dbrx")
 EXPERTS, FFN, HIDDEN, TOP_K = 4, 32, 64, 2
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
+def _model(seed: int = 0, experts: int = EXPERTS, ffn: int = FFN) -> torch.nn.Module:
     config = transformers.DbrxConfig(
         d_model=HIDDEN, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=128,
         attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},  # DBRX's own 8
-        ffn_config={"ffn_hidden_size": FFN, "moe_num_experts": EXPERTS, "moe_top_k": TOP_K, "hidden_size": HIDDEN})
+        ffn_config={"ffn_hidden_size": ffn, "moe_num_experts": experts, "moe_top_k": TOP_K, "hidden_size": HIDDEN})
     torch.manual_seed(seed)
     model = transformers.DbrxForCausalLM(config).eval()
     with torch.no_grad():  # transformers leaves the flat expert weights as torch.empty made them
