@@ -3,6 +3,7 @@
     python benchmarks/family_sweep.py                  # all of them (196 in transformers 5.24: ~35 min on 2 cores)
     python benchmarks/family_sweep.py --types llama gemma4_text deepseek_v4
     python benchmarks/family_sweep.py --experts batched_mm --types qwen3_moe gpt_oss   # backend stages on it
+    python benchmarks/family_sweep.py --offload        # only `tiny`, then the blocks streamed (--offload)
 
 tests/test_families.py checks ~30 families with hand-written configs. A transformers release adds families
 faster than that matrix grows, so this sweep shrinks each type's default config by rule (hidden 64, 2
@@ -25,6 +26,10 @@ what a validator ties) and runs:
     generate `model.generate()` (greedy, 6 tokens, KV cache) with the forward compiled by the backend gives
              the plan-applied model's tokens (prompt, first decode step and dynamic graphs). A type whose
              own `generate` fails is counted as passed with "generate": "n/a"
+
+With --offload the sweep runs `tiny` and then `offload` alone: the model's blocks streamed from host memory
+(`patchc.models.offload.stream_blocks`, as `patchc eval --offload` and `patchc sample --offload` run it, here
+host to host) give its own logits exactly, and its own greedy `generate()` (KV cache) its own tokens.
 
 Each type runs in its own process (a crash or hang costs that type only, `--timeout`). Prints one line per
 type and a summary; appends a record per run to benchmarks/results/families.jsonl.
@@ -254,6 +259,42 @@ def check(model_type: str, experts: str | None = None) -> dict[str, Any]:
     return out
 
 
+def check_offload(model_type: str) -> dict[str, Any]:
+    """`tiny`, then `offload`: the streamed model's logits and greedy tokens are its own, exactly."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from patchc.models.offload import stream_blocks
+
+    out: dict[str, Any] = {"type": model_type, "passed": None}
+    stage = "tiny"
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+        ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            dense = model(ids, use_cache=False).logits
+        out["passed"], stage = "tiny", "offload"
+        prompt, kw = ids[:1, :7], dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        try:
+            with torch.no_grad():
+                tokens = model.generate(prompt, **kw)
+        except Exception:  # noqa: BLE001 - a family without generate support says nothing of patchc
+            tokens = None
+        stream = stream_blocks(model, "cpu")
+        out["blocks"], out["resident"] = len(stream.blocks), len(stream.resident)
+        with torch.no_grad():
+            assert torch.equal(model(ids, use_cache=False).logits, dense), "the streamed logits differ"
+            out["generate"] = "n/a" if tokens is None else bool(torch.equal(model.generate(prompt, **kw), tokens))
+        assert out["generate"] is not False, "the streamed model generates other tokens"
+        assert stream.on_device == [], f"copies left on the device: {stream.on_device}"
+        out["passed"] = "offload"
+    except Exception as error:  # noqa: BLE001 - the sweep records every failure and goes on
+        out["failed"] = stage
+        out["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+    return out
+
+
 def _check_saved(fast: Any, pruned: Any) -> None:
     """The compiled model's `save_pretrained` state is the plan-applied model's state dict, exactly."""
     import torch
@@ -333,10 +374,11 @@ def model_types() -> list[str]:
     return sorted(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def run_one(model_type: str, timeout: float, experts: str | None = None) -> dict[str, Any]:
-    """`check` in a fresh process (a crash, hang or leak stays there)."""
+def run_one(model_type: str, timeout: float, experts: str | None = None, offload: bool = False) -> dict[str, Any]:
+    """`check` (`check_offload` with `offload`) in a fresh process (a crash, hang or leak stays there)."""
     t0 = time.perf_counter()
-    cmd = [sys.executable, __file__, "--child", model_type, *(["--experts", experts] if experts else [])]
+    cmd = [sys.executable, __file__, "--child", model_type, *(["--experts", experts] if experts else []),
+           *(["--offload"] if offload else [])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -350,12 +392,12 @@ def run_one(model_type: str, timeout: float, experts: str | None = None) -> dict
     return result
 
 
-def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise(results: list[dict[str, Any]], last: str = STAGES[-1]) -> dict[str, Any]:
     built = [r for r in results if r["passed"] is not None]
-    whole = [r["type"] for r in built if r["passed"] == STAGES[-1]]
+    whole = [r["type"] for r in built if r["passed"] == last]
     return {"types": len(results), "built": len(built), "whole_path": len(whole),
             "not_built": sorted(r["type"] for r in results if r["passed"] is None),
-            "failed": {r["type"]: f"{r['failed']}: {r['error']}" for r in built if r["passed"] != STAGES[-1]},
+            "failed": {r["type"]: f"{r['failed']}: {r['error']}" for r in built if r["passed"] != last},
             "kept_dense": {r["type"]: r["kept_dense"] for r in built if r.get("kept_dense")},
             "backend_left_dense": {r["type"]: r["backend_left_dense"] for r in built if r.get("backend_left_dense")},
             "inferred_differs": {r["type"]: [r["backend_ops"], r["inferred_ops"], r["inferred_left_dense"]]
@@ -373,23 +415,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", default=str(RESULTS), help="JSON Lines file the run's record is appended to ('': none)")
     p.add_argument("--experts", help="transformers experts implementation for the backend and generate stages "
                                      "(e.g. batched_mm; default: the model's own, grouped_mm)")
+    p.add_argument("--offload", action="store_true", help="only `tiny` and `offload` (the blocks streamed)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ["PATCHC_CPU_IMPL"] = "reference"  # the plain-PyTorch path: the kernels have their own tests
-        print(json.dumps(check(args.child, args.experts)), flush=True)
+        result = check_offload(args.child) if args.offload else check(args.child, args.experts)
+        print(json.dumps(result), flush=True)
         return 0
     from tqdm import tqdm
 
     types = args.types or model_types()
     results = []
     with ThreadPoolExecutor(max(1, args.jobs)) as pool, tqdm(total=len(types), desc="families", file=sys.stderr) as bar:
-        for r in pool.map(lambda t: run_one(t, args.timeout, args.experts), types):
+        for r in pool.map(lambda t: run_one(t, args.timeout, args.experts, args.offload), types):
             results.append(r)
             bar.update()
             bar.write(f"{r['type']:28s} {r['passed'] or '-':8s} {r['s']:6.1f} s  {r.get('error', '')[:120]}")
-    summary = summarise(results)
+    summary = summarise(results, "offload" if args.offload else STAGES[-1])
     print(f"{summary['whole_path']} of {summary['built']} types that build tiny go through the whole path "
           f"({summary['types']} types; not built: {len(summary['not_built'])})")
     for name, why in summary["failed"].items():
@@ -412,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         from patchc.utils.env import cpu_model, versions
 
         append_jsonl(Path(args.results), {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpu": cpu_model(), **versions(),
-                                    "transformers": transformers.__version__, "experts": args.experts, "summary": summary,
+                                    "transformers": transformers.__version__, "experts": args.experts, "offload": args.offload,
+                                    "summary": summary,
                                     "results": results})
     return 0
 
