@@ -29,7 +29,9 @@ what a validator ties) and runs:
 
 With --offload the sweep runs `tiny` and then `offload` alone: the model's blocks streamed from host memory
 (`patchc.models.offload.stream_blocks`, as `patchc eval --offload` and `patchc sample --offload` run it, here
-host to host) give its own logits exactly, and its own greedy `generate()` (KV cache) its own tokens.
+host to host) give its own logits exactly, and its own greedy `generate()` (KV cache) its own tokens. The
+blocks hold NaN between their forwards (`poison`), so a weight read outside its block's forward, a device
+mismatch on a GPU, fails here too.
 
 Each type runs in its own process (a crash or hang costs that type only, `--timeout`). Prints one line per
 type and a summary; appends a record per run to benchmarks/results/families.jsonl.
@@ -281,7 +283,7 @@ def check_offload(model_type: str) -> dict[str, Any]:
                 tokens = model.generate(prompt, **kw)
         except Exception:  # noqa: BLE001 - a family without generate support says nothing of patchc
             tokens = None
-        stream = stream_blocks(model, "cpu")
+        stream = stream_blocks(model, "cpu", poison=True)  # a block's weight read outside its forward: NaN
         out["blocks"], out["resident"] = len(stream.blocks), len(stream.resident)
         with torch.no_grad():
             assert torch.equal(model(ids, use_cache=False).logits, dense), "the streamed logits differ"

@@ -68,7 +68,7 @@ def test_generation_with_a_kv_cache_matches_the_model():
     model = _llama(tied=False)
     prompt = _ids(1, 6)
     tokens = model.generate(prompt, max_new_tokens=6, do_sample=False)
-    stream = stream_blocks(model, "cpu")
+    stream = stream_blocks(model, "cpu", poison=True)  # NaN would show a weight read outside its block
     assert id(model.lm_head.weight) in {id(t) for t in stream.resident}
     assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), tokens)
     assert stream.copies_made == 3 * 6  # every block once per forward: the prompt, then 5 decode steps
@@ -110,6 +110,46 @@ def test_a_weight_tied_across_a_block_boundary_stays_resident_and_a_model_withou
         stream_blocks(nn.Sequential(nn.Linear(4, 4)), "cpu")
     with pytest.raises(ValueError, match="streamed to cpu already, not meta"):
         stream_blocks(model, "meta")
+
+
+class _Parallel(nn.Module):
+    """XLM's layout: a layer's attention and FFN in parallel lists, with no block module around them."""
+
+    def __init__(self, peek: bool = False) -> None:
+        super().__init__()
+        self.peek = peek
+        self.embed = nn.Embedding(16, 8)
+        self.attentions = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.ffns = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for attention, ffn in zip(self.attentions, self.ffns):
+            x = ffn(attention(x))
+        if self.peek:  # a block's weight read outside its forward: on a GPU, a device mismatch
+            x = x + self.ffns[0][0].weight.sum()
+        return x
+
+
+def test_a_model_without_blocks_streams_the_items_of_its_outermost_lists():
+    model = _Parallel()
+    ids = torch.tensor([[1, 2, 3]])
+    out = model(ids)
+    stream = stream_blocks(model, "cpu", poison=True)
+    assert [p for p, _ in stream.blocks] == ["attentions.0", "attentions.1", "ffns.0", "ffns.1"]
+    assert {id(t) for t in stream.resident} == {id(model.embed.weight)}
+    assert torch.equal(model(ids), out) and stream.copies_made == 4
+    assert model.ffns[0][0].weight.isnan().all()  # poisoned between forwards: the weights wait aside
+    stream.remove()
+    assert torch.equal(model(ids), out)
+
+
+def test_poison_shows_on_a_cpu_a_weight_read_outside_its_block():
+    model = _Parallel(peek=True)
+    ids = torch.tensor([[1, 2, 3]])
+    assert not model(ids).isnan().any()
+    stream_blocks(model, "cpu", poison=True)
+    assert model(ids).isnan().all()
 
 
 def test_the_device_holds_the_parts_outside_the_blocks_and_one_block():

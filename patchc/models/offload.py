@@ -29,8 +29,15 @@ STREAM_ATTR = "_patchc_stream"
 
 
 def blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(path, module) of each outermost transformer block (`block_path`: `layers.N`, `h.N`, `blocks.N`, ...)."""
-    return [(path, m) for path, m in model.named_modules() if path and block_path(path) == path]
+    """(path, module) of each outermost transformer block (`block_path`: `layers.N`, `h.N`, `blocks.N`, ...);
+    for a model without such blocks, the items of its outermost `nn.ModuleList`s (XLM keeps a layer's attention
+    and FFN in parallel lists, `attentions.N` and `ffns.N`: each item streams on its own)."""
+    found = [(path, m) for path, m in model.named_modules() if path and block_path(path) == path]
+    if found:
+        return found
+    lists = [path for path, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    outer = [p for p in lists if not any(p.startswith(q + ".") for q in lists)]
+    return [(f"{p}.{name}", child) for p in outer for name, child in model.get_submodule(p).named_children()]
 
 
 class BlockStream:
@@ -39,15 +46,22 @@ class BlockStream:
     `resident`: the tensors outside the blocks, moved to the device once; a tensor that a block shares with
     them (a tied weight) is resident too. `on_device` names the blocks whose copies are on the device now (at
     most one, between a block's pre- and post-forward hooks).
+
+    `poison` (tests): between its forwards a block's floating-point tensors hold NaN and the weights wait
+    aside, so a weight read outside its block's forward, which on a GPU would be a device mismatch, turns the
+    output NaN on a CPU too.
     """
 
-    def __init__(self, model: nn.Module, device: str | torch.device) -> None:
+    def __init__(self, model: nn.Module, device: str | torch.device, poison: bool = False) -> None:
         self.model = model
         self.device = torch.device(device)
+        self.poison = poison
+        self._aside: dict[int, torch.Tensor] = {}  # id(tensor) -> its weights, while poisoned
         self.blocks = blocks_of(model)
         if not self.blocks:
             raise ValueError(f"--offload: {type(model).__name__} has no transformer blocks patchc can find "
-                             "(modules named layers.N, layer.N, h.N, blocks.N or block.N) to stream one at a time")
+                             "(modules named layers.N, layer.N, h.N, blocks.N or block.N, or an nn.ModuleList's "
+                             "items) to stream one at a time")
         inside = {id(t) for _, b in self.blocks for t in _tensors(b)} - _held_outside(model, self.blocks)
         self.resident = [t for t in _tensors(model) if id(t) not in inside]
         self.on_device: list[str] = []
@@ -62,8 +76,10 @@ class BlockStream:
             t.data = t.data.to(self.device)
         for path, block in self.blocks:
             for t in _tensors(block):
-                if id(t) not in resident:
+                if id(t) not in resident and id(t) not in self._aside:
                     t.data = _pinned(t.data.to("cpu"), self.device)
+                    if self.poison and t.is_floating_point():
+                        self._aside[id(t)], t.data = t.data, torch.full_like(t.data, float("nan"))
             self._hooks.append(block.register_forward_pre_hook(self._loader(path, block, resident)))
             self._hooks.append(block.register_forward_hook(self._unloader(path, block, resident), always_call=True))
         setattr(self.model, STREAM_ATTR, self)
@@ -76,6 +92,10 @@ class BlockStream:
         self._hooks.clear()
         for t in self.resident:
             t.data = t.data.to("cpu")
+        for _, block in self.blocks:
+            for t in _tensors(block):
+                if id(t) in self._aside:
+                    t.data = self._aside.pop(id(t))
         if getattr(self.model, STREAM_ATTR, None) is self:
             delattr(self.model, STREAM_ATTR)
 
@@ -92,7 +112,7 @@ class BlockStream:
         def load(_module, _args):
             held = [(t, t.data) for t in _tensors(block) if id(t) not in resident]
             for t, host in held:
-                t.data = host.to(self.device, non_blocking=True, copy=True)
+                t.data = self._aside.get(id(t), host).to(self.device, non_blocking=True, copy=True)
             self._held[path] = held
             self.on_device.append(path)
             self.copies_made += 1
@@ -118,11 +138,11 @@ def device_share(model: nn.Module) -> tuple[int, int]:
     return sum(t.numel() for t in stream.resident), max(blocks)
 
 
-def stream_blocks(model: nn.Module, device: str | torch.device) -> BlockStream:
+def stream_blocks(model: nn.Module, device: str | torch.device, poison: bool = False) -> BlockStream:
     """Run `model` on `device` with its blocks in host memory, one copied over for each block's forward.
 
     Returns the installed `BlockStream` (`.remove()` takes the hooks off). A model streamed already is
-    returned as it is streamed.
+    returned as it is streamed. `poison`: NaN in the blocks between their forwards (`BlockStream`; tests).
 
     Example:
         >>> stream = stream_blocks(model, "cuda")   # doctest: +SKIP
@@ -133,7 +153,7 @@ def stream_blocks(model: nn.Module, device: str | torch.device) -> BlockStream:
         if current.device != torch.device(device):
             raise ValueError(f"the model is streamed to {current.device} already, not {device}")
         return current
-    return BlockStream(model, device).install()
+    return BlockStream(model, device, poison).install()
 
 
 def streaming(model: nn.Module) -> BlockStream | None:
