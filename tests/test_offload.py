@@ -257,12 +257,17 @@ def test_on_a_gpu_only_one_block_and_the_resident_parts_take_device_memory():
         dense = model.float()(ids).logits  # an independent fp32 computation on the CPU
     model.to(torch.bfloat16)
     resident, block = device_share(model)
+    warm = torch.ones(64, 1024, device="cuda", dtype=torch.bfloat16)
+    torch.nn.functional.linear(warm, warm)  # cuBLAS's workspace, allocated by torch's allocator, before measuring
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     stream = stream_blocks(model, "cuda")
     with torch.no_grad():
         logits = model(ids.cuda()).logits.float().cpu()
     peak = torch.cuda.max_memory_allocated() - before
-    assert peak < (resident + 2 * block) * 2 + 64 * 2**20  # bf16 weights; activations of 64 tokens are small
+    whole = sum(p.numel() for p in model.parameters()) * 2
+    # bf16 weights; activations of 64 tokens are small. The whole model (151 MB) would not fit under the bound.
+    assert peak < (resident + 2 * block) * 2 + 64 * 2**20 < whole
     assert all(p.device.type == "cpu" for _, b in stream.blocks for p in b.parameters())
     assert (logits - dense).abs().max() < 0.05 * dense.abs().max()
