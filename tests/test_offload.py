@@ -183,15 +183,16 @@ def test_eval_and_sample_score_and_write_what_they_do_without_it(tmp_path, monke
         streamed = rescore(tmp_path / "plan.patch", offload=True, **split)
     assert streamed["dense"] == plain["dense"] and streamed["pruned"] == plain["pruned"]
     assert plain["pruned"]["perplexity"] > plain["dense"]["perplexity"]  # the plan was applied
-    assert len(streams) == 2  # the dense model, then the plan's copy
-    # 2,920 tokens: 11 windows of 256 and a shorter one, in 2 forwards of the 5 blocks (3 at 8 windows a forward)
-    assert [s.copies_made for s in streams] == [5 * 2, 5 * 2]
+    assert len(streams) == 1  # the plan goes into the scored dense model: no second copy
+    # 2,920 tokens: 11 windows of 256 and a shorter one, in 2 forwards of the 5 blocks (3 at 8 windows a forward),
+    # for the dense model and then the pruned one
+    assert streams[0].copies_made == 2 * 5 * 2
     opts = PruneOptions(train_data="self", self_tokens=60, block_len=19, threads=1, progress=False)
     write_samples(opts, tmp_path / "a.txt")
     with pytest.warns(UserWarning, match="--offload on cpu"):
         write_samples(dataclasses.replace(opts, offload=True), tmp_path / "b.txt")
     assert (tmp_path / "a.txt").read_text() == (tmp_path / "b.txt").read_text()
-    assert len(streams) == 3 and streams[-1].copies_made % 5 == 0 and streams[-1].copies_made > 5  # decode steps
+    assert len(streams) == 2 and streams[-1].copies_made % 5 == 0 and streams[-1].copies_made > 5  # decode steps
 
 
 def test_an_offloaded_forward_scores_as_many_windows_as_2_gb_of_logits_hold():
@@ -230,20 +231,19 @@ def test_the_job_loads_into_host_memory_and_streams(monkeypatch):
 def test_offload_refuses_what_host_or_gpu_cannot_hold(tmp_path, monkeypatch):
     _llama(tied=False, layers=4, hidden=128).config.save_pretrained(tmp_path)
     block = sum(p.numel() for p in _llama(False, 1, 128).model.layers[0].parameters())
-    weights = 2 * 256 * 128 + 128 + 4 * block  # parameters: what `weight_bytes` counts
-    on_gpu = (2 * 256 * 128 + 128 + 32 + block) * 2  # bf16, rotary's buffers with the resident parts
+    weights = (2 * 256 * 128 + 128 + 4 * block) * 2  # parameters in bf16: what `weight_bytes` counts
+    on_gpu = (2 * 256 * 128 + 128 + 32 + block) * 2  # rotary's buffers with the resident parts
     opts = PruneOptions(model=str(tmp_path), device="cuda", offload=True)
-    free = {"cpu": 2 * weights * 2, "cuda": on_gpu}
+    free = {"cpu": weights, "cuda": on_gpu}
     monkeypatch.setattr(memory, "free_bytes", lambda device: free[device.split(":")[0]])
-    memory.check_loads(opts, torch.bfloat16, host_copies=2)  # both just fit
+    memory.check_loads(opts, torch.bfloat16)  # both just fit
     free["cuda"] = on_gpu - 1
     with pytest.raises(ValueError, match=r"the parts outside its blocks and its largest block take .* on cuda"):
         memory.check_loads(opts, torch.bfloat16)
-    free.update(cuda=on_gpu, cpu=2 * weights * 2 - 1)
-    with pytest.raises(ValueError, match=r"--offload: 2 copies of its weights take .* host memory has"):
-        memory.check_loads(opts, torch.bfloat16, host_copies=2)
-    memory.check_loads(opts, torch.bfloat16)  # one copy (`patchc sample`) fits
-    free["cuda"] = 0  # without --offload the whole model must fit, and the refusal names --offload
+    free.update(cuda=on_gpu, cpu=weights - 1)
+    with pytest.raises(ValueError, match=r"--offload: its weights take .* host memory has .* available"):
+        memory.check_loads(opts, torch.bfloat16)
+    free.update(cuda=0, cpu=weights)  # without --offload the whole model must fit, and the refusal names it
     with pytest.raises(ValueError, match=r"`patchc eval` and `patchc sample` take --offload"):
         memory.check_loads(PruneOptions(model=str(tmp_path), device="cuda"), torch.bfloat16)
 

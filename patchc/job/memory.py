@@ -172,18 +172,18 @@ def check_hessian(layers: dict[str, int], device: str, user: str, remedy: str) -
                              f"free; {remedy}")
 
 
-def check_loads(opts: PruneOptions, dtype: torch.dtype, host_copies: int = 1) -> None:
+def check_loads(opts: PruneOptions, dtype: torch.dtype) -> None:
     """ValueError before loading when the model's weights alone (`weight_bytes`, in `dtype`) exceed the memory
     free on `opts.device`, a GPU: a clear refusal instead of an out-of-memory error after minutes of reading.
-    With --offload, `host_copies` of the weights must fit in host memory instead (`patchc eval` scores a pruned
-    copy beside the dense model: 2) and the GPU must hold what streaming keeps there (`check_streams`)."""
+    With --offload the weights must fit in host memory instead, and the GPU must hold what streaming keeps
+    there (`check_streams`)."""
     if not opts.device.startswith("cuda"):
         return
     from patchc.ir.file_format import dtype_name
     from patchc.models.spec import weight_bytes
 
     if opts.offload:
-        check_streams(opts, dtype, host_copies)
+        check_streams(opts, dtype)
         return
     free, need = free_bytes(opts.device), weight_bytes(opts.model, dtype)
     if free is None or need is None or need <= free:
@@ -194,19 +194,18 @@ def check_loads(opts: PruneOptions, dtype: torch.dtype, host_copies: int = 1) ->
                      "or --device cpu (`patchc eval` and `patchc sample` take --offload)")
 
 
-def check_streams(opts: PruneOptions, dtype: torch.dtype, host_copies: int = 1) -> None:
-    """--offload's refusals before loading: `host_copies` of the weights beyond host memory's MemAvailable, or
-    the parts outside the blocks plus the largest block beyond the GPU's free memory."""
+def check_streams(opts: PruneOptions, dtype: torch.dtype) -> None:
+    """--offload's refusals before loading: weights beyond host memory's MemAvailable, or the parts outside
+    the blocks plus the largest block beyond the GPU's free memory."""
     from patchc.ir.file_format import dtype_name
     from patchc.models.offload import device_share
     from patchc.models.spec import meta_model, weight_bytes
 
     weights, host = weight_bytes(opts.model, dtype), free_bytes("cpu")
-    if weights is not None and host is not None and host_copies * weights > host:
-        copies = f"{host_copies} copies of its weights" if host_copies > 1 else "its weights"
-        raise ValueError(f"--model {opts.model} --offload: {copies} take {_size(host_copies * weights)} in "
-                         f"{dtype_name(dtype)} and host memory has {_size(host)} available; --offload keeps them "
-                         "there, so use a machine with more memory")
+    if weights is not None and host is not None and weights > host:
+        raise ValueError(f"--model {opts.model} --offload: its weights take {_size(weights)} in {dtype_name(dtype)} "
+                         f"and host memory has {_size(host)} available; --offload keeps them there, so use a "
+                         "machine with more memory")
     model, free = meta_model(opts.model), free_bytes(opts.device)
     if model is None or free is None:
         return

@@ -25,18 +25,17 @@ from patchc.job.options import PruneOptions
 AUTO_TILES = (128, 64, 32, 16)
 
 
-def load_bundle(opts: PruneOptions, training: bool = True, host_copies: int = 1):
+def load_bundle(opts: PruneOptions, training: bool = True):
     """`opts.model` loaded onto `opts.device` in its weight dtype, checked, with the thread count set.
     `training=False` (`patchc eval`): --block-len is not checked, since nothing is trained. With --offload
-    the weights load into host memory and stream to the device block by block (`patchc.models.offload`);
-    `host_copies`: how many copies of them the command holds there at once (checked before loading)."""
+    the weights load into host memory and stream to the device block by block (`patchc.models.offload`)."""
     from patchc.models import load_model
 
     from patchc.job.memory import check_loads
 
     check_device(opts.device)
     dtype = weight_dtype(opts)
-    check_loads(opts, dtype, host_copies)
+    check_loads(opts, dtype)
     # loaded in the weights' dtype (an fp32 copy of a bf16-served model would take twice the GPU memory), then
     # cast whole: a module transformers keeps in fp32 (`_keep_in_fp32_modules`) is cast too, as it always was
     where = "cpu" if opts.offload else opts.device  # --offload: into host memory, then streamed block by block

@@ -72,14 +72,14 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     from patchc.job.corpus import check_text_files, read_documents, scored_texts, split_data, text_size
     from patchc.job.model import load_bundle
     from patchc.job.records import chat_renderer
-    from patchc.job.stages import dense_reference, evaluate, score_copy
+    from patchc.job.stages import dense_reference, evaluate
 
     plan = TilePlan.load(plan_path)
     opts = eval_options(plan, **options)
     trained_on = recorded_split(plan).get("files")
     check_text_files(opts, eval_flag="--text", data_note=f" (the plan was trained on {', '.join(trained_on)})"
                      if trained_on else "")
-    bundle = load_bundle(opts, training=False, host_copies=2)  # --offload: the plan's copy beside the dense model
+    bundle = load_bundle(opts, training=False)
     chat = chat_renderer(bundle.tokenizer)  # a chat record's text is what the model's template makes of it
     _, eval_docs = split_data(opts, chat)
     overlap = check_overlap(plan, eval_docs, allow_overlap)
@@ -88,7 +88,9 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     data = scored_texts(bundle, opts, eval_docs, ", ".join(opts.data))  # what load_data(training=False) gives
     dense_ref = dense_reference(bundle, data)
     dense = evaluate(bundle, bundle.model, data, opts, dense_ref)
-    pruned = score_copy(bundle, lambda: plan.apply(bundle.reload(), force=force), data, opts, dense_ref)
+    # the dense model is scored: the plan goes into it in place, not into a second copy read from disk again
+    # (a 70B model under --offload would need twice its weights in host memory)
+    pruned = evaluate(bundle, plan.apply(bundle.model, force=force), data, opts, dense_ref)
     return {"plan": plan, "options": opts, "overlap": overlap, "dense": dense, "pruned": pruned, "kind": bundle.kind,
             "held_out": text_size(bundle.kind, data["eval"]),
             "scored": {path: text_size(bundle.kind, v) for path, v in data["extra"].items()}}
