@@ -48,7 +48,7 @@ def load_bundle(opts: PruneOptions, training: bool = True):
         if opts.device == "cpu":
             warnings.warn("--offload on cpu: the weights are in host memory already, so streaming only copies each "
                           "block for its forward; it is meant for --device cuda", stacklevel=2)
-        stream_blocks(bundle.model, opts.device)  # `bundle.reload()` still gives whole host copies (plan.apply)
+        stream_blocks(bundle.model, opts.device)  # `bundle.reload()` still gives plain host copies
     return bundle
 
 

@@ -211,12 +211,7 @@ def score_copy(bundle, make: Callable[[], torch.nn.Module], data: dict, opts: Pr
     """`evaluate` the pruned copy `make()` builds, while the dense model waits in host memory (`parked`, on a
     GPU): a device that holds the model once need not hold it twice. The copy is dropped before it returns."""
     with parked(bundle.model):
-        model = make()
-        if opts.offload:  # a host copy (`bundle.reload`), streamed as the dense model is
-            from patchc.models.offload import stream_blocks
-
-            stream_blocks(model, opts.device)
-        return evaluate(bundle, model, data, opts, dense_ref)
+        return evaluate(bundle, make(), data, opts, dense_ref)
 
 
 def oneshot_masks(bundle, method: str, calib, progress: bool = False) -> dict[str, torch.Tensor]:
