@@ -255,7 +255,7 @@ def check(model_type: str, experts: str | None = None) -> dict[str, Any]:
         out["passed"] = "generate"
     except Exception as error:  # noqa: BLE001 - the sweep records every failure and goes on
         out["failed"] = stage
-        out["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+        out["error"] = first_line(error)
     finally:
         stack.close()
     return out
@@ -293,8 +293,14 @@ def check_offload(model_type: str) -> dict[str, Any]:
         out["passed"] = "offload"
     except Exception as error:  # noqa: BLE001 - the sweep records every failure and goes on
         out["failed"] = stage
-        out["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+        out["error"] = first_line(error)
     return out
+
+
+def first_line(error: BaseException) -> str:
+    """"Type: the message's first line" (300 characters at most), as a type's record gives its failure."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def _check_saved(fast: Any, pruned: Any) -> None:
@@ -458,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         from patchc.utils.env import cpu_model, versions
 
         append_jsonl(Path(args.results), {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpu": cpu_model(), **versions(),
-                                    "transformers": transformers.__version__, "experts": args.experts, "offload": args.offload,
-                                    "summary": summary,
+                                    "transformers": transformers.__version__, "experts": args.experts,
+                                    "offload": args.offload, "summary": summary,
                                     "results": results})
     return 0
 

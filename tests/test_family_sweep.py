@@ -94,3 +94,26 @@ def test_a_config_the_rule_does_not_fit_is_not_counted_against_patchc(sweep):
     assert summary["backend_left_dense"] == {"b": 2} and summary["per_length"] == ["a"]
     assert summary["failed"] == {"c": "masks: AssertionError: not close", "d": "backend: AssertionError: not close"}
     json.dumps(summary)  # goes to the results file as is
+
+
+def test_the_offload_sweep_streams_a_family_and_names_a_read_outside_its_block(sweep, monkeypatch):
+    """--offload: `tiny`, then the blocks streamed and poisoned between their forwards; the model's own
+    logits and greedy tokens, exactly. A block's weight read by code outside it turns the logits NaN."""
+    result = sweep.check_offload("llama")
+    assert result == {"type": "llama", "passed": "offload", "blocks": 2, "resident": result["resident"],
+                      "generate": True}
+    summary = sweep.summarise([result, {"type": "x", "passed": "tiny", "failed": "offload", "error": "E: e"}],
+                              "offload")
+    assert summary["whole_path"] == 1 and summary["failed"] == {"x": "offload: E: e"}
+    from transformers.models.llama import modeling_llama
+
+    forward = modeling_llama.LlamaModel.forward
+
+    def peek(self, *args, **kwargs):  # reads a block's weight outside the block: a device mismatch on a GPU
+        out = forward(self, *args, **kwargs)
+        out.last_hidden_state = out.last_hidden_state + self.layers[0].mlp.up_proj.weight.sum()
+        return out
+
+    monkeypatch.setattr(modeling_llama.LlamaModel, "forward", peek)
+    result = sweep.check_offload("llama")
+    assert result["failed"] == "offload" and "the streamed logits differ" in result["error"]
