@@ -36,7 +36,9 @@ def device_of(model: Any, fallback: str | torch.device = "cpu") -> torch.device:
     """Device of a module's first parameter (or buffer), or the device a streamed model runs on
     (`patchc.models.offload`); `fallback` for anything else."""
     if isinstance(model, nn.Module):
-        stream = getattr(model, "_patchc_stream", None)
+        from patchc.models.offload import streaming
+
+        stream = streaming(model)
         if stream is not None:
             return stream.device
         for t in model.parameters():

@@ -157,8 +157,8 @@ def meta_model(spec: str | os.PathLike) -> torch.nn.Module | None:
     llama2.c checkpoint or a config this cannot build (the loader then says why)."""
     raw = str(spec)
     path = Path(raw).expanduser()
-    if path.is_dir() and not (path / "config.json").is_file() or path.is_file() and path.name != "config.json":
-        return None
+    if (path.is_dir() and not (path / "config.json").is_file()) or (path.is_file() and path.name != "config.json"):
+        return None  # llama2.c: a checkpoint file, or a folder holding one
     folder = _hf.minilm_dir() if _hf.is_minilm_alias(raw) else path.parent if path.is_file() else path
     try:
         config = _hf.hf_config(str(folder) if folder.exists() else raw)
