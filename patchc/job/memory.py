@@ -201,12 +201,13 @@ def check_streams(opts: PruneOptions, dtype: torch.dtype) -> None:
     from patchc.models.offload import device_share
     from patchc.models.spec import meta_model, weight_bytes
 
-    weights, host = weight_bytes(opts.model, dtype), free_bytes("cpu")
+    model = meta_model(opts.model)  # built once: seconds for a large config
+    weights, host = weight_bytes(opts.model, dtype, meta=model), free_bytes("cpu")
     if weights is not None and host is not None and weights > host:
         raise ValueError(f"--model {opts.model} --offload: its weights take {_size(weights)} in {dtype_name(dtype)} "
                          f"and host memory has {_size(host)} available; --offload keeps them there, so use a "
                          "machine with more memory")
-    model, free = meta_model(opts.model), free_bytes(opts.device)
+    free = free_bytes(opts.device)
     if model is None or free is None:
         return
     resident, block = device_share(model)

@@ -132,10 +132,10 @@ def _load(raw: str, device: str, dtype: torch.dtype, progress: bool) -> ModelBun
     return _load_hf_bundle(raw, raw, raw, device, dtype, progress)
 
 
-def weight_bytes(spec: str | os.PathLike, dtype: torch.dtype) -> int | None:
+def weight_bytes(spec: str | os.PathLike, dtype: torch.dtype, meta: torch.nn.Module | None = None) -> int | None:
     """Bytes the weights of model `spec` take in `dtype`, read without loading them: a transformers model's
     parameters built on the meta device from its config (tied weights once), a llama2.c checkpoint's fp32 file
-    size; None where neither can be read (the loader then says why).
+    size; None where neither can be read (the loader then says why). `meta`: `meta_model(spec)`, when built.
 
     Example:
         >>> weight_bytes("/work/shared/models/stories260K/stories260K.bin", torch.bfloat16) // 1000   # 520 loaded
@@ -148,7 +148,7 @@ def weight_bytes(spec: str | os.PathLike, dtype: torch.dtype) -> int | None:
     if path.is_dir() and not (path / "config.json").is_file():
         ckpts = _llama2c_in_folder(path)
         return ckpts[0].stat().st_size * dtype.itemsize // 4 if len(ckpts) == 1 else None
-    model = meta_model(spec)
+    model = meta if meta is not None else meta_model(spec)
     return None if model is None else sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
 
