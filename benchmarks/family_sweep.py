@@ -29,9 +29,10 @@ what a validator ties) and runs:
 
 With --offload the sweep runs `tiny` and then `offload` alone: the model's blocks streamed from host memory
 (`patchc.models.offload.stream_blocks`, as `patchc eval --offload` and `patchc sample --offload` run it, here
-host to host) give its own logits exactly, and its own greedy `generate()` (KV cache) its own tokens. The
-blocks hold NaN between their forwards (`poison`), so a weight read outside its block's forward, a device
-mismatch on a GPU, fails here too.
+host to host, each forward's next block copied as one starts, as prefetch does on a GPU) give its own logits
+exactly, and its own greedy `generate()` (KV cache) its own tokens. The blocks hold NaN between their forwards
+(`poison`), so a weight read outside its block's forward, a device mismatch on a GPU, fails here too; the
+record counts the prefetched copies and the misses (a block that did not come next).
 
 Each type runs in its own process (a crash or hang costs that type only, `--timeout`). Prints one line per
 type and a summary; appends a record per run to benchmarks/results/families.jsonl.
@@ -283,13 +284,16 @@ def check_offload(model_type: str) -> dict[str, Any]:
                 tokens = model.generate(prompt, **kw)
         except Exception:  # noqa: BLE001 - a family without generate support says nothing of patchc
             tokens = None
-        stream = stream_blocks(model, "cpu", poison=True)  # a block's weight read outside its forward: NaN
+        # poison: a block's weight read outside its forward gives NaN; prefetch: the next block's copy is made
+        # as one starts, as on a GPU with room for it (here at once, not on a side stream)
+        stream = stream_blocks(model, "cpu", poison=True, prefetch=True)
         out["blocks"], out["resident"] = len(stream.blocks), len(stream.resident)
         with torch.no_grad():
             assert torch.equal(model(ids, use_cache=False).logits, dense), "the streamed logits differ"
             out["generate"] = "n/a" if tokens is None else bool(torch.equal(model.generate(prompt, **kw), tokens))
         assert out["generate"] is not False, "the streamed model generates other tokens"
-        assert stream.on_device == [], f"copies left on the device: {stream.on_device}"
+        assert stream.on_device == [] and stream.arriving is None, f"copies left on the device: {stream.on_device}"
+        out["prefetched"], out["misses"] = stream.prefetched, stream.misses
         out["passed"] = "offload"
     except Exception as error:  # noqa: BLE001 - the sweep records every failure and goes on
         out["failed"] = stage

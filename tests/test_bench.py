@@ -501,7 +501,11 @@ def test_the_lease_script_runs_its_steps_and_keeps_their_records(tmp_path):
     out = subprocess.run(["bash", script, str(tmp_path), "bench"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and "bench: exit 0 after" in out.stdout, out.stdout + out.stderr
-    assert (tmp_path / "bench.log").exists() and json.loads(next(tmp_path.glob("*.jsonl")).read_text())["experts"]
+    assert (tmp_path / "bench.log").exists() and json.loads(next(tmp_path.glob("cpu*.jsonl")).read_text())["experts"]
+    out = subprocess.run(["bash", script, str(tmp_path), "offload"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert "offload: exit 0 after" in out.stdout, out.stdout + out.stderr
+    assert json.loads((tmp_path / "offload.jsonl").read_text())["offload"]["same_logits"]
     bad = subprocess.run(["bash", script, str(tmp_path), "bench-all"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown step 'bench-all'" in bad.stderr
 

@@ -97,11 +97,11 @@ def test_a_config_the_rule_does_not_fit_is_not_counted_against_patchc(sweep):
 
 
 def test_the_offload_sweep_streams_a_family_and_names_a_read_outside_its_block(sweep, monkeypatch):
-    """--offload: `tiny`, then the blocks streamed and poisoned between their forwards; the model's own
+    """--offload: `tiny`, then the blocks streamed, prefetched and poisoned between their forwards; the model's own
     logits and greedy tokens, exactly. A block's weight read by code outside it turns the logits NaN."""
     result = sweep.check_offload("llama")
     assert result == {"type": "llama", "passed": "offload", "blocks": 2, "resident": result["resident"],
-                      "generate": True}
+                      "generate": True, "prefetched": 7, "misses": 0}  # one a forward: logits, 6 generate steps
     summary = sweep.summarise([result, {"type": "x", "passed": "tiny", "failed": "offload", "error": "E: e"}],
                               "offload")
     assert summary["whole_path"] == 1 and summary["failed"] == {"x": "offload: E: e"}

@@ -71,7 +71,11 @@ def test_generation_with_a_kv_cache_matches_the_model():
     stream = stream_blocks(model, "cpu", poison=True)  # NaN would show a weight read outside its block
     assert id(model.lm_head.weight) in {id(t) for t in stream.resident}
     assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), tokens)
-    assert stream.copies_made == 3 * 6  # every block once per forward: the prompt, then 5 decode steps
+    assert stream.copies_made == 3 * 6 and not stream.prefetch  # every block once per forward: the prompt, 5 steps
+    stream.remove()
+    stream = stream_blocks(model, "cpu", poison=True, prefetch=True)
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), tokens)
+    assert (stream.copies_made, stream.prefetched, stream.misses) == (3 * 6, 2 * 6, 0)
 
 
 def test_a_block_that_fails_still_drops_its_copy(monkeypatch):
@@ -82,6 +86,47 @@ def test_a_block_that_fails_still_drops_its_copy(monkeypatch):
     with pytest.raises(ZeroDivisionError):
         model(_ids())
     assert stream.on_device == [] and {n: p.data_ptr() for n, p in model.named_parameters()} == host
+
+
+def test_prefetch_copies_the_next_block_while_one_runs_and_only_within_a_forward(monkeypatch):
+    model = _llama()
+    ids = _ids()
+    dense = model(ids).logits
+    stream = stream_blocks(model, "cpu", prefetch=True)  # on a CPU the copy is made at once, not overlapped
+    arriving = []
+    for i, block in enumerate(model.model.layers):
+        block.self_attn.register_forward_pre_hook(lambda *_, i=i: arriving.append((i, stream.arriving)))
+    assert torch.equal(model(ids).logits, dense)
+    assert arriving == [(0, "model.layers.1"), (1, "model.layers.2"), (2, None)]
+    assert (stream.copies_made, stream.prefetched, stream.misses, stream.arriving) == (3, 2, 0, None)
+    assert torch.equal(model(ids).logits, dense) and (stream.copies_made, stream.prefetched) == (6, 4)
+    # a prefetched copy never outlives the forward: weights written between forwards (as `patchc eval` writes
+    # the plan) are the ones the next forward reads, the first block's too
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.mlp.down_proj.weight.mul_(0.5)
+    halved = model(ids).logits
+    stream.remove()
+    assert torch.equal(model(ids).logits, halved) and not torch.equal(halved, dense)
+    stream = stream_blocks(model, "cpu", prefetch=True)
+    monkeypatch.setattr(model.model.layers[1].mlp, "forward", lambda x: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        model(ids)
+    assert stream.arriving is None and stream.on_device == []  # block 2's copy, made as block 1 started: dropped
+    model.model.layers[0](torch.randn(1, 4, 64), position_embeddings=model.model.rotary_emb(
+        torch.randn(1, 4, 64), torch.arange(4)[None]))  # a block run outside a forward of the model
+    assert stream.arriving is None and stream.prefetched == 1  # no prefetch there, nothing left behind
+
+
+def test_prefetch_learns_the_order_the_blocks_run_in():
+    model = _Parallel()
+    ids = torch.tensor([[1, 2, 3]])
+    out = model(ids)
+    stream = stream_blocks(model, "cpu", poison=True, prefetch=True)
+    assert torch.equal(model(ids), out)  # listed attentions.0, attentions.1, ffns.0, ffns.1; run in turns
+    assert (stream.prefetched, stream.misses) == (0, 3)
+    assert torch.equal(model(ids), out)
+    assert (stream.prefetched, stream.misses, stream.copies_made) == (3, 3, 4 + 3 + 4)
 
 
 class _TiedInside(nn.Module):
@@ -250,7 +295,7 @@ def test_offload_refuses_what_host_or_gpu_cannot_hold(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the blocks are copied to it")
-def test_on_a_gpu_only_one_block_and_the_resident_parts_take_device_memory():
+def test_on_a_gpu_only_the_resident_parts_and_two_blocks_take_device_memory():
     model = _llama(tied=False, layers=8, hidden=1024).to(torch.bfloat16)
     ids = _ids(1, 64)
     with torch.no_grad():
@@ -262,12 +307,18 @@ def test_on_a_gpu_only_one_block_and_the_resident_parts_take_device_memory():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    stream = stream_blocks(model, "cuda")
+    stream = stream_blocks(model, "cuda")  # prefetch: this GPU has room for it
     with torch.no_grad():
         logits = model(ids.cuda()).logits.float().cpu()
     peak = torch.cuda.max_memory_allocated() - before
     whole = sum(p.numel() for p in model.parameters()) * 2
-    # bf16 weights; activations of 64 tokens are small. The whole model (151 MB) would not fit under the bound.
+    # bf16 weights, the running block's and the next one's; activations of 64 tokens are small. The whole
+    # model (151 MB) would not fit under the bound.
     assert peak < (resident + 2 * block) * 2 + 64 * 2**20 < whole
+    assert (stream.prefetch, stream.prefetched, stream.misses) == (True, 7, 0)
     assert all(p.device.type == "cpu" for _, b in stream.blocks for p in b.parameters())
     assert (logits - dense).abs().max() < 0.05 * dense.abs().max()
+    stream.remove()
+    stream = stream_blocks(model, "cuda", prefetch=False)
+    with torch.no_grad():  # the side stream's copies are the same bytes, read once they have arrived
+        assert torch.equal(model(ids.cuda()).logits.float().cpu(), logits) and stream.prefetched == 0

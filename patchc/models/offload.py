@@ -4,11 +4,15 @@ copied onto the device for its own forward only.
     host:    model.layers.0 .. model.layers.N-1            (pinned where it can be: faster copies)
     device:  embeddings, final norm, head, ...             (everything outside the blocks)
     forward: copy block i to the device -> run it -> drop the copy -> block i + 1
+    prefetch (a GPU with room for it): block i + 1's copy starts on a side CUDA stream as block i starts to
+             run, so PCIe and the GPU's compute overlap instead of taking turns
 
 The copy is dropped, never copied back: the host tensors stay the weights, so nothing a forward does to a
 copy outlives it. A forward of LLaMA-2-70B in bf16 then holds the parts outside the blocks (1.0 GB) and one
-block (1.7 GB) on the GPU instead of 138 GB, and moves every block's bytes over PCIe once per forward: for
-scoring and sampling (`patchc eval --offload`, `patchc sample --offload`), not for training.
+block (1.7 GB) on the GPU instead of 138 GB (one more with prefetch), and moves every block's bytes over PCIe
+once per forward: for scoring and sampling (`patchc eval --offload`, `patchc sample --offload`), not for
+training. A prefetched copy lives within one forward of the model: the weights may change between forwards
+(`patchc eval` writes the plan into them), so the first block of each forward is copied as it starts.
 
 Example:
     >>> stream = stream_blocks(model, "cuda")          # doctest: +SKIP
@@ -18,7 +22,9 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,6 +32,9 @@ from torch import nn
 from patchc.utils.names import block_path
 
 STREAM_ATTR = "_patchc_stream"
+PREFETCH_ROOM = 3  # prefetch when the GPU's free memory holds this many blocks: two copies, room for activations
+
+log = logging.getLogger(__name__)
 
 
 def blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -45,17 +54,24 @@ class BlockStream:
 
     `resident`: the tensors outside the blocks, moved to the device once; a tensor that a block shares with
     them (a tied weight) is resident too. `on_device` names the blocks whose copies are on the device now (at
-    most one, between a block's pre- and post-forward hooks).
+    most one, between a block's pre- and post-forward hooks); `arriving` the block whose copy is prefetched.
+
+    `prefetch`: as a block starts to run, start copying the block that followed it in this forward the last
+    time (the list's next at first; XLM runs its two lists' items in turn), on a side CUDA stream. None: on a
+    GPU whose free memory holds `PREFETCH_ROOM` of the largest block beside the resident parts. A block that
+    does not come next after all (`misses`) is copied when it runs, as without prefetch.
 
     `poison` (tests): between its forwards a block's floating-point tensors hold NaN and the weights wait
     aside, so a weight read outside its block's forward, which on a GPU would be a device mismatch, turns the
     output NaN on a CPU too.
     """
 
-    def __init__(self, model: nn.Module, device: str | torch.device, poison: bool = False) -> None:
+    def __init__(self, model: nn.Module, device: str | torch.device, poison: bool = False,
+                 prefetch: bool | None = None) -> None:
         self.model = model
         self.device = torch.device(device)
         self.poison = poison
+        self.prefetch = prefetch
         self._aside: dict[int, torch.Tensor] = {}  # id(tensor) -> its weights, while poisoned
         self.blocks = blocks_of(model)
         if not self.blocks:
@@ -65,9 +81,13 @@ class BlockStream:
         inside = {id(t) for _, b in self.blocks for t in _tensors(b)} - _held_outside(model, self.blocks)
         self.resident = [t for t in _tensors(model) if id(t) not in inside]
         self.on_device: list[str] = []
-        self.copies_made = 0
+        self.copies_made = self.prefetched = self.misses = 0
         self._hooks: list = []
         self._held: dict[str, list] = {}  # block path -> (tensor, its host data) while the block runs
+        self._next = {path: after for (path, _), (after, _) in zip(self.blocks, self.blocks[1:])}
+        self._last: str | None = None  # the block that ran last in this forward of the model; None outside one
+        self._ahead: _Copies | None = None
+        self._copier: torch.cuda.Stream | None = None
 
     def install(self) -> BlockStream:
         """Move the resident tensors to the device, pin the blocks' host tensors, hook every block."""
@@ -82,14 +102,26 @@ class BlockStream:
                         self._aside[id(t)], t.data = t.data, torch.full_like(t.data, float("nan"))
             self._hooks.append(block.register_forward_pre_hook(self._loader(path, block, resident)))
             self._hooks.append(block.register_forward_hook(self._unloader(path, block, resident), always_call=True))
+        # a forward of the model bounds what is learned of the order and how long a prefetched copy may live
+        self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self._begin()))
+        self._hooks.append(self.model.register_forward_hook(lambda *_: self._end(), always_call=True))
+        if self.prefetch is None:
+            self.prefetch = self._room_for_prefetch(resident)
+        if self.prefetch and self.device.type == "cuda":
+            self._copier = torch.cuda.Stream(self.device)
         setattr(self.model, STREAM_ATTR, self)
         return self
+
+    @property
+    def arriving(self) -> str | None:
+        return None if self._ahead is None else self._ahead.path
 
     def remove(self) -> None:
         """Unhook the blocks and bring the resident tensors back to host memory: the model is whole on the host."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._end()
         for t in self.resident:
             t.data = t.data.to("cpu")
         for _, block in self.blocks:
@@ -101,6 +133,7 @@ class BlockStream:
 
     def park(self) -> None:
         """The resident tensors to host memory (`patchc.job.model.parked`); `unpark` brings them back."""
+        self._drop()
         for t in self.resident:
             t.data = t.data.to("cpu")
 
@@ -111,13 +144,81 @@ class BlockStream:
     def _loader(self, path: str, block: nn.Module, resident: set[int]):
         def load(_module, _args):
             held = [(t, t.data) for t in _tensors(block) if id(t) not in resident]
-            for t, host in held:
-                t.data = self._aside.get(id(t), host).to(self.device, non_blocking=True, copy=True)
+            copies = self._arrived(path)
+            if copies is None:
+                copies = [self._aside.get(id(t), host).to(self.device, non_blocking=True, copy=True)
+                          for t, host in held]
+                self.copies_made += 1
+            for (t, _), copy in zip(held, copies):
+                t.data = copy
             self._held[path] = held
             self.on_device.append(path)
-            self.copies_made += 1
+            if self._last is not None:  # inside a forward of the model: learn the order, prefetch what comes next
+                if self._last:
+                    self._next[self._last] = path
+                self._last = path
+                if self.prefetch and path in self._next:
+                    self._fetch(self._next[path], resident)
 
         return load
+
+    def _begin(self) -> None:
+        self._drop()
+        self._last = ""  # inside a forward, before its first block
+
+    def _end(self) -> None:
+        self._drop()
+        self._last = None
+
+    def _fetch(self, path: str, resident: set[int]) -> None:
+        """Start copying block `path` to the device, on the side stream on a GPU so that the running block's
+        kernels go on meanwhile. The copies are allocated on the current stream, which reuses the memory of
+        the block before in its own order, and the side stream waits for it to get there: two blocks at most,
+        however far ahead of the GPU the host runs."""
+        block = self.model.get_submodule(path)
+        sources = [self._aside.get(id(t), t.data) for t in _tensors(block) if id(t) not in resident]
+        if self._copier is None:
+            self._ahead = _Copies(path, [s.to(self.device, copy=True) for s in sources], None)
+        else:
+            copies = [torch.empty_like(s, device=self.device) for s in sources]
+            self._copier.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copier):
+                for copy, source in zip(copies, sources):
+                    copy.copy_(source, non_blocking=True)
+            self._ahead = _Copies(path, copies, self._copier.record_event())
+        self.copies_made += 1
+
+    def _arrived(self, path: str) -> list[torch.Tensor] | None:
+        """The prefetched copies of block `path`, ready for the current stream, or None (another block's are
+        dropped: it did not come next)."""
+        if self._ahead is None:
+            return None
+        if self._ahead.path != path:
+            self.misses += 1
+            self._drop()
+            return None
+        ahead, self._ahead = self._ahead, None
+        if ahead.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ahead.ready)
+        self.prefetched += 1
+        return ahead.copies
+
+    def _drop(self) -> None:
+        """Forget the prefetched copy; the current stream first waits for its copying to end, since it may
+        reuse that memory at once."""
+        if self._ahead is not None and self._ahead.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ahead.ready)
+        self._ahead = None
+
+    def _room_for_prefetch(self, resident: set[int]) -> bool:
+        if self.device.type != "cuda":
+            return False  # a copy on the host takes the cores the forward runs on: nothing to overlap
+        largest = max(sum(t.nbytes for t in _tensors(b) if id(t) not in resident) for _, b in self.blocks)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        room = free >= PREFETCH_ROOM * largest
+        log.info("--offload: %s the next block (%.2f GB free on %s, %.2f GB a block)",
+                 "prefetching" if room else "not prefetching", free / 1e9, self.device, largest / 1e9)
+        return room
 
     def _unloader(self, path: str, block: nn.Module, resident: set[int]):
         def unload(_module, _args, _output):
@@ -129,6 +230,15 @@ class BlockStream:
         return unload
 
 
+@dataclass
+class _Copies:
+    """A block's prefetched device copies, in `_tensors` order; `ready`: recorded on the side stream after them."""
+
+    path: str
+    copies: list[torch.Tensor]
+    ready: torch.cuda.Event | None
+
+
 def device_share(model: nn.Module) -> tuple[int, int]:
     """(elements that stay on the device, elements of the largest block): what a streamed `model` holds there
     at once, beside its activations. Works on a model built on the meta device."""
@@ -138,11 +248,13 @@ def device_share(model: nn.Module) -> tuple[int, int]:
     return sum(t.numel() for t in stream.resident), max(blocks)
 
 
-def stream_blocks(model: nn.Module, device: str | torch.device, poison: bool = False) -> BlockStream:
+def stream_blocks(model: nn.Module, device: str | torch.device, poison: bool = False,
+                  prefetch: bool | None = None) -> BlockStream:
     """Run `model` on `device` with its blocks in host memory, one copied over for each block's forward.
 
     Returns the installed `BlockStream` (`.remove()` takes the hooks off). A model streamed already is
-    returned as it is streamed. `poison`: NaN in the blocks between their forwards (`BlockStream`; tests).
+    returned as it is streamed. `poison`: NaN in the blocks between their forwards; `prefetch`: copy the next
+    block while one runs (None: on a GPU with room for it; `BlockStream`).
 
     Example:
         >>> stream = stream_blocks(model, "cuda")   # doctest: +SKIP
@@ -153,7 +265,7 @@ def stream_blocks(model: nn.Module, device: str | torch.device, poison: bool = F
         if current.device != torch.device(device):
             raise ValueError(f"the model is streamed to {current.device} already, not {device}")
         return current
-    return BlockStream(model, device, poison).install()
+    return BlockStream(model, device, poison, prefetch).install()
 
 
 def streaming(model: nn.Module) -> BlockStream | None:
