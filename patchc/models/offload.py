@@ -32,7 +32,7 @@ from torch import nn
 from patchc.utils.names import block_path
 
 STREAM_ATTR = "_patchc_stream"
-PREFETCH_ROOM = 3  # prefetch when the GPU's free memory holds this many blocks: two copies, room for activations
+PREFETCH_ROOM = 4  # prefetch when free GPU memory holds this many blocks: the second copy takes a quarter at most
 
 log = logging.getLogger(__name__)
 
