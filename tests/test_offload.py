@@ -4,6 +4,7 @@ time, the host tensors stay the weights, the same numbers); the GPU test checks 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -127,6 +128,57 @@ def test_prefetch_learns_the_order_the_blocks_run_in():
     assert (stream.prefetched, stream.misses) == (0, 3)
     assert torch.equal(model(ids), out)
     assert (stream.prefetched, stream.misses, stream.copies_made) == (3, 3, 4 + 3 + 4)
+
+
+class _FakeStream:
+    """Records what a CUDA stream is asked to wait for and record."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log, self.events = name, log, 0
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.log.append((self.name, "waits for", other.name))
+
+    def wait_event(self, event: str) -> None:
+        self.log.append((self.name, "waits for", event))
+
+    def record_event(self) -> str:
+        event, self.events = f"copied {self.events}", self.events + 1
+        self.log.append((self.name, "records", event))
+        return event
+
+
+def test_prefetch_on_a_gpu_orders_its_two_streams(monkeypatch):
+    """The protocol a GPU's race would break only now and then: the side stream copies only after the compute
+    stream has reached the copy's allocation (its memory was the block before's), and the compute stream reads
+    a copy, or lets its memory go, only after the copy's event."""
+    log: list = []
+    main, side = _FakeStream("main", log), _FakeStream("side", log)
+
+    @contextlib.contextmanager
+    def on(s: _FakeStream):
+        log.append(("copies on", s.name))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    model = _llama()
+    ids = _ids()
+    dense = model(ids).logits
+    stream = stream_blocks(model, "cpu", prefetch=True)
+    stream._copier = side  # what `install` makes on a GPU
+    for i, block in enumerate(model.model.layers):  # after the stream's own hook: the block has its weights
+        block.register_forward_pre_hook(lambda *_, i=i: log.append(("runs", i)))
+    assert torch.equal(model(ids).logits, dense)
+    fetch = [("side", "waits for", "main"), ("copies on", "side")]
+    assert log == [*fetch, ("side", "records", "copied 0"), ("runs", 0),
+                   ("main", "waits for", "copied 0"), *fetch, ("side", "records", "copied 1"), ("runs", 1),
+                   ("main", "waits for", "copied 1"), ("runs", 2)]
+    log.clear()
+    monkeypatch.setattr(model.model.layers[1].mlp, "forward", lambda x: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        model(ids)
+    assert log[-2:] == [("runs", 1), ("main", "waits for", "copied 3")]  # block 2's copy let go once it is done
 
 
 class _TiedInside(nn.Module):
