@@ -81,11 +81,22 @@ def test_generation_with_a_kv_cache_matches_the_model():
 
 def test_a_block_that_fails_still_drops_its_copy(monkeypatch):
     model = _llama()
+    dense = model(_ids()).logits
     stream = stream_blocks(model, "cpu")
     host = {n: p.data_ptr() for n, p in model.named_parameters()}
     monkeypatch.setattr(model.model.layers[1].mlp, "forward", lambda x: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         model(_ids())
+    assert stream.on_device == [] and {n: p.data_ptr() for n, p in model.named_parameters()} == host
+
+    def interrupt(x):
+        raise KeyboardInterrupt  # not an Exception: torch skips the always-called post-hooks
+    monkeypatch.setattr(model.model.layers[1].mlp, "forward", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(_ids())
+    assert stream.on_device == ["model.layers.1"]  # its copy is still installed
+    monkeypatch.undo()
+    assert torch.equal(model(_ids()).logits, dense)  # the next forward drops what was left first
     assert stream.on_device == [] and {n: p.data_ptr() for n, p in model.named_parameters()} == host
 
 
@@ -179,6 +190,15 @@ def test_prefetch_on_a_gpu_orders_its_two_streams(monkeypatch):
     with pytest.raises(ZeroDivisionError):
         model(ids)
     assert log[-2:] == [("runs", 1), ("main", "waits for", "copied 3")]  # block 2's copy let go once it is done
+
+
+def test_a_gpu_named_without_an_index_is_the_current_one(monkeypatch):
+    """The side stream is made on the GPU current at install; the waits must name that GPU later too."""
+    from patchc.models import offload
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert offload._indexed("cuda") == torch.device("cuda", 1) and offload._indexed("cuda:0") == torch.device("cuda", 0)
+    assert offload._indexed("cpu") == torch.device("cpu")
 
 
 class _TiedInside(nn.Module):

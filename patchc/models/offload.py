@@ -69,7 +69,7 @@ class BlockStream:
     def __init__(self, model: nn.Module, device: str | torch.device, poison: bool = False,
                  prefetch: bool | None = None) -> None:
         self.model = model
-        self.device = torch.device(device)
+        self.device = _indexed(device)
         self.poison = poison
         self.prefetch = prefetch
         self._aside: dict[int, torch.Tensor] = {}  # id(tensor) -> its weights, while poisoned
@@ -101,7 +101,7 @@ class BlockStream:
                     if self.poison and t.is_floating_point():
                         self._aside[id(t)], t.data = t.data, torch.full_like(t.data, float("nan"))
             self._hooks.append(block.register_forward_pre_hook(self._loader(path, block, resident)))
-            self._hooks.append(block.register_forward_hook(self._unloader(path, block, resident), always_call=True))
+            self._hooks.append(block.register_forward_hook(lambda *_, path=path: self._unload(path), always_call=True))
         # a forward of the model bounds what is learned of the order and how long a prefetched copy may live
         self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self._begin()))
         self._hooks.append(self.model.register_forward_hook(lambda *_: self._end(), always_call=True))
@@ -164,6 +164,8 @@ class BlockStream:
 
     def _begin(self) -> None:
         self._drop()
+        for path in list(self._held):  # a forward a KeyboardInterrupt cut short: its post-hooks never ran
+            self._unload(path)
         self._last = ""  # inside a forward, before its first block
 
     def _end(self) -> None:
@@ -220,14 +222,11 @@ class BlockStream:
                  "prefetching" if room else "not prefetching", free / 1e9, self.device, largest / 1e9)
         return room
 
-    def _unloader(self, path: str, block: nn.Module, resident: set[int]):
-        def unload(_module, _args, _output):
-            for t, host in self._held.pop(path, ()):
-                t.data = host  # the copy is dropped: the host tensor never stopped being the weight
-            if path in self.on_device:
-                self.on_device.remove(path)
-
-        return unload
+    def _unload(self, path: str) -> None:
+        for t, host in self._held.pop(path, ()):
+            t.data = host  # the copy is dropped: the host tensor never stopped being the weight
+        if path in self.on_device:
+            self.on_device.remove(path)
 
 
 @dataclass
@@ -262,7 +261,7 @@ def stream_blocks(model: nn.Module, device: str | torch.device, poison: bool = F
     """
     current = streaming(model)
     if current is not None:
-        if current.device != torch.device(device):
+        if current.device != _indexed(device):
             raise ValueError(f"the model is streamed to {current.device} already, not {device}")
         return current
     return BlockStream(model, device, poison, prefetch).install()
@@ -271,6 +270,14 @@ def stream_blocks(model: nn.Module, device: str | torch.device, poison: bool = F
 def streaming(model: nn.Module) -> BlockStream | None:
     """The `BlockStream` installed on `model`, or None."""
     return getattr(model, STREAM_ATTR, None)
+
+
+def _indexed(device: str | torch.device) -> torch.device:
+    """`device` with its index: "cuda" is the GPU current now, which the side stream and its waits must share."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
