@@ -98,6 +98,11 @@ def test_a_block_that_fails_still_drops_its_copy(monkeypatch):
     monkeypatch.undo()
     assert torch.equal(model(_ids()).logits, dense)  # the next forward drops what was left first
     assert stream.on_device == [] and {n: p.data_ptr() for n, p in model.named_parameters()} == host
+    monkeypatch.setattr(model.model.layers[1].mlp, "forward", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(_ids())
+    stream.remove()  # and so does taking the stream off
+    assert stream.on_device == [] and {n: p.data_ptr() for n, p in model.named_parameters()} == host
 
 
 def test_prefetch_copies_the_next_block_while_one_runs_and_only_within_a_forward(monkeypatch):

@@ -133,7 +133,7 @@ class BlockStream:
 
     def park(self) -> None:
         """The resident tensors to host memory (`patchc.job.model.parked`); `unpark` brings them back."""
-        self._drop()
+        self._release()
         for t in self.resident:
             t.data = t.data.to("cpu")
 
@@ -163,14 +163,19 @@ class BlockStream:
         return load
 
     def _begin(self) -> None:
-        self._drop()
-        for path in list(self._held):  # a forward a KeyboardInterrupt cut short: its post-hooks never ran
-            self._unload(path)
+        self._release()
         self._last = ""  # inside a forward, before its first block
 
     def _end(self) -> None:
-        self._drop()
+        self._release()
         self._last = None
+
+    def _release(self) -> None:
+        """Drop the prefetched copy, and any block copy still installed: a forward that a KeyboardInterrupt
+        cut short (not an Exception, so torch skips the always-called post-hooks) left its block's."""
+        self._drop()
+        for path in list(self._held):
+            self._unload(path)
 
     def _fetch(self, path: str, resident: set[int]) -> None:
         """Start copying block `path` to the device, on the side stream on a GPU so that the running block's
