@@ -206,6 +206,37 @@ def test_a_gpu_named_without_an_index_is_the_current_one(monkeypatch):
     assert offload._indexed("cpu") == torch.device("cpu")
 
 
+class _Looped(nn.Module):
+    """A block run twice in a row (ALBERT's shared layer, HRM's loops): it prefetches itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        return self.layers[1](self.layers[0](self.layers[0](x)))
+
+
+def test_a_block_that_runs_twice_in_a_row_prefetches_itself_from_host_memory(monkeypatch):
+    model = _Looped()
+    x = torch.randn(3, 8)
+    out = model(x)
+    stream = stream_blocks(model, "cpu", prefetch=True)
+    host = {p.data_ptr() for p in model.parameters()}
+    read = []
+    sources = stream._sources
+
+    def spy(path, resident):
+        read.append((path, sources(path, resident)))
+        return read[-1][1]
+
+    monkeypatch.setattr(stream, "_sources", spy)
+    assert torch.equal(model(x), out) and torch.equal(model(x), out)
+    # learnt: layers.0 -> layers.0 on its second run, then layers.0 -> layers.1 on its third
+    assert [path for path, _ in read].count("layers.0") == 2 and stream.misses == 4
+    assert all(t.data_ptr() in host for _, ts in read for t in ts)  # never the installed copy
+
+
 class _TiedInside(nn.Module):
     """A head tied to a weight inside the first block: the shared tensor must stay on the device."""
 

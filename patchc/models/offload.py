@@ -182,8 +182,7 @@ class BlockStream:
         kernels go on meanwhile. The copies are allocated on the current stream, which reuses the memory of
         the block before in its own order, and the side stream waits for it to get there: two blocks at most,
         however far ahead of the GPU the host runs."""
-        block = self.model.get_submodule(path)
-        sources = [self._aside.get(id(t), t.data) for t in _tensors(block) if id(t) not in resident]
+        sources = self._sources(path, resident)
         if self._copier is None:
             self._ahead = _Copies(path, [s.to(self.device, copy=True) for s in sources], None)
         else:
@@ -194,6 +193,14 @@ class BlockStream:
                     copy.copy_(source, non_blocking=True)
             self._ahead = _Copies(path, copies, self._copier.record_event())
         self.copies_made += 1
+
+    def _sources(self, path: str, resident: set[int]) -> list[torch.Tensor]:
+        """Block `path`'s weights in host memory, in `_tensors` order, even while its copy is installed: a block
+        that runs twice in a row (ALBERT's shared layer, HRM's loops) prefetches itself, and a side-stream read
+        of the installed copy would race that copy's release when the block's forward ends."""
+        installed = {id(t): host for t, host in self._held.get(path, ())}
+        block = self.model.get_submodule(path)
+        return [self._aside.get(id(t), installed.get(id(t), t.data)) for t in _tensors(block) if id(t) not in resident]
 
     def _arrived(self, path: str) -> list[torch.Tensor] | None:
         """The prefetched copies of block `path`, ready for the current stream, or None (another block's are
