@@ -207,22 +207,25 @@ def test_a_gpu_named_without_an_index_is_the_current_one(monkeypatch):
 
 
 class _Looped(nn.Module):
-    """A block run twice in a row (ALBERT's shared layer, HRM's loops): it prefetches itself."""
+    """A block run twice in a row (ALBERT's shared layer, HRM's loops): it prefetches itself. The next block
+    shares a weight with it (Zamba's layers share a block): prefetched while the first runs."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)) for _ in range(2))
+        self.layers[1][1].weight = self.layers[0][0].weight
 
     def forward(self, x):
         return self.layers[1](self.layers[0](self.layers[0](x)))
 
 
-def test_a_block_that_runs_twice_in_a_row_prefetches_itself_from_host_memory(monkeypatch):
+def test_a_prefetch_reads_host_memory_while_a_copy_of_the_same_weights_is_installed(monkeypatch):
     model = _Looped()
     x = torch.randn(3, 8)
     out = model(x)
     stream = stream_blocks(model, "cpu", prefetch=True)
     host = {p.data_ptr() for p in model.parameters()}
+    assert len(host) == 7 and not stream.resident  # the shared weight stays in host memory: blocks hold it
     read = []
     sources = stream._sources
 

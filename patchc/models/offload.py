@@ -195,10 +195,11 @@ class BlockStream:
         self.copies_made += 1
 
     def _sources(self, path: str, resident: set[int]) -> list[torch.Tensor]:
-        """Block `path`'s weights in host memory, in `_tensors` order, even while its copy is installed: a block
-        that runs twice in a row (ALBERT's shared layer, HRM's loops) prefetches itself, and a side-stream read
-        of the installed copy would race that copy's release when the block's forward ends."""
-        installed = {id(t): host for t, host in self._held.get(path, ())}
+        """Block `path`'s weights in host memory, in `_tensors` order, even while a copy is installed: a block
+        that runs twice in a row (ALBERT's shared layer, HRM's loops) prefetches itself, a block may share a
+        weight with the one running, and a side-stream read of an installed copy would race its release when
+        that forward ends."""
+        installed = {id(t): host for held in self._held.values() for t, host in held}
         block = self.model.get_submodule(path)
         return [self._aside.get(id(t), installed.get(id(t), t.data)) for t in _tensors(block) if id(t) not in resident]
 
