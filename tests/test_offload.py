@@ -226,18 +226,19 @@ def test_a_prefetch_reads_host_memory_while_a_copy_of_the_same_weights_is_instal
     stream = stream_blocks(model, "cpu", prefetch=True)
     host = {p.data_ptr() for p in model.parameters()}
     assert len(host) == 7 and not stream.resident  # the shared weight stays in host memory: blocks hold it
-    read = []
-    sources = stream._sources
+    read, fetched = [], []
+    sources, fetch = stream._sources, stream._fetch
 
-    def spy(path, resident):
-        read.append((path, sources(path, resident)))
-        return read[-1][1]
+    def spy(path):
+        read.append(sources(path))
+        return read[-1]
 
     monkeypatch.setattr(stream, "_sources", spy)
+    monkeypatch.setattr(stream, "_fetch", lambda path: fetched.append(path) or fetch(path))
     assert torch.equal(model(x), out) and torch.equal(model(x), out)
     # learnt: layers.0 -> layers.0 on its second run, then layers.0 -> layers.1 on its third
-    assert [path for path, _ in read].count("layers.0") == 2 and stream.misses == 4
-    assert all(t.data_ptr() in host for _, ts in read for t in ts)  # never the installed copy
+    assert fetched.count("layers.0") == 2 and stream.misses == 4
+    assert all(t.data_ptr() in host for ts in read for t in ts)  # never the installed copy
 
 
 class _TiedInside(nn.Module):

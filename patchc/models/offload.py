@@ -80,6 +80,7 @@ class BlockStream:
                              "items) to stream one at a time")
         inside = {id(t) for _, b in self.blocks for t in _tensors(b)} - _held_outside(model, self.blocks)
         self.resident = [t for t in _tensors(model) if id(t) not in inside]
+        self._resident = {id(t) for t in self.resident}
         self.on_device: list[str] = []
         self.copies_made = self.prefetched = self.misses = 0
         self._hooks: list = []
@@ -91,26 +92,29 @@ class BlockStream:
 
     def install(self) -> BlockStream:
         """Move the resident tensors to the device, pin the blocks' host tensors, hook every block."""
-        resident = {id(t) for t in self.resident}
         for t in self.resident:
             t.data = t.data.to(self.device)
         for path, block in self.blocks:
-            for t in _tensors(block):
-                if id(t) not in resident and id(t) not in self._aside:
+            for t in self.streamed(block):
+                if id(t) not in self._aside:
                     t.data = _pinned(t.data.to("cpu"), self.device)
                     if self.poison and t.is_floating_point():
                         self._aside[id(t)], t.data = t.data, torch.full_like(t.data, float("nan"))
-            self._hooks.append(block.register_forward_pre_hook(self._loader(path, block, resident)))
+            self._hooks.append(block.register_forward_pre_hook(self._loader(path, block)))
             self._hooks.append(block.register_forward_hook(lambda *_, path=path: self._unload(path), always_call=True))
         # a forward of the model bounds what is learned of the order and how long a prefetched copy may live
         self._hooks.append(self.model.register_forward_pre_hook(lambda *_: self._begin()))
         self._hooks.append(self.model.register_forward_hook(lambda *_: self._end(), always_call=True))
         if self.prefetch is None:
-            self.prefetch = self._room_for_prefetch(resident)
+            self.prefetch = self._room_for_prefetch()
         if self.prefetch and self.device.type == "cuda":
             self._copier = torch.cuda.Stream(self.device)
         setattr(self.model, STREAM_ATTR, self)
         return self
+
+    def streamed(self, block: nn.Module) -> list[torch.Tensor]:
+        """`block`'s tensors that stream: all but the resident ones (a weight tied to one outside the blocks)."""
+        return [t for t in _tensors(block) if id(t) not in self._resident]
 
     @property
     def arriving(self) -> str | None:
@@ -141,14 +145,13 @@ class BlockStream:
         for t in self.resident:
             t.data = t.data.to(self.device)
 
-    def _loader(self, path: str, block: nn.Module, resident: set[int]):
+    def _loader(self, path: str, block: nn.Module):
         def load(_module, _args):
-            held = [(t, t.data) for t in _tensors(block) if id(t) not in resident]
             copies = self._arrived(path)
             if copies is None:
-                copies = [self._aside.get(id(t), host).to(self.device, non_blocking=True, copy=True)
-                          for t, host in held]
+                copies = [s.to(self.device, non_blocking=True, copy=True) for s in self._sources(path)]
                 self.copies_made += 1
+            held = [(t, t.data) for t in self.streamed(block)]
             for (t, _), copy in zip(held, copies):
                 t.data = copy
             self._held[path] = held
@@ -158,7 +161,7 @@ class BlockStream:
                     self._next[self._last] = path
                 self._last = path
                 if self.prefetch and path in self._next:
-                    self._fetch(self._next[path], resident)
+                    self._fetch(self._next[path])
 
         return load
 
@@ -177,12 +180,12 @@ class BlockStream:
         for path in list(self._held):
             self._unload(path)
 
-    def _fetch(self, path: str, resident: set[int]) -> None:
+    def _fetch(self, path: str) -> None:
         """Start copying block `path` to the device, on the side stream on a GPU so that the running block's
         kernels go on meanwhile. The copies are allocated on the current stream, which reuses the memory of
         the block before in its own order, and the side stream waits for it to get there: two blocks at most,
         however far ahead of the GPU the host runs."""
-        sources = self._sources(path, resident)
+        sources = self._sources(path)
         if self._copier is None:
             self._ahead = _Copies(path, [s.to(self.device, copy=True) for s in sources], None)
         else:
@@ -194,14 +197,14 @@ class BlockStream:
             self._ahead = _Copies(path, copies, self._copier.record_event())
         self.copies_made += 1
 
-    def _sources(self, path: str, resident: set[int]) -> list[torch.Tensor]:
-        """Block `path`'s weights in host memory, in `_tensors` order, even while a copy is installed: a block
+    def _sources(self, path: str) -> list[torch.Tensor]:
+        """Block `path`'s weights in host memory, in `streamed` order, even while a copy is installed: a block
         that runs twice in a row (ALBERT's shared layer, HRM's loops) prefetches itself, a block may share a
         weight with the one running, and a side-stream read of an installed copy would race its release when
         that forward ends."""
         installed = {id(t): host for held in self._held.values() for t, host in held}
         block = self.model.get_submodule(path)
-        return [self._aside.get(id(t), installed.get(id(t), t.data)) for t in _tensors(block) if id(t) not in resident]
+        return [self._aside.get(id(t), installed.get(id(t), t.data)) for t in self.streamed(block)]
 
     def _arrived(self, path: str) -> list[torch.Tensor] | None:
         """The prefetched copies of block `path`, ready for the current stream, or None (another block's are
@@ -225,10 +228,10 @@ class BlockStream:
             torch.cuda.current_stream(self.device).wait_event(self._ahead.ready)
         self._ahead = None
 
-    def _room_for_prefetch(self, resident: set[int]) -> bool:
+    def _room_for_prefetch(self) -> bool:
         if self.device.type != "cuda":
             return False  # a copy on the host takes the cores the forward runs on: nothing to overlap
-        largest = max(sum(t.nbytes for t in _tensors(b) if id(t) not in resident) for _, b in self.blocks)
+        largest = max(sum(t.nbytes for t in self.streamed(b)) for _, b in self.blocks)
         free, _ = torch.cuda.mem_get_info(self.device)
         room = free >= PREFETCH_ROOM * largest
         log.info("--offload: %s the next block (%.2f GB free on %s, %.2f GB a block)",
@@ -244,7 +247,7 @@ class BlockStream:
 
 @dataclass
 class _Copies:
-    """A block's prefetched device copies, in `_tensors` order; `ready`: recorded on the side stream after them."""
+    """A block's prefetched device copies, in `streamed` order; `ready`: recorded on the side stream after them."""
 
     path: str
     copies: list[torch.Tensor]
@@ -255,8 +258,7 @@ def device_share(model: nn.Module) -> tuple[int, int]:
     """(elements that stay on the device, elements of the largest block): what a streamed `model` holds there
     at once, beside its activations. Works on a model built on the meta device."""
     stream = BlockStream(model, "meta")
-    resident = {id(t) for t in stream.resident}
-    blocks = [sum(t.numel() for t in _tensors(b) if id(t) not in resident) for _, b in stream.blocks]
+    blocks = [sum(t.numel() for t in stream.streamed(b)) for _, b in stream.blocks]
     return sum(t.numel() for t in stream.resident), max(blocks)
 
 
