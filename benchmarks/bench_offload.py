@@ -16,9 +16,7 @@ of LLaMA-2-7B's shape, 3.2 GB) and runs `patchc eval --offload`'s batch (61 wind
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from patchc.bench.layers import cpu_timer  # noqa: E402
 from patchc.bench.record import append_jsonl, environment  # noqa: E402
 from patchc.models.offload import device_share, stream_blocks  # noqa: E402
 
@@ -55,25 +54,19 @@ def build(layers: int, shape: dict, device: str) -> torch.nn.Module:
     return model
 
 
-def seconds(fn, device: str, reps: int) -> float:
-    """Median seconds of `fn()` after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def timer(device: str, reps: int):
+    """Seconds of `fn()`: `triton.testing.do_bench`'s median on a GPU, `cpu_timer`'s on the CPU (dry runs)."""
+    if device == "cuda":
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=300, rep=300 * reps, return_mode="median") / 1e3
+    return lambda fn: cpu_timer(reps)(fn) / 1e3
 
 
 def copy_speed(model: torch.nn.Module, device: str) -> float:
     """Bytes per second of one block's weights copied from pinned host memory to `device`."""
     block = [p.data.pin_memory() if device == "cuda" else p.data for p in model.model.layers[0].parameters()]
-    t = seconds(lambda: [b.to(device, non_blocking=True) for b in block], device, 5)
+    t = timer(device, 5)(lambda: [b.to(device, non_blocking=True) for b in block])
     return sum(b.nbytes for b in block) / t
 
 
@@ -94,14 +87,14 @@ def measure(opts: argparse.Namespace) -> dict:
         for prefetch in (False, True):
             stream = stream_blocks(model, device, prefetch=prefetch)
             logits = model(ids).logits  # the numbers must not depend on prefetch
-            row["prefetch_s" if prefetch else "plain_s"] = seconds(lambda: model(ids), device, opts.reps)
+            row["prefetch_s" if prefetch else "plain_s"] = timer(device, opts.reps)(lambda: model(ids))
             if prefetch:
                 row["prefetched"], row["misses"] = stream.prefetched, stream.misses
                 row["same_logits"] = bool(torch.equal(logits, plain))
             plain = logits
             stream.remove()
         model.to(device)
-        row["compute_s"] = seconds(lambda: model(ids), device, opts.reps)
+        row["compute_s"] = timer(device, opts.reps)(lambda: model(ids))
     row["ideal_s"] = max(row["copy_s"], row["compute_s"])
     row["speedup"] = row["plain_s"] / row["prefetch_s"]
     row["of_ideal"] = row["ideal_s"] / row["prefetch_s"]
