@@ -248,3 +248,32 @@ def test_tune_with_a_time_limit_says_what_it_left(tmp_path, capsys, monkeypatch)
     monkeypatch.undo()
     assert main(["tune", str(path), "--time-limit", "-1"]) == 2
     assert "time_limit must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, shown", [([], {"warning"}), (["-v"], {"warning", "info"}),
+                                          (["-vv"], {"warning", "info", "debug"})])
+def test_verbose_shows_patchc_log_lines_for_the_command_only(tmp_path, capsys, monkeypatch, flags, shown):
+    """`-v` prints patchc's INFO lines (the tuner's choices, --offload's prefetch), `-vv` its DEBUG lines too;
+    warnings show either way. The handler and the level are the command's: gone once it returns."""
+    import logging
+
+    from patchc.job import cli
+
+    log = logging.getLogger("patchc.models.offload")
+
+    def fake_report(args):
+        log.debug("debug line")
+        log.info("info line")
+        log.warning("warning line")
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_report", fake_report)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # as on a command line: pytest's capture off
+    plan = tmp_path / "plan.patch"
+    plan.write_bytes(b"")  # `report` checks the path exists before its handler runs
+    level = logging.getLogger("patchc").level
+    assert main([*flags, "report", str(plan)]) == 0
+    err = capsys.readouterr().err.split()
+    assert {w for w in ("debug", "info", "warning") if w in err} == shown, err
+    assert err.count("warning") == 1, err  # not also through the last-resort handler
+    assert logging.getLogger("patchc").level == level and not logging.getLogger("patchc").handlers

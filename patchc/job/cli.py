@@ -14,6 +14,8 @@
 
 A user error (bad flag value, missing file, a run folder in use, ...) prints one line,
 `patchc <command>: error: ...`, and exits with status 2; `--debug` shows the traceback instead.
+Warnings always show; `-v` adds what patchc decided on the way (INFO: tuning, exports, --offload's
+prefetch), `-vv` its DEBUG lines too (each config the tuner could not compile, ...).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from patchc.export.shards import add_shard_argument
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, LOSSES, PruneOptions
 from patchc.job.prune_args import add_prune_arguments, prune_options
 from patchc.job.runs import check_plan_path, check_served_path, find_plan, resolve_plan
+from patchc.utils.progress import logs_shown
 
 # Each command imports what it runs (torch, Triton): --help, flag errors, missing paths answer at once (test_cli.py).
 
@@ -193,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"patchc {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="show patchc's INFO log lines on stderr (-vv: DEBUG too); warnings always show")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str, **kw) -> argparse.ArgumentParser:  # noqa: A002 (argparse's name)
@@ -360,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for dest, check in getattr(args, "paths", {}).items():  # torch-free: a mistyped path answers at once
             check(getattr(args, dest))
-        return args.handler(args)
+        with logs_shown(args.verbose):
+            return args.handler(args)
     except KeyboardInterrupt:
         print(f"patchc {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -1,5 +1,6 @@
-"""Progress bars: tqdm where it is installed, the plain iterable where not (`make gpu` runs on a bare
-GPU image with only torch, triton and numpy guaranteed); transformers' own bars off where unwanted.
+"""What a user sees while patchc works: progress bars (tqdm where it is installed, the plain iterable where
+not: `make gpu` runs on a bare GPU image with only torch, triton and numpy guaranteed), transformers' own
+bars off where unwanted, and patchc's log lines on stderr for `patchc -v`.
 
 Example:
     >>> list(progress(range(3), desc="steps", disable=True))
@@ -9,6 +10,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -47,3 +50,30 @@ def quiet_loading() -> Iterator[None]:
     finally:
         if was:
             hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def logs_shown(verbosity: int) -> Iterator[None]:
+    """The `patchc.*` loggers' lines on stderr at INFO (verbosity 1) or DEBUG (2+), for the duration.
+
+    Scoped, so a command run from a notebook or a test leaves that program's logging as it was. At 0 nothing
+    is attached: Python's last-resort handler still prints warnings.
+
+    Example:
+        >>> with logs_shown(1):
+        ...     logging.getLogger("patchc.models.offload").info("--offload: prefetching the next block")
+    """
+    if verbosity <= 0:
+        yield
+        return
+    logger = logging.getLogger("patchc")
+    handler = logging.StreamHandler(sys.stderr)  # the stderr of now (a test's capture), not of import time
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = logger.level
+    logger.setLevel(logging.INFO if verbosity == 1 else logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
