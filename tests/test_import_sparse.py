@@ -98,11 +98,12 @@ def test_fp8_values_are_the_dequantized_checkpoint():
     assert 0 < (w - t).abs().max() <= 2 ** -4 * t.abs().max()
 
 
-def save_llama(folder: Path, prune: dict[str, str], dtype=torch.float32, tied: bool = False) -> nn.Module:
+def save_llama(folder: Path, prune: dict[str, str], dtype=torch.float32, tied: bool = False,
+               kv_heads: int = 2) -> nn.Module:
     """A tiny random Llama saved with save_pretrained; `prune`: {linear name part: "24" | "half" | "none"}."""
     torch.manual_seed(1)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                      num_attention_heads=4, num_key_value_heads=kv_heads, vocab_size=64,
                                       max_position_embeddings=64, tie_word_embeddings=tied)
     model = transformers.LlamaForCausalLM(config).to(dtype).eval()
     with torch.no_grad():
@@ -138,12 +139,16 @@ def test_dense_stored_hybrid_model_imports_as_it_is(tmp_path):
 
 
 def test_the_tile_is_inferred_from_the_zeros_unless_given(tmp_path):
-    save_llama(tmp_path / "all", {})
+    """The widest side that keeps the 2:4 weights and fits the shapes: every weight here is 64 wide, so 64 x 64
+    (128 x 128 would store each in a quarter of a tile); with grouped K / V heads (32 x 64) 32 x 32."""
+    save_llama(tmp_path / "all", {}, kv_heads=4)
     summary = import_sparse(tmp_path / "all", tmp_path / "a")
-    assert summary.tile == (128, 128) and summary.dense_tiles == 0
-    assert "tile 128x128 (inferred from the zeros; --tile sets it)" in summary.format()
+    assert summary.tile == (64, 64) and summary.dense_tiles == 0 and summary.plan_bytes < summary.dense_bytes
+    assert "tile 64x64 (inferred from the zeros; --tile sets it)" in summary.format()
     assert "at 64x64" not in summary.format()
-    save_llama(tmp_path / "hybrid", {"self_attn.o_proj": "half"})  # dense 16-column stripes: 16 x 16 tiles
+    save_llama(tmp_path / "gqa", {})
+    assert import_sparse(tmp_path / "gqa", tmp_path / "q").tile == (32, 32)
+    save_llama(tmp_path / "hybrid", {"self_attn.o_proj": "half"}, kv_heads=4)  # dense 16-column stripes: 16 x 16
     summary = import_sparse(tmp_path / "hybrid", tmp_path / "h")
     assert summary.tile == (16, 16) and summary.dense_tiles == 4
     # o_proj's 64-wide tiles each hold a dense stripe: at 64 x 64 its 2:4 weights (3/4 of 64 x 64) are lost
@@ -151,6 +156,16 @@ def test_the_tile_is_inferred_from_the_zeros_unless_given(tmp_path):
     assert f"at 64x64 the 2:4 tiles would hold {share:.0%} of these 2:4 weights" in summary.format()
     assert load_plan(tmp_path / "h").layers["model.layers.0.self_attn.o_proj.weight"].tile == (16, 16)
     assert "(inferred from the zeros" not in import_sparse(tmp_path / "hybrid", tmp_path / "g", tile=32).format()
+
+
+@pytest.mark.parametrize("tile, message", [((0, 16), "--tile 0 16: both tile dims must be multiples of 4"),
+                                           ((16, 18), "--tile 16 18: both"), ((-4, 4), "--tile -4 4: both"),
+                                           ((256, 256), "tile 256x256 is wider than its weights")])
+def test_a_tile_that_cannot_serve_the_weights_is_refused_before_any_folder(tmp_path, tile, message):
+    save_llama(tmp_path / "src", {})
+    with pytest.raises(ValueError, match=message):
+        import_sparse(tmp_path / "src", tmp_path / "out", tile=tile)
+    assert not (tmp_path / "out").exists()
 
 
 def test_dtype_is_the_checkpoints_unless_given(tmp_path):

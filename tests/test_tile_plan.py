@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from patchc.ir import file_format
-from patchc.ir.from_pruned import infer_tile
+from patchc.ir.from_pruned import infer_tile, pick_tile, sparse_coverage
 from patchc.ir import (
     PATTERNS,
     TILE_DENSE,
@@ -680,11 +680,25 @@ def test_infer_tile_finds_the_side_a_hybrid_model_was_pruned_with(side):
             board = (torch.arange(grid[0])[:, None] + torch.arange(grid[1])[None, :] + i) % 2
             kinds = torch.where(board == 0, TILE_DENSE, TILE_SPARSE24).to(torch.uint8)
             lin.weight.mul_(random_mask(shape, (side, side), kinds, seed=i))
-    assert infer_tile(model) == (side, side)
+    covered, padded = sparse_coverage(model)
+    assert pick_tile(covered) == (side, side)  # coverage alone; the padding rule is the next test's
     with torch.no_grad():
         for lin in model:  # all 2:4: the widest side
             lin.weight.mul_(random_mask(tuple(lin.weight.shape), (16, 16), torch.ones(19, 19, dtype=torch.uint8)))
-    assert infer_tile(model) == (128, 128)
+    assert pick_tile(sparse_coverage(model)[0]) == (128, 128)
     assert infer_tile(nn.Sequential(nn.Linear(64, 32))) == (16, 16)  # dense: the finest, where the search ends
     with pytest.raises(PlanError, match="keep must be in"):
         infer_tile(model, keep=0)
+
+
+@pytest.mark.parametrize("shape, side", [((256, 384), 128), ((4096 + 64, 4096), 128), ((300, 264), 16),
+                                         ((192, 320), 64), ((32, 96), 32)])
+def test_infer_tile_never_picks_a_side_whose_padding_would_bloat_the_weights(shape, side):
+    """A 2:4 model gets the widest side whose edge tiles pad its weights by at most MAX_PADDING (5%) over
+    16 x 16's: 4160 rows pad to 4224 at 128 (1.5%); 300 x 264 (304 x 272 at 16) to 384 x 384 at 128 (1.8x)
+    and to 320 x 288 at 32 (1.11x)."""
+    lin = nn.Linear(shape[1], shape[0], bias=False)
+    grid = (math.ceil(shape[0] / 16), math.ceil(shape[1] / 16))
+    with torch.no_grad():
+        lin.weight.mul_(random_mask(shape, (16, 16), torch.ones(grid, dtype=torch.uint8)))
+    assert infer_tile(nn.Sequential(lin)) == (side, side)

@@ -19,7 +19,8 @@ The stages (`import_sparse`):
     survey    which weights to plan (nn.Linear, Conv1D and fused experts' slices: `survey_linears`) and
               their tile kinds, packing nothing: a tile is 2:4 iff every group of 4 holds at most 2
               nonzeros; weights without a 2:4 tile stay plain. Without a tile, the widest square that
-              keeps the model's 2:4 tiles (`infer_tile`: 128 x 128 for a model 2:4 throughout)
+              keeps the model's 2:4 tiles and fits its shapes (`infer_tile`: 128 x 128 for a large model
+              2:4 throughout)
     export    `write_export`: the folder, written atomically, each layer packed as the weights file
               reaches it and dropped once written (the plan is never held whole)
 
@@ -50,7 +51,7 @@ from patchc.export.pretrained import check_out, shard_limit, write_export
 from patchc.export.shards import DEFAULT_MAX_SHARD, INDEX, write_index
 from patchc.ir import targets
 from patchc.ir.file_format import FLOAT_DTYPES
-from patchc.ir.from_pruned import layer_from_linear, pick_tile, sparse_coverage, survey_linears
+from patchc.ir.from_pruned import MAX_PADDING, layer_from_linear, pick_tile, sparse_coverage, survey_linears
 from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.tiles import tile_pair
 
@@ -72,6 +73,7 @@ class ImportSummary:
     dense_bytes: int
     left_dense: dict[str, str] = field(default_factory=dict)
     coverage: dict[int, int] | None = None  # inferred tile: `sparse_coverage`, {side: weights in 2:4 tiles}
+    padded: dict[int, int] | None = None  # and {side: weights with the edge tiles' padding}
 
     def format(self) -> str:
         """A few lines for the terminal: tiles, bytes, the layers left dense and how to load the folder."""
@@ -87,7 +89,8 @@ class ImportSummary:
         if self.layout == MARLIN:
             lines.append(f"its int4 / int8 values are served dequantized, as {self.dtype} 2:4 tiles: larger than the "
                          "checkpoint (patchc has no int4 kernels)")
-        if self.coverage and self.tile[0] < 64 and self.coverage[16]:
+        if self.coverage and self.padded and self.tile[0] < 64 and self.coverage[64] and \
+                self.padded[64] <= MAX_PADDING * self.padded[16]:  # 64 x 64 keeps some and fits the shapes
             share = self.coverage[64] / self.coverage[16]
             lines.append(f"at 64x64 the 2:4 tiles would hold {share:.0%} of these 2:4 weights: tiles under 64x64 keep "
                          "them but stream weights more slowly on a large model (--tile 64 64 for speed)")
@@ -117,8 +120,8 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
     """
     from patchc.models import load_model
 
-    tile = None if tile is None else tile_pair(tile, "patchc import")
-    coverage = None
+    tile = None if tile is None else _check_tile(tile_pair(tile, "patchc import"))
+    coverage = padded = None
     out = Path(out)
     check_out(out, overwrite)  # before any long stage; the export checks both again as it writes
     shard_limit(out, max_shard_size)
@@ -128,21 +131,32 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
         bundle = load_model(folder, dtype=dtype or (torch.float16 if layout == MARLIN else checkpoint_dtype(config)))
         model = bundle.model
         if tile is None:
-            coverage = sparse_coverage(model)
-            tile = pick_tile(coverage)
+            coverage, padded = sparse_coverage(model)
+            tile = pick_tile(coverage, padded=padded)
         where, slots, left = survey(model, tile, str(src))
+        weight = next(model.parameters())
+        plan_bytes = sum(s.nbytes() for s in slots.values())
+        dense_bytes = sum(s.numel * weight.element_size() for s in slots.values())
+        if plan_bytes > dense_bytes:  # only the padding of tiles wider than the weights makes a plan larger
+            raise ExportError(f"{src}: tile {tile[0]}x{tile[1]} is wider than its weights: the planned weights would "
+                              f"take {plan_bytes / 2**20:.2f} MiB against {dense_bytes / 2**20:.2f} MiB dense, most "
+                              "of it padding; give a smaller --tile, or none to have it inferred")
         # each layer is packed as the file reaches it; no provenance check: it is packed from these very weights
         write_export(model, out, where, slots, lambda fqn: layer_from_linear(model, fqn, where[fqn], tile),
                      skipped=left, meta={"source": "patchc import", "tile": list(tile), **targets.recorded_meta(where)},
                      tokenizer_from=bundle.source if bundle.tokenizer is not None else None, overwrite=overwrite,
                      info={"imported": str(src), "layout": layout}, max_shard_size=max_shard_size)
-    weight = next(model.parameters())
     return ImportSummary(
         out=out, layout=layout, dtype=str(weight.dtype).removeprefix("torch."), tile=tile, layers=len(slots),
         sparse_tiles=sum(s.n_sparse for s in slots.values()), dense_tiles=sum(s.n_dense for s in slots.values()),
-        plan_bytes=sum(s.nbytes() for s in slots.values()),
-        dense_bytes=sum(s.numel * weight.element_size() for s in slots.values()), left_dense=left,
-        coverage=coverage)
+        plan_bytes=plan_bytes, dense_bytes=dense_bytes, left_dense=left, coverage=coverage, padded=padded)
+
+
+def _check_tile(tile: tuple[int, int]) -> tuple[int, int]:
+    if any(t < 4 or t % 4 for t in tile):  # 2:4 groups of 4 run along a tile's rows; rows come in fours too
+        raise ValueError(f"--tile {tile[0]} {tile[1]}: both tile dims must be multiples of 4 and >= 4 "
+                         "(e.g. --tile 128 128, or no --tile to have it inferred)")
+    return tile
 
 
 def checkpoint_config(src: str | os.PathLike) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,6 +31,9 @@ Layers = tuple[dict[str, LayerPlan], dict[str, str], tuple[int, int]]
 
 # Square tile sides `infer_tile` picks from, widest first: each divides the ones before it.
 INFER_SIDES = (128, 64, 32, 16)
+# A side whose edge tiles pad the planned weights to more than this times their size at the finest side is
+# not picked: a 32 x 32 weight in one 128 x 128 tile stores 16 times its weights (a tiny model came out 7x dense).
+MAX_PADDING = 1.05
 
 
 def layers_from_weights(
@@ -91,32 +95,36 @@ def survey_linears(model: nn.Module, tile: tuple[int, int] | int) -> tuple[dict[
 def infer_tile(model: nn.Module, keep: float = 0.99) -> tuple[int, int]:
     """The widest square tile of `INFER_SIDES` whose 2:4 tiles hold at least `keep` of the weights that
     16 x 16 tiles find 2:4 (`sparse_coverage`): 128 x 128 for a model that is 2:4 throughout, the tile it
-    was pruned with for a hybrid one (wider tiles would turn its 2:4 tiles dense).
+    was pruned with for a hybrid one (wider tiles would turn its 2:4 tiles dense), and never one whose edge
+    tiles would pad the weights by more than `MAX_PADDING` (a model narrower than 128 gets a narrower tile).
 
     Example:
         >>> infer_tile(sparsegpt_2of4_llama), infer_tile(patch_hybrid_model_with_32x32_tiles)
         ((128, 128), (32, 32))
     """
-    return pick_tile(sparse_coverage(model), keep)
+    covered, padded = sparse_coverage(model)
+    return pick_tile(covered, keep, padded)
 
 
-def pick_tile(covered: dict[int, int], keep: float = 0.99) -> tuple[int, int]:
-    """`infer_tile`'s choice from a `sparse_coverage`."""
+def pick_tile(covered: dict[int, int], keep: float = 0.99, padded: dict[int, int] | None = None) -> tuple[int, int]:
+    """`infer_tile`'s choice from a `sparse_coverage`: the widest side keeping `keep` of the 2:4 weights whose
+    padded size (`padded`, {side: weights with the edge tiles' padding}) is within `MAX_PADDING` of the finest's."""
     if not 0 < keep <= 1:
         raise PlanError(f"infer_tile: keep must be in (0, 1], got {keep}")
     fine = INFER_SIDES[-1]
     if covered[fine] == 0:  # nothing is 2:4 at any side: the finest, so that "no 2:4 tile at 16 x 16" says so
         return fine, fine
-    side = next(s for s in INFER_SIDES if covered[s] >= keep * covered[fine])
+    fits = (lambda s: padded[s] <= MAX_PADDING * padded[fine]) if padded else (lambda s: True)
+    side = next(s for s in INFER_SIDES if covered[s] >= keep * covered[fine] and fits(s))
     return side, side
 
 
-def sparse_coverage(model: nn.Module) -> dict[int, int]:
-    """{side: weights in 2:4 tiles of side x side} over the weights `survey_linears` plans, for each of
-    `INFER_SIDES`; one pass at 16 x 16, the wider tiles read off it (a tile is 2:4 iff all its 16 x 16
-    tiles are, since 2:4 groups never straddle them)."""
+def sparse_coverage(model: nn.Module) -> tuple[dict[int, int], dict[int, int]]:
+    """({side: weights in 2:4 tiles of side x side}, {side: weights once padded to side x side tiles}) over
+    the weights `survey_linears` plans, for each of `INFER_SIDES`; one pass at 16 x 16, the wider tiles read
+    off it (a tile is 2:4 iff all its 16 x 16 tiles are, since 2:4 groups never straddle them)."""
     fine = INFER_SIDES[-1]
-    covered = dict.fromkeys(INFER_SIDES, 0)
+    covered, padded = dict.fromkeys(INFER_SIDES, 0), dict.fromkeys(INFER_SIDES, 0)
     for name, target in targets.model_matrices(model).items():
         w = targets.read(model, target).detach()
         if _why_skip(name, w, None) or _router(name):
@@ -125,7 +133,8 @@ def sparse_coverage(model: nn.Module) -> dict[int, int]:
         sizes = tile_sizes(tuple(w.shape), (fine, fine), w.device)
         for side in INFER_SIDES:
             covered[side] += int(sizes[_coarsen(sparse, side // fine)].sum())
-    return covered
+            padded[side] += math.prod(-(-n // side) * side for n in w.shape)
+    return covered, padded
 
 
 def _coarsen(sparse: torch.Tensor, f: int) -> torch.Tensor:

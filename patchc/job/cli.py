@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tile", type=int, nargs=2, default=None, metavar=("B1", "B2"),
                    help="tile rows x columns; a tile whose every group of 4 holds at most 2 nonzeros is 2:4 "
                         "(default: the widest square of 128 / 64 / 32 / 16 that keeps 99%% of the weights 16 x 16 "
-                        "tiles find 2:4: 128 x 128 for a model 2:4 throughout)")
+                        "tiles find 2:4 and pads them by at most 5%%: 128 x 128 for a large model 2:4 throughout)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                    help="served weights' dtype (auto: the checkpoint's, fp16 for marlin-24; quantized values are "
                         "dequantized to it)")
