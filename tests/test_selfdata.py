@@ -257,8 +257,12 @@ def test_eval_refuses_text_the_plan_trained_on_as_extra_text():
 
     docs = ["Tom had a red ball.", "The sun was hot."]
     plan = SimpleNamespace(meta={"data": {"train_documents": [], "train_extra_documents": doc_hashes(docs[:1])}})
-    with pytest.raises(ValueError, match="1 of the 2 evaluation documents were used to train"):
+    with pytest.raises(ValueError, match="1 of the 2 evaluation documents were used to train.*drop --seed"):
         check_overlap(plan, docs, allow_overlap=False)
+    # from a --text file: that file is named, and the way out is to drop it, not the split's flags
+    with pytest.raises(ValueError, match=r"documents in gen.txt were used .*; drop --text gen.txt \(the plan's "
+                                         r"held-out documents are scored without it\), or pass --allow-overlap"):
+        check_overlap(plan, docs, allow_overlap=False, text="gen.txt")
     assert check_overlap(plan, docs, allow_overlap=True) == 1
     assert check_overlap(plan, docs[1:], allow_overlap=False) == 0
 

@@ -49,17 +49,19 @@ def eval_options(plan: Any, model: str | None = None, data: list[str] | None = N
     )
 
 
-def check_overlap(plan: Any, eval_docs: list[str], allow_overlap: bool) -> int:
-    """How many evaluation documents the plan was trained on; raises unless `allow_overlap`."""
+def check_overlap(plan: Any, eval_docs: list[str], allow_overlap: bool, text: str | None = None) -> int:
+    """How many evaluation documents the plan was trained on; raises unless `allow_overlap`. `text`: the
+    --text file they come from, else the split's held-out documents."""
     from patchc.job.data import doc_hashes
 
     split = recorded_split(plan)
     trained = set(split.get("train_documents") or ()) | set(split.get("train_extra_documents") or ())
     seen = sum(h in trained for h in doc_hashes(eval_docs))
     if seen and not allow_overlap:
-        raise ValueError(f"{seen} of the {len(eval_docs)} evaluation documents were used to train this plan, so "
-                         "its score would flatter it; drop --seed/--eval-fraction/--data to use the plan's own "
-                         "split, or pass --allow-overlap")
+        way_out = (f"drop --text {text} (the plan's held-out documents are scored without it)" if text else
+                   "drop --seed/--eval-fraction/--data to use the plan's own split")
+        raise ValueError(f"{seen} of the {len(eval_docs)} evaluation documents{f' in {text}' if text else ''} were "
+                         f"used to train this plan, so its score would flatter it; {way_out}, or pass --allow-overlap")
     return seen
 
 
@@ -84,7 +86,7 @@ def rescore(plan_path: str | os.PathLike, allow_overlap: bool = False, force: bo
     _, eval_docs = split_data(opts, chat)
     overlap = check_overlap(plan, eval_docs, allow_overlap)
     for path in opts.eval_data:  # a whole file must not hold training documents either
-        overlap += check_overlap(plan, read_documents(path, opts, chat), allow_overlap)
+        overlap += check_overlap(plan, read_documents(path, opts, chat), allow_overlap, text=path)
     data = scored_texts(bundle, opts, eval_docs, ", ".join(opts.data))  # what load_data(training=False) gives
     dense_ref = dense_reference(bundle, data)
     dense = evaluate(bundle, bundle.model, data, opts, dense_ref)
