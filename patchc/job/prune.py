@@ -32,8 +32,8 @@ from patchc.job.options import ONESHOT_METHODS, PruneOptions
 from patchc.job.results import row, run_report
 from patchc.job.resume import RECOVERED, RECOVERY, TRAINED, KeptRows
 from patchc.job.runs import (CHECKPOINT, NM_CHECKPOINT, NM_RECOVER_CHECKPOINT, PLAN, RECOVER_CHECKPOINT,
-                             RECOVERED_PLAN, check_out, check_settings, claim_run_dir, release,
-                             remove, unfinish)
+                             RECOVERED_PLAN, check_out, check_settings, claim_run_dir, forget_recovery,
+                             release, remove, unfinish)
 from patchc.job.stages import (calibrate, dense_reference, evaluate, oneshot_baseline, oneshot_masks, recover_plan,
                                recovers_sharded, resumes_from, score_copy, timed, train)
 from patchc.masking.train import TrainResult, agree
@@ -148,6 +148,7 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
                           "data": data_record(data, opts),               # never on training text
                           "train": train_record(trained)}               # what `kept_plan` reads back
             plan.save(out / PLAN)  # on disk before anything else can fail
+            forget_recovery(out)  # what was recovered from the plan it replaces
         with timed(timings, "evaluate"):
             results.append(kept.row(f"PATCH {opts.variant}", lambda: row(
                 f"PATCH {opts.variant}", "patch", "hybrid", plan.sparsity,

@@ -34,13 +34,13 @@ from typing import Any
 
 from patchc.job.options import PruneOptions
 from patchc.job.resume import forget_recovered
-from patchc.job.runs import (OLDER_RUNS, PLAN, RECOVER_CHECKPOINT, RECOVERED_PLAN, SETTINGS, find_plan, remove,
-                             resolve_plan)
+from patchc.job.runs import (OLDER_RUNS, PLAN, RECOVER_CHECKPOINT, RECOVER_RECORD, RECOVERED_PLAN, SETTINGS, find_plan,
+                             remove, resolve_plan)
 from patchc.utils.env import device_name, versions
 from patchc.utils.files import write_bytes_atomic
 from patchc.utils.stopping import exit_on_signals
 
-RESULT = "recover.json"
+RESULT = RECOVER_RECORD
 
 
 def load_any_plan(path: str | os.PathLike) -> Any:

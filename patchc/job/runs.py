@@ -5,7 +5,8 @@
     runs/<name>/run.json      the settings that change the result, written before training starts;
                               `--resume` compares every one of them and names each difference.
     runs/<name>/masks.ckpt    mask training's checkpoint (a folder under --fsdp); masks-nm.ckpt: learned 2:4's.
-    runs/<name>/plan.patch    the plan, written as soon as it is hardened (plan-recovered.patch once recovered).
+    runs/<name>/plan.patch    the plan, written as soon as it is hardened (plan-recovered.patch once recovered,
+                              with recover.json by `patchc recover`; both go when a resumed run writes a new plan).
     runs/<name>/recover.ckpt  weight recovery's checkpoint while it runs (recover-nm.ckpt: learned 2:4's).
     runs/<name>/rows.json     every row scored so far, with its inputs: what --resume reuses (`resume.py`).
     runs/<name>/report.json   written last: its presence means the run finished.
@@ -38,6 +39,7 @@ SETTINGS = "run.json"
 CHECKPOINT = "masks.ckpt"
 NM_CHECKPOINT = "masks-nm.ckpt"
 PLAN, RECOVERED_PLAN = "plan.patch", "plan-recovered.patch"
+RECOVER_RECORD = "recover.json"  # `patchc recover`'s record of its recovery of the plan
 RECOVER_CHECKPOINT, NM_RECOVER_CHECKPOINT = "recover.ckpt", "recover-nm.ckpt"
 ROWS = "rows.json"
 # A sharded (--fsdp) checkpoint is saved to <path>.next, the one it replaces waits in <path>.prev meanwhile.
@@ -105,6 +107,13 @@ def unfinish(folder: Path) -> None:
     """The run's outputs are about to change (a resumed or overwritten run writes its plan): its old report
     goes, so that the folder reads as finished again only once the new one is written."""
     for name in REPORT:
+        (folder / name).unlink(missing_ok=True)
+
+
+def forget_recovery(folder: Path) -> None:
+    """A new plan replaces the run's plan: the recovered plan made from the old one (and `patchc recover`'s
+    record of it) go, or `patchc eval RUN/plan-recovered.patch` would score a plan of other tiles unwarned."""
+    for name in (RECOVERED_PLAN, RECOVER_RECORD):
         (folder / name).unlink(missing_ok=True)
 
 
