@@ -137,7 +137,8 @@ HEAVY = ("torch", "triton", "transformers", "numpy")
 @pytest.mark.parametrize("argv", [["--help"], ["prune", "--help"], ["bench", "--help"], ["prune", "--tile", "x"],
                                   ["prune", "--sparsity", "0.7"], ["eval", "runs/typo"], ["recover", "runs/typo"],
                                   ["export", "runs/typo", "--out", "x"], ["report", "typo.patch"],
-                                  ["generate", "typo/", "--out", "k"], ["tune", "typo.patch"]])
+                                  ["generate", "typo/", "--out", "k"], ["tune", "typo.patch"],
+                                  ["generate", "plan.patch", "--out", "k", "--workers", "0"]])
 def test_help_and_flag_errors_answer_without_importing_torch(argv):
     """torch alone takes seconds to import: `patchc --help`, each command's help, argparse's own errors (a
     wrong type), `patchc prune`'s checks of its values and a plan or run folder that is not there answer

@@ -178,12 +178,18 @@ def test_fp_fusion_is_explicit_and_triton_does_not_warn(runs):
     assert job.key != off.key and off.options["enable_fp_fusion"] is False
 
 
-def test_bad_worker_counts_are_refused():
+def test_bad_worker_counts_are_refused(tmp_path):
+    from patchc.codegen import generate
     from patchc.codegen.compile_pool import compile_all
+    from patchc.codegen.reference import random_tile_plan
 
     for workers in (0, -2, 1.5):
         with pytest.raises(ValueError, match="workers must be a positive int"):
             compile_all({}, workers=workers)
+    plan = random_tile_plan({"fc.weight": dict(n=32, k=32, tile=(16, 16), kinds="mixed")})
+    with pytest.raises(ValueError, match="workers must be a positive int"):
+        generate(plan, tmp_path / "k", workers=0)
+    assert not (tmp_path / "k").exists()  # refused before the folder is made
 
 
 @pytest.mark.parametrize("shape,tile,block,kinds", [

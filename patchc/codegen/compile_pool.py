@@ -200,7 +200,7 @@ def compile_all(
         >>> compile_all({job: ["fc.weight/decode"]}, workers=1, show_progress=False)   # doctest: +SKIP
     """
     todo = list(jobs)
-    n = min(_worker_count(workers), len(todo))
+    n = min(worker_count(workers), len(todo))
     bar = dict(total=len(todo), desc=f"compiling {len(todo)} kernels", unit="kernel", disable=not show_progress)
     if n <= 1 or multiprocessing.current_process().daemon:  # a daemon (a pool worker itself) may not fork
         return profile_all({job: _unwrap(job, _try_compile(job), jobs) for job in progress(todo, **bar)})
@@ -223,7 +223,8 @@ def compile_all(
     return profile_all({job: done[job] for job in todo})
 
 
-def _worker_count(workers: int | None) -> int:
+def worker_count(workers: int | None) -> int:
+    """`workers`, checked (ValueError unless a positive int), or the CPUs this process may use for None."""
     if workers is None:  # the CPUs this process may run on (a container's share, not the host's count)
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if not isinstance(workers, int) or workers < 1:
@@ -275,4 +276,4 @@ def _unwrap(job: CompileJob, outcome: CompiledKernel | str, jobs: Mapping[Compil
 
 
 __all__ = ["CompileError", "CompileJob", "CompiledKernel", "compile_all", "compile_job", "kernel_function",
-           "pointer_hints", "profile_all"]
+           "pointer_hints", "profile_all", "worker_count"]

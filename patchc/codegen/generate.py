@@ -46,7 +46,8 @@ import torch
 import triton
 
 from patchc.codegen import kernels, unpack_kernel
-from patchc.codegen.compile_pool import CompiledKernel, CompileJob, compile_all, kernel_function, pointer_hints
+from patchc.codegen.compile_pool import (CompiledKernel, CompileJob, compile_all, kernel_function, pointer_hints,
+                                         worker_count)
 from patchc.codegen.configs import ARCH_TABLE, KernelConfig, choose_block, normalize_target, resolve_config, variants
 from patchc.codegen.launch import REDUCE_BLOCK
 from patchc.codegen.layout import PackedLayer
@@ -93,6 +94,7 @@ def generate(
         >>> files = generate(plan, "kernels/", target="sm_80", workers=2)   # doctest: +SKIP
         >>> [f.name for f in files if f.suffix == ".ptx"]                  # doctest: +SKIP
     """
+    worker_count(workers)  # a bad count is refused before the folder is made
     _require_compiler()
     arch = normalize_target(target)
     cc = int(arch.split("_")[1])

@@ -28,7 +28,7 @@ from pathlib import Path
 from patchc.bench.options import add_bench_arguments
 from patchc.export.shards import add_shard_argument
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, LOSSES, PruneOptions
-from patchc.job.prune_args import add_prune_arguments, prune_options
+from patchc.job.prune_args import add_prune_arguments, positive_int, prune_options
 from patchc.job.runs import check_plan_path, check_served_path, find_plan, resolve_plan
 from patchc.utils.progress import logs_shown
 
@@ -325,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="plan file, run folder, or a folder `patchc export` / `import` wrote")
     p.add_argument("--target", default="sm_90", choices=("sm_80", "sm_90"), help="GPU architecture (A100: sm_80, H100: sm_90)")
     p.add_argument("--out", required=True, help="folder for the kernels and manifests")
-    p.add_argument("--workers", type=int, default=None, help="compile processes (default: the CPUs this process may use)")
+    p.add_argument("--workers", type=positive_int, default=None,
+                   help="compile processes (default: the CPUs this process may use)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                    help="weights' dtype the kernels serve (auto: the plan's, bfloat16 for an fp32 plan from a CPU)")
     p.add_argument("--no-fp-fusion", dest="fp_fusion", action="store_false",

@@ -1,4 +1,5 @@
-"""`patchc prune`'s flags and the PruneOptions they make: one flag per field, defaults from PruneOptions.
+"""`patchc prune`'s flags and the PruneOptions they make: one flag per field, defaults from PruneOptions
+(and `positive_int`, an argparse type other commands' flags use too).
 
 Example:
     >>> p = argparse.ArgumentParser(); add_prune_arguments(p)
@@ -11,6 +12,13 @@ from __future__ import annotations
 import argparse
 
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, DTYPES, LOSSES, PruneOptions
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1, refused as argparse refuses a wrong type (before torch is imported)."""
+    if (value := int(text)) < 1:  # int's ValueError reads "invalid positive_int value: 'x'"
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def add_prune_arguments(p: argparse.ArgumentParser) -> None:
