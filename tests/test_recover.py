@@ -292,13 +292,24 @@ def test_a_replaced_recovery_is_noted_in_the_report_and_a_bad_report_only_warns(
     assert (tmp_path / "report.json").read_text() == "{broken"
 
 
-def test_recovery_scores_at_the_window_the_run_was_scored_with(tmp_path):
-    from patchc.job.recover import run_eval_context
+def test_recovery_scores_at_the_window_and_length_the_run_was_scored_with(tmp_path):
+    """The window and the tokens per --eval-data file come from the run's report.json (a run scored on 512
+    tokens of WikiText-2 was recovered and scored on 16,384: its dense row changed from 93.3 to 109.2)."""
+    from patchc.job.recover import run_evaluation
 
-    assert run_eval_context(tmp_path) == PruneOptions.eval_context  # no report.json
-    (tmp_path / "report.json").write_text(json.dumps({"evaluation": {"protocol": "..."}}))
-    assert run_eval_context(tmp_path) == 256  # a report from before the window was recorded
-    (tmp_path / "report.json").write_text(json.dumps({"evaluation": {"protocol": "...", "context": 32}}))
-    assert run_eval_context(tmp_path) == 32
+    default = {"eval_context": PruneOptions.eval_context, "eval_tokens": PruneOptions.eval_tokens}
+    assert run_evaluation(tmp_path) == default  # no report.json
+
+    def report(evaluation: dict, extra: dict | None = None) -> dict:
+        (tmp_path / "report.json").write_text(json.dumps({"evaluation": evaluation,
+                                                          "data": {"eval_extra_tokens": extra or {}}}))
+        return run_evaluation(tmp_path)
+
+    assert report({"protocol": "..."}) == default  # a report from before the window was recorded
+    assert report({"context": 32, "eval_tokens": 512}, {"a.txt": 300}) == {"eval_context": 32, "eval_tokens": 512}
+    # before the cap was recorded: the largest file scored reached it, or every file was scored whole
+    assert report({"context": 32}, {"a.txt": 300, "b.txt": 512}) == {"eval_context": 32, "eval_tokens": 512}
     (tmp_path / "report.json").write_text("{not json")
-    assert run_eval_context(tmp_path) == 256
+    assert run_evaluation(tmp_path) == default
+    (tmp_path / "report.json").write_text("[1, 2]")
+    assert run_evaluation(tmp_path) == default

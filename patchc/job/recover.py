@@ -81,13 +81,23 @@ def recover_options(plan: Any, run: Path, **changes: Any) -> PruneOptions:
     return dataclasses.replace(opts, **fixed, **changes)
 
 
-def run_eval_context(run: Path) -> int:
-    """The perplexity window `patchc prune` scored the run with (report.json), else the default 256."""
+def run_evaluation(run: Path) -> dict[str, int]:
+    """{"eval_context", "eval_tokens"}: the perplexity window and the cap per --eval-data file `patchc prune`
+    scored the run with (report.json), so that recovery's scores compare with the run's; else the defaults."""
+    scored = {"eval_context": PruneOptions.eval_context, "eval_tokens": PruneOptions.eval_tokens}
     try:
-        context = json.loads((run / "report.json").read_text())["evaluation"]["context"]
-    except (OSError, ValueError, KeyError, TypeError):  # no report, an older one, or not JSON
-        return PruneOptions.eval_context
-    return int(context)
+        report = json.loads((run / "report.json").read_text())
+        evaluation, data = report.get("evaluation") or {}, report.get("data") or {}
+    except (OSError, ValueError, AttributeError):  # no report, or not a JSON object
+        return scored
+    if isinstance(evaluation.get("context"), int):
+        scored["eval_context"] = evaluation["context"]
+    extra = data.get("eval_extra_tokens") or {}
+    if isinstance(evaluation.get("eval_tokens"), int):
+        scored["eval_tokens"] = evaluation["eval_tokens"]
+    elif extra and all(isinstance(n, int) and n > 0 for n in extra.values()):  # before the cap was recorded:
+        scored["eval_tokens"] = max(extra.values())  # the largest file scored held the cap, or none reached it
+    return scored
 
 
 def recovery_recipe(loss: str | None = None, train_data: str | None = None, train_extra: list[str] | None = None,
@@ -150,7 +160,8 @@ def run_recover(
     it is scored on. An earlier recovery's plan and record are kept unless `overwrite` (refused up front).
     Adam recovery checkpoints to `<run>/recover.ckpt` until it ends; `resume` goes on from there when the
     same recovery wrote it (else it warns and starts over).
-    `eval_context` None: the perplexity window the run was scored with (its report.json), else 256.
+    `eval_context` None: the perplexity window the run was scored with (its report.json), else 256; each
+    --eval-data file is scored up to as many tokens as the run's were.
     Under `torchrun --nproc_per_node=N` every rank recovers its shards (`fsdp_recover`) and rank 0 scores and
     writes; the others return {}.
 
@@ -181,8 +192,8 @@ def run_recover(
         rank, size = world()
         if resume and method == "adam" and not (run / RECOVER_CHECKPOINT).exists():
             say(f"{run}: no {RECOVER_CHECKPOINT} to go on from; recovering from the first step")
-        eval_context = run_eval_context(run) if eval_context is None else eval_context
-        changes = {"device": device, "eval_context": eval_context, "threads": threads,
+        scored = run_evaluation(run) | ({} if eval_context is None else {"eval_context": eval_context})
+        changes = {"device": device, **scored, "threads": threads,
                    "progress": progress and rank == 0, "fsdp": size > 1, **recipe}
         opts = recover_options(plan, run, **changes, **({"batch_size": batch_size} if batch_size else {}))
         started = time.perf_counter()

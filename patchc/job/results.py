@@ -65,7 +65,8 @@ def run_report(bundle, data: dict, cfg: PatchConfig, opts: PruneOptions, plan, t
         "plan": {"path": str(out / "plan.patch"), "density": plan.density, "sparsity": plan.sparsity,
                  "n_layers": len(plan.layers), "skipped": plan.skipped},
         "metric": "perplexity" if bundle.kind == "causal" else "cosine",
-        "evaluation": {"protocol": protocol(bundle, opts), "context": opts.eval_context},
+        "evaluation": {"protocol": protocol(bundle, opts), "context": opts.eval_context,
+                       "eval_tokens": opts.eval_tokens},
         "results": results,
         "speed": {"skipped": "no CUDA device" if not torch.cuda.is_available()
                   else "not measured by prune: run `make gpu` (patchc bench) on a CUDA GPU"},
