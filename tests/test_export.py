@@ -150,9 +150,26 @@ def test_export_run_reads_the_run_folder(stories, tmp_path):
                                                  "model": "stories260K"}))
     out = export_run(run, tmp_path / "out")
     assert (out / "tok512.bin").is_file()
-    assert json.loads((out / CONFIG).read_text())["source"] == {"run": str(run), "model": bundle.source}
+    assert json.loads((out / CONFIG).read_text())["source"] == {"run": str(run), "plan": "plan.patch",
+                                                                "model": bundle.source}
     with torch.no_grad():
         assert torch.equal(from_pretrained(out)(ids), ref)
+    # a plan file (a recovered plan, say), in a folder without report.json: the plan's record names the model
+    other = tmp_path / "crashed"
+    other.mkdir()
+    meta = dict(plan.meta)  # the module's plan: restored below
+    plan.meta["model"] = bundle.source
+    plan.save(other / "plan-recovered.patch")
+    out = export_run(other / "plan-recovered.patch", tmp_path / "out2")
+    assert json.loads((out / CONFIG).read_text())["source"] == {"run": str(other), "plan": "plan-recovered.patch",
+                                                                "model": bundle.source}
+    with torch.no_grad():
+        assert torch.equal(from_pretrained(out)(ids), ref)
+    del plan.meta["model"]
+    plan.save(other / "bare.patch")
+    plan.meta.update(meta)
+    with pytest.raises(ExportError, match="no report.json, and the plan records no model; pass model="):
+        export_run(other / "bare.patch", tmp_path / "out3")
 
 
 def test_model_spec_from_report(tmp_path):

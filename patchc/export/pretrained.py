@@ -198,29 +198,41 @@ def atomic_dir(out: Path, overwrite: bool) -> Iterator[Path]:
 
 def export_run(run_dir: Run, out_dir: Run, *, model: str | None = None, overwrite: bool = False,
                max_shard_size: int | str = DEFAULT_MAX_SHARD) -> Path:
-    """Export a `patchc prune` run folder (its plan.patch and report.json) to `out_dir`; returns it.
+    """Export a `patchc prune` run folder's plan.patch, or a plan file (its plan-recovered.patch, say), to
+    `out_dir`; returns it.
 
-    The model is loaded with `patchc.models.load_model` from `model`, else from the spec the run's
-    report records; `max_shard_size` as `export_pretrained`.
-    Example: `export_run("runs/stories260K", "out/stories260K-pruned")`.
+    The model is loaded with `patchc.models.load_model` from `model`, else from the spec the run's report.json
+    records, else the plan's own record of it; `max_shard_size` as `export_pretrained`.
+    Example: `export_run("runs/stories260K", "out/stories260K-pruned")`,
+    `export_run("runs/stories260K/plan-recovered.patch", "out/stories260K-recovered")`.
     """
     from patchc.models import load_model
 
     shard_limit(Path(out_dir), max_shard_size)  # before the model loads
-    run = Path(run_dir)
-    for name in ("plan.patch", "report.json"):
-        if not (run / name).is_file():
-            raise ExportError(f"{run}: no {name}; give the folder `patchc prune` wrote (runs/<name>)")
-    try:
-        report = json.loads((run / "report.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{run / 'report.json'}: not valid JSON ({e})") from None
-    spec = model or model_spec(report, run)
+    given = Path(run_dir)
+    plan_file = given if given.is_file() else given / "plan.patch"
+    if not plan_file.is_file():
+        raise ExportError(f"{given}: no plan.patch; give the folder `patchc prune` wrote (runs/<name>) or a plan file")
+    run = plan_file.parent
+    plan = TilePlan.load(plan_file)
+    spec = model or recorded_spec(run, plan)
     bundle = load_model(spec)
-    plan = TilePlan.load(run / "plan.patch")
     source = bundle.source if bundle.tokenizer is not None else None
     return export_pretrained(plan, bundle.model, out_dir, tokenizer_from=source, overwrite=overwrite,
-                             info={"run": str(run), "model": spec}, max_shard_size=max_shard_size)
+                             info={"run": str(run), "plan": plan_file.name, "model": spec},
+                             max_shard_size=max_shard_size)
+
+
+def recorded_spec(run: Path, plan: TilePlan) -> str:
+    """The model spec of the run that made `plan`: its report.json's (`model_spec`), else the plan's record."""
+    if (run / "report.json").is_file():
+        try:
+            return model_spec(json.loads((run / "report.json").read_text()), run)
+        except json.JSONDecodeError as e:
+            raise ExportError(f"{run / 'report.json'}: not valid JSON ({e})") from None
+    if isinstance(plan.meta.get("model"), str) and plan.meta["model"]:
+        return plan.meta["model"]
+    raise ExportError(f"{run}: no report.json, and the plan records no model; pass model= (CLI: --model)")
 
 
 def model_spec(report: dict, run: Path) -> str:

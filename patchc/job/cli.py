@@ -289,12 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_sample)
 
     p = command("export", "write a run's pruned model as an HF-style folder (planned weights compressed)")
-    p.add_argument("run", help="run folder of `patchc prune` (holds plan.patch and report.json)")
+    p.add_argument("run", help="run folder of `patchc prune` (its plan.patch), or a plan file such as its "
+                               "plan-recovered.patch")
     p.add_argument("--out", required=True, help="folder to write; must not exist or be empty")
     p.add_argument("--model", default=None, help="model spec (default: the one the run used)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     add_shard_argument(p)
-    p.set_defaults(handler=cmd_export, paths={"run": find_plan})
+    p.set_defaults(handler=cmd_export, paths={"run": check_plan_path})
 
     p = command("import", "serve a model that is already 2:4: write it as a patchc folder (patchc.from_pretrained)",
                 description="Read a model whose weights are already 2:4 or hybrid (zeros in a dense checkpoint; "
