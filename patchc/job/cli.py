@@ -235,14 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("recover", "fine-tune the weights a run's plan keeps (masks fixed); writes RUN/plan-recovered.patch "
                            "and RUN/recover.json")
     p.add_argument("run", help="run folder of a finished `patchc prune` (holds plan.patch and run.json)")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--steps", type=positive_int, default=300, help="optimizer steps")
     p.add_argument("--lr", type=float, default=None, help="Adam learning rate of the weights (default: "
                                                            "the run's --recover-lr)")
     p.add_argument("--scope", choices=("all", "values"), default="all",
                    help="train every kept weight, or only the 2:4 tiles' values (dense tiles frozen)")
     p.add_argument("--method", choices=("adam", "sparsegpt"), default="adam",
                    help="Adam fine-tuning, or one SparseGPT OBS update per layer")
-    p.add_argument("--batch-size", type=int, default=None, help="default: the run's")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="default: the run's")
     p.add_argument("--loss", choices=LOSSES, default=None, help="default: the run's --recover-loss")
     p.add_argument("--train-data", choices=("real", "self", "mix"), default=None, help="default: the run's")
     p.add_argument("--train-extra", nargs="*", default=None, metavar="FILE",
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help="causal LM (default: stories260K)")
     p.add_argument("--data", nargs="+", default=list(DEFAULT_DATA), help="text files: their training documents prompt")
     p.add_argument("--out", required=True, help="text file to write")
-    p.add_argument("--tokens", "--self-tokens", dest="tokens", type=int, default=d.self_tokens,
+    p.add_argument("--tokens", "--self-tokens", dest="tokens", type=positive_int, default=d.self_tokens,
                    help="tokens to generate (whole samples of --block-len + 1)")
     p.add_argument("--block-len", type=int, default=d.block_len, help="tokens per sample, less one")
     p.add_argument("--temperature", "--self-temperature", dest="temperature", type=float, default=d.self_temperature,
@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("tune", "autotune decode and prefill kernel configs on this GPU; fills the cache")
     p.add_argument("plan", help="plan file, run folder, or a folder `patchc export` / `import` wrote")
-    p.add_argument("--batch-size", type=int, default=16, help="decode batch: the largest M tuned as decode")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="decode batch: the largest M tuned as decode")
     p.add_argument("--prefill-len", type=int, default=128, help="prompt length: M = batch x prefill tuned as prefill")
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "fp16", "bf16"), help="activation dtype")
     p.add_argument("--time-limit", type=float, metavar="SECONDS", help="stop compiling and timing after this "
