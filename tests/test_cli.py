@@ -278,3 +278,29 @@ def test_verbose_shows_patchc_log_lines_for_the_command_only(tmp_path, capsys, m
     assert {w for w in ("debug", "info", "warning") if w in err} == shown, err
     assert err.count("warning") == 1, err  # not also through the last-resort handler
     assert logging.getLogger("patchc").level == level and not logging.getLogger("patchc").handlers
+
+
+def test_patchc_warnings_read_as_one_line_from_a_shell(tmp_path, capsys, monkeypatch):
+    """Run from a shell (`main()` with sys.argv), a warning of patchc's prints as `patchc <command>: warning:
+    ...` (it printed Python's `.../rescore.py:84: UserWarning:` and the source line); another library's keeps
+    Python's form. Called with its arguments (a test, a notebook), `main` leaves warnings to the caller."""
+    import warnings
+
+    from patchc.job import cli
+
+    def fake_report(args):
+        warnings.warn_explicit("--offload on cpu: only copies", UserWarning, "/x/patchc/job/rescore.py", 84)
+        warnings.warn_explicit("a library's own", UserWarning, "/x/torch/nn/module.py", 7)
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_report", fake_report)
+    plan = tmp_path / "plan.patch"
+    plan.write_bytes(b"")
+    monkeypatch.setattr(sys, "argv", ["patchc", "report", str(plan)])
+    with pytest.warns(UserWarning) as seen:  # what the process's handler would print in Python's form
+        assert main() == 0
+    assert [str(w.message) for w in seen] == ["a library's own"]  # patchc's went to stderr instead:
+    err = capsys.readouterr().err
+    assert err == "patchc report: warning: --offload on cpu: only copies\n", err
+    with pytest.warns(UserWarning, match="only copies"):  # called with arguments: recorded as usual
+        assert main(["report", str(plan)]) == 0

@@ -21,6 +21,7 @@ prefetch), `-vv` its DEBUG lines too (each config the tuner could not compile, .
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ from patchc.export.shards import add_shard_argument
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, LOSSES, PruneOptions
 from patchc.job.prune_args import add_prune_arguments, positive_int, prune_options
 from patchc.job.runs import check_plan_path, check_served_path, find_plan, resolve_plan
-from patchc.utils.progress import logs_shown
+from patchc.utils.progress import logs_shown, warnings_as_lines
 
 # Each command imports what it runs (torch, Triton): --help, flag errors, missing paths answer at once (test_cli.py).
 
@@ -367,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for dest, check in getattr(args, "paths", {}).items():  # torch-free: a mistyped path answers at once
             check(getattr(args, dest))
-        with logs_shown(args.verbose):
+        # run from a shell, patchc's warnings read as its errors do (a test's or a notebook's recording stays theirs)
+        lines = warnings_as_lines(f"patchc {args.command}") if args.from_command_line else contextlib.nullcontext()
+        with logs_shown(args.verbose), lines:
             return args.handler(args)
     except KeyboardInterrupt:
         print(f"patchc {args.command}: interrupted", file=sys.stderr)

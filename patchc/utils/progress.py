@@ -1,6 +1,6 @@
 """What a user sees while patchc works: progress bars (tqdm where it is installed, the plain iterable where
 not: `make gpu` runs on a bare GPU image with only torch, triton and numpy guaranteed), transformers' own
-bars off where unwanted, and patchc's log lines on stderr for `patchc -v`.
+bars off where unwanted, patchc's log lines on stderr for `patchc -v`, and its warnings as one line each.
 
 Example:
     >>> list(progress(range(3), desc="steps", disable=True))
@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -77,3 +79,26 @@ def logs_shown(verbosity: int) -> Iterator[None]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def warnings_as_lines(prefix: str) -> Iterator[None]:
+    """patchc's own warnings printed as `<prefix>: warning: <message>` on stderr for the duration, as its errors
+    are; other libraries' keep Python's form (file, line and source line), which says whose they are.
+
+    Example:
+        >>> with warnings_as_lines("patchc eval"):
+        ...     run_eval()   # prints "patchc eval: warning: --offload on cpu: ..."   # doctest: +SKIP
+    """
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if f"{os.sep}patchc{os.sep}" not in str(filename):
+            return shown(message, category, filename, lineno, file, line)
+        print(f"{prefix}: warning: {message}", file=file or sys.stderr)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
