@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,21 @@ def test_patchc_prune_runs_inside_the_group_and_leaves_it(fake_group, monkeypatc
     monkeypatch.setattr(prune, "_prune", lambda opts, command: seen.append(dict(fake_group)) or {"done": True})
     assert prune.run_prune(PruneOptions(out=str(tmp_path / "run"))) == {"done": True}
     assert seen == [{"joined": True, "joins": 1, "leaves": 0}] and fake_group["leaves"] == 1
+
+
+def test_fsdp_in_one_process_warns_that_nothing_is_sharded(monkeypatch, tmp_path):
+    """`patchc prune --fsdp` not launched by torchrun trains as one process would: said before the model loads."""
+    from patchc.job import prune
+    from patchc.job.options import PruneOptions
+
+    def stop(opts):
+        raise RuntimeError("stopped before loading")
+
+    monkeypatch.setattr(prune, "load_bundle", stop)
+    with pytest.warns(UserWarning, match=r"--fsdp in one process .*torchrun --nproc_per_node=N"):
+        with pytest.raises(RuntimeError, match="stopped before loading"):
+            prune._prune(PruneOptions(fsdp=True, out=str(tmp_path / "run")), None)
+    with pytest.raises(RuntimeError, match="stopped before loading"):  # without --fsdp: no warning
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            prune._prune(PruneOptions(out=str(tmp_path / "run")), None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,10 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
 def _prune(opts: PruneOptions, command: str | None) -> dict:
     """`run_prune` once this process has joined torchrun's group (if launched by it)."""
     timings: dict[str, float] = {}
+    if opts.fsdp and world()[1] == 1:
+        warnings.warn("--fsdp in one process (not launched by torchrun): nothing is sharded, the run trains as "
+                      "without it; `torchrun --nproc_per_node=N -m patchc prune --fsdp ...` shards over N GPUs",
+                      stacklevel=2)
     with timed(timings, "load"):
         bundle = load_bundle(opts)
         opts = with_tile(opts, bundle)  # --tile, else the model's own (`auto_tile`), before run.json records it
