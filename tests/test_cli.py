@@ -105,7 +105,10 @@ def test_plan_commands_name_a_folder_without_a_plan(tmp_path, capsys, command):
     "args, message",
     [
         (["--model", "/nonexistent/model.bin"], "/nonexistent/model.bin"),
-        (["--sparsity", "0.7"], "outside [0, 0.5]"),
+        (["--sparsity", "0.7"], "error: --sparsity 0.7 is outside [0, 0.5]"),  # the flag, not PatchConfig's field
+        (["--variant", "nm"], "--variant nm makes every tile 2:4, i.e. sparsity 0.5; got --sparsity 0.35. Pass "
+                              "--sparsity 0.5 or use --variant joint"),
+        (["--kappa-tile", "1", "-1"], "--kappa-tile values must be > 0"),
         (["--tile", "512", "512"], "is larger than 35 of them: choose a smaller tile"),
         (["--block-len", "100000"], "longer than the 512 positions"),
         (["--eval-context", "4096"], "--eval-context 4096 is longer than the 512 positions"),

@@ -209,7 +209,10 @@ class PruneOptions:
         if self.text_field is not None and not (isinstance(self.text_field, str) and self.text_field.strip()):
             raise ValueError(f"--text-field must name a field of the records, got {self.text_field!r}")
         # validates sparsity, tile, variant, prior, schedules (an automatic tile is valid by construction)
-        self.patch_config(**({} if self.tile else {"tile": (16, 16)}))
+        try:
+            self.patch_config(**({} if self.tile else {"tile": (16, 16)}))
+        except ValueError as e:
+            raise ValueError(as_flags(str(e))) from None
 
     def _check_train_extra(self) -> None:
         """--train-extra files must not be --data (its held-out documents) or --eval-data (scored) files."""
@@ -254,3 +257,30 @@ class PruneOptions:
             raise ValueError("PruneOptions.tile is None (automatic): resolve it for the loaded model first, "
                              "opts = patchc.job.model.with_tile(opts, bundle)")
         return PatchConfig(**values)
+
+
+# PatchConfig's ways of naming a field in its messages, most specific first
+_CONFIG_CALL = re.compile(r"PatchConfig\((\w+)=('?[\w.]+'?)\)")                   # PatchConfig(variant='nm')
+_ASSIGNED = re.compile(r"(?:PatchConfig\.)?\b(\w+)=('[\w.]+'|\([^)]*\)|[\w.+-]+)")  # sparsity=0.5, tile=(0, 16)
+_FIELD = re.compile(r"PatchConfig\.(\w+)")                                          # PatchConfig.kappa_tile
+
+
+def as_flags(message: str) -> str:
+    """PatchConfig's message in `patchc prune`'s words: each field that is a flag (one per PruneOptions field),
+    `PatchConfig.sparsity=0.7`, `sparsity=0.5`, `PatchConfig(variant='nm')`, reads `--sparsity 0.7`, ...
+
+    Example:
+        >>> as_flags("PatchConfig(variant='nm') makes every tile 2:4; got sparsity=0.35. Pass sparsity=0.5")
+        '--variant nm makes every tile 2:4; got --sparsity 0.35. Pass --sparsity 0.5'
+    """
+    flags = {f.name for f in dataclasses.fields(PruneOptions)}
+
+    def flag(m: re.Match) -> str:
+        if m[1] not in flags:
+            return m[0]
+        value = m[2] if m.re is not _FIELD else None
+        return f"--{m[1].replace('_', '-')}" + ("" if value is None else " " + value.strip("'"))
+
+    for pattern in (_CONFIG_CALL, _ASSIGNED, _FIELD):
+        message = pattern.sub(flag, message)
+    return message
