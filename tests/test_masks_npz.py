@@ -128,3 +128,52 @@ def test_save_rejects_bad_input(tmp_path):
     with pytest.raises(ValueError, match="unknown format"):
         save_npz({}, tmp_path / "m.npz", format="safetensors")
     assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def _transposed_and_expert_models():
+    """A GPT-2 (Conv1D weights stored (K, N)) and a Qwen2-MoE (fused 3-D expert weights), tiny and random."""
+    import transformers as t
+
+    torch.manual_seed(0)
+    gpt2 = t.GPT2LMHeadModel(t.GPT2Config(vocab_size=64, n_embd=64, n_layer=1, n_head=4, n_positions=32))
+    moe = t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    return {"gpt2": gpt2.eval(), "qwen2_moe": moe.eval()}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2_moe"])
+def test_oneshot_masks_of_conv1d_and_experts_plan_save_and_load_as_they_are(tmp_path, family):
+    """`oneshot` gives a Conv1D weight's mask as (N, K), the transpose of the stored weight, and one mask per
+    expert as "<param>.<e>". `TilePlan.from_masks(model, ...)` plans them (it refused both), and both file
+    formats give them back exactly through the model (the MaskLLM file came back scrambled for GPT-2: same
+    bit count, the stored shape); the plan serves what the masks say."""
+    import copy
+
+    import patchc
+
+    model = _transposed_and_expert_models()[family]
+    masks = oneshot(model, method="magnitude", pattern="2:4", progress=False)
+    assert any(name[-1].isdigit() for name in masks) == (family == "qwen2_moe")
+    plan = TilePlan.from_masks(model, masks, tile=(16, 16))
+    plan.verify()
+    assert set(plan.layers) == set(masks) and plan.density == pytest.approx(0.5)
+    for fqn, mask in masks.items():
+        assert torch.equal(plan.layers[fqn].mask(), mask), fqn
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        want = plan.apply(copy.deepcopy(model))(ids).logits
+        got = patchc.compile(model, plan, tune=False)(ids).logits  # fp32 rounding apart (1.5e-7 here)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for fmt in ("patch", "maskllm"):
+        back = load_npz(save_npz(plan, tmp_path / f"{fmt}.npz", format=fmt), model)
+        assert set(back) == set(masks) and all(torch.equal(back[k], masks[k]) for k in masks), fmt
+    if family == "qwen2_moe":  # a state dict cannot say which weights hold experts: the error says what to pass
+        with pytest.raises(ValueError, match=r"gate_up_proj\.0 \(an expert of a fused weight: pass the model"):
+            load_npz(tmp_path / "patch.npz", model.state_dict())
+        with pytest.raises(Exception, match=r"is read through the model: pass it, not its state"):
+            TilePlan.from_masks(model.state_dict(), masks, tile=(16, 16))
+    else:
+        with pytest.raises(Exception, match=r"Conv1D weight is stored transposed: pass the model"):
+            TilePlan.from_masks(model.state_dict(), masks, tile=(16, 16))

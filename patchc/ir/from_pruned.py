@@ -186,10 +186,15 @@ def layers_from_masks(
     tile: tuple[int, int] | int,
     allow_lossy: bool = False,
 ) -> Layers:
-    """(layers, skipped, tile) from hard masks (N, K) bool per weight FQN (see `TilePlan.from_masks`)."""
+    """(layers, skipped, tile, where) from hard masks (N, K) bool per weight FQN (see `TilePlan.from_masks`);
+    `where`: the `targets.Target` of each weight read through the module (a Conv1D's transpose, an expert's
+    "<param>.<e>" slice), as `patchc.oneshot` names and shapes their masks."""
+    where: dict[str, targets.Target] = {}
     if isinstance(model_or_state_dict, nn.Module):
         params = dict(model_or_state_dict.named_parameters(remove_duplicate=False))
         sd = {**model_or_state_dict.state_dict(keep_vars=True), **params}
+        where = targets.model_matrices(model_or_state_dict)
+        sd |= {name: targets.read(model_or_state_dict, t) for name, t in where.items()}
     else:
         sd = dict(model_or_state_dict)
     tile = b1, b2 = tile_pair(tile, "from_masks")
@@ -197,7 +202,8 @@ def layers_from_masks(
     skipped: dict[str, str] = {}
     for fqn, mask in masks.items():
         if fqn not in sd:
-            raise PlanError(f"layer {fqn}: a mask is given but the model has no weight {fqn!r}")
+            expert = "" if where else " (an expert's \"<param>.<e>\" is read through the model: pass it, not its state)"
+            raise PlanError(f"layer {fqn}: a mask is given but the model has no weight {fqn!r}{expert}")
         w = sd[fqn].detach()
         why = _why_skip(fqn, w, None)
         if why:
@@ -205,8 +211,10 @@ def layers_from_masks(
             continue
         mask = torch.as_tensor(mask).to(w.device)
         if tuple(mask.shape) != tuple(w.shape):
+            hint = " (a GPT-2 Conv1D weight is stored transposed: pass the model, not a state dict)" if (
+                not where and tuple(mask.shape) == tuple(w.shape)[::-1]) else ""
             raise PlanError(
-                f"layer {fqn}: mask shape {tuple(mask.shape)} differs from the weight's {tuple(w.shape)}"
+                f"layer {fqn}: mask shape {tuple(mask.shape)} differs from the weight's {tuple(w.shape)}{hint}"
             )
         mask = mask.bool()
         shape = tuple(w.shape)
@@ -227,8 +235,9 @@ def layers_from_masks(
         dense = all_true | bad
         kinds = torch.where(dense, TILE_DENSE, TILE_SPARSE24).to(torch.uint8)
         full = from_tiles(mtiles | dense[:, :, None, None], shape)
-        layers[fqn] = LayerPlan.from_mask(fqn, w, kinds, full, bias=_find_bias(sd, fqn, w), tile=tile)
-    return layers, skipped, tile
+        bias = None if fqn in where and where[fqn].expert is not None else _find_bias(sd, fqn, w)
+        layers[fqn] = LayerPlan.from_mask(fqn, w, kinds, full, bias=bias, tile=tile)
+    return layers, skipped, tile, {name: where[name] for name in layers if name in where}
 
 
 def skip_reason(name: str, w: Any) -> str | None:

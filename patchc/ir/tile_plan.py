@@ -187,6 +187,9 @@ class TilePlan:
     ) -> TilePlan:
         """Build a plan from hard masks (N, K) bool per weight FQN.
 
+        Given the model, a mask may name a weight as `patchc.oneshot` does: a GPT-2 Conv1D weight's mask is
+        (N, K), the transpose of the stored weight, and a fused expert weight's one mask per expert is
+        "<param>.<e>"; the plan records where each lives, as a job's plan does.
         A tile whose mask keeps exactly 2 of 4 in every group becomes 2:4, an all-true tile dense.
         Anything else (e.g. an unstructured mask) raises `PlanError` naming the layer and tile,
         unless `allow_lossy=True`, where such a tile becomes dense (keeping weights the mask drops).
@@ -196,10 +199,11 @@ class TilePlan:
             masks = patchc.oneshot(model, method="wanda", pattern="2:4", calib=calib)
             plan = TilePlan.from_masks(model, masks, tile=(16, 16))
         """
-        layers, skipped, tile = layers_from_masks(model_or_state_dict, masks, tile, allow_lossy)
+        layers, skipped, tile, where = layers_from_masks(model_or_state_dict, masks, tile, allow_lossy)
         base = {"source": "from_masks", "tile": list(tile), "allow_lossy": allow_lossy}
         state = getattr(model_or_state_dict, "state_dict", lambda: model_or_state_dict)()
-        meta = dict(meta or base) | {"fingerprints": fingerprints({fqn: state[fqn] for fqn in layers})}
+        weights = {fqn: targets.read(model_or_state_dict, where[fqn]) if fqn in where else state[fqn] for fqn in layers}
+        meta = dict(meta or base) | {"fingerprints": fingerprints(weights)} | targets.recorded_meta(where)
         return cls(layers=layers, skipped=skipped, meta=meta)
 
     # -- files -----------------------------------------------------------------------------------

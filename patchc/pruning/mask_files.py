@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from patchc.config import DEFAULT_EXCLUDE
+from patchc.ir import targets
 from patchc.utils.files import atomic_path
 from patchc.pruning.calibrate import default_layers
 
@@ -108,17 +109,23 @@ def detect_format(keys: list[str]) -> str:
 
 
 def _model_weights(model: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """(every weight FQN -> shape, the FQNs a mask file is expected to cover)."""
-    if isinstance(model, Mapping):  # a state_dict
+    """(every weight FQN -> the (N, K) shape its mask has, the FQNs a mask file is expected to cover).
+
+    Masks are (N, K) as plans and `oneshot` give them: a GPT-2 Conv1D weight, stored (K, N), is read as its
+    transpose, and a fused expert weight as one "<param>.<e>" matrix per expert (`patchc.ir.targets`).
+    """
+    if isinstance(model, Mapping):  # a state_dict: no module to say which weights are stored transposed
         shapes = {k: tuple(v.shape) for k, v in model.items()}
         expected = {k for k, s in shapes.items() if len(s) == 2 and s[1] % 4 == 0 and not _excluded(k)}
         return shapes, expected
     if hasattr(model, "observe_inputs") and hasattr(model, "graph_module"):  # a MaskedProgram
         params = dict(model.graph_module.named_parameters(remove_duplicate=False))
-        return {k: tuple(v.shape) for k, v in params.items()}, set(model.layers)
+        shapes = {k: tuple(v.shape) for k, v in params.items()}
+        return shapes | {fqn: tuple(mask.shape) for fqn, mask in model.layers.items()}, set(model.layers)
     if isinstance(model, nn.Module):
         params = dict(model.named_parameters(remove_duplicate=False))
         shapes = {k: tuple(v.shape) for k, v in params.items()}
+        shapes |= {name: tuple(targets.read(model, t).shape) for name, t in targets.model_matrices(model).items()}
         expected = {f for f, k in default_layers(model).items() if k % 4 == 0}
         return shapes, expected
     raise TypeError(f"load_npz needs an nn.Module, a MaskedProgram or a state_dict, got {type(model).__name__}")
@@ -133,7 +140,10 @@ def load_npz(path: str | os.PathLike, model: Any, strict: bool = True) -> dict[s
 
     Args:
         path: the `.npz` file.
-        model: an nn.Module, a `MaskedProgram` or a state_dict: gives the weight names and shapes.
+        model: an nn.Module, a `MaskedProgram` or a state_dict: gives the weight names and shapes. A mask is
+            (N, K) as plans and `oneshot` give it: through a module, a GPT-2 Conv1D weight reads as its
+            transpose and a fused expert weight as "<param>.<e>" per expert; a state_dict knows neither, so
+            pass the module for such a model.
         strict: also require a mask for every layer masked by default (every nn.Linear weight with
             K % 4 == 0, not matched by DEFAULT_EXCLUDE and not a tied LM head; a program's masked
             layers; for a state_dict, its 2-D weights so selected); False allows partial files.
@@ -178,7 +188,10 @@ def load_npz(path: str | os.PathLike, model: Any, strict: bool = True) -> dict[s
     masks: dict[str, torch.Tensor] = {}
     for fqn, bits in packed.items():
         if fqn not in shapes:
-            problems["unexpected"].append(f"{fqn} (the model has no such weight)")
+            param = fqn.rpartition(".")[0]
+            expert = fqn.rpartition(".")[2].isdigit() and param in shapes  # a state dict's fused expert weight
+            problems["unexpected"].append(f"{fqn} (" + ("an expert of a fused weight: pass the model, whose experts "
+                                          "it reads, not a state dict)" if expert else "the model has no such weight)"))
             continue
         shape = shapes[fqn]
         if len(shape) != 2:
