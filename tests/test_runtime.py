@@ -152,6 +152,29 @@ def test_backend_tiny_llama_plan_and_inferred(llama):
     torch.testing.assert_close(out, ref, **TOL)
 
 
+def test_backend_refuses_a_plan_made_for_other_weights_and_reads_a_plan_file(llama, tmp_path):
+    """A plan given to the backend for a model whose weights are not its source is refused, naming the layer,
+    as `plan.apply` and `patchc.compile` refuse it (the backend served the plan's own pruned weights beside
+    the other model's embeddings and norms); `force` serves them anyway. The plan may be a file's path."""
+    model, plan, pruned, ids, ref = llama
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.01)
+    with pytest.raises(Exception, match=r"patch backend: layer .*weight: the model's weight has norm .*the plan "
+                                        r"was made for other weights .*options=\{'force': True\}"):
+        backend_run(other, ids, {"plan": plan}, hf=True)
+    _, count = backend_run(other, ids, {"plan": plan, "force": True}, hf=True)
+    assert count == n_hybrid(plan)
+    out, count = backend_run(pruned, ids, {"plan": plan}, hf=True)  # W * M: the plan's own weights, applied
+    assert count == n_hybrid(plan)
+    torch.testing.assert_close(out, ref, **TOL)
+    plan.save(tmp_path / "plan.patch")
+    out, count = backend_run(model, ids, {"plan": str(tmp_path / "plan.patch")}, hf=True)
+    assert count == n_hybrid(plan)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
 @pytest.mark.parametrize("source, fqn", [
     ("L['self']._modules['layers']._modules['0']._parameters['weight']", "layers.0.weight"),
     ("L['fn'].lm_head.weight", "lm_head.weight"),

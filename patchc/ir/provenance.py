@@ -125,15 +125,21 @@ def _is_applied(layer, weight: torch.Tensor) -> bool:
     return not bool(_rounding_apart(layer, weight)[2].any())
 
 
+def weight_mismatch(plan, fqn: str, weight: torch.Tensor) -> str | None:
+    """Why the (N, K) `weight` is neither plan layer `fqn`'s source weight nor its W * M, or None."""
+    recorded = plan.meta.get("fingerprints") or {}
+    layer = plan.layers[fqn]
+    why = fingerprint_mismatch(fqn, recorded[fqn], weight) if fqn in recorded else kept_mismatch(fqn, layer, weight)
+    if why and fqn in recorded and _is_applied(layer, weight):
+        return None  # the plan was already applied to this model: W * M is its own weight
+    return why
+
+
 def check_weights(plan, model: torch.nn.Module) -> None:
     """Raise `PlanError` naming the first planned layer whose model weight is not the plan's source."""
-    recorded = plan.meta.get("fingerprints") or {}
     where = plan.meta.get(targets.META_KEY)
-    for fqn, layer in plan.layers.items():
+    for fqn in plan.layers:
         weight = targets.read(model, targets.resolve(model, fqn, where))  # (N, K), also for experts / Conv1D
-        why = (fingerprint_mismatch(fqn, recorded[fqn], weight) if fqn in recorded
-               else kept_mismatch(fqn, layer, weight))
-        if why and fqn in recorded and _is_applied(layer, weight):
-            why = None  # the plan was already applied to this model: W * M is its own weight
+        why = weight_mismatch(plan, fqn, weight)
         if why:
             raise PlanError(f"{why}: this plan was made for other weights (another checkpoint or model); {_FORCE}")

@@ -39,12 +39,13 @@ nonzeros per group of 4 are 2:4, the rest dense; layers with no 2:4 tile are lef
 zeros are read once per version, and its layer packed only where no earlier graph packed it
 (`patchc.runtime.inferred`).
 
-Options (all optional): plan, tile, batch_size (16), prefill_len (128), tune (True: tune on CUDA,
-cache-backed; "cached"; False), cache, inner ("inductor" / "aot_eager" / "eager" / any backend name),
+Options (all optional): plan (a TilePlan or its file), tile, batch_size (16), prefill_len (128), tune (True: tune
+on CUDA, cache-backed; "cached"; False), cache, inner ("inductor" / "aot_eager" / "eager" / any backend name),
 mode (inductor's, e.g. "reduce-overhead": torch.compile takes ``mode=`` or ``options=``, not both),
-strict (False), graph_callback (called with the rewritten GraphModule and the number of replaced
-matmuls; for tests). A tied weight is matched under the name dynamo saw first (e.g. the embedding's), as
-`patchc.transform` names it; a plan naming it otherwise needs `patchc.compile`.
+strict (False), force (False: a plan made for other weights is refused), graph_callback (called with the
+rewritten GraphModule and the number of replaced matmuls; for tests). A tied weight is matched under the
+name dynamo saw first (e.g. the embedding's), as `patchc.transform` names it; a plan naming it otherwise
+needs `patchc.compile`.
 
 Example:
     >>> cm = torch.compile(model, backend="patch", options={"plan": plan})   # doctest: +SKIP
@@ -71,13 +72,13 @@ from patchc.runtime.grouped import (GroupedRead, bmm_operands, bmm_result, find_
 from patchc.runtime.graph_names import parameter_names, source_fqn, source_name, source_root
 from patchc.runtime.matmul_reads import LINEAR, Read, find_reads
 from patchc.runtime.op import tile_linear as _op  # noqa: F401  (registers the op)
-from patchc.runtime.packs import expert_modules, infer_plan, linear_modules
+from patchc.runtime.packs import check_sources, expert_modules, infer_plan, linear_modules, plan_option
 from patchc.runtime.weight_graphs import PerWeights
 
 log = logging.getLogger(__name__)
 
 OPTION_KEYS = ("plan", "tile", "batch_size", "prefill_len", "tune", "cache", "inner", "mode", "graph_callback",
-               "time_fn", "strict")
+               "time_fn", "strict", "force")
 DEFAULT_TILE = coverage.DEFAULT_TILE
 LINEAR_TARGETS = LINEAR
 
@@ -93,6 +94,7 @@ def patch_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) 
     unknown = sorted(set(options) - set(OPTION_KEYS))
     if unknown:
         raise ValueError(f"patch backend: unknown option(s) {unknown}; known: {list(OPTION_KEYS)}")
+    options["plan"] = plan_option(options.get("plan"))  # a TilePlan, or a plan file's path
     # torch.compile refuses mode= beside options=: with a plan, the mode comes in the options
     mode = options.get("mode", kwargs.get("mode"))
     packed: list[int] = []
@@ -169,6 +171,9 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict
                                  if n.removesuffix(".*") in by_name])
     report_unreplaced("patch backend", "left dense in this graph", left, bool(options.get("strict", False)))
     _report_unmatched(unmatched)
+    if not inferred and not options.get("force"):  # each weight (N, K) as the plan has it
+        check_sources(plan, {names[r.weight]: examples[r.weight].mT if r.transposed else examples[r.weight]
+                             for r in served})
     modules = linear_modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options)
     experts = expert_modules(plan, served_grouped, names, examples, options)
     if not modules and not experts:

@@ -16,13 +16,17 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import os
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 import torch
 from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
+from patchc.ir.provenance import weight_mismatch
 from patchc.runtime.dispatch import TileLinear
 from patchc.runtime.grouped import GroupedRead, grouped_module, planned_experts
 from patchc.runtime.inferred import InferredPlan, built, packed_plan
@@ -162,4 +166,30 @@ def held(weight: torch.Tensor) -> int:
     return sum(not _dead(entry) for entry in (_SHARED.get(weight) or {}).values())
 
 
-__all__ = ["expert_modules", "held", "infer_plan", "linear_modules", "shared"]
+def plan_option(plan: Any) -> Any:
+    """The backend's `plan` option: a TilePlan, or a plan file's path (loaded once per file version, so the
+    model's graphs share one plan and its packs)."""
+    if not isinstance(plan, (str, os.PathLike)):
+        return plan
+    stat = Path(plan).stat()  # FileNotFoundError names the path
+    return _load_plan(str(Path(plan).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_plan(path: str, mtime_ns: int, size: int) -> Any:
+    from patchc.ir import TilePlan
+
+    return TilePlan.load(path)
+
+
+def check_sources(plan: Any, weights: dict[str, torch.Tensor]) -> None:
+    """ValueError naming the first planned layer whose graph weight ({fqn: (N, K)}) is neither the weight the
+    plan was made from nor its W * M: the packed layer would serve the plan's weights beside this model's."""
+    for fqn, w in weights.items():
+        why = weight_mismatch(plan, fqn, w.detach())
+        if why:
+            raise ValueError(f"patch backend: {why}: the plan was made for other weights (another checkpoint or "
+                             "model); options={'force': True} serves the plan's weights anyway")
+
+
+__all__ = ["check_sources", "expert_modules", "held", "infer_plan", "linear_modules", "plan_option", "shared"]
