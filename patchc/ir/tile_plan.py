@@ -177,19 +177,13 @@ class TilePlan:
         return cls(layers=layers, skipped=left, meta={"source": "from_linears", "tile": list(tile), **where})
 
     @classmethod
-    def from_masks(
-        cls,
-        model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
-        masks: Mapping[str, torch.Tensor],
-        tile: tuple[int, int] | int = (128, 128),
-        allow_lossy: bool = False,
-        meta: dict | None = None,
-    ) -> TilePlan:
+    def from_masks(cls, model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], masks: Mapping[str, torch.Tensor],
+                   tile: tuple[int, int] | int = (128, 128), allow_lossy: bool = False, meta: dict | None = None,
+                   ) -> TilePlan:
         """Build a plan from hard masks (N, K) bool per weight FQN.
 
-        Given the model, a mask may name a weight as `patchc.oneshot` does: a GPT-2 Conv1D weight's mask is
-        (N, K), the transpose of the stored weight, and a fused expert weight's one mask per expert is
-        "<param>.<e>"; the plan records where each lives, as a job's plan does.
+        Given the model, masks are named and shaped as `patchc.oneshot` gives them: a Conv1D weight's (N, K),
+        its transpose; a fused expert weight's "<param>.<e>" per expert (the plan records where they live).
         A tile whose mask keeps exactly 2 of 4 in every group becomes 2:4, an all-true tile dense.
         Anything else (e.g. an unstructured mask) raises `PlanError` naming the layer and tile,
         unless `allow_lossy=True`, where such a tile becomes dense (keeping weights the mask drops).
