@@ -279,3 +279,21 @@ def test_a_tokenizer_without_bos_or_eos_names_the_flag_and_no_bos_runs(tmp_path,
     one_line_error(capsys, argv, "neither a BOS nor an EOS token", "pass --no-bos")
     assert cli.main([*argv, "--no-bos"]) == 0
     assert cli.main(["eval", str(tmp_path / "run" / "plan.patch")]) == 0  # eval reads --no-bos from the plan
+
+
+def test_a_tile_the_gpu_kernels_cannot_serve_warns_before_training(tmp_path, monkeypatch):
+    """--tile 8 8 trains and applies, but patchc.compile refuses its plan (blocks are powers of two >= 16):
+    said before the model loads, not after the training; 48 x 48 and 16 x 32 serve, so they do not warn."""
+    import warnings
+
+    def stop(opts):
+        raise RuntimeError("stopped before loading")
+
+    monkeypatch.setattr(prune, "load_bundle", stop)
+    with pytest.warns(UserWarning, match=r"--tile 8 8: .*multiples of 16: patchc.compile and the backend will"):
+        with pytest.raises(RuntimeError, match="stopped before loading"):
+            prune._prune(patchc.job.PruneOptions(tile=(8, 8), out=str(tmp_path / "run")), None)
+    for tile in ((48, 48), (16, 32), None):
+        with warnings.catch_warnings(), pytest.raises(RuntimeError, match="stopped before loading"):
+            warnings.simplefilter("error")
+            prune._prune(patchc.job.PruneOptions(tile=tile, out=str(tmp_path / "run")), None)

@@ -62,6 +62,10 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
 def _prune(opts: PruneOptions, command: str | None) -> dict:
     """`run_prune` once this process has joined torchrun's group (if launched by it)."""
     timings: dict[str, float] = {}
+    if opts.tile and any(side % 16 for side in opts.tile):  # it trains; serving it on a GPU is refused later
+        warnings.warn(f"--tile {opts.tile[0]} {opts.tile[1]}: the plan trains and applies (plan.apply), but the GPU "
+                      "kernels need tile sides that are multiples of 16: patchc.compile and the backend will refuse "
+                      "it", stacklevel=2)
     if opts.fsdp and world()[1] == 1:
         warnings.warn("--fsdp in one process (not launched by torchrun): nothing is sharded, the run trains as "
                       "without it; `torchrun --nproc_per_node=N -m patchc prune --fsdp ...` shards over N GPUs",
