@@ -169,6 +169,9 @@ def test_oneshot_masks_of_conv1d_and_experts_plan_save_and_load_as_they_are(tmp_
     for fmt in ("patch", "maskllm"):
         back = load_npz(save_npz(plan, tmp_path / f"{fmt}.npz", format=fmt), model)
         assert set(back) == set(masks) and all(torch.equal(back[k], masks[k]) for k in masks), fmt
+    with pytest.raises(Exception, match=r"from_weights: .* is a transposed \(Conv1D\) or fused-expert weight .*"
+                                        r"TilePlan.from_linears\(model\)"):  # it read them as stored, planning nonsense
+        TilePlan.from_weights(plan.apply(copy.deepcopy(model)), tile=(16, 16))
     if family == "qwen2_moe":  # a state dict cannot say which weights hold experts: the error says what to pass
         with pytest.raises(ValueError, match=r"gate_up_proj\.0 \(an expert of a fused weight: pass the model"):
             load_npz(tmp_path / "patch.npz", model.state_dict())

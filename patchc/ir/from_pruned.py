@@ -42,6 +42,11 @@ def layers_from_weights(
     include: Callable[[str], bool] | None = None,
 ) -> Layers:
     """(layers, skipped, tile) inferred from already-pruned weights (see `TilePlan.from_weights`)."""
+    if isinstance(state_dict, nn.Module):  # weights as stored: a Conv1D's (K, N) would be read along N
+        odd = [n for n, t in targets.model_matrices(state_dict).items() if t.transposed or t.expert is not None]
+        if odd:
+            raise PlanError(f"from_weights: {odd[0]} is a transposed (Conv1D) or fused-expert weight ({len(odd)} "
+                            "such); TilePlan.from_linears(model) reads them as the runtime serves them")
     sd = state_dict.state_dict() if isinstance(state_dict, nn.Module) else state_dict
     tile = tile_pair(tile, "from_weights")
     layers: dict[str, LayerPlan] = {}
