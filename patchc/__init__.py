@@ -1,6 +1,6 @@
 """patchc: learnable tile-level hybrid (dense / 2:4) sparsity for PyTorch models (PATCH).
 
-    ep   = torch.export.export(model, (ids,))
+    ep   = torch.export.export(model, (ids,), {"use_cache": False})                # an HF LM: no KV cache out
     prog = patchc.transform(ep, patchc.PatchConfig(tile=(16, 16), sparsity=0.35))   # trainable masks
     patchc.train_masks(prog, blocks, patchc.lm_loss, steps=300)                    # or your own loop
     plan = patchc.harden(prog)                                                      # -> TilePlan IR

@@ -5,6 +5,7 @@ The whole-model view of the IR: global density and bytes, a summary table, writi
 (`file_format.py`).
 
 Example:
+    >>> layer = LayerPlan.from_mask("fc.weight", w, kinds, mask, tile=(16, 16))   # see `LayerPlan`
     >>> plan = TilePlan(layers={"fc.weight": layer}, skipped={"head.weight": "excluded"})
     >>> plan.save("/tmp/fc.patch"); TilePlan.load("/tmp/fc.patch").density == plan.density
     True

@@ -7,7 +7,7 @@ The stages, in order:
         -> MaskedProgram
 
 Example:
-    >>> ep = torch.export.export(model, (ids,))
+    >>> ep = torch.export.export(model, (ids,), {"use_cache": False})   # an HF LM: no KV cache in its output
     >>> prog = patchc.transform(ep, patchc.PatchConfig(tile=(16, 16), sparsity=0.35))
     >>> opt = torch.optim.Adam(prog.mask_parameters(), lr=1e-3)
     >>> loss = task_loss(prog(ids)) + prog.regularizer(); loss.backward(); opt.step(); prog.step()
@@ -196,7 +196,8 @@ def transform(
     model; patchc never writes to it.
 
     Example:
-        >>> prog = patchc.transform(model, PatchConfig(tile=(16, 16)), example_inputs=(ids,))
+        >>> prog = patchc.transform(model, PatchConfig(tile=(16, 16)), example_inputs=(ids,),
+        ...                         example_kwargs={"use_cache": False})
         >>> sorted(prog.layers)[:1]
         ['layers.0.mlp.down_proj.weight']
     """
