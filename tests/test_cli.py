@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -291,9 +292,14 @@ def test_patchc_warnings_read_as_one_line_from_a_shell(tmp_path, capsys, monkeyp
 
     from patchc.job import cli
 
+    import patchc
+
+    ours = str(Path(patchc.__file__).parent / "job" / "rescore.py")
+    venv = "/home/u/patchc/.venv/lib/python3.11/site-packages/torch/nn/module.py"  # a clone named patchc
+
     def fake_report(args):
-        warnings.warn_explicit("--offload on cpu: only copies", UserWarning, "/x/patchc/job/rescore.py", 84)
-        warnings.warn_explicit("a library's own", UserWarning, "/x/torch/nn/module.py", 7)
+        warnings.warn_explicit("--offload on cpu: only copies", UserWarning, ours, 84)
+        warnings.warn_explicit("a library's own", UserWarning, venv, 7)  # its venv's torch: not patchc's
         return 0
 
     monkeypatch.setattr(cli, "cmd_report", fake_report)

@@ -96,9 +96,17 @@ def test_a_run_that_dies_at_a_baseline_resumes_where_it_stopped(tmp_path, monkey
     assert _scores(crashed) == pytest.approx(_scores(straight), rel=1e-6)
     assert len(json.loads((crashed / "report.json").read_text())["resumed_rows"]) == 8
 
+    # Scored anew (other --eval-tokens) without --recover: PATCH is hardened again, the same plan, so what was
+    # recovered from it stays
+    (crashed / runs.RECOVER_RECORD).write_text("{}")  # as `patchc recover` leaves it
+    recovered = (crashed / runs.RECOVERED_PLAN).stat().st_mtime_ns
+    calls.clear()
+    assert main(["prune", "--out", str(crashed), *ARGS, "--eval-tokens", "128", "--no-baselines", "--resume"]) == 0
+    assert calls["train joint"] == 1  # hardened again from its checkpoint
+    assert (crashed / runs.RECOVERED_PLAN).stat().st_mtime_ns == recovered and (crashed / runs.RECOVER_RECORD).exists()
+
     # More steps, no recovery: a new plan, and what was recovered from the old one goes (`patchc eval` of it
     # would score a plan of other tiles, unwarned)
-    (crashed / runs.RECOVER_RECORD).write_text("{}")  # as `patchc recover` leaves it
     assert main(["prune", "--out", str(crashed), *ARGS, "--steps", "6", "--no-baselines", "--resume"]) == 0
     assert (crashed / runs.PLAN).stat().st_mtime_ns != plan_file
     assert not (crashed / runs.RECOVERED_PLAN).exists() and not (crashed / runs.RECOVER_RECORD).exists()

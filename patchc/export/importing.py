@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -137,7 +138,8 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
         weight = next(model.parameters())
         plan_bytes = sum(s.nbytes() for s in slots.values())
         dense_bytes = sum(s.numel * weight.element_size() for s in slots.values())
-        if plan_bytes > dense_bytes:  # only the padding of tiles wider than the weights makes a plan larger
+        stored = sum(math.prod(-(-n // b) * b for n, b in zip(s.shape, tile)) for s in slots.values())
+        if stored > 2 * sum(s.numel for s in slots.values()):  # edge tiles holding more padding than weights
             raise ExportError(f"{src}: tile {tile[0]}x{tile[1]} is wider than its weights: the planned weights would "
                               f"take {plan_bytes / 2**20:.2f} MiB against {dense_bytes / 2**20:.2f} MiB dense, most "
                               "of it padding; give a smaller --tile, or none to have it inferred")

@@ -190,7 +190,7 @@ def layers_from_masks(
     masks: Mapping[str, torch.Tensor],
     tile: tuple[int, int] | int,
     allow_lossy: bool = False,
-) -> Layers:
+) -> tuple[dict[str, LayerPlan], dict[str, str], tuple[int, int], dict[str, targets.Target]]:
     """(layers, skipped, tile, where) from hard masks (N, K) bool per weight FQN (see `TilePlan.from_masks`);
     `where`: the `targets.Target` of each weight read through the module (a Conv1D's transpose, an expert's
     "<param>.<e>" slice), as `patchc.oneshot` names and shapes their masks."""
@@ -207,7 +207,8 @@ def layers_from_masks(
     skipped: dict[str, str] = {}
     for fqn, mask in masks.items():
         if fqn not in sd:
-            expert = "" if where else " (an expert's \"<param>.<e>\" is read through the model: pass it, not its state)"
+            expert = "" if where or not fqn.rpartition(".")[2].isdigit() else (
+                " (an expert's \"<param>.<e>\" is read through the model: pass it, not its state)")
             raise PlanError(f"layer {fqn}: a mask is given but the model has no weight {fqn!r}{expert}")
         w = sd[fqn].detach()
         why = _why_skip(fqn, w, None)

@@ -26,7 +26,7 @@ from patchc.ir import targets
 from patchc.ir.errors import PlanError
 
 SAMPLES = 64
-_FORCE = "pass force=True (`patchc eval`: --force) to write the plan's weights anyway"
+_FORCE = "load the model it was made from, or pass force=True (`patchc eval --force`) to write its weights anyway"
 
 
 def _positions(shape: tuple[int, ...], count: int = SAMPLES) -> torch.Tensor:

@@ -279,6 +279,8 @@ def as_flags(message: str) -> str:
         if m[1] not in flags:
             return m[0]
         value = m[2] if m.re is not _FIELD else None
+        if value is not None and value.startswith("("):  # tile=(16, 16) -> --tile 16 16
+            value = " ".join(value.strip("()").replace(",", " ").split())
         return f"--{m[1].replace('_', '-')}" + ("" if value is None else " " + value.strip("'"))
 
     for pattern in (_CONFIG_CALL, _ASSIGNED, _FIELD):

@@ -156,8 +156,8 @@ def _run(bundle, data: dict, out: Path, cfg: PatchConfig, opts: PruneOptions, co
             plan.meta |= {"command": command or "", "model": opts.model,  # `patchc eval` scores on this split,
                           "data": data_record(data, opts),               # never on training text
                           "train": train_record(trained)}               # what `kept_plan` reads back
+            forget_recovery(out, plan)  # what was recovered from the plan it replaces, if that differs
             plan.save(out / PLAN)  # on disk before anything else can fail
-            forget_recovery(out)  # what was recovered from the plan it replaces
         with timed(timings, "evaluate"):
             results.append(kept.row(f"PATCH {opts.variant}", lambda: row(
                 f"PATCH {opts.variant}", "patch", "hybrid", plan.sparsity,

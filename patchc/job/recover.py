@@ -88,6 +88,7 @@ def run_evaluation(run: Path) -> dict[str, int]:
     try:
         report = json.loads((run / "report.json").read_text())
         evaluation, data = report.get("evaluation") or {}, report.get("data") or {}
+        evaluation, data = (x if isinstance(x, dict) else {} for x in (evaluation, data))
     except (OSError, ValueError, AttributeError):  # no report, or not a JSON object
         return scored
     if isinstance(evaluation.get("context"), int):

@@ -110,11 +110,26 @@ def unfinish(folder: Path) -> None:
         (folder / name).unlink(missing_ok=True)
 
 
-def forget_recovery(folder: Path) -> None:
-    """A new plan replaces the run's plan: the recovered plan made from the old one (and `patchc recover`'s
-    record of it) go, or `patchc eval RUN/plan-recovered.patch` would score a plan of other tiles unwarned."""
-    for name in (RECOVERED_PLAN, RECOVER_RECORD):
-        (folder / name).unlink(missing_ok=True)
+def forget_recovery(folder: Path, plan) -> None:
+    """`plan` is about to replace the run's plan: if its tiles or masks differ, the recovered plan made from the
+    old one (and `patchc recover`'s record of it) go, or `patchc eval RUN/plan-recovered.patch` would score a
+    plan of other tiles unwarned. The same plan hardened again (a resume that rescores) keeps them."""
+    import torch  # here: the CLI reads this module before torch is imported
+
+    from patchc.ir import TilePlan
+
+    if not (folder / RECOVERED_PLAN).exists() and not (folder / RECOVER_RECORD).exists():
+        return
+    try:
+        old = TilePlan.load(folder / PLAN)
+        same = old.layers.keys() == plan.layers.keys() and all(
+            torch.equal(old.layers[f].kinds, layer.kinds) and torch.equal(old.layers[f].mask(), layer.mask())
+            for f, layer in plan.layers.items())
+    except (OSError, ValueError):  # no readable plan before this one: nothing says the recovery is its
+        same = False
+    if not same:
+        for name in (RECOVERED_PLAN, RECOVER_RECORD):
+            (folder / name).unlink(missing_ok=True)
 
 
 def claim_run_dir(out: str | os.PathLike | None, root: Path, name: str, resume: bool, overwrite: bool = False) -> Path:

@@ -172,8 +172,8 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     report_unreplaced("patch backend", "left dense in this graph", left, bool(options.get("strict", False)))
     _report_unmatched(unmatched)
     if not inferred and not options.get("force"):  # each weight (N, K) as the plan has it
-        check_sources(plan, {names[r.weight]: examples[r.weight].mT if r.transposed else examples[r.weight]
-                             for r in served})
+        check_sources(plan, {names[r.weight]: (examples[r.weight], examples[r.weight].mT if r.transposed
+                                               else examples[r.weight]) for r in served})
     modules = linear_modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options)
     experts = expert_modules(plan, served_grouped, names, examples, options)
     if not modules and not experts:

@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import os
 import weakref
 from pathlib import Path
@@ -166,30 +165,43 @@ def held(weight: torch.Tensor) -> int:
     return sum(not _dead(entry) for entry in (_SHARED.get(weight) or {}).values())
 
 
+# plans loaded from a path, by (path, mtime, size): held only while a compiled graph's options hold them
+_LOADED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# weights already checked against a plan layer: {weight: {(id(layer), weight version)}}; a model's every graph
+# reads the same weights, and the check reads each whole (a plan-applied one is compared value by value)
+_CHECKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def plan_option(plan: Any) -> Any:
-    """The backend's `plan` option: a TilePlan, or a plan file's path (loaded once per file version, so the
-    model's graphs share one plan and its packs)."""
+    """The backend's `plan` option: a TilePlan, or a plan file's path (loaded once per file version while a
+    compiled graph holds it, so the model's graphs share one plan and its packs)."""
     if not isinstance(plan, (str, os.PathLike)):
         return plan
-    stat = Path(plan).stat()  # FileNotFoundError names the path
-    return _load_plan(str(Path(plan).resolve()), stat.st_mtime_ns, stat.st_size)
+    path = Path(plan).resolve()
+    stat = path.stat()  # FileNotFoundError names the path
+    key = (str(path), stat.st_mtime_ns, stat.st_size)
+    loaded = _LOADED.get(key)
+    if loaded is None:
+        from patchc.ir import TilePlan
+
+        loaded = _LOADED[key] = TilePlan.load(path)
+    return loaded
 
 
-@functools.lru_cache(maxsize=8)
-def _load_plan(path: str, mtime_ns: int, size: int) -> Any:
-    from patchc.ir import TilePlan
-
-    return TilePlan.load(path)
-
-
-def check_sources(plan: Any, weights: dict[str, torch.Tensor]) -> None:
-    """ValueError naming the first planned layer whose graph weight ({fqn: (N, K)}) is neither the weight the
-    plan was made from nor its W * M: the packed layer would serve the plan's weights beside this model's."""
-    for fqn, w in weights.items():
+def check_sources(plan: Any, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """ValueError naming the first planned layer whose graph weight ({fqn: (parameter, its (N, K) view)}) is
+    neither the weight the plan was made from nor its W * M: the packed layer would serve the plan's weights
+    beside this model's."""
+    for fqn, (param, w) in weights.items():
+        seen = _CHECKED.setdefault(param, set())
+        key = (id(plan.layers[fqn]), param._version)
+        if key in seen:
+            continue
         why = weight_mismatch(plan, fqn, w.detach())
         if why:
             raise ValueError(f"patch backend: {why}: the plan was made for other weights (another checkpoint or "
                              "model); options={'force': True} serves the plan's weights anyway")
+        seen.add(key)
 
 
 __all__ = ["check_sources", "expert_modules", "held", "infer_plan", "linear_modules", "plan_option", "shared"]

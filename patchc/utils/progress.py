@@ -91,9 +91,10 @@ def warnings_as_lines(prefix: str) -> Iterator[None]:
         ...     run_eval()   # prints "patchc eval: warning: --offload on cpu: ..."   # doctest: +SKIP
     """
     shown = warnings.showwarning
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # patchc/, not a venv beside it
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
-        if f"{os.sep}patchc{os.sep}" not in str(filename):
+        if not os.path.abspath(str(filename)).startswith(package):
             return shown(message, category, filename, lineno, file, line)
         print(f"{prefix}: warning: {message}", file=file or sys.stderr)
 
