@@ -206,7 +206,7 @@ def pack(
     if b1 % bn or b2 % bk:
         raise PackError(
             f"{where}: block {block} does not divide the plan tile {(b1, b2)}; pick a block whose sides "
-            f"divide the tile (e.g. {_suggest_block((b1, b2))}) or harden with a tile that is a multiple of it"
+            f"divide the tile (e.g. {suggest_block((b1, b2))}) or harden with a tile that is a multiple of it"
         )
     kinds = layer.kinds.to(torch.uint8).cpu()
     tn, tk = tile_grid((n, k), (b1, b2))
@@ -330,7 +330,8 @@ def _check_block(block: tuple[int, int], where: str) -> None:
         )
 
 
-def _suggest_block(tile: tuple[int, int]) -> tuple[int, int] | str:
+def suggest_block(tile: tuple[int, int]) -> tuple[int, int] | str:
+    """The kernel block a tile takes (each side's largest power-of-two divisor, up to 128), or why none fits."""
     sides = []
     for t in tile:
         b = t & -t  # largest power of two dividing t

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from patchc.codegen.layout import PackedLayer, PackError, _check_block, _per_row, _rowptr, _suggest_block
+from patchc.codegen.layout import PackedLayer, PackError, _check_block, _per_row, _rowptr, suggest_block
 from patchc.ir import TILE_DENSE, TILE_SPARSE24, expand_tiles, tile_grid
 
 
@@ -44,7 +44,7 @@ def pack_skeleton(plan: Any, fqn: str | None = None, block: tuple[int, int] | No
     _check_block((bn, bk), where)
     if b1 % bn or b2 % bk:
         raise PackError(f"{where}: block {(bn, bk)} does not divide the plan tile {(b1, b2)}; pick a block "
-                        f"whose sides divide the tile (e.g. {_suggest_block((b1, b2))})")
+                        f"whose sides divide the tile (e.g. {suggest_block((b1, b2))})")
     kinds = layer.kinds.to(torch.uint8).cpu()
     if bool(((kinds != TILE_DENSE) & (kinds != TILE_SPARSE24)).any()):
         raise PackError(f"{where}: kinds must hold only TILE_DENSE (0) / TILE_SPARSE24 (1)")

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -54,7 +53,7 @@ from patchc.ir import targets
 from patchc.ir.file_format import FLOAT_DTYPES
 from patchc.ir.from_pruned import MAX_PADDING, layer_from_linear, pick_tile, sparse_coverage, survey_linears
 from patchc.ir.layer_slot import LayerSlot
-from patchc.ir.tiles import tile_pair
+from patchc.ir.tiles import padded_numel, tile_pair
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".gguf", ".msgpack", ".h5")
 
@@ -138,7 +137,7 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
         weight = next(model.parameters())
         plan_bytes = sum(s.nbytes() for s in slots.values())
         dense_bytes = sum(s.numel * weight.element_size() for s in slots.values())
-        stored = sum(math.prod(-(-n // b) * b for n, b in zip(s.shape, tile)) for s in slots.values())
+        stored = sum(padded_numel(s.shape, tile) for s in slots.values())
         if stored > 2 * sum(s.numel for s in slots.values()):  # edge tiles holding more padding than weights
             raise ExportError(f"{src}: tile {tile[0]}x{tile[1]} is wider than its weights: the planned weights would "
                               f"take {plan_bytes / 2**20:.2f} MiB against {dense_bytes / 2**20:.2f} MiB dense, most "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,7 +24,8 @@ from patchc.ir.errors import PlanError, first_true
 from patchc.ir.layer_plan import LayerPlan
 from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.patterns import COVER_PATTERN, EXACT_PATTERN, PATTERNS, group_codes
-from patchc.ir.tiles import TILE_DENSE, TILE_SPARSE24, from_tiles, tile_pair, tile_sizes, to_tiles, valid_groups
+from patchc.ir.tiles import (TILE_DENSE, TILE_SPARSE24, from_tiles, padded_numel, tile_pair, tile_sizes, to_tiles,
+                             valid_groups)
 
 Layers = tuple[dict[str, LayerPlan], dict[str, str], tuple[int, int]]
 
@@ -138,7 +138,7 @@ def sparse_coverage(model: nn.Module) -> tuple[dict[int, int], dict[int, int]]:
         sizes = tile_sizes(tuple(w.shape), (fine, fine), w.device)
         for side in INFER_SIDES:
             covered[side] += int(sizes[_coarsen(sparse, side // fine)].sum())
-            padded[side] += math.prod(-(-n // side) * side for n in w.shape)
+            padded[side] += padded_numel(tuple(w.shape), (side, side))
     return covered, padded
 
 

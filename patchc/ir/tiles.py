@@ -36,6 +36,12 @@ def tile_grid(shape: tuple[int, int], tile: tuple[int, int]) -> tuple[int, int]:
     return math.ceil(shape[0] / tile[0]), math.ceil(shape[1] / tile[1])
 
 
+def padded_numel(shape: tuple[int, int], tile: tuple[int, int]) -> int:
+    """Elements of the padded grid (what a plan stores), e.g. padded_numel((40, 24), (16, 16)) == 48 * 32."""
+    tn, tk = tile_grid(shape, tile)
+    return tn * tile[0] * tk * tile[1]
+
+
 def tile_sizes(
     shape: tuple[int, int], tile: tuple[int, int], device: torch.device | str | None = None
 ) -> torch.Tensor:

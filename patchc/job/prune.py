@@ -59,13 +59,19 @@ def run_prune(opts: PruneOptions, command: str | None = None) -> dict:
         return _prune(opts, command)
 
 
+def _kernel_block(tile: tuple[int, int]) -> tuple[int, int] | str:
+    from patchc.codegen.layout import suggest_block  # only for a given --tile: the kernels' module imports Triton
+
+    return suggest_block(tile)
+
+
 def _prune(opts: PruneOptions, command: str | None) -> dict:
     """`run_prune` once this process has joined torchrun's group (if launched by it)."""
     timings: dict[str, float] = {}
-    if opts.tile and any(side % 16 for side in opts.tile):  # it trains; serving it on a GPU is refused later
-        warnings.warn(f"--tile {opts.tile[0]} {opts.tile[1]}: the plan trains and applies (plan.apply), but the GPU "
-                      "kernels need tile sides that are multiples of 16: patchc.compile and the backend will refuse "
-                      "it", stacklevel=2)
+    if opts.tile and isinstance(block := _kernel_block(opts.tile), str):  # it trains; a GPU refuses it later
+        warnings.warn(f"--tile {opts.tile[0]} {opts.tile[1]}: {block.removeprefix('none: ')}; the plan trains and "
+                      "applies (plan.apply), but the GPU kernels need tile sides that are multiples of 16: "
+                      "patchc.compile and the backend will refuse it", stacklevel=2)
     if opts.fsdp and world()[1] == 1:
         warnings.warn("--fsdp in one process (not launched by torchrun): nothing is sharded, the run trains as "
                       "without it; `torchrun --nproc_per_node=N -m patchc prune --fsdp ...` shards over N GPUs",
