@@ -255,11 +255,13 @@ def test_tune_with_a_time_limit_says_what_it_left(tmp_path, capsys, monkeypatch)
     assert "time_limit must be >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
 @pytest.mark.parametrize("flags, shown", [([], {"warning"}), (["-v"], {"warning", "info"}),
                                           (["-vv"], {"warning", "info", "debug"})])
-def test_verbose_shows_patchc_log_lines_for_the_command_only(tmp_path, capsys, monkeypatch, flags, shown):
+def test_verbose_shows_patchc_log_lines_for_the_command_only(tmp_path, capsys, monkeypatch, flags, shown, after):
     """`-v` prints patchc's INFO lines (the tuner's choices, --offload's prefetch), `-vv` its DEBUG lines too;
-    warnings show either way. The handler and the level are the command's: gone once it returns."""
+    warnings show either way, and the flag counts before the command or after it (`patchc report PLAN -v` was
+    "unrecognized arguments"). The handler and the level are the command's: gone once it returns."""
     import logging
 
     from patchc.job import cli
@@ -277,7 +279,7 @@ def test_verbose_shows_patchc_log_lines_for_the_command_only(tmp_path, capsys, m
     plan = tmp_path / "plan.patch"
     plan.write_bytes(b"")  # `report` checks the path exists before its handler runs
     level = logging.getLogger("patchc").level
-    assert main([*flags, "report", str(plan)]) == 0
+    assert main(["report", str(plan), *flags] if after else [*flags, "report", str(plan)]) == 0
     err = capsys.readouterr().err.split()
     assert {w for w in ("debug", "info", "warning") if w in err} == shown, err
     assert err.count("warning") == 1, err  # not also through the last-resort handler

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from patchc.bench.options import add_bench_arguments
 from patchc.export.shards import add_shard_argument
+from patchc.job.console import USER_ERRORS, HelpFormatter, add_output_flags, one_line
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, LOSSES, PruneOptions
 from patchc.job.prune_args import add_prune_arguments, positive_int, prune_options
 from patchc.job.runs import check_plan_path, check_served_path, find_plan, resolve_plan
@@ -35,20 +36,7 @@ from patchc.utils.progress import logs_shown, warnings_as_lines
 
 # Each command imports what it runs (torch, Triton): --help, flag errors, missing paths answer at once (test_cli.py).
 
-# Errors that mean "the input is wrong", shown as one line; anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, OSError, RuntimeError, NotImplementedError, FloatingPointError, KeyError)
 OFFLOAD_HELP = "a model larger than the GPU: its blocks wait in host memory, each copied to --device for its forward"
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """Every help line ends with its default, unless it is a switch, has none, or the text already says it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        switch = any(action.default is x for x in (None, False, True)) or action.default == argparse.SUPPRESS
-        if "default" in text or switch or not action.option_strings:  # `is`: 0 and 1.0 are defaults, not switches
-            return text
-        return f"{text} (default: %(default)s)"
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -196,13 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="patchc", description="Learnable tile-level hybrid dense/2:4 sparsity (PATCH).",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"patchc {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="show patchc's INFO log lines on stderr (-vv: DEBUG too); warnings always show")
+    add_output_flags(parser, debug=False, verbose=0)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str, **kw) -> argparse.ArgumentParser:  # noqa: A002 (argparse's name)
-        return sub.add_parser(name, help=help, description=kw.pop("description", help), formatter_class=HelpFormatter)
+        p = sub.add_parser(name, help=help, description=kw.pop("description", help), formatter_class=HelpFormatter)
+        # also after the command (`patchc eval RUN -v`); unset there, the value given before it stands
+        add_output_flags(p, debug=argparse.SUPPRESS, verbose=argparse.SUPPRESS)
+        return p
 
     p = command("prune", "learn a hybrid mask for a model on text, evaluate it, write a report")
     add_prune_arguments(p)
@@ -383,17 +372,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if threads is not None:
             torch.set_num_threads(threads)
-
-
-def one_line(exc: BaseException, command: str = "") -> str:
-    """The message's first line (OSError: with its file; out of memory: where, and what to shrink), else its type."""
-    if type(exc).__name__ == "OutOfMemoryError" or "DefaultCPUAllocator: can't allocate" in str(exc):  # torch's
-        return __import__("patchc.job.memory", fromlist=["out_of_memory"]).out_of_memory(command, exc)
-    if isinstance(exc, OSError) and exc.strerror and exc.filename:
-        return f"{exc.filename}: {exc.strerror}"
-    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
 
 
 if __name__ == "__main__":
