@@ -143,6 +143,19 @@ def _transposed_and_expert_models():
     return {"gpt2": gpt2.eval(), "qwen2_moe": moe.eval()}
 
 
+@pytest.mark.parametrize("name, read", [
+    ("model.layers.0.mlp.experts.gate_up_proj.3", ("model.layers.0.mlp.experts.gate_up_proj", 3)),
+    ("model.layers.0.mlp.experts.down_proj.12", ("model.layers.0.mlp.experts.down_proj", 12)),
+    ("model.layers.0.mlp.up_proj.weight", ("model.layers.0.mlp.up_proj.weight", None)),
+    ("7", ("7", None)), ("w.3a", ("w.3a", None)), ("w.", ("w.", None))])
+def test_expert_slice_reads_back_the_layer_names_of_experts_and_only_those(name, read):
+    """Mask files, plans and the backend all tell "<param>.<e>" from a plain weight by this one reading."""
+    from patchc.ir.targets import expert_slice, layer_name
+
+    assert expert_slice(name) == read
+    assert layer_name(*read) == name
+
+
 @pytest.mark.parametrize("family", ["gpt2", "qwen2_moe"])
 def test_oneshot_masks_of_conv1d_and_experts_plan_save_and_load_as_they_are(tmp_path, family):
     """`oneshot` gives a Conv1D weight's mask as (N, K), the transpose of the stored weight, and one mask per

@@ -207,7 +207,7 @@ def layers_from_masks(
     skipped: dict[str, str] = {}
     for fqn, mask in masks.items():
         if fqn not in sd:
-            expert = "" if where or not fqn.rpartition(".")[2].isdigit() else (
+            expert = "" if where or targets.expert_slice(fqn)[1] is None else (
                 " (an expert's \"<param>.<e>\" is read through the model: pass it, not its state)")
             raise PlanError(f"layer {fqn}: a mask is given but the model has no weight {fqn!r}{expert}")
         w = sd[fqn].detach()

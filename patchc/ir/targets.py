@@ -65,6 +65,16 @@ def layer_name(param: str, expert: int | None) -> str:
     return param if expert is None else f"{param}.{expert}"
 
 
+def expert_slice(name: str) -> tuple[str, int | None]:
+    """`layer_name` read back, by its form alone: ("<param>", e) for "<param>.<e>", else (name, None).
+
+    >>> expert_slice("mlp.experts.gate_up_proj.3"), expert_slice("layers.0.mlp.up_proj.weight")
+    (('mlp.experts.gate_up_proj', 3), ('layers.0.mlp.up_proj.weight', None))
+    """
+    param, _, index = name.rpartition(".")
+    return (param, int(index)) if param and index.isdigit() else (name, None)
+
+
 def matrix(weight: torch.Tensor, target: Target) -> torch.Tensor:
     """The (N, K) view of `target` inside the tensor of its parameter."""
     w = weight if target.expert is None else weight[target.expert]
@@ -119,14 +129,14 @@ def _guess(model: nn.Module, name: str) -> Target | None:
         owner = _owner(model, found)
         stored = type(owner).__name__ == "Conv1D" or flat_experts(owner).get(found.rpartition(".")[2], False)
         return Target(name, found, None, stored)
-    param, _, index = name.rpartition(".")
-    found = find_param(model, param) if index.isdigit() else None
+    param, index = expert_slice(name)
+    found = find_param(model, param) if index is not None else None
     weight = _param(model, found) if found is not None else None
     if weight is None or weight.dim() != 3:
         return None
-    if int(index) >= weight.shape[0]:
+    if index >= weight.shape[0]:
         raise PlanError(f"layer {name}: expert {index} is out of range for {param} with {weight.shape[0]} experts")
-    return Target(name, found, int(index), stored_kn(_owner(model, found)))
+    return Target(name, found, index, stored_kn(_owner(model, found)))
 
 
 def flat_experts(module: nn.Module | None) -> dict[str, bool]:
@@ -313,7 +323,7 @@ def resolve(model: nn.Module, name: str, recorded: Mapping | None = None) -> Tar
 
 def _submodule_hint(model: nn.Module, name: str) -> str:
     """Where a plan made on a submodule of `model` finds `name` ("" when no parameter ends with it)."""
-    head = name.rpartition(".")[0] if name.rpartition(".")[2].isdigit() else name  # an expert slice's weight
+    head = expert_slice(name)[0]
     found = next((n for n, _ in model.named_parameters() if peft_free(n).endswith("." + head)), None)
     if found is None:
         return ""

@@ -188,8 +188,8 @@ def load_npz(path: str | os.PathLike, model: Any, strict: bool = True) -> dict[s
     masks: dict[str, torch.Tensor] = {}
     for fqn, bits in packed.items():
         if fqn not in shapes:
-            param = fqn.rpartition(".")[0]
-            expert = fqn.rpartition(".")[2].isdigit() and param in shapes  # a state dict's fused expert weight
+            param, index = targets.expert_slice(fqn)
+            expert = index is not None and param in shapes  # a state dict's fused expert weight
             problems["unexpected"].append(f"{fqn} (" + ("an expert of a fused weight: pass the model, whose experts "
                                           "it reads, not a state dict)" if expert else "the model has no such weight)"))
             continue

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from patchc.ir.targets import peft_free
+from patchc.ir.targets import expert_slice, peft_free
 
 # one step of a source: ._modules['x'], .__dict__['_modules']['x'] (a module overriding __getattr__, e.g. PEFT's
 # PeftModel / LoraModel), .x or ['x']
@@ -129,8 +129,7 @@ def _planned_params(plan: Any | None) -> dict[str, str]:
     for name in plan.layers:
         param = targets.get(name, {}).get("param")
         if param is None:
-            head, _, tail = name.rpartition(".")
-            param = head if tail.isdigit() and head else name
+            param = expert_slice(name)[0]
         out.setdefault(param, name)
     return out
 
@@ -152,8 +151,7 @@ def _holds(value: torch.Tensor, layer: Any) -> bool:
     where the layer keeps any (either orientation of a square weight)."""
     w = value.detach()
     if w.dim() == 3:
-        expert = layer.name.rpartition(".")[2]
-        w = w[int(expert) if expert.isdigit() else 0]
+        w = w[expert_slice(layer.name)[1] or 0]
     dense = layer.to_dense().to(w.device, torch.float32)
     kept = dense != 0
     shape = tuple(layer.shape)
