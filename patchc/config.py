@@ -32,11 +32,11 @@ ROUTER_EXCLUDE: tuple[str, ...] = ("*.gate.weight", "*shared_expert_gate.weight"
 # The vision / audio side of a multimodal checkpoint (Gemma 3, Qwen3-VL / Qwen3.5, Mistral 3, Llama 4,
 # SmolVLM): patchc prunes the text decoder on text, where these never run, so they would get no
 # calibration and one-shot baselines would prune them blind.
+ENCODER_EXCLUDE: tuple[str, ...] = ("*vision_tower.*", "*vision_model.*", "*.visual.*", "*multi_modal_projector*",
+                                    "*audio_tower.*", "model.connector.*")
 # How `PatchConfig.selects` says a weight is smaller than the tile (`transform` counts these to explain
 # a run with nothing left to mask).
 SMALLER_THAN_TILE = "is smaller than the tile"
-ENCODER_EXCLUDE: tuple[str, ...] = ("*vision_tower.*", "*vision_model.*", "*.visual.*", "*multi_modal_projector*",
-                                    "*audio_tower.*", "model.connector.*")
 
 DEFAULT_EXCLUDE: tuple[str, ...] = (
     "*embed*",
@@ -56,6 +56,18 @@ def _check_pair(name: str, value: tuple, positive: bool = True) -> None:
     if positive and not all(float(v) > 0 for v in value):
         raise ValueError(f"PatchConfig.{name} values must be > 0, got {value!r}")
 
+
+
+def check_tile_sides(tile: tuple[int, int], what: str, example: str) -> None:
+    """The one rule every tile follows, whoever takes it: both sides multiples of 4 and >= 4 (a 2:4 group's
+    four weights run along a tile's row, and a tile holds whole groups). ValueError naming `what` otherwise.
+
+    >>> check_tile_sides((16, 18), "--tile 16 18", "e.g. --tile 16 16")
+    Traceback (most recent call last):
+    ValueError: --tile 16 18: both tile dims must be multiples of 4 and >= 4 (e.g. --tile 16 16)
+    """
+    if any(t < 4 or t % 4 for t in tile):
+        raise ValueError(f"{what}: both tile dims must be multiples of 4 and >= 4 ({example})")
 
 @dataclass(frozen=True)
 class PatchConfig:
@@ -120,11 +132,7 @@ class PatchConfig:
         tile = tuple(self.tile) if isinstance(self.tile, (list, tuple)) else self.tile
         if not (isinstance(tile, tuple) and len(tile) == 2 and all(isinstance(t, int) for t in tile)):
             raise ValueError(f"PatchConfig.tile must be two ints (b1, b2), got {self.tile!r}")
-        if any(t < 4 or t % 4 for t in tile):
-            raise ValueError(
-                f"PatchConfig.tile={tile}: both tile dims must be multiples of 4 and >= 4 "
-                "(2:4 groups run along the columns; e.g. tile=(16, 16) or (128, 128))"
-            )
+        check_tile_sides(tile, f"PatchConfig.tile={tile}", "e.g. tile=(16, 16) or (128, 128)")
         object.__setattr__(self, "tile", tile)
         for name in ("include", "exclude"):
             value = getattr(self, name)

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from patchc.config import check_tile_sides
 from patchc.export.format import ExportError
 from patchc.export.legacy import LAYOUTS, MARLIN, decoded_tensors
 from patchc.export.pretrained import check_out, shard_limit, write_export
@@ -154,9 +155,7 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
 
 
 def _check_tile(tile: tuple[int, int]) -> tuple[int, int]:
-    if any(t < 4 or t % 4 for t in tile):  # 2:4 groups of 4 run along a tile's rows; rows come in fours too
-        raise ValueError(f"--tile {tile[0]} {tile[1]}: both tile dims must be multiples of 4 and >= 4 "
-                         "(e.g. --tile 128 128, or no --tile to have it inferred)")
+    check_tile_sides(tile, f"--tile {tile[0]} {tile[1]}", "e.g. --tile 128 128, or no --tile to have it inferred")
     return tile
 
 

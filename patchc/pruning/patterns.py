@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from patchc.config import check_tile_sides
 from patchc.ir.tiles import expand_tiles
 
 
@@ -67,8 +68,9 @@ def check_tile(tile) -> tuple[int, int]:
     if tile is None:
         raise ValueError("pattern='tiles' needs tile=(b1, b2), e.g. tile=(16, 16)")
     tile = tuple(int(t) for t in tile)
-    if len(tile) != 2 or any(t < 4 or t % 4 for t in tile):
-        raise ValueError(f"tile={tile}: both dims must be multiples of 4 and >= 4 (e.g. (16, 16))")
+    if len(tile) != 2:
+        raise ValueError(f"tile={tile}: a tile is a pair (b1, b2), e.g. (16, 16)")
+    check_tile_sides(tile, f"tile={tile}", "e.g. (16, 16)")
     return tile
 
 
