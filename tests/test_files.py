@@ -21,3 +21,21 @@ def test_atomic_writes_respect_the_umask_and_keep_an_existing_mode(tmp_path):
         assert stat.S_IMODE(write_bytes_atomic(fresh, b"[]").stat().st_mode) == 0o600
     finally:
         os.umask(old)
+
+
+def test_saving_a_plan_onto_a_folder_names_the_folder_and_leaves_it_as_it_was(tmp_path):
+    """`plan.save(folder)` failed naming its own hidden temp file (`.out.x1y2.tmp`), not the path given."""
+    import pytest
+    import torch
+
+    from patchc.ir import TilePlan
+    from patchc.job.console import one_line
+
+    plan = TilePlan.from_weights({"w.weight": torch.randn(16, 16)}, tile=(16, 16))
+    folder = tmp_path / "out"
+    (folder / "kept.txt").parent.mkdir()
+    (folder / "kept.txt").write_text("mine")
+    with pytest.raises(IsADirectoryError) as err:
+        plan.save(folder)
+    assert one_line(err.value) == f"{folder}: a folder is there; give a file's path"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in folder.iterdir()] == ["kept.txt"]

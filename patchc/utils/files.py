@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     The result gets the mode a plain `open(path, "w")` would give (the old file's, or 0666 less the umask),
     not mkstemp's private 0600: shared run folders and caches stay readable to the group."""
     path = Path(path)
+    if path.is_dir():  # else os.replace fails naming its hidden temp file, not the path the caller gave
+        raise IsADirectoryError(errno.EISDIR, "a folder is there; give a file's path", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
