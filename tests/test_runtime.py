@@ -22,6 +22,8 @@ import patchc.runtime as rt
 from patchc.codegen.reference import random_24_mask, random_kinds, random_layer_plan
 from patchc.runtime import op as rt_op
 from patchc.ir import LayerPlan, TilePlan
+from patchc.ir.errors import PlanError
+from patchc.pruning import oneshot
 from tests.conftest import STORIES, needs_shared, prune_24, tiny_hf
 
 TOL = dict(atol=1e-6, rtol=1e-5)
@@ -399,6 +401,17 @@ def test_config_roundtrip():
         rt_op.decode_config([0, 16, 4, 4, 3, 8, 2])
     with pytest.raises(ValueError, match=r"7 ints \('kernel'.*'reduce'\), got \[0, 16, 4, 4, 3, 8\]"):
         rt_op.decode_config([0, 16, 4, 4, 3, 8])  # the form before reduce: a cache of it is stale
+
+
+def test_compiling_a_compiled_model_says_so():
+    """Its planned linears are TileLinears now: the error said only "the model has no parameter '0.weight'"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    plan = TilePlan.from_masks(model, oneshot(model, method="magnitude", pattern="2:4", progress=False), tile=16)
+    fast = compile_fn(model, plan, tune=False)
+    with pytest.raises(PlanError, match=r"the model is already compiled \(0 is a TileLinear\); compile the model the "
+                                        r"plan was made from, or use this one as it is \(layer 0.weight: .*no parameter"):
+        compile_fn(fast, plan, tune=False)
 
 
 def test_compile_rejects_bad_tune(tiny_mlp):

@@ -88,6 +88,7 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
         ... # doctest: +SKIP
     """
     from patchc.ir import TilePlan, targets
+    from patchc.ir.errors import PlanError
     from patchc.ir.provenance import check_weights
 
     if tune not in TUNE_MODES:
@@ -102,7 +103,10 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
                              "(patchc.oneshot, patchc prune)")
     elif isinstance(plan, (str, os.PathLike)):
         plan = TilePlan.load(plan)
-    where = targets.resolve_layers(plan, model)  # every layer found, in its shape, before anything changes
+    try:
+        where = targets.resolve_layers(plan, model)  # every layer found, in its shape, before anything changes
+    except PlanError as exc:
+        raise _already_compiled(model, exc) or exc from None
     if not force:
         check_weights(plan, model)  # the model must hold the weights the plan was made from
     target = model if inplace else copy_keeping(model, plan)  # `where` names parameters: the copy's too
@@ -165,6 +169,17 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
             setattr(target.get_submodule(owner_path) if owner_path else target, name, TileLlama4Moe(parent, served))
     give_save_pretrained(target)  # save_pretrained writes W * M, not the packed buffers transformers cannot load
     return target
+
+
+def _already_compiled(model: nn.Module, exc: Exception) -> Exception | None:
+    """The error to raise when a plan's layers are missing because patchc already replaced them (else None)."""
+    served = (TileLinear, TileExperts, TileLlama4Moe)
+    name = next((n for n, m in model.named_modules() if isinstance(m, served)), None)
+    if name is None:
+        return None
+    return type(exc)(f"patchc.compile: the model is already compiled ({name or 'the model'} is a "
+                     f"{type(model.get_submodule(name)).__name__}); compile the model the plan was made from, or use "
+                     f"this one as it is ({exc})")
 
 
 def copy_keeping(model: nn.Module, plan: Any) -> nn.Module:
