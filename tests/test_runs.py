@@ -162,7 +162,9 @@ def finished_run(tmp_path_factory):
     (["--block-len", "64"], "--block-len 128 (now 64)"),
     (["--sparsity", "0.45"], "--sparsity 0.35 (now 0.45)"),
     (["--data", "COPY"], "--data"),
-    (["--train-extra", "MORE"], "--train-extra [] (now ["),
+    (["--train-extra", "MORE"], "--train-extra none (now /"),
+    (["--tile", "32", "32"], "--tile 16 16 (now 32 32)"),
+    (["--no-bos"], "without --no-bos (now with)"),  # a switch reads as given or not (was `--bos true (now false)`)
 ])
 def test_resume_names_each_changed_setting(finished_run, tmp_path, capsys, change, named):
     if change[-1] == "COPY":  # the same text under another name is other data as far as a resume knows

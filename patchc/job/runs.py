@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -59,8 +60,25 @@ class RunError(ValueError):
     """A run folder cannot be used as asked (busy, finished, settings differ); the message says what to do."""
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def _changed(name: str, was: object, now: object) -> str:
+    """A setting that differs, as the flags read: `--lr 0.01 (now 0.001)`, `--tile 16 16 (now 32 32)`,
+    `with --fsdp (now without)`, `without --no-bos (now with)`, `--train-extra none (now more.txt)`."""
+    from patchc.job.prune_args import add_prune_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_prune_arguments(parser)
+    action = next((a for a in parser._actions if a.dest == name and a.option_strings), None)
+    flag = action.option_strings[0] if action else "--" + name.replace("_", "-")
+    if action is not None and action.nargs == 0:  # a switch: given or not
+        given = ("with", "without") if was == action.const else ("without", "with")
+        return f"{given[0]} {flag} (now {given[1]})"
+
+    def typed(value: object) -> str:
+        if isinstance(value, list):
+            return " ".join(map(str, value)) if value else "none"
+        return "the default" if value is None else str(value)
+
+    return f"{flag} {typed(was)} (now {typed(now)})"
 
 
 def _alive(pid: int) -> bool:
@@ -279,7 +297,7 @@ def _settings_schedule(folder: Path, opts: PruneOptions, resume: bool, overwrite
                        "checked, so start a new run")
     saved = json.loads(path.read_text())
     was = OLDER_RUNS | saved["settings"]
-    diffs = [f"{_flag(k)} {json.dumps(was.get(k))} (now {json.dumps(v)})" for k, v in now.items() if was.get(k) != v]
+    diffs = [_changed(k, was.get(k), v) for k, v in now.items() if was.get(k) != v]
     if diffs:
         raise RunError(f"--resume: {folder} was started with other settings: {'; '.join(diffs)}; rerun with the "
                        "original values, or start a new run in another --out")
