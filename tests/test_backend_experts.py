@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import re
 
 import pytest
 import torch
@@ -160,6 +161,34 @@ def test_backend_serves_every_planned_expert_slice(family, dtype, impl):
     for fqn, experts in served.items():  # every planned slice with a 2:4 tile, and only those
         assert experts == [e for e in range(64) if (layer := plan.layers.get(f"{fqn}.{e}")) is not None
                            and bool((layer.kinds == 1).any())]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_backend_refuses_experts_of_other_weights_naming_the_slice(family):
+    """The grouped reads are checked as the 2-D ones are: an expert whose weights are not the plan's source
+    was served with the plan's values beside the other model's own. gpt-oss stores its experts (E, K, N)."""
+    case, plan = _family_plan(family)
+    pruned = plan.apply(copy.deepcopy(case.model))
+    other = copy.deepcopy(case.model)
+    fqn, e = next((name.rpartition(".")[0], int(name.rpartition(".")[2])) for name in plan.meta["targets"]
+                  if plan.meta["targets"][name]["expert"] is not None and plan.layers[name].n_sparse)
+    with torch.no_grad():
+        other.get_parameter(fqn)[e].mul_(1.01)  # one expert slice of one fused weight
+    options = {"plan": plan, "strict": True, "tune": False}
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match=rf"patch backend: layer {re.escape(fqn)}\.{e}: .*the plan "
+                                                        r"was made for other weights"):
+        case.run(torch.compile(other, backend="patch", options=options))
+    torch._dynamo.reset()
+    with torch.no_grad():  # its own weights pass, applied or not; force serves the plan's anyway
+        want = case.run(pruned)
+        for model in (case.model, pruned):
+            torch.testing.assert_close(case.run(torch.compile(model, backend="patch", options=options)), want,
+                                       atol=1e-5, rtol=1e-5)
+            torch._dynamo.reset()
+        forced = case.run(torch.compile(other, backend="patch", options={**options, "force": True}))
+    torch._dynamo.reset()
+    assert forced.shape == want.shape
 
 
 def test_llama4_bmm_serves_new_lengths_from_the_dynamic_graph(monkeypatch):

@@ -72,7 +72,8 @@ from patchc.runtime.grouped import (GroupedRead, bmm_operands, bmm_result, find_
 from patchc.runtime.graph_names import parameter_names, source_fqn, source_name, source_root
 from patchc.runtime.matmul_reads import LINEAR, Read, find_reads
 from patchc.runtime.op import tile_linear as _op  # noqa: F401  (registers the op)
-from patchc.runtime.packs import check_sources, expert_modules, infer_plan, linear_modules, plan_option
+from patchc.runtime.packs import (check_sources, expert_modules, infer_plan, linear_modules, plan_option,
+                                  served_sources)
 from patchc.runtime.weight_graphs import PerWeights
 
 log = logging.getLogger(__name__)
@@ -171,9 +172,8 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict
                                  if n.removesuffix(".*") in by_name])
     report_unreplaced("patch backend", "left dense in this graph", left, bool(options.get("strict", False)))
     _report_unmatched(unmatched)
-    if not inferred and not options.get("force"):  # each weight (N, K) as the plan has it
-        check_sources(plan, {names[r.weight]: (examples[r.weight], examples[r.weight].mT if r.transposed
-                                               else examples[r.weight]) for r in served})
+    if not inferred and not options.get("force"):
+        check_sources(plan, served_sources(plan, [*served, *served_grouped], names, examples))
     modules = linear_modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options)
     experts = expert_modules(plan, served_grouped, names, examples, options)
     if not modules and not experts:

@@ -188,6 +188,21 @@ def plan_option(plan: Any) -> Any:
     return loaded
 
 
+def served_sources(plan: Any, reads: list[Any], names: dict[Any, str],
+                   examples: dict[Any, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{planned layer: (its graph parameter, the (N, K) matrix the plan has)} of the served reads: a 2-D
+    read's weight, and each planned expert slice of a grouped read's 3-D weight."""
+    out = {}
+    for read in reads:
+        value, name = examples[read.weight], names[read.weight]
+        if not isinstance(read, GroupedRead):
+            out[name] = (value, value.mT if read.transposed else value)
+            continue
+        out |= {f"{name}.{e}": (value, value[e].mT if read.transposed else value[e])
+                for e in range(value.shape[0]) if f"{name}.{e}" in plan.layers}
+    return out
+
+
 def check_sources(plan: Any, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """ValueError naming the first planned layer whose graph weight ({fqn: (parameter, its (N, K) view)}) is
     neither the weight the plan was made from nor its W * M: the packed layer would serve the plan's weights
@@ -204,4 +219,5 @@ def check_sources(plan: Any, weights: dict[str, tuple[torch.Tensor, torch.Tensor
         seen.add(key)
 
 
-__all__ = ["check_sources", "expert_modules", "held", "infer_plan", "linear_modules", "plan_option", "shared"]
+__all__ = ["check_sources", "expert_modules", "held", "infer_plan", "linear_modules", "plan_option", "served_sources",
+           "shared"]
