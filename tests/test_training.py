@@ -85,6 +85,16 @@ def test_checkpoint_errors_name_the_file(tiny_mlp, tmp_path):
     prog = _setup(tiny_mlp)
     with pytest.raises(ValueError, match="bad.ckpt"):
         patchc.train_masks(prog, _batches, _loss, steps=2, checkpoint=bad, resume=True, progress=False)
+    import pickle  # a foreign pickle, empty bytes: one short reason, never torch's advice to load it unsafely
+
+    pickle.dump({"a": object}, bad.open("wb"))
+    for content, reason in [(None, r"written by torch.save \(Unsupported operand \d+\)"), (b"", "empty, or cut short")]:
+        if content is not None:
+            bad.write_bytes(content)
+        with pytest.raises(ValueError, match=rf"bad.ckpt: not a readable patchc training checkpoint .*{reason}\)$") \
+                as err:
+            patchc.train_masks(prog, _batches, _loss, steps=2, checkpoint=bad, resume=True, progress=False)
+        assert "weights_only" not in str(err.value) and "\n" not in str(err.value)
     good = tmp_path / "good.ckpt"
     patchc.train_masks(prog, _batches, _loss, steps=2, checkpoint=good, progress=False)
     other = _setup(tiny_mlp, sparsity=0.2)

@@ -30,7 +30,7 @@ import torch
 
 from patchc.job.sampling import sample_next
 from patchc.models.outputs import device_of
-from patchc.utils.files import atomic_path
+from patchc.utils.files import atomic_path, read_state
 from patchc.utils.progress import progress as progress_bar
 
 CACHE_FORMAT = "patchc.selfdata"
@@ -190,7 +190,7 @@ def self_generated_blocks(bundle: Any, spec: SelfDataSpec, prompts: torch.Tensor
     path = cache_dir / f"selfdata-{key}.pt" if cache_dir is not None else None
     if path is not None and path.is_file():
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = read_state(path)
             if state.get("format") == CACHE_FORMAT and state.get("key") == key:
                 return state["blocks"], True
         except Exception:  # noqa: BLE001 - a damaged cache entry is regenerated, never trusted

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from patchc.masking.train import atomic_torch_save
+from patchc.utils.files import read_state
 
 FORMAT, VERSION = "patchc.recover-checkpoint", 1
 
@@ -124,9 +125,9 @@ def _placed(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _read(path: Path) -> dict | str:
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - whatever is wrong with it, it is not ours to go on from
-        return f"not a readable recovery checkpoint ({type(exc).__name__}: {exc})"
+        state = read_state(path)
+    except (OSError, ValueError) as exc:  # whatever is wrong with it, it is not ours to go on from
+        return f"not a readable recovery checkpoint ({exc})"
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         return "not a patchc recovery checkpoint"
     return state

@@ -36,7 +36,7 @@ from patchc.masking.param_mask import hybrid_masks
 from patchc.masking.recompute import recompute_masked_weights
 from patchc.models.outputs import logits_of
 from patchc.utils.chunks import piecewise
-from patchc.utils.files import atomic_path
+from patchc.utils.files import atomic_path, read_state
 from patchc.utils.stopping import stop_now, stop_requested, stoppable
 
 if TYPE_CHECKING:  # the trainer takes the program passes/ builds; importing it here would be circular
@@ -73,9 +73,9 @@ def batch_getter(batches: Callable[[int], Any] | Sequence, who: str = "train_mas
 def load_checkpoint(path: str | os.PathLike, prog: MaskedProgram, optimizer: torch.optim.Optimizer) -> TrainResult:
     """Restore program state (logits, noise counters, schedule step) and optimizer state."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - say which file, whatever went wrong
-        raise ValueError(f"{path}: not a readable patchc training checkpoint ({exc})") from exc
+        state = read_state(path)
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a readable patchc training checkpoint ({exc})") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: not a patchc training checkpoint (format tag missing)")
     if state.get("version") != CHECKPOINT_VERSION:

@@ -1,4 +1,5 @@
-"""Atomic file writes: readers see the old file or the new one, never half of one.
+"""Atomic file writes: readers see the old file or the new one, never half of one; and reading back the
+torch.save files patchc wrote (checkpoints, caches) without torch's advice to unpickle them unsafely.
 
 Example:
     >>> with atomic_path("runs/x/plan.patch") as tmp:
@@ -9,10 +10,13 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
+import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 def cache_root() -> Path:
@@ -71,3 +75,28 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
     return Path(path)
+
+
+def read_state(path: str | os.PathLike) -> Any:
+    """`torch.load(path, weights_only=True)` on the CPU; a file that is not one is ValueError with one short
+    reason. torch says "Weights only load failed", then several lines advising `weights_only=False`: advice a
+    damaged or foreign file must not get, since that unpickles whatever it holds."""
+    import warnings
+
+    import torch
+
+    try:
+        with warnings.catch_warnings():  # a foreign pickle's protocol: it is refused just below anyway
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except pickle.UnpicklingError as exc:
+        detail = re.search(r"WeightsUnpickler error:\s*(\S.*)", str(exc))
+        raise ValueError("not tensors and plain containers written by torch.save"
+                         + (f" ({detail.group(1).strip()})" if detail else "")) from None
+    except EOFError:
+        raise ValueError("empty, or cut short") from None
+    except Exception as exc:  # noqa: BLE001 - zip and storage errors of all kinds: named, in one line
+        lines = str(exc).strip().splitlines()
+        raise ValueError(f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__) from None
