@@ -177,6 +177,44 @@ def test_backend_refuses_a_plan_made_for_other_weights_and_reads_a_plan_file(lla
     torch.testing.assert_close(out, ref, **TOL)
 
 
+def _biased_mlp_and_plan():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.Linear(128, 64))
+    masks = oneshot(model, method="magnitude", pattern="tiles", sparsity=0.3, tile=(16, 16), progress=False)
+    return model, TilePlan.from_masks(model, masks, tile=(16, 16))
+
+
+def test_backend_biases_of_planned_layers_get_their_gradients():
+    """The backend served a planned layer's bias from a frozen copy in the plan: the model's bias kept
+    requires_grad but got no .grad, so an optimizer (BitFit, a head over a pruned backbone) skipped it."""
+    model, plan = _biased_mlp_and_plan()
+    ref, x = plan.apply(copy.deepcopy(model)), torch.randn(5, 64)
+    ref(x).pow(2).sum().backward()
+    torch._dynamo.reset()
+    torch.compile(model, backend=rt.patch_backend, options={"plan": plan, "tune": False})(x).pow(2).sum().backward()
+    torch._dynamo.reset()
+    want = dict(ref.named_parameters())
+    for name in ("0.bias", "1.weight", "1.bias", "2.bias"):
+        torch.testing.assert_close(model.get_parameter(name).grad, want[name].grad, atol=1e-5, rtol=1e-5)
+
+
+def test_a_bias_changed_after_planning_is_refused_not_replaced():
+    """The plan carries each planned layer's bias as it was: compile, apply and the backend replaced a bias
+    fine-tuned since with that stale one, without a word. Now each refuses as for changed weights, naming the
+    layer; `force` serves the plan's bias, as it does the plan's weights."""
+    model, plan = _biased_mlp_and_plan()
+    with torch.no_grad():
+        model[2].bias.add_(0.5)
+    why = r"layer 2.weight: 64 of 64 bias values differ from the plan's \(max \|diff\| 0.5; a bias changed since"
+    for run in (lambda: compile_fn(model, plan, tune=False), lambda: plan.apply(copy.deepcopy(model)),
+                lambda: backend_run(model, torch.randn(3, 64), {"plan": plan, "tune": False})):
+        with pytest.raises(Exception, match=why):  # the backend's ValueError comes wrapped by dynamo
+            run()
+    forced = compile_fn(model, plan, tune=False, force=True)
+    with torch.no_grad():
+        torch.testing.assert_close(forced[2].bias, model[2].bias - 0.5)
+
+
 @pytest.mark.parametrize("source, fqn", [
     ("L['self']._modules['layers']._modules['0']._parameters['weight']", "layers.0.weight"),
     ("L['fn'].lm_head.weight", "lm_head.weight"),

@@ -9,7 +9,9 @@ being loaded in another dtype than the plan was made in:
     match them to the coarser dtype's rounding;
   * a plan without fingerprints (older files, `from_weights`) is checked on its kept positions: the
     model's weights there must equal the plan's (a dense original or an already pruned copy both do);
-  * a model the plan was already applied to (its weights are W * M) is accepted either way.
+  * a model the plan was already applied to (its weights are W * M) is accepted either way;
+  * a planned layer's bias, which the plan carries unchanged from its source, must equal the model's: a bias
+    changed after planning (fine-tuned) would otherwise be replaced by the stale one without a word.
 
 Example:
     >>> plan.meta["fingerprints"] = fingerprints({"fc.weight": w})
@@ -135,11 +137,38 @@ def weight_mismatch(plan, fqn: str, weight: torch.Tensor) -> str | None:
     return why
 
 
+def model_bias(model: torch.nn.Module, target: targets.Target, layer) -> torch.Tensor | None:
+    """The model's `<module>.bias` a layer's plan bias stands for, or None (none planned, or no match)."""
+    if layer.bias is None or target.expert is not None:
+        return None
+    name = target.param.rsplit(".", 1)[0] + ".bias" if "." in target.param else "bias"
+    try:
+        bias = model.get_parameter(name)
+    except AttributeError:
+        return None
+    return bias if tuple(bias.shape) == tuple(layer.bias.shape) else None
+
+
+def bias_mismatch(fqn: str, layer, bias: torch.Tensor | None) -> str | None:
+    """Why the model's `bias` is not plan layer `fqn`'s (to the coarser dtype's rounding), or None."""
+    if layer.bias is None or bias is None:
+        return None
+    wide = torch.float64 if torch.float64 in (layer.bias.dtype, bias.dtype) else torch.float32
+    ours, theirs = layer.bias.to(bias.device, wide), bias.detach().to(wide)
+    bad = (ours - theirs).abs() > 2 * _eps(layer.bias.dtype, bias.dtype) * torch.maximum(ours.abs(), theirs.abs())
+    if not bool(bad.any()):
+        return None
+    return (f"layer {fqn}: {int(bad.sum())} of {bad.numel()} bias values differ from the plan's (max |diff| "
+            f"{float((ours - theirs).abs().max()):.3g}; a bias changed since the plan was made is not its source)")
+
+
 def check_weights(plan, model: torch.nn.Module) -> None:
-    """Raise `PlanError` naming the first planned layer whose model weight is not the plan's source."""
+    """Raise `PlanError` naming the first planned layer whose model weight (or bias) is not the plan's source."""
     where = plan.meta.get(targets.META_KEY)
     for fqn in plan.layers:
-        weight = targets.read(model, targets.resolve(model, fqn, where))  # (N, K), also for experts / Conv1D
-        why = weight_mismatch(plan, fqn, weight)
+        target = targets.resolve(model, fqn, where)
+        weight = targets.read(model, target)  # (N, K), also for experts / Conv1D
+        layer = plan.layers[fqn]
+        why = weight_mismatch(plan, fqn, weight) or bias_mismatch(fqn, layer, model_bias(model, target, layer))
         if why:
             raise PlanError(f"{why}: this plan was made for other weights (another checkpoint or model); {_FORCE}")

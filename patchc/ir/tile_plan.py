@@ -26,7 +26,7 @@ from patchc.ir import file_format, targets
 from patchc.ir.errors import PlanError
 from patchc.ir.from_pruned import infer_tile, layers_from_linears, layers_from_masks, layers_from_weights
 from patchc.ir.layer_plan import LayerPlan
-from patchc.ir.provenance import check_weights, fingerprints
+from patchc.ir.provenance import check_weights, fingerprints, model_bias
 
 
 @dataclass(eq=False)
@@ -137,7 +137,7 @@ class TilePlan:
             for fqn, target in where.items():  # one layer's W * M at a time, not a dense copy of the plan
                 layer = self.layers[fqn]
                 targets.read(model, target).copy_(layer.to_dense())
-                bias = _bias_of(model, target, layer)
+                bias = model_bias(model, target, layer)
                 if bias is not None:
                     bias.copy_(layer.bias)
         return model
@@ -226,15 +226,3 @@ class TilePlan:
             return cls(layers=layers, skipped=skipped, meta=meta)
         except PlanError as e:
             raise PlanError(f"{Path(path)}: {e}") from None
-
-
-def _bias_of(model: nn.Module, target: targets.Target, layer: LayerPlan) -> torch.Tensor | None:
-    """The model's `<module>.bias` a layer's plan bias goes to, or None (none planned, or no match)."""
-    if layer.bias is None or target.expert is not None:
-        return None
-    name = target.param.rsplit(".", 1)[0] + ".bias" if "." in target.param else "bias"
-    try:
-        bias = model.get_parameter(name)
-    except AttributeError:
-        return None
-    return bias if tuple(bias.shape) == tuple(layer.bias.shape) else None

@@ -172,8 +172,11 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict
                                  if n.removesuffix(".*") in by_name])
     report_unreplaced("patch backend", "left dense in this graph", left, bool(options.get("strict", False)))
     _report_unmatched(unmatched)
-    if not inferred and not options.get("force"):
-        check_sources(plan, served_sources(plan, [*served, *served_grouped], names, examples))
+    owner_bias = {r.node for r in served if _adds_owner_bias(r, params)}
+    checked = not inferred and not options.get("force")
+    if checked:  # then a planned layer's bias is the model's own: served from the graph, gradients and all
+        biases = {names[r.weight]: examples[r.bias] for r in served if r.node in owner_bias and r.bias in examples}
+        check_sources(plan, served_sources(plan, [*served, *served_grouped], names, examples), biases)
     modules = linear_modules(plan, {r.weight: (names[r.weight], examples[r.weight]) for r in served}, options)
     experts = expert_modules(plan, served_grouped, names, examples, options)
     if not modules and not experts:
@@ -183,7 +186,7 @@ def rewrite_linears(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     modules = {node_map[n]: v for n, v in modules.items()}
     extra, attrs = _attach(gm, [*modules.values(), *experts.values()], placeholders)
     for read in served:
-        _replace(gm, read, node_map, *modules[node_map[read.weight]], attrs, _adds_owner_bias(read, params))
+        _replace(gm, read, node_map, *modules[node_map[read.weight]], attrs, not checked and read.node in owner_bias)
     sorts: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}  # batched_mm: one sort by expert per routing
     for read in served_grouped:
         _replace_grouped(gm, read, node_map, *experts[read.weight], attrs, sorts)
@@ -221,7 +224,7 @@ def _adds_owner_bias(read: Read, params: dict[fx.Node, str]) -> bool:
 def _replace(gm: fx.GraphModule, read: Read, node_map: dict[fx.Node, fx.Node], name: str, mod: TileLinear,
              attrs: dict[str, fx.Node], plan_bias: bool) -> None:
     """Swap one read (in the copied graph) for tile_linear(x) plus the bias it adds: the plan's where it adds
-    its weight owner's (`plan_bias`), else its own."""
+    its weight owner's and that was not checked to be the plan's (`plan_bias`: force), else its own."""
     node = node_map[read.node]
     x = node_map.get(read.x, read.x)
     bias = node_map.get(read.bias, read.bias) if isinstance(read.bias, fx.Node) else read.bias

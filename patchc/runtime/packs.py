@@ -25,7 +25,7 @@ import torch
 from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
-from patchc.ir.provenance import weight_mismatch
+from patchc.ir.provenance import bias_mismatch, weight_mismatch
 from patchc.runtime.dispatch import TileLinear
 from patchc.runtime.grouped import GroupedRead, grouped_module, planned_experts
 from patchc.runtime.inferred import InferredPlan, built, packed_plan
@@ -203,20 +203,23 @@ def served_sources(plan: Any, reads: list[Any], names: dict[Any, str],
     return out
 
 
-def check_sources(plan: Any, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def check_sources(plan: Any, weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                  biases: dict[str, torch.Tensor] | None = None) -> None:
     """ValueError naming the first planned layer whose graph weight ({fqn: (parameter, its (N, K) view)}) is
-    neither the weight the plan was made from nor its W * M: the packed layer would serve the plan's weights
-    beside this model's."""
-    for fqn, (param, w) in weights.items():
+    neither the weight the plan was made from nor its W * M, or whose bias (`biases`: {fqn: the bias its read
+    adds}) is not the plan's: the packed layer would serve the plan's weights beside this model's."""
+    why = next(filter(None, (bias_mismatch(fqn, plan.layers[fqn], b) for fqn, b in (biases or {}).items())), None)
+    for fqn, (param, w) in weights.items() if why is None else ():
         seen = _CHECKED.setdefault(param, set())
         key = (id(plan.layers[fqn]), param._version)
-        if key in seen:
-            continue
-        why = weight_mismatch(plan, fqn, w.detach())
-        if why:
-            raise ValueError(f"patch backend: {why}: the plan was made for other weights (another checkpoint or "
-                             "model); options={'force': True} serves the plan's weights anyway")
-        seen.add(key)
+        if key not in seen:
+            why = weight_mismatch(plan, fqn, w.detach())
+            if why:
+                break
+            seen.add(key)
+    if why:
+        raise ValueError(f"patch backend: {why}: the plan was made for other weights (another checkpoint or "
+                         "model); options={'force': True} serves the plan's weights anyway")
 
 
 __all__ = ["check_sources", "expert_modules", "held", "infer_plan", "linear_modules", "plan_option", "served_sources",
