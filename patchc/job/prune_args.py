@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, DTYPES, LOSSES, PruneOptions
 
@@ -136,26 +137,11 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def prune_options(args: argparse.Namespace) -> PruneOptions:
-    return PruneOptions(
-        model=args.model, data=tuple(args.data), out=args.out, sparsity=args.sparsity,
-        tile=None if args.tile is None else tuple(args.tile),
-        variant=args.variant, prior=args.prior, prior_strength=args.prior_strength, steps=args.steps,
-        batch_size=args.batch_size, lr=args.lr, tau=tuple(args.tau),
-        tau_nm=tuple(args.tau_nm) if args.tau_nm else None, kappa_tile=tuple(args.kappa_tile),
-        kappa_nm=tuple(args.kappa_nm), lambda_density=args.lambda_density, lambda_norm=args.lambda_norm,
-        scope=args.scope, nm_param=args.nm_param, mask_impl=args.mask_impl,
-        low_memory=args.low_memory, v_per_group=args.v_per_group, exact_budget=args.exact_budget, block_len=args.block_len, eval_context=args.eval_context,
-        eval_fraction=args.eval_fraction, calib_blocks=args.calib_blocks,
-        train_data=args.train_data, train_extra=tuple(args.train_extra), self_tokens=args.self_tokens,
-        self_temperature=args.self_temperature,
-        self_top_p=args.self_top_p, loss=args.loss, kd_temperature=args.kd_temperature,
-        eval_data=tuple(args.eval_data), eval_tokens=args.eval_tokens, split_seed=args.split_seed,
-        recover=args.recover, recover_loss=args.recover_loss, recover_lr=args.recover_lr,
-        recover_scope=args.recover_scope, recover_splice=args.recover_splice, fsdp=args.fsdp,
-        baselines=args.baselines, seed=args.seed, device=args.device, dtype=args.dtype, threads=args.threads,
-        resume=args.resume, overwrite=args.overwrite, encoding=args.encoding, text_field=args.text_field, bos=args.bos,
-        progress=args.progress, plots=args.plots,
-    )
+    """Every PruneOptions field from the flag of its name (lists as tuples); fields no prune flag sets
+    (`offload`: eval's and sample's) keep their defaults. Read by name, a parsed flag cannot be dropped on
+    the way, as --tile-lr was."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(PruneOptions) if hasattr(args, f.name)}
+    return PruneOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 __all__ = ["add_prune_arguments", "prune_options"]
