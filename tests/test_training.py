@@ -103,6 +103,33 @@ def test_checkpoint_errors_name_the_file(tiny_mlp, tmp_path):
     assert "\n" not in str(err.value)  # one line that names the setting, not two reprs
 
 
+def test_one_nan_loss_between_log_steps_never_reaches_a_checkpoint_or_a_plan(tiny_mlp, tmp_path, monkeypatch):
+    """The loss was checked at log steps only: a NaN at step 3 made every logit NaN, the step-4 checkpoint
+    saved them (a resume could not recover), and harden turned the NaN logits into a plausible plan."""
+    from patchc.masking.cadence import Cadence
+
+    monkeypatch.setattr(Cadence, "saved", lambda self, step, *timing: setattr(self, "last", step))  # every 2 steps
+    prog, ckpt, calls = _setup(tiny_mlp), tmp_path / "masks.ckpt", []
+
+    def loss(p, ids):
+        calls.append(1)
+        return _loss(p, ids) * (float("nan") if len(calls) == 3 else 1.0)
+
+    with pytest.raises(FloatingPointError, match=r"loss is nan or inf at step 3 \(seen at step 4\); no checkpoint "
+                                                 r"is written over the last one"):
+        patchc.train_masks(prog, _batches, loss, steps=20, checkpoint=ckpt, checkpoint_every=2, log_every=10,
+                           progress=False)
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["step"] == 2 and all(v.isfinite().all() for v in saved["program"].values() if v.is_floating_point())
+    for exact in (True, False):
+        with pytest.raises(FloatingPointError, match=r"harden: layer \S+: its (tile|2:4) logits are not finite"):
+            patchc.harden(prog, exact_budget=exact)
+    calls.clear()
+    # no checkpoint: caught at the log step
+    with pytest.raises(FloatingPointError, match=r"at step 3 \(seen at step 10\); lower the"):
+        patchc.train_masks(_setup(tiny_mlp), _batches, loss, steps=20, log_every=10, progress=False)
+
+
 def test_train_masks_fits_the_schedules_to_its_steps_unless_told(tiny_mlp):
     prog = _setup(tiny_mlp, steps=300)
     patchc.train_masks(prog, _batches, _loss, steps=10, progress=False)

@@ -83,9 +83,21 @@ def harden(prog: MaskedProgram, exact_budget: bool = False) -> TilePlan:
         exact_budget: choose dense tiles by a global top-k of the tile logits so that the plan's
             density is within one tile of `1 - cfg.sparsity`; otherwise dense iff logit > 0.
     """
+    for m in prog.layers.values():  # a diverged run's NaN logits would sort, and harden, as plausible tiles
+        check_finite_logits(m)
     chosen = budget_tiles(prog) if exact_budget else {}
     layers = {fqn: harden_layer(prog, m, chosen.get(fqn)) for fqn, m in prog.layers.items()}
     return assemble_plan(prog, layers, exact_budget)
+
+
+def check_finite_logits(m: HybridMask) -> None:
+    """FloatingPointError naming the layer whose tile or 2:4 logits hold a NaN or inf (each rank its shard)."""
+    for what, t in (("tile", m.tile_logits), ("2:4", getattr(m, "nm_logits", None))):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if isinstance(local, torch.Tensor) and not bool(torch.isfinite(local).all()):
+            raise FloatingPointError(f"harden: layer {m.name}: its {what} logits are not finite (training diverged: "
+                                     "a loss went nan or inf); train again with a lower lr, or from an earlier "
+                                     "checkpoint")
 
 
 @torch.no_grad()

@@ -246,18 +246,22 @@ def train_masks(
     regathers = all(m.regather is not None for m in hybrid_masks(prog.layers.values()))
     redraw = recompute_masked_weights() if optim.recompute and (regathers or not sharded) else contextlib.nullcontext()
     optimizer.zero_grad(set_to_none=True)
+    first_bad = None  # the first step whose loss was not finite (0: none), kept on the device: read when it matters
     with hooks, redraw, stoppable() as handled:
         for t in bar:
             losses = _step(prog, loss_fn, get_batch(t), optimizer, params, grad_clip, in_backward, clip_each)
-            _after_step(prog, result, t, steps, losses, log_every, bar, on_log)
+            first_bad = _first_bad(first_bad, losses[0], t + 1)
+            _after_step(prog, result, t, steps, losses, log_every, bar, on_log, first_bad)
             stop = stop_agreed(handled, t + 1, steps, losses[0].device)
             if cadence.due(t + 1) or (stop is not None and checkpoint is not None and cadence.last < t + 1):
+                check_finite(first_bad, t + 1, "no checkpoint is written over the last one")  # never save NaN logits
                 # rank 0's times on every rank: the ranks must save (a collective under FSDP2) at the same steps
                 cadence.save(t + 1, lambda: io.save(checkpoint, prog, optimizer, result), agree)
             if stop is not None:  # a signal asked to stop: after this step, with its checkpoint written
                 stop_now(stop)
     result.seconds = time.perf_counter() - start
     if checkpoint is not None and result.step > 0 and cadence.last < result.step:
+        check_finite(first_bad, result.step, "no checkpoint is written over the last one")
         io.save(checkpoint, prog, optimizer, result)
     prog.eval()
     return result
@@ -279,15 +283,36 @@ def _step(prog, loss_fn, batch, optimizer, params, grad_clip, in_backward, clip_
     return loss, task, reg
 
 
-def _after_step(prog, result: TrainResult, t: int, steps: int, losses, log_every: int, bar, on_log) -> None:
-    """Advance the schedules; at log steps check the loss and record a history line."""
+def _first_bad(first_bad: torch.Tensor | None, loss: torch.Tensor, step: int) -> torch.Tensor:
+    """The first step so far whose loss was not finite, 0 if none: device ops only (no sync per step)."""
+    bad = ~torch.isfinite(loss.detach())
+    first_bad = torch.zeros((), dtype=torch.int64, device=loss.device) if first_bad is None else first_bad
+    return torch.where((first_bad == 0) & bad, step, first_bad)
+
+
+def check_finite(first_bad: torch.Tensor | None, step: int, then: str = "") -> None:
+    """FloatingPointError if a loss up to `step` was NaN or inf, on any torchrun rank (a collective): its
+    step went into the logits, which are then NaN too, and every step after. Read at log and checkpoint steps."""
+    if first_bad is None:
+        return
+    bad = global_mean(first_bad.double())  # > 0 iff some rank saw one
+    if float(bad) > 0:
+        at = int(first_bad) or "?"  # this rank's step; another rank's when this one saw none
+        raise FloatingPointError(f"mask training: loss is nan or inf at step {at} (seen at step {step})"
+                                 + (f"; {then}" if then else "") + "; lower the learning rate (--lr) or check the data")
+
+
+def _after_step(prog, result: TrainResult, t: int, steps: int, losses, log_every: int, bar, on_log,
+                first_bad: torch.Tensor | None = None) -> None:
+    """Advance the schedules; at log steps check the losses so far and record a history line."""
     prog.step()
     result.step = t + 1
     if not ((t + 1) % log_every == 0 or t + 1 == steps or t == 0):
         return
+    check_finite(first_bad, t + 1)  # at log steps: a check per step would sync the GPU each step
     record = dict(zip(("loss", "task", "reg"), global_mean(torch.stack(losses).detach()).tolist()))
     record = {"step": t + 1, **record}
-    if not math.isfinite(record["loss"]):  # checked at log steps: a per-step check syncs the GPU
+    if not math.isfinite(record["loss"]):
         raise FloatingPointError(f"mask training: loss is {record['loss']} at step {t + 1} (task {record['task']})")
     with torch.no_grad():
         record["density"] = prog.density("expected").item()
