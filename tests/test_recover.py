@@ -142,6 +142,19 @@ def test_refuses_other_weights_and_bad_settings(setup):
     assert RecoverConfig(steps=4).schedule_factor(4) == pytest.approx(0.0)
 
 
+def test_a_nan_loss_between_log_steps_names_its_step(setup):
+    """Recovery logs every 10 steps: a NaN at step 3 is named as step 3 there, and never checkpointed."""
+    plan, model, _, batches = setup
+    calls = []
+
+    def loss(m, batch):
+        calls.extend([1] if torch.is_grad_enabled() else [])  # training steps only, not the scoring before
+        return mse(m, batch) * (float("nan") if len(calls) == 3 and torch.is_grad_enabled() else 1.0)
+
+    with pytest.raises(FloatingPointError, match=r"weight recovery: loss is nan or inf at step 3 \(seen at step 10\)"):
+        patchc.recover(plan, model, batches, loss, steps=20, lr=3e-3, progress=False)
+
+
 def test_sparsegpt_update_keeps_masks_and_lowers_loss(setup):
     plan, model, dense, batches = setup
     calib = patchc.calibrate(dense, [b[0] for b in batches], progress=False)

@@ -46,7 +46,7 @@ from patchc.ir.provenance import check_weights, fingerprint
 from patchc.ir.tiles import expand_tiles
 from patchc.masking.cadence import Cadence
 from patchc.masking.recover_checkpoint import checkpoint_key, is_sharded, load_recovery, save_recovery
-from patchc.masking.train import agree, batch_getter, global_mean, stop_agreed
+from patchc.masking.train import agree, batch_getter, check_finite, first_bad_step, global_mean, stop_agreed
 from patchc.utils.progress import progress as progress_bar
 from patchc.utils.stopping import stop_now, stoppable
 
@@ -302,15 +302,18 @@ def train_kept(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], ge
         bar = progress_bar(range(start, cfg.steps), desc=f"weight recovery ({cfg.scope})", disable=not progress,
                            initial=start, total=cfg.steps)
         with stoppable() as handled:
+            first_bad = None  # as in mask training: a NaN loss between log steps must not reach a checkpoint
             for t in bar:
                 loss = _step(model, loss_fn, get_batch(t), optimizer, params, cfg.lr * cfg.schedule_factor(t),
                              cfg.grad_clip)
+                first_bad = first_bad_step(first_bad, loss, t + 1)
                 if (t + 1) % 10 == 0 or t == 0 or t + 1 == cfg.steps:
-                    history.append(_log(t + 1, global_mean(loss.detach()) if sharded else loss, optimizer, bar,
-                                        on_log))
+                    check_finite(first_bad, t + 1, what="weight recovery")
+                    history.append(_log(t + 1, global_mean(loss.detach()) if sharded else loss, optimizer, bar, on_log))
                 # a signal: stop after this step, with its checkpoint written (sharded: the ranks agree on it)
                 stop = stop_agreed(handled and sharded, t + 1, cfg.steps, loss.device)
                 if cadence.due(t + 1) or (saved.path is not None and (t + 1 == cfg.steps or stop is not None)):
+                    check_finite(first_bad, t + 1, "no checkpoint is written over the last one", "weight recovery")
                     cadence.save(t + 1, lambda: save_recovery(saved.path, saved.key, tensors, optimizer, t + 1,
                                                               history), agree if sharded else (lambda x: x))
                 if stop is not None:

@@ -250,7 +250,7 @@ def train_masks(
     with hooks, redraw, stoppable() as handled:
         for t in bar:
             losses = _step(prog, loss_fn, get_batch(t), optimizer, params, grad_clip, in_backward, clip_each)
-            first_bad = _first_bad(first_bad, losses[0], t + 1)
+            first_bad = first_bad_step(first_bad, losses[0], t + 1)
             _after_step(prog, result, t, steps, losses, log_every, bar, on_log, first_bad)
             stop = stop_agreed(handled, t + 1, steps, losses[0].device)
             if cadence.due(t + 1) or (stop is not None and checkpoint is not None and cadence.last < t + 1):
@@ -283,14 +283,14 @@ def _step(prog, loss_fn, batch, optimizer, params, grad_clip, in_backward, clip_
     return loss, task, reg
 
 
-def _first_bad(first_bad: torch.Tensor | None, loss: torch.Tensor, step: int) -> torch.Tensor:
+def first_bad_step(first_bad: torch.Tensor | None, loss: torch.Tensor, step: int) -> torch.Tensor:
     """The first step so far whose loss was not finite, 0 if none: device ops only (no sync per step)."""
     bad = ~torch.isfinite(loss.detach())
     first_bad = torch.zeros((), dtype=torch.int64, device=loss.device) if first_bad is None else first_bad
     return torch.where((first_bad == 0) & bad, step, first_bad)
 
 
-def check_finite(first_bad: torch.Tensor | None, step: int, then: str = "") -> None:
+def check_finite(first_bad: torch.Tensor | None, step: int, then: str = "", what: str = "mask training") -> None:
     """FloatingPointError if a loss up to `step` was NaN or inf, on any torchrun rank (a collective): its
     step went into the logits, which are then NaN too, and every step after. Read at log and checkpoint steps."""
     if first_bad is None:
@@ -298,7 +298,7 @@ def check_finite(first_bad: torch.Tensor | None, step: int, then: str = "") -> N
     bad = global_mean(first_bad.double())  # > 0 iff some rank saw one
     if float(bad) > 0:
         at = int(first_bad) or "?"  # this rank's step; another rank's when this one saw none
-        raise FloatingPointError(f"mask training: loss is nan or inf at step {at} (seen at step {step})"
+        raise FloatingPointError(f"{what}: loss is nan or inf at step {at} (seen at step {step})"
                                  + (f"; {then}" if then else "") + "; lower the learning rate (--lr) or check the data")
 
 
