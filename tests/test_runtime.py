@@ -421,6 +421,17 @@ def test_triton_path_dispatch_and_opcheck_interpreted():
     assert proc.returncode == 0 and "INTERP-OK" in proc.stdout, proc.stderr[-4000:]
 
 
+def test_a_float64_model_is_served_exactly_never_by_the_fp32_kernels(monkeypatch):
+    """`.double()` after patchc.compile ran the fp32-accumulating kernels (1.9e-7 off, not 1e-15)."""
+    monkeypatch.setenv("PATCHC_CPU_IMPL", "triton")  # the kernels' path, as on a GPU
+    assert rt_op.use_triton(torch.zeros(1)) and not rt_op.use_triton(torch.zeros(1, dtype=torch.float64))
+    model, plan = _biased_mlp_and_plan()
+    fast, ref = compile_fn(model, plan, tune=False).double(), plan.apply(copy.deepcopy(model)).double()
+    x = torch.randn(3, 64, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), ref(x), atol=1e-12, rtol=1e-12)
+
+
 def test_cpu_impl_setting(monkeypatch):
     monkeypatch.setenv("PATCHC_CPU_IMPL", "nonsense")
     with pytest.raises(ValueError, match="PATCHC_CPU_IMPL"):

@@ -144,7 +144,10 @@ def kernels_interpreted() -> bool:
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Whether this call launches the Triton kernels (CUDA always; CPU per `cpu_impl`)."""
+    """Whether this call launches the Triton kernels (CUDA always; CPU per `cpu_impl`), float64 never: the
+    kernels accumulate in fp32, so a model moved to float64 would get fp32 accuracy; the reference is exact."""
+    if x.dtype == torch.float64:
+        return False
     if x.is_cuda:
         return True
     mode = cpu_impl()
