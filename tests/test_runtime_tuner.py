@@ -98,6 +98,23 @@ def test_stale_entry_is_retuned(tmp_path):
     assert timer.calls > 0 and out["mixed.weight"].decode.kernel == "decode"
 
 
+def test_a_decode_record_holding_a_prefill_config_is_stale_not_a_crash(tmp_path):
+    """The cache never raises: a decode (or bucket) record with kernel code 1 (prefill) passed its parse and
+    then crashed LayerTuning ("decode buckets must hold decode configs")."""
+    path = tmp_path / "tune.json"
+    run(plan_of(), TuneCache(path), FakeTimer())
+    data = json.loads(path.read_text())
+    decode = [k for k in data["entries"] if "|decode|" in k]
+    assert decode
+    for key in decode:
+        data["entries"][key]["config"] = [1, 16, 1, 4, 3, 8, 0]
+    path.write_text(json.dumps(data))
+    timer = FakeTimer()
+    with pytest.warns(RuntimeWarning, match="stale entry .*a prefill config where a decode one belongs"):
+        out = run(plan_of(), TuneCache(path), timer)
+    assert timer.calls > 0 and out["mixed.weight"].decode.kernel == "decode"
+
+
 def test_cached_only_times_nothing(tmp_path):
     timer = FakeTimer()
     out = run(plan_of(), TuneCache(tmp_path / "t.json"), timer, cached_only=True)

@@ -23,13 +23,12 @@ Order (the paper's appendix on STOICC integration):
    default, `ArchDefaults.decode_buckets`), timed at the bucket's largest M, so every M <= 16 reads the
    weights once and M = 1 does not pay for the batch size's padding.
 
-Candidates come from `candidates.py` (one table per GPU generation, sm_80 / sm_90), pruned
-before any timing (`prune_reason`): blocks that do not divide the plan tile or exceed the layer,
-estimated shared memory above the device limit, split-K leaving too little K per split; then walked by
-coordinate descent from the default config (`search.py`: ~20 timings a round, not all ~400), each axis's
-configs compiled in parallel threads first. Layers of one `tuning_class` share one tuning. A config that
-fails to compile or runs out of resources scores infinity. Timing is `triton.testing.do_bench` on the
-GPU; `time_fn` is injectable (tests count its calls). Results go to the on-disk `TuneCache`.
+Candidates come from `candidates.py` (one table per GPU generation, sm_80 / sm_90), pruned before any timing
+(`prune_reason`): blocks that do not divide the plan tile or exceed the layer, estimated shared memory above the
+device limit, split-K leaving too little K per split; then walked by coordinate descent from the default config
+(`search.py`: ~20 timings a round, not all ~400), each axis's configs compiled in parallel threads first. Layers of
+one `tuning_class` share one tuning. A config that fails to compile or runs out of resources scores infinity. Timing
+is `triton.testing.do_bench` on the GPU; `time_fn` is injectable (tests count its calls). Results: the `TuneCache`.
 
 Example:
     >>> tunings = tune_plan(plan, batch_size=16, prefill_len=128)      # doctest: +SKIP
@@ -68,19 +67,17 @@ SHARE_STEP = 0.125  # 2:4 tile share per tuning class: one step moves a layer's 
 class LayerTuning:
     """Tuned (or default) launch choices of one layer.
 
-    block: the packed block (BLOCK_N, BLOCK_K); decode / prefill: resolved KernelConfigs (decode: the one
-    tuned at the batch size, which chose the block; prefill: the GEMM kernel or the decode kernel, whichever
-    timed faster, or "unpacked"); buckets: ((largest M, decode config), ...) by M,
-    each tuned at its largest M (empty: `decode` serves every M up to the threshold); threshold: decode
-    serves M <= threshold; prefill_backend: "triton", "unpacked" (with a prefill config of kernel "unpacked":
-    W * M unpacked, then cuBLAS) or "semi_structured" (all-2:4 layers, GPU only);
-    source: "tuned", "cache", "default", "shared" (another layer's tuning, `tuning_class`) or "partial"
-    (a search `tune_plan`'s time limit cut short).
+    block: the packed block (BLOCK_N, BLOCK_K); decode / prefill: resolved KernelConfigs (decode: the one tuned at
+    the batch size, which chose the block; prefill: the GEMM kernel or the decode kernel, whichever timed faster, or
+    "unpacked"); buckets: ((largest M, decode config), ...) by M, each tuned at its largest M (empty: `decode`
+    serves every M up to the threshold); threshold: decode serves M <= threshold; prefill_backend: "triton",
+    "unpacked" (with a prefill config of kernel "unpacked": W * M unpacked, then cuBLAS) or "semi_structured"
+    (all-2:4 layers, GPU only); source: "tuned", "cache", "default", "shared" (another layer's tuning,
+    `tuning_class`) or "partial" (a search `tune_plan`'s time limit cut short).
 
     Example:
         >>> t = LayerTuning("fc.weight", (64, 64), KernelConfig("decode", 16, 64, 64, 4, 4, 4, 8, "fixup"),
-        ...                 KernelConfig("prefill", 128, 64, 64, 1, 8, 3, 8, "fixup"),
-        ...                 threshold=64)
+        ...                 KernelConfig("prefill", 128, 64, 64, 1, 8, 3, 8, "fixup"), threshold=64)
         >>> t.threshold
         64
     """
@@ -211,9 +208,12 @@ def _semi_structured_ms(t: LayerTimer, m: int) -> float:
     return score(s.time_fn, functools.partial(F.linear, x, w), f"{t.layer.name} semi_structured M={m}")
 
 
-def _record_cfg(rec: Mapping[str, Any], name: str, block: tuple[int, int]) -> KernelConfig:
-    """A cached 7-int config plus the block it was tuned with (the ints do not carry the block)."""
-    return dataclasses.replace(decode_config(list(rec[name])), block_n=int(block[0]), block_k=int(block[1]))
+def _record_cfg(rec: Mapping[str, Any], name: str, block: tuple[int, int], kernel: str | None = None) -> KernelConfig:
+    """A cached 7-int config plus the block it was tuned with; one of another `kernel` than its place needs is stale."""
+    cfg = dataclasses.replace(decode_config(list(rec[name])), block_n=int(block[0]), block_k=int(block[1]))
+    if kernel not in (None, cfg.kernel):
+        raise ValueError(f"a {cfg.kernel} config where a {kernel} one belongs")
+    return cfg
 
 
 def tune_layer(layer: Any, s: Setup, cached_only: bool = False) -> LayerTuning | None:
@@ -225,7 +225,7 @@ def tune_layer(layer: Any, s: Setup, cached_only: bool = False) -> LayerTuning |
 
     def cached_decode(rec: Mapping[str, Any]) -> tuple[tuple[int, int], KernelConfig, float]:
         block = (int(rec["block"][0]), int(rec["block"][1]))
-        cfg, ms = _record_cfg(rec, "config", block), float(rec["ms"])
+        cfg, ms = _record_cfg(rec, "config", block, "decode"), float(rec["ms"])
         t.packed(block)  # the block must still pack this layer
         return block, cfg, ms
 
@@ -304,7 +304,7 @@ def _tune_buckets(t: LayerTimer, block: tuple[int, int], dec: KernelConfig,
             out.append((m, dec))
             continue
         tuned = _cached_or_tuned(t, t.key("decode", m, block) + "|bucket",
-                                 lambda rec: (_record_cfg(rec, "config", block), None),
+                                 lambda rec: (_record_cfg(rec, "config", block, "decode"), None),
                                  functools.partial(_tune_bucket, t, m, block),
                                  lambda r: {"config": encode_config(r[0]), "ms": r[1]}, cached_only)
         if tuned is None:
