@@ -461,6 +461,8 @@ def test_compiling_a_compiled_model_says_so():
     with pytest.raises(PlanError, match=r"the model is already compiled \(0 is a TileLinear\); compile the model the "
                                         r"plan was made from, or use this one as it is \(layer 0.weight: .*no parameter"):
         compile_fn(fast, plan, tune=False)
+    with pytest.raises(ValueError, match=r"already compiled \(0 is a TileLinear\).*\(no plan layer"):
+        compile_fn(fast, tune=False)  # nor read off its zeros
 
 
 def test_compile_rejects_bad_tune(tiny_mlp):
