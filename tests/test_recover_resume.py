@@ -149,3 +149,17 @@ def test_patchc_recover_that_dies_resumes_only_with_resume(tmp_path, monkeypatch
     for fqn, layer in want.layers.items():
         for part, t in layer.tensors().items():
             assert torch.equal(t, got.layers[fqn].tensors()[part]), (fqn, part)
+
+    # an --overwrite recovery over this finished one dies: --resume alone goes on (it was told "--overwrite",
+    # which starts again), and a kill while the results are written never pairs a record with another plan
+    monkeypatch.setattr(stages, "recovery_batches", dies_at(7))
+    with pytest.raises(Dies):
+        run_recover(crashed, **args, overwrite=True)
+    with pytest.raises(FileExistsError, match=r"pass --overwrite to replace it \(or --resume to go on from the "
+                                              r"unfinished one's recover.ckpt\)"):
+        run_recover(crashed, **args)
+    monkeypatch.setattr(stages, "recovery_batches", dies_at(None))
+    monkeypatch.setattr(TilePlan, "save", lambda self, path: (_ for _ in ()).throw(Dies("killed while saving")))
+    with pytest.raises(Dies):
+        run_recover(crashed, **args, resume=True)
+    assert not (crashed / "recover.json").exists()  # the old record went first; the old plan stays unpaired

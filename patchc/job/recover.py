@@ -113,10 +113,12 @@ def check_free(run: Path, overwrite: bool, resume: bool = False) -> None:
     a finished one's plan and record (--overwrite replaces them), or an unfinished one's checkpoint (--resume
     goes on from it, --overwrite starts again)."""
     earlier = [name for name in (RECOVERED_PLAN, RESULT) if (run / name).exists()]
-    if earlier and not overwrite:
+    unfinished = (run / RECOVER_CHECKPOINT).exists()
+    if earlier and not overwrite and not (resume and unfinished):  # going on replaces them, as it was to
+        also = f" (or --resume to go on from the unfinished one's {RECOVER_CHECKPOINT})" if unfinished else ""
         raise FileExistsError(f"{run}: an earlier recovery wrote {' and '.join(earlier)}; pass --overwrite to "
-                              "replace it, or recover a copy of the run folder to keep both")
-    if (run / RECOVER_CHECKPOINT).exists() and not (resume or overwrite):
+                              f"replace it{also}, or recover a copy of the run folder to keep both")
+    if unfinished and not (resume or overwrite):
         raise FileExistsError(f"{run}: an unfinished recovery left {RECOVER_CHECKPOINT}; pass --resume to go on "
                               "from it (with the same settings) or --overwrite to start again")
 
@@ -226,11 +228,14 @@ def run_recover(
             return {}
         recovered.meta["command"] = command or ""
         recovered.meta["recovery"] |= {"from": str(run / PLAN), "recipe": recipe}
-        recovered.save(run / RECOVERED_PLAN)
         # the teacher waits in host memory while the recovered copy is scored
         copy = model if model is not None else bundle.reload()  # sharded: the ranks' copies are gone
         scores["recovered"] = job.score_copy(bundle, lambda: recovered.apply(copy), data, opts, dense_ref)
         result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started)
+        # plan and record back to back, the old record gone first: a kill between them leaves a plan without
+        # a record (refused until --overwrite), never a record describing another plan
+        remove(run / RESULT)
+        recovered.save(run / RECOVERED_PLAN)
         write_bytes_atomic(run / RESULT, (json.dumps(result, indent=1) + "\n").encode())
         remove(run / RECOVER_CHECKPOINT)  # finished: its plan and record are written
         note_replaced(run, result)
