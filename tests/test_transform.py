@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -104,6 +105,24 @@ def test_eval_mode_is_deterministic_and_equals_the_applied_plan(tiny_mlp):
     plan = patchc.harden(prog)
     pruned = plan.apply(copy.deepcopy(tiny_mlp))
     assert torch.equal(pruned(ids), y1)
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_dropout_exported_in_train_mode_is_named(decompose):
+    """A model exported in train mode (transformers models start there) keeps its dropout on in prog.eval():
+    eval scores and hardened masks saw noise, without a word."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 32))
+    x = torch.randn(4, 32)
+    cfg = patchc.PatchConfig(tile=(16, 16))
+    for train, warned in ((True, 1), (False, 0)):
+        ep = torch.export.export(model.train(train), (x,))
+        ep = ep.run_decompositions() if decompose else ep
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            patchc.transform(ep, cfg)
+        found = [w for w in seen if "dropout op(s) in training mode (p = 0.1)" in str(w.message)]
+        assert len(found) == warned, [str(w.message) for w in seen]
 
 
 def test_training_mode_is_seeded(tiny_mlp):

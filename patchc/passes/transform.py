@@ -213,6 +213,7 @@ def transform(
     gm = program.module() if isinstance(program, torch.export.ExportedProgram) else program
     _refuse_transformed(gm)
     _freeze_weights(gm)
+    _warn_live_dropout(gm)
     sites, skipped = find_linear_sites(gm, cfg)
     if not sites:
         raise no_sites_error(skipped, cfg.tile)
@@ -232,6 +233,22 @@ def _refuse_transformed(program) -> None:
             "patchc.transform: this program is already transformed (it holds patchc masks); pass the original "
             "ExportedProgram or model, or keep training the MaskedProgram you have"
         )
+
+
+DROPOUTS = ("aten.dropout.default", "aten.native_dropout.default", "aten.feature_dropout.default",
+            "aten.alpha_dropout.default", "aten.feature_alpha_dropout.default")
+
+
+def _warn_live_dropout(gm: fx.GraphModule) -> None:
+    """Warn of dropout exported in training mode: the graph holds it with train=True, so `prog.eval()`
+    cannot turn it off, and eval-mode scores and hardened masks see random noise (transformers models
+    start in train mode: `model.eval()` before exporting)."""
+    live = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in DROPOUTS
+            and len(n.args) > 2 and n.args[2] is True and isinstance(n.args[1], (int, float)) and n.args[1] > 0]
+    if live:
+        warnings.warn(f"patchc.transform: the graph holds {len(live)} dropout op(s) in training mode (p = "
+                      f"{live[0].args[1]}): the model was exported in train mode, and they stay on in prog.eval(); "
+                      "call model.eval() before exporting", stacklevel=3)
 
 
 def export_kwargs(program) -> dict:
