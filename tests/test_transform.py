@@ -125,6 +125,22 @@ def test_dropout_exported_in_train_mode_is_named(decompose):
         assert len(found) == warned, [str(w.message) for w in seen]
 
 
+def test_casting_a_program_casts_its_weights_never_its_masks(tiny_mlp):
+    """`prog.to(torch.bfloat16)` made the mask logits, tile counts and weight norms bf16 (the logits are fp32
+    by design: Adam's small steps vanish in bf16); they stay fp32, and `.double()` (an fp64 reference) widens all."""
+    ids = torch.randint(0, 32, (2, 6))
+    prog = patchc.transform(tiny_mlp, patchc.PatchConfig(tile=(8, 8)), example_inputs=(ids,))
+    before = {n: t.clone() for n, t in prog.named_parameters()}
+    prog.to(torch.bfloat16)
+    assert all(prog.weight(name).dtype == torch.bfloat16 for name in prog.layers)
+    floats = [t for t in (*prog.parameters(), *prog.buffers()) if t.is_floating_point()]
+    assert floats and all(t.dtype == torch.float32 for t in floats)
+    assert all(torch.equal(t, before[n]) for n, t in prog.named_parameters())  # never through bf16
+    assert prog(ids).dtype == torch.bfloat16
+    prog.double()
+    assert all(t.dtype == torch.float64 for t in prog.parameters()) and prog.weight("up.weight").dtype == torch.float64
+
+
 def test_training_mode_is_seeded(tiny_mlp):
     ids = torch.randint(0, 32, (2, 6))
     outs = []

@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,20 @@ def _uniform(shape: tuple[int, ...], gen: torch.Generator, device: torch.device)
     eps = torch.finfo(torch.float32).tiny
     return torch.rand(shape, generator=gen, device=device, dtype=torch.float32).clamp_(eps, 1.0 - 1e-7)
 
+
+
+def fp32_kept(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`fn` (of `nn.Module._apply`) that only moves fp32 tensors where it would cast them to 16 bits:
+    `prog.half()` / `.to(torch.bfloat16)` cast the weights, while the mask logits (Adam's small steps), tile
+    counts past 256 and the regularizer's weight norms stay fp32. Any other `fn` meets them as it is
+    (`.cuda()`, `share_memory_`, `.double()` for an fp64 reference)."""
+    def kept(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype != torch.float32:
+            return fn(t)
+        probe = fn(t.new_empty(0))
+        return t.to(probe.device) if probe.dtype in (torch.float16, torch.bfloat16) else fn(t)
+
+    return kept
 
 class HybridMask(nn.Module):
     """Learnable dense-or-2:4 tile mask of one (N, K) weight. See the module docstring."""
@@ -173,6 +188,9 @@ class HybridMask(nn.Module):
         gen = torch.Generator(device=device)
         gen.manual_seed(noise_seed(self.seed, self.index, self._draw))
         return gen
+
+    def _apply(self, fn, recurse=True):
+        return super()._apply(fp32_kept(fn), recurse)  # `prog.half()` casts the weights, never the logits
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -21,7 +21,7 @@ from torch import fx, nn
 from patchc.config import PatchConfig
 from patchc.masking import regularizer as reg
 from patchc.ir.targets import Target, matrix
-from patchc.masking.hybrid_mask import MODES, HybridMask
+from patchc.masking.hybrid_mask import MODES, HybridMask, fp32_kept
 from patchc.masking.param_mask import hybrid_masks
 from patchc.masking.schedule import schedule_at
 from patchc.passes.find_linears import LinearSite
@@ -90,7 +90,7 @@ class MaskedProgram(nn.Module):
         return self
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
+        super()._apply(fp32_kept(fn), recurse)  # masks and weight norms: fp32 whatever the weights become
         self.graph_module._apply(fn, recurse)  # weights live in the unregistered graph module
         if self.seq_graphs is not None:
             self.seq_graphs.apply(fn, recurse)
