@@ -46,7 +46,7 @@ from patchc.ir import LayerPlan, PlanError, TilePlan, targets
 from patchc.ir.file_format import FLOAT_DTYPES, dtype_name
 from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.provenance import check_weights
-from patchc.utils.files import publish_modes
+from patchc.utils.files import publish_modes, read_record
 from patchc.utils.progress import progress
 
 Run = str | os.PathLike
@@ -226,10 +226,7 @@ def export_run(run_dir: Run, out_dir: Run, *, model: str | None = None, overwrit
 def recorded_spec(run: Path, plan: TilePlan) -> str:
     """The model spec of the run that made `plan`: its report.json's (`model_spec`), else the plan's record."""
     if (run / "report.json").is_file():
-        try:
-            return model_spec(json.loads((run / "report.json").read_text()), run)
-        except json.JSONDecodeError as e:
-            raise ExportError(f"{run / 'report.json'}: not valid JSON ({e})") from None
+        return model_spec(read_record(run / "report.json", "report", "pass model= (CLI: --model)"), run)
     if isinstance(plan.meta.get("model"), str) and plan.meta["model"]:
         return plan.meta["model"]
     raise ExportError(f"{run}: no report.json, and the plan records no model; pass model= (CLI: --model)")

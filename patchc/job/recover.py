@@ -37,7 +37,7 @@ from patchc.job.resume import forget_recovered
 from patchc.job.runs import (OLDER_RUNS, PLAN, RECOVER_CHECKPOINT, RECOVER_RECORD, RECOVERED_PLAN, SETTINGS, find_plan,
                              remove, resolve_plan)
 from patchc.utils.env import device_name, versions
-from patchc.utils.files import write_bytes_atomic
+from patchc.utils.files import RecordError, json_kind, read_record, write_bytes_atomic
 from patchc.utils.stopping import exit_on_signals
 
 RESULT = RECOVER_RECORD
@@ -69,16 +69,38 @@ def recover_options(plan: Any, run: Path, **changes: Any) -> PruneOptions:
     if not recorded_split(plan).get("files"):
         raise ValueError(f"{run / PLAN}: the plan records no data split (made outside `patchc prune` or by an "
                          "older patchc), so its training text cannot be rebuilt; prune again with this version")
-    fields = {f.name for f in dataclasses.fields(PruneOptions)}
-    if (run / SETTINGS).is_file():
-        settings = json.loads((run / SETTINGS).read_text()).get("settings", {})
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if k in fields}
-        older = {k: v for k, v in OLDER_RUNS.items() if k in fields and k not in settings}
-        opts = PruneOptions(**(older | values))
-    else:
-        opts = eval_options(plan)
+    opts = run_options(run / SETTINGS) if (run / SETTINGS).is_file() else eval_options(plan)
     fixed = {"out": str(run), "resume": False, "overwrite": False, "baselines": False}
     return dataclasses.replace(opts, **fixed, **changes)
+
+
+def run_options(path: Path) -> PruneOptions:
+    """The PruneOptions a run.json records; a setting of the wrong type or out of range is blamed on the file,
+    not on a flag the user never typed."""
+    todo = f"restore the run's {SETTINGS}, or move it away to recover with the settings its {PLAN} records"
+    settings = read_record(path, "run", todo, needs={"settings": dict})["settings"]
+    fields = {f.name: f.default for f in dataclasses.fields(PruneOptions)}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if k in fields}
+    older = {k: v for k, v in OLDER_RUNS.items() if k in fields and k not in settings}
+    bad = next((k for k, v in values.items() if not _fits(v, fields[k])), None)
+    like = list(fields[bad]) if isinstance(fields.get(bad), tuple) else fields.get(bad)  # as JSON holds it
+    why = None if bad is None else f"{bad!r} is {json_kind(settings[bad])}, not {json_kind(like)}"
+    if why is None:
+        try:
+            return PruneOptions(**(older | values))
+        except (TypeError, ValueError) as exc:  # PruneOptions' own checks, worded for flags
+            why = str(exc)
+    raise RecordError(f"{path}: not a patchc run record (settings: {why}); {todo}")
+
+
+def _fits(value: Any, default: Any) -> bool:
+    """`value` has the type of the option's `default` (any, where that is None; an int for a float)."""
+    if default is None or default is dataclasses.MISSING:
+        return True
+    if isinstance(value, bool) or isinstance(default, bool):
+        return type(value) is type(default)
+    kinds = (int, float) if isinstance(default, float) else type(default)
+    return isinstance(value, kinds)
 
 
 def run_evaluation(run: Path) -> dict[str, int]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from patchc.job.options import PruneOptions
 from patchc.job.runs import ROWS, settings_of
-from patchc.utils.files import write_bytes_atomic
+from patchc.utils.files import read_record, write_bytes_atomic
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +104,25 @@ def read_rows(path: Path) -> dict[str, dict] | None:
     if not path.exists():
         return {}
     try:
-        record = json.loads(path.read_text())
-        if record.get("format") != FORMAT or record.get("version") != VERSION:
-            raise ValueError(f"format {record.get('format')!r} version {record.get('version')!r}")
-        return {entry["row"]["name"]: entry for entry in record["rows"]}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.warning("%s: not a readable rows file (%s); its rows are scored again", path, exc)
+        record = read_record(path, "rows", "its rows are scored again", needs={"rows": list}, check=_damage)
+    except OSError as exc:
+        log.warning("%s: not readable (%s); its rows are scored again", path, exc.strerror or exc)
         return None
+    except ValueError as exc:
+        log.warning("%s", exc)
+        return None
+    return {entry["row"]["name"]: entry for entry in record["rows"]}
+
+
+def _damage(record: dict) -> str | None:
+    """What makes a rows.json record unusable: another format or version, or an entry `KeptRows` cannot read."""
+    if record.get("format") != FORMAT or record.get("version") != VERSION:
+        return f"format {record.get('format')!r} version {record.get('version')!r}"
+    for i, entry in enumerate(record["rows"]):
+        row = entry.get("row") if isinstance(entry, dict) else None
+        if not (isinstance(row, dict) and isinstance(row.get("name"), str) and isinstance(entry.get("inputs"), dict)):
+            return f"entry {i} is not a row with its name and inputs"
+    return None
 
 
 def write_rows(path: Path, entries: dict[str, dict]) -> None:

@@ -33,7 +33,7 @@ import socket
 from pathlib import Path
 
 from patchc.job.options import PruneOptions
-from patchc.utils.files import write_bytes_atomic
+from patchc.utils.files import read_record, write_bytes_atomic
 
 CLAIM = ".patchc-run"
 SETTINGS = "run.json"
@@ -104,6 +104,7 @@ def _try_claim(folder: Path) -> str | None:
                 held = json.loads(claim.read_text())
             except (OSError, ValueError):
                 held = {}
+            held = held if isinstance(held, dict) else {}  # damaged: busy, by whom unknown
             if held.get("host") == record["host"] and isinstance(held.get("pid"), int) and not _alive(held["pid"]):
                 claim.unlink(missing_ok=True)  # stale: the run that held it died without cleaning up
                 continue
@@ -295,7 +296,8 @@ def _settings_schedule(folder: Path, opts: PruneOptions, resume: bool, overwrite
     if not path.exists():
         raise RunError(f"--resume: {folder} has no {SETTINGS} (a run from an older patchc); its settings cannot be "
                        "checked, so start a new run")
-    saved = json.loads(path.read_text())
+    saved = read_record(path, "run", "its settings cannot be checked, so start again with --overwrite instead of "
+                        "--resume, or in another --out", needs={"settings": dict, "steps": int, "schedule_steps": int})
     was = OLDER_RUNS | saved["settings"]
     diffs = [_changed(k, was.get(k), v) for k, v in now.items() if was.get(k) != v]
     if diffs:

@@ -1,5 +1,6 @@
 """Atomic file writes: readers see the old file or the new one, never half of one; and reading back the
-torch.save files patchc wrote (checkpoints, caches) without torch's advice to unpickle them unsafely.
+torch.save files patchc wrote (checkpoints, caches) without torch's advice to unpickle them unsafely, and
+the JSON records it wrote (run.json, rows.json, report.json) checked for the keys their readers use.
 
 Example:
     >>> with atomic_path("runs/x/plan.patch") as tmp:
@@ -9,11 +10,12 @@ Example:
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pickle
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -100,3 +102,52 @@ def read_state(path: str | os.PathLike) -> Any:
     except Exception as exc:  # noqa: BLE001 - zip and storage errors of all kinds: named, in one line
         lines = str(exc).strip().splitlines()
         raise ValueError(f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__) from None
+
+
+class RecordError(ValueError):
+    """A JSON record patchc wrote that is not one: the message names the file, why, and what to do."""
+
+
+JSON_KINDS = {dict: "an object", list: "a list", str: "a string", bool: "true / false", int: "an integer",
+              float: "a number", type(None): "null"}
+
+
+def json_kind(value: Any) -> str:
+    """How JSON calls `value`'s type: "a list", "an object", ..."""
+    return next((name for kind, name in JSON_KINDS.items() if type(value) is kind), type(value).__name__)
+
+
+def read_record(path: str | os.PathLike, what: str, todo: str, needs: Mapping[str, type] | None = None,
+                may: Mapping[str, type] | None = None, check: Callable[[dict], str | None] | None = None) -> dict:
+    """The JSON object in `path`, holding each key of `needs` with a value of its type (and each key of `may`
+    of its type where it is there and not null), that `check` finds nothing wrong with (it returns why, or
+    None); else RecordError `PATH: not a patchc <what> record (<why>); <todo>`. An unreadable file raises its
+    OSError. Its readers then index it freely: a damaged or hand-edited record is one line, not a traceback.
+
+    Example:
+        >>> read_record("runs/x/run.json", "run", "start again with --overwrite", needs={"settings": dict})
+    """
+    data = Path(path).read_bytes()
+    try:
+        record = json.loads(data)
+    except ValueError as exc:  # UnicodeDecodeError too
+        why = "empty" if not data.strip() else f"not JSON: {exc}"
+    else:
+        why = _mismatch(record, needs or {}, may or {}) or (check(record) if check else None)
+    if why:
+        raise RecordError(f"{path}: not a patchc {what} record ({why}); {todo}")
+    return record
+
+
+def _mismatch(record: Any, needs: Mapping[str, type], may: Mapping[str, type]) -> str | None:
+    if not isinstance(record, dict):
+        return f"{json_kind(record)}, not an object"
+    missing = [key for key in needs if key not in record]
+    if missing:
+        return f"no {', '.join(map(repr, missing))}"
+    for key, kind in (dict(may) | dict(needs)).items():
+        value = record.get(key)
+        if (key in needs or value is not None) and not (isinstance(value, kind) and (
+                kind is bool or not isinstance(value, bool))):  # JSON's true is no integer
+            return f"{key!r} is {json_kind(value)}, not {JSON_KINDS.get(kind, kind.__name__)}"
+    return None

@@ -17,10 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from patchc.job.report.markdown import render_markdown
 from patchc.job.report.plots import plot_plan
-from patchc.utils.files import write_bytes_atomic
+from patchc.utils.files import read_record, write_bytes_atomic
 
 if TYPE_CHECKING:
     from patchc.ir import TilePlan
+
+# report.json's parts that report.md reads as objects (results: a list of rows), checked before it reads them
+SECTIONS = {**dict.fromkeys(("config", "data", "evaluation", "plan", "train", "timings", "versions", "files",
+                             "recovery_replaced"), dict), "results": list, "resumed_rows": list}
 
 
 def _json_default(x: Any) -> Any:
@@ -82,11 +86,7 @@ def redraw(plan_path: str | os.PathLike, out_dir: str | os.PathLike | None = Non
     report: dict | None = None
     report_json = plan_path.parent / "report.json"
     if report_json.exists():
-        try:
-            loaded = json.loads(report_json.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{report_json}: cannot read the run's report ({e}); move it away to redraw the plots only") from None
-        report = loaded if isinstance(loaded, dict) else None
+        report = read_record(report_json, "report", "move it away to redraw the plots only", may=SECTIONS)
     title = _title(plan, report, plan_path)
     written = plot_plan(plan, out, title=title)
     if report is not None:
