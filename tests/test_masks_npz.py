@@ -193,3 +193,37 @@ def test_oneshot_masks_of_conv1d_and_experts_plan_save_and_load_as_they_are(tmp_
     else:
         with pytest.raises(Exception, match=r"Conv1D weight is stored transposed: pass the model"):
             TilePlan.from_masks(model.state_dict(), masks, tile=(16, 16))
+
+
+def _damaged_files(tmp_path):
+    """{name: (file, the reason named)}: files numpy refuses with BadZipFile, EOFError, TypeError, or advice."""
+    np.savez(tmp_path / "ok.npz", **{"up.weight.mask": np.arange(120, dtype=np.uint8)})
+    whole = (tmp_path / "ok.npz").read_bytes()
+    flipped = bytearray(whole)
+    flipped[whole.find(b"\x93NUMPY") + 80] ^= 0xFF  # inside the member's data: its CRC no longer fits
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    np.savez(tmp_path / "objects.npz", a=np.array([{"x": 1}], dtype=object))
+    files = {"cut": (whole[: len(whole) // 2], "a damaged zip archive: File is not a zip file"),
+             "empty": (b"", "empty"),
+             "member": (bytes(flipped), "a damaged zip archive: Bad CRC-32 for file 'up.weight.mask.npy'"),
+             "npy": ((tmp_path / "one.npy").read_bytes(), "one .npy array, not a .npz archive of masks"),
+             "text": (b"hello\n", "neither a .npz (zip) archive nor a .npy array"),
+             "objects": ((tmp_path / "objects.npz").read_bytes(), "holds Python objects, not arrays of numbers")}
+    for name, (data, _) in files.items():
+        (tmp_path / f"{name}.npz").write_bytes(data)
+    return {name: (tmp_path / f"{name}.npz", why) for name, (_, why) in files.items()}
+
+
+def test_a_file_numpy_cannot_read_is_named_with_a_short_reason(tiny_mlp, tmp_path):
+    for name, (path, why) in _damaged_files(tmp_path).items():
+        for read in (lambda p: load_npz(p, tiny_mlp), read_meta):
+            with pytest.raises(ValueError) as err:
+                read(path)
+            assert str(err.value) == f"{path}: cannot read as a .npz mask file ({why})", name
+            assert "allow_pickle" not in str(err.value)
+    np.savez(tmp_path / "meta.npz", __meta__=np.array("{broken"))
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'meta.npz'}: its __meta__ entry is not JSON \(Expecting"):
+        read_meta(tmp_path / "meta.npz")
+    np.savez(tmp_path / "other.npz", x=np.zeros(3))
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'other.npz'}: not a PATCH mask file"):
+        load_npz(tmp_path / "other.npz", tiny_mlp)

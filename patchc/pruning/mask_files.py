@@ -19,6 +19,8 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -157,13 +159,11 @@ def load_npz(path: str | os.PathLike, model: Any, strict: bool = True) -> dict[s
         >>> masks = load_npz("maskllm_masks.npz", model)
     """
     path = Path(path)
+    data = read_arrays(path)
     try:
-        archive = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read as a .npz mask file ({e})") from e
-    with archive:
-        data = {k: archive[k] for k in archive.files}
-    fmt = detect_format(list(data))
+        fmt = detect_format(list(data))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     shapes, expected = _model_weights(model)
 
     problems: dict[str, list[str]] = {"missing": [], "unexpected": [], "wrong shape": [], "wrong packed length": []}
@@ -221,12 +221,40 @@ def load_npz(path: str | os.PathLike, model: Any, strict: bool = True) -> dict[s
     return masks
 
 
+def read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """Every array of the .npz at `path`, or ValueError `PATH: cannot read as a .npz mask file (<why>)`: numpy's
+    errors name no file, and one advises allow_pickle, which would unpickle whatever a foreign file holds."""
+    try:
+        archive = np.load(path, allow_pickle=False)
+        if not isinstance(archive, np.lib.npyio.NpzFile):
+            why = "one .npy array, not a .npz archive of masks"
+        else:
+            with archive:
+                return {k: archive[k] for k in archive.files}
+    except OSError as e:
+        why = e.strerror or str(e)
+    except EOFError:
+        why = "empty"
+    except (zipfile.BadZipFile, zlib.error) as e:  # cut short, or a member's bytes changed
+        why = f"a damaged zip archive: {e}"
+    except ValueError as e:  # numpy refuses pickles: name what the file is instead
+        why = ("holds Python objects, not arrays of numbers" if "Object arrays" in str(e)
+               else "neither a .npz (zip) archive nor a .npy array" if "pickle" in str(e) else str(e))
+    raise ValueError(f"{path}: cannot read as a .npz mask file ({why})")
+
+
 def read_meta(path: str | os.PathLike) -> dict:
-    """The PATCH "__meta__" JSON of a mask file ({} for MaskLLM files)."""
-    with np.load(Path(path), allow_pickle=False) as archive:
-        if META_KEY not in archive.files:
-            return {}
-        return json.loads(str(archive[META_KEY][()]))
+    """The PATCH "__meta__" JSON of a mask file ({} for MaskLLM files); ValueError naming the file if unreadable."""
+    data = read_arrays(Path(path))
+    if META_KEY not in data:
+        return {}
+    try:
+        meta = json.loads(str(data[META_KEY][()]))
+    except ValueError as e:
+        raise ValueError(f"{path}: its {META_KEY} entry is not JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: its {META_KEY} entry is JSON {type(meta).__name__}, not an object")
+    return meta
 
 
-__all__ = ["save_npz", "load_npz", "read_meta", "detect_format", "FORMATS"]
+__all__ = ["save_npz", "load_npz", "read_arrays", "read_meta", "detect_format", "FORMATS"]
