@@ -505,6 +505,32 @@ def test_load_rejects_non_safetensors(tmp_path, content):
         TilePlan.load(path)
 
 
+def test_load_names_an_unreadable_plan_and_a_folder_as_such(tmp_path, monkeypatch):
+    """A mode-000 plan read as `not a readable safetensors plan file (FileNotFoundError: No such file ...)`, and
+    a folder as `no such plan file`. Root reads a mode-000 file: the refusal is stood in for, as the OS gives it."""
+    import builtins
+    import errno
+
+    path = tmp_path / "plan.patch"
+    small_plan().save(path)
+    os.chmod(path, 0)
+
+    def refuse(file, *args, **kwargs):
+        if os.fspath(file) == str(path):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return builtins.open(file, *args, **kwargs)
+
+    monkeypatch.setattr(file_format, "open", refuse, raising=False)
+    with pytest.raises(PermissionError) as err:
+        TilePlan.load(path)
+    assert (err.value.filename, err.value.strerror) == (str(path), "Permission denied")
+    os.chmod(path, 0o644)
+    with pytest.raises(IsADirectoryError, match=rf"^{tmp_path}: is a folder, not a plan file; its plan is {path}$"):
+        TilePlan.load(tmp_path)
+    with pytest.raises(IsADirectoryError, match=rf"^{tmp_path.parent}: is a folder, not a plan file$"):
+        TilePlan.load(tmp_path.parent)
+
+
 class _Trap:
     """Unpickling this creates a file: the test checks that loading never unpickles."""
 

@@ -99,10 +99,13 @@ def write_plan(plan: TilePlan, path: str | os.PathLike) -> None:
 
 def read_safetensors(path: Path, error: type[Exception] = PlanError,
                      what: str = "safetensors plan file") -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """(metadata, tensors) of a safetensors file; anything unreadable is `error` naming the file (plan files
-    and exported checkpoints alike)."""
+    """(metadata, tensors) of a safetensors file; a file that cannot be opened is the OS's OSError (missing,
+    permission denied), anything else unreadable is `error` naming the file (plan files and exported
+    checkpoints alike)."""
     from safetensors import safe_open
 
+    with open(path, "rb"):  # safetensors calls every failure to open "No such file" (a PermissionError too)
+        pass
     try:
         with safe_open(str(path), framework="pt") as f:
             return f.metadata() or {}, {key: f.get_tensor(key) for key in f.keys()}
@@ -113,6 +116,9 @@ def read_safetensors(path: Path, error: type[Exception] = PlanError,
 def read_plan(path: str | os.PathLike) -> tuple[dict[str, LayerPlan], dict, dict]:
     """(layers, skipped, meta) of a plan file, every layer validated; `PlanError` naming the file."""
     path = Path(path)
+    if path.is_dir():
+        inside = f"; its plan is {path / 'plan.patch'}" if (path / "plan.patch").is_file() else ""
+        raise IsADirectoryError(f"{path}: is a folder, not a plan file{inside}")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such plan file")
     metadata, tensors = read_safetensors(path)
