@@ -48,6 +48,19 @@ def test_a_stale_claim_is_taken_over(tmp_path):
     assert json.loads((folder / runs.CLAIM).read_text())["pid"] == os.getpid()
 
 
+def test_a_users_own_folder_is_never_written_unasked(tmp_path):
+    """A non-empty --out that is no run had its report.md (plan.patch, tile maps) overwritten silently."""
+    users = tmp_path / "stories260K"
+    _users(users)
+    with pytest.raises(runs.RunError, match="is not a patchc run folder and holds notes.txt, report.md"):
+        runs.claim_run_dir(users, tmp_path, "x", resume=False)
+    assert sorted(p.name for p in users.iterdir()) == ["notes.txt", "report.md"]  # not claimed
+    assert runs.claim_run_dir(None, tmp_path, "stories260K", resume=False).name == "stories260K-2"  # numbering
+    assert runs.claim_run_dir(users, tmp_path, "x", resume=False, overwrite=True) == users  # asked for
+    (tmp_path / "empty").mkdir()
+    assert runs.claim_run_dir(tmp_path / "empty", tmp_path, "x", resume=False) == tmp_path / "empty"
+
+
 def test_a_claim_from_another_machine_says_how_to_free_it(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()
@@ -60,6 +73,12 @@ def test_a_claim_from_another_machine_says_how_to_free_it(tmp_path):
 def _finished(folder):
     folder.mkdir()
     (folder / "report.json").write_text("{}")
+
+
+def _users(folder):
+    folder.mkdir()
+    for name in ("report.md", "notes.txt"):
+        (folder / name).write_text("the user's own")
 
 
 def _crashed(folder, **changes):
@@ -75,7 +94,10 @@ def _crashed(folder, **changes):
     (lambda d: None, ["--resume"], "--resume needs --out"),
     (lambda d: None, ["--out", "{d}", "--resume"], "has no checkpoint"),
     (lambda d: _crashed(d, lr=0.01), ["--out", "{d}", "--resume"], "--lr 0.01 (now 0.001)"),
-], ids=["out-under-a-file", "finished", "checkpoint", "resume-without-out", "resume-nothing", "resume-changed"])
+    (_users, ["--out", "{d}"], "run is not a patchc run folder and holds notes.txt, report.md; choose a new or empty "
+                               "--out, or pass --overwrite"),
+], ids=["out-under-a-file", "finished", "checkpoint", "resume-without-out", "resume-nothing", "resume-changed",
+        "users-folder"])
 def test_a_wrong_out_fails_before_the_model_loads(tmp_path, capsys, monkeypatch, make, args, message):
     """Loading a model and generating its text take minutes on a real model: --out is checked first."""
     def load(*_):

@@ -122,6 +122,14 @@ def _finished(folder: Path) -> bool:
     return (folder / REPORT[0]).exists()
 
 
+def _foreign(folder: Path) -> list[str]:
+    """The names in `folder` when it holds files but no patchc run (no claim, run.json, checkpoint or report),
+    else []: a user's folder, whose report.md or plan.patch a run would overwrite."""
+    if not folder.is_dir() or any((folder / name).exists() for name in (CLAIM, SETTINGS, CHECKPOINT, REPORT[0])):
+        return []
+    return sorted(p.name for p in folder.iterdir())
+
+
 def unfinish(folder: Path) -> None:
     """The run's outputs are about to change (a resumed or overwritten run writes its plan): its old report
     goes, so that the folder reads as finished again only once the new one is written."""
@@ -152,7 +160,8 @@ def forget_recovery(folder: Path, plan) -> None:
 
 
 def claim_run_dir(out: str | os.PathLike | None, root: Path, name: str, resume: bool, overwrite: bool = False) -> Path:
-    """The run folder, claimed for this process: `out`, or the first free `root/<name>[-N]`."""
+    """The run folder, claimed for this process: `out`, or the first free `root/<name>[-N]` (one no run started
+    or finished in, and not a user's own non-empty folder)."""
     if out is not None:
         folder = Path(out)
         _make_dir(folder)
@@ -164,8 +173,8 @@ def claim_run_dir(out: str | os.PathLike | None, root: Path, name: str, resume: 
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     for n in range(1, 10_000):
         folder = root / (safe if n == 1 else f"{safe}-{n}")
-        if folder.exists() and (_finished(folder) or (folder / SETTINGS).exists()):
-            continue  # finished or started runs keep their folder
+        if folder.exists() and (_finished(folder) or (folder / SETTINGS).exists() or _foreign(folder)):
+            continue  # finished or started runs keep their folder, and a user's own folder is left alone
         _make_dir(folder)
         if _try_claim(folder) is None:
             return folder
@@ -197,6 +206,11 @@ def _check_finished(folder: Path, resume: bool, overwrite: bool) -> None:
     if _finished(folder) and not (resume or overwrite):
         raise RunError(f"--out {folder} already holds a finished run (report.json); choose another --out, "
                        "or pass --overwrite to replace it")
+    others = [] if resume or overwrite else _foreign(folder)  # --resume says it has no checkpoint
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise RunError(f"--out {folder} is not a patchc run folder and holds {shown}; choose a new or empty "
+                       "--out, or pass --overwrite to write the run among them (its report.md, plan.patch, ...)")
 
 
 def _make_dir(folder: Path) -> None:
