@@ -174,6 +174,22 @@ def test_a_fresh_start_removes_what_a_resume_would_reuse(tmp_path):
     assert not tmp_path.exists()
 
 
+def test_an_overwrite_killed_at_its_start_leaves_an_unfinished_run_not_two_mixed(tmp_path, capsys, monkeypatch):
+    """The old plan, recovered plan, recover.json and report stayed until the new run wrote its own: killed in
+    between, `recover` met a text mismatch and a rerun said the folder "already holds a finished run"."""
+    monkeypatch.setattr("patchc.job.prune.load_bundle", lambda *_: pytest.fail("the model loaded"))
+    folder = tmp_path / "run"
+    folder.mkdir()
+    results = (runs.PLAN, runs.RECOVERED_PLAN, runs.RECOVER_RECORD, *runs.REPORT)
+    for name in (*results, runs.CHECKPOINT, runs.ROWS):
+        (folder / name).write_text("{}")  # a finished run's files
+    runs.check_settings(folder, _opts(folder, lr=0.01), resume=False, overwrite=True)  # then killed
+    assert sorted(p.name for p in folder.iterdir()) == [runs.SETTINGS]
+    assert main(["prune", "--out", str(folder), "--resume", "--no-progress"]) == 2  # nothing to continue...
+    assert "has no checkpoint (masks.ckpt) to continue; drop --resume" in capsys.readouterr().err
+    runs.check_out(_opts(folder))  # ... and a rerun starts without --overwrite
+
+
 def test_the_report_goes_once_a_resumed_run_writes_its_plan(tmp_path):
     for name in (*runs.REPORT, runs.PLAN):
         (tmp_path / name).write_text("x")

@@ -9,7 +9,8 @@
                               with recover.json by `patchc recover`; both go when a resumed run writes a new plan).
     runs/<name>/recover.ckpt  weight recovery's checkpoint while it runs (recover-nm.ckpt: learned 2:4's).
     runs/<name>/rows.json     every row scored so far, with its inputs: what --resume reuses (`resume.py`).
-    runs/<name>/report.json   written last: its presence means the run finished.
+    runs/<name>/report.json   written last: its presence means the run finished. A fresh start (--overwrite)
+                              removes it first, then the earlier run's plans, records, checkpoints and rows.
 
 Two `patchc prune` runs started together never share a folder: the O_EXCL claim lets exactly one of them
 have it (the other takes the next free name, or fails with a clear error for an explicit --out).
@@ -289,8 +290,10 @@ def check_settings(folder: Path, opts: PruneOptions, resume: bool, overwrite: bo
     A resumed run may ask for more --steps than it started with: it goes on at the schedules' final values.
     """
     schedule = _settings_schedule(folder, opts, resume, overwrite)
-    if not resume:  # a fresh start: nothing of an earlier run in this folder is continued or reused
-        for name in (CHECKPOINT, NM_CHECKPOINT, RECOVER_CHECKPOINT, NM_RECOVER_CHECKPOINT, ROWS):
+    if not resume:  # a fresh start: nothing of an earlier run in this folder is continued, reused or kept
+        unfinish(folder)  # first: a start killed from here on leaves an unfinished run, never a finished mix of two
+        for name in (PLAN, RECOVERED_PLAN, RECOVER_RECORD, CHECKPOINT, NM_CHECKPOINT, RECOVER_CHECKPOINT,
+                     NM_RECOVER_CHECKPOINT, ROWS):
             remove(folder / name)
     _write(folder / SETTINGS, settings_of(opts), opts.steps, schedule)
     return schedule
