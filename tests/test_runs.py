@@ -230,7 +230,7 @@ def test_resume_reads_a_setting_an_older_run_json_lacks_as_what_that_run_did(tmp
     for key in ("train_extra", "train_data"):  # options newer than the run
         del record["settings"][key]
     (folder / runs.SETTINGS).write_text(json.dumps(record))
-    with pytest.raises(runs.RunError, match=r'--train-data "real" \(now "mix"\)') as err:
+    with pytest.raises(runs.RunError, match=r'--train-data real \(now mix\)') as err:
         runs.check_settings(folder, opts, resume=True)  # such a run trained on real text alone
     assert "--train-extra" not in str(err.value)  # and on no extra text, as now
     assert runs.check_settings(folder, dataclasses.replace(opts, train_data="real"), resume=True) == opts.steps
