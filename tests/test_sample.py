@@ -51,7 +51,8 @@ def test_refuses_before_any_work(tmp_path, capsys):
     assert main(["sample", "--out", str(out), *SMALL]) == 2
     assert "exists; pass --overwrite" in capsys.readouterr().err and out.read_text() == "mine"
     assert main(["sample", "--out", str(out), "--data", str(out), "--overwrite", *SMALL]) == 2
-    assert "is one of the text files it reads" in capsys.readouterr().err and out.read_text() == "mine"
+    assert f"--out {out} is the --data file {out}; write the samples" in capsys.readouterr().err
+    assert out.read_text() == "mine"
     assert main(["sample", "--out", str(tmp_path), *SMALL]) == 2
     assert "is a folder" in capsys.readouterr().err
     assert main(["sample", "--out", str(tmp_path / "t.txt"), "--top-p", "0", *SMALL]) == 2

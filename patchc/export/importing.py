@@ -55,6 +55,7 @@ from patchc.ir.file_format import FLOAT_DTYPES
 from patchc.ir.from_pruned import MAX_PADDING, layer_from_linear, pick_tile, sparse_coverage, survey_linears
 from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.tiles import padded_numel, tile_pair
+from patchc.utils.files import check_apart
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".gguf", ".msgpack", ".h5")
 
@@ -124,6 +125,9 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
     tile = None if tile is None else _check_tile(tile_pair(tile, "patchc import"))
     coverage = padded = None
     out = Path(out)
+    # --overwrite replaces --out whole: it must not be (or hold) the checkpoint it reads
+    check_apart(out, [("the checkpoint", src)] * Path(src).exists(), "choose an --out outside it",
+                error=ExportError)
     check_out(out, overwrite)  # before any long stage; the export checks both again as it writes
     shard_limit(out, max_shard_size)
     config = checkpoint_config(src)

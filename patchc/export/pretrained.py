@@ -46,7 +46,7 @@ from patchc.ir import LayerPlan, PlanError, TilePlan, targets
 from patchc.ir.file_format import FLOAT_DTYPES, dtype_name
 from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.provenance import check_weights
-from patchc.utils.files import publish_modes, read_record
+from patchc.utils.files import check_apart, publish_modes, read_record
 from patchc.utils.progress import progress
 
 Run = str | os.PathLike
@@ -216,6 +216,9 @@ def export_run(run_dir: Run, out_dir: Run, *, model: str | None = None, overwrit
     run = plan_file.parent
     plan = TilePlan.load(plan_file)
     spec = model or recorded_spec(run, plan)
+    # --overwrite replaces --out whole: it must not be (or hold) the run, or the model it loads
+    sources = [("the run folder", run)] + [("the model", spec)] * Path(spec).exists()
+    check_apart(out_dir, sources, "choose an --out outside it", error=ExportError)
     bundle = load_model(spec)
     source = bundle.source if bundle.tokenizer is not None else None
     return export_pretrained(plan, bundle.model, out_dir, tokenizer_from=source, overwrite=overwrite,

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from patchc.job.options import PruneOptions
-from patchc.utils.files import atomic_path
+from patchc.utils.files import atomic_path, check_apart
 
 
 def check_out(opts: PruneOptions, out: Path, overwrite: bool) -> None:
     """Refuse, before any work, to replace an existing file (unless `overwrite`) or ever one of --data's."""
-    real = os.path.realpath(out)
-    if real in {os.path.realpath(p) for p in (*opts.data, *opts.eval_data, *opts.train_extra)}:
-        raise ValueError(f"--out {out} is one of the text files it reads; write the samples to a new file")
+    read = [(f"the {flag} file", p) for flag, paths in (("--data", opts.data), ("--eval-data", opts.eval_data),
+                                                         ("--train-extra", opts.train_extra)) for p in paths]
+    check_apart(out, read, "write the samples to a new file")
     if out.is_dir():
         raise IsADirectoryError(f"--out {out} is a folder; give a file name such as {out / 'samples.txt'}")
     if out.exists() and not overwrite:

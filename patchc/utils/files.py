@@ -15,7 +15,7 @@ import os
 import pickle
 import re
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,19 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
     return Path(path)
+
+
+def check_apart(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike]], todo: str,
+                flag: str = "--out", error: type[ValueError] = ValueError) -> None:
+    """Refuse an output that is one of `inputs` ((what it is, path)), holds one, or lies inside one, symlinks
+    resolved: replacing it (--overwrite) would delete what the command reads, or write into it. `error` in
+    one line naming both paths, then `todo`."""
+    real = Path(os.path.realpath(out))
+    for what, given in inputs:
+        src = Path(os.path.realpath(given))
+        how = "is" if real == src else "holds" if real in src.parents else "lies inside" if src in real.parents else ""
+        if how:
+            raise error(f"{flag} {out} {how} {what} {given}; {todo}")
 
 
 def read_state(path: str | os.PathLike) -> Any:
