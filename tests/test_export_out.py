@@ -4,14 +4,24 @@ of a killed run, and an unwritable place refused before any work, naming the fol
 from __future__ import annotations
 
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from patchc.export import ExportError, export_run, import_sparse
+from patchc.export.outdir import prepare_out
 from patchc.ir import TilePlan
 from patchc.job.cli import main
+from patchc.utils.owners import STALE_S, host_name
 from tests.conftest import TinyMLP
+
+ROOT = str(Path(__file__).resolve().parents[1])
 
 
 @pytest.fixture
@@ -69,3 +79,94 @@ def test_cli_export_and_import_name_both_paths_in_one_line(run, tmp_path, capsys
     with pytest.raises(ExportError, match=f"--out {tmp_path} holds the checkpoint {src}"):
         import_sparse(src, tmp_path, overwrite=True)
     assert os.path.isfile(src / "config.json")
+
+
+# --- what a killed export leaves beside --out --------------------------------------------------------------
+KILLED = """
+import os, signal, sys
+from pathlib import Path
+from patchc.export import outdir
+
+real = os.replace
+def replace(src, dst):  # killed between atomic_dir's two renames: --out is moved aside, the new one not yet in
+    real(src, dst)
+    if sys.argv[2] == "between" and Path(dst).name == "x":
+        os.kill(os.getpid(), signal.SIGKILL)
+os.replace = replace
+with outdir.atomic_dir(Path(sys.argv[1]), overwrite=True) as tmp:
+    (tmp / "model.safetensors").write_bytes(bytes(3 << 20))
+    if sys.argv[2] == "writing":
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def killed_export(out, when: str) -> None:
+    """Run atomic_dir onto `out` in a process SIGKILLed while `when` ("writing", "between" the renames)."""
+    done = subprocess.run([sys.executable, "-c", KILLED, str(out), when], env=os.environ | {"PYTHONPATH": ROOT})
+    assert done.returncode == -signal.SIGKILL
+
+
+def hidden(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_a_killed_exports_temporary_folder_is_removed_by_the_next_one(tmp_path):
+    out = tmp_path / "pruned"
+    killed_export(out, "writing")
+    (left,) = hidden(tmp_path)
+    assert re.fullmatch(rf"\.pruned\.\d+@{re.escape(host_name())}\.\w{{8}}\.tmp", left), "owner in the name"
+    with pytest.warns(UserWarning, match=rf"--out {out}: removed 1 temporary folder\(s\) left by an export or "
+                                         rf"import killed before it finished \(3\.0 MiB: {re.escape(left)}\)$"):
+        prepare_out(out, overwrite=False)
+    assert hidden(tmp_path) == [] and not out.exists()
+
+
+def test_a_kill_between_the_renames_puts_the_earlier_export_back(tmp_path):
+    out = tmp_path / "pruned"
+    out.mkdir()
+    (out / "old.txt").write_text("the earlier export")
+    killed_export(out, "between")
+    assert not out.exists() and len(hidden(tmp_path)) == 2  # .old/x holds the earlier export; .tmp the new one
+    with pytest.warns(UserWarning, match=rf"removed 2 .*; put back {out}, which it had moved aside into "
+                                         r"\.pruned\.\d+@.*\.old$"):
+        with pytest.raises(ExportError, match="not empty"):  # it is back: replacing it takes --overwrite again
+            prepare_out(out, overwrite=False)
+    assert kept(out) == ["old.txt"] and hidden(tmp_path) == []
+
+
+def test_only_folders_whose_owner_is_gone_are_swept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    names = {
+        "dead here": f".pruned.{int(dead.stdout)}@{host_name()}.abcdefgh.tmp",
+        "alive here": f".pruned.{os.getpid()}@{host_name()}.bcdefghi.tmp",  # a concurrent export: kept
+        "other host, fresh": ".pruned.1@elsewhere.cdefghij.old",  # its pid cannot be checked: kept for an hour
+        "other host, stale": ".pruned.1@elsewhere.defghijk.tmp",
+        "unowned, fresh": ".pruned.efghijkl.tmp",  # written before owners were recorded
+        "unowned, stale": ".pruned.fghijklm.tmp",
+        "another --out": f".other.{int(dead.stdout)}@{host_name()}.ghijklmn.tmp",
+        "decoded, dead": f".patchc-import.{int(dead.stdout)}@{host_name()}.hijklmno",
+    }
+    for what, name in names.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "part").write_bytes(b"x")
+        if "stale" in what:
+            hour_ago = time.time() - STALE_S - 60
+            for p in (tmp_path / name / "part", tmp_path / name):
+                os.utime(p, (hour_ago, hour_ago))
+    out = tmp_path / "pruned"
+    with pytest.warns(UserWarning, match="removed 3 temporary folder"):
+        prepare_out(out, overwrite=False)  # an export: not import's decoded checkpoints
+    gone = {"dead here", "other host, stale", "unowned, stale"}
+    assert hidden(tmp_path) == sorted(name for what, name in names.items() if what not in gone)
+    with pytest.warns(UserWarning, match=f"removed 1 temporary folder.*{names['decoded, dead']}"):
+        prepare_out(out, overwrite=False, decoded=True)  # an import's
+
+
+def test_export_refuses_a_non_empty_out_before_the_model_loads(run, tmp_path, monkeypatch):
+    import patchc.models
+
+    monkeypatch.setattr(patchc.models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "mine.txt").write_text("mine")
+    with pytest.raises(ExportError, match="taken: folder exists and is not empty"):
+        export_run(run, tmp_path / "taken")

@@ -15,6 +15,7 @@ models (models) and the runtime's `patchc.compile`; it hands users a folder and 
     legacy.py      compressed-tensors' sparse-24-bitmask files: plan_from_compressed_tensors, decoded_tensors
     marlin24.py    its int4 / int8 marlin-24 layout (Sparse-Marlin's): decode_marlin24
     importing.py   import_sparse (`patchc import`): a model that is already 2:4 in, an exported folder out
+    outdir.py      --out checked before any work, written atomically, a killed run's hidden folders swept
 
 Example:
     >>> from patchc.export import export_pretrained, from_pretrained

@@ -48,7 +48,8 @@ from torch import nn
 from patchc.config import check_tile_sides
 from patchc.export.format import ExportError
 from patchc.export.legacy import LAYOUTS, MARLIN, decoded_tensors
-from patchc.export.pretrained import check_out, shard_limit, write_export
+from patchc.export.outdir import DECODED, prepare_out
+from patchc.export.pretrained import shard_limit, write_export
 from patchc.export.shards import DEFAULT_MAX_SHARD, INDEX, write_index
 from patchc.ir import targets
 from patchc.ir.file_format import FLOAT_DTYPES
@@ -56,6 +57,7 @@ from patchc.ir.from_pruned import MAX_PADDING, layer_from_linear, pick_tile, spa
 from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.tiles import padded_numel, tile_pair
 from patchc.utils.files import check_apart
+from patchc.utils.owners import owner_tag
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".gguf", ".msgpack", ".h5")
 
@@ -128,7 +130,7 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
     # --overwrite replaces --out whole: it must not be (or hold) the checkpoint it reads
     check_apart(out, [("the checkpoint", src)] * Path(src).exists(), "choose an --out outside it",
                 error=ExportError)
-    check_out(out, overwrite)  # before any long stage; the export checks both again as it writes
+    prepare_out(out, overwrite, decoded=True)  # before any long stage; the export checks both again as it writes
     shard_limit(out, max_shard_size)
     config = checkpoint_config(src)
     layout = checkpoint_layout(src, config)
@@ -208,7 +210,7 @@ def decoded(src: str | os.PathLike, layout: str, parent: Path) -> Iterator[str]:
         yield str(src)
         return
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".patchc-import.", dir=parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{DECODED}{owner_tag()}.", dir=parent))  # owner: a kill's is swept
     try:
         write_decoded(local_folder(str(src)), tmp, layout)
         yield str(tmp)

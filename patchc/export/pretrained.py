@@ -25,13 +25,10 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +38,13 @@ from torch import nn
 from patchc.export.arch import ModelSpec, copy_tokenizer, describe, rebuild, save_config
 from patchc.export.format import (CONFIG, FORMAT, SHARDED_VERSION, VERSION, WEIGHTS, ExportError, check_header,
                                   read_weights, write_weights)
+from patchc.export.outdir import atomic_dir, prepare_out
 from patchc.export.shards import DEFAULT_MAX_SHARD, parse_size
 from patchc.ir import LayerPlan, PlanError, TilePlan, targets
 from patchc.ir.file_format import FLOAT_DTYPES, dtype_name
 from patchc.ir.layer_slot import LayerSlot
 from patchc.ir.provenance import check_weights
-from patchc.utils.files import check_apart, publish_modes, read_record
+from patchc.utils.files import check_apart, read_record
 from patchc.utils.progress import progress
 
 Run = str | os.PathLike
@@ -56,6 +54,7 @@ def export_pretrained(plan: TilePlan, model: nn.Module, out_dir: Run, *, tokeniz
                       config: Any = None, overwrite: bool = False, info: dict | None = None,
                       max_shard_size: int | str = DEFAULT_MAX_SHARD) -> Path:
     """Write `plan` applied to `model` as an HF-style folder `out_dir` (see the module docstring); returns it.
+    Written atomically (`outdir.atomic_dir`), which first cleans up what a killed export left beside it.
 
     `model` is the dense model the plan was made for (it is not modified); `tokenizer_from` a folder or
     checkpoint file whose tokenizer files to copy, or a tokenizer with `save_pretrained`; `config`
@@ -163,39 +162,6 @@ def split_state(model: nn.Module, planned: set[str], prefix: str) -> tuple[dict[
     return plain, tied
 
 
-def check_out(out: Path, overwrite: bool) -> None:
-    """Refuse an `out` that is a file, or a non-empty folder unless `overwrite`: ExportError naming it."""
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"{out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"{out}: folder exists and is not empty; pass overwrite=True (CLI: --overwrite) or "
-                          "choose another folder")
-
-
-@contextlib.contextmanager
-def atomic_dir(out: Path, overwrite: bool) -> Iterator[Path]:
-    """A temporary sibling folder, renamed onto `out` if the block succeeds, removed if not.
-
-    Files inside are written plainly: nobody reads the temporary folder, and the rename makes the whole
-    folder appear at once. An existing `out` is moved aside first and deleted only after the rename."""
-    check_out(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        yield tmp
-        publish_modes(tmp)
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.replace(out, old / "x")
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def export_run(run_dir: Run, out_dir: Run, *, model: str | None = None, overwrite: bool = False,
                max_shard_size: int | str = DEFAULT_MAX_SHARD) -> Path:
     """Export a `patchc prune` run folder's plan.patch, or a plan file (its plan-recovered.patch, say), to
@@ -219,6 +185,7 @@ def export_run(run_dir: Run, out_dir: Run, *, model: str | None = None, overwrit
     # --overwrite replaces --out whole: it must not be (or hold) the run, or the model it loads
     sources = [("the run folder", run)] + [("the model", spec)] * Path(spec).exists()
     check_apart(out_dir, sources, "choose an --out outside it", error=ExportError)
+    prepare_out(Path(out_dir), overwrite)  # before the model loads; the export checks again as it writes
     bundle = load_model(spec)
     source = bundle.source if bundle.tokenizer is not None else None
     return export_pretrained(plan, bundle.model, out_dir, tokenizer_from=source, overwrite=overwrite,

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from patchc.job.options import PruneOptions
 from patchc.utils.files import read_record, write_bytes_atomic
+from patchc.utils.owners import process_alive
 
 CLAIM = ".patchc-run"
 SETTINGS = "run.json"
@@ -82,16 +83,6 @@ def _changed(name: str, was: object, now: object) -> str:
     return f"{flag} {typed(was)} (now {typed(now)})"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
 def _try_claim(folder: Path) -> str | None:
     """Create the claim file exclusively; None on success, else why the folder is busy."""
     claim = folder / CLAIM
@@ -106,7 +97,8 @@ def _try_claim(folder: Path) -> str | None:
             except (OSError, ValueError):
                 held = {}
             held = held if isinstance(held, dict) else {}  # damaged: busy, by whom unknown
-            if held.get("host") == record["host"] and isinstance(held.get("pid"), int) and not _alive(held["pid"]):
+            pid = held.get("pid")
+            if held.get("host") == record["host"] and isinstance(pid, int) and not process_alive(pid):
                 claim.unlink(missing_ok=True)  # stale: the run that held it died without cleaning up
                 continue
             other = held.get("host") != record["host"]  # its process cannot be checked from here

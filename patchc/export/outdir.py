@@ -1,0 +1,123 @@
+"""Where an export or import is written: `--out` checked before any work (`prepare_out`), the folder built
+in a hidden sibling and renamed into place (`atomic_dir`), and what a killed run left beside it cleaned up
+(`sweep_leftovers`). The hidden folders, each named with its owner (`patchc.utils.owners.owner_tag`):
+
+    .<out>.<pid>@<host>.<random>.tmp    the folder being written; renamed onto <out> once complete
+    .<out>.<pid>@<host>.<random>.old    an existing <out>, moved aside as .old/x just before that rename,
+                                        deleted just after
+    .patchc-import.<pid>@<host>.<random>   `patchc import`'s decoded checkpoint (`importing.decoded`)
+
+A process killed in between (SIGKILL, out of memory, power loss) leaves them, as large as the model: the next
+export or import to the same --out removes those whose owner is gone (`owners.orphaned`: on this host its
+pid; from another host, or named before owners were recorded, an hour without change), first putting a
+moved-aside <out> back where <out> is missing, and says so in one warning line.
+
+Example:
+    >>> with atomic_dir(Path("out/pruned"), overwrite=False) as tmp:
+    ...     (tmp / "config.json").write_text("{}")          # out/pruned appears whole, or not at all
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+from patchc.export.format import ExportError
+from patchc.utils.files import publish_modes
+from patchc.utils.owners import format_bytes, orphaned, owner_tag, tree_bytes
+
+_TAG = r"(?:(?P<tag>\d+@[A-Za-z0-9._-]+)\.)?"  # absent in names written before owners were recorded
+_RANDOM = r"[a-z0-9_]{8}"  # tempfile.mkdtemp's
+DECODED = ".patchc-import."
+
+
+def prepare_out(out: Path, overwrite: bool, decoded: bool = False) -> None:
+    """Before any work: clean up after killed runs (`sweep_leftovers`), then refuse an `out` in the way."""
+    sweep_leftovers(out, decoded)
+    check_out(out, overwrite)
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an `out` that is a file, or a non-empty folder unless `overwrite`: ExportError naming it."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"{out}: folder exists and is not empty; pass overwrite=True (CLI: --overwrite) or "
+                          "choose another folder")
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path, overwrite: bool) -> Iterator[Path]:
+    """A temporary sibling folder, renamed onto `out` if the block succeeds, removed if not.
+
+    Files inside are written plainly: nobody reads the temporary folder, and the rename makes the whole
+    folder appear at once. An existing `out` is moved aside first and deleted only after the rename."""
+    prepare_out(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{out.name}.{owner_tag()}."
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=out.parent))
+    try:
+        yield tmp
+        publish_modes(tmp)
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=prefix, suffix=".old", dir=out.parent))
+            os.replace(out, old / "x")
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def leftovers(out: Path, decoded: bool = False) -> list[tuple[Path, str]]:
+    """(folder, "tmp" | "old" | "decoded") of the hidden folders beside `out` that runs killed before they
+    finished left, their owners gone: .old ones first. `decoded`: `patchc import`'s decoded checkpoints too."""
+    kinds = [(re.compile(re.escape(f".{out.name}.") + _TAG + _RANDOM + r"\.(?P<kind>tmp|old)"), "")]
+    if decoded:
+        kinds.append((re.compile(re.escape(DECODED) + _TAG + _RANDOM), "decoded"))
+    try:
+        names = sorted(os.listdir(out.parent))
+    except OSError:  # no parent yet, or unreadable (refused later, naming it): nothing of ours there
+        return []
+    found = []
+    for name in names:
+        for pattern, kind in kinds:
+            m = pattern.fullmatch(name)
+            path = out.parent / name
+            if m and path.is_dir() and not path.is_symlink() and orphaned(path, m.group("tag")):
+                found.append((path, kind or m.group("kind")))
+    return sorted(found, key=lambda f: f[1] != "old")
+
+
+def sweep_leftovers(out: Path, decoded: bool = False) -> None:
+    """Remove what killed runs left beside `out` (`leftovers`), first moving a set-aside <out> back into place
+    where <out> is missing (a kill between atomic_dir's two renames); one warning line says what was done."""
+    removed, kept, restored, size = [], [], None, 0
+    for path, kind in leftovers(out, decoded):
+        if kind == "old" and restored is None and (path / "x").is_dir() and not os.path.lexists(out):
+            os.replace(path / "x", out)
+            restored = path
+        held = tree_bytes(path)
+        shutil.rmtree(path, ignore_errors=True)
+        if os.path.lexists(path):
+            kept.append(path.name)
+        else:
+            removed.append(path.name)
+            size += held
+    if not (removed or kept):
+        return
+    said = [f"removed {len(removed)} temporary folder(s) left by an export or import killed before it finished "
+            f"({format_bytes(size)}: {', '.join(removed)})"] if removed else []
+    if restored is not None:
+        said.append(f"put back {out}, which it had moved aside into {restored.name}")
+    if kept:
+        said.append(f"could not remove {', '.join(kept)}; delete them by hand")
+    warnings.warn(f"--out {out}: " + "; ".join(said), stacklevel=2)
