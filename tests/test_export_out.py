@@ -170,3 +170,85 @@ def test_export_refuses_a_non_empty_out_before_the_model_loads(run, tmp_path, mo
     (tmp_path / "taken" / "mine.txt").write_text("mine")
     with pytest.raises(ExportError, match="taken: folder exists and is not empty"):
         export_run(run, tmp_path / "taken")
+
+
+# --- a folder this process cannot write in: refused before any work, naming the folder given -------------------
+def deny(monkeypatch, folder):
+    """`folder` unwritable: chmod 555 (what a user other than root meets) and os.access saying so (for root)."""
+    folder.mkdir(exist_ok=True)
+    folder.chmod(0o555)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: not (os.path.realpath(p) == os.path.realpath(folder)
+                                                                 and mode & os.W_OK) and real(p, mode, **kw))
+    return folder
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Loading a model fails the test: every refusal here comes first."""
+    import patchc.job.model
+    import patchc.job.prune
+    import patchc.models
+
+    def loaded(*a, **k):
+        pytest.fail("the model loaded before the unwritable folder was refused")
+
+    for module, name in ((patchc.models, "load_model"), (patchc.job.model, "load_bundle"),
+                         (patchc.job.prune, "load_bundle")):
+        monkeypatch.setattr(module, name, loaded)
+
+
+@pytest.fixture(autouse=True)
+def writable_again(tmp_path):
+    yield
+    for p in tmp_path.rglob("*"):  # pytest removes tmp_path later
+        if p.is_dir() and not p.is_symlink():
+            p.chmod(0o755)
+
+
+def test_export_and_import_into_an_unwritable_folder(run, tmp_path, monkeypatch, no_work, capsys):
+    ro = deny(monkeypatch, tmp_path / "ro")
+    assert main(["export", str(run), "--out", str(ro / "e")]) == 2
+    denied = f"cannot write in {ro} (Permission denied)\n"
+    assert capsys.readouterr().err == f"patchc export: error: --out {ro / 'e'}: {denied}"
+    with pytest.raises(PermissionError, match=f"--out {ro / 'a' / 'b'}: cannot write in {ro} "):
+        export_run(run, ro / "a" / "b")  # the folders mkdir would make: the nearest existing one is named
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    assert main(["import", str(src), "--out", str(ro / "served")]) == 2
+    assert capsys.readouterr().err.endswith(f"--out {ro / 'served'}: cannot write in {ro} (Permission denied)\n")
+    (tmp_path / "w").mkdir()
+    taken = deny(monkeypatch, tmp_path / "w" / "taken")  # replacing it moves it aside and empties it
+    with pytest.raises(PermissionError, match=f"--out {taken}: cannot write in {taken} "):
+        export_run(run, taken, overwrite=True)
+
+
+def test_sample_recover_and_prune_into_an_unwritable_folder(run, tmp_path, monkeypatch, no_work, capsys):
+    from patchc.job.recover import run_recover
+
+    ro = deny(monkeypatch, tmp_path / "ro")
+    small = ["--tokens", "60", "--block-len", "19", "--threads", "1", "--no-progress"]
+    assert main(["sample", "--out", str(ro / "s.txt"), *small]) == 2
+    denied = f"cannot write in {ro} (Permission denied)\n"
+    assert capsys.readouterr().err == f"patchc sample: error: --out {ro / 's.txt'}: {denied}"
+    assert main(["prune", "--out", str(ro / "run"), "--steps", "2", "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"patchc prune: error: --out {ro / 'run'}: {denied}"
+    monkeypatch.chdir(ro)  # without --out: runs/<model> here
+    assert main(["prune", "--steps", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("patchc prune: error: runs/ (the run folders without --out): cannot write in . "
+                   "(Permission denied); pass --out\n")
+    deny(monkeypatch, run)
+    with pytest.raises(PermissionError, match=rf"^{run}: cannot write in {run} \(Permission denied\); recovery writes"):
+        run_recover(run)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in a chmod 555 folder")
+def test_a_chmod_555_folder_is_refused_by_what_it_says(tmp_path):
+    from patchc.utils.files import check_writable
+
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    with pytest.raises(PermissionError, match=f"--out {ro / 'e'}: cannot write in {ro} \\(Permission denied\\)"):
+        check_writable(ro, f"--out {ro / 'e'}")

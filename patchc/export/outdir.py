@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from patchc.export.format import ExportError
-from patchc.utils.files import publish_modes
+from patchc.utils.files import check_writable, publish_modes
 from patchc.utils.owners import format_bytes, orphaned, owner_tag, tree_bytes
 
 _TAG = r"(?:(?P<tag>\d+@[A-Za-z0-9._-]+)\.)?"  # absent in names written before owners were recorded
@@ -38,9 +38,13 @@ DECODED = ".patchc-import."
 
 
 def prepare_out(out: Path, overwrite: bool, decoded: bool = False) -> None:
-    """Before any work: clean up after killed runs (`sweep_leftovers`), then refuse an `out` in the way."""
+    """Before any work: clean up after killed runs (`sweep_leftovers`), then refuse an `out` in the way or in
+    a folder this process cannot write in."""
     sweep_leftovers(out, decoded)
     check_out(out, overwrite)
+    check_writable(out.parent, f"--out {out}")  # the hidden sibling is built there
+    if out.is_dir() and not out.is_symlink():  # a folder moved into .old/ and emptied must be writable itself
+        check_writable(out, f"--out {out}")
 
 
 def check_out(out: Path, overwrite: bool) -> None:

@@ -37,7 +37,7 @@ from patchc.job.resume import forget_recovered
 from patchc.job.runs import (OLDER_RUNS, PLAN, RECOVER_CHECKPOINT, RECOVER_RECORD, RECOVERED_PLAN, SETTINGS, find_plan,
                              remove, resolve_plan)
 from patchc.utils.env import device_name, versions
-from patchc.utils.files import RecordError, json_kind, read_record, write_bytes_atomic
+from patchc.utils.files import RecordError, check_writable, json_kind, read_record, write_bytes_atomic
 from patchc.utils.stopping import exit_on_signals
 
 RESULT = RECOVER_RECORD
@@ -207,6 +207,8 @@ def run_recover(
     run = Path(run_dir)
     plan = TilePlan.load(find_plan(run))
     check_free(run, overwrite, resume)
+    check_writable(run, str(run), "recovery writes its checkpoints and plan-recovered.patch there; recover a copy "
+                   "of the run folder")
     if method != "adam" and launched_size() > 1:
         raise ValueError(f"recover --method {method} updates each layer once, in one process: run it without torchrun")
     recipe = dict(recipe or {})

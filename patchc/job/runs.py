@@ -34,7 +34,7 @@ import socket
 from pathlib import Path
 
 from patchc.job.options import PruneOptions
-from patchc.utils.files import read_record, write_bytes_atomic
+from patchc.utils.files import check_writable, read_record, write_bytes_atomic
 from patchc.utils.owners import process_alive
 
 CLAIM = ".patchc-run"
@@ -181,9 +181,11 @@ def check_out(opts: PruneOptions) -> None:
     if opts.out is None:
         if opts.resume:  # a new folder would be picked, with nothing in it to continue
             raise RunError("--resume needs --out: the folder of the run to continue")
+        check_writable("runs", "runs/ (the run folders without --out)", "pass --out")
         return
     folder = Path(opts.out)
     _check_parents(folder)
+    check_writable(folder, f"--out {folder}")
     _check_finished(folder, opts.resume, opts.overwrite)
     if folder.is_dir() or opts.resume:
         _settings_schedule(folder, opts, opts.resume, opts.overwrite)

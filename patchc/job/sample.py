@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from patchc.job.options import PruneOptions
-from patchc.utils.files import atomic_path, check_apart
+from patchc.utils.files import atomic_path, check_apart, check_writable
 
 
 def check_out(opts: PruneOptions, out: Path, overwrite: bool) -> None:
-    """Refuse, before any work, to replace an existing file (unless `overwrite`) or ever one of --data's."""
+    """Refuse, before any work, to replace an existing file (unless `overwrite`) or ever one of --data's, or to
+    write where this process cannot."""
     read = [(f"the {flag} file", p) for flag, paths in (("--data", opts.data), ("--eval-data", opts.eval_data),
                                                          ("--train-extra", opts.train_extra)) for p in paths]
     check_apart(out, read, "write the samples to a new file")
@@ -34,6 +35,7 @@ def check_out(opts: PruneOptions, out: Path, overwrite: bool) -> None:
         raise IsADirectoryError(f"--out {out} is a folder; give a file name such as {out / 'samples.txt'}")
     if out.exists() and not overwrite:
         raise FileExistsError(f"--out {out} exists; pass --overwrite to replace it, or choose another name")
+    check_writable(out.parent, f"--out {out}")
 
 
 def sample_texts(bundle: Any, opts: PruneOptions) -> list[str]:

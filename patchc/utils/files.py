@@ -92,6 +92,19 @@ def check_apart(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pat
             raise error(f"{flag} {out} {how} {what} {given}; {todo}")
 
 
+def check_writable(folder: str | os.PathLike, given: str, todo: str = "") -> None:
+    """PermissionError, before any work, unless this process may create files in `folder` or, where it does not
+    exist yet, in its nearest existing parent (which mkdir would create it in). One line: "`given`: cannot write
+    in <that folder> (Permission denied)" and `todo`; else an atomic write fails only after the work, naming its
+    hidden temporary file."""
+    folder = Path(folder)
+    near = next((p for p in [folder, *folder.parents] if os.path.lexists(p)), None)
+    if near is None or not near.is_dir() or os.access(near, os.W_OK | os.X_OK):
+        return  # a file in the way is named by the checks that follow
+    why = "Read-only file system" if os.statvfs(near).f_flag & os.ST_RDONLY else "Permission denied"
+    raise PermissionError(f"{given}: cannot write in {near} ({why})" + (f"; {todo}" if todo else ""))
+
+
 def read_state(path: str | os.PathLike) -> Any:
     """`torch.load(path, weights_only=True)` on the CPU; a file that is not one is ValueError with one short
     reason. torch says "Weights only load failed", then several lines advising `weights_only=False`: advice a
