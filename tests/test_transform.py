@@ -392,3 +392,33 @@ def test_a_weight_two_linears_share_is_one_mask_under_its_first_name_on_every_re
         served = torch.compile(model, backend="patch", options={"plan": plan, "tune": False})(x)
     torch.testing.assert_close(served, y, atol=1e-5, rtol=1e-5)
     assert not patchc.runtime.unserved(plan)
+
+
+LOOKUPS = {
+    "index": lambda tok, ids: tok[ids],
+    "index_select": lambda tok, ids: tok.index_select(0, ids.flatten()).view(*ids.shape, -1),
+    "gather": lambda tok, ids: tok.gather(0, ids.flatten()[:, None].expand(-1, tok.shape[1])).view(*ids.shape, -1),
+    "embedding": lambda tok, ids: F.embedding(ids, tok),
+}
+
+
+@pytest.mark.parametrize("lookup", sorted(LOOKUPS))
+def test_a_weight_a_lookup_also_reads_is_left_dense_and_says_why(lookup):
+    """`self.tok[ids]` and `h @ self.tok.T`: the mask went on the matmul's read only, so training saw the dense
+    table in the lookup while plan.apply wrote W * M into the one parameter (the applied model differed)."""
+    class IndexTied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.mid = torch.nn.Parameter(torch.randn(64, 32) * 0.1), torch.nn.Linear(32, 32)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.mid(LOOKUPS[lookup](self.tok, ids)) @ self.tok.T
+
+    torch.manual_seed(0)
+    model, ids = IndexTied().eval(), torch.randint(0, 64, (2, 8))
+    prog = patchc.transform(model, patchc.PatchConfig(tile=(16, 16), init_std=0.5), example_inputs=(ids,))
+    assert list(prog.layers) == ["mid.weight"]
+    assert "lookup" in prog.skipped["tok"] and "tied LM head" in prog.skipped["tok"]
+    prog.eval()
+    with torch.no_grad():
+        assert torch.equal(patchc.harden(prog).apply(copy.deepcopy(model))(ids), prog(ids))

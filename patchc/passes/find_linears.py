@@ -22,8 +22,9 @@ weight (E, N, K) read by a grouped matmul, or by a bmm whose batch is the expert
 rows past them are never masked nor planned.
 
 Which weights are masked: `PatchConfig.selects` (include / exclude globs over the weight's fully
-qualified name, 2-D, min_features) and two structural rules: a weight that an embedding lookup also
-reads (a tied LM head) is never masked, and K % 4 != 0 is skipped (no 2:4 groups). Every skipped
+qualified name, 2-D, min_features) and two structural rules: a weight that a lookup also reads (an
+embedding, `W[ids]`, index_select, gather: a tied LM head) is never masked, and K % 4 != 0 is skipped (no 2:4
+groups). Every skipped
 weight is kept in `skipped` with its reason, so summaries can say why; so is a parameter that some
 matmul reads in a form not listed above (`W @ x`, a gathered expert slice, ...).
 
@@ -70,7 +71,11 @@ _BROADCAST = {
     aten.reshape.default,
     aten.unsqueeze.default,
 }
-_EMBEDDING = {aten.embedding.default}
+# Reads that gather a weight's rows (or entries) instead of multiplying it. The mask goes on the matmul's read
+# only, so a lookup of a masked weight would train on W while the plan writes W * M into the one parameter.
+_LOOKUPS = {aten.embedding.default, aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default,
+            aten.gather.default, aten.take.default, aten.take_along_dim.default, aten.embedding_bag.default,
+            aten.embedding_bag.padding_idx, aten._embedding_bag.default, aten._embedding_bag_forward_only.default}
 _EINSUM = {aten.einsum.default}
 _VIEWS = _PASS_THROUGH | _BROADCAST | _TRANSPOSE | {
     aten.index.Tensor, aten.select.int, aten.slice.Tensor, aten.contiguous.default, aten.permute.default}
@@ -203,15 +208,15 @@ def _weight_of(gm: fx.GraphModule, node: fx.Node, outer: Regions | None = None) 
     return traced[0].target, weight
 
 
-def _embedding_tensors(gm: fx.GraphModule, regions: Regions) -> set[int]:
-    ids = set()
+def _lookup_tensors(gm: fx.GraphModule, regions: Regions) -> dict[int, str]:
+    """id(weight) -> the first lookup op (`_LOOKUPS`) that reads it, through transposes / casts."""
+    ids: dict[int, str] = {}
     for node in all_nodes(gm):
-        if node.op == "call_function" and node.target in _EMBEDDING:
+        if node.op == "call_function" and node.target in _LOOKUPS:
             traced = _trace_weight(node.args[0], regions)
-            if traced is not None:
-                tensor = _parameter(gm, traced[0].target)
-                if tensor is not None:
-                    ids.add(id(tensor))
+            tensor = _parameter(gm, traced[0].target) if traced is not None else None
+            if tensor is not None:
+                ids.setdefault(id(tensor), str(node.target))
     return ids
 
 
@@ -257,7 +262,7 @@ class AnnotateLinears(PassBase):
         self.sites, self.skipped = [], {}
         name_tied_weights_first(gm)
         self.regions = region_inputs(gm)
-        embedded = _embedding_tensors(gm, self.regions)
+        embedded = _lookup_tensors(gm, self.regions)
         for node in all_nodes(gm):
             site = self._site(gm, node, embedded)
             if site is not None:
@@ -286,7 +291,7 @@ class AnnotateLinears(PassBase):
             return None
         return operands[1 - i], operands[i], None, "einsum", int(form.transposed), form
 
-    def _site(self, gm: fx.GraphModule, node: fx.Node, embedded: set[int]) -> LinearSite | None:
+    def _site(self, gm: fx.GraphModule, node: fx.Node, embedded: dict[int, str]) -> LinearSite | None:
         matched = _match(node) or self._einsum(gm, node)
         if matched is None or not isinstance(matched[1], fx.Node):
             return None
@@ -314,7 +319,9 @@ class AnnotateLinears(PassBase):
             return None
         transposed = flips % 2 != flips_needed  # stored (K, N): Conv1D, or experts with is_transposed
         if id(weight) in embedded:
-            self._skip(fqn, "shared with an embedding lookup (tied LM head)")
+            lookup = embedded[id(weight)]
+            self._skip(fqn, "shared with an embedding lookup (tied LM head)" if lookup == "aten.embedding.default"
+                       else f"also read by a lookup ({lookup}), like a tied LM head: the lookup would read it unmasked")
             return None
         shape = tuple(weight.shape[-2:])
         n, k = shape[::-1] if transposed else shape
