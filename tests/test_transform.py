@@ -422,3 +422,13 @@ def test_a_weight_a_lookup_also_reads_is_left_dense_and_says_why(lookup):
     prog.eval()
     with torch.no_grad():
         assert torch.equal(patchc.harden(prog).apply(copy.deepcopy(model))(ids), prog(ids))
+
+
+def test_a_model_whose_weights_are_not_loaded_is_refused_naming_a_layer():
+    """A meta model was 'initialised' on meta, and harden failed later on torch's 'Cannot copy out of meta tensor'."""
+    with torch.device("meta"):
+        model, x = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)), torch.empty(4, 32)
+    for program, inputs in ((model, (x,)), (torch.export.export(model, (x,)), None)):
+        with pytest.raises(ValueError, match=r"'0.weight' \(and 3 more\) holds no values \(on the meta device\): "
+                                             "load the weights first"):
+            patchc.transform(program, patchc.PatchConfig(tile=(16, 16)), example_inputs=inputs)

@@ -212,6 +212,7 @@ def transform(
         raise TypeError(f"patchc.transform takes an ExportedProgram or nn.Module, got {type(program).__name__}")
     gm = program.module() if isinstance(program, torch.export.ExportedProgram) else program
     _refuse_transformed(gm)
+    _refuse_unloaded(gm)
     _freeze_weights(gm)
     _warn_live_dropout(gm)
     sites, skipped = find_linear_sites(gm, cfg)
@@ -249,6 +250,21 @@ def _warn_live_dropout(gm: fx.GraphModule) -> None:
         warnings.warn(f"patchc.transform: the graph holds {len(live)} dropout op(s) in training mode (p = "
                       f"{live[0].args[1]}): the model was exported in train mode, and they stay on in prog.eval(); "
                       "call model.eval() before exporting", stacklevel=3)
+
+
+def _refuse_unloaded(gm: fx.GraphModule) -> None:
+    """Weights without values (the meta device, fake or lazy tensors): the masks would start there too, and
+    harden would fail much later on torch's 'Cannot copy out of meta tensor'."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    empty = [(name, "on the meta device" if p.is_meta else f"a {type(p).__name__}") for name, p in gm.named_parameters()
+             if p.is_meta or isinstance(p, (FakeTensor, nn.parameter.UninitializedTensorMixin))]
+    if empty:
+        (name, where), more = empty[0], f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+        raise ValueError(
+            f"patchc.transform: weight {name!r}{more} holds no values ({where}): load the weights "
+            "first (model.to_empty(device='cpu') then model.load_state_dict(state), or from_pretrained without a "
+            "meta device), then transform")
 
 
 def export_kwargs(program) -> dict:
