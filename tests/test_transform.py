@@ -432,3 +432,22 @@ def test_a_model_whose_weights_are_not_loaded_is_refused_naming_a_layer():
         with pytest.raises(ValueError, match=r"'0.weight' \(and 3 more\) holds no values \(on the meta device\): "
                                              "load the weights first"):
             patchc.transform(program, patchc.PatchConfig(tile=(16, 16)), example_inputs=inputs)
+
+
+def test_a_linear_weight_held_in_a_buffer_is_skipped_with_the_reason():
+    """`F.linear(x, self.w)` over a registered buffer crashed transform: "'w' is not an nn.Parameter"."""
+    class BufferWeight(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(32, 32)
+            self.register_buffer("w", torch.randn(32, 32))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(self.a(x), self.w)
+
+    model, x = BufferWeight().eval(), torch.randn(4, 32)
+    prog = patchc.transform(torch.export.export(model, (x,)), patchc.PatchConfig(tile=(16, 16)))
+    assert list(prog.layers) == ["a.weight"] and "buffer" in prog.skipped["w"]
+    prog.eval()
+    with torch.no_grad():
+        assert torch.equal(patchc.harden(prog).apply(copy.deepcopy(model))(x), prog(x))

@@ -174,14 +174,13 @@ def _trace_weight(node: fx.Node, outer: Regions | None = None) -> tuple[fx.Node,
 
 
 def _parameter(gm: fx.GraphModule, target: str) -> torch.Tensor | None:
-    try:
-        value = gm.get_parameter(target)
-    except AttributeError:
+    """The parameter or buffer `target` names (None for neither: a plain tensor attribute)."""
+    for get in (gm.get_parameter, gm.get_buffer):
         try:
-            value = gm.get_buffer(target)
+            return get(target)
         except AttributeError:
-            return None
-    return value
+            pass
+    return None
 
 
 def name_tied_weights_first(gm: fx.GraphModule) -> None:
@@ -305,6 +304,9 @@ class AnnotateLinears(PassBase):
         if weight is None or not weight.is_floating_point():
             return None
         fqn = w_node.target
+        if not isinstance(weight, torch.nn.Parameter):  # masks, plans and apply hold parameters only
+            self._skip(fqn, "a buffer (register_buffer), not a parameter: patchc masks parameters only")
+            return None
         foreign = foreign_subgraph(w_node, self.regions)
         if foreign is not None:  # masking only the reads outside would train a model the plan does not describe
             self._skip(fqn, f"also read inside a {foreign} subgraph, which patchc does not rewrite")
