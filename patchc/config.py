@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
+import numbers
 from dataclasses import dataclass
 
 VARIANTS = ("joint", "tile", "nm")
@@ -38,6 +40,9 @@ ENCODER_EXCLUDE: tuple[str, ...] = ("*vision_tower.*", "*vision_model.*", "*.vis
 # a run with nothing left to mask).
 SMALLER_THAN_TILE = "is smaller than the tile"
 
+# Seeds are int64s (torch.Generator.manual_seed), non-negative: the one range PatchConfig and `--seed` accept.
+SEED_LIMIT = 2**63
+
 DEFAULT_EXCLUDE: tuple[str, ...] = (
     "*embed*",
     "*lm_head*",
@@ -50,12 +55,37 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
 )
 
 
-def _check_pair(name: str, value: tuple, positive: bool = True) -> None:
+def _is_real(value) -> bool:
+    """A finite int or float (not a bool, nor a str that reads as one): what every float field takes."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_int(what: str, value, low: int, high: int | None = None, example: str = "") -> None:
+    """ValueError unless `value` is an int (not a bool) in [low, high): `what` names it, `example` what to pass.
+
+    >>> _check_int("PatchConfig.steps", 2.5, 1, example="steps=300")
+    Traceback (most recent call last):
+    ValueError: PatchConfig.steps=2.5 must be an int >= 1, e.g. steps=300
+    """
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and low <= value < (high or math.inf):
+        return
+    span = f">= {low}" if high is None else f"in [{low}, {'2**63' if high == SEED_LIMIT else high})"
+    raise ValueError(f"{what}={value!r} must be an int {span}" + (f", e.g. {example}" if example else ""))
+
+
+def _check_real(name: str, value, example) -> None:
+    """PatchConfig.<name> is a finite number (NaN and inf trained to 'loss is nan at step 1'; a str trained)."""
+    if not _is_real(value):
+        raise ValueError(f"PatchConfig.{name}={value!r} must be a finite number (an int or a float), "
+                         f"e.g. {name}={example!r}")
+
+
+def _check_pair(name: str, value: tuple, example: tuple) -> None:
     if not (isinstance(value, tuple) and len(value) == 2):
         raise ValueError(f"PatchConfig.{name} must be a pair (start, end), got {value!r}")
-    if positive and not all(float(v) > 0 for v in value):
-        raise ValueError(f"PatchConfig.{name} values must be > 0, got {value!r}")
-
+    if not all(_is_real(v) and v > 0 for v in value):
+        raise ValueError(f"PatchConfig.{name}={value!r} must be two finite numbers > 0 "
+                         f"(start, end), e.g. {name}={example!r}")
 
 
 def check_tile_sides(tile: tuple[int, int], what: str, example: str) -> None:
@@ -139,12 +169,22 @@ class PatchConfig:
             if isinstance(value, str):
                 raise ValueError(f"PatchConfig.{name} must be a tuple of globs, e.g. ({value!r},)")
             object.__setattr__(self, name, tuple(value))
+            if not all(isinstance(g, str) for g in getattr(self, name)):
+                raise ValueError(f"PatchConfig.{name}={value!r} must be a tuple of str globs, e.g. ('*mlp*',)")
         if self.tau_nm is None:
             object.__setattr__(self, "tau_nm", tuple(self.tau))
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in ("tau", "tau_nm", "kappa_tile", "kappa_nm"):
             value = tuple(getattr(self, name))
-            _check_pair(name, value)
+            _check_pair(name, value, defaults["tau" if name == "tau_nm" else name])
             object.__setattr__(self, name, value)
+        for name in ("sparsity", "prior_strength", "lambda_density", "lambda_norm", "init_std"):
+            _check_real(name, getattr(self, name), defaults[name])
+        _check_int("PatchConfig.steps", self.steps, 1, example="steps=300 (the schedules' length T)")
+        _check_int("PatchConfig.seed", self.seed, 0, SEED_LIMIT, example="seed=0")
+        _check_int("PatchConfig.min_features", self.min_features, 0, example="min_features=4")
+        if not isinstance(self.hard, bool):
+            raise ValueError(f"PatchConfig.hard={self.hard!r} must be True or False")
         if not 0.0 <= float(self.sparsity) <= 0.5:
             raise ValueError(
                 f"PatchConfig.sparsity={self.sparsity} is outside [0, 0.5]: a tile is dense or 2:4, "
@@ -164,8 +204,6 @@ class PatchConfig:
                 "PatchConfig(variant='tile') freezes the 2:4 logits at a one-shot prior's pattern: "
                 "choose prior='magnitude', 'wanda' or 'sparsegpt'"
             )
-        if self.steps < 1:
-            raise ValueError(f"PatchConfig.steps={self.steps} must be >= 1 (the schedules' length T)")
         if self.density_mode not in DENSITY_MODES:
             raise ValueError(f"PatchConfig.density_mode={self.density_mode!r}: choose one of {DENSITY_MODES}")
         if self.scope not in SCOPES:
@@ -215,4 +253,4 @@ class PatchConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-__all__ = ["PatchConfig", "DEFAULT_EXCLUDE", "ENCODER_EXCLUDE", "ROUTER_EXCLUDE"]
+__all__ = ["PatchConfig", "DEFAULT_EXCLUDE", "ENCODER_EXCLUDE", "ROUTER_EXCLUDE", "SEED_LIMIT"]

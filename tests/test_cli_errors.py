@@ -186,6 +186,18 @@ def test_cuda_device_without_cuda_is_one_line(tmp_path, capsys):
                    "--device cuda: this machine has no CUDA GPU")
 
 
+@pytest.mark.parametrize("flags, expected", [
+    (["--tau", "inf", "1"], "--tau inf 1.0 must be two finite numbers > 0"),
+    (["--kappa-nm", "inf", "inf"], "--kappa-nm inf inf must be two finite numbers > 0"),
+    (["--lambda-norm", "nan"], "--lambda-norm nan must be a finite number"),
+    (["--prior-strength", "nan"], "--prior-strength nan must be a finite number"),
+])
+def test_nan_and_inf_schedule_flags_are_one_line_before_any_work(tmp_path, capsys, flags, expected):
+    """They trained to 'loss is nan at step 1', after loading the model and data."""
+    one_line_error(capsys, ["prune", *flags, "--out", str(tmp_path / "run"), *QUICK], expected)
+    assert not (tmp_path / "run").exists()
+
+
 # -- random mutations -------------------------------------------------------------------------------------
 
 VALUES = ["-1", "0", "1", "nan", "inf", "-inf", "1e309", str(2**70), "abc", "", "/nonexistent", "0.5", "99999",

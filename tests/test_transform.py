@@ -254,11 +254,32 @@ def test_schedules_are_linear_and_saved_in_state_dict(tiny_mlp):
         ({"variant": "nm", "sparsity": 0.35}, "sparsity 0.5"),
         ({"variant": "tile"}, "one-shot prior"),
         ({"steps": 0}, "steps"),
+        # wrong types and NaN / inf failed later (a TypeError in training, 'loss is nan at step 1') or trained
+        ({"steps": 2.5}, r"PatchConfig.steps=2.5 must be an int >= 1, e.g. steps=300"),
+        ({"steps": True}, r"PatchConfig.steps=True must be an int"),
+        ({"seed": 1.5}, r"PatchConfig.seed=1.5 must be an int in \[0, 2\*\*63\)"),
+        ({"seed": 2**70}, r"PatchConfig.seed=1180591620717411303424 must be an int in \[0, 2\*\*63\)"),
+        ({"sparsity": "0.3"}, r"PatchConfig.sparsity='0.3' must be a finite number \(an int or a float\)"),
+        ({"hard": "yes"}, r"PatchConfig.hard='yes' must be True or False"),
+        ({"init_std": float("nan")}, r"PatchConfig.init_std=nan must be a finite number.*e.g. init_std=0.014"),
+        ({"lambda_norm": float("inf")}, r"PatchConfig.lambda_norm=inf must be a finite number"),
+        ({"lambda_density": float("nan")}, r"PatchConfig.lambda_density=nan"),
+        ({"prior_strength": float("nan")}, r"PatchConfig.prior_strength=nan"),
+        ({"tau": (float("inf"), 1.0)}, r"PatchConfig.tau=\(inf, 1.0\) must be two finite numbers > 0 \(start, end\)"),
+        ({"tau_nm": (1.0, float("nan"))}, r"PatchConfig.tau_nm=\(1.0, nan\)"),
+        ({"kappa_nm": (float("inf"),) * 2}, r"PatchConfig.kappa_nm=\(inf, inf\).*e.g. kappa_nm=\(100.0, 500.0\)"),
+        ({"kappa_tile": (25.0, 0)}, r"PatchConfig.kappa_tile=\(25.0, 0\) must be two finite numbers > 0"),
+        ({"exclude": (None,)}, r"tuple of str globs"),
     ],
 )
 def test_config_errors_say_what_to_do(kwargs, message):
     with pytest.raises(ValueError, match=message):
         patchc.PatchConfig(**kwargs)
+
+
+def test_config_takes_ints_where_floats_are_asked():
+    cfg = patchc.PatchConfig(sparsity=0, tau=(2, 1), kappa_tile=(25, 350), lambda_norm=1, init_std=1, prior_strength=0)
+    assert cfg.density == 1.0 and cfg.tau_nm == (2, 1)
 
 
 def test_transform_refuses_a_model_without_linears():

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from patchc.config import PatchConfig
+from patchc.config import SEED_LIMIT, PatchConfig
 from patchc.models.shared import SHARED_DIR
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ class PruneOptions:
         if self.recover_splice is not None and not 0.0 <= self.recover_splice <= 1.0:
             raise ValueError(f"--recover-splice is a fraction of each batch's sentences, in [0, 1]; got {self.recover_splice}")
         for name in ("seed", "split_seed"):
-            if not 0 <= getattr(self, name) < 2**63:
+            if not 0 <= getattr(self, name) < SEED_LIMIT:  # PatchConfig's range (only --seed reaches it)
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 2**63), got {getattr(self, name)}")
         if self.train_data not in TRAIN_DATA:
             raise ValueError(f"--train-data must be one of {', '.join(TRAIN_DATA)}, got {self.train_data!r}")
