@@ -472,3 +472,24 @@ def test_a_linear_weight_held_in_a_buffer_is_skipped_with_the_reason():
     prog.eval()
     with torch.no_grad():
         assert torch.equal(patchc.harden(prog).apply(copy.deepcopy(model))(x), prog(x))
+
+
+def test_globs_that_match_nothing_and_a_replaced_default_exclude_warn_and_select_as_before():
+    """include=("*q_proj", ...) masked no q_proj (FQNs end in ".weight"), and exclude=("*self_atn*",), a typo, masked
+    every projection and the LM head too (a user's exclude replaces the default), both without a word."""
+    ep, _ = _export_hf(tiny_hf("llama"), decompose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the defaults, or the defaults and more, say nothing
+        patchc.transform(ep, patchc.PatchConfig(tile=(16, 16), exclude=(*patchc.DEFAULT_EXCLUDE, "*q_proj*")))
+        plain = set(patchc.transform(ep, patchc.PatchConfig(tile=(16, 16))).layers)
+    with pytest.warns(UserWarning) as seen:
+        prog = patchc.transform(ep, patchc.PatchConfig(tile=(16, 16), include=("*q_proj", "*mlp*")))
+    assert len(seen) == 1 and "include glob '*q_proj' matched no matmul weight" in str(seen[0].message)
+    assert "'*q_proj.weight' would match 'model.layers.0.self_attn.q_proj.weight'" in str(seen[0].message)
+    assert set(prog.layers) == {n for n in plain if ".mlp." in n}
+    with pytest.warns(UserWarning) as seen:
+        prog = patchc.transform(ep, patchc.PatchConfig(tile=(16, 16), exclude=("*self_atn*",)))
+    said = str(seen[0].message)
+    assert len(seen) == 1 and "exclude glob '*self_atn*' matched no matmul weight; lm_head.weight is masked" in said
+    assert "your exclude replaces the default" in said and "add '*lm_head*' to keep it dense" in said
+    assert set(prog.layers) == plain | {"lm_head.weight"}

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import fnmatch
 import inspect
 import warnings
 from collections.abc import Mapping
@@ -22,7 +23,7 @@ from collections.abc import Mapping
 import torch
 from torch import fx, nn
 
-from patchc.config import SMALLER_THAN_TILE, PatchConfig
+from patchc.config import DEFAULT_EXCLUDE, SMALLER_THAN_TILE, PatchConfig
 from patchc.ir.targets import Target, matrix
 from patchc.masking.hybrid_mask import HybridMask
 from patchc.masking.param_mask import ParamMask
@@ -69,6 +70,32 @@ def no_sites_error(skipped: dict[str, str], tile: tuple[int, int]) -> ValueError
     shown = dict(list(skipped.items())[:3])
     more = f" (+{len(skipped) - len(shown)} more)" if len(skipped) > len(shown) else ""
     return ValueError(f"patchc.transform found no maskable linear layer{hint}; skipped: {shown or 'none seen'}{more}")
+
+
+def glob_warning(cfg: PatchConfig, masked: list[str], skipped: list[str]) -> str | None:
+    """What the include / exclude globs did not do, or None: a glob of the user's that matched no weight a matmul
+    reads (FQNs end in ".weight": "*q_proj" matches none), and weights that a default exclude would keep dense and
+    a user's exclude, which replaces the default, leaves masked. Selection is unchanged: a typo only warns."""
+    names = list(dict.fromkeys(masked + skipped))
+    if not names:
+        return None  # no matmul weight at all: `no_sites_error` says so
+
+    def hits(glob: str, among: list[str] = names) -> list[str]:
+        return [n for n in among if fnmatch.fnmatchcase(n, glob)]
+
+    said = []
+    for kind, globs in (("include", cfg.include), ("exclude", [g for g in cfg.exclude if g not in DEFAULT_EXCLUDE])):
+        for glob in dict.fromkeys(globs):
+            if not hits(glob):
+                fix = next(((f, found[0]) for f in (glob + ".weight", glob + "*") if (found := hits(f))), None)
+                said.append(f"{kind} glob {glob!r} matched no matmul weight" + (
+                    f" (names end in '.weight': {fix[0]!r} would match {fix[1]!r})" if fix else ""))
+    for glob in (g for g in DEFAULT_EXCLUDE if g not in cfg.exclude):
+        if found := hits(glob, list(dict.fromkeys(masked))):
+            more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
+            said.append(f"{found[0]}{more} is masked: your exclude replaces the default (patchc.DEFAULT_EXCLUDE); "
+                        f"add {glob!r} to keep it dense")
+    return f"patchc.transform: {'; '.join(said)}" if said else None
 
 
 def site_targets(sites: list[LinearSite]) -> dict[str, Target]:
@@ -193,7 +220,7 @@ def transform(
             `calib`): for a program whose logits a checkpoint replaces next (`train_masks(resume=True)`).
 
     Returns a `MaskedProgram`. The exported program's module shares weight storage with the user's
-    model; patchc never writes to it.
+    model; patchc never writes to it. Include / exclude globs that matched no weight warn (`glob_warning`).
 
     Example:
         >>> prog = patchc.transform(model, PatchConfig(tile=(16, 16)), example_inputs=(ids,),
@@ -216,6 +243,8 @@ def transform(
     _freeze_weights(gm)
     _warn_live_dropout(gm)
     sites, skipped = find_linear_sites(gm, cfg)
+    if (unmatched := glob_warning(cfg, [s.fqn for s in sites], list(skipped))) is not None:
+        warnings.warn(unmatched, stacklevel=2)
     if not sites:
         raise no_sites_error(skipped, cfg.tile)
     masks = build_masks(sites, gm, cfg, calib, prior_masks, prior)
