@@ -210,3 +210,13 @@ def test_resume_with_another_optimizer_layout_names_the_file(tiny_mlp, tmp_path)
     torch.save(state, ckpt)
     with pytest.raises(ValueError, match=r"masks\.ckpt: the optimizer state does not fit"):
         patchc.train_masks(_setup(tiny_mlp), _batches, _loss, steps=2, checkpoint=ckpt, resume=True, progress=False)
+
+
+def test_zero_steps_train_nothing_and_keep_the_schedules(tiny_mlp):
+    """steps=0 (allowed: 'steps must be >= 0') failed with 'schedule_steps=0 must be >= 1', an argument never passed."""
+    prog = _setup(tiny_mlp, steps=20)
+    before = {k: v.clone() for k, v in prog.state_dict().items()}
+    result = patchc.train_masks(prog, _batches, _loss, steps=0, progress=False)
+    assert result.step == 0 and not result.history and prog.cfg.steps == 20
+    assert all(torch.equal(v, before[k]) for k, v in prog.state_dict().items())
+
