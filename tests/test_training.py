@@ -220,3 +220,10 @@ def test_zero_steps_train_nothing_and_keep_the_schedules(tiny_mlp):
     assert result.step == 0 and not result.history and prog.cfg.steps == 20
     assert all(torch.equal(v, before[k]) for k, v in prog.state_dict().items())
 
+
+def test_lm_loss_needs_blocks_of_two_tokens(tiny_mlp):
+    """A block of 1 token has no next token to predict: torch said 'cannot reshape tensor of 0 elements'."""
+    prog = _setup(tiny_mlp)
+    assert torch.isfinite(patchc.lm_loss(prog, torch.randint(0, 32, (2, 2))))
+    with pytest.raises(ValueError, match=r"lm_loss: a block .* at least 2 tokens .* got shape \(2, 1\)"):
+        patchc.lm_loss(prog, torch.randint(0, 32, (2, 1)))

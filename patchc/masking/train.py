@@ -383,6 +383,9 @@ def lm_loss(
         >>> loss_fn = functools.partial(patchc.lm_loss, logits=bundle.logits)
         >>> patchc.train_masks(prog, blocks, loss_fn, steps=300)
     """
+    if ids.dim() != 2 or ids.shape[1] < 2:  # torch said only 'cannot reshape tensor of 0 elements'
+        raise ValueError(f"lm_loss: a block of token ids is (batch, seq + 1) with at least 2 tokens (an input and "
+                         f"the next token it predicts), got shape {tuple(ids.shape)}")
     out = prog(ids[:, :-1]) if logits is None else logits(prog, ids[:, :-1])
     rows = logits_of(out).flatten(0, 1)  # an HF export returns a ModelOutput; the program passes its use_cache=False
     # a few positions at a time: the gradient of one cross-entropy, bit for bit, with no (B * T, V) temporaries
