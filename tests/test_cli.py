@@ -99,7 +99,11 @@ def test_eval_and_report_commands_read_a_saved_plan(tmp_path, capsys):
     out.mkdir()
     for name in ("tile_map_another_plans.png", "notes.png"):  # an earlier plan's picture, and the user's own
         (out / name).write_bytes(b"png")
-    assert main(["prune", "--out", str(out), "--no-baselines", "--prior", "magnitude", "--no-plots", *QUICK]) == 0
+    # a folder that is no run: refused unless --overwrite (which writes the run among the user's files)
+    assert main(["prune", "--out", str(out), "--no-baselines", "--prior", "magnitude", "--no-plots", *QUICK]) == 2
+    assert "is not a patchc run folder and holds notes.png, tile_map_another_plans.png" in capsys.readouterr().err
+    assert main(["prune", "--out", str(out), "--no-baselines", "--prior", "magnitude", "--no-plots", "--overwrite",
+                 *QUICK]) == 0
     assert [p.name for p in out.glob("*.png")] == ["notes.png"]
     assert "![" not in (out / "report.md").read_text() and "png" not in (out / "report.json").read_text()
     capsys.readouterr()
@@ -131,7 +135,8 @@ def test_plan_commands_name_a_folder_without_a_plan(tmp_path, capsys, command):
         (["--sparsity", "0.7"], "error: --sparsity 0.7 is outside [0, 0.5]"),  # the flag, not PatchConfig's field
         (["--variant", "nm"], "--variant nm makes every tile 2:4, i.e. sparsity 0.5; got --sparsity 0.35. Pass "
                               "--sparsity 0.5 or use --variant joint"),
-        (["--kappa-tile", "1", "-1"], "--kappa-tile values must be > 0"),
+        (["--kappa-tile", "1", "-1"], "--kappa-tile 1.0 -1.0 must be two finite numbers > 0 (start, end), e.g. "
+                                      "--kappa-tile 25.0 350.0"),
         (["--tile", "512", "512"], "is larger than 35 of them: choose a smaller tile"),
         (["--block-len", "100000"], "longer than the 512 positions"),
         (["--eval-context", "4096"], "--eval-context 4096 is longer than the 512 positions"),

@@ -215,8 +215,7 @@ def train_masks(
     steps = prog.cfg.steps if steps is None else steps
     if steps < 0:
         raise ValueError(f"train_masks: steps={steps} must be >= 0")
-    # steps=0 trains nothing (the check above allows it): the schedules keep the program's T
-    schedule_steps = (steps or prog.cfg.steps) if schedule_steps is None else schedule_steps
+    schedule_steps = (steps or prog.cfg.steps) if schedule_steps is None else schedule_steps  # 0: nothing to fit
     if schedule_steps < 1:
         raise ValueError(f"train_masks: schedule_steps={schedule_steps} must be >= 1")
     if schedule_steps != prog.cfg.steps:
