@@ -54,7 +54,9 @@ def test_random_plans_round_trip_bit_exactly_and_apply(tmp_path, drawn):
     assert back.meta == plan.meta and back.density == plan.density
     model = nn.ModuleDict({"fc": nn.Linear(w.shape[1], w.shape[0], bias=layer.bias is not None).to(w.dtype)})
     with torch.no_grad():
-        model.fc.weight.copy_(w)  # the plan's source weights: apply must accept them
+        model.fc.weight.copy_(w)  # the plan's source weights (and bias): apply must accept them
+        if layer.bias is not None:
+            model.fc.bias.copy_(layer.bias)
     back.apply(model)
     assert torch.equal(model.fc.weight, layer.to_dense())
     if layer.bias is not None:

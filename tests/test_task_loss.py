@@ -53,7 +53,8 @@ def test_each_position_gets_the_whole_batchs_gradient_bit_for_bit(monkeypatch, r
     want.backward()
     assert got.dtype == torch.float32 and a.grad.dtype == dtype
     assert torch.equal(a.grad, b.grad)
-    torch.testing.assert_close(got, want, rtol=2e-7, atol=0)  # a sum of piece sums: its last bits may differ
+    # a sum of piece sums: its last bits may differ (1.7 fp32 ulps on AVX-512 for bf16's kd: allow 4)
+    torch.testing.assert_close(got, want, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
     if rows == 1000:
         assert got.item() == want.item()
 
