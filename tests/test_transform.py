@@ -141,6 +141,21 @@ def test_casting_a_program_casts_its_weights_never_its_masks(tiny_mlp):
     assert all(t.dtype == torch.float64 for t in prog.parameters()) and prog.weight("up.weight").dtype == torch.float64
 
 
+def test_a_model_torch_export_cannot_trace_is_named_by_its_layer():
+    """`transform(module)` passed torch's data-dependent guard error (and its graph dumps) straight through; the
+    job's own export already named the layer. Experts run in transformers' eager loop are such a layer."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                                      num_experts=4, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64, head_dim=16)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    model.set_experts_implementation("eager")
+    with pytest.raises(ValueError, match=r"^Qwen3MoeForCausalLM: torch.export cannot trace model.layers.0.mlp.experts "
+                                         r"\(Qwen3MoeExperts\).*set_experts_implementation\('grouped_mm'\)"):
+        patchc.transform(model, patchc.PatchConfig(tile=(16, 16)), example_inputs=(torch.randint(0, 64, (2, 8)),),
+                         example_kwargs={"use_cache": False})
+
+
 def test_training_mode_is_seeded(tiny_mlp):
     ids = torch.randint(0, 32, (2, 6))
     outs = []

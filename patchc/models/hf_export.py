@@ -72,7 +72,7 @@ def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _
         try:
             first = at_length(fixed_len)
         except Exception as error:  # noqa: BLE001 - named in one line where it can be
-            _explain_export_failure(model, error)
+            explain_export_failure(model, error)
             raise
     else:
         try:
@@ -82,7 +82,7 @@ def export_causal_lm(model: nn.Module, batch: int = _EXAMPLE_BATCH, seq: int = _
             try:
                 first = at_length(fixed_len)
             except Exception:  # noqa: BLE001 - the fixed length fails too: the dynamic export's error is the one to show
-                _explain_export_failure(model, dynamic_error)
+                explain_export_failure(model, dynamic_error)
                 raise dynamic_error from None
         else:
             low, high = _length_range(ep)
@@ -108,7 +108,7 @@ def _length_range(ep: torch.export.ExportedProgram) -> tuple[int, int]:
     return (int(bounds.lower), int(bounds.upper)) if bounds is not None else (0, sys.maxsize)
 
 
-def _explain_export_failure(model: nn.Module, error: Exception) -> None:
+def explain_export_failure(model: nn.Module, error: Exception) -> None:
     """Raise a one-line HFLoadError naming the layer when torch.export failed on data-dependent control flow
     in a layer's forward: most MoE families of transformers 4.x loop in Python over the experts the router
     picked, which transformers 5 runs as one grouped op."""
@@ -124,7 +124,7 @@ def _explain_export_failure(model: nn.Module, error: Exception) -> None:
         fix = ("transformers >= 5 runs MoE experts as one grouped op, which exports and which patchc prunes slice "
                "by slice: pip install -U 'transformers>=5'" if transformers_major() < 5 else
                "patchc exports MoE layers that run their experts as one grouped or batched op, as transformers 5's "
-               "own MoE families do")
+               "own MoE families do by default (model.set_experts_implementation('grouped_mm') if it was changed)")
         raise HFLoadError(f"{what}: it runs the experts the router picked in a Python loop, whose length depends "
                           f"on the routing (transformers {version}; {type(error).__name__}). {fix}") from error
     raise HFLoadError(f"{what}: its control flow depends on tensor values ({type(error).__name__}; "

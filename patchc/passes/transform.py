@@ -60,7 +60,13 @@ def _export(module: nn.Module, example_inputs: tuple, example_kwargs: dict | Non
             name: {d: torch.export.Dim.AUTO for d in range(v.dim())} if isinstance(v, torch.Tensor) else None
             for name, v in bound.items()
         }
-    return torch.export.export(module, args, kwargs=kwargs or None, dynamic_shapes=dynamic_shapes)
+    try:
+        return torch.export.export(module, args, kwargs=kwargs or None, dynamic_shapes=dynamic_shapes)
+    except Exception as error:  # noqa: BLE001 - data-dependent control flow: one line naming the layer
+        from patchc.models.hf_export import explain_export_failure
+
+        explain_export_failure(module, error)
+        raise
 
 
 def no_sites_error(skipped: dict[str, str], tile: tuple[int, int]) -> ValueError:
