@@ -458,8 +458,9 @@ def test_compiling_a_compiled_model_says_so():
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
     plan = TilePlan.from_masks(model, oneshot(model, method="magnitude", pattern="2:4", progress=False), tile=16)
     fast = compile_fn(model, plan, tune=False)
-    with pytest.raises(PlanError, match=r"the model is already compiled \(0 is a TileLinear\); compile the model the "
-                                        r"plan was made from, or use this one as it is \(layer 0.weight: .*no parameter"):
+    with pytest.raises(PlanError, match=r"the model is already compiled \(0 is a TileLinear\); compile the model "
+                                        r"the plan was made from, or use this one as it is \(layer 0.weight: .*no "
+                                        r"parameter"):
         compile_fn(fast, plan, tune=False)
     with pytest.raises(ValueError, match=r"already compiled \(0 is a TileLinear\).*\(no plan layer"):
         compile_fn(fast, tune=False)  # nor read off its zeros

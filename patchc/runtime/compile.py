@@ -97,11 +97,11 @@ def compile(  # noqa: A001  (the public name the API asks for: patchc.compile)
         plan = TilePlan.from_linears(model)
         force = release_plan = True  # packed from these very weights: nothing to check; nobody else holds it
         if not plan.layers:
-            exc = ValueError("no plan layer: its weights are packed already")
-            raise _already_compiled(model, exc) or ValueError(f"patchc.compile: no linear weight (nn.Linear, Conv1D, fused experts) of the "
-                             f"{type(model).__name__} holds a 2:4 tile (not even a 16 x 16 tile whose every "
-                             "group of 4 keeps at most 2 weights); pass the plan, or prune the model first "
-                             "(patchc.oneshot, patchc prune)")
+            none = ValueError(f"patchc.compile: no linear weight (nn.Linear, Conv1D, fused experts) of the "
+                              f"{type(model).__name__} holds a 2:4 tile (not even a 16 x 16 tile whose every "
+                              "group of 4 keeps at most 2 weights); pass the plan, or prune the model first "
+                              "(patchc.oneshot, patchc prune)")
+            raise _already_compiled(model, ValueError("no plan layer: its weights are packed already")) or none
     elif isinstance(plan, (str, os.PathLike)):
         plan = TilePlan.load(plan)
     try:
