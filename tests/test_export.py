@@ -124,6 +124,9 @@ def test_stories_round_trip_is_exact(stories, tmp_path):
     assert json.loads((out / CONFIG).read_text())["tied"] == {"lm_head.weight": "embed_tokens.weight"}
     m = from_pretrained(out, dense=True)
     assert m.lm_head.weight is m.embed_tokens.weight
+    (out / "config.json").write_text((out / "config.json").read_text()[:20])  # cut short: one line, its path
+    with pytest.raises(ValueError, match=r"config.json: not a patchc llama2.c config record \(not JSON: "):
+        from_pretrained(out)
 
 
 @needs_shared

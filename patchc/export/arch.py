@@ -37,6 +37,7 @@ from torch import nn
 from patchc.export.format import ExportError
 from patchc.models.hf import EncoderWrapper, hf_kind
 from patchc.models.llama2c import Llama, LlamaConfig
+from patchc.utils.files import read_record
 
 FAMILIES = ("transformers", "llama2c")
 LLAMA2C_TYPE = "patchc-llama2c"
@@ -118,7 +119,7 @@ def rebuild(folder: Path, spec: ModelSpec, dtype: torch.dtype = torch.float32) -
     if not path.is_file():
         raise ExportError(f"{folder}: config.json missing; not a complete exported model")
     if spec.family == "llama2c":
-        body = json.loads(path.read_text())
+        body = read_record(path, "llama2.c config", "export the model again")  # one line, not a JSONDecodeError
         fields = {f.name for f in dataclasses.fields(LlamaConfig)}
         if body.get("model_type") != LLAMA2C_TYPE:
             raise ExportError(f"{path}: model_type {body.get('model_type')!r}, expected {LLAMA2C_TYPE!r}")
