@@ -357,6 +357,10 @@ def test_a_checkpoint_continues_only_in_its_own_kind(tmp_path):
     single, sharded = tmp_path / "masks.ckpt", tmp_path / "run2" / "masks.ckpt"
     single.write_bytes(b"torch.save'd")
     sharded.mkdir(parents=True)
+    for fsdp in (False, True):  # an empty folder of that name is no checkpoint of either kind
+        with pytest.raises(ValueError, match=r"a folder that holds no sharded checkpoint \(no .metadata\)"):
+            check_checkpoint_kind(sharded, fsdp)
+    (sharded / ".metadata").write_bytes(b"dcp")
     with pytest.raises(ValueError, match="single-file checkpoint .* continue it without --fsdp"):
         check_checkpoint_kind(single, fsdp=True)
     with pytest.raises(ValueError, match="sharded checkpoint .* continue it with --fsdp"):

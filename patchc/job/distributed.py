@@ -163,6 +163,9 @@ def check_checkpoint_kind(checkpoint: Path | None, fsdp: bool) -> None:
     """Refuse to continue a single-file checkpoint with --fsdp (a folder) or a sharded folder without it."""
     if checkpoint is None or not Path(checkpoint).exists():
         return
+    if Path(checkpoint).is_dir() and not (Path(checkpoint) / ".metadata").is_file():  # torch.distributed.checkpoint's
+        raise ValueError(f"{checkpoint} is a folder that holds no sharded checkpoint (no .metadata): remove it, or "
+                         "start again with --overwrite")
     if fsdp and not Path(checkpoint).is_dir():
         raise ValueError(f"{checkpoint} is a single-file checkpoint from a run without --fsdp: continue it without "
                          "--fsdp (or start again with --overwrite)")
