@@ -427,6 +427,11 @@ def test_a_plan_made_on_a_submodule_is_served_by_the_backend_and_named_by_patchc
     with pytest.raises(patchc.PlanError, match=r"from submodule '0' \(compile that: patchc\.compile\(model\."
                                                r"get_submodule\('0'\), plan\)"):  # not an attribute path
         patchc.compile(nn.Sequential(model.body), plan, tune=False)
+    other = Wrapper()  # same names, other shapes: a plan of another model is not told to compile a submodule
+    other.body.fc1, other.body.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+    with pytest.raises(patchc.PlanError, match=r"layer fc1\.weight: the model has no parameter 'fc1\.weight' "
+                                               r"\(nor an expert slice of that name\)$"):
+        patchc.compile(other, plan, tune=False)
     model.body = patchc.compile(model.body, plan, tune=False)  # what the message says to do
     with torch.no_grad():
         torch.testing.assert_close(model(x), pruned(x), atol=1e-5, rtol=1e-5)

@@ -299,8 +299,9 @@ def model_matrices(model: nn.Module) -> dict[str, Target]:
     return out
 
 
-def resolve(model: nn.Module, name: str, recorded: Mapping | None = None) -> Target:
-    """The `Target` of plan layer `name` in `model` (`recorded`: the plan's `meta["targets"]`).
+def resolve(model: nn.Module, name: str, recorded: Mapping | None = None, shape: tuple | None = None) -> Target:
+    """The `Target` of plan layer `name` in `model` (`recorded`: the plan's `meta["targets"]`; `shape`: the
+    layer's (N, K), which a parameter must have to be suggested as its submodule's).
 
     Raises `PlanError` naming the layer when the model has no such parameter or expert.
     """
@@ -317,14 +318,16 @@ def resolve(model: nn.Module, name: str, recorded: Mapping | None = None) -> Tar
     target = _guess(model, name)
     if target is None:
         raise PlanError(f"layer {name}: the model has no parameter {name!r} (nor an expert slice of that name)"
-                        + _submodule_hint(model, name))
+                        + _submodule_hint(model, name, shape))
     return target
 
 
-def _submodule_hint(model: nn.Module, name: str) -> str:
-    """Where a plan made on a submodule of `model` finds `name` ("" when no parameter ends with it)."""
+def _submodule_hint(model: nn.Module, name: str, shape: tuple | None = None) -> str:
+    """Where a plan made on a submodule of `model` finds `name` ("" when no parameter ends with it, or none
+    of `shape`: a plan of another model must not be told to compile a submodule)."""
     head = expert_slice(name)[0]
-    found = next((n for n, _ in model.named_parameters() if peft_free(n).endswith("." + head)), None)
+    fits = (lambda p: shape is None or tuple(p.shape[-2:]) in (tuple(shape), tuple(shape)[::-1]))
+    found = next((n for n, p in model.named_parameters() if peft_free(n).endswith("." + head) and fits(p)), None)
     if found is None:
         return ""
     sub = peft_free(found)[: -len(head) - 1]
@@ -340,7 +343,7 @@ def resolve_layers(plan, model: nn.Module) -> dict[str, Target]:
     recorded = plan.meta.get(META_KEY)
     out = {}
     for fqn, layer in plan.layers.items():
-        target = resolve(model, fqn, recorded)  # a parameter, its transpose or an expert slice
+        target = resolve(model, fqn, recorded, layer.shape)  # a parameter, its transpose or an expert slice
         shape = tuple(read(model, target).shape)
         if shape != layer.shape:
             raise PlanError(f"layer {fqn}: the model's parameter has shape {shape}, the plan {layer.shape}")
