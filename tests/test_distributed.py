@@ -198,3 +198,42 @@ def test_fsdp_in_one_process_warns_that_nothing_is_sharded(monkeypatch, tmp_path
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             prune._prune(PruneOptions(out=str(tmp_path / "run")), None)
+
+
+def _recover_alone_worker(rank: int, out: str) -> None:
+    """As `prune --recover` without --fsdp under torchrun: rank 0 recovers alone while the others wait."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import patchc
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        said = ["waited"]
+        if rank == 0:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+            x = torch.randn(4, 32)
+            plan = patchc.harden(patchc.transform(model, patchc.PatchConfig(tile=(16, 16)), example_inputs=(x,)))
+            patchc.recover(plan, model, [x] * 3, lambda m, b: m(b).pow(2).mean(), steps=12, lr=1e-3,
+                           checkpoint=Path(out) / "recover.ckpt", checkpoint_every=5, progress=False)
+            said = ["recovered"]
+        dist.broadcast_object_list(said, src=0)  # the others wait for rank 0's result, in no other collective
+        Path(f"{out}/rank{rank}.txt").write_text(said[0])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_recovery_on_rank_0_alone_takes_no_collective_the_others_miss(tmp_path):
+    """The NaN check of weight recovery reduced over the ranks, but without --fsdp rank 0 recovers alone: it
+    waited in that all_reduce while rank 1 waited in its broadcast (a hang until the process group's timeout)."""
+    import torch.multiprocessing as mp
+
+    from tests.test_fsdp import _join_ranks
+
+    _join_ranks(mp.start_processes(_recover_alone_worker, args=(str(tmp_path),), nprocs=2, join=False,
+                                   start_method="spawn"), timeout=120)
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["recovered", "recovered"]

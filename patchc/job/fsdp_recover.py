@@ -36,7 +36,8 @@ from patchc.ir.provenance import check_weights
 from patchc.masking.recover import (RecoverConfig, Saved, TrainedParam, mean_loss, param_masks, rebuild,
                                     recovered_plan, recovery_record, source_fingerprints, train_kept)
 from patchc.masking.recover_checkpoint import checkpoint_key
-from patchc.masking.train import agree, batch_getter, global_mean
+from patchc.masking.ranks import agree, global_mean
+from patchc.masking.train import batch_getter
 from patchc.utils.names import block_path
 
 

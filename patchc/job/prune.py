@@ -37,7 +37,8 @@ from patchc.job.runs import (CHECKPOINT, NM_CHECKPOINT, NM_RECOVER_CHECKPOINT, P
                              release, remove, unfinish)
 from patchc.job.stages import (calibrate, dense_reference, evaluate, oneshot_baseline, oneshot_masks, recover_plan,
                                recovers_sharded, resumes_from, score_copy, timed, train)
-from patchc.masking.train import TrainResult, agree
+from patchc.masking.ranks import agree
+from patchc.masking.train import TrainResult
 from patchc.utils.stopping import exit_on_signals
 
 NM_ROW = "learned 2:4 (nm)"

@@ -3,13 +3,12 @@
 Hardening leaves the kept weights as they were in the dense model; recovery lets them absorb part of
 what the pruned ones did. Two ways:
 
-  * ``method="adam"`` (default): Adam on `batches` with the task loss, gradient clipping and a cosine
-    or linear decay, in eval mode (no dropout). Only the plan's layers train; their gradients are masked
-    to the trainable positions (``scope="all"``: every kept weight; ``scope="values"``: only the kept
-    values of the 2:4 tiles, dense tiles frozen bit for bit) and pruned positions are set back to
-    exactly 0 after each step. Nothing but the model (trained in place), its gradients and Adam's two moments is held.
-    With `checkpoint=PATH` it saves those every `checkpoint_every` steps; `resume=True` goes on from there
-    (`recover_checkpoint.py`).
+  * ``method="adam"`` (default): Adam on `batches` with the task loss, gradient clipping and a cosine or linear
+    decay, in eval mode (no dropout). Only the plan's layers train; their gradients are masked to the trainable
+    positions (``scope="all"``: every kept weight; ``scope="values"``: only the kept values of the 2:4 tiles, dense
+    tiles frozen bit for bit) and pruned positions are set back to exactly 0 after each step. Nothing but the model
+    (trained in place), its gradients and Adam's two moments is held. With `checkpoint=PATH` it saves those every
+    `checkpoint_every` steps; `resume=True` goes on from there (`recover_checkpoint.py`).
   * ``method="sparsegpt"``: one OBS update per layer with the plan's mask fixed (`patchc.pruning`'s
     SparseGPT), from calibration Hessians (`patchc.calibrate`); seconds instead of minutes.
 
@@ -29,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -46,7 +46,8 @@ from patchc.ir.provenance import check_weights, fingerprint
 from patchc.ir.tiles import expand_tiles
 from patchc.masking.cadence import Cadence
 from patchc.masking.recover_checkpoint import checkpoint_key, is_sharded, load_recovery, save_recovery
-from patchc.masking.train import agree, batch_getter, check_finite, first_bad_step, global_mean, stop_agreed
+from patchc.masking.ranks import agree, check_finite, first_bad_step, global_mean, stop_agreed
+from patchc.masking.train import batch_getter
 from patchc.utils.progress import progress as progress_bar
 from patchc.utils.stopping import stop_now, stoppable
 
@@ -302,18 +303,18 @@ def train_kept(plan: TilePlan, model: nn.Module, views: dict[str, tg.Target], ge
         bar = progress_bar(range(start, cfg.steps), desc=f"weight recovery ({cfg.scope})", disable=not progress,
                            initial=start, total=cfg.steps)
         with stoppable() as handled:
-            first_bad = None  # as in mask training: a NaN loss between log steps must not reach a checkpoint
+            first_bad, finite = None, functools.partial(check_finite, what="weight recovery", ranks=sharded)
             for t in bar:
                 loss = _step(model, loss_fn, get_batch(t), optimizer, params, cfg.lr * cfg.schedule_factor(t),
                              cfg.grad_clip)
                 first_bad = first_bad_step(first_bad, loss, t + 1)
                 if (t + 1) % 10 == 0 or t == 0 or t + 1 == cfg.steps:
-                    check_finite(first_bad, t + 1, what="weight recovery")
+                    finite(first_bad, t + 1)
                     history.append(_log(t + 1, global_mean(loss.detach()) if sharded else loss, optimizer, bar, on_log))
                 # a signal: stop after this step, with its checkpoint written (sharded: the ranks agree on it)
                 stop = stop_agreed(handled and sharded, t + 1, cfg.steps, loss.device)
                 if cadence.due(t + 1) or (saved.path is not None and (t + 1 == cfg.steps or stop is not None)):
-                    check_finite(first_bad, t + 1, "no checkpoint is written over the last one", "weight recovery")
+                    finite(first_bad, t + 1, "no checkpoint is written over the last one")  # never NaN weights
                     cadence.save(t + 1, lambda: save_recovery(saved.path, saved.key, tensors, optimizer, t + 1,
                                                               history), agree if sharded else (lambda x: x))
                 if stop is not None:
@@ -348,11 +349,8 @@ def _step(model: nn.Module, loss_fn: Callable, batch: Any, optimizer: torch.opti
 
 
 def _log(step: int, loss: torch.Tensor, optimizer: torch.optim.Optimizer, bar, on_log) -> dict[str, float]:
-    """The log record of `step` (a finite loss, or FloatingPointError), shown on the bar and passed to `on_log`."""
+    """The log record of `step` (its loss checked finite just before), shown on the bar and passed to `on_log`."""
     record = {"step": step, "loss": float(loss.detach()), "lr": optimizer.param_groups[0]["lr"]}
-    if not math.isfinite(record["loss"]):
-        raise FloatingPointError(f"weight recovery: loss is {record['loss']} at step {step}; lower lr or keep "
-                                 "grad_clip")
     if hasattr(bar, "set_postfix"):
         bar.set_postfix(loss=f"{record['loss']:.3f}")
     if on_log is not None:

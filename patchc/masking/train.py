@@ -37,7 +37,8 @@ from patchc.masking.recompute import recompute_masked_weights
 from patchc.models.outputs import logits_of
 from patchc.utils.chunks import piecewise
 from patchc.utils.files import atomic_path, read_state
-from patchc.utils.stopping import stop_now, stop_requested, stoppable
+from patchc.masking.ranks import agree, check_finite, first_bad_step, global_mean, stop_agreed, world_size
+from patchc.utils.stopping import stop_now, stoppable
 
 if TYPE_CHECKING:  # the trainer takes the program passes/ builds; importing it here would be circular
     from patchc.passes.program import MaskedProgram
@@ -222,7 +223,7 @@ def train_masks(
         prog.cfg = prog.cfg.replace(steps=schedule_steps)  # the program's schedules read T from its config
     optim = optim or MaskOptimConfig()
     optimizer = optimizer or make_optimizer(prog, lr, optim, tile_lr)
-    in_backward = bool(optim.in_backward) and _world_size() == 1
+    in_backward = bool(optim.in_backward) and world_size() == 1
     clip_each = bool(optim.in_backward)  # the low mode clips per tensor, also where it steps after backward
     io = checkpoint_io or CheckpointIO()
     result = TrainResult()
@@ -283,25 +284,6 @@ def _step(prog, loss_fn, batch, optimizer, params, grad_clip, in_backward, clip_
     return loss, task, reg
 
 
-def first_bad_step(first_bad: torch.Tensor | None, loss: torch.Tensor, step: int) -> torch.Tensor:
-    """The first step so far whose loss was not finite, 0 if none: device ops only (no sync per step)."""
-    bad = ~torch.isfinite(loss.detach())
-    first_bad = torch.zeros((), dtype=torch.int64, device=loss.device) if first_bad is None else first_bad
-    return torch.where((first_bad == 0) & bad, step, first_bad)
-
-
-def check_finite(first_bad: torch.Tensor | None, step: int, then: str = "", what: str = "mask training") -> None:
-    """FloatingPointError if a loss up to `step` was NaN or inf, on any torchrun rank (a collective): its
-    step went into the logits, which are then NaN too, and every step after. Read at log and checkpoint steps."""
-    if first_bad is None:
-        return
-    bad = global_mean(first_bad.double())  # > 0 iff some rank saw one
-    if float(bad) > 0:
-        at = int(first_bad) or "?"  # this rank's step; another rank's when this one saw none
-        raise FloatingPointError(f"{what}: loss is nan or inf at step {at} (seen at step {step})"
-                                 + (f"; {then}" if then else "") + "; lower the learning rate (--lr) or check the data")
-
-
 def _after_step(prog, result: TrainResult, t: int, steps: int, losses, log_every: int, bar, on_log,
                 first_bad: torch.Tensor | None = None) -> None:
     """Advance the schedules; at log steps check the losses so far and record a history line."""
@@ -321,50 +303,6 @@ def _after_step(prog, result: TrainResult, t: int, steps: int, losses, log_every
     bar.set_postfix(task=f"{record['task']:.3f}", density=f"{record['density']:.3f}", tau=f"{record['tau']:.2f}")
     if on_log is not None:
         on_log(record)
-
-
-def stop_agreed(handled: bool, step: int, steps: int, device: torch.device) -> int | None:
-    """The signal that asks training to stop after `step`, the same on every torchrun rank: each checks its
-    own every step alone, and under torchrun every 10 steps and at the last, the ranks agreeing (a sync, like
-    a log step's)."""
-    signum = stop_requested()
-    if not handled or _world_size() == 1:
-        return signum
-    if step % 10 and step != steps:
-        return None
-    import torch.distributed as dist
-
-    flag = torch.tensor([signum or 0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item()) or None
-
-
-def agree(value: Any) -> Any:
-    """Rank 0's `value` on every torchrun rank (each measured its own): a collective, so every rank calls it."""
-    import torch.distributed as dist
-
-    if _world_size() == 1:
-        return value
-    shared = [value]
-    dist.broadcast_object_list(shared, src=0)
-    return shared[0]
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def global_mean(values: torch.Tensor) -> torch.Tensor:
-    """Average logged values over torchrun ranks (each saw its share of the global batch)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        values = values.clone()
-        dist.all_reduce(values)
-        values /= dist.get_world_size()
-    return values
 
 
 def lm_loss(
