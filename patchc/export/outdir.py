@@ -2,15 +2,18 @@
 in a hidden sibling and renamed into place (`atomic_dir`), and what a killed run left beside it cleaned up
 (`sweep_leftovers`). The hidden folders, each named with its owner (`patchc.utils.owners.owner_tag`):
 
-    .<out>.<pid>@<host>.<random>.tmp    the folder being written; renamed onto <out> once complete
-    .<out>.<pid>@<host>.<random>.old    an existing <out>, moved aside as .old/x just before that rename,
-                                        deleted just after
-    .patchc-import.<pid>@<host>.<random>   `patchc import`'s decoded checkpoint (`importing.decoded`)
+    .<out>.<owner>.<random>.tmp     the folder being written; renamed onto <out> once complete
+    .<out>.<owner>.<random>.old     an existing <out>, moved aside as .old/x just before that rename, deleted
+                                    just after
+    .patchc-import.<owner>.<random>    `patchc import`'s decoded checkpoint (`importing.decoded`)
+
+<owner> is "<pid>-<pid namespace>@<host>".
 
 A process killed in between (SIGKILL, out of memory, power loss) leaves them, as large as the model: the next
-export or import to the same --out removes those whose owner is gone (`owners.orphaned`: on this host its
-pid; from another host, or named before owners were recorded, an hour without change), first putting a
-moved-aside <out> back where <out> is missing, and says so in one warning line.
+export or import to the same --out removes those whose owner is gone (`owners.orphaned`: a process of this
+host and PID namespace that no longer runs), first putting a moved-aside <out> back where <out> is missing,
+and says so in one warning line. Those it cannot judge (another host's or container's, or named before
+owners were recorded) it only names there: one of them may still be writing.
 
 Example:
     >>> with atomic_dir(Path("out/pruned"), overwrite=False) as tmp:
@@ -30,9 +33,9 @@ from pathlib import Path
 
 from patchc.export.format import ExportError
 from patchc.utils.files import check_writable, publish_modes
-from patchc.utils.owners import format_bytes, orphaned, owner_tag, tree_bytes
+from patchc.utils.owners import foreign, format_bytes, orphaned, owner_tag, tree_bytes
 
-_TAG = r"(?:(?P<tag>\d+@[A-Za-z0-9._-]+)\.)?"  # absent in names written before owners were recorded
+_TAG = r"(?:(?P<tag>\d+(?:-\d+)?@[A-Za-z0-9._-]+)\.)?"  # absent in names written before owners were recorded
 _RANDOM = r"[a-z0-9_]{8}"  # tempfile.mkdtemp's
 DECODED = ".patchc-import."
 
@@ -81,31 +84,38 @@ def atomic_dir(out: Path, overwrite: bool) -> Iterator[Path]:
         raise
 
 
-def leftovers(out: Path, decoded: bool = False) -> list[tuple[Path, str]]:
-    """(folder, "tmp" | "old" | "decoded") of the hidden folders beside `out` that runs killed before they
-    finished left, their owners gone: .old ones first. `decoded`: `patchc import`'s decoded checkpoints too."""
+def leftovers(out: Path, decoded: bool = False) -> tuple[list[tuple[Path, str]], list[Path]]:
+    """([(folder, "tmp" | "old" | "decoded")] of the hidden folders beside `out` that killed runs left, their
+    owners gone, .old ones first; [folders whose owner cannot be checked from here]). `decoded`: `patchc
+    import`'s decoded checkpoints too."""
     kinds = [(re.compile(re.escape(f".{out.name}.") + _TAG + _RANDOM + r"\.(?P<kind>tmp|old)"), "")]
     if decoded:
         kinds.append((re.compile(re.escape(DECODED) + _TAG + _RANDOM), "decoded"))
     try:
         names = sorted(os.listdir(out.parent))
     except OSError:  # no parent yet, or unreadable (refused later, naming it): nothing of ours there
-        return []
-    found = []
+        return [], []
+    found, unknown = [], []
     for name in names:
         for pattern, kind in kinds:
             m = pattern.fullmatch(name)
             path = out.parent / name
-            if m and path.is_dir() and not path.is_symlink() and orphaned(path, m.group("tag")):
+            if not m or not path.is_dir() or path.is_symlink():
+                continue
+            if orphaned(m.group("tag")):
                 found.append((path, kind or m.group("kind")))
-    return sorted(found, key=lambda f: f[1] != "old")
+            elif foreign(m.group("tag")):
+                unknown.append(path)
+    return sorted(found, key=lambda f: f[1] != "old"), unknown
 
 
 def sweep_leftovers(out: Path, decoded: bool = False) -> None:
     """Remove what killed runs left beside `out` (`leftovers`), first moving a set-aside <out> back into place
-    where <out> is missing (a kill between atomic_dir's two renames); one warning line says what was done."""
+    where <out> is missing (a kill between atomic_dir's two renames); one warning line says what was done, and
+    names the hidden folders it cannot judge."""
     removed, kept, restored, size = [], [], None, 0
-    for path, kind in leftovers(out, decoded):
+    gone, unknown = leftovers(out, decoded)
+    for path, kind in gone:
         if kind == "old" and restored is None and (path / "x").is_dir() and not os.path.lexists(out):
             os.replace(path / "x", out)
             restored = path
@@ -116,7 +126,7 @@ def sweep_leftovers(out: Path, decoded: bool = False) -> None:
         else:
             removed.append(path.name)
             size += held
-    if not (removed or kept):
+    if not (removed or kept or unknown):
         return
     said = [f"removed {len(removed)} temporary folder(s) left by an export or import killed before it finished "
             f"({format_bytes(size)}: {', '.join(removed)})"] if removed else []
@@ -124,4 +134,8 @@ def sweep_leftovers(out: Path, decoded: bool = False) -> None:
         said.append(f"put back {out}, which it had moved aside into {restored.name}")
     if kept:
         said.append(f"could not remove {', '.join(kept)}; delete them by hand")
+    if unknown:
+        said.append(f"left {', '.join(p.name for p in unknown)} ({format_bytes(sum(map(tree_bytes, unknown)))}): "
+                    "another host's or container's export or import, or an older patchc's; delete them by hand "
+                    "once nothing writes them")
     warnings.warn(f"--out {out}: " + "; ".join(said), stacklevel=2)

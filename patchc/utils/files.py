@@ -81,13 +81,13 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
 
 def check_apart(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike]], todo: str,
                 flag: str = "--out", error: type[ValueError] = ValueError) -> None:
-    """Refuse an output that is one of `inputs` ((what it is, path)), holds one, or lies inside one, symlinks
-    resolved: replacing it (--overwrite) would delete what the command reads, or write into it. `error` in
-    one line naming both paths, then `todo`."""
+    """Refuse an output that is one of `inputs` ((what it is, path)) or holds one, symlinks resolved: replacing
+    it (--overwrite) would delete what the command reads. `error` in one line naming both paths, then `todo`.
+    An output inside an input (`--out runs/a/hf` for run runs/a) is fine: replacing it deletes nothing read."""
     real = Path(os.path.realpath(out))
     for what, given in inputs:
         src = Path(os.path.realpath(given))
-        how = "is" if real == src else "holds" if real in src.parents else "lies inside" if src in real.parents else ""
+        how = "is" if real == src else "holds" if real in src.parents else ""
         if how:
             raise error(f"{flag} {out} {how} {what} {given}; {todo}")
 

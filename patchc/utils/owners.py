@@ -1,15 +1,15 @@
 """Which process owns a temporary folder, and whether it is gone: so that what a killed process left
 behind (a half-written export of tens of GB) can be removed without touching a live one's.
 
-A folder's owner is written into its name as "<pid>@<host>" (`owner_tag`). On this host a folder whose
-pid is gone is orphaned; the pid cannot be checked on another host (a shared file system), nor for a
-folder named before owners were recorded: those count as orphaned once nothing in them has changed for
-`STALE_S` (a live writer keeps touching the file it writes).
+A folder's owner is written into its name as "<pid>-<pid namespace>@<host>" (`owner_tag`). A folder of this
+host and PID namespace whose pid is gone is orphaned. Nothing else is ever judged so: a pid cannot be checked
+from another host (a shared file system) nor from another container that shares the host's name (its own
+PID namespace), and a folder named before owners were recorded has no pid at all; such folders are only
+named (`foreign`), for the user to remove once nothing writes them.
 
 Example:
-    >>> tmp = Path(tempfile.mkdtemp(prefix=f".out.{owner_tag()}.", suffix=".tmp", dir="."))
-    >>> orphaned(tmp, owner_tag())      # this process's: never
-    False
+    >>> orphaned(owner_tag()), foreign("1-4026531836@elsewhere")      # this process's: never orphaned
+    (False, True)
 """
 
 from __future__ import annotations
@@ -17,20 +17,24 @@ from __future__ import annotations
 import os
 import re
 import socket
-import time
 from pathlib import Path
-
-STALE_S = 3600.0
-
 
 def host_name() -> str:
     """This host's name, as a file name may hold it."""
     return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())
 
 
+def pid_namespace() -> int:
+    """This process's PID namespace (the inode of /proc/self/ns/pid; 0 where there is none)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def owner_tag() -> str:
-    """"<pid>@<host>" of this process, for a temporary folder's name."""
-    return f"{os.getpid()}@{host_name()}"
+    """"<pid>-<pid namespace>@<host>" of this process, for a temporary folder's name."""
+    return f"{os.getpid()}-{pid_namespace()}@{host_name()}"
 
 
 def process_alive(pid: int) -> bool:
@@ -44,25 +48,17 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def orphaned(path: Path, tag: str | None, now: float | None = None) -> bool:
-    """Whether the folder `path`, owned by `tag` ("<pid>@<host>", None when unknown), was left by a process
-    that is gone: on this host, its pid no longer runs; else nothing in it changed for `STALE_S`."""
-    pid, _, host = (tag or "").partition("@")
-    if pid.isdigit() and host == host_name():
-        return not process_alive(int(pid))
-    return (now if now is not None else time.time()) - last_change(path) > STALE_S
+def orphaned(tag: str | None) -> bool:
+    """Whether the process that `tag` ("<pid>-<pid namespace>@<host>", None when unknown) names is gone: only
+    ever for one of this host and namespace; any other owner may still be writing (`foreign`)."""
+    return not foreign(tag) and not process_alive(int((tag or "").partition("-")[0]))
 
 
-def last_change(path: Path) -> float:
-    """The latest modification time of `path` or anything in it (0 when it is gone)."""
-    latest = 0.0
-    for root, dirs, files in os.walk(path):
-        for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
-            try:
-                latest = max(latest, os.lstat(name).st_mtime)
-            except OSError:  # removed meanwhile
-                pass
-    return latest
+def foreign(tag: str | None) -> bool:
+    """Whether `tag`'s process cannot be checked from here (another host or container, or no tag)."""
+    ids, _, host = (tag or "").partition("@")
+    pid, _, ns = ids.partition("-")
+    return not (pid.isdigit() and ns.isdigit() and int(ns) == pid_namespace() and host == host_name())
 
 
 def tree_bytes(path: Path) -> int:
