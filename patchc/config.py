@@ -99,6 +99,7 @@ def check_tile_sides(tile: tuple[int, int], what: str, example: str) -> None:
     if any(t < 4 or t % 4 for t in tile):
         raise ValueError(f"{what}: both tile dims must be multiples of 4 and >= 4 ({example})")
 
+
 @dataclass(frozen=True)
 class PatchConfig:
     """How to learn a hybrid dense / 2:4 tile mask.

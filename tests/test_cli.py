@@ -313,6 +313,18 @@ def test_verbose_shows_patchc_log_lines_for_the_command_only(tmp_path, capsys, m
     assert logging.getLogger("patchc").level == level and not logging.getLogger("patchc").handlers
 
 
+def test_verbose_flags_before_and_after_the_command_add_up(tmp_path, monkeypatch):
+    from patchc.job import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "cmd_report", lambda args: seen.append(args.verbose) or 0)
+    plan = tmp_path / "plan.patch"
+    plan.write_bytes(b"")
+    cases = {("-v", "report", str(plan), "-v"): 2, ("report", str(plan), "-vv"): 2, ("-v", "report", str(plan)): 1}
+    for argv, count in cases.items():
+        assert main(list(argv)) == 0 and seen.pop() == count, argv
+
+
 def test_patchc_warnings_read_as_one_line_from_a_shell(tmp_path, capsys, monkeypatch):
     """Run from a shell (`main()` with sys.argv), a warning of patchc's prints as `patchc <command>: warning:
     ...` (it printed Python's `.../rescore.py:84: UserWarning:` and the source line); another library's keeps

@@ -118,7 +118,7 @@ def test_a_killed_exports_temporary_folder_is_removed_by_the_next_one(tmp_path):
     (left,) = hidden(tmp_path)
     assert re.fullmatch(rf"\.pruned\.\d+-{pid_namespace()}@{re.escape(host_name())}\.\w{{8}}\.tmp", left), "owner"
     with pytest.warns(UserWarning, match=rf"--out {out}: removed 1 temporary folder\(s\) left by an export or "
-                                         rf"import killed before it finished \(3\.0 MiB: {re.escape(left)}\)$"):
+                                         rf"import killed before it finished \(3\.1 MB: {re.escape(left)}\)$"):
         prepare_out(out, overwrite=False)
     assert hidden(tmp_path) == [] and not out.exists()
 
@@ -157,7 +157,7 @@ def test_only_folders_whose_owner_is_gone_are_swept(tmp_path):
     out = tmp_path / "pruned"
     named = ", ".join(sorted(names[w] for w in ("other container", "other host", "unowned")))
     with pytest.warns(UserWarning, match=rf"removed 1 temporary folder.*{re.escape(names['dead here'])}\); left "
-                                         rf"{re.escape(named)} \(3 B\): another host's or container's"):
+                                         rf"{re.escape(named)} \(0.0 kB\): another host's or container's"):
         prepare_out(out, overwrite=False)  # an export: not import's decoded checkpoints
     assert hidden(tmp_path) == sorted(name for what, name in names.items() if what != "dead here")
     with pytest.warns(UserWarning, match=f"removed 1 temporary folder.*{names['decoded, dead']}"):

@@ -216,7 +216,9 @@ def _damaged_files(tmp_path):
 
 def test_a_file_numpy_cannot_read_is_named_with_a_short_reason(tiny_mlp, tmp_path):
     for name, (path, why) in _damaged_files(tmp_path).items():
-        for read in (lambda p: load_npz(p, tiny_mlp), read_meta):
+        # read_meta reads __meta__ alone (a 7B file's masks are GBs): a damaged mask member is load_npz's to find
+        readers = [lambda p: load_npz(p, tiny_mlp)] + ([read_meta] if name not in ("member", "objects") else [])
+        for read in readers:
             with pytest.raises(ValueError) as err:
                 read(path)
             assert str(err.value) == f"{path}: cannot read as a .npz mask file ({why})", name

@@ -32,8 +32,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from patchc.export.format import ExportError
-from patchc.utils.files import check_writable, publish_modes
-from patchc.utils.owners import foreign, format_bytes, orphaned, owner_tag, tree_bytes
+from patchc.utils.files import check_writable, publish_modes, size_text
+from patchc.utils.owners import foreign, orphaned, owner_tag, tree_bytes
 
 _TAG = r"(?:(?P<tag>\d+(?:-\d+)?@[A-Za-z0-9._-]+)\.)?"  # absent in names written before owners were recorded
 _RANDOM = r"[a-z0-9_]{8}"  # tempfile.mkdtemp's
@@ -129,13 +129,13 @@ def sweep_leftovers(out: Path, decoded: bool = False) -> None:
     if not (removed or kept or unknown):
         return
     said = [f"removed {len(removed)} temporary folder(s) left by an export or import killed before it finished "
-            f"({format_bytes(size)}: {', '.join(removed)})"] if removed else []
+            f"({size_text(size)}: {', '.join(removed)})"] if removed else []
     if restored is not None:
         said.append(f"put back {out}, which it had moved aside into {restored.name}")
     if kept:
         said.append(f"could not remove {', '.join(kept)}; delete them by hand")
     if unknown:
-        said.append(f"left {', '.join(p.name for p in unknown)} ({format_bytes(sum(map(tree_bytes, unknown)))}): "
+        said.append(f"left {', '.join(p.name for p in unknown)} ({size_text(sum(map(tree_bytes, unknown)))}): "
                     "another host's or container's export or import, or an older patchc's; delete them by hand "
                     "once nothing writes them")
     warnings.warn(f"--out {out}: " + "; ".join(said), stacklevel=2)

@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, help: str, **kw) -> argparse.ArgumentParser:  # noqa: A002 (argparse's name)
         p = sub.add_parser(name, help=help, description=kw.pop("description", help), formatter_class=HelpFormatter)
         # also after the command (`patchc eval RUN -v`); unset there, the value given before it stands
-        add_output_flags(p, debug=argparse.SUPPRESS, verbose=argparse.SUPPRESS)
+        add_output_flags(p, debug=argparse.SUPPRESS, verbose=argparse.SUPPRESS, after=True)
         return p
 
     p = command("prune", "learn a hybrid mask for a model on text, evaluate it, write a report")
@@ -348,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.verbose += getattr(args, "verbose_after", 0)  # -v before the command and after it add up
     # recorded in report.json / recover.json: the words given, not the host program's (e.g. pytest's)
     args.command_line = " ".join(["patchc", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     args.from_command_line = argv is None  # the process is this command: it may restart itself (bench)

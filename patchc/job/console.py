@@ -19,11 +19,13 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def add_output_flags(parser: argparse.ArgumentParser, debug: object, verbose: object) -> None:
-    """`--debug` and `-v`; a command's parser takes them with SUPPRESS defaults, so `patchc -v eval` still counts."""
+def add_output_flags(parser: argparse.ArgumentParser, debug: object, verbose: object, after: bool = False) -> None:
+    """`--debug` and `-v`; a command's parser (`after`) takes them with SUPPRESS defaults, so `patchc -v eval`
+    still counts, and counts its own `-v` apart (`verbose_after`): `patchc -v eval RUN -v` is -vv."""
     parser.add_argument("--debug", action="store_true", default=debug,
                         help="show the traceback of an error instead of one line")
     parser.add_argument("-v", "--verbose", action="count", default=verbose,
+                        dest="verbose_after" if after else "verbose",
                         help="show patchc's INFO log lines on stderr (-vv: DEBUG too); warnings always show")
 
 

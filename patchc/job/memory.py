@@ -30,6 +30,7 @@ from patchc.job.options import PruneOptions
 from patchc.masking.optim import STATE_DTYPES, MaskOptimConfig
 from patchc.pruning.observe import layer_matrix, plain_layers
 from patchc.utils.env import proc_bytes
+from patchc.utils.files import size_text as _size  # one formatter for every size patchc prints
 
 log = logging.getLogger(__name__)
 
@@ -318,13 +319,6 @@ def out_of_memory(command: str, exc: BaseException) -> str:
     where = f" in the {stage} stage" if stage else ""
     kept = "; what finished is kept: rerun with --resume (same --out)" if command == "prune" else ""
     return f"out of memory{where} ({first[:160]}): try {remedy}{kept}"
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
-        if n >= scale / 10:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n / 1e3:.1f} kB"
 
 
 __all__ = ["bytes_per_weight", "calibration_memory", "check_fits", "check_hessian", "check_hessians", "check_loads",

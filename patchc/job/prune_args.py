@@ -127,7 +127,8 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue <out>/masks.ckpt with the same settings (--steps may grow: extends the run)")
     p.add_argument("--overwrite", action="store_true",
-                   help="start again in an --out that holds a finished run or a checkpoint")
+                   help="start again in an --out that holds a run (its report, plans and checkpoints are deleted "
+                        "before training), or write into a folder of other files, replacing those of a run's names")
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun, shard each block's frozen weights and mask logits over the processes "
                         "(FSDP2); the checkpoint becomes a folder every process writes")

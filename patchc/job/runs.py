@@ -205,7 +205,8 @@ def _check_finished(folder: Path, resume: bool, overwrite: bool) -> None:
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise RunError(f"--out {folder} is not a patchc run folder and holds {shown}; choose a new or empty "
-                       "--out, or pass --overwrite to write the run among them (its report.md, plan.patch, ...)")
+                       "--out, or pass --overwrite to write the run among them, replacing any of a run's names "
+                       "(report.md, plan.patch, ...)")
 
 
 def _make_dir(folder: Path) -> None:

@@ -73,7 +73,6 @@ def _uniform(shape: tuple[int, ...], gen: torch.Generator, device: torch.device)
     return torch.rand(shape, generator=gen, device=device, dtype=torch.float32).clamp_(eps, 1.0 - 1e-7)
 
 
-
 def fp32_kept(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """`fn` (of `nn.Module._apply`) that only moves fp32 tensors where it would cast them to 16 bits:
     `prog.half()` / `.to(torch.bfloat16)` cast the weights, while the mask logits (Adam's small steps), tile
@@ -86,6 +85,7 @@ def fp32_kept(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Ten
         return t.to(probe.device) if probe.dtype in (torch.float16, torch.bfloat16) else fn(t)
 
     return kept
+
 
 class HybridMask(nn.Module):
     """Learnable dense-or-2:4 tile mask of one (N, K) weight. See the module docstring."""

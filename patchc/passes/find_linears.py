@@ -21,12 +21,11 @@ weight (E, N, K) read by a grouped matmul, or by a bmm whose batch is the expert
 (`W[:R]`: LongCat-Flash's gate_up_proj also holds rows for experts that compute nothing) is R experts; the
 rows past them are never masked nor planned.
 
-Which weights are masked: `PatchConfig.selects` (include / exclude globs over the weight's fully
-qualified name, 2-D, min_features) and two structural rules: a weight that a lookup also reads (an
-embedding, `W[ids]`, index_select, gather: a tied LM head) is never masked, and K % 4 != 0 is skipped (no 2:4
-groups). Every skipped
-weight is kept in `skipped` with its reason, so summaries can say why; so is a parameter that some
-matmul reads in a form not listed above (`W @ x`, a gathered expert slice, ...).
+Which weights are masked: `PatchConfig.selects` (include / exclude globs over the weight's fully qualified name,
+2-D, min_features) and two structural rules: a weight that a lookup also reads (an embedding, `W[ids]`,
+index_select, gather: a tied LM head) is never masked, and K % 4 != 0 is skipped (no 2:4 groups). Every skipped
+weight is kept in `skipped` with its reason, so summaries can say why; so is a parameter that some matmul reads in a
+form not listed above (`W @ x`, a gathered expert slice, ...).
 
 Regions torch.export keeps as a subgraph (`with torch.no_grad():`, `with torch.autocast(...)`: HRM runs its
 early reasoning cycles without gradients) are searched too, nested or not. A matmul inside one reads its

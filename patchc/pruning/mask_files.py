@@ -99,7 +99,8 @@ def save_npz(plan_or_masks: Any, path: str | os.PathLike, format: str = "patch",
 
 
 def detect_format(keys: list[str]) -> str:
-    """"patch" if the archive has "__meta__" or "<key>.__shape__" entries, else "maskllm" if every key ends in ".mask"."""
+    """"patch" if the archive has "__meta__" or "<key>.__shape__" entries, else "maskllm" if every key ends in
+    ".mask"."""
     if META_KEY in keys or any(k.endswith(SHAPE_SUFFIX) for k in keys):
         return "patch"
     if keys and all(k.endswith(MASKLLM_SUFFIX) for k in keys):
@@ -221,16 +222,17 @@ def load_npz(path: str | os.PathLike, model: Any, strict: bool = True) -> dict[s
     return masks
 
 
-def read_arrays(path: Path) -> dict[str, np.ndarray]:
-    """Every array of the .npz at `path`, or ValueError `PATH: cannot read as a .npz mask file (<why>)`: numpy's
-    errors name no file, and one advises allow_pickle, which would unpickle whatever a foreign file holds."""
+def read_arrays(path: Path, keys: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+    """The arrays of the .npz at `path` (only those of `keys` it holds, when given: a 7B file's masks are GBs), or
+    ValueError `PATH: cannot read as a .npz mask file (<why>)`: numpy's errors name no file, and one advises
+    allow_pickle, which would unpickle whatever a foreign file holds."""
     try:
         archive = np.load(path, allow_pickle=False)
         if not isinstance(archive, np.lib.npyio.NpzFile):
             why = "one .npy array, not a .npz archive of masks"
         else:
             with archive:
-                return {k: archive[k] for k in archive.files}
+                return {k: archive[k] for k in archive.files if keys is None or k in keys}
     except OSError as e:
         why = e.strerror or str(e)
     except EOFError:
@@ -245,7 +247,7 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
 
 def read_meta(path: str | os.PathLike) -> dict:
     """The PATCH "__meta__" JSON of a mask file ({} for MaskLLM files); ValueError naming the file if unreadable."""
-    data = read_arrays(Path(path))
+    data = read_arrays(Path(path), (META_KEY,))
     if META_KEY not in data:
         return {}
     try:

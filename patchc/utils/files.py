@@ -21,6 +21,14 @@ from pathlib import Path
 from typing import Any
 
 
+def size_text(n: float) -> str:
+    """`n` bytes in decimal units, as patchc's messages give sizes: "812.0 kB", "3.2 MB", "14.5 GB"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if n >= scale / 10:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1e3:.1f} kB"
+
+
 def cache_root() -> Path:
     """patchc's per-user cache folder: ``$PATCHC_CACHE_DIR``, else ``~/.cache/patchc`` (tuning, built libraries)."""
     return Path(os.environ.get("PATCHC_CACHE_DIR") or Path.home() / ".cache" / "patchc")

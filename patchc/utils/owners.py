@@ -71,14 +71,3 @@ def tree_bytes(path: Path) -> int:
             except OSError:
                 pass
     return total
-
-
-def format_bytes(n: float) -> str:
-    """`n` bytes as "12 B", "512.0 KiB", "3.2 GiB"."""
-    if n < 1024:
-        return f"{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024 or unit == "TiB":
-            break
-    return f"{n:.1f} {unit}"
