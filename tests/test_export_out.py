@@ -50,7 +50,7 @@ def test_export_refuses_an_out_that_is_or_holds_its_run(run, where):
     check_apart(run / "export", [("the run folder", run)], "")  # inside it: replacing it deletes nothing read
     how = {"itself": "is", "its parent": "holds", "a link to it": "is"}[where]
     before = {p: kept(p) for p in run.parent.iterdir() if p.is_dir() and not p.is_symlink()}
-    with pytest.raises(ExportError, match=f"--out {out[where]} {how} the run folder {run}; choose an --out outside"):
+    with pytest.raises(ExportError, match=f"--out {out[where]} {how} the run folder {run}; choose an --out apart"):
         export_run(run, out[where], overwrite=True)
     assert {p: kept(p) for p in run.parent.iterdir() if p.is_dir() and not p.is_symlink()} == before
 
@@ -69,14 +69,16 @@ def test_export_of_a_plan_file_refuses_its_folder_and_the_model_it_loads(run, tm
 def test_cli_export_and_import_name_both_paths_in_one_line(run, tmp_path, capsys):
     assert main(["export", str(run), "--out", str(run), "--overwrite"]) == 2
     err = capsys.readouterr().err
-    assert err == f"patchc export: error: --out {run} is the run folder {run}; choose an --out outside it\n"
+    assert err == (f"patchc export: error: --out {run} is the run folder {run}; choose an --out apart from it "
+                   "(inside it is fine)\n")
     assert kept(run) == ["plan.patch", "report.json"]
     src = tmp_path / "ckpt"
     src.mkdir()
     (src / "config.json").write_text("{}")
     assert main(["import", str(src), "--out", str(src), "--overwrite"]) == 2
     err = capsys.readouterr().err
-    assert err == f"patchc import: error: --out {src} is the checkpoint {src}; choose an --out outside it\n"
+    assert err == (f"patchc import: error: --out {src} is the checkpoint {src}; choose an --out apart from it "
+                   "(inside it is fine)\n")
     assert kept(src) == ["config.json"]
     with pytest.raises(ExportError, match=f"--out {tmp_path} holds the checkpoint {src}"):
         import_sparse(src, tmp_path, overwrite=True)

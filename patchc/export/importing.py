@@ -128,8 +128,8 @@ def import_sparse(src: str | os.PathLike, out: str | os.PathLike, *, tile: tuple
     coverage = padded = None
     out = Path(out)
     # --overwrite replaces --out whole: it must not be (or hold) the checkpoint it reads
-    check_apart(out, [("the checkpoint", src)] * Path(src).exists(), "choose an --out outside it",
-                error=ExportError)
+    check_apart(out, [("the checkpoint", src)] * Path(src).exists(),
+                "choose an --out apart from it (inside it is fine)", error=ExportError)
     prepare_out(out, overwrite, decoded=True)  # before any long stage; the export checks both again as it writes
     shard_limit(out, max_shard_size)
     config = checkpoint_config(src)

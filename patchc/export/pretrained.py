@@ -184,7 +184,7 @@ def export_run(run_dir: Run, out_dir: Run, *, model: str | None = None, overwrit
     spec = model or recorded_spec(run, plan)
     # --overwrite replaces --out whole: it must not be (or hold) the run, or the model it loads
     sources = [("the run folder", run)] + [("the model", spec)] * Path(spec).exists()
-    check_apart(out_dir, sources, "choose an --out outside it", error=ExportError)
+    check_apart(out_dir, sources, "choose an --out apart from it (inside it is fine)", error=ExportError)
     prepare_out(Path(out_dir), overwrite)  # before the model loads; the export checks again as it writes
     bundle = load_model(spec)
     source = bundle.source if bundle.tokenizer is not None else None

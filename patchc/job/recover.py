@@ -256,8 +256,8 @@ def run_recover(
         copy = model if model is not None else bundle.reload()  # sharded: the ranks' copies are gone
         scores["recovered"] = job.score_copy(bundle, lambda: recovered.apply(copy), data, opts, dense_ref)
         result = report(bundle, plan, recovered, scores, data, opts, run, command, time.perf_counter() - started)
-        # plan and record back to back, the old record gone first: a kill between them leaves a plan without
-        # a record (refused until --overwrite), never a record describing another plan
+        # plan and record back to back, the old record gone first: a kill between them leaves a plan without a
+        # record and the checkpoint (--resume finishes it, --overwrite redoes it), never a record of another plan
         remove(run / RESULT)
         recovered.save(run / RECOVERED_PLAN)
         write_bytes_atomic(run / RESULT, (json.dumps(result, indent=1) + "\n").encode())
