@@ -177,14 +177,24 @@ def test_export_refuses_a_non_empty_out_before_the_model_loads(run, tmp_path, mo
 
 
 # --- a folder this process cannot write in: refused before any work, naming the folder given -------------------
-def deny(monkeypatch, folder):
-    """`folder` unwritable: chmod 555 (what a user other than root meets) and os.access saying so (for root)."""
-    folder.mkdir(exist_ok=True)
-    folder.chmod(0o555)
-    real = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode, **kw: not (os.path.realpath(p) == os.path.realpath(folder)
-                                                                 and mode & os.W_OK) and real(p, mode, **kw))
-    return folder
+@pytest.fixture
+def deny(monkeypatch):
+    """deny(folder): `folder` unwritable, chmod 555 (what a user other than root meets) and os.access saying so
+    (for root); its mode comes back after the test (the module's run folder serves later tests)."""
+    modes = {}
+
+    def make(folder):
+        folder.mkdir(exist_ok=True)
+        modes[folder] = folder.stat().st_mode & 0o777
+        folder.chmod(0o555)
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: not (
+            os.path.realpath(p) == os.path.realpath(folder) and mode & os.W_OK) and real(p, mode, **kw))
+        return folder
+
+    yield make
+    for folder, mode in modes.items():
+        folder.chmod(mode)
 
 
 @pytest.fixture
@@ -210,8 +220,8 @@ def writable_again(tmp_path):
             p.chmod(0o755)
 
 
-def test_export_and_import_into_an_unwritable_folder(run, tmp_path, monkeypatch, no_work, capsys):
-    ro = deny(monkeypatch, tmp_path / "ro")
+def test_export_and_import_into_an_unwritable_folder(run, tmp_path, monkeypatch, no_work, capsys, deny):
+    ro = deny(tmp_path / "ro")
     assert main(["export", str(run), "--out", str(ro / "e")]) == 2
     denied = f"cannot write in {ro} (Permission denied)\n"
     assert capsys.readouterr().err == f"patchc export: error: --out {ro / 'e'}: {denied}"
@@ -223,15 +233,15 @@ def test_export_and_import_into_an_unwritable_folder(run, tmp_path, monkeypatch,
     assert main(["import", str(src), "--out", str(ro / "served")]) == 2
     assert capsys.readouterr().err.endswith(f"--out {ro / 'served'}: cannot write in {ro} (Permission denied)\n")
     (tmp_path / "w").mkdir()
-    taken = deny(monkeypatch, tmp_path / "w" / "taken")  # replacing it moves it aside and empties it
+    taken = deny(tmp_path / "w" / "taken")  # replacing it moves it aside and empties it
     with pytest.raises(PermissionError, match=f"--out {taken}: cannot write in {taken} "):
         export_run(run, taken, overwrite=True)
 
 
-def test_sample_recover_and_prune_into_an_unwritable_folder(run, tmp_path, monkeypatch, no_work, capsys):
+def test_sample_recover_and_prune_into_an_unwritable_folder(run, tmp_path, monkeypatch, no_work, capsys, deny):
     from patchc.job.recover import run_recover
 
-    ro = deny(monkeypatch, tmp_path / "ro")
+    ro = deny(tmp_path / "ro")
     small = ["--tokens", "60", "--block-len", "19", "--threads", "1", "--no-progress"]
     assert main(["sample", "--out", str(ro / "s.txt"), *small]) == 2
     denied = f"cannot write in {ro} (Permission denied)\n"
@@ -243,9 +253,27 @@ def test_sample_recover_and_prune_into_an_unwritable_folder(run, tmp_path, monke
     err = capsys.readouterr().err
     assert err == ("patchc prune: error: runs/ (the run folders without --out): cannot write in . "
                    "(Permission denied); pass --out\n")
-    deny(monkeypatch, run)
+    deny(run)
     with pytest.raises(PermissionError, match=rf"^{run}: cannot write in {run} \(Permission denied\); recovery writes"):
         run_recover(run)
+
+
+def test_report_and_generate_into_an_unwritable_folder(run, tmp_path, monkeypatch, capsys, deny):
+    """`patchc report` and `generate` failed on a hidden temp file, after drawing or compiling."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("patchc.job.report"), "redraw", lambda *a, **k: pytest.fail("drew"))
+    monkeypatch.setattr(importlib.import_module("patchc.codegen.generate"), "generate",  # the module, not the function
+                        lambda *a, **k: pytest.fail("it compiled"))
+    ro = deny(tmp_path / "ro")
+    denied = f"cannot write in {ro} (Permission denied)"
+    for command in ("report", "generate"):
+        assert main([command, str(run), "--out", str(ro / "x")]) == 2
+        assert capsys.readouterr().err == f"patchc {command}: error: --out {ro / 'x'}: {denied}\n"
+    deny(run)  # report's default: the plan's folder
+    assert main(["report", str(run)]) == 2
+    assert capsys.readouterr().err == (f"patchc report: error: {run} (the plan's folder): cannot write in {run} "
+                                       "(Permission denied); pass --out\n")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes in a chmod 555 folder")

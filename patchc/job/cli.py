@@ -32,6 +32,7 @@ from patchc.job.console import USER_ERRORS, HelpFormatter, add_output_flags, one
 from patchc.job.options import DEFAULT_DATA, DEFAULT_MODEL, LOSSES, PruneOptions
 from patchc.job.prune_args import add_prune_arguments, positive_int, prune_options
 from patchc.job.runs import check_plan_path, check_served_path, find_plan, resolve_plan
+from patchc.utils.files import check_writable
 from patchc.utils.progress import logs_shown, warnings_as_lines
 
 # Each command imports what it runs (torch, Triton): --help, flag errors, missing paths answer at once (test_cli.py).
@@ -119,6 +120,9 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from patchc.job.report import redraw
 
+    plans = Path(args.plan) if Path(args.plan).is_dir() else Path(args.plan).parent  # where the PNGs go by default
+    check_writable(args.out or plans, f"--out {args.out}" if args.out else f"{plans} (the plan's folder)",
+                   "" if args.out else "pass --out")
     for path in redraw(args.plan, args.out):  # redraw reads a run folder too
         print(path)
     return 0
@@ -128,6 +132,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from patchc.codegen.generate import generate, serving_dtype, summary
     from patchc.job.recover import load_any_plan
 
+    check_writable(args.out, f"--out {args.out}")  # before the plan loads and the kernels compile
     plan = load_any_plan(args.plan)
     files = generate(plan, args.out, target=args.target, workers=args.workers, show_progress=args.progress,
                      fp_fusion=args.fp_fusion, dtype=serving_dtype(plan, args.dtype))
