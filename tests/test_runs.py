@@ -48,6 +48,29 @@ def test_a_stale_claim_is_taken_over(tmp_path):
     assert json.loads((folder / runs.CLAIM).read_text())["pid"] == os.getpid()
 
 
+def test_a_claim_is_taken_over_only_where_its_pid_can_be_checked(tmp_path):
+    """A claim names its owner's PID namespace: a dead pid of this namespace is stale, while the same pid number
+    in a container sharing the host's name (its own namespace) may be a live run there: left to the user."""
+    import socket
+
+    from patchc.utils.owners import host_name, pid_namespace
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    for ns, taken in ((pid_namespace(), True), (pid_namespace() + 1, False)):
+        folder = tmp_path / f"run{ns}"
+        folder.mkdir()
+        (folder / runs.CLAIM).write_text(json.dumps({"pid": dead, "host": socket.gethostname(),
+                                                     "owner": f"{dead}-{ns}@{host_name()}"}))
+        if taken:
+            assert runs.claim_run_dir(folder, tmp_path, "x", resume=False) == folder
+            assert json.loads((folder / runs.CLAIM).read_text())["pid"] == os.getpid()
+        else:
+            with pytest.raises(runs.RunError, match=rf"pid {dead} on .* is using it; if that machine no longer runs "
+                                                    r"it, delete .*\.patchc-run and run again"):
+                runs.claim_run_dir(folder, tmp_path, "x", resume=False)
+
+
 def test_a_users_own_folder_is_never_written_unasked(tmp_path):
     """A non-empty --out that is no run had its report.md (plan.patch, tile maps) overwritten silently."""
     users = tmp_path / "stories260K"

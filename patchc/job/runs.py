@@ -35,7 +35,7 @@ from pathlib import Path
 
 from patchc.job.options import PruneOptions
 from patchc.utils.files import check_writable, read_record, write_bytes_atomic
-from patchc.utils.owners import process_alive
+from patchc.utils.owners import foreign, orphaned, owner_tag, process_alive
 
 CLAIM = ".patchc-run"
 SETTINGS = "run.json"
@@ -86,7 +86,7 @@ def _changed(name: str, was: object, now: object) -> str:
 def _try_claim(folder: Path) -> str | None:
     """Create the claim file exclusively; None on success, else why the folder is busy."""
     claim = folder / CLAIM
-    record = {"pid": os.getpid(), "host": socket.gethostname(),
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "owner": owner_tag(),
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     for _ in range(2):  # a second try after removing a stale claim
         try:
@@ -97,11 +97,14 @@ def _try_claim(folder: Path) -> str | None:
             except (OSError, ValueError):
                 held = {}
             held = held if isinstance(held, dict) else {}  # damaged: busy, by whom unknown
-            pid = held.get("pid")
-            if held.get("host") == record["host"] and isinstance(pid, int) and not process_alive(pid):
+            # its owner's pid is checked only on this host and in this PID namespace (`utils.owners`): a container
+            # sharing the host's name has pids of its own; a claim of an older patchc has host and pid alone
+            owner, pid = held.get("owner"), held.get("pid")
+            if (orphaned(owner) if isinstance(owner, str) else
+                    held.get("host") == record["host"] and isinstance(pid, int) and not process_alive(pid)):
                 claim.unlink(missing_ok=True)  # stale: the run that held it died without cleaning up
                 continue
-            other = held.get("host") != record["host"]  # its process cannot be checked from here
+            other = foreign(owner) if isinstance(owner, str) else held.get("host") != record["host"]
             return (f"another patchc run (pid {held.get('pid', '?')} on {held.get('host', '?')}, started "
                     f"{held.get('started', '?')}) is using it"
                     + (f"; if that machine no longer runs it, delete {claim} and run again" if other else ""))

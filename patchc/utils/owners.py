@@ -19,6 +19,7 @@ import re
 import socket
 from pathlib import Path
 
+
 def host_name() -> str:
     """This host's name, as a file name may hold it."""
     return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())
